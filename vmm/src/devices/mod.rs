@@ -1,0 +1,223 @@
+//! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
+//! serial console (vm-superio), the i8042 reset line, and the doorbell port.
+//!
+//! [`PortBus`] routes a port access to its device and says what the access means for the run
+//! loop ([`PortEvent`]). Every port is reachable by untrusted guest user code (kvm_pvm lets CPL3
+//! code do port I/O without permission), so each access is treated as hostile input: unknown
+//! ports read as all-ones and swallow writes, wrong access sizes are ignored, nothing panics.
+
+pub mod console;
+pub mod i8042;
+
+use std::io;
+
+use vm_superio::serial::{NoEvents, SerialState};
+use vm_superio::{Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::layout::{SERIAL_PORT_BASE, SERIAL_PORT_COUNT};
+use crate::protocol::DOORBELL_PORT;
+use console::ConsoleLog;
+use i8042::{I8042, I8042Event};
+
+/// Raises the serial IRQ by writing an eventfd registered with KVM as an irqfd.
+#[derive(Debug)]
+pub struct IrqEvent(pub EventFd);
+
+impl Trigger for IrqEvent {
+    type E = io::Error;
+    fn trigger(&self) -> io::Result<()> {
+        self.0.write(1)
+    }
+}
+
+/// The serial console device.
+pub type SerialConsole = Serial<IrqEvent, NoEvents, ConsoleLog>;
+
+/// What a port access means to the run loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortEvent {
+    /// Handled; keep running.
+    Handled,
+    /// The guest rang the doorbell with this code (a 32-bit write to [`DOORBELL_PORT`]).
+    Doorbell(u32),
+    /// The guest pulsed the i8042 reset line.
+    Reset,
+}
+
+/// Errors of device setup.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("cannot restore serial state: {0}")]
+    SerialState(String),
+}
+
+/// The port-I/O devices of one VM.
+#[derive(Debug)]
+pub struct PortBus {
+    serial: SerialConsole,
+    i8042: I8042,
+    /// Accesses to ports no device owns, and malformed doorbell writes (diagnostics).
+    stray_accesses: u64,
+}
+
+impl PortBus {
+    /// A bus with a fresh serial console raising its IRQ through `irq` and logging to `log`.
+    pub fn new(irq: EventFd, log: ConsoleLog) -> Self {
+        Self {
+            serial: Serial::new(IrqEvent(irq), log),
+            i8042: I8042,
+            stray_accesses: 0,
+        }
+    }
+
+    /// A bus whose serial console continues from a saved state.
+    pub fn from_state(
+        irq: EventFd,
+        log: ConsoleLog,
+        state: &SerialState,
+    ) -> Result<Self, DeviceError> {
+        let serial = Serial::from_state(state, IrqEvent(irq), NoEvents, log)
+            .map_err(|e| DeviceError::SerialState(format!("{e:?}")))?;
+        Ok(Self {
+            serial,
+            i8042: I8042,
+            stray_accesses: 0,
+        })
+    }
+
+    /// The serial console's register state (for snapshots).
+    pub fn serial_state(&self) -> SerialState {
+        self.serial.state()
+    }
+
+    /// The console log.
+    pub fn console(&self) -> &ConsoleLog {
+        self.serial.writer()
+    }
+
+    /// The console log, mutably (to set an echo or reset its clock).
+    pub fn console_mut(&mut self) -> &mut ConsoleLog {
+        self.serial.writer_mut()
+    }
+
+    /// Port accesses no device claimed.
+    pub fn stray_accesses(&self) -> u64 {
+        self.stray_accesses
+    }
+
+    fn serial_offset(port: u16) -> Option<u8> {
+        port.checked_sub(SERIAL_PORT_BASE)
+            .filter(|&o| o < SERIAL_PORT_COUNT)
+            .map(|o| o as u8)
+    }
+
+    /// A guest `in`: fills `data` (1, 2 or 4 bytes).
+    pub fn read(&mut self, port: u16, data: &mut [u8]) -> PortEvent {
+        match (Self::serial_offset(port), data.len()) {
+            (Some(offset), 1) => data[0] = self.serial.read(offset),
+            _ if I8042::owns(port) && data.len() == 1 => data[0] = self.i8042.read(port),
+            _ => {
+                self.stray_accesses += 1;
+                data.fill(0xff);
+            }
+        }
+        PortEvent::Handled
+    }
+
+    /// A guest `out` of `data` (1, 2 or 4 bytes).
+    pub fn write(&mut self, port: u16, data: &[u8]) -> PortEvent {
+        if port == DOORBELL_PORT {
+            return match <[u8; 4]>::try_from(data) {
+                Ok(bytes) => PortEvent::Doorbell(u32::from_le_bytes(bytes)),
+                Err(_) => {
+                    self.stray_accesses += 1;
+                    PortEvent::Handled
+                }
+            };
+        }
+        match (Self::serial_offset(port), data) {
+            (Some(offset), [value]) => {
+                // The only error is a failed IRQ eventfd write; the guest then misses one
+                // interrupt, which a console can survive, and the run loop must not stop.
+                if self.serial.write(offset, *value).is_err() {
+                    self.stray_accesses += 1;
+                }
+                PortEvent::Handled
+            }
+            (None, [value]) if I8042::owns(port) => match self.i8042.write(port, *value) {
+                I8042Event::Reset => PortEvent::Reset,
+                I8042Event::None => PortEvent::Handled,
+            },
+            _ => {
+                self.stray_accesses += 1;
+                PortEvent::Handled
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bus() -> PortBus {
+        PortBus::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            ConsoleLog::new(8),
+        )
+    }
+
+    #[test]
+    fn bytes_written_to_the_uart_reach_the_console_log() {
+        let mut bus = bus();
+
+        for &b in b"hi\n" {
+            assert_eq!(bus.write(0x3f8, &[b]), PortEvent::Handled);
+        }
+
+        assert_eq!(bus.console().tail(1), vec!["hi"]);
+    }
+
+    #[test]
+    fn a_32_bit_doorbell_write_is_a_doorbell_and_other_sizes_are_ignored() {
+        let mut bus = bus();
+
+        let rung = bus.write(DOORBELL_PORT, &0x0002u32.to_le_bytes());
+        let byte = bus.write(DOORBELL_PORT, &[2]);
+
+        assert_eq!(rung, PortEvent::Doorbell(2));
+        assert_eq!(byte, PortEvent::Handled);
+        assert_eq!(bus.stray_accesses(), 1);
+    }
+
+    #[test]
+    fn i8042_reset_stops_and_unknown_ports_read_all_ones() {
+        let mut bus = bus();
+        let mut data = [0u8; 2];
+
+        let reset = bus.write(0x64, &[0xfe]);
+        bus.read(0x1234, &mut data);
+
+        assert_eq!(reset, PortEvent::Reset);
+        assert_eq!(data, [0xff, 0xff]);
+    }
+
+    #[test]
+    fn serial_state_survives_save_and_restore() {
+        let mut bus = bus();
+        bus.write(0x3f8 + 3, &[0x80]); // LCR: DLAB on
+        bus.write(0x3f8, &[0x0c]); // divisor low
+        bus.write(0x3f8 + 3, &[0x03]); // LCR: 8N1
+        let saved = bus.serial_state();
+
+        let restored = PortBus::from_state(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            ConsoleLog::new(8),
+            &saved,
+        )
+        .unwrap();
+
+        assert_eq!(restored.serial_state(), saved);
+    }
+}

@@ -1,0 +1,95 @@
+//! What kind of `/dev/kvm` this host has, and what that means for the guest.
+//!
+//! bud runs on two kinds of host:
+//! - **hardware virtualization** (VMX or SVM, `kvm_intel`/`kvm_amd`): the guest kernel runs
+//!   natively and may use every CPU feature KVM offers (XSAVE, AVX, ...);
+//! - **kvm_pvm** (the PVM software hypervisor): guest user mode runs natively but guest kernel
+//!   mode is run by an instruction emulator that lacks some instructions (the xsave family,
+//!   `popcnt`, `clac`/`stac`, ...), and `KVM_SET_CPUID2` cannot hide leaves 1 and 7 from the
+//!   guest (kvm_pvm ORs the host's bits back in). The guest kernel must then be told on its
+//!   command line not to use those features.
+//!
+//! The kind is detected, never assumed: a loaded `kvm_pvm` module means PVM. The PVM-only knobs
+//! are applied only there, and the kind is part of every template's identity.
+
+use std::fmt;
+use std::path::Path;
+
+/// The virtualization backend behind `/dev/kvm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HostKind {
+    /// Hardware-assisted KVM (VMX or SVM).
+    Hardware,
+    /// The kvm_pvm software hypervisor.
+    Pvm,
+}
+
+/// Kernel command-line options that keep a guest kernel away from the CPU features the kvm_pvm
+/// instruction emulator cannot run. CPUID masking alone is not enough there (see module doc).
+pub const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
+clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
+clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe";
+
+impl HostKind {
+    /// Detects the kind of this host from `/sys/module`.
+    pub fn detect() -> Self {
+        Self::detect_in(Path::new("/sys/module"))
+    }
+
+    /// Detection against a given sysfs module directory (for tests).
+    pub fn detect_in(sys_module: &Path) -> Self {
+        if sys_module.join("kvm_pvm").exists() {
+            HostKind::Pvm
+        } else {
+            HostKind::Hardware
+        }
+    }
+
+    /// Extra kernel command-line options this host kind needs.
+    pub fn cmdline_knobs(self) -> &'static str {
+        match self {
+            HostKind::Hardware => "",
+            HostKind::Pvm => PVM_CMDLINE_KNOBS,
+        }
+    }
+
+    /// A short stable name, used in template keys and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostKind::Hardware => "hardware",
+            HostKind::Pvm => "pvm",
+        }
+    }
+}
+
+impl fmt::Display for HostKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kvm_pvm_module_means_pvm_and_its_absence_means_hardware() {
+        let dir = std::env::temp_dir().join(format!("bud-host-test-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("kvm")).unwrap();
+
+        let without = HostKind::detect_in(&dir);
+        std::fs::create_dir_all(dir.join("kvm_pvm")).unwrap();
+        let with = HostKind::detect_in(&dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        assert_eq!(without, HostKind::Hardware);
+        assert_eq!(with, HostKind::Pvm);
+    }
+
+    #[test]
+    fn only_pvm_gets_the_feature_knobs() {
+        assert_eq!(HostKind::Hardware.cmdline_knobs(), "");
+        assert!(HostKind::Pvm.cmdline_knobs().contains("noxsave"));
+        assert!(HostKind::Pvm.cmdline_knobs().contains("clearcpuid=smap"));
+    }
+}

@@ -1,0 +1,343 @@
+//! The vCPU run loop: enter the guest, turn each exit into a device access or a stop.
+//!
+//! [`handle_exit`] is a free function from one `VcpuExit` to an [`ExitAction`], unit-tested
+//! without KVM. [`run`] loops over `KVM_RUN` until an exit says stop or someone [`Kicker::kick`]s
+//! the vCPU. The loop takes no locks, allocates nothing and does not log.
+//!
+//! Kicking: another thread cannot interrupt `KVM_RUN` except by a signal. The kick signal's
+//! handler sets `kvm_run.immediate_exit` of the vCPU running on that thread, so a kick that
+//! lands just before the ioctl enters the guest still makes it return at once (`EINTR`) instead
+//! of being lost; the loop then sees the kick flag and stops.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use kvm_bindings::kvm_run;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+
+use crate::devices::{PortBus, PortEvent};
+
+/// Why the run loop stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VcpuStop {
+    /// The guest rang the doorbell with this code.
+    Doorbell(u32),
+    /// The guest pulsed the i8042 reset line (reboot, or panic with `panic=-1`).
+    Reset,
+    /// Triple fault (or another shutdown condition).
+    Shutdown,
+    /// A `hlt` reached user space (with the in-kernel irqchip this means "halted for good").
+    Halted,
+    /// Someone kicked the vCPU (deadline, cancellation, snapshot).
+    Kicked,
+    /// KVM could not run or emulate the guest.
+    InternalError { suberror: u32, data: Vec<u64> },
+    /// KVM could not enter the guest.
+    FailEntry { reason: u64 },
+    /// An exit bud does not handle.
+    Unexpected(String),
+}
+
+/// What the run loop does after an exit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExitAction {
+    Continue,
+    Stop(VcpuStop),
+}
+
+/// Errors of running a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("KVM_RUN failed: {0}")]
+    Run(kvm_ioctls::Error),
+    #[error("cannot install the vCPU kick signal handler: {0}")]
+    SignalHandler(std::io::Error),
+}
+
+/// Turns one exit into an action, doing the device access it asks for.
+pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus) -> ExitAction {
+    let event = match exit {
+        VcpuExit::IoOut(port, data) => bus.write(port, data),
+        VcpuExit::IoIn(port, data) => bus.read(port, data),
+        // No MMIO device exists: the IOAPIC and LAPIC live in KVM. Reads see all-ones.
+        VcpuExit::MmioRead(_, data) => {
+            data.fill(0xff);
+            PortEvent::Handled
+        }
+        VcpuExit::MmioWrite(..) => PortEvent::Handled,
+        VcpuExit::Hlt => return ExitAction::Stop(VcpuStop::Halted),
+        VcpuExit::Shutdown => return ExitAction::Stop(VcpuStop::Shutdown),
+        VcpuExit::FailEntry(reason, _cpu) => {
+            return ExitAction::Stop(VcpuStop::FailEntry { reason });
+        }
+        VcpuExit::InternalError => {
+            return ExitAction::Stop(VcpuStop::InternalError {
+                suberror: 0,
+                data: Vec::new(),
+            });
+        }
+        other => return ExitAction::Stop(VcpuStop::Unexpected(format!("{other:?}"))),
+    };
+    match event {
+        PortEvent::Handled => ExitAction::Continue,
+        PortEvent::Doorbell(code) => ExitAction::Stop(VcpuStop::Doorbell(code)),
+        PortEvent::Reset => ExitAction::Stop(VcpuStop::Reset),
+    }
+}
+
+thread_local! {
+    /// The `kvm_run` of the vCPU currently running on this thread (null when none).
+    static RUNNING: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 2
+}
+
+extern "C" fn on_kick_signal(_: libc::c_int) {
+    // Only a thread-local read and a volatile byte store: async-signal-safe.
+    let run = RUNNING.with(Cell::get);
+    if !run.is_null() {
+        // SAFETY: `RUNNING` is set only while a `KickGuard` on this thread borrows the vCPU
+        // whose `kvm_run` this is, so the pointer is live; `immediate_exit` is a plain byte
+        // that KVM reads on ioctl entry.
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
+    }
+}
+
+fn install_kick_handler() -> Result<(), VcpuError> {
+    static ERRNO: OnceLock<i32> = OnceLock::new();
+    let errno = *ERRNO.get_or_init(|| {
+        // SAFETY: a zeroed `sigaction` is a valid "no flags, empty mask" value; the handler is
+        // an `extern "C" fn(c_int)` that only does async-signal-safe work; no SA_RESTART, so
+        // KVM_RUN returns EINTR.
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_kick_signal as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(kick_signal(), &sa, std::ptr::null_mut())
+        };
+        if rc == 0 {
+            0
+        } else {
+            std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EINVAL)
+        }
+    });
+    match errno {
+        0 => Ok(()),
+        errno => Err(VcpuError::SignalHandler(std::io::Error::from_raw_os_error(
+            errno,
+        ))),
+    }
+}
+
+#[derive(Debug, Default)]
+struct KickState {
+    requested: AtomicBool,
+    /// The thread inside [`run`], if any. Guarded so a kick never signals a thread that left.
+    thread: Mutex<Option<libc::pthread_t>>,
+}
+
+/// A handle that stops a running vCPU from another thread. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Kicker(Arc<KickState>);
+
+impl Kicker {
+    /// A new kicker for one vCPU.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes the vCPU's run loop return [`VcpuStop::Kicked`] as soon as possible (at once if
+    /// it is not running: the next [`run`] returns immediately).
+    pub fn kick(&self) {
+        self.0.requested.store(true, Ordering::SeqCst);
+        let thread = self.0.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = *thread {
+            // SAFETY: `t` is a live thread: it is registered only while inside `run`, and it
+            // deregisters under this same lock before leaving.
+            unsafe { libc::pthread_kill(t, kick_signal()) };
+        }
+    }
+
+    /// Clears a pending kick.
+    pub fn reset(&self) {
+        self.0.requested.store(false, Ordering::SeqCst);
+    }
+
+    fn requested(&self) -> bool {
+        self.0.requested.load(Ordering::SeqCst)
+    }
+}
+
+/// Registers this thread as the vCPU's while it runs.
+struct KickGuard<'a> {
+    kicker: &'a Kicker,
+}
+
+impl<'a> KickGuard<'a> {
+    fn enter(kicker: &'a Kicker, run: *mut kvm_run) -> Self {
+        RUNNING.with(|r| r.set(run));
+        // SAFETY: pthread_self has no preconditions.
+        let me = unsafe { libc::pthread_self() };
+        *kicker.0.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(me);
+        Self { kicker }
+    }
+}
+
+impl Drop for KickGuard<'_> {
+    fn drop(&mut self) {
+        *self
+            .kicker
+            .0
+            .thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
+        RUNNING.with(|r| r.set(std::ptr::null_mut()));
+    }
+}
+
+/// Runs the vCPU until an exit stops it or `kicker` kicks it.
+pub fn run(vcpu: &mut VcpuFd, bus: &mut PortBus, kicker: &Kicker) -> Result<VcpuStop, VcpuError> {
+    install_kick_handler()?;
+    let run_ptr: *mut kvm_run = vcpu.get_kvm_run();
+    let _guard = KickGuard::enter(kicker, run_ptr);
+    loop {
+        if kicker.requested() {
+            return Ok(VcpuStop::Kicked);
+        }
+        match vcpu.run() {
+            Ok(VcpuExit::InternalError) => {
+                return Ok(VcpuStop::InternalError {
+                    suberror: internal_error_suberror(vcpu),
+                    data: internal_error_data(vcpu),
+                });
+            }
+            Ok(exit) => match handle_exit(exit, bus) {
+                ExitAction::Continue => {}
+                ExitAction::Stop(stop) => return Ok(stop),
+            },
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                vcpu.set_kvm_immediate_exit(0);
+            }
+            Err(e) => return Err(VcpuError::Run(e)),
+        }
+    }
+}
+
+/// Kicks a vCPU when a timeout passes, unless dropped first. One thread per watchdog: meant for
+/// long runs such as a boot, not for every job.
+#[derive(Debug)]
+pub struct Watchdog {
+    cancel: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    /// Starts the countdown.
+    pub fn start(kicker: Kicker, timeout: std::time::Duration) -> Self {
+        let (cancel, cancelled) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("bud-watchdog".into())
+            .spawn(move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    cancelled.recv_timeout(timeout)
+                {
+                    kicker.kick();
+                }
+            })
+            .ok();
+        Self {
+            cancel: Some(cancel),
+            thread,
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        drop(self.cancel.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join(); // the thread only sleeps and kicks; a panic there cannot happen
+        }
+    }
+}
+
+fn internal_error_suberror(vcpu: &mut VcpuFd) -> u32 {
+    // SAFETY: after a KVM_EXIT_INTERNAL_ERROR exit the `internal` member of the union is the
+    // one KVM filled in.
+    unsafe { vcpu.get_kvm_run().__bindgen_anon_1.internal.suberror }
+}
+
+fn internal_error_data(vcpu: &mut VcpuFd) -> Vec<u64> {
+    // SAFETY: as above; `ndata` is clamped to the array length before slicing.
+    let internal = unsafe { vcpu.get_kvm_run().__bindgen_anon_1.internal };
+    let n = (internal.ndata as usize).min(internal.data.len());
+    internal.data[..n].to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::console::ConsoleLog;
+    use vmm_sys_util::eventfd::EventFd;
+
+    fn bus() -> PortBus {
+        PortBus::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            ConsoleLog::new(8),
+        )
+    }
+
+    #[test]
+    fn doorbell_out_stops_with_its_code() {
+        let mut bus = bus();
+        let data = 0x1234u32.to_le_bytes();
+
+        let action = handle_exit(
+            VcpuExit::IoOut(crate::protocol::DOORBELL_PORT, &data),
+            &mut bus,
+        );
+
+        assert_eq!(action, ExitAction::Stop(VcpuStop::Doorbell(0x1234)));
+    }
+
+    #[test]
+    fn serial_out_continues_and_reset_stops() {
+        let mut bus = bus();
+
+        let serial = handle_exit(VcpuExit::IoOut(0x3f8, b"x"), &mut bus);
+        let reset = handle_exit(VcpuExit::IoOut(0x64, &[0xfe]), &mut bus);
+
+        assert_eq!(serial, ExitAction::Continue);
+        assert_eq!(reset, ExitAction::Stop(VcpuStop::Reset));
+    }
+
+    #[test]
+    fn mmio_reads_see_all_ones_and_shutdown_stops() {
+        let mut bus = bus();
+        let mut data = [0u8; 4];
+
+        let read = handle_exit(VcpuExit::MmioRead(0xd000_0000, &mut data), &mut bus);
+        let shutdown = handle_exit(VcpuExit::Shutdown, &mut bus);
+
+        assert_eq!(read, ExitAction::Continue);
+        assert_eq!(data, [0xff; 4]);
+        assert_eq!(shutdown, ExitAction::Stop(VcpuStop::Shutdown));
+    }
+
+    #[test]
+    fn a_kick_before_running_is_kept_until_reset() {
+        let kicker = Kicker::new();
+
+        kicker.kick();
+        let before = kicker.requested();
+        kicker.reset();
+
+        assert!(before);
+        assert!(!kicker.requested());
+    }
+}
