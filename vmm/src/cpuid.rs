@@ -33,6 +33,12 @@ const L1_ECX_HYPERVISOR: u32 = 1 << 31;
 const L1_EDX_MCE: u32 = 1 << 7;
 const L1_EDX_MCA: u32 = 1 << 14;
 const L1_EDX_HTT: u32 = 1 << 28;
+// Leaf 7 EDX and leaf 0xd XCR0 bits of AMX.
+const L7_EDX_AMX_BF16: u32 = 1 << 22;
+const L7_EDX_AMX_TILE: u32 = 1 << 24;
+const L7_EDX_AMX_INT8: u32 = 1 << 25;
+const XCR0_TILECFG: u32 = 1 << 17;
+const XCR0_TILEDATA: u32 = 1 << 18;
 // Leaf 0x8000_0001 bits.
 const EXT_ECX_LZCNT: u32 = 1 << 5;
 const EXT_ECX_PREFETCHW: u32 = 1 << 8;
@@ -101,6 +107,9 @@ pub fn apply_policy(e: &mut kvm_cpuid_entry2, kind: HostKind) {
             e.ecx &= !(EXT_ECX_LZCNT | EXT_ECX_PREFETCHW);
             e.edx &= !(EXT_EDX_PAGE1GB | EXT_EDX_RDTSCP);
         }
+        // AMX tile state does not fit the 4 KiB `kvm_xsave` area snapshots carry.
+        7 if e.index == 0 => e.edx &= !(L7_EDX_AMX_BF16 | L7_EDX_AMX_TILE | L7_EDX_AMX_INT8),
+        0xd if e.index == 0 => e.eax &= !(XCR0_TILECFG | XCR0_TILEDATA),
         0x4000_0001 => e.eax &= KVM_FEATURES_KEPT,
         _ => {}
     }

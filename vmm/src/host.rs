@@ -16,7 +16,7 @@ use std::fmt;
 use std::path::Path;
 
 /// The virtualization backend behind `/dev/kvm`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum HostKind {
     /// Hardware-assisted KVM (VMX or SVM).
     Hardware,

@@ -22,6 +22,7 @@ pub mod mailbox;
 pub mod memory;
 pub mod paging;
 pub mod protocol;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vm;
 

@@ -34,7 +34,7 @@ pub enum MailboxError {
 }
 
 /// A located mailbox: its guest-physical pages in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Mailbox {
     gva: u64,
     pages: Vec<u64>,

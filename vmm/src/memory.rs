@@ -201,6 +201,38 @@ impl GuestRam {
         Ok(u64::from_le_bytes(b))
     }
 
+    /// Writes all of guest RAM to `file` (which must be empty), leaving holes where a whole
+    /// page is zero so the file stays sparse. Returns the bytes of data written.
+    pub fn write_sparse(&self, file: &File) -> std::io::Result<u64> {
+        use std::os::unix::fs::FileExt;
+        const CHUNK: usize = 1 << 20;
+        let page = PAGE_SIZE as usize;
+        let mut buf = vec![0u8; CHUNK];
+        let mut written = 0u64;
+        let mut addr = 0u64;
+        while addr < self.len {
+            let n = CHUNK.min((self.len - addr) as usize);
+            self.read(addr, &mut buf[..n])
+                .map_err(std::io::Error::other)?;
+            let mut run_start: Option<usize> = None;
+            for off in (0..n).step_by(page).chain(std::iter::once(n)) {
+                let zero = off < n && buf[off..off + page].iter().all(|&b| b == 0);
+                match (run_start, off < n && !zero) {
+                    (None, true) => run_start = Some(off),
+                    (Some(start), false) => {
+                        file.write_all_at(&buf[start..off], addr + start as u64)?;
+                        written += (off - start) as u64;
+                        run_start = None;
+                    }
+                    _ => {}
+                }
+            }
+            addr += n as u64;
+        }
+        file.set_len(self.len)?;
+        Ok(written)
+    }
+
     /// Runs `f` with a vm-memory view of this RAM (for linux-loader). The view borrows the
     /// mapping and cannot escape the closure, so it never outlives it.
     pub fn with_guest_memory<R>(
@@ -281,6 +313,27 @@ mod tests {
         let err = ram.read_u64(u64::MAX - 3).unwrap_err();
 
         assert!(matches!(err, MemoryError::OutOfRange { .. }));
+    }
+
+    #[test]
+    fn sparse_dump_reads_back_identically_and_skips_zero_pages() {
+        let ram = GuestRam::anonymous(600 * PAGE_SIZE).unwrap();
+        ram.write(5, b"start").unwrap();
+        ram.write(300 * PAGE_SIZE - 2, b"edge").unwrap();
+        ram.write(600 * PAGE_SIZE - 3, b"end").unwrap();
+        let path = std::env::temp_dir().join(format!("bud-sparse-{}", std::process::id()));
+        let file = File::create(&path).unwrap();
+
+        let written = ram.write_sparse(&file).unwrap();
+        let back = GuestRam::private_file(&path, 600 * PAGE_SIZE).unwrap();
+        let mut all = vec![0u8; 600 * PAGE_SIZE as usize];
+        let mut orig = vec![0u8; 600 * PAGE_SIZE as usize];
+        back.read(0, &mut all).unwrap();
+        ram.read(0, &mut orig).unwrap();
+        std::fs::remove_file(&path).unwrap();
+
+        assert_eq!(written, 4 * PAGE_SIZE, "only the four non-zero pages");
+        assert!(all == orig);
     }
 
     #[test]
