@@ -81,33 +81,38 @@ impl GuestRam {
 
     /// Maps the first `len` bytes of `path` copy-on-write (`MAP_PRIVATE`): guest writes land in
     /// private pages of this process and never reach the file.
-    ///
-    /// The file length is checked first: a mapping past the end of a file raises SIGBUS on
-    /// access instead of an error.
     pub fn private_file(path: &Path, len: u64) -> Result<Self, MemoryError> {
-        check_size(len)?;
         let file = File::open(path).map_err(|source| MemoryError::OpenFile {
             path: path.display().to_string(),
             source,
         })?;
+        Self::private_fd(&file, len)
+    }
+
+    /// Like [`GuestRam::private_file`], for an already open file (templates keep theirs open).
+    ///
+    /// The file length is checked first: a mapping past the end of a file raises SIGBUS on
+    /// access instead of an error.
+    pub fn private_fd(file: &File, len: u64) -> Result<Self, MemoryError> {
+        check_size(len)?;
         let actual = file
             .metadata()
             .map_err(|source| MemoryError::OpenFile {
-                path: path.display().to_string(),
+                path: "(memory file)".into(),
                 source,
             })?
             .len();
         if actual < len {
             return Err(MemoryError::ShortFile {
-                path: path.display().to_string(),
+                path: "(memory file)".into(),
                 expected: len,
                 actual,
             });
         }
-        // SAFETY: a new private mapping of a file we opened read-only, at an address of the
-        // kernel's choosing; it aliases no Rust object and the result is checked below. The
-        // file is at least `len` bytes long (checked above), so no access can hit SIGBUS unless
-        // someone truncates the template file, which bud never does.
+        // SAFETY: a new private mapping of an open file at an address of the kernel's choosing;
+        // it aliases no Rust object and the result is checked below. The file is at least
+        // `len` bytes long (checked above), so no access can hit SIGBUS unless someone
+        // truncates the template file, which bud never does (templates are read-only).
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),

@@ -27,8 +27,9 @@ pub const DOORBELL_PORT: u16 = 0x0bd0;
 /// Magic at offset 0 of the mailbox: "BUDM" in little endian.
 pub const MAILBOX_MAGIC: u32 = u32::from_le_bytes(*b"BUDM");
 
-/// Default mailbox size the worker allocates: 2 MiB (a multiple of the 4 KiB page size).
-pub const MAILBOX_DEFAULT_SIZE: usize = 2 << 20;
+/// Mailbox size the worker allocates: 4 MiB (a multiple of the 4 KiB page size). The layout
+/// in [`job`] and [`result`] assumes at least this much.
+pub const MAILBOX_DEFAULT_SIZE: usize = 4 << 20;
 
 /// Upper bound the host accepts for the mailbox length at READY.
 pub const MAILBOX_MAX_SIZE: usize = 64 << 20;
@@ -50,9 +51,81 @@ pub mod code {
     /// The warm worker is ready: `rdi` = mailbox guest-virtual address, `rsi` = its length.
     /// The host takes the template snapshot at this exit.
     pub const READY: u32 = 0x0002;
-    /// The guest failed before READY: `rdi` = a [`super::failure`] code, `rsi` = detail
-    /// (an exit status or errno). The console holds the human-readable story.
+    /// Output is waiting in the stdout/stderr areas (full, or pending for a while): the host
+    /// copies `result::STDOUT_LEN` / `result::STDERR_LEN` bytes out of them, sets both lengths
+    /// to 0 and resumes the guest.
+    pub const FLUSH: u32 = 0x0003;
+    /// The job finished: `result::OUTCOME` and `result::EXIT_CODE` are valid; output still in
+    /// the areas is the last of it.
+    pub const DONE: u32 = 0x0004;
+    /// The guest failed: `rdi` = a [`super::failure`] code, `rsi` = detail (an exit status or
+    /// errno). Before READY this is a failed boot; after it, `WORKER_EXITED` is how a job that
+    /// ended its process (`os._exit`, a fatal signal, the OOM killer) is reported, and output
+    /// already in the areas is still valid. The console holds the human-readable story.
     pub const FAILED: u32 = 0x00ff;
+}
+
+/// Language codes in `job::LANGUAGE`.
+pub mod language {
+    /// `python3 -c CODE` semantics.
+    pub const PYTHON: u32 = 1;
+    /// POSIX shell (busybox `sh`).
+    pub const SHELL: u32 = 2;
+}
+
+/// The job request: fields the host writes before resuming a clone (byte offsets in the
+/// mailbox; `u32`/`u64` little endian). The variable parts lie back to back in the request
+/// area starting at [`job::DATA`]: code, stdin, args, env; args and env entries are each
+/// NUL-terminated (`KEY=VALUE` for env).
+pub mod job {
+    /// [`super::language`] code.
+    pub const LANGUAGE: usize = 64;
+    pub const CODE_LEN: usize = 68;
+    pub const STDIN_LEN: usize = 72;
+    /// Number of NUL-terminated strings in the args blob, and its length in bytes.
+    pub const ARGC: usize = 76;
+    pub const ARGS_LEN: usize = 80;
+    /// Number of NUL-terminated `KEY=VALUE` strings in the env blob, and its length in bytes.
+    pub const ENVC: usize = 84;
+    pub const ENV_LEN: usize = 88;
+    /// Host wall-clock time (`CLOCK_REALTIME`, nanoseconds since the epoch, `u64`) when the
+    /// request was written: the guest sets its clock from it.
+    pub const WALL_CLOCK_NS: usize = 96;
+    /// Fresh host randomness the guest mixes into its kernel CRNG and Python's `random`.
+    pub const SEED: usize = 104;
+    pub const SEED_LEN: usize = 32;
+    /// Start of the request data.
+    pub const DATA: usize = 4096;
+    /// End of the request data: code + stdin + args + env must fit in `DATA..DATA_END`.
+    pub const DATA_END: usize = 2 << 20;
+}
+
+/// The job result and output areas (guest writes, host reads).
+pub mod result {
+    /// Bytes waiting in the stdout / stderr area (`u32`); the host zeroes them after a FLUSH.
+    pub const STDOUT_LEN: usize = 256;
+    pub const STDERR_LEN: usize = 260;
+    /// [`super::outcome`] code (`u32`), valid at DONE.
+    pub const OUTCOME: usize = 264;
+    /// Exit status or signal number (`i32`), valid at DONE.
+    pub const EXIT_CODE: usize = 268;
+    /// The stdout area.
+    pub const STDOUT_AREA: usize = 2 << 20;
+    pub const STDOUT_AREA_END: usize = 3 << 20;
+    /// The stderr area.
+    pub const STDERR_AREA: usize = 3 << 20;
+    pub const STDERR_AREA_END: usize = 4 << 20;
+}
+
+/// How a job ended (`result::OUTCOME`).
+pub mod outcome {
+    /// Exited normally; `EXIT_CODE` is the exit status (for Python: `SystemExit` code, 1 on an
+    /// uncaught exception).
+    pub const EXITED: u32 = 1;
+    /// Killed by a signal; `EXIT_CODE` is the signal number (shell jobs).
+    pub const SIGNALED: u32 = 2;
+    /// Python raised `MemoryError` that nobody caught (exit status 1, like `python3`).
+    pub const OUT_OF_MEMORY: u32 = 3;
 }
 
 /// Failure codes carried in `rdi` of a [`code::FAILED`] doorbell.

@@ -168,7 +168,8 @@ impl Kicker {
         self.0.requested.store(false, Ordering::SeqCst);
     }
 
-    fn requested(&self) -> bool {
+    /// Whether a kick is pending.
+    pub fn is_kicked(&self) -> bool {
         self.0.requested.load(Ordering::SeqCst)
     }
 }
@@ -206,7 +207,7 @@ pub fn run(vcpu: &mut VcpuFd, bus: &mut PortBus, kicker: &Kicker) -> Result<Vcpu
     let run_ptr: *mut kvm_run = vcpu.get_kvm_run();
     let _guard = KickGuard::enter(kicker, run_ptr);
     loop {
-        if kicker.requested() {
+        if kicker.is_kicked() {
             return Ok(VcpuStop::Kicked);
         }
         match vcpu.run() {
@@ -334,10 +335,10 @@ mod tests {
         let kicker = Kicker::new();
 
         kicker.kick();
-        let before = kicker.requested();
+        let before = kicker.is_kicked();
         kicker.reset();
 
         assert!(before);
-        assert!(!kicker.requested());
+        assert!(!kicker.is_kicked());
     }
 }

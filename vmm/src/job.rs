@@ -1,0 +1,491 @@
+//! Jobs: what a user asks to run, what comes back, and running one in a clone.
+//!
+//! The host writes the request into the clone's mailbox (layout in [`crate::protocol`]),
+//! resumes the vCPU where the template's worker rang READY, and then serves doorbells: FLUSH
+//! (copy output out of the areas), DONE (the job's outcome), FAILED (the worker process ended:
+//! an `os._exit`, a fatal signal, the OOM killer). Everything the guest wrote is hostile
+//! input: lengths are bounds-checked against the areas, unknown codes end the job as crashed.
+//! A job that runs past its deadline is kicked off the vCPU by the timer thread; the clone is
+//! thrown away either way, so nothing a job does reaches another clone.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::mailbox::{Mailbox, MailboxError};
+use crate::memory::GuestRam;
+use crate::protocol::{code, failure, job, language, outcome, result};
+use crate::timer;
+use crate::vcpu::{VcpuError, VcpuStop};
+use crate::vm::Machine;
+
+/// Default wall-clock limit of a job.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default cap on stdout + stderr bytes kept.
+pub const DEFAULT_OUTPUT_LIMIT: usize = 8 << 20;
+/// Console lines a crashed job carries.
+pub const CRASH_TAIL_LINES: usize = 40;
+
+/// The language of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    /// CPython 3.11 with `python3 -c CODE` semantics.
+    Python,
+    /// POSIX shell (busybox `sh -c CODE` semantics).
+    Shell,
+}
+
+impl Language {
+    fn code(self) -> u32 {
+        match self {
+            Language::Python => language::PYTHON,
+            Language::Shell => language::SHELL,
+        }
+    }
+}
+
+/// A unit of work: code and its inputs, with limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    pub language: Language,
+    pub code: Vec<u8>,
+    pub stdin: Vec<u8>,
+    /// `sys.argv[1:]` (Python) or `$1...` (shell).
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    pub timeout: Duration,
+    /// Cap on stdout + stderr bytes; past it the job stops with [`Status::OutputLimit`].
+    pub output_limit: usize,
+}
+
+impl Job {
+    /// A Python job with default limits.
+    pub fn python(code: impl Into<Vec<u8>>) -> Self {
+        Self::new(Language::Python, code)
+    }
+
+    /// A shell job with default limits.
+    pub fn shell(code: impl Into<Vec<u8>>) -> Self {
+        Self::new(Language::Shell, code)
+    }
+
+    /// A job with default limits.
+    pub fn new(language: Language, code: impl Into<Vec<u8>>) -> Self {
+        Self {
+            language,
+            code: code.into(),
+            stdin: Vec::new(),
+            args: Vec::new(),
+            env: Vec::new(),
+            timeout: DEFAULT_TIMEOUT,
+            output_limit: DEFAULT_OUTPUT_LIMIT,
+        }
+    }
+
+    /// Checks the job fits the protocol; on success returns the encoded args and env blobs.
+    fn encode(&self) -> Result<(Vec<u8>, Vec<u8>), JobError> {
+        let mut args = Vec::new();
+        for a in &self.args {
+            if a.contains('\0') {
+                return Err(JobError::Nul("args"));
+            }
+            args.extend_from_slice(a.as_bytes());
+            args.push(0);
+        }
+        let mut env = Vec::new();
+        for (k, v) in &self.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(JobError::BadEnv(k.clone()));
+            }
+            env.extend_from_slice(k.as_bytes());
+            env.push(b'=');
+            env.extend_from_slice(v.as_bytes());
+            env.push(0);
+        }
+        let total = self.code.len() + self.stdin.len() + args.len() + env.len();
+        if total > job::DATA_END - job::DATA {
+            return Err(JobError::TooLarge {
+                bytes: total,
+                limit: job::DATA_END - job::DATA,
+            });
+        }
+        Ok((args, env))
+    }
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Exited with status 0.
+    Ok,
+    /// Exited with another status, or was killed by a signal.
+    Error,
+    /// Ran past its wall-clock limit.
+    Timeout,
+    /// Wrote more than its output cap.
+    OutputLimit,
+    /// Ran out of memory (uncaught `MemoryError`, or the guest's OOM killer).
+    MemoryLimit,
+    /// The guest kernel panicked, the vCPU faulted, or the guest broke the protocol.
+    Crashed,
+}
+
+/// Where the time of a job went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobTimings {
+    /// Creating and restoring the clone (zero when it came ready from a pool).
+    pub clone: Duration,
+    /// From resuming the clone to the job's end.
+    pub run: Duration,
+    /// Both, plus writing the request and collecting the result.
+    pub total: Duration,
+}
+
+/// What came back from a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobResult {
+    pub status: Status,
+    /// Exit status, when the job exited.
+    pub exit_code: Option<i32>,
+    /// Signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// For [`Status::Crashed`]: what went wrong and the last console lines.
+    pub crash: Option<String>,
+    pub console_tail: Vec<String>,
+    pub timings: JobTimings,
+}
+
+/// Output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Errors that stop bud from running a job at all (as opposed to a job that ran and failed,
+/// which is a [`JobResult`] with a status).
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("job code + stdin + args + env is {bytes} bytes; the limit is {limit}")]
+    TooLarge { bytes: usize, limit: usize },
+    #[error("{0} must not contain NUL bytes")]
+    Nul(&'static str),
+    #[error("environment variable name {0:?} is empty or holds '=' or NUL, or its value holds NUL")]
+    BadEnv(String),
+    #[error("cannot read host randomness: {0}")]
+    Entropy(std::io::Error),
+    #[error("writing the request into the mailbox: {0}")]
+    Mailbox(#[from] MailboxError),
+    #[error("running the clone's vCPU: {0}")]
+    Run(#[from] VcpuError),
+}
+
+fn host_random(buf: &mut [u8]) -> Result<(), JobError> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        // SAFETY: the pointer and length describe the unfilled tail of `buf`, which we own.
+        let n =
+            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(JobError::Entropy(e));
+            }
+        } else {
+            filled += n as usize;
+        }
+    }
+    Ok(())
+}
+
+/// Writes `j` into the mailbox, with fresh randomness and the host's wall-clock time.
+pub fn write_request(ram: &GuestRam, mb: &Mailbox, j: &Job) -> Result<(), JobError> {
+    let (args, env) = j.encode()?;
+    let mut seed = [0u8; job::SEED_LEN];
+    host_random(&mut seed)?;
+    let wall_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let put32 = |off: usize, v: usize| mb.write(ram, off as u64, &(v as u32).to_le_bytes());
+    put32(job::LANGUAGE, j.language.code() as usize)?;
+    put32(job::CODE_LEN, j.code.len())?;
+    put32(job::STDIN_LEN, j.stdin.len())?;
+    put32(job::ARGC, j.args.len())?;
+    put32(job::ARGS_LEN, args.len())?;
+    put32(job::ENVC, j.env.len())?;
+    put32(job::ENV_LEN, env.len())?;
+    mb.write(ram, job::WALL_CLOCK_NS as u64, &wall_ns.to_le_bytes())?;
+    mb.write(ram, job::SEED as u64, &seed)?;
+    put32(result::STDOUT_LEN, 0)?;
+    put32(result::STDERR_LEN, 0)?;
+    put32(result::OUTCOME, 0)?;
+    let mut at = job::DATA as u64;
+    for part in [&j.code[..], &j.stdin[..], &args[..], &env[..]] {
+        mb.write(ram, at, part)?;
+        at += part.len() as u64;
+    }
+    Ok(())
+}
+
+/// Output gathered so far, with the cap applied.
+struct Collected<'a> {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    limit: usize,
+    over_limit: bool,
+    on_output: &'a mut dyn FnMut(Stream, &[u8]),
+}
+
+impl Collected<'_> {
+    /// Drains both areas; `reset` zeroes the guest's fill counters (after a FLUSH).
+    fn drain(&mut self, ram: &GuestRam, mb: &Mailbox, reset: bool) -> Result<(), MailboxError> {
+        for (stream, len_at, area, end) in [
+            (
+                Stream::Stdout,
+                result::STDOUT_LEN,
+                result::STDOUT_AREA,
+                result::STDOUT_AREA_END,
+            ),
+            (
+                Stream::Stderr,
+                result::STDERR_LEN,
+                result::STDERR_AREA,
+                result::STDERR_AREA_END,
+            ),
+        ] {
+            // Hostile: clamp the guest's length to its area.
+            let len = (mb.read_u32(ram, len_at as u64)? as usize).min(end - area);
+            let room = self
+                .limit
+                .saturating_sub(self.stdout.len() + self.stderr.len());
+            let take = len.min(room);
+            if len > room {
+                self.over_limit = true;
+            }
+            let mut chunk = vec![0u8; take];
+            mb.read(ram, area as u64, &mut chunk)?;
+            if !chunk.is_empty() {
+                (self.on_output)(stream, &chunk);
+            }
+            match stream {
+                Stream::Stdout => self.stdout.extend_from_slice(&chunk),
+                Stream::Stderr => self.stderr.extend_from_slice(&chunk),
+            }
+            if reset {
+                mb.write(ram, len_at as u64, &0u32.to_le_bytes())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The result fields of a job that ended, before output and timings are attached.
+struct End {
+    status: Status,
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    crash: Option<String>,
+}
+
+impl End {
+    fn exited(code: i32) -> Self {
+        let status = if code == 0 { Status::Ok } else { Status::Error };
+        Self {
+            status,
+            exit_code: Some(code),
+            signal: None,
+            crash: None,
+        }
+    }
+    fn crashed(why: String) -> Self {
+        Self {
+            status: Status::Crashed,
+            exit_code: None,
+            signal: None,
+            crash: Some(why),
+        }
+    }
+    fn with(status: Status) -> Self {
+        Self {
+            status,
+            exit_code: None,
+            signal: None,
+            crash: None,
+        }
+    }
+}
+
+const SIGKILL: i32 = 9;
+
+/// Maps a wait status of the worker process (from a FAILED / WORKER_EXITED doorbell).
+fn end_from_wait_status(status: u64, console_says_oom: bool) -> End {
+    let status = status as i32;
+    let signal = status & 0x7f;
+    if signal == 0 {
+        return End::exited((status >> 8) & 0xff);
+    }
+    if signal == SIGKILL && console_says_oom {
+        return End {
+            status: Status::MemoryLimit,
+            exit_code: None,
+            signal: Some(signal),
+            crash: None,
+        };
+    }
+    End {
+        status: Status::Error,
+        exit_code: None,
+        signal: Some(signal),
+        crash: None,
+    }
+}
+
+/// Runs `j` in a freshly restored clone `m` whose worker is parked at READY.
+/// `on_output` sees output chunks as they are drained (for streaming).
+pub fn run(
+    m: &mut Machine,
+    mb: &Mailbox,
+    j: &Job,
+    on_output: &mut dyn FnMut(Stream, &[u8]),
+) -> Result<(JobResult, Duration), JobError> {
+    write_request(&m.ram, mb, j)?;
+    let started = Instant::now();
+    let deadline = started + j.timeout;
+    let _timer = timer::arm(deadline, m.kicker.clone());
+    let mut out = Collected {
+        stdout: Vec::new(),
+        stderr: Vec::new(),
+        limit: j.output_limit,
+        over_limit: false,
+        on_output,
+    };
+    let end = loop {
+        let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.kicker)?;
+        match stop {
+            VcpuStop::Doorbell(code::FLUSH) => {
+                out.drain(&m.ram, mb, true)?;
+                if out.over_limit {
+                    break End::with(Status::OutputLimit);
+                }
+            }
+            VcpuStop::Doorbell(code::DONE) => {
+                out.drain(&m.ram, mb, false)?;
+                if out.over_limit {
+                    break End::with(Status::OutputLimit);
+                }
+                let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
+                let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
+                break match oc {
+                    outcome::EXITED => End::exited(value),
+                    outcome::SIGNALED => End {
+                        status: Status::Error,
+                        exit_code: None,
+                        signal: Some(value),
+                        crash: None,
+                    },
+                    outcome::OUT_OF_MEMORY => End {
+                        status: Status::MemoryLimit,
+                        exit_code: Some(value),
+                        signal: None,
+                        crash: None,
+                    },
+                    other => End::crashed(format!("guest reported unknown outcome {other}")),
+                };
+            }
+            VcpuStop::Doorbell(code::FAILED) => {
+                let regs = m.vcpu.get_regs().map_err(VcpuError::Run)?;
+                out.drain(&m.ram, mb, false)?;
+                if out.over_limit {
+                    break End::with(Status::OutputLimit);
+                }
+                if regs.rdi == failure::WORKER_EXITED {
+                    let oom = m
+                        .bus
+                        .console()
+                        .tail(CRASH_TAIL_LINES)
+                        .iter()
+                        .any(|l| l.contains("Out of memory"));
+                    break end_from_wait_status(regs.rsi, oom);
+                }
+                break End::crashed(format!(
+                    "guest agent failure {} (detail {:#x})",
+                    regs.rdi, regs.rsi
+                ));
+            }
+            VcpuStop::Doorbell(other) => {
+                break End::crashed(format!("guest rang unknown doorbell {other:#x}"));
+            }
+            VcpuStop::Kicked => break End::with(Status::Timeout),
+            other => break End::crashed(format!("guest stopped: {other:?}")),
+        }
+    };
+    let run = started.elapsed();
+    let console_tail = if end.status == Status::Crashed {
+        m.bus.console().tail(CRASH_TAIL_LINES)
+    } else {
+        Vec::new()
+    };
+    Ok((
+        JobResult {
+            status: end.status,
+            exit_code: end.exit_code,
+            signal: end.signal,
+            stdout: out.stdout,
+            stderr: out.stderr,
+            crash: end.crash,
+            console_tail,
+            timings: JobTimings {
+                clone: Duration::ZERO,
+                run,
+                total: run,
+            },
+        },
+        run,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_status_exit_code_and_signals_map_to_statuses() {
+        assert_eq!(end_from_wait_status(0, false).status, Status::Ok);
+        assert_eq!(end_from_wait_status(3 << 8, false).exit_code, Some(3));
+        assert_eq!(end_from_wait_status(3 << 8, false).status, Status::Error);
+        assert_eq!(end_from_wait_status(9, true).status, Status::MemoryLimit);
+        assert_eq!(end_from_wait_status(9, false).status, Status::Error);
+        assert_eq!(end_from_wait_status(11, false).signal, Some(11));
+    }
+
+    #[test]
+    fn args_and_env_are_nul_terminated_and_validated() {
+        let mut j = Job::python("print(1)");
+        j.args = vec!["a".into(), "bc".into()];
+        j.env = vec![("K".into(), "v=1".into())];
+
+        let (args, env) = j.encode().unwrap();
+        j.env = vec![("A=B".into(), "x".into())];
+        let bad_env = j.encode().unwrap_err();
+        j.env.clear();
+        j.args = vec!["a\0b".into()];
+        let bad_arg = j.encode().unwrap_err();
+
+        assert_eq!(args, b"a\0bc\0");
+        assert_eq!(env, b"K=v=1\0");
+        assert!(matches!(bad_env, JobError::BadEnv(_)));
+        assert!(matches!(bad_arg, JobError::Nul("args")));
+    }
+
+    #[test]
+    fn a_request_larger_than_the_area_is_refused() {
+        let mut j = Job::python("x");
+        j.stdin = vec![0; job::DATA_END];
+
+        assert!(matches!(j.encode(), Err(JobError::TooLarge { .. })));
+    }
+}

@@ -1,0 +1,280 @@
+//! Templates: a guest booted once to READY and frozen on disk, and the clones made from it.
+//!
+//! A template lives in its own directory, named by a hash of everything that shapes it
+//! (kernel and initramfs bytes, command line, RAM size, host kind, snapshot format and
+//! protocol versions), so a changed input makes a new template instead of reusing a stale
+//! one. It holds two files:
+//! - `state`: the [`SnapshotState`] (magic, format version, bincode);
+//! - `memory`: guest RAM, sparse, read-only. It is written once, fsynced and renamed into
+//!   place; afterwards nothing writes it: clones map it `MAP_PRIVATE`, so their writes land in
+//!   private copy-on-write pages of the clone.
+//!
+//! A new `bud` process finds the directory and loads the template without booting.
+
+use std::fs::{self, File};
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use kvm_ioctls::Kvm;
+use sha2::{Digest, Sha256};
+
+use crate::boot::{self, BootConfig, BootError, BootTimings};
+use crate::devices::console::{ConsoleLog, EchoFn};
+use crate::host::HostKind;
+use crate::memory::{GuestRam, MemoryError};
+use crate::protocol::PROTOCOL_VERSION;
+use crate::snapshot::{self, SNAPSHOT_FORMAT_VERSION, SnapshotError, SnapshotState};
+use crate::vm::{Machine, SerialStart, VmError};
+
+const STATE_FILE: &str = "state";
+const MEMORY_FILE: &str = "memory";
+
+/// Errors of building, loading or cloning a template.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("cannot read {path}: {source}")]
+    ReadInput {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write template file {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot read template file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("booting the template guest: {0}")]
+    Boot(#[from] BootError),
+    #[error("template state: {0}")]
+    Snapshot(#[from] SnapshotError),
+    #[error("KVM_GET_CPUID2 for the template failed: {0}")]
+    GetCpuid(kvm_ioctls::Error),
+    #[error("template was made on a {made} host, this host is {this}")]
+    WrongHost { made: HostKind, this: HostKind },
+    #[error("clone memory: {0}")]
+    Memory(#[from] MemoryError),
+    #[error("clone VM: {0}")]
+    Vm(#[from] VmError),
+}
+
+/// Where a template is made or found.
+#[derive(Debug, Clone)]
+pub struct TemplateSpec {
+    pub boot: BootConfig,
+    /// Directory holding all templates (each in a subdirectory named by its key).
+    pub root: PathBuf,
+}
+
+/// How a template was obtained.
+#[derive(Debug, Clone, Copy)]
+pub enum Origin {
+    /// Booted now; the boot's timings, the capture time and the memory write time.
+    Built {
+        boot: BootTimings,
+        capture: Duration,
+        write: Duration,
+    },
+    /// Loaded from disk.
+    Loaded { load: Duration },
+}
+
+/// A frozen READY guest on disk, ready to be cloned.
+#[derive(Debug)]
+pub struct Template {
+    dir: PathBuf,
+    state: SnapshotState,
+    memory: File,
+    origin: Origin,
+}
+
+fn hash_file(h: &mut Sha256, path: &Path) -> Result<(), TemplateError> {
+    let read_err = |source| TemplateError::ReadInput {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut f = File::open(path).map_err(read_err)?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(read_err)?;
+        if n == 0 {
+            return Ok(());
+        }
+        h.update(&buf[..n]);
+    }
+}
+
+/// The key naming a template: a hash of its inputs.
+pub fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
+    let mut h = Sha256::new();
+    h.update(b"bud-template\0");
+    h.update(env!("CARGO_PKG_VERSION").as_bytes());
+    h.update(SNAPSHOT_FORMAT_VERSION.to_le_bytes());
+    h.update(PROTOCOL_VERSION.to_le_bytes());
+    h.update(cfg.host_kind.name().as_bytes());
+    h.update(cfg.ram_size.to_le_bytes());
+    h.update(cfg.cmdline().as_bytes());
+    h.update([0]);
+    hash_file(&mut h, &cfg.kernel)?;
+    hash_file(&mut h, &cfg.initramfs)?;
+    let digest = h.finalize();
+    Ok(digest.iter().take(12).map(|b| format!("{b:02x}")).collect())
+}
+
+fn write_file(
+    path: &Path,
+    f: impl FnOnce(&File) -> std::io::Result<()>,
+) -> Result<(), TemplateError> {
+    let err = |source| TemplateError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let tmp = path.with_extension("tmp");
+    let file = File::create(&tmp).map_err(err)?;
+    f(&file).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    fs::set_permissions(&tmp, fs::Permissions::from_mode(0o444)).map_err(err)?;
+    fs::rename(&tmp, path).map_err(err)
+}
+
+impl Template {
+    /// Loads the template for `spec` if it exists on disk, or boots and saves it.
+    pub fn load_or_build(spec: &TemplateSpec, echo: Option<EchoFn>) -> Result<Self, TemplateError> {
+        let dir = spec.root.join(template_key(&spec.boot)?);
+        if dir.join(STATE_FILE).exists() && dir.join(MEMORY_FILE).exists() {
+            return Self::load(&dir);
+        }
+        Self::build(&spec.boot, &dir, echo)
+    }
+
+    /// Boots the guest to READY, captures it and writes the template into `dir`.
+    pub fn build(
+        cfg: &BootConfig,
+        dir: &Path,
+        echo: Option<EchoFn>,
+    ) -> Result<Self, TemplateError> {
+        let mut ready = boot::boot(cfg, echo)?;
+        let kvm = crate::vm::open_kvm()?;
+        let captured = Instant::now();
+        let cpuid = ready
+            .machine
+            .vcpu
+            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+            .map_err(TemplateError::GetCpuid)?;
+        let serial = ready.machine.bus.serial_state();
+        let machine = snapshot::capture(
+            &kvm,
+            &ready.machine.vm,
+            &mut ready.machine.vcpu,
+            cfg.host_kind,
+            cpuid.as_slice().to_vec(),
+            &serial,
+        )?;
+        let state = SnapshotState {
+            host_kind: cfg.host_kind,
+            ram_size: cfg.ram_size,
+            machine,
+            mailbox: ready.mailbox.clone(),
+        };
+        let capture = captured.elapsed();
+
+        let written = Instant::now();
+        fs::create_dir_all(dir).map_err(|source| TemplateError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let ram = &ready.machine.ram;
+        write_file(&dir.join(MEMORY_FILE), |f| ram.write_sparse(f).map(|_| ()))?;
+        let bytes = state.to_bytes()?;
+        // The state file goes last: its presence marks a complete template.
+        write_file(&dir.join(STATE_FILE), |mut f| {
+            std::io::Write::write_all(&mut f, &bytes)
+        })?;
+        let write = written.elapsed();
+        let boot_timings = ready.timings;
+        drop(ready);
+
+        let memory_path = dir.join(MEMORY_FILE);
+        let memory = File::open(&memory_path).map_err(|source| TemplateError::Read {
+            path: memory_path,
+            source,
+        })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            state,
+            memory,
+            origin: Origin::Built {
+                boot: boot_timings,
+                capture,
+                write,
+            },
+        })
+    }
+
+    /// Loads a template directory written by [`Template::build`].
+    pub fn load(dir: &Path) -> Result<Self, TemplateError> {
+        let started = Instant::now();
+        let state_path = dir.join(STATE_FILE);
+        let bytes = fs::read(&state_path).map_err(|source| TemplateError::Read {
+            path: state_path,
+            source,
+        })?;
+        let state = SnapshotState::from_bytes(&bytes)?;
+        let this = HostKind::detect();
+        if state.host_kind != this {
+            return Err(TemplateError::WrongHost {
+                made: state.host_kind,
+                this,
+            });
+        }
+        let memory_path = dir.join(MEMORY_FILE);
+        let memory = File::open(&memory_path).map_err(|source| TemplateError::Read {
+            path: memory_path,
+            source,
+        })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            state,
+            memory,
+            origin: Origin::Loaded {
+                load: started.elapsed(),
+            },
+        })
+    }
+
+    /// The template's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The frozen state.
+    pub fn state(&self) -> &SnapshotState {
+        &self.state
+    }
+
+    /// How this template was obtained.
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// Creates a clone: a new VM over a copy-on-write mapping of the memory file, with the
+    /// template's state restored (order in [`snapshot::restore`]). The clone has not run yet.
+    pub fn clone_machine(&self, kvm: &Kvm) -> Result<Machine, TemplateError> {
+        let ram = GuestRam::private_fd(&self.memory, self.state.ram_size)?;
+        let serial = (&self.state.machine.serial).into();
+        let machine = Machine::create(
+            kvm,
+            ram,
+            ConsoleLog::default(),
+            SerialStart::Restore(&serial),
+        )?;
+        snapshot::restore(&machine.vm, &machine.vcpu, &self.state.machine)?;
+        Ok(machine)
+    }
+}
