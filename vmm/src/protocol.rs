@@ -7,9 +7,10 @@
 //! # Doorbell
 //! The guest rings the host with a 32-bit `out` to [`DOORBELL_PORT`] from user space (CPL3):
 //! `eax` holds a doorbell code, `rdi` and `rsi` carry arguments (the code says which). One port
-//! exit per job boundary and no guest-kernel work. Under hardware virtualization a CPL3 `out`
-//! needs permission in the TSS I/O bitmap, so the guest takes `ioperm(DOORBELL_PORT, 1, 1)`
-//! first; kvm_pvm lets it through without.
+//! exit per job boundary and no guest-kernel work. A CPL3 `out` needs permission: the guest
+//! takes `iopl(3)` first, which bud's guest kernel turns into a real RFLAGS.IOPL of 3 (patch
+//! `0006-iopl-sets-real-iopl`): kvm_pvm honours IOPL but not a Linux guest's TSS I/O bitmap,
+//! and hardware virtualization honours both.
 //!
 //! # Mailbox
 //! Memory the warm Python worker allocated, locked and touched before READY. At the READY
@@ -136,6 +137,6 @@ pub mod failure {
     pub const SPAWN: u64 = 2;
     /// The worker exited before READY; `rsi` = its wait status.
     pub const WORKER_EXITED: u64 = 3;
-    /// `ioperm` for the doorbell failed (seen only by a later doorbell if the port still works).
+    /// `iopl(3)` for the doorbell failed (reported from a throwaway child, which may die trying).
     pub const IOPERM: u64 = 4;
 }

@@ -35,12 +35,12 @@ const MSR_IA32_TSC: u32 = 0x10;
 /// Errors of capturing, restoring, encoding or decoding state.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    #[error("capture: {op} failed: {source}")]
+    #[error("capture: {op} failed")]
     Capture {
         op: &'static str,
         source: kvm_ioctls::Error,
     },
-    #[error("restore: {op} failed: {source}")]
+    #[error("restore: {op} failed")]
     Restore {
         op: &'static str,
         source: kvm_ioctls::Error,

@@ -35,17 +35,17 @@ const MEMORY_FILE: &str = "memory";
 /// Errors of building, loading or cloning a template.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     ReadInput {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot write template file {path}: {source}")]
+    #[error("cannot write template file {path}")]
     Write {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot read template file {path}: {source}")]
+    #[error("cannot read template file {path}")]
     Read {
         path: PathBuf,
         source: std::io::Error,

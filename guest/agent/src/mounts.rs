@@ -1,0 +1,189 @@
+//! The file systems the guest needs, mounted once at boot.
+//!
+//! Owns the mount table and the few `/dev` symlinks that shells expect. It runs before the
+//! worker exists and never again: nothing here may be on a job's path.
+
+use std::ffi::CStr;
+use std::io;
+
+use crate::error::Error;
+
+/// One mount the agent performs.
+#[derive(Debug)]
+pub struct Mount {
+    pub source: &'static CStr,
+    pub target: &'static CStr,
+    pub fstype: &'static CStr,
+    pub flags: libc::c_ulong,
+    pub data: &'static CStr,
+    /// A failed required mount is fatal (FAILED/MOUNT); an optional one is only logged.
+    pub required: bool,
+}
+
+const NOSUID_NODEV: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
+
+/// The mount table, in order (a parent before anything mounted beneath it).
+///
+/// /tmp keeps exec (jobs write scripts there and run them) and is also the worker's HOME
+/// and working directory. /dev/shm is for POSIX shared memory and semaphores
+/// (`multiprocessing`); it is optional because a job that does not use it loses nothing.
+pub const MOUNTS: [Mount; 5] = [
+    Mount {
+        source: c"proc",
+        target: c"/proc",
+        fstype: c"proc",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        data: c"",
+        required: true,
+    },
+    Mount {
+        source: c"sysfs",
+        target: c"/sys",
+        fstype: c"sysfs",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        data: c"",
+        required: true,
+    },
+    Mount {
+        source: c"devtmpfs",
+        target: c"/dev",
+        fstype: c"devtmpfs",
+        flags: libc::MS_NOSUID,
+        data: c"mode=0755",
+        required: true,
+    },
+    Mount {
+        source: c"shm",
+        target: c"/dev/shm",
+        fstype: c"tmpfs",
+        flags: NOSUID_NODEV,
+        data: c"mode=1777",
+        required: false,
+    },
+    Mount {
+        source: c"tmpfs",
+        target: c"/tmp",
+        fstype: c"tmpfs",
+        flags: NOSUID_NODEV,
+        data: c"mode=1777",
+        required: true,
+    },
+];
+
+/// Symlinks devtmpfs does not create but shells and `/dev/stdin`-style paths rely on
+/// (bash process substitution uses /dev/fd). Optional: a failure is logged only.
+pub const DEV_LINKS: [(&CStr, &CStr); 4] = [
+    (c"/proc/self/fd", c"/dev/fd"),
+    (c"/proc/self/fd/0", c"/dev/stdin"),
+    (c"/proc/self/fd/1", c"/dev/stdout"),
+    (c"/proc/self/fd/2", c"/dev/stderr"),
+];
+
+/// Mounts everything in [`MOUNTS`] and creates [`DEV_LINKS`].
+///
+/// Returns the first failure of a required mount; optional failures go to `warn`.
+pub fn mount_all(mut warn: impl FnMut(&Error)) -> Result<(), Error> {
+    for m in &MOUNTS {
+        match mount_one(m) {
+            Ok(()) => {}
+            Err(e) if m.required => return Err(e),
+            Err(e) => warn(&e),
+        }
+    }
+    for (target, link) in DEV_LINKS {
+        // SAFETY: both are NUL-terminated static strings; symlink reads only them.
+        if unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) } != 0 {
+            let source = io::Error::last_os_error();
+            if source.kind() != io::ErrorKind::AlreadyExists {
+                warn(&Error::Symlink { link, source });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn mount_one(m: &Mount) -> Result<(), Error> {
+    // SAFETY: NUL-terminated static path; mkdir reads only it.
+    if unsafe { libc::mkdir(m.target.as_ptr(), 0o755) } != 0 {
+        let source = io::Error::last_os_error();
+        if source.kind() != io::ErrorKind::AlreadyExists {
+            return Err(Error::Mkdir {
+                path: m.target,
+                source,
+            });
+        }
+    }
+    // SAFETY: all four strings are NUL-terminated statics; mount reads only them.
+    let rc = unsafe {
+        libc::mount(
+            m.source.as_ptr(),
+            m.target.as_ptr(),
+            m.fstype.as_ptr(),
+            m.flags,
+            m.data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(Error::Mount {
+            target: m.target,
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_under(path: &[u8], parent: &[u8]) -> bool {
+        path.len() > parent.len() && path.starts_with(parent) && path[parent.len()] == b'/'
+    }
+
+    #[test]
+    fn every_mount_target_is_absolute() {
+        let relative: Vec<_> = MOUNTS
+            .iter()
+            .filter(|m| !m.target.to_bytes().starts_with(b"/"))
+            .collect();
+
+        assert!(relative.is_empty(), "{relative:?}");
+    }
+
+    #[test]
+    fn parents_are_mounted_before_their_children() {
+        let targets: Vec<&[u8]> = MOUNTS.iter().map(|m| m.target.to_bytes()).collect();
+
+        let misordered: Vec<_> = targets
+            .iter()
+            .enumerate()
+            .flat_map(|(i, child)| targets[i + 1..].iter().map(move |later| (*child, *later)))
+            .filter(|(earlier, later)| is_under(earlier, later))
+            .collect();
+
+        assert!(misordered.is_empty(), "{misordered:?}");
+    }
+
+    #[test]
+    fn required_mounts_are_proc_sys_dev_and_tmp() {
+        let required: Vec<_> = MOUNTS
+            .iter()
+            .filter(|m| m.required)
+            .map(|m| m.target.to_str().unwrap_or("?"))
+            .collect();
+
+        assert_eq!(required, ["/proc", "/sys", "/dev", "/tmp"]);
+    }
+
+    #[test]
+    fn dev_links_live_in_dev_and_point_into_proc() {
+        let odd: Vec<_> = DEV_LINKS
+            .iter()
+            .filter(|(target, link)| {
+                !is_under(link.to_bytes(), b"/dev") || !is_under(target.to_bytes(), b"/proc")
+            })
+            .collect();
+
+        assert!(odd.is_empty(), "{odd:?}");
+    }
+}

@@ -1,0 +1,151 @@
+//! The warm Python worker: its command line, its environment, and starting it.
+//!
+//! Owns how the worker process is made; the agent never talks to it afterwards except by
+//! reaping it. The worker itself lives in `guest/python/bud_worker.py`.
+
+use std::fmt;
+use std::io;
+use std::process::{Command, Stdio};
+
+/// Debian's CPython, in the image at this path.
+pub const PYTHON: &str = "/usr/bin/python3.11";
+
+/// Interpreter flags, chosen deliberately:
+/// - `site` *is* imported (no `-S`): jobs get `exit()`, `quit()`, `help()` and
+///   dist-packages on `sys.path`, as `python3 -c` has them. Its cost is paid once, at
+///   template boot, never per job.
+/// - `-s`: no user site directory (HOME=/tmp has none; saves the lookups).
+/// - `-P`: no working directory at the front of `sys.path`, so warm-up imports do not probe
+///   /tmp first. The job runner gives each job the `sys.path[0]` that `python3 -c` would.
+/// - `-m bud_worker`: found through PYTHONPATH as a precompiled .pyc; runpy is frozen into
+///   the interpreter, so `-m` costs no extra files.
+/// - `--guest`: the worker's own flag for "you are in a bud guest: ring the doorbell"
+///   (without it the worker refuses; `--dry-run` warms up without ringing, for hosts).
+///
+/// No `-E`/`-I` (PYTHONPATH is how the worker is found), no `-u` (the worker's own stdout
+/// is the console and only carries a line or two), no `-O` (jobs expect `assert`).
+pub const ARGS: [&str; 5] = ["-s", "-P", "-m", "bud_worker", "--guest"];
+
+/// Working directory of the worker (and so of jobs): the tmpfs.
+pub const WORKDIR: &str = "/tmp";
+
+/// The worker's whole environment. The agent's own environment (whatever the kernel passed
+/// from its command line) is not inherited. Jobs and their child processes see this.
+pub const ENV: [(&str, &str); 10] = [
+    (
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ),
+    ("HOME", "/tmp"),
+    ("TMPDIR", "/tmp"),
+    ("USER", "root"),
+    ("LOGNAME", "root"),
+    ("SHELL", "/bin/sh"),
+    // Output is captured, never shown on a terminal.
+    ("TERM", "dumb"),
+    // glibc 2.36 has C.UTF-8 built in: UTF-8 everywhere without locale files.
+    ("LANG", "C.UTF-8"),
+    // The image's .pyc files are precompiled; the worker never writes new ones.
+    ("PYTHONDONTWRITEBYTECODE", "1"),
+    ("PYTHONPATH", "/usr/lib/bud"),
+];
+
+/// Starts the worker and returns its pid.
+///
+/// stdin is /dev/null (a job never reads the console by accident); stdout and stderr stay on
+/// the console for the worker's few diagnostic lines. std spawns with `posix_spawn`
+/// (a vfork-style clone), which is far cheaper than fork+exec when every page-table copy is
+/// emulated.
+pub fn spawn() -> io::Result<libc::pid_t> {
+    let child = Command::new(PYTHON)
+        .args(ARGS)
+        .env_clear()
+        .envs(ENV)
+        .current_dir(WORKDIR)
+        .stdin(Stdio::null())
+        .spawn()?;
+    libc::pid_t::try_from(child.id()).map_err(io::Error::other)
+}
+
+/// A `waitpid` status, displayed for people.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitStatus(pub libc::c_int);
+
+impl WaitStatus {
+    /// The raw status as the FAILED doorbell's detail word (no sign extension).
+    pub fn detail(self) -> u64 {
+        // `as u32` reinterprets the bits, as the host reads them back.
+        u64::from(self.0 as u32)
+    }
+}
+
+impl fmt::Display for WaitStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.0;
+        if libc::WIFEXITED(status) {
+            write!(f, "exited with status {}", libc::WEXITSTATUS(status))
+        } else if libc::WIFSIGNALED(status) {
+            let core = if libc::WCOREDUMP(status) {
+                " (core dumped)"
+            } else {
+                ""
+            };
+            write!(f, "killed by signal {}{core}", libc::WTERMSIG(status))
+        } else {
+            write!(f, "wait status {status:#x}")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_status_is_described_with_its_code() {
+        let status = WaitStatus(78 << 8);
+
+        assert_eq!(status.to_string(), "exited with status 78");
+    }
+
+    #[test]
+    fn signal_death_is_described_with_signal_and_core() {
+        let status = WaitStatus(libc::SIGSEGV | 0x80);
+
+        assert_eq!(status.to_string(), "killed by signal 11 (core dumped)");
+    }
+
+    #[test]
+    fn detail_is_the_raw_status_without_sign_extension() {
+        let status = WaitStatus(-1);
+
+        assert_eq!(status.detail(), 0xffff_ffff);
+    }
+
+    #[test]
+    fn worker_environment_has_no_duplicate_names() {
+        let mut names: Vec<_> = ENV.iter().map(|(name, _)| *name).collect();
+        names.sort_unstable();
+        names.dedup();
+
+        assert_eq!(names.len(), ENV.len());
+    }
+
+    #[test]
+    fn worker_finds_its_module_through_pythonpath() {
+        let pythonpath = ENV.iter().find(|(name, _)| *name == "PYTHONPATH");
+
+        assert_eq!(pythonpath, Some(&("PYTHONPATH", "/usr/lib/bud")));
+        assert!(ARGS.windows(2).any(|pair| pair == ["-m", "bud_worker"]));
+    }
+
+    #[test]
+    fn worker_home_and_workdir_are_the_tmpfs() {
+        let home = ENV
+            .iter()
+            .find(|(name, _)| *name == "HOME")
+            .map(|(_, v)| *v);
+
+        assert_eq!((home, WORKDIR), (Some("/tmp"), "/tmp"));
+    }
+}

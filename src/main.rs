@@ -1,0 +1,410 @@
+//! `bud`: the command line over the `vmm` library and the guest build.
+//!
+//! - `bud guest build`: build (or reuse) the guest kernel and initramfs, with progress.
+//! - `bud boot`: build the guest if needed, boot it to the agent's READY doorbell, show the
+//!   console with timestamps and report the time from the first KVM_RUN to READY.
+//! - `bud run`: run one job in a copy-on-write clone of the template (booting and saving the
+//!   template on first use), print its output and exit with its exit code.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use vmm::devices::console::ConsoleLine;
+use vmm::{BootConfig, HostKind};
+
+#[derive(Debug, Parser)]
+#[command(name = "bud", version, about = "Fast copy-on-write snapshot code executor")]
+struct Cli {
+    /// Where guest build outputs are cached (default: <source>/build).
+    #[arg(long, global = true)]
+    build_dir: Option<PathBuf>,
+    /// bud's source tree (kernel config, patches, guest recipe).
+    #[arg(long, global = true, default_value = env!("CARGO_MANIFEST_DIR"))]
+    source_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Build or update the guest kernel and image.
+    Guest {
+        #[command(subcommand)]
+        command: GuestCommand,
+    },
+    /// Boot the guest to READY and report how long it took.
+    Boot(BootArgs),
+    /// Run one job in a fresh clone of the template and exit with its exit code.
+    Run(RunArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum GuestCommand {
+    /// Build the guest kernel and initramfs (cached; rebuilt only when inputs change).
+    Build,
+}
+
+#[derive(Debug, clap::Args)]
+struct BootArgs {
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
+    mem_mib: u64,
+    /// Give up if READY has not come after this many seconds.
+    #[arg(long, default_value_t = vmm::boot::DEFAULT_BOOT_TIMEOUT.as_secs())]
+    timeout_s: u64,
+    /// Keep kernel messages on the console (slower: every byte is a port exit).
+    #[arg(long)]
+    kernel_messages: bool,
+    /// Extra kernel command-line options.
+    #[arg(long, default_value = "")]
+    cmdline: String,
+    /// Boot this many times and report the median (the console is shown for the first only).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Sample the guest's instruction pointer every N microseconds and write a histogram,
+    /// resolved against the kernel's System.map when found, to FILE (diagnostics).
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
+    /// Sampling interval for --profile, in microseconds.
+    #[arg(long, default_value_t = 1000)]
+    profile_us: u64,
+    /// Use this kernel instead of the built one (skips the guest build).
+    #[arg(long, requires = "initramfs")]
+    kernel: Option<PathBuf>,
+    /// Use this initramfs instead of the built one.
+    #[arg(long, requires = "kernel")]
+    initramfs: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Lang {
+    Python,
+    Shell,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// The code to run (instead of FILE).
+    #[arg(short = 'c', long = "code", conflicts_with = "file")]
+    code: Option<String>,
+    /// A file holding the code to run.
+    #[arg(required_unless_present = "code")]
+    file: Option<PathBuf>,
+    /// Arguments for the job (`sys.argv[1:]` or `$1...`); put them after `--`.
+    #[arg(last = true)]
+    args: Vec<String>,
+    /// Language of the code.
+    #[arg(long, value_enum, default_value = "python")]
+    lang: Lang,
+    /// A file whose bytes become the job's stdin.
+    #[arg(long)]
+    stdin: Option<PathBuf>,
+    /// Environment variable for the job, KEY=VALUE (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Wall-clock limit in milliseconds.
+    #[arg(long, default_value_t = vmm::job::DEFAULT_TIMEOUT.as_millis() as u64)]
+    timeout_ms: u64,
+    /// Cap on stdout + stderr bytes.
+    #[arg(long, default_value_t = vmm::job::DEFAULT_OUTPUT_LIMIT)]
+    output_limit: usize,
+    /// Print status and timings to stderr after the output.
+    #[arg(long)]
+    timings: bool,
+    /// Guest RAM in MiB (part of the template's identity).
+    #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
+    mem_mib: u64,
+}
+
+fn progress(line: &str) {
+    eprintln!("[bud] {line}");
+}
+
+fn build_guest(cli: &Cli) -> anyhow::Result<bud_guest::GuestArtifacts> {
+    let mut opts = bud_guest::BuildOptions::new(&cli.source_dir);
+    if let Some(dir) = &cli.build_dir {
+        opts.build_dir = dir.clone();
+    }
+    let started = Instant::now();
+    let artifacts = bud_guest::ensure(&opts, &mut |l: &str| progress(l))
+        .context("building the guest kernel and image")?;
+    progress(&format!(
+        "guest ready in {:.1} s: kernel {}, image {} ({:.1} MiB)",
+        started.elapsed().as_secs_f64(),
+        artifacts.kernel.display(),
+        artifacts.initramfs.display(),
+        artifacts.image_size as f64 / (1 << 20) as f64
+    ));
+    Ok(artifacts)
+}
+
+/// Writes `rip count symbol+offset` lines, most frequent first. Symbols come from the
+/// System.map next to the kernel's build tree (`<kernel dir>/src/System.map`), if present.
+fn write_profile(
+    path: &std::path::Path,
+    profile: &std::collections::HashMap<u64, u64>,
+    kernel: &std::path::Path,
+) -> anyhow::Result<()> {
+    let map_path = kernel.parent().map(|d| d.join("src").join("System.map"));
+    let mut symbols: Vec<(u64, String)> = map_path
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .map(|text| {
+            text.lines()
+                .filter_map(|l| {
+                    let mut it = l.split_whitespace();
+                    let addr = u64::from_str_radix(it.next()?, 16).ok()?;
+                    let _kind = it.next()?;
+                    Some((addr, it.next()?.to_string()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    symbols.sort();
+    let name = |rip: u64| match symbols.partition_point(|(a, _)| *a <= rip) {
+        0 => "?".to_string(),
+        i if rip < 0xffff_8000_0000_0000 => format!("user:{:#x} (near {})", rip, symbols[i - 1].1),
+        i => format!("{}+{:#x}", symbols[i - 1].1, rip - symbols[i - 1].0),
+    };
+    let mut by_symbol: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    for (&rip, &n) in profile {
+        let sym = name(rip);
+        let func = if rip >= 0xffff_8000_0000_0000 {
+            sym.split('+').next().unwrap_or("?").to_string()
+        } else {
+            "(user mode)".to_string()
+        };
+        *by_symbol.entry(func).or_insert(0) += n;
+    }
+    let mut rows: Vec<_> = by_symbol.into_iter().collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1));
+    let total: u64 = rows.iter().map(|r| r.1).sum::<u64>().max(1);
+    let mut out = String::new();
+    for (func, n) in rows {
+        out.push_str(&format!("{n:8} {:5.1}%  {func}\n", n as f64 * 100.0 / total as f64));
+    }
+    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Resident set size and its peak of this process, in KiB, from /proc/self/status.
+fn rss_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn echo_line(line: &ConsoleLine) {
+    let mut out = std::io::stdout().lock();
+    // A closed stdout must not kill the boot; the console is also kept in memory.
+    let _ = writeln!(out, "[{:>10.1} ms] {}", line.at.as_secs_f64() * 1e3, line.text);
+}
+
+fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
+    let (kernel, initramfs) = match (&args.kernel, &args.initramfs) {
+        (Some(k), Some(i)) => (k.clone(), i.clone()),
+        _ => {
+            let a = build_guest(cli)?;
+            (a.kernel, a.initramfs)
+        }
+    };
+    let mut cfg = BootConfig::new(kernel, initramfs);
+    cfg.ram_size = args.mem_mib << 20;
+    cfg.timeout = Duration::from_secs(args.timeout_s);
+    cfg.kernel_messages = args.kernel_messages;
+    cfg.extra_cmdline = args.cmdline.clone();
+    if args.profile.is_some() {
+        cfg.profile_interval = Some(Duration::from_micros(args.profile_us));
+    }
+    progress(&format!(
+        "host: {} ({}), guest RAM {} MiB",
+        cfg.host_kind,
+        match cfg.host_kind {
+            HostKind::Pvm => "kvm_pvm software hypervisor: PVM command-line knobs applied",
+            HostKind::Hardware => "hardware virtualization",
+        },
+        args.mem_mib
+    ));
+    progress(&format!("kernel command line: {}", cfg.cmdline()));
+
+    let mut to_ready = Vec::with_capacity(args.repeat);
+    for i in 0..args.repeat.max(1) {
+        let echo: Option<vmm::devices::console::EchoFn> =
+            if i == 0 { Some(Box::new(echo_line)) } else { None };
+        let guest = vmm::boot(&cfg, echo).with_context(|| format!("boot {} failed", i + 1))?;
+        let t = guest.timings;
+        progress(&format!(
+            "boot {}: READY {:.1} ms after the first KVM_RUN (agent started at {}, VMM setup {:.1} ms); mailbox {} KiB at {:#x}",
+            i + 1,
+            t.to_ready.as_secs_f64() * 1e3,
+            t.to_agent
+                .map(|d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
+                .unwrap_or_else(|| "?".into()),
+            t.setup.as_secs_f64() * 1e3,
+            guest.mailbox.len() >> 10,
+            guest.mailbox.guest_virtual_address(),
+        ));
+        to_ready.push(t.to_ready);
+        if let Some(path) = &args.profile {
+            write_profile(path, &guest.profile, &cfg.kernel)?;
+            progress(&format!("profile: {} samples written to {}", guest.profile.values().sum::<u64>(), path.display()));
+        }
+    }
+    let (rss, peak) = rss_kib();
+    to_ready.sort();
+    progress(&format!(
+        "time to READY: median {:.1} ms over {} boot(s) (min {:.1}, max {:.1}); VMM process RSS {} KiB (peak {} KiB)",
+        to_ready[to_ready.len() / 2].as_secs_f64() * 1e3,
+        to_ready.len(),
+        to_ready[0].as_secs_f64() * 1e3,
+        to_ready[to_ready.len() - 1].as_secs_f64() * 1e3,
+        rss,
+        peak
+    ));
+    Ok(())
+}
+
+/// The kernel and initramfs for `bud run`: the built ones if present (no rebuild check, so a
+/// run stays fast; `bud guest build` or `bud boot` picks up source changes), else build them.
+fn guest_for_run(cli: &Cli) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let build_dir = cli.build_dir.clone().unwrap_or_else(|| cli.source_dir.join("build"));
+    let kernel = build_dir.join("kernel").join("vmlinux");
+    let initramfs = build_dir.join("image").join("initramfs.cpio");
+    if kernel.is_file() && initramfs.is_file() {
+        return Ok((kernel, initramfs));
+    }
+    let a = build_guest(cli)?;
+    Ok((a.kernel, a.initramfs))
+}
+
+fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
+    let code = match (&args.code, &args.file) {
+        (Some(c), _) => c.clone().into_bytes(),
+        (None, Some(f)) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
+        (None, None) => anyhow::bail!("give code with -c or a FILE"),
+    };
+    let mut job = vmm::Job::new(
+        match args.lang {
+            Lang::Python => vmm::Language::Python,
+            Lang::Shell => vmm::Language::Shell,
+        },
+        code,
+    );
+    job.args = args.args.clone();
+    job.timeout = Duration::from_millis(args.timeout_ms);
+    job.output_limit = args.output_limit;
+    if let Some(path) = &args.stdin {
+        job.stdin = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    }
+    for kv in &args.env {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--env {kv:?} is not KEY=VALUE"))?;
+        job.env.push((k.to_string(), v.to_string()));
+    }
+
+    let (kernel, initramfs) = guest_for_run(cli)?;
+    let mut boot = BootConfig::new(kernel, initramfs);
+    boot.ram_size = args.mem_mib << 20;
+    let build_dir = cli.build_dir.clone().unwrap_or_else(|| cli.source_dir.join("build"));
+    let spec = vmm::TemplateSpec { boot, root: build_dir.join("templates") };
+    let started = Instant::now();
+    let template = vmm::Template::load_or_build(&spec, None).context("preparing the template")?;
+    if let vmm::template::Origin::Built { boot, capture, write } = template.origin() {
+        progress(&format!(
+            "template built in {:.1} s (READY after {:.1} s, capture {:.1} ms, memory file {:.0} ms): {}",
+            started.elapsed().as_secs_f64(),
+            boot.to_ready.as_secs_f64(),
+            capture.as_secs_f64() * 1e3,
+            write.as_secs_f64() * 1e3,
+            template.dir().display()
+        ));
+    }
+    let executor = vmm::Executor::new(template, 0)?;
+    let result = executor.run(&job)?;
+    {
+        let mut out = std::io::stdout().lock();
+        out.write_all(&result.stdout)?;
+        out.flush()?;
+        let mut err = std::io::stderr().lock();
+        err.write_all(&result.stderr)?;
+        err.flush()?;
+    }
+    if args.timings {
+        let t = result.timings;
+        eprintln!(
+            "[bud] status {:?}, exit code {:?}, signal {:?}; clone {:.3} ms, run {:.3} ms, total {:.3} ms",
+            result.status,
+            result.exit_code,
+            result.signal,
+            t.clone.as_secs_f64() * 1e3,
+            t.run.as_secs_f64() * 1e3,
+            t.total.as_secs_f64() * 1e3
+        );
+    }
+    Ok(exit_code_of(&result, args))
+}
+
+/// The process exit code for a job: its own exit status, 128 + signal, or (like `timeout(1)`)
+/// 124 for a timeout; bud's own statuses say why on stderr.
+fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
+    use vmm::Status;
+    match result.status {
+        Status::Ok | Status::Error => {
+            if let Some(code) = result.exit_code {
+                ExitCode::from(code.clamp(0, 255) as u8)
+            } else {
+                ExitCode::from((128 + result.signal.unwrap_or(0)).clamp(0, 255) as u8)
+            }
+        }
+        Status::Timeout => {
+            eprintln!("bud: the job ran past its {} ms limit and was stopped", args.timeout_ms);
+            ExitCode::from(124)
+        }
+        Status::OutputLimit => {
+            eprintln!("bud: the job wrote more than {} bytes and was stopped", args.output_limit);
+            ExitCode::from(125)
+        }
+        Status::MemoryLimit => {
+            eprintln!("bud: the job ran out of memory");
+            ExitCode::from(137)
+        }
+        Status::Crashed => {
+            eprintln!(
+                "bud: the guest crashed: {}",
+                result.crash.as_deref().unwrap_or("unknown reason")
+            );
+            for line in &result.console_tail {
+                eprintln!("  | {line}");
+            }
+            ExitCode::from(70)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Guest { command: GuestCommand::Build } => {
+            build_guest(&cli).map(|_| ExitCode::SUCCESS)
+        }
+        Command::Boot(args) => boot(&cli, args).map(|_| ExitCode::SUCCESS),
+        Command::Run(args) => run(&cli, args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("bud: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
