@@ -7,10 +7,9 @@
 //! # Doorbell
 //! The guest rings the host with a 32-bit `out` to [`DOORBELL_PORT`] from user space (CPL3):
 //! `eax` holds a doorbell code, `rdi` and `rsi` carry arguments (the code says which). One port
-//! exit per job boundary and no guest-kernel work. A CPL3 `out` needs permission: the guest
-//! takes `iopl(3)` first, which bud's guest kernel turns into a real RFLAGS.IOPL of 3 (patch
-//! `0006-iopl-sets-real-iopl`): kvm_pvm honours IOPL but not a Linux guest's TSS I/O bitmap,
-//! and hardware virtualization honours both.
+//! exit per job boundary and no guest-kernel work. A CPL3 `out` needs permission in the TSS I/O
+//! bitmap for every port it touches (kvm_pvm checks it as hardware does), so the guest takes
+//! `ioperm(DOORBELL_PORT, DOORBELL_WIDTH, 1)` first.
 //!
 //! # Mailbox
 //! Memory the warm Python worker allocated, locked and touched before READY. At the READY
@@ -24,6 +23,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
+
+/// Width of the doorbell access in bytes (a 32-bit `out`), hence the number of ports the
+/// guest's `ioperm` must cover.
+pub const DOORBELL_WIDTH: u64 = 4;
 
 /// Magic at offset 0 of the mailbox: "BUDM" in little endian.
 pub const MAILBOX_MAGIC: u32 = u32::from_le_bytes(*b"BUDM");
@@ -137,6 +140,6 @@ pub mod failure {
     pub const SPAWN: u64 = 2;
     /// The worker exited before READY; `rsi` = its wait status.
     pub const WORKER_EXITED: u64 = 3;
-    /// `iopl(3)` for the doorbell failed (reported from a throwaway child, which may die trying).
+    /// `ioperm` for the doorbell failed (reported from a throwaway child, which may die trying).
     pub const IOPERM: u64 = 4;
 }

@@ -1,6 +1,6 @@
 //! The doorbell: a 32-bit `out` to [`DOORBELL_PORT`] from guest user space.
 //!
-//! Owns the port permission (`iopl(3)`) and the one instruction, nothing else: what a code
+//! Owns the port permission (`ioperm`) and the one instruction, nothing else: what a code
 //! means is the caller's business (see `protocol.rs`). Shared verbatim by `bud-agent` and the
 //! `_bud` extension, which both include this file with `#[path]` next to their own
 //! `mod protocol`. It must never ring anything outside a bud guest: on a real machine the
@@ -9,32 +9,33 @@
 use std::io;
 use std::marker::PhantomData;
 
-use crate::protocol::DOORBELL_PORT;
+use crate::protocol::{DOORBELL_PORT, DOORBELL_WIDTH};
 
 /// Proof that the current thread may ring the doorbell.
 ///
-/// Created only by [`Doorbell::open`] after `iopl(3)` succeeded. The I/O privilege level lives
-/// in the calling thread's user RFLAGS (threads and children created later inherit it), so
-/// the token is neither `Send` nor `Sync`: it cannot travel to a thread that lacks it.
+/// Created only by [`Doorbell::open`] after `ioperm` succeeded. Linux keeps the I/O permission
+/// bitmap per thread (threads and children created later inherit it), so the token is neither
+/// `Send` nor `Sync`: it cannot travel to a thread that lacks the permission.
 #[derive(Debug)]
 pub struct Doorbell {
     _this_thread_only: PhantomData<*const ()>,
 }
 
 impl Doorbell {
-    /// Takes I/O privilege level 3 (`iopl(3)`) for the calling thread.
+    /// Takes `ioperm(DOORBELL_PORT, 4, 1)` for the calling thread.
     ///
-    /// Why IOPL and not `ioperm` for the one port: a user-mode `out` is allowed when CPL <=
-    /// RFLAGS.IOPL, or else when the TSS I/O bitmap allows the port. Under hardware
-    /// virtualization both work; under kvm_pvm a Linux guest's `out` raised #GP even after a
-    /// successful `ioperm` (kvm_pvm does not reach the guest's TSS bitmap), while IOPL 3 is
-    /// honoured. Stock 6.12 only emulates `iopl()` with the bitmap; bud's kernel patch
-    /// `0006-iopl-sets-real-iopl` makes it set RFLAGS.IOPL again, so one mechanism works on
-    /// both kinds of host. Needs root (CAP_SYS_RAWIO) and CONFIG_X86_IOPL_IOPERM.
+    /// The doorbell is a 32-bit `out`, which touches ports `DOORBELL_PORT..DOORBELL_PORT + 4`:
+    /// the permission bitmap must allow all four, or the `out` raises #GP (measured under
+    /// kvm_pvm: `ioperm(port, 1, 1)` + `outl` faults, `ioperm(port, 4, 1)` + `outl` reaches the
+    /// VMM; hardware virtualization applies the same TSS bitmap rule natively). Only these
+    /// four ports, never IOPL: user code gets no `cli`/`sti` and no other port. Needs root
+    /// (CAP_SYS_RAWIO) and CONFIG_X86_IOPL_IOPERM.
     pub fn open() -> io::Result<Self> {
-        // SAFETY: iopl only changes the calling thread's I/O privilege level; it reads and
-        // writes no memory of ours.
-        let rc = unsafe { libc::iopl(3) };
+        // SAFETY: ioperm only changes the calling thread's I/O permission bitmap; it reads
+        // and writes no memory of ours.
+        let rc = unsafe {
+            libc::ioperm(libc::c_ulong::from(DOORBELL_PORT), DOORBELL_WIDTH, 1)
+        };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
@@ -49,7 +50,7 @@ impl Doorbell {
     /// A doorbell may never return in this VM (the host snapshots or discards it); in a
     /// clone it returns right here.
     pub fn ring(&self, code: u32, a: u64, b: u64) -> u32 {
-        // SAFETY: holding `self` proves this thread took IOPL 3, and the binary
+        // SAFETY: holding `self` proves this thread took ioperm for the ports, and the binary
         // only runs as bud's guest agent or worker, so the port belongs to bud's VMM.
         unsafe { ring_unchecked(code, a, b) }
     }
@@ -59,7 +60,7 @@ impl Doorbell {
 ///
 /// # Safety
 /// The caller must run inside a bud guest, where the port belongs to bud's VMM. Without
-/// IOPL 3 the `out` raises #GP and the kernel kills the process with SIGSEGV, so call this
+/// `ioperm` the `out` raises #GP and the kernel kills the process with SIGSEGV, so call this
 /// only where such a death is acceptable (a disposable child).
 pub unsafe fn ring_unchecked(code: u32, a: u64, b: u64) -> u32 {
     let reply: u32;

@@ -12,7 +12,7 @@ use crate::protocol::failure;
 /// What went wrong in the agent.
 #[derive(Debug)]
 pub enum Error {
-    /// `iopl(3)` for the doorbell failed.
+    /// `ioperm` for the doorbell failed.
     Ioperm(io::Error),
     /// Creating a mount point failed.
     Mkdir {
@@ -61,7 +61,7 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Ioperm(e) => write!(f, "iopl for the doorbell: {e}"),
+            Self::Ioperm(e) => write!(f, "ioperm for the doorbell: {e}"),
             Self::Mkdir { path, source } => write!(f, "mkdir {}: {source}", path.to_string_lossy()),
             Self::Mount { target, source } => {
                 write!(f, "mount {}: {source}", target.to_string_lossy())
@@ -117,7 +117,7 @@ mod tests {
     }
 
     #[test]
-    fn iopl_failure_reports_ioperm_code_and_errno() {
+    fn ioperm_failure_reports_ioperm_code_and_errno() {
         let e = Error::Ioperm(io::Error::from_raw_os_error(libc::EPERM));
 
         assert_eq!((e.failure_code(), e.errno()), (failure::IOPERM, 1));

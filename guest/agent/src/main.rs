@@ -5,7 +5,7 @@
 //! Two processes, each doing one thing:
 //!
 //! - **bud-agent (PID 1)** is a tiny supervisor. It mounts /proc, /sys, /dev, /dev/shm and
-//!   /tmp, takes IOPL 3 for the doorbell, rings AGENT_STARTED, starts the worker with
+//!   /tmp, takes ioperm for the doorbell, rings AGENT_STARTED, starts the worker with
 //!   `posix_spawn`, and then sleeps in `waitpid` for the rest of the VM's life: it reaps
 //!   orphans, and if the worker ever exits it writes a line and rings
 //!   FAILED(WORKER_EXITED, wait status). Before READY that means the template failed; in a
@@ -112,7 +112,7 @@ fn fail(doorbell: &Doorbell, error: &Error) -> ! {
     halt()
 }
 
-/// Reports a fatal error when `iopl` failed, then blocks forever.
+/// Reports a fatal error when `ioperm` failed, then blocks forever.
 ///
 /// Under kvm_pvm the port works without permission, so the FAILED doorbell is still worth
 /// trying; under hardware virtualization the `out` faults. It is rung from a disposable
