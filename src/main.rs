@@ -17,7 +17,11 @@ use vmm::devices::console::ConsoleLine;
 use vmm::{BootConfig, HostKind};
 
 #[derive(Debug, Parser)]
-#[command(name = "bud", version, about = "Fast copy-on-write snapshot code executor")]
+#[command(
+    name = "bud",
+    version,
+    about = "Fast copy-on-write snapshot code executor"
+)]
 struct Cli {
     /// Where guest build outputs are cached (default: <source>/build).
     #[arg(long, global = true)]
@@ -184,7 +188,10 @@ fn write_profile(
     let total: u64 = rows.iter().map(|r| r.1).sum::<u64>().max(1);
     let mut out = String::new();
     for (func, n) in rows {
-        out.push_str(&format!("{n:8} {:5.1}%  {func}\n", n as f64 * 100.0 / total as f64));
+        out.push_str(&format!(
+            "{n:8} {:5.1}%  {func}\n",
+            n as f64 * 100.0 / total as f64
+        ));
     }
     std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
 }
@@ -206,7 +213,12 @@ fn rss_kib() -> (u64, u64) {
 fn echo_line(line: &ConsoleLine) {
     let mut out = std::io::stdout().lock();
     // A closed stdout must not kill the boot; the console is also kept in memory.
-    let _ = writeln!(out, "[{:>10.1} ms] {}", line.at.as_secs_f64() * 1e3, line.text);
+    let _ = writeln!(
+        out,
+        "[{:>10.1} ms] {}",
+        line.at.as_secs_f64() * 1e3,
+        line.text
+    );
 }
 
 fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
@@ -238,8 +250,11 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
 
     let mut to_ready = Vec::with_capacity(args.repeat);
     for i in 0..args.repeat.max(1) {
-        let echo: Option<vmm::devices::console::EchoFn> =
-            if i == 0 { Some(Box::new(echo_line)) } else { None };
+        let echo: Option<vmm::devices::console::EchoFn> = if i == 0 {
+            Some(Box::new(echo_line))
+        } else {
+            None
+        };
         let guest = vmm::boot(&cfg, echo).with_context(|| format!("boot {} failed", i + 1))?;
         let t = guest.timings;
         progress(&format!(
@@ -256,7 +271,11 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
         to_ready.push(t.to_ready);
         if let Some(path) = &args.profile {
             write_profile(path, &guest.profile, &cfg.kernel)?;
-            progress(&format!("profile: {} samples written to {}", guest.profile.values().sum::<u64>(), path.display()));
+            progress(&format!(
+                "profile: {} samples written to {}",
+                guest.profile.values().sum::<u64>(),
+                path.display()
+            ));
         }
     }
     let (rss, peak) = rss_kib();
@@ -276,7 +295,10 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
 /// The kernel and initramfs for `bud run`: the built ones if present (no rebuild check, so a
 /// run stays fast; `bud guest build` or `bud boot` picks up source changes), else build them.
 fn guest_for_run(cli: &Cli) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let build_dir = cli.build_dir.clone().unwrap_or_else(|| cli.source_dir.join("build"));
+    let build_dir = cli
+        .build_dir
+        .clone()
+        .unwrap_or_else(|| cli.source_dir.join("build"));
     let kernel = build_dir.join("kernel").join("vmlinux");
     let initramfs = build_dir.join("image").join("initramfs.cpio");
     if kernel.is_file() && initramfs.is_file() {
@@ -315,11 +337,22 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     let (kernel, initramfs) = guest_for_run(cli)?;
     let mut boot = BootConfig::new(kernel, initramfs);
     boot.ram_size = args.mem_mib << 20;
-    let build_dir = cli.build_dir.clone().unwrap_or_else(|| cli.source_dir.join("build"));
-    let spec = vmm::TemplateSpec { boot, root: build_dir.join("templates") };
+    let build_dir = cli
+        .build_dir
+        .clone()
+        .unwrap_or_else(|| cli.source_dir.join("build"));
+    let spec = vmm::TemplateSpec {
+        boot,
+        root: build_dir.join("templates"),
+    };
     let started = Instant::now();
     let template = vmm::Template::load_or_build(&spec, None).context("preparing the template")?;
-    if let vmm::template::Origin::Built { boot, capture, write } = template.origin() {
+    if let vmm::template::Origin::Built {
+        boot,
+        capture,
+        write,
+    } = template.origin()
+    {
         progress(&format!(
             "template built in {:.1} s (READY after {:.1} s, capture {:.1} ms, memory file {:.0} ms): {}",
             started.elapsed().as_secs_f64(),
@@ -367,11 +400,17 @@ fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
             }
         }
         Status::Timeout => {
-            eprintln!("bud: the job ran past its {} ms limit and was stopped", args.timeout_ms);
+            eprintln!(
+                "bud: the job ran past its {} ms limit and was stopped",
+                args.timeout_ms
+            );
             ExitCode::from(124)
         }
         Status::OutputLimit => {
-            eprintln!("bud: the job wrote more than {} bytes and was stopped", args.output_limit);
+            eprintln!(
+                "bud: the job wrote more than {} bytes and was stopped",
+                args.output_limit
+            );
             ExitCode::from(125)
         }
         Status::MemoryLimit => {
@@ -394,9 +433,9 @@ fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
-        Command::Guest { command: GuestCommand::Build } => {
-            build_guest(&cli).map(|_| ExitCode::SUCCESS)
-        }
+        Command::Guest {
+            command: GuestCommand::Build,
+        } => build_guest(&cli).map(|_| ExitCode::SUCCESS),
         Command::Boot(args) => boot(&cli, args).map(|_| ExitCode::SUCCESS),
         Command::Run(args) => run(&cli, args),
     };

@@ -31,6 +31,10 @@ use crate::vm::{Machine, SerialStart, VmError};
 
 const STATE_FILE: &str = "state";
 const MEMORY_FILE: &str = "memory";
+/// Templates kept under a root: building a new one removes all but this many of the most
+/// recent (each holds up to a guest's RAM of sparse data). Processes that still map a removed
+/// template keep working: the file lives until its last mapping goes.
+pub const TEMPLATES_KEPT: usize = 3;
 
 /// Errors of building, loading or cloning a template.
 #[derive(Debug, thiserror::Error)]
@@ -160,6 +164,9 @@ impl Template {
         echo: Option<EchoFn>,
     ) -> Result<Self, TemplateError> {
         let mut ready = boot::boot(cfg, echo)?;
+        if let Some(root) = dir.parent() {
+            prune(root, dir, TEMPLATES_KEPT - 1);
+        }
         let kvm = crate::vm::open_kvm()?;
         let captured = Instant::now();
         let cpuid = ready
@@ -276,5 +283,23 @@ impl Template {
         )?;
         snapshot::restore(&machine.vm, &machine.vcpu, &self.state.machine)?;
         Ok(machine)
+    }
+}
+
+/// Removes all but the `keep` most recent template directories under `root` (never `current`).
+/// Best effort: a directory that cannot be removed is left for the next time.
+fn prune(root: &Path, current: &Path, keep: usize) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p != current && p.join(STATE_FILE).exists())
+        .filter_map(|p| Some((fs::metadata(p.join(STATE_FILE)).ok()?.modified().ok()?, p)))
+        .collect();
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
+    for (_, old) in dirs.into_iter().skip(keep) {
+        let _ = fs::remove_dir_all(old);
     }
 }

@@ -33,9 +33,7 @@ impl Doorbell {
     pub fn open() -> io::Result<Self> {
         // SAFETY: ioperm only changes the calling thread's I/O permission bitmap; it reads
         // and writes no memory of ours.
-        let rc = unsafe {
-            libc::ioperm(libc::c_ulong::from(DOORBELL_PORT), DOORBELL_WIDTH, 1)
-        };
+        let rc = unsafe { libc::ioperm(libc::c_ulong::from(DOORBELL_PORT), DOORBELL_WIDTH, 1) };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }

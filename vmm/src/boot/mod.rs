@@ -15,10 +15,10 @@ pub mod params;
 use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::Msrs;
@@ -385,7 +385,9 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
     let mut to_agent = None;
     let tail = |m: &Machine| ConsoleTail(m.bus.console().tail(ERROR_TAIL_LINES));
     let mut profile = HashMap::new();
-    let _sampler = cfg.profile_interval.map(|i| Sampler::start(machine.kicker.clone(), i));
+    let _sampler = cfg
+        .profile_interval
+        .map(|i| Sampler::start(machine.kicker.clone(), i));
     loop {
         let remaining = cfg.timeout.saturating_sub(first_run.elapsed());
         let stop = machine.run_for(remaining)?;

@@ -1,0 +1,100 @@
+//! Memory warm-up for the worker: malloc tuning, heap reserve, stack and whole-process
+//! prefaulting.
+//!
+//! Everything here runs before READY. The goal is that a job, in a clone, finds every page it
+//! is likely to touch already present in the worker's page tables: a fresh page costs
+//! ~1.3 ms of emulated guest kernel, a page that is already mapped costs nothing in the guest.
+//! The policy (which settings, how many bytes) is the worker's, in Python; these are thin,
+//! checked bindings.
+
+use std::io;
+
+/// Most stack [`prefault_stack`] agrees to touch: well inside the 8 MiB main-thread stack.
+pub const STACK_PREFAULT_MAX: usize = 2 << 20;
+
+/// Bytes of stack touched per recursion step.
+const STACK_STEP: usize = 4096;
+
+/// `mallopt(param, value)`; false if glibc refused the setting.
+pub fn mallopt(param: libc::c_int, value: libc::c_int) -> bool {
+    // SAFETY: mallopt only changes allocator parameters; it validates both arguments.
+    unsafe { libc::mallopt(param, value) == 1 }
+}
+
+/// Grows the malloc heap by `bytes` and leaves it there, free.
+///
+/// Mallocs one block and frees it. With the mmap threshold above `bytes` the block comes from
+/// the brk heap, and with trimming disabled the free block stays part of the heap, so later
+/// allocations are carved from it instead of from new memory. Nothing is touched here; the
+/// pages become resident with [`lock_all`]. False if malloc failed.
+pub fn reserve_heap(bytes: usize) -> bool {
+    // SAFETY: plain malloc of `bytes`; the block is freed right away and never used.
+    // black_box: the pointer must look used, or the optimizer deletes the malloc/free pair.
+    let block = std::hint::black_box(unsafe { libc::malloc(bytes) });
+    if block.is_null() {
+        return false;
+    }
+    // SAFETY: `block` came from malloc above and is freed exactly once.
+    unsafe { libc::free(block) };
+    true
+}
+
+/// Touches `bytes` of stack below the caller, so that deeper C recursion in a job (the
+/// compiler, `re`, `json`, sorting with key functions) finds stack pages already present.
+pub fn prefault_stack(bytes: usize) {
+    touch_stack(bytes.min(STACK_PREFAULT_MAX));
+}
+
+#[inline(never)]
+fn touch_stack(remaining: usize) {
+    let mut frame = [0u8; STACK_STEP];
+    // The optimizer must assume the zeroed frame is read and written: the zeroing (and so
+    // the page touch) stays, and the recursion cannot become a loop reusing one frame.
+    std::hint::black_box(&mut frame);
+    if remaining > STACK_STEP {
+        touch_stack(remaining - STACK_STEP);
+    }
+    std::hint::black_box(&frame);
+}
+
+/// `mlockall(MCL_CURRENT)`: makes every page of every mapping that exists now resident and
+/// present in the page tables, in one system call.
+///
+/// The kernel populates them itself (writable private pages with write faults, so
+/// copy-on-write is already broken): code and data pages of the interpreter and its
+/// libraries that warm-up never touched, the heap reserve, the free pools of pymalloc's
+/// arenas. Not MCL_FUTURE: later mappings (a job's thread stacks, big allocations) must not
+/// be populated in full. The guest has no swap, so the lock changes nothing else.
+pub fn lock_all() -> io::Result<()> {
+    // SAFETY: mlockall changes residency of our own mappings, never their contents.
+    if unsafe { libc::mlockall(libc::MCL_CURRENT) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_heap_of_a_few_pages_succeeds() {
+        assert!(reserve_heap(16 * 4096));
+    }
+
+    #[test]
+    fn prefault_stack_returns_after_touching_its_maximum() {
+        // Runs on a thread with a known, large enough stack.
+        let handle = std::thread::Builder::new()
+            .stack_size(2 * STACK_PREFAULT_MAX)
+            .spawn(|| prefault_stack(usize::MAX))
+            .expect("spawn");
+
+        assert!(handle.join().is_ok());
+    }
+
+    #[test]
+    fn mallopt_accepts_the_largest_mmap_threshold_of_64_bit_glibc() {
+        assert!(mallopt(libc::M_MMAP_THRESHOLD, 32 << 20));
+    }
+}

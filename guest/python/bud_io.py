@@ -1,0 +1,598 @@
+"""A job's standard streams in a clone: mailbox output areas, stdin, and fd-level capture.
+
+What this module owns
+---------------------
+- :class:`Areas`: the stdout and stderr areas of the mailbox (``vmm/src/protocol.rs``,
+  ``result``) and the FLUSH doorbell. Bytes are copied into the area at its fill counter
+  (``RESULT_STDOUT_LEN`` / ``RESULT_STDERR_LEN``); a full area rings FLUSH, the host copies
+  both areas out, zeroes both counters and resumes us, and the copy continues from 0.
+  Output also streams: a write or flush rings FLUSH when output is pending and the last FLUSH
+  (or the job's start) is at least :data:`STREAM_INTERVAL` ago, so a long job's output
+  reaches the host while it runs, at most ~20 doorbells a second. Writing is user-mode
+  memory copies and ``perf_counter`` (a vDSO read): **no syscalls, no fresh pages** (the
+  mailbox is locked and touched before READY).
+- :class:`AreaWriter` / :class:`StdinReader`: the binary layers under the job's
+  ``sys.stdout`` / ``sys.stderr`` / ``sys.stdin``, built by :func:`make_streams` with the
+  text settings ``python3 -c`` has here (see there).
+- :class:`FdCapture`: what happens *below* Python's level. fds 0, 1 and 2 of the worker
+  (and so of every process a job starts) are anonymous files on /tmp (``O_TMPFILE``), made
+  before READY and empty in the template. fd-level output (``os.write(1, ...)``, a
+  subprocess, ``os.system``, a shell job) lands in them and is copied into the areas by
+  :meth:`FdCapture.sync`: one ``fstat`` per stream, plus one ``preadv`` straight into the
+  area when the file grew. The job's stdin is written to the stdin file (one ``pwrite``
+  from the mailbox) only when something below Python's level may read fd 0.
+
+When fd-level output is collected (the zero-syscall rule)
+--------------------------------------------------------
+A job that never goes below Python's level must not pay for fd capture, so ``sync`` runs
+only when the job *may* have written at fd level, as far as cheap signals tell:
+- an audit event (``sys.addaudithook``, installed by the job runner) that starts a process
+  or loads native code: ``subprocess.Popen``, ``os.system``, ``os.posix_spawn*``,
+  ``os.fork``, ``os.forkpty``, ``os.exec``, ``os.spawn``, ``pty.spawn``, ``ctypes.*``; and
+  ``open`` of an fd number or of a path under /dev or /proc (``/dev/stdout``,
+  ``/proc/self/fd/1``). These make the capture *sticky*: a process or file object may write
+  at any time, so from then on both streams are synced before each streaming FLUSH, before
+  a Python-level write at most every STREAM_INTERVAL, and at the job's end.
+- ``os.write`` is not audited, so :func:`install_os_wrappers` replaces ``os.write``,
+  ``os.writev``, ``os.pwrite``, ``os.pwritev``, ``os.sendfile``, ``os.splice`` and
+  ``os.copy_file_range`` with thin wrappers that mark the capture dirty and call the
+  original (``posix.write`` itself is untouched). ``fileno()`` of the job's streams marks it
+  too (``os.write(sys.stdout.fileno(), ...)``, ``subprocess.run(..., stdout=sys.stdout)``,
+  ``faulthandler``). A dirty stream is synced before the next Python-level write to it, so
+  ``os.write`` and ``print(..., flush=True)`` keep their order.
+- Missed, by design: native code that writes fds 1/2 without any of the above (a C
+  extension calling ``write(1, ...)``; none is in the image), and output of background
+  processes that outlive the job.
+
+Ordering between Python-level and fd-level output is approximate: fd-level bytes are
+copied in at the sync points above, so they land after Python output that was already in
+the area and before Python output still buffered in the text layer (which is where
+``python3`` itself would put them for block-buffered stdout on a pipe).
+
+What this module must never do: syscalls on the path of a job that stays at Python's level,
+or ring anything but FLUSH (DONE belongs to the job runner). In a forked child (the mailbox
+is MADV_DONTFORK, so it is not mapped there) it never touches the mailbox or the doorbell:
+the writers fall back to plain ``os.write`` on fds 1/2, which the parent collects.
+"""
+
+import functools
+import io
+import os
+import struct
+import sys
+import threading
+import time
+
+import _bud
+
+# Output pending for this long (since the last FLUSH or the job's start) is pushed to the
+# host by the next write or flush. Bounds doorbells to ~20 a second while streaming.
+STREAM_INTERVAL = 0.05
+
+STDOUT, STDERR = 0, 1
+
+# perf_counter() marks of this clone's job path (vDSO reads: no syscalls), for measuring it
+# from inside a job: ``import bud_io; print(bud_io.MARKS)``. bud_jobs sets resumed (serve()
+# entered), identity (clock and CRNG done), started (job about to run), finished (set just
+# before DONE: only threads and atexit handlers see it); bud_shell adds the shell's steps.
+MARKS = {}
+
+# Protocol offsets (vmm/src/protocol.rs via _bud).
+_AREAS = (
+    (_bud.RESULT_STDOUT_AREA, _bud.RESULT_STDOUT_AREA_END),
+    (_bud.RESULT_STDERR_AREA, _bud.RESULT_STDERR_AREA_END),
+)
+# STDOUT_LEN and STDERR_LEN are adjacent u32s: one 'I' view over both.
+assert _bud.RESULT_STDERR_LEN == _bud.RESULT_STDOUT_LEN + 4
+
+# Audit events after which fd-level output is possible at any time (see the module docs).
+STICKY_EVENTS = frozenset(
+    {
+        "subprocess.Popen",
+        "os.system",
+        "os.posix_spawn",
+        "os.posix_spawnp",
+        "os.fork",
+        "os.forkpty",
+        "os.exec",
+        "os.spawn",
+        "pty.spawn",
+    }
+)
+# ...of which these create a process (the job runner retires its parked shell first).
+PROCESS_EVENTS = STICKY_EVENTS
+
+# os functions that write to a descriptor; wrapped to mark the capture dirty.
+OS_WRITERS = ("write", "writev", "pwrite", "pwritev", "sendfile", "splice", "copy_file_range")
+# os functions that read a descriptor; wrapped to put the job's stdin into fd 0 first.
+OS_READERS = ("read", "readv")
+
+# glibc's O_TMPFILE (Python has it as os.O_TMPFILE on Linux).
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
+
+
+class Areas:
+    """The two output areas of the mailbox, their fill counters and the FLUSH doorbell.
+
+    ``ring(code, a, b)`` is ``_bud.ring`` in a guest, a fake host in tests. ``capture`` (an
+    :class:`FdCapture` or None) is synced before each streaming FLUSH. Thread-safe: one
+    re-entrant lock around every copy (jobs may print from several threads).
+    """
+
+    def __init__(self, view, ring, clock=time.perf_counter):
+        self._view = view
+        self._lens = view[_bud.RESULT_STDOUT_LEN : _bud.RESULT_STDOUT_LEN + 8].cast("I")
+        self._ring = ring
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.capture = None
+        # Streaming FLUSHes are off between jobs and while the runner finishes a job (DONE
+        # follows at once and drains the areas anyway).
+        self.streaming = False
+        self.last_flush = 0.0
+        # True in a forked child: the mailbox is not mapped there (MADV_DONTFORK).
+        self.forked = False
+
+    def start(self):
+        """A job starts now: its output streams from here."""
+        self.last_flush = self._clock()
+        self.streaming = True
+
+    def reset(self):
+        """Empties both areas without telling the host (between warm-up jobs only)."""
+        self._lens[STDOUT] = 0
+        self._lens[STDERR] = 0
+        self.streaming = False
+
+    def pending(self):
+        """Bytes waiting in (stdout, stderr)."""
+        return self._lens[STDOUT], self._lens[STDERR]
+
+    def write(self, stream, data):
+        """Copies all of ``data`` (any bytes-like object) into ``stream``'s area; returns its
+        length. Rings FLUSH as often as the area fills up."""
+        if type(data) is not bytes:  # TextIOWrapper hands over bytes: the fast path
+            data = memoryview(data).cast("B")
+        n = len(data)
+        lock = self._lock
+        lock.acquire()
+        try:
+            capture = self.capture
+            if capture is not None and (capture.sticky or capture.dirty[stream]):
+                if capture.wants_sync(stream):
+                    capture.sync(self, stream)
+            start, end = _AREAS[stream]
+            pos = self._lens[stream]
+            if n <= end - start - pos:
+                self._view[start + pos : start + pos + n] = data
+                self._lens[stream] = pos + n
+            else:
+                self._write_in_pieces(stream, memoryview(data), start, end)
+            if self.streaming and self._clock() - self.last_flush >= STREAM_INTERVAL:
+                self.stream_now()
+        finally:
+            lock.release()
+        return n
+
+    def _write_in_pieces(self, stream, m, start, end):
+        """``write`` for data larger than the room left: fill, FLUSH, repeat."""
+        lens = self._lens
+        done = 0
+        while done < len(m):
+            pos = lens[stream]
+            k = min(end - start - pos, len(m) - done)
+            if k <= 0:
+                self.flush_now()
+                continue
+            self._view[start + pos : start + pos + k] = m[done : done + k]
+            lens[stream] = pos + k
+            done += k
+
+    def fill_from_fd(self, stream, fd, offset, count):
+        """Copies ``count`` bytes at ``offset`` of file ``fd`` straight into ``stream``'s
+        area (``preadv`` into the mailbox: no buffer in between). Returns the bytes copied
+        (fewer if the file is shorter)."""
+        with self._lock:
+            start, end = _AREAS[stream]
+            lens = self._lens
+            done = 0
+            while done < count:
+                pos = lens[stream]
+                k = min(end - start - pos, count - done)
+                if k <= 0:
+                    self.flush_now()
+                    continue
+                got = os.preadv(fd, [self._view[start + pos : start + pos + k]], offset + done)
+                if got <= 0:
+                    break
+                lens[stream] = pos + got
+                done += got
+            return done
+
+    def maybe_stream(self):
+        """Rings FLUSH if output is pending and the last FLUSH is STREAM_INTERVAL ago."""
+        if (
+            self.streaming
+            and (self._lens[STDOUT] or self._lens[STDERR])
+            and self._clock() - self.last_flush >= STREAM_INTERVAL
+        ):
+            self.stream_now()
+
+    def stream_now(self):
+        """Collects fd-level output if there may be any, then rings FLUSH if anything is
+        pending (used by the shell runner's wait loop and by maybe_stream)."""
+        with self._lock:
+            capture = self.capture
+            if capture is not None and capture.may_have_output():
+                capture.sync(self, STDOUT)
+                capture.sync(self, STDERR)
+            if self._lens[STDOUT] or self._lens[STDERR]:
+                self.flush_now()
+
+    def flush_now(self):
+        """Rings FLUSH: the host drains both areas and zeroes both counters."""
+        with self._lock:
+            self._ring(_bud.FLUSH, 0, 0)
+            self.last_flush = self._clock()
+
+    def after_fork_in_child(self):
+        """In a forked child: never touch the mailbox again (see the module docs)."""
+        self.forked = True
+        self.streaming = False
+        self._lock = threading.RLock()  # another thread may have held it at the fork
+
+
+class AreaWriter(io.BufferedIOBase):
+    """The binary layer of the job's ``sys.stdout`` / ``sys.stderr``: writes go into the
+    mailbox area (``sys.stdout.buffer.write(b)`` works too). ``flush()`` lets output stream
+    (see :meth:`Areas.maybe_stream`). ``fileno()`` is the real fd 1 or 2, whose output is
+    captured below Python's level, and marks that capture dirty."""
+
+    def __init__(self, areas, stream, fd, name):
+        super().__init__()
+        self._areas = areas
+        self._stream = stream
+        self._fd = fd
+        self._name = name
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def mode(self):
+        return "wb"
+
+    @property
+    def raw(self):
+        return self
+
+    def writable(self):
+        return True
+
+    def readable(self):
+        return False
+
+    def seekable(self):
+        return False
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        capture = self._areas.capture
+        if capture is not None:
+            capture.mark_dirty(self._stream)
+        return self._fd
+
+    def write(self, data):
+        if self.closed:
+            raise ValueError("write to closed file")
+        areas = self._areas
+        if areas.forked:
+            return _write_all_fd(self._fd, data)
+        return areas.write(self._stream, data)
+
+    def flush(self):
+        if self.closed:
+            raise ValueError("flush of closed file")
+        areas = self._areas
+        if areas.streaming:
+            areas.maybe_stream()
+
+
+class StdinReader(io.RawIOBase):
+    """The raw layer of the job's ``sys.stdin``: reads the job's stdin straight from the
+    request data area of the mailbox, no copy up front. ``fileno()`` is the real fd 0,
+    filled with what Python has not read yet (as a real fd 0 would hold)."""
+
+    def __init__(self):
+        super().__init__()
+        self._data = memoryview(b"")
+        self._pos = 0
+        self._capture = None
+        self._forked = False
+
+    def attach(self, data, capture):
+        """The job's stdin bytes (a memoryview on the mailbox) and the fd capture."""
+        self._data = data
+        self._pos = 0
+        self._capture = capture
+
+    def remaining(self):
+        """What Python-level reads have not consumed (read-ahead counts as consumed)."""
+        return self._data[self._pos :]
+
+    @property
+    def name(self):
+        return "<stdin>"
+
+    @property
+    def mode(self):
+        return "rb"
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        if self._capture is not None:
+            self._capture.materialize_stdin()
+        return 0
+
+    def after_fork_in_child(self):
+        """In a forked child the mailbox is not mapped: read the real fd 0 (the parent
+        wrote the unread stdin there when it saw the fork)."""
+        self._forked = True
+        self._data = memoryview(b"")
+
+    def readinto(self, buffer):
+        if self._forked:
+            return _ORIGINAL["readv"](0, [buffer])
+        with memoryview(buffer) as dest:
+            if dest.ndim != 1 or dest.format != "B":
+                dest = dest.cast("B")
+            k = min(len(dest), len(self._data) - self._pos)
+            dest[:k] = self._data[self._pos : self._pos + k]
+            self._pos += k
+            return k
+
+    def readall(self):
+        if self._forked:
+            return super().readall()
+        chunk = bytes(self._data[self._pos :])
+        self._pos = len(self._data)
+        return chunk
+
+
+def _write_all_fd(fd, data):
+    with memoryview(data) as m:
+        if m.ndim != 1 or m.format != "B":
+            m = m.cast("B")
+        done = 0
+        while done < len(m):
+            done += _ORIGINAL["write"](fd, m[done:])
+        return done
+
+
+class Streams:
+    """One job's stdin, stdout and stderr: the text layers and the objects under them."""
+
+    def __init__(self, stdin, stdout, stderr, reader, out, err):
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.reader, self.out, self.err = reader, out, err
+
+    def install(self):
+        """Makes these the job's ``sys.std*`` and ``sys.__std*__``."""
+        sys.stdin = sys.__stdin__ = self.stdin
+        sys.stdout = sys.__stdout__ = self.stdout
+        sys.stderr = sys.__stderr__ = self.stderr
+
+
+def make_streams(areas, text_settings):
+    """The job's text streams, as ``python3 -c`` sets them up for a non-tty in this
+    environment (``text_settings`` = (encoding, errors) for stdin, stdout, stderr; see
+    :func:`python_text_settings`): stdout block-buffered (TextIOWrapper's own 8 KiB pending
+    buffer), stderr line-buffered, stdin buffered; ``newline="\\n"`` (no translation), as
+    CPython's ``create_stdio`` does on POSIX. The areas are the buffer, so there is no
+    BufferedWriter in between."""
+    (in_enc, in_err), (out_enc, out_err), (err_enc, err_err) = text_settings
+    reader = StdinReader()
+    out = AreaWriter(areas, STDOUT, 1, "<stdout>")
+    err = AreaWriter(areas, STDERR, 2, "<stderr>")
+    stdin = io.TextIOWrapper(
+        io.BufferedReader(reader), encoding=in_enc, errors=in_err, newline="\n"
+    )
+    stdout = io.TextIOWrapper(out, encoding=out_enc, errors=out_err, newline="\n")
+    stderr = io.TextIOWrapper(
+        err, encoding=err_enc, errors=err_err, newline="\n", line_buffering=True
+    )
+    for stream, mode in ((stdin, "r"), (stdout, "w"), (stderr, "w")):
+        stream.mode = mode
+    return Streams(stdin, stdout, stderr, reader, out, err)
+
+
+def python_text_settings():
+    """(encoding, errors) of stdin, stdout and stderr that this interpreter chose for its
+    own streams: what ``python3 -c`` in the same environment would have (in the guest's
+    C.UTF-8: utf-8 with surrogateescape, stderr backslashreplace)."""
+    settings = []
+    for stream, errors in (
+        (sys.__stdin__, "surrogateescape"),
+        (sys.__stdout__, "surrogateescape"),
+        (sys.__stderr__, "backslashreplace"),
+    ):
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        settings.append((encoding, getattr(stream, "errors", None) or errors))
+    return tuple(settings)
+
+
+def _open_tmpfile(directory, flags):
+    """An anonymous file in ``directory`` (O_TMPFILE; a named file unlinked at once where
+    the file system lacks it)."""
+    try:
+        return os.open(directory, _O_TMPFILE | flags, 0o600)
+    except OSError:
+        path = os.path.join(directory, f".bud-capture-{os.getpid()}-{flags}")
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        return fd
+
+
+class FdCapture:
+    """fds 0, 1, 2 of this process as anonymous files, and copying what lands in 1 and 2
+    into the output areas (see the module docs for when)."""
+
+    def __init__(self, directory="/tmp", clock=time.perf_counter):
+        self._clock = clock
+        # Saved before the redirection: the console (worker diagnostics, crash dumps).
+        self.console_out = os.dup(1)
+        self.console_err = os.dup(2)
+        # Our own descriptors on the three files (close-on-exec): a job may dup2 over 0-2.
+        self.stdin_fd = _open_tmpfile(directory, os.O_RDWR)
+        self._fds = (
+            _open_tmpfile(directory, os.O_RDWR | os.O_APPEND),
+            _open_tmpfile(directory, os.O_RDWR | os.O_APPEND),
+        )
+        for fd, target in ((self.stdin_fd, 0), (self._fds[0], 1), (self._fds[1], 2)):
+            os.dup2(fd, target)  # inheritable: every process a job starts gets them
+        self._consumed = [0, 0]
+        self.dirty = [False, False]  # per stream: fd-level output may be waiting
+        self._last_sync = [0.0, 0.0]
+        self.sticky = False
+        self._stdin_source = None  # a StdinReader while a job runs
+        self._stdin_done = False
+
+    def begin(self, stdin_reader):
+        """A job starts: ``stdin_reader`` holds its stdin (written to fd 0 on demand)."""
+        self._stdin_source = stdin_reader
+        self._stdin_done = False
+
+    def reset(self):
+        """Back to empty files (between warm-up jobs; a clone never needs this)."""
+        for fd in (self.stdin_fd, *self._fds):
+            os.ftruncate(fd, 0)
+        os.lseek(self.stdin_fd, 0, os.SEEK_SET)
+        self._consumed = [0, 0]
+        self.dirty = [False, False]
+        self.sticky = False
+        self._stdin_source = None
+        self._stdin_done = False
+
+    def mark_dirty(self, stream=None):
+        """fd-level output may be waiting in ``stream`` (both if None)."""
+        if stream is None:
+            self.dirty[STDOUT] = self.dirty[STDERR] = True
+        else:
+            self.dirty[stream] = True
+
+    def mark_sticky(self):
+        """A process or a file object on fds 1/2 may write at any time from now on."""
+        self.sticky = True
+        self.mark_dirty()
+
+    def may_have_output(self):
+        return self.sticky or self.dirty[STDOUT] or self.dirty[STDERR]
+
+    def wants_sync(self, stream):
+        """Before a Python-level write to ``stream``: sync it first? (keeps order)"""
+        if self.dirty[stream]:
+            return True
+        return self.sticky and self._clock() - self._last_sync[stream] >= STREAM_INTERVAL
+
+    def sync(self, areas, stream):
+        """Copies what fd-level writers appended to ``stream``'s file into its area."""
+        fd = self._fds[stream]
+        self.dirty[stream] = False
+        if self.sticky:  # the clock is only consulted for sticky captures
+            self._last_sync[stream] = self._clock()
+        size = os.fstat(fd).st_size
+        if size < self._consumed[stream]:
+            self._consumed[stream] = 0  # truncated (`: > /dev/stdout`): start again
+        count = size - self._consumed[stream]
+        if count > 0:
+            self._consumed[stream] += areas.fill_from_fd(
+                stream, fd, self._consumed[stream], count
+            )
+
+    def sync_all(self, areas):
+        """Both streams, if there may be anything (the job's end, os._exit)."""
+        if self.may_have_output():
+            self.sync(areas, STDOUT)
+            self.sync(areas, STDERR)
+
+    def materialize_stdin(self):
+        """Writes the job's unread stdin into the stdin file, once: from now on fd 0 (in
+        this process and in every process it starts) reads it."""
+        if self._stdin_done or self._stdin_source is None:
+            return
+        self._stdin_done = True
+        data = self._stdin_source.remaining()
+        done = 0
+        while done < len(data):
+            done += _ORIGINAL["pwrite"](self.stdin_fd, data[done:], done)
+
+
+# The os functions as they were before install_os_wrappers (the worker uses these).
+_ORIGINAL = {name: getattr(os, name) for name in OS_WRITERS + OS_READERS + ("_exit",)
+             if hasattr(os, name)}
+
+
+def install_os_wrappers(state):
+    """Wraps the ``os`` writers (mark the capture dirty), readers (fd 0: materialize the
+    job's stdin first) and ``os._exit`` (copy fd-level output into the areas first, as
+    those bytes would already be in a pipe). ``state`` is the job runner: its ``capture``
+    and ``active`` attributes are looked up on each call. Idempotent."""
+    if getattr(os.write, "__bud_wrapper__", False):
+        return
+
+    def writer(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if state.active:
+                fd = args[0] if args else kwargs.get("fd", kwargs.get("out_fd"))
+                state.capture.mark_dirty(STDERR if fd == 2 else STDOUT if fd == 1 else None)
+            return original(*args, **kwargs)
+
+        wrapper.__bud_wrapper__ = True
+        return wrapper
+
+    def reader(original):
+        @functools.wraps(original)
+        def wrapper(fd, *args, **kwargs):
+            if fd == 0 and state.active:
+                state.capture.materialize_stdin()
+            return original(fd, *args, **kwargs)
+
+        wrapper.__bud_wrapper__ = True
+        return wrapper
+
+    def exit_(original):
+        @functools.wraps(original)
+        def wrapper(status):
+            if state.active and not state.areas.forked:
+                try:
+                    state.capture.sync_all(state.areas)
+                except BaseException:  # noqa: BLE001 - exiting regardless
+                    pass
+            _ORIGINAL["_exit"](status)
+
+        wrapper.__bud_wrapper__ = True
+        return wrapper
+
+    for name in OS_WRITERS:
+        if name in _ORIGINAL:
+            setattr(os, name, writer(_ORIGINAL[name]))
+    for name in OS_READERS:
+        setattr(os, name, reader(_ORIGINAL[name]))
+    os._exit = exit_(_ORIGINAL["_exit"])
+
+
+def write_u32_pair(view, offset, first, second):
+    """Two little-endian 32-bit fields (u32, i32) at ``offset`` (OUTCOME, EXIT_CODE)."""
+    struct.pack_into("<Ii", view, offset, first, second)

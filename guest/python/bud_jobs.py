@@ -1,0 +1,525 @@
+"""The job protocol, guest side: from ``ready()`` returning in a clone to the DONE doorbell.
+
+The layout is ``vmm/src/protocol.rs`` (``job``, ``result``, ``outcome``), read through the
+constants ``_bud`` exports; the host side is ``vmm/src/job.rs``. A clone runs exactly one
+job: :meth:`JobRunner.serve` reads the request from the mailbox, gives the clone its own
+identity, runs the job, writes ``OUTCOME`` / ``EXIT_CODE`` and rings DONE, and rings DONE
+again every time it is resumed after that (it never runs a second job).
+
+Per-clone identity (:class:`Identity`), before the job: the wall clock from
+``job::WALL_CLOCK_NS`` (``clock_settime``, skipped when the clock is already within
+CLOCK_TOLERANCE_NS), ``job::SEED`` mixed into the kernel CRNG (``RNDADDENTROPY`` crediting
+256 bits, then ``RNDRESEEDCRNG``, on a /dev/urandom descriptor opened before READY) and into
+Python's global ``random``. Three syscalls, the only ones on a pure-Python job's path, and
+the dearest part of it: measured in the guest, the reseed runs the kernel's generic BLAKE2s
+in the emulator (several ms), the clock ~1-3 ms. Clones of one template still share CPython's hash seed
+(``PYTHONHASHSEED`` is fixed at interpreter start): set and dict iteration orders of str
+keys are the same in every clone.
+
+Python jobs (:meth:`JobRunner._run_python`) get ``python3 -c CODE ARG...`` semantics in
+this very process: a fresh ``__main__``, ``sys.argv == ['-c', *args]``, ``''`` at the front
+of ``sys.path``, the job's environment in ``os.environ``, std streams from ``bud_io`` (the
+mailbox areas, no syscalls), ``SystemExit`` / uncaught-exception handling and exit codes
+as CPython's ``pymain``/``PyErr_Print`` do (the traceback printed by ``sys.excepthook``,
+without the worker's own frame), then interpreter-exit order: non-daemon threads joined,
+``atexit`` handlers, fd-level output collected, text layers flushed. An uncaught
+``MemoryError`` is ``OUT_OF_MEMORY`` (exit code 1); an uncaught ``KeyboardInterrupt`` is
+SIGNALED(SIGINT), as python3 re-raises it as a signal. Not reproduced: ``sys.flags``
+(the worker runs with ``-s -P``), and ``os.exec*`` from a job (it replaces the worker: the
+job ends as the agent's FAILED(WORKER_EXITED), and its fd-level output is not collected).
+
+Shell jobs: ``bud_shell`` (a shell parked before READY). Everything a job could touch for
+the first time on this path (stream objects, the ``__main__`` module, the audit hook, the
+os wrappers, the shell) is created and exercised by :meth:`JobRunner.prepare`, before READY.
+
+What this module must never do: enter the kernel on a pure-Python job's path beyond the
+identity syscalls, run anything after DONE, or ring from a forked child.
+"""
+
+import atexit
+import builtins
+import fcntl
+import faulthandler
+import os
+import posix
+import random
+import signal
+import struct
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import _bud
+import bud_io
+import bud_shell
+
+# include/uapi/linux/random.h: RNDADDENTROPY = _IOW('R', 0x03, int[2]),
+# RNDRESEEDCRNG = _IO('R', 0x07).
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+SEED_ENTROPY_BITS = _bud.JOB_SEED_LEN * 8
+
+# The clock is set only when it is off by more than this: a host that restores the guest's
+# clock itself (kvm-clock moved on by the time since the snapshot) saves the clone a
+# clock_settime (1-3 ms of emulated kernel here). A right clock reads WALL_CLOCK_NS plus the
+# time from writing the request to this check (well under this).
+CLOCK_TOLERANCE_NS = 20_000_000
+
+# The job's outcome when the worker itself failed to run it (its stderr says why).
+EXIT_INTERNAL = 70
+
+MARKS = bud_io.MARKS  # timing marks of the job path (see bud_io)
+
+# LANGUAGE, CODE_LEN, STDIN_LEN, ARGC, ARGS_LEN, ENVC, ENV_LEN: seven adjacent u32s.
+_REQUEST_HEADER = struct.Struct("<7I")
+assert _bud.JOB_ENV_LEN == _bud.JOB_LANGUAGE + 6 * 4
+_WALL_CLOCK = struct.Struct("<Q")
+
+
+class ProtocolError(Exception):
+    """The request in the mailbox does not fit the protocol."""
+
+
+def _split(blob, count):
+    """``count`` NUL-terminated byte strings from ``blob``."""
+    parts = bytes(blob).split(b"\0")
+    if len(parts) != count + 1 or parts[-1]:
+        raise ProtocolError(f"expected {count} NUL-terminated strings")
+    return parts[:count]
+
+
+class Request:
+    """One job request, read from the mailbox. ``stdin`` is a memoryview on the mailbox
+    (not copied); the rest are bytes, args and env as lists."""
+
+    __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed")
+
+    def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b""):
+        self.language = language
+        self.code = code
+        self.stdin = memoryview(stdin)
+        self.args = list(args)
+        self.env = list(env)
+        self.wall_clock_ns = wall_clock_ns
+        self.seed = seed
+
+    @classmethod
+    def read(cls, view):
+        language, code_len, stdin_len, argc, args_len, envc, env_len = (
+            _REQUEST_HEADER.unpack_from(view, _bud.JOB_LANGUAGE)
+        )
+        if code_len + stdin_len + args_len + env_len > _bud.JOB_DATA_END - _bud.JOB_DATA:
+            raise ProtocolError("request data larger than its area")
+        at = _bud.JOB_DATA
+        code = bytes(view[at : at + code_len])
+        at += code_len
+        stdin = view[at : at + stdin_len]
+        at += stdin_len
+        args = _split(view[at : at + args_len], argc)
+        at += args_len
+        env = [entry.partition(b"=")[::2] for entry in _split(view[at : at + env_len], envc)]
+        (wall_clock_ns,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_WALL_CLOCK_NS)
+        seed = bytes(view[_bud.JOB_SEED : _bud.JOB_SEED + _bud.JOB_SEED_LEN])
+        return cls(language, code, stdin, args, env, wall_clock_ns, seed)
+
+
+class Identity:
+    """Makes a clone distinct: clock, kernel CRNG, Python's ``random`` (module docs).
+
+    ``enabled=False`` (host tests: the calls need root and would change the *host's* clock
+    and entropy pool) skips the clock and the ioctls; ``random`` is still reseeded."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+        self._urandom = os.open("/dev/urandom", os.O_RDONLY) if enabled else None
+
+    def apply(self, request, warn):
+        """Returns None, or why the clone must not run the job (its CRNG is the template's).
+        A failed clock is only a warning (``warn``): the job runs with the template's."""
+        seed = request.seed
+        random.seed(int.from_bytes(seed, "little"))
+        tempfile._name_sequence = None  # its own Random, seeded before READY
+        if not self.enabled:
+            return None
+        if abs(time.time_ns() - request.wall_clock_ns) > CLOCK_TOLERANCE_NS:
+            try:
+                time.clock_settime_ns(time.CLOCK_REALTIME, request.wall_clock_ns)
+            except OSError as error:
+                warn(f"clock_settime: {error}")
+        try:
+            info = struct.pack("ii", SEED_ENTROPY_BITS, len(seed)) + seed
+            fcntl.ioctl(self._urandom, RNDADDENTROPY, info)
+            fcntl.ioctl(self._urandom, RNDRESEEDCRNG)
+        except OSError as error:
+            return f"cannot reseed the kernel CRNG: {error}"
+        return None
+
+
+def _exit_status(error):
+    """The exit status of ``SystemExit`` as CPython's ``handle_system_exit`` makes it; a
+    non-integer code is printed to ``sys.stderr`` first."""
+    code = error.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF if -(2**63) <= code < 2**63 else 0xFF
+    try:
+        if sys.stderr is not None:
+            print(code, file=sys.stderr)
+    except Exception:  # noqa: BLE001 - as CPython: the status is 1 regardless
+        pass
+    return 1
+
+
+def _join_threads():
+    """Joins non-daemon threads until none is left (``threading._shutdown`` without
+    stopping the main thread, so that it can also run before READY)."""
+    me = threading.current_thread()
+    while True:
+        others = [t for t in threading.enumerate() if t is not me and not t.daemon]
+        if not others:
+            return
+        for thread in others:
+            thread.join()
+
+
+class _Context:
+    """What one job uses and a clone must not build after READY: its streams and its
+    ``__main__``."""
+
+    def __init__(self, areas, text_settings):
+        self.streams = bud_io.make_streams(areas, text_settings)
+        main = types.ModuleType("__main__")
+        main.__loader__ = builtins.__loader__
+        main.__annotations__ = {}
+        main.__builtins__ = builtins
+        self.main = main
+
+
+# Jobs run before READY through the same path as real ones (output to a fake host), so that
+# clones find their code paths warm: printing, stdin, argv/env, SystemExit, tracebacks,
+# syntax errors, fd-level output, FLUSH cycles.
+WARM_JOBS = (
+    (b"print(1+1)", b"", (), ()),
+    (
+        b"import os, sys\nprint(sys.stdin.read(), sys.argv, os.environ['BUD_WARM'], "
+        b"file=sys.stderr)\nsys.stdout.buffer.write(sys.stdin.buffer.read())\n"
+        b"raise SystemExit(3)",
+        b"line one\nline two\n",
+        (b"arg",),
+        ((b"BUD_WARM", b"1"),),
+    ),
+    (b"def f():\n    return 1 / 0\nf()", b"", (), ()),
+    (b"def broken(:", b"", (), ()),
+    (b"import os, sys\nos.write(1, b'fd\\n')\nprint('x' * 70000, end='')\nsys.exit('bye')",
+     b"", (), ()),
+)
+
+
+class JobRunner:
+    """Runs the one job of a clone. ``view``: the mailbox memoryview; ``ring``: ``_bud.ring``
+    (or a fake host); ``identity``: False on hosts (see :class:`Identity`)."""
+
+    def __init__(self, view, ring, *, identity=True, capture_dir="/tmp",
+                 shell=bud_shell.SHELL, clock=time.perf_counter):
+        self.view = view
+        self.ring = _from_any_thread(ring) if ring is _bud.ring else ring
+        self.areas = bud_io.Areas(view, self.ring, clock)
+        self.capture = bud_io.FdCapture(capture_dir, clock)
+        self.areas.capture = self.capture
+        self.identity = Identity(identity)
+        self.text_settings = bud_io.python_text_settings()
+        self.shell = bud_shell.ParkedShell(shell)
+        self.shell_path = shell
+        self.active = False
+        self.warnings = []
+        self._context = None
+        self._current = None
+
+    # ---- before READY
+
+    def prepare(self, park_shell=True):
+        """Everything before READY: hooks, the parked shell, warm-up jobs, and the objects
+        the clone's job will use. Returns the warm-up problems (empty when all went well)."""
+        faulthandler.enable(file=self.capture.console_err)
+        bud_io.install_os_wrappers(self)
+        sys.addaudithook(self._audit)
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        problems = []
+        if park_shell:
+            try:
+                self.shell.start()
+            except OSError as error:
+                problems.append(f"no parked shell ({error}); shell jobs will spawn one")
+        problems.extend(self._warm_up())
+        self._context = _Context(self.areas, self.text_settings)
+        return problems
+
+    def _warm_up(self):
+        bud_shell.job_script(b"echo 'hi'", [b"a b"], [(b"K", b"v")], 1)
+        Request.read(self.view)  # an all-zero request: exercises the reader
+        real_ring = self.areas._ring
+        self.areas._ring = self._warm_ring
+        problems = []
+        try:
+            for code, stdin, args, env in WARM_JOBS:
+                request = Request(_bud.LANGUAGE_PYTHON, code, stdin, args, env, 0, bytes(32))
+                saved = _save_interpreter_state()
+                try:
+                    random.seed(int.from_bytes(request.seed, "little"))
+                    self._run(request, _Context(self.areas, self.text_settings), warm=True)
+                except BaseException as error:  # noqa: BLE001 - reported, not fatal
+                    problems.append(f"warm job {code[:20]!r}: {error!r}")
+                finally:
+                    self.active = False
+                    _restore_interpreter_state(saved)
+                    self.areas.reset()
+                    self.capture.reset()
+        finally:
+            self.areas._ring = real_ring
+        return problems
+
+    def _warm_ring(self, code, a=0, b=0):
+        """The host's part of FLUSH, before READY: drop the output."""
+        del a, b
+        self.areas.reset()
+        self.areas.streaming = True
+        return code
+
+    # ---- in the clone
+
+    def serve(self):
+        """Runs the clone's job and reports it. Never returns: after DONE it rings DONE again
+        each time it is resumed."""
+        MARKS["resumed"] = time.perf_counter()
+        if self._context is None:
+            self._context = _Context(self.areas, self.text_settings)
+        try:
+            request = Request.read(self.view)
+            failure = self.identity.apply(request, self.warn)
+            MARKS["identity"] = time.perf_counter()
+            if failure is None:
+                outcome, code = self._run(request, self._context)
+            else:
+                outcome, code = self._internal_failure(failure)
+        except BaseException as error:  # noqa: BLE001 - a bug of ours: report, never hang
+            outcome, code = self._internal_failure(f"{type(error).__name__}: {error}")
+        MARKS["finished"] = time.perf_counter()
+        self.areas.streaming = False
+        bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
+        while True:
+            self.ring(_bud.DONE, 0, 0)
+
+    def warn(self, message):
+        """One line on the console (not the job's output)."""
+        self.warnings.append(message)
+        try:
+            posix.write(self.capture.console_err, f"bud-worker: {message}\n".encode())
+        except OSError:
+            pass
+
+    def _internal_failure(self, message):
+        self.warn(message)
+        try:
+            self.areas.streaming = False
+            self.areas.write(bud_io.STDERR, f"bud-worker: {message}\n".encode())
+        except BaseException:  # noqa: BLE001 - the outcome still goes out
+            pass
+        return _bud.OUTCOME_EXITED, EXIT_INTERNAL
+
+    def _run(self, request, context, warm=False):
+        self._current = context
+        context.streams.reader.attach(request.stdin, self.capture)
+        self.capture.begin(context.streams.reader)
+        self.active = True
+        self.areas.start()
+        MARKS["started"] = time.perf_counter()
+        if request.language == _bud.LANGUAGE_PYTHON:
+            return self._run_python(request, context, warm)
+        if request.language == _bud.LANGUAGE_SHELL:
+            return self._run_shell(request)
+        return self._internal_failure(f"unknown job language {request.language}")
+
+    # ---- Python jobs
+
+    def _run_python(self, request, context, warm):
+        source = request.code.decode("utf-8", "surrogateescape")
+        args = [os.fsdecode(arg) for arg in request.args]
+        sys.argv = ["-c", *args]
+        sys.orig_argv = [sys.orig_argv[0] if sys.orig_argv else "python3", "-c", source, *args]
+        sys.path.insert(0, "")
+        for name, value in request.env:
+            os.environb[name] = value
+        sys.modules["__main__"] = context.main
+        context.streams.install()
+        outcome, code = _exec_main(source, context.main.__dict__)
+        return self._finish_python(outcome, code, context, run_atexit=not warm)
+
+    def _finish_python(self, outcome, code, context, run_atexit):
+        """Interpreter exit, in ``Py_FinalizeEx``'s order."""
+        _join_threads()
+        if run_atexit:
+            atexit._run_exitfuncs()
+        if self.areas.forked:
+            _flush_text(context)
+            bud_io._ORIGINAL["_exit"](code)
+        self.areas.streaming = False
+        self.capture.sync_all(self.areas)
+        if not _flush_text(context) and outcome == _bud.OUTCOME_EXITED:
+            code = 120  # as python3 when flushing stdout fails at exit
+        return outcome, code
+
+    # ---- shell jobs
+
+    def _run_shell(self, request):
+        if b"\0" in request.code:
+            self.areas.write(bud_io.STDERR, b"sh: the script contains a NUL byte\n")
+            return _bud.OUTCOME_EXITED, 2
+        self.capture.materialize_stdin()
+        self.capture.mark_sticky()
+        result = None
+        if self.shell.parked:
+            seed = int.from_bytes(request.seed[:4], "little") & 0x7FFFFFFF
+            script = bud_shell.job_script(request.code, request.args, request.env, seed)
+            result = self.shell.run(script, self.areas)
+        if result is None:
+            waiter = bud_shell.spawn_shell(self.shell_path, request.code, request.args,
+                                           request.env)
+            result = waiter.wait(self.areas)
+        self.areas.streaming = False
+        self.capture.sync_all(self.areas)
+        return result
+
+    # ---- hooks
+
+    def _audit(self, event, args):
+        """sys.addaudithook: notices what may write below Python's level (bud_io docs).
+        Must never raise: that would fail the job's own operation."""
+        if not self.active:
+            return
+        try:
+            if event in bud_io.STICKY_EVENTS:
+                self.capture.mark_sticky()
+                self.capture.materialize_stdin()
+                if event in bud_io.PROCESS_EVENTS and not self.areas.forked:
+                    self.shell.retire()
+            elif event == "open":
+                path = args[0]
+                if isinstance(path, int) or (
+                    isinstance(path, (str, bytes)) and path[:5] in ("/dev/", b"/dev/", "/proc",
+                                                                     b"/proc")
+                ):
+                    self.capture.mark_sticky()
+                    self.capture.materialize_stdin()
+            elif event.startswith("ctypes."):
+                self.capture.mark_sticky()
+        except BaseException as error:  # noqa: BLE001 - see above
+            self.warn(f"audit hook ({event}): {error!r}")
+
+    def _after_fork_in_child(self):
+        self.areas.after_fork_in_child()
+        if self._current is not None:
+            self._current.streams.reader.after_fork_in_child()
+
+
+def _from_any_thread(ring):
+    """``_bud.ring`` usable from threads a job starts: the kernel gives them the doorbell
+    permission (ioperm is inherited by new threads), but ``_bud`` only knows the threads
+    that called ``take_doorbell``, so a new thread's first ring takes it (one ioperm)."""
+
+    def ring_here(code, a=0, b=0):
+        try:
+            return ring(code, a, b)
+        except RuntimeError:
+            _bud.take_doorbell()
+            return ring(code, a, b)
+
+    return ring_here
+
+
+def _exec_main(source, namespace):
+    """Compiles and runs the job's code in ``namespace``; returns (outcome, exit status).
+
+    The ``try`` is in this frame, so the traceback of anything the job raises starts here:
+    dropping this one frame leaves exactly what ``python3 -c`` prints."""
+    try:
+        exec(compile(source, "<string>", "exec"), namespace)
+    except SystemExit as error:
+        return _bud.OUTCOME_EXITED, _exit_status(error)
+    except BaseException as error:  # noqa: BLE001 - every uncaught exception is reported
+        error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None
+        _print_uncaught(error)
+        if isinstance(error, MemoryError):
+            return _bud.OUTCOME_OUT_OF_MEMORY, 1
+        if isinstance(error, KeyboardInterrupt):
+            return _bud.OUTCOME_SIGNALED, signal.SIGINT
+        return _bud.OUTCOME_EXITED, 1
+    return _bud.OUTCOME_EXITED, 0
+
+
+def _print_uncaught(error):
+    """``PyErr_Print``: ``sys.last_*``, then ``sys.excepthook``; if the hook fails, both
+    tracebacks through the default hook."""
+    kind, tb = type(error), error.__traceback__
+    sys.last_type, sys.last_value, sys.last_traceback = kind, error, tb
+    try:
+        hook = sys.excepthook
+        hook(kind, error, tb)
+    except BaseException as hook_error:  # noqa: BLE001 - reported as CPython does
+        try:
+            if sys.stderr is not None:
+                print("Error in sys.excepthook:", file=sys.stderr)
+                sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
+                print("\nOriginal exception was:", file=sys.stderr)
+                sys.__excepthook__(kind, error, tb)
+        except BaseException:  # noqa: BLE001 - out of memory, closed stderr...
+            pass
+
+
+def _flush_text(context):
+    """Flushes ``sys.stdout``/``sys.stderr`` and the job's own text layers (a job may have
+    replaced the former); False if flushing stdout failed."""
+    ok = True
+    seen = set()
+    for stream in (sys.stdout, sys.stderr, context.streams.stdout, context.streams.stderr):
+        if stream is None or id(stream) in seen:
+            continue
+        seen.add(id(stream))
+        try:
+            if not getattr(stream, "closed", False):
+                stream.flush()
+        except Exception:  # noqa: BLE001 - as CPython: reported by the exit status only
+            if stream is sys.stdout:
+                ok = False
+    return ok
+
+
+def _save_interpreter_state():
+    """What a job changes in the interpreter (warm-up jobs are undone afterwards)."""
+    return (
+        list(sys.argv),
+        list(getattr(sys, "orig_argv", [])),
+        list(sys.path),
+        sys.modules.get("__main__"),
+        (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__),
+        dict(os.environb),
+    )
+
+
+def _restore_interpreter_state(saved):
+    argv, orig_argv, path, main, streams, environ = saved
+    sys.argv = argv
+    sys.orig_argv = orig_argv
+    sys.path[:] = path
+    sys.modules["__main__"] = main
+    (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__) = streams
+    for name in set(os.environb) - set(environ):
+        del os.environb[name]
+    for name, value in environ.items():
+        if os.environb.get(name) != value:
+            os.environb[name] = value
+    for name in ("last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            delattr(sys, name)

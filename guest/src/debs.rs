@@ -1,0 +1,344 @@
+//! The Debian packages the image is made of: fetched once with `apt-get download` into
+//! `<build>/debs/`, recorded with their exact versions and sha256 in `manifest.tsv`, and
+//! unpacked with `dpkg-deb -x`.
+//!
+//! When the manifest already covers every package of the recipe and each file still has its
+//! recorded sha256, nothing is fetched: no network, no apt. This module never installs anything
+//! on the host.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::hashes::{HashCache, HashError};
+use crate::host::{Apt, HostError};
+use crate::recipe::{package_name, package_version};
+use crate::run::{self, RunError};
+
+/// The record of the packages in use, inside the debs directory.
+pub const MANIFEST: &str = "manifest.tsv";
+/// Where `apt-get download` writes before files are checked and moved into place.
+const INCOMING: &str = "incoming";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DebError {
+    #[error("create {path}")]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("hash package")]
+    Hash(#[from] HashError),
+    #[error("download packages")]
+    Download(#[source] HostError),
+    #[error("list downloaded packages in {path}")]
+    ListIncoming {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("read control fields of {path}")]
+    Control {
+        path: PathBuf,
+        #[source]
+        source: RunError,
+    },
+    #[error("{path} has no Package or Version field")]
+    NoControlFields { path: PathBuf },
+    #[error("apt-get did not download `{0}`")]
+    NotDownloaded(String),
+    #[error("move {from} into the cache")]
+    Move {
+        from: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("write {path}")]
+    WriteManifest {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("remove stale {path}")]
+    RemoveStale {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("unpack {deb}")]
+    Extract {
+        deb: PathBuf,
+        #[source]
+        source: RunError,
+    },
+}
+
+/// One package as used: the exact version and the sha256 of its `.deb`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Package {
+    pub name: String,
+    pub version: String,
+    pub sha256: String,
+    /// File name inside the debs directory.
+    pub file: String,
+}
+
+impl Package {
+    fn to_line(&self) -> String {
+        format!(
+            "{}\t{}\t{}\t{}",
+            self.name, self.version, self.sha256, self.file
+        )
+    }
+
+    fn from_line(line: &str) -> Option<Package> {
+        if line.starts_with('#') {
+            return None;
+        }
+        let mut fields = line.split('\t');
+        let package = Package {
+            name: fields.next()?.to_owned(),
+            version: fields.next()?.to_owned(),
+            sha256: fields.next()?.to_owned(),
+            file: fields.next()?.to_owned(),
+        };
+        (fields.next().is_none() && !package.file.contains('/')).then_some(package)
+    }
+}
+
+/// Reads the manifest of `dir`; a missing or unreadable one is an empty cache.
+pub fn read_manifest(dir: &Path) -> Vec<Package> {
+    std::fs::read_to_string(dir.join(MANIFEST))
+        .map(|text| text.lines().filter_map(Package::from_line).collect())
+        .unwrap_or_default()
+}
+
+fn write_manifest(dir: &Path, packages: &[Package]) -> Result<(), DebError> {
+    let path = dir.join(MANIFEST);
+    let tmp = dir.join(format!("{MANIFEST}.tmp"));
+    let mut text = String::from("# name\tversion\tsha256\tfile\n");
+    for package in packages {
+        text.push_str(&package.to_line());
+        text.push('\n');
+    }
+    let write_err = |source| DebError::WriteManifest {
+        path: path.clone(),
+        source,
+    };
+    std::fs::write(&tmp, text).map_err(write_err)?;
+    std::fs::rename(&tmp, &path).map_err(write_err)
+}
+
+/// A cached package still good for `spec`: same name, pinned version if any, and a file
+/// whose sha256 is the recorded one.
+fn cached<'a>(
+    cache: &'a [Package],
+    spec: &str,
+    dir: &Path,
+    hashes: &mut HashCache,
+) -> Option<&'a Package> {
+    let package = cache.iter().find(|p| p.name == package_name(spec))?;
+    if package_version(spec).is_some_and(|v| v != package.version) {
+        return None;
+    }
+    let sha = hashes.sha256(&dir.join(&package.file)).ok()?;
+    (sha == package.sha256).then_some(package)
+}
+
+fn control_fields(deb: &Path) -> Result<(String, String), DebError> {
+    let mut cmd = Command::new("dpkg-deb");
+    cmd.arg("-f").arg(deb).args(["Package", "Version"]);
+    let out = run::stdout_of(&mut cmd, &mut |_| {}).map_err(|source| DebError::Control {
+        path: deb.to_owned(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&out);
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(|v| v.trim().into())
+    };
+    match (field("Package"), field("Version")) {
+        (Some(name), Some(version)) => Ok((name, version)),
+        _ => Err(DebError::NoControlFields {
+            path: deb.to_owned(),
+        }),
+    }
+}
+
+/// Downloads `specs` into `incoming/`, then moves each `.deb` into `dir` and describes it.
+fn download(
+    specs: &[String],
+    dir: &Path,
+    apt: &mut Apt,
+    hashes: &mut HashCache,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Package>, DebError> {
+    let incoming = dir.join(INCOMING);
+    let _ = std::fs::remove_dir_all(&incoming);
+    std::fs::create_dir_all(&incoming).map_err(|source| DebError::CreateDir {
+        path: incoming.clone(),
+        source,
+    })?;
+    apt.download(specs, &incoming, progress)
+        .map_err(DebError::Download)?;
+    let list_err = |source| DebError::ListIncoming {
+        path: incoming.clone(),
+        source,
+    };
+    let mut fetched = Vec::new();
+    for dirent in std::fs::read_dir(&incoming).map_err(list_err)? {
+        let from = dirent.map_err(list_err)?.path();
+        let (name, version) = control_fields(&from)?;
+        let file = from
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let to = dir.join(&file);
+        std::fs::rename(&from, &to).map_err(|source| DebError::Move { from, source })?;
+        let sha256 = hashes.sha256(&to)?;
+        fetched.push(Package {
+            name,
+            version,
+            sha256,
+            file,
+        });
+    }
+    let _ = std::fs::remove_dir(&incoming);
+    Ok(fetched)
+}
+
+/// Makes sure every package of `specs` is in `dir`, downloading only what the manifest does
+/// not already cover (`refresh` re-resolves everything). Returns the packages in spec order
+/// and rewrites the manifest to exactly them; `.deb` files nobody uses any more are removed.
+pub fn fetch(
+    specs: &[String],
+    dir: &Path,
+    apt: &mut Apt,
+    refresh: bool,
+    hashes: &mut HashCache,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Package>, DebError> {
+    std::fs::create_dir_all(dir).map_err(|source| DebError::CreateDir {
+        path: dir.to_owned(),
+        source,
+    })?;
+    let cache = if refresh {
+        Vec::new()
+    } else {
+        read_manifest(dir)
+    };
+    let missing: Vec<String> = specs
+        .iter()
+        .filter(|spec| cached(&cache, spec, dir, hashes).is_none())
+        .cloned()
+        .collect();
+    let fetched = if missing.is_empty() {
+        Vec::new()
+    } else {
+        progress(&format!("apt-get download {}", missing.join(" ")));
+        download(&missing, dir, apt, hashes, progress)?
+    };
+    let mut packages = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let name = package_name(spec);
+        let found = fetched.iter().chain(&cache).find(|p| p.name == name);
+        packages.push(
+            found
+                .cloned()
+                .ok_or_else(|| DebError::NotDownloaded(spec.clone()))?,
+        );
+    }
+    if !fetched.is_empty() || cache != packages {
+        write_manifest(dir, &packages)?;
+    }
+    remove_unused(dir, &packages)?;
+    Ok(packages)
+}
+
+fn remove_unused(dir: &Path, packages: &[Package]) -> Result<(), DebError> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for path in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if name.ends_with(".deb") && !packages.iter().any(|p| p.file == name) {
+            std::fs::remove_file(&path).map_err(|source| DebError::RemoveStale { path, source })?;
+        }
+    }
+    Ok(())
+}
+
+/// Unpacks every package into `dest` (which should be empty), in the given order.
+pub fn extract(
+    packages: &[Package],
+    dir: &Path,
+    dest: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), DebError> {
+    std::fs::create_dir_all(dest).map_err(|source| DebError::CreateDir {
+        path: dest.to_owned(),
+        source,
+    })?;
+    for package in packages {
+        let deb = dir.join(&package.file);
+        run::run(
+            Command::new("dpkg-deb").arg("-x").arg(&deb).arg(dest),
+            false,
+            progress,
+        )
+        .map_err(|source| DebError::Extract { deb, source })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifest_line_round_trips() {
+        let package = Package {
+            name: "zlib1g".into(),
+            version: "1:1.2.13.dfsg-1".into(),
+            sha256: "ab".repeat(32),
+            file: "zlib1g_1%3a1.2.13.dfsg-1_amd64.deb".into(),
+        };
+
+        let parsed = Package::from_line(&package.to_line());
+
+        assert_eq!(parsed, Some(package));
+        assert_eq!(
+            Package::from_line("# name\tversion\tsha256\tfile\textra"),
+            None
+        );
+        assert_eq!(Package::from_line("a\tb\tc\t../evil.deb"), None);
+    }
+
+    #[test]
+    fn cached_package_needs_matching_pin_and_hash() {
+        let dir = std::env::temp_dir().join(format!("bud-debs-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a.deb"), b"abc").unwrap();
+        let sha = crate::hashes::sha256_file(&dir.join("a.deb")).unwrap();
+        let mut hashes = HashCache::load(&dir.join("cache.tsv"));
+        let record = |sha: &str| Package {
+            name: "a".into(),
+            version: "1.0".into(),
+            sha256: sha.into(),
+            file: "a.deb".into(),
+        };
+        let good = [record(&sha)];
+        let bad = [record(&"0".repeat(64))];
+
+        assert!(cached(&good, "a", &dir, &mut hashes).is_some());
+        assert!(cached(&good, "a=1.0", &dir, &mut hashes).is_some());
+        assert!(cached(&good, "a=2.0", &dir, &mut hashes).is_none());
+        assert!(cached(&good, "b", &dir, &mut hashes).is_none());
+        assert!(cached(&bad, "a", &dir, &mut hashes).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,504 @@
+//! The guest initramfs: assembled from unpacked Debian packages, bud's agent, extension and
+//! Python modules, and the recipe in `guest/image/`, into an uncompressed `newc` cpio.
+//!
+//! This module owns the image layout (the `*_PATH` constants below are the contract with the
+//! agent and the VMM) and the input hash that decides whether an image is still current. Same
+//! inputs give the same bytes: entries are sorted, mtimes and owners fixed, pycs carry no
+//! timestamps. It never downloads anything; `debs.rs` does that first.
+
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::cpio::{self, CpioError, Entry, Tree};
+use crate::debs::{self, DebError, Package};
+use crate::hashes::{HashCache, HashError};
+use crate::libs::{self, ElfFile, LibError};
+use crate::python::{self, PythonError};
+use crate::recipe::{self, Busybox, Recipe, RecipeError};
+use crate::run::{self, RunError};
+use crate::stage::{StageError, Staging};
+
+/// Bump when the builder's own logic changes what it produces: part of the input hash.
+pub const BUILDER_VERSION: u32 = 2;
+
+/// The agent, run by the kernel as PID 1.
+pub const INIT_PATH: &str = "init";
+/// bud's Python modules (and the extension), importable once on `sys.path`.
+pub const BUD_PYTHON_DIR: &str = "usr/lib/bud";
+/// The `_bud` CPython extension module.
+pub const EXTENSION_PATH: &str = "usr/lib/bud/_bud.abi3.so";
+/// busybox itself; its applets are symlinks to this path.
+pub const BUSYBOX_PATH: &str = "bin/busybox";
+
+/// The archive inside the image work directory.
+pub const IMAGE_FILE: &str = "initramfs.cpio";
+/// Input hash, sha256 and size of the current archive.
+const KEY_FILE: &str = "initramfs.key";
+/// Every file of the image with its size, largest first.
+pub const CONTENTS_FILE: &str = "contents.txt";
+/// How many of the largest files a report lists.
+const REPORT_LARGEST: usize = 12;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("recipe")]
+    Recipe(#[from] RecipeError),
+    #[error("hash input")]
+    HashInput(#[from] HashError),
+    #[error("list {path}")]
+    ListInputs {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what} not found at {path}")]
+    MissingInput { what: &'static str, path: PathBuf },
+    #[error("unpack packages")]
+    Extract(#[source] DebError),
+    #[error("stage files")]
+    Stage(#[from] StageError),
+    #[error("list busybox applets")]
+    BusyboxList(#[source] RunError),
+    #[error("busybox has no `{0}` applet, which the recipe requires")]
+    MissingApplet(String),
+    #[error("strip debug sections of {path}")]
+    Strip {
+        path: PathBuf,
+        #[source]
+        source: RunError,
+    },
+    #[error("stage Python")]
+    Python(#[from] PythonError),
+    #[error("resolve shared libraries")]
+    Libs(#[from] LibError),
+    #[error("write archive {path}")]
+    Archive {
+        path: PathBuf,
+        #[source]
+        source: CpioError,
+    },
+    #[error("create {path}")]
+    Create {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("finish {path}")]
+    Finish {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Everything the image is made of.
+#[derive(Debug, Clone)]
+pub struct ImageInputs {
+    /// `guest/image`: recipe.toml and overlay/.
+    pub recipe_dir: PathBuf,
+    /// The agent binary (`target/guest/release/bud-agent`).
+    pub agent: PathBuf,
+    /// The extension (`target/guest/release/lib_bud.so`).
+    pub extension: PathBuf,
+    /// `guest/python`: bud's Python modules.
+    pub python_dir: PathBuf,
+    /// Where the `.deb` files of `packages` are.
+    pub debs_dir: PathBuf,
+    pub packages: Vec<Package>,
+}
+
+/// A finished image.
+#[derive(Debug, Clone)]
+pub struct Image {
+    pub path: PathBuf,
+    pub sha256: String,
+    pub size: u64,
+    /// The input hash it was built from.
+    pub input_key: String,
+    /// Set when this call built it; `None` when the recorded image was still current.
+    pub report: Option<ImageReport>,
+}
+
+/// What a build put in the image.
+#[derive(Debug, Clone)]
+pub struct ImageReport {
+    /// Archive entries, directories and links included.
+    pub entries: usize,
+    /// Bytes of regular-file contents per part of the image, largest first.
+    pub parts: Vec<(String, u64)>,
+    /// The largest files, largest first.
+    pub largest: Vec<(String, u64)>,
+    /// Every ELF file and what it loads.
+    pub elf_files: Vec<ElfFile>,
+}
+
+/// Sorted relative paths of the regular files under `dir`.
+fn files_under(dir: &Path) -> Result<Vec<String>, ImageError> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_owned()];
+    while let Some(current) = dirs.pop() {
+        let list_err = |source| ImageError::ListInputs {
+            path: current.clone(),
+            source,
+        };
+        for dirent in std::fs::read_dir(&current).map_err(list_err)? {
+            let dirent = dirent.map_err(list_err)?;
+            let file_type = dirent.file_type().map_err(list_err)?;
+            if file_type.is_dir() {
+                dirs.push(dirent.path());
+            } else if file_type.is_file() {
+                let path = dirent.path();
+                out.push(
+                    path.strip_prefix(dir)
+                        .unwrap_or(&path)
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn hash_of(hashes: &mut HashCache, path: &Path) -> Result<String, ImageError> {
+    Ok(hashes.sha256(path)?)
+}
+
+/// The input hash: the builder version, every recipe file, the packages (name, version,
+/// sha256), the agent, the extension and bud's Python modules (only the files staged, so a
+/// stray `__pycache__/` in guest/python does not force a rebuild).
+pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String, ImageError> {
+    for (what, path) in [("agent", &inputs.agent), ("extension", &inputs.extension)] {
+        if !path.is_file() {
+            return Err(ImageError::MissingInput {
+                what,
+                path: path.clone(),
+            });
+        }
+    }
+    let mut text = format!("bud-guest-image {BUILDER_VERSION}\n");
+    for rel in files_under(&inputs.recipe_dir)? {
+        text.push_str(&format!(
+            "recipe {rel} {}\n",
+            hash_of(hashes, &inputs.recipe_dir.join(&rel))?
+        ));
+    }
+    for p in &inputs.packages {
+        text.push_str(&format!("deb {} {} {}\n", p.name, p.version, p.sha256));
+    }
+    text.push_str(&format!("agent {}\n", hash_of(hashes, &inputs.agent)?));
+    text.push_str(&format!(
+        "extension {}\n",
+        hash_of(hashes, &inputs.extension)?
+    ));
+    for path in python::bud_modules(&inputs.python_dir)? {
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        text.push_str(&format!("python {name} {}\n", hash_of(hashes, &path)?));
+    }
+    Ok(hex::encode(Sha256::digest(text.as_bytes())))
+}
+
+/// The recorded image in `work_dir`, if its input key is `key` and the file is still there
+/// with the recorded size.
+fn current(work_dir: &Path, key: &str) -> Option<Image> {
+    let text = std::fs::read_to_string(work_dir.join(KEY_FILE)).ok()?;
+    let mut lines = text.lines();
+    let (input_key, sha256, size) = (lines.next()?, lines.next()?, lines.next()?.parse().ok()?);
+    let path = work_dir.join(IMAGE_FILE);
+    let on_disk = path.metadata().ok()?.len();
+    (input_key == key && on_disk == size).then(|| Image {
+        path,
+        sha256: sha256.to_owned(),
+        size,
+        input_key: key.to_owned(),
+        report: None,
+    })
+}
+
+/// Returns the image in `work_dir` if it is current for `inputs`, else builds it.
+pub fn ensure(
+    inputs: &ImageInputs,
+    work_dir: &Path,
+    hashes: &mut HashCache,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Image, ImageError> {
+    let key = input_key(inputs, hashes)?;
+    if let Some(image) = current(work_dir, &key) {
+        return Ok(image);
+    }
+    build(inputs, work_dir, &key, progress)
+}
+
+/// Builds the image into `work_dir/initramfs.cpio` (written to a temporary file and renamed)
+/// and records `key` for it.
+pub fn build(
+    inputs: &ImageInputs,
+    work_dir: &Path,
+    key: &str,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Image, ImageError> {
+    let recipe = Recipe::load(&inputs.recipe_dir)?;
+    std::fs::create_dir_all(work_dir).map_err(|source| ImageError::Create {
+        path: work_dir.to_owned(),
+        source,
+    })?;
+
+    progress("unpacking packages");
+    let unpacked = Staging::reset(&work_dir.join("unpacked"))?;
+    let root = unpacked.root();
+    debs::extract(&inputs.packages, &inputs.debs_dir, root, progress)
+        .map_err(ImageError::Extract)?;
+
+    progress("staging files");
+    let staging = Staging::reset(&work_dir.join("rootfs"))?;
+    stage_busybox(&recipe.busybox, root, &staging, progress)?;
+    staging.copy(&root.join(python::INTERPRETER), python::INTERPRETER)?;
+    for (from, to) in [
+        (&inputs.agent, INIT_PATH),
+        (&inputs.extension, EXTENSION_PATH),
+    ] {
+        staging.copy(from, to)?;
+        strip_debug(&staging.path(to), progress)?;
+    }
+    let bud_jobs = python::stage_bud_modules(&inputs.python_dir, BUD_PYTHON_DIR, &staging)?;
+    let overlay = inputs.recipe_dir.join(recipe::OVERLAY_DIR);
+    if overlay.exists() {
+        for rel in files_under(&overlay)? {
+            staging.copy(&overlay.join(&rel), &rel)?;
+        }
+    }
+    for dir in recipe.rootfs.dirs.keys() {
+        staging.mkdir(dir)?;
+    }
+    for (path, target) in &recipe.rootfs.links {
+        staging.symlink(path, target)?;
+    }
+
+    progress("compiling and packing the standard library with the guest's python");
+    let modules = python::stage_stdlib(&recipe.python, root, &staging, work_dir, progress)?;
+    progress(&format!(
+        "{modules} standard library modules, {} of bud",
+        bud_jobs.len()
+    ));
+    python::compile(root, &bud_jobs, true, work_dir, "bud", progress)?;
+
+    progress("resolving shared libraries");
+    let elf_files = libs::complete(&staging, root)?;
+    for file in elf_files.iter().filter(|f| f.runpath.is_some()) {
+        progress(&format!(
+            "note: /{} has a RUNPATH the image ignores",
+            file.path
+        ));
+    }
+
+    progress("writing the archive");
+    let mut tree = Tree::new();
+    let archive_err = |source| ImageError::Archive {
+        path: work_dir.join(IMAGE_FILE),
+        source,
+    };
+    tree.add_dir_tree(staging.root()).map_err(archive_err)?;
+    for (dir, mode) in &recipe.rootfs.dirs {
+        tree.insert(Entry::dir(dir, *mode)).map_err(archive_err)?;
+    }
+    for dev in &recipe.rootfs.char_devs {
+        tree.insert(Entry::char_dev(&dev.path, dev.mode, dev.major, dev.minor))
+            .map_err(archive_err)?;
+    }
+    tree.add_missing_parents();
+    let report = report(&tree, elf_files);
+    write_contents(work_dir, &report.largest_all)?;
+    let (sha256, size) = write_archive(tree, work_dir)?;
+    let key_text = format!("{key}\n{sha256}\n{size}\n");
+    write_atomically(&work_dir.join(KEY_FILE), key_text.as_bytes())?;
+    Ok(Image {
+        path: work_dir.join(IMAGE_FILE),
+        sha256,
+        size,
+        input_key: key.to_owned(),
+        report: Some(report.public),
+    })
+}
+
+/// Copies busybox and links every applet it lists, except the excluded ones, to it.
+fn stage_busybox(
+    recipe: &Busybox,
+    root: &Path,
+    staging: &Staging,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), ImageError> {
+    let busybox = root.join(BUSYBOX_PATH);
+    let list = run::stdout_of(Command::new(&busybox).arg("--list-full"), progress)
+        .map_err(ImageError::BusyboxList)?;
+    let list = String::from_utf8_lossy(&list);
+    let applets: Vec<(&str, &str)> = list
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|path| (path, path.rsplit_once('/').map_or(path, |(_, name)| name)))
+        .collect();
+    for required in &recipe.require {
+        if !applets.iter().any(|(_, name)| name == required) {
+            return Err(ImageError::MissingApplet(required.clone()));
+        }
+    }
+    for excluded in &recipe.exclude {
+        if !applets.iter().any(|(_, name)| name == excluded) {
+            progress(&format!(
+                "note: excluded applet `{excluded}` is not in this busybox"
+            ));
+        }
+    }
+    staging.copy(&busybox, BUSYBOX_PATH)?;
+    let target = format!("/{BUSYBOX_PATH}");
+    for (path, name) in applets {
+        if path != BUSYBOX_PATH && !recipe.exclude.iter().any(|e| e == name) {
+            staging.symlink(path, &target)?;
+        }
+    }
+    Ok(())
+}
+
+/// Drops the debug sections of a staged copy of bud's own binaries (cargo's release profile
+/// keeps line tables: about 90 % of the file). Symbols stay, so guest backtraces keep function
+/// names; the unstripped originals stay in the target directory for symbolizing.
+fn strip_debug(path: &Path, progress: &mut dyn FnMut(&str)) -> Result<(), ImageError> {
+    run::run(
+        Command::new("strip").arg("--strip-debug").arg(path),
+        false,
+        progress,
+    )
+    .map(|_| ())
+    .map_err(|source| ImageError::Strip {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Writes the tree to a temporary file, syncs and renames it into place; returns its sha256
+/// and size.
+fn write_archive(tree: Tree, work_dir: &Path) -> Result<(String, u64), ImageError> {
+    let path = work_dir.join(IMAGE_FILE);
+    let tmp = work_dir.join(format!("{IMAGE_FILE}.tmp"));
+    let file = std::fs::File::create(&tmp).map_err(|source| ImageError::Create {
+        path: tmp.clone(),
+        source,
+    })?;
+    let mut sink = HashingWriter {
+        inner: BufWriter::new(file),
+        hasher: Sha256::new(),
+    };
+    let size = tree
+        .write(&mut sink)
+        .map_err(|source| ImageError::Archive {
+            path: path.clone(),
+            source,
+        })?;
+    let finish_err = |source| ImageError::Finish {
+        path: path.clone(),
+        source,
+    };
+    let file = sink
+        .inner
+        .into_inner()
+        .map_err(|e| finish_err(e.into_error()))?;
+    file.sync_all().map_err(finish_err)?;
+    std::fs::rename(&tmp, &path).map_err(finish_err)?;
+    Ok((hex::encode(sink.hasher.finalize()), size))
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
+    let tmp = path.with_extension("tmp");
+    let finish_err = |source| ImageError::Finish {
+        path: path.to_owned(),
+        source,
+    };
+    std::fs::write(&tmp, bytes).map_err(finish_err)?;
+    std::fs::rename(&tmp, path).map_err(finish_err)
+}
+
+/// Passes bytes through while hashing them.
+struct HashingWriter<W: Write> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+struct FullReport {
+    public: ImageReport,
+    largest_all: Vec<(String, u64)>,
+}
+
+/// The parts of the image a report adds up, by path prefix; the first match wins.
+const PARTS: &[(&str, &str)] = &[
+    ("usr/bin/python3.11", "python interpreter"),
+    (
+        "usr/lib/python3.11/lib-dynload/",
+        "python extension modules",
+    ),
+    ("usr/lib/python311.zip", "python standard library (zip)"),
+    ("usr/lib/python3.11/", "python standard library landmark"),
+    ("usr/lib/bud/", "bud python modules + extension"),
+    ("init", "bud agent (/init)"),
+    ("bin/busybox", "busybox"),
+    ("lib/", "shared libraries"),
+    ("usr/lib/", "shared libraries"),
+];
+
+fn report(tree: &Tree, elf_files: Vec<ElfFile>) -> FullReport {
+    let mut files: Vec<(String, u64)> = Vec::new();
+    for entry in tree.entries() {
+        if let cpio::Kind::File(cpio::Data::Path(path)) = &entry.kind {
+            files.push((entry.path.clone(), path.metadata().map_or(0, |m| m.len())));
+        }
+    }
+    files.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut parts: Vec<(String, u64)> = Vec::new();
+    for (path, size) in &files {
+        let part = PARTS
+            .iter()
+            .find(|(prefix, _)| path.starts_with(prefix))
+            .map_or("other", |(_, name)| name);
+        match parts.iter_mut().find(|(name, _)| name == part) {
+            Some((_, total)) => *total += size,
+            None => parts.push((part.to_owned(), *size)),
+        }
+    }
+    parts.sort_by_key(|part| std::cmp::Reverse(part.1));
+    FullReport {
+        public: ImageReport {
+            entries: tree.entries().len(),
+            parts,
+            largest: files.iter().take(REPORT_LARGEST).cloned().collect(),
+            elf_files,
+        },
+        largest_all: files,
+    }
+}
+
+fn write_contents(work_dir: &Path, files: &[(String, u64)]) -> Result<(), ImageError> {
+    let mut text = String::new();
+    for (path, size) in files {
+        text.push_str(&format!("{size:>10} /{path}\n"));
+    }
+    write_atomically(&work_dir.join(CONTENTS_FILE), text.as_bytes())
+}

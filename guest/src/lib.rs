@@ -1,0 +1,22 @@
+//! bud's guest build: the kernel (through `scripts/build-kernel.sh`), the in-guest agent and
+//! Python extension (a nested cargo build), and the initramfs they boot from, assembled from
+//! Debian packages by a recipe in `guest/image/`.
+//!
+//! [`ensure`] is the entry point: it runs every step, each cached, and returns the
+//! [`GuestArtifacts`] a VM boots. This crate only builds files; it never boots anything.
+
+pub mod cpio;
+pub mod debs;
+pub mod elf;
+pub mod hashes;
+pub mod host;
+pub mod image;
+pub mod libs;
+pub mod pipeline;
+pub mod python;
+pub mod recipe;
+pub mod run;
+pub mod stage;
+pub mod zip;
+
+pub use pipeline::{BuildError, BuildOptions, GuestArtifacts, ensure};

@@ -1,0 +1,252 @@
+//! The declarative part of the image: `guest/image/recipe.toml`, parsed and checked.
+//!
+//! This module owns the recipe's schema and its path patterns. It never touches the staging
+//! tree; `image.rs` acts on what it says.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The recipe file, relative to the recipe directory.
+pub const RECIPE_FILE: &str = "recipe.toml";
+/// Files copied verbatim into the image, relative to the recipe directory.
+pub const OVERLAY_DIR: &str = "overlay";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecipeError {
+    #[error("read recipe {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("parse recipe {path}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+    #[error("recipe lists package `{0}` twice")]
+    DuplicatePackage(String),
+    #[error("recipe path `{0}` must be relative, without `.` or `..`")]
+    BadPath(String),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    pub packages: Packages,
+    pub busybox: Busybox,
+    pub python: Python,
+    pub rootfs: Rootfs,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Packages {
+    /// `name` or `name=version`.
+    pub debs: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Busybox {
+    pub exclude: Vec<String>,
+    pub require: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Python {
+    pub ship_sources: bool,
+    pub drop: Vec<String>,
+    pub drop_dynload: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rootfs {
+    pub dirs: BTreeMap<String, u32>,
+    pub links: BTreeMap<String, String>,
+    pub char_devs: Vec<CharDev>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CharDev {
+    pub path: String,
+    pub mode: u32,
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl Recipe {
+    /// Reads and checks `<dir>/recipe.toml`.
+    pub fn load(dir: &Path) -> Result<Recipe, RecipeError> {
+        let path = dir.join(RECIPE_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|source| RecipeError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        Recipe::parse(&text).map_err(|e| match e {
+            RecipeError::Parse { source, .. } => RecipeError::Parse { path, source },
+            other => other,
+        })
+    }
+
+    /// Parses and checks recipe text.
+    pub fn parse(text: &str) -> Result<Recipe, RecipeError> {
+        let recipe: Recipe = toml::from_str(text).map_err(|source| RecipeError::Parse {
+            path: PathBuf::new(),
+            source,
+        })?;
+        let mut seen = std::collections::BTreeSet::new();
+        for spec in &recipe.packages.debs {
+            if !seen.insert(package_name(spec)) {
+                return Err(RecipeError::DuplicatePackage(package_name(spec).to_owned()));
+            }
+        }
+        let paths = recipe.rootfs.dirs.keys().chain(recipe.rootfs.links.keys());
+        for path in paths.chain(recipe.rootfs.char_devs.iter().map(|d| &d.path)) {
+            if !is_relative_clean(path) {
+                return Err(RecipeError::BadPath(path.clone()));
+            }
+        }
+        Ok(recipe)
+    }
+}
+
+/// The package name of a `name` or `name=version` spec.
+pub fn package_name(spec: &str) -> &str {
+    spec.split_once('=').map_or(spec, |(name, _)| name)
+}
+
+/// The pinned version of a `name=version` spec.
+pub fn package_version(spec: &str) -> Option<&str> {
+    spec.split_once('=').map(|(_, version)| version)
+}
+
+fn is_relative_clean(path: &str) -> bool {
+    !path.is_empty()
+        && path
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..")
+}
+
+/// Matches one path component against a pattern component where `*` stands for any run of
+/// characters.
+fn component_matches(pattern: &str, name: &str) -> bool {
+    let Some((first, rest)) = pattern.split_once('*') else {
+        return pattern == name;
+    };
+    let Some(mut tail) = name.strip_prefix(first) else {
+        return false;
+    };
+    let mut parts: Vec<&str> = rest.split('*').collect();
+    let last = parts.pop().unwrap_or("");
+    for part in parts {
+        match tail.find(part) {
+            Some(at) => tail = &tail[at + part.len()..],
+            None => return false,
+        }
+    }
+    tail.len() >= last.len() && tail.ends_with(last)
+}
+
+/// True when `pattern` (see `python.drop` in the recipe) drops `path`, a `/`-separated path
+/// relative to the same root: the pattern must match a leading run of its components.
+pub fn pattern_drops(pattern: &str, path: &str) -> bool {
+    let components: Vec<&str> = path.split('/').collect();
+    let prefix_match = |pattern: &str, start: usize| {
+        let pattern: Vec<&str> = pattern.split('/').collect();
+        components.len() >= start + pattern.len()
+            && pattern
+                .iter()
+                .zip(&components[start..])
+                .all(|(p, c)| component_matches(p, c))
+    };
+    match pattern.strip_prefix("**/") {
+        Some(rest) => (0..components.len()).any(|start| prefix_match(rest, start)),
+        None => prefix_match(pattern, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repository_recipe_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("image");
+
+        let recipe = Recipe::load(&dir).unwrap();
+
+        assert!(
+            recipe
+                .packages
+                .debs
+                .iter()
+                .any(|d| d == "python3.11-minimal")
+        );
+        assert_eq!(recipe.rootfs.dirs["tmp"], 0o1777);
+        assert_eq!(recipe.rootfs.char_devs[0].path, "dev/console");
+    }
+
+    #[test]
+    fn unknown_field_is_an_error() {
+        let text = "[packages]\ndebs = []\nextra = 1\n";
+
+        assert!(matches!(
+            Recipe::parse(text),
+            Err(RecipeError::Parse { .. })
+        ));
+    }
+
+    #[test]
+    fn duplicate_package_is_an_error() {
+        let text = r#"
+            [packages]
+            debs = ["a", "a=1.0"]
+            [busybox]
+            exclude = []
+            require = []
+            [python]
+            ship_sources = false
+            drop = []
+            drop_dynload = []
+            [rootfs]
+            dirs = {}
+            links = {}
+            char_devs = []
+        "#;
+
+        assert!(matches!(Recipe::parse(text), Err(RecipeError::DuplicatePackage(n)) if n == "a"));
+    }
+
+    #[test]
+    fn spec_splits_name_and_version() {
+        assert_eq!(package_name("libc6=2.36-9"), "libc6");
+        assert_eq!(package_version("libc6=2.36-9"), Some("2.36-9"));
+        assert_eq!(package_version("libc6"), None);
+    }
+
+    #[test]
+    fn patterns_drop_paths_and_subtrees() {
+        assert!(pattern_drops("test", "test"));
+        assert!(pattern_drops("test", "test/support/x.py"));
+        assert!(!pattern_drops("test", "unittest/x.py"));
+        assert!(!pattern_drops("test", "testing.py"));
+        assert!(pattern_drops("**/test", "unittest/test/x.py"));
+        assert!(pattern_drops("**/test", "test/x.py"));
+        assert!(!pattern_drops("**/test", "unittest/case.py"));
+        assert!(pattern_drops(
+            "config-3.11-*",
+            "config-3.11-x86_64-linux-gnu/Makefile"
+        ));
+        assert!(pattern_drops("*.txt", "LICENSE.txt"));
+        assert!(!pattern_drops("*.txt", "a/LICENSE.txt"));
+        assert!(pattern_drops("a*b*c", "aXXbYYc"));
+        assert!(!pattern_drops("a*b*c", "aXXbYY"));
+    }
+}

@@ -1,0 +1,264 @@
+//! Jobs in copy-on-write clones of the real template on the real VMM: Python and shell
+//! semantics, limits, failures, distinct and correct clones, isolation. Needs /dev/kvm.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::*;
+use vmm::{Job, JobResult, Status};
+
+fn run(job: &Job) -> JobResult {
+    executor().run(job).expect("bud could not run the job")
+}
+
+fn python(code: &str) -> JobResult {
+    run(&Job::python(code))
+}
+
+fn shell(code: &str) -> JobResult {
+    run(&Job::shell(code))
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn python_print_runs_in_a_clone() {
+    let r = python("print(1 + 1)");
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(text(&r.stdout), "2\n");
+    assert_eq!(r.exit_code, Some(0));
+    assert!(r.stderr.is_empty());
+}
+
+#[test]
+fn python_sees_main_argv_and_env() {
+    let mut j = Job::python("import os, sys; print(__name__, sys.argv, os.environ['GREETING'])");
+    j.args = vec!["a".into(), "b c".into()];
+    j.env = vec![("GREETING".into(), "hi there".into())];
+
+    let r = run(&j);
+
+    assert_eq!(
+        text(&r.stdout),
+        "__main__ ['-c', 'a', 'b c'] hi there\n",
+        "{r:?}"
+    );
+}
+
+#[test]
+fn python_stdin_and_stdout_are_byte_exact() {
+    let mut j = Job::python("import sys; sys.stdout.buffer.write(sys.stdin.buffer.read()[::-1])");
+    j.stdin = vec![0, 0xff, b'a', b'\n', 0x80];
+
+    let r = run(&j);
+
+    assert_eq!(r.stdout, vec![0x80, b'\n', b'a', 0xff, 0], "{r:?}");
+}
+
+#[test]
+fn python_exit_codes_follow_system_exit() {
+    let three = python("import sys; sys.exit(3)");
+    let message = python("raise SystemExit('bye')");
+    let none = python("import sys; sys.exit()");
+
+    assert_eq!((three.status, three.exit_code), (Status::Error, Some(3)));
+    assert_eq!(
+        (message.exit_code, text(&message.stderr)),
+        (Some(1), "bye\n".to_string())
+    );
+    assert_eq!((none.status, none.exit_code), (Status::Ok, Some(0)));
+}
+
+#[test]
+fn python_uncaught_exception_prints_a_traceback_and_exits_1() {
+    let r = python("x = 1\n1 / 0");
+
+    assert_eq!((r.status, r.exit_code), (Status::Error, Some(1)));
+    assert_eq!(
+        text(&r.stderr),
+        "Traceback (most recent call last):\n  File \"<string>\", line 2, in <module>\n\
+         ZeroDivisionError: division by zero\n"
+    );
+}
+
+#[test]
+fn python_output_of_child_processes_is_captured() {
+    let r = python(
+        "import os, subprocess\nprint('a', flush=True)\nsubprocess.run(['echo', 'b'])\nos.write(2, b'c\\n')",
+    );
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert!(text(&r.stdout).contains("a\n"), "{r:?}");
+    assert!(text(&r.stdout).contains("b\n"), "{r:?}");
+    assert_eq!(text(&r.stderr), "c\n");
+}
+
+#[test]
+fn shell_job_gets_args_stdin_and_exit_status() {
+    let mut j = Job::shell("echo \"$1-$2\"; cat; echo oops >&2; exit 4");
+    j.args = vec!["x".into(), "y z".into()];
+    j.stdin = b"from stdin\n".to_vec();
+
+    let r = run(&j);
+
+    assert_eq!(text(&r.stdout), "x-y z\nfrom stdin\n", "{r:?}");
+    assert_eq!(text(&r.stderr), "oops\n");
+    assert_eq!((r.status, r.exit_code), (Status::Error, Some(4)));
+}
+
+#[test]
+fn shell_echo_is_ok() {
+    let r = shell("echo hi");
+
+    assert_eq!(
+        (r.status, text(&r.stdout)),
+        (Status::Ok, "hi\n".to_string()),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn a_megabyte_of_output_comes_back_intact() {
+    let r = python("import sys\nfor i in range(16384): sys.stdout.write('%063d\\n' % i)");
+
+    assert_eq!(r.status, Status::Ok, "{:?}", r.status);
+    assert_eq!(r.stdout.len(), 1 << 20);
+    assert!(text(&r.stdout).ends_with(&format!("{:063}\n", 16383)));
+}
+
+#[test]
+fn an_infinite_loop_times_out_and_the_next_clone_is_fine() {
+    let mut j = Job::python("while True: pass");
+    j.timeout = Duration::from_millis(300);
+
+    let looped = run(&j);
+    let next = python("print('alive')");
+
+    assert_eq!(looped.status, Status::Timeout);
+    assert!(looped.timings.run >= Duration::from_millis(300));
+    assert_eq!(text(&next.stdout), "alive\n");
+}
+
+#[test]
+fn output_past_the_cap_stops_the_job_with_output_limit() {
+    let mut j = Job::python("while True: print('x' * 1000)");
+    j.output_limit = 10_000;
+
+    let r = run(&j);
+
+    assert_eq!(r.status, Status::OutputLimit);
+    assert!(r.stdout.len() <= 10_000);
+}
+
+#[test]
+fn an_impossible_allocation_is_a_memory_limit() {
+    let r = python("x = bytearray(1 << 40)");
+
+    assert_eq!(r.status, Status::MemoryLimit, "{r:?}");
+    assert!(text(&r.stderr).contains("MemoryError"));
+}
+
+#[test]
+fn a_job_that_reboots_the_guest_is_crashed_and_the_next_clone_is_fine() {
+    let r = python("import os; os.system('reboot -f'); import time; time.sleep(5)");
+    let next = python("print('still here')");
+
+    assert_eq!(r.status, Status::Crashed, "{r:?}");
+    assert!(r.crash.is_some());
+    assert_eq!(text(&next.stdout), "still here\n");
+}
+
+#[test]
+fn a_job_that_corrupts_its_interpreter_dies_alone() {
+    let r = python("import ctypes; ctypes.memset(id(print), 0xff, 64); print('unreachable')");
+    let next = python("print(sum(range(10)))");
+
+    assert_ne!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(text(&next.stdout), "45\n");
+}
+
+#[test]
+fn writes_of_one_clone_are_not_seen_by_the_next() {
+    let writer = python(
+        "import json\nopen('/tmp/marker', 'w').write('x')\njson.bud_marker = 1\nprint('wrote')",
+    );
+    let reader = python(
+        "import json, os\nprint(os.path.exists('/tmp/marker'), hasattr(json, 'bud_marker'))",
+    );
+
+    assert_eq!(text(&writer.stdout), "wrote\n");
+    assert_eq!(text(&reader.stdout), "False False\n");
+}
+
+#[test]
+fn hundred_clones_have_distinct_randomness() {
+    let mut urandom = HashSet::new();
+    let mut uuids = HashSet::new();
+    let mut randoms = HashSet::new();
+
+    for _ in 0..100 {
+        let r = python(
+            "import os, uuid, random; print(os.urandom(16).hex(), uuid.uuid4(), random.random())",
+        );
+        let out = text(&r.stdout);
+        let parts: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(parts.len(), 3, "{r:?}");
+        urandom.insert(parts[0].to_string());
+        uuids.insert(parts[1].to_string());
+        randoms.insert(parts[2].to_string());
+    }
+
+    assert_eq!(urandom.len(), 100);
+    assert_eq!(uuids.len(), 100);
+    assert_eq!(randoms.len(), 100);
+}
+
+#[test]
+fn clone_wall_clock_matches_the_host() {
+    let r = python("import time; print(repr(time.time()))");
+    let host = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+
+    let guest: f64 = text(&r.stdout).trim().parse().expect("a float");
+
+    assert!((guest - host).abs() < 1.0, "guest {guest} host {host}");
+}
+
+#[test]
+fn parallel_jobs_each_get_their_own_clone() {
+    let results: Vec<JobResult> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| s.spawn(move || python(&format!("print({i} * {i})"))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    for (i, r) in results.iter().enumerate() {
+        assert_eq!(text(&r.stdout), format!("{}\n", i * i), "{r:?}");
+    }
+}
+
+#[test]
+fn the_template_memory_file_is_read_only_and_unchanged_by_jobs() {
+    let memory = executor().template().dir().join("memory");
+    let before = std::fs::read(&memory).unwrap();
+
+    python("import json\njson.x = bytearray(10 << 20)\nprint('scribbled')");
+    let after = std::fs::read(&memory).unwrap();
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&memory).unwrap().permissions());
+
+    assert!(before == after, "the template memory file changed");
+    assert_eq!(
+        mode & 0o222,
+        0,
+        "template memory file is writable: {mode:o}"
+    );
+}
