@@ -1,11 +1,18 @@
-//! bud's virtual machine monitor: a library that boots a small Linux guest on KVM, runs it to
-//! the guest agent's READY doorbell, and (next) snapshots and clones it.
+//! bud's virtual machine monitor: a library that boots a small Linux guest on KVM to the guest
+//! agent's READY doorbell, freezes it as a template, and runs every job in a copy-on-write
+//! clone of that template.
 //!
-//! One module per concern: [`layout`] (every fixed address, port and IRQ), [`memory`] (the only
-//! code that maps guest RAM), [`host`] (hardware virtualization or kvm_pvm), [`cpuid`],
-//! [`boot`] (boot protocol, MP table, entry state), [`devices`] (serial console, i8042,
-//! doorbell), [`vcpu`] (the run loop), [`vm`] (VM setup), [`paging`] and [`mailbox`] (reaching
-//! guest memory the worker announced), [`protocol`] (shared with the guest).
+//! One module per concern:
+//! - [`layout`]: every fixed guest address, port and IRQ; [`protocol`]: the host <-> guest
+//!   doorbell codes and mailbox layout, shared verbatim with the guest.
+//! - [`memory`]: the only code that maps guest RAM; [`paging`] and [`mailbox`]: reaching the
+//!   memory the guest worker announced.
+//! - [`host`]: hardware virtualization or kvm_pvm; [`cpuid`]: what the guest vCPU sees.
+//! - [`mod@boot`]: boot protocol, MP table, entry state, boot to READY; [`devices`]: serial
+//!   console, i8042, doorbell; [`vcpu`]: the run loop and kicks; [`vm`]: VM setup.
+//! - [`snapshot`]: capture and restore of CPU and device state; [`template`]: templates on
+//!   disk and clones of them; [`job`]: one job in one clone; [`timer`]: job deadlines;
+//!   [`executor`]: clone pool, reaper, and running jobs from many threads.
 //!
 //! This crate never starts an async runtime and never logs from the vCPU loop; the binaries
 //! on top of it do that.

@@ -15,7 +15,7 @@
 //! Memory the warm Python worker allocated, locked and touched before READY. At the READY
 //! doorbell `rdi` is its guest-virtual address and `rsi` its length; the host translates it
 //! once through the guest page tables into a list of guest-physical pages. It starts with a
-//! [`MailboxHeader`]-shaped header (little endian) written by the guest. Everything the guest
+//! header (see [`header`]) (little endian) written by the guest. Everything the guest
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
