@@ -42,7 +42,7 @@ fn main() {
     let mut ran = Vec::new();
     for _ in 0..CLONES {
         let mut m = template.clone_machine(&kvm).expect("clone");
-        let (r, _) = vmm::job::run(&mut m, &mailbox, &job, &mut |_, _| {}).expect("run");
+        let r = vmm::job::run(&mut m, &mailbox, &job, &mut |_, _| {}).expect("run");
         assert_eq!(r.stdout, b"2\n");
         ran.push(m);
     }

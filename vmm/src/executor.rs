@@ -201,7 +201,7 @@ impl Executor {
         let (mut m, clone_time) = self.take_clone()?;
         let outcome = job::run(&mut m, &self.shared.template.state().mailbox, j, on_output);
         self.discard(m);
-        let (mut result, _run) = outcome?;
+        let mut result = outcome?;
         result.timings.clone = clone_time;
         result.timings.total = started.elapsed();
         Ok(result)

@@ -351,7 +351,7 @@ pub fn run(
     mb: &Mailbox,
     j: &Job,
     on_output: &mut dyn FnMut(Stream, &[u8]),
-) -> Result<(JobResult, Duration), JobError> {
+) -> Result<JobResult, JobError> {
     write_request(&m.ram, mb, j)?;
     let started = Instant::now();
     let deadline = started + j.timeout;
@@ -429,23 +429,20 @@ pub fn run(
     } else {
         Vec::new()
     };
-    Ok((
-        JobResult {
-            status: end.status,
-            exit_code: end.exit_code,
-            signal: end.signal,
-            stdout: out.stdout,
-            stderr: out.stderr,
-            crash: end.crash,
-            console_tail,
-            timings: JobTimings {
-                clone: Duration::ZERO,
-                run,
-                total: run,
-            },
+    Ok(JobResult {
+        status: end.status,
+        exit_code: end.exit_code,
+        signal: end.signal,
+        stdout: out.stdout,
+        stderr: out.stderr,
+        crash: end.crash,
+        console_tail,
+        timings: JobTimings {
+            clone: Duration::ZERO,
+            run,
+            total: run,
         },
-        run,
-    ))
+    })
 }
 
 #[cfg(test)]

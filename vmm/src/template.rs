@@ -131,6 +131,29 @@ pub fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
     Ok(digest.iter().take(12).map(|b| format!("{b:02x}")).collect())
 }
 
+/// Opens `path` and holds an exclusive `flock` on it until the file is dropped.
+fn lock_file(path: &Path) -> Result<File, TemplateError> {
+    let err = |source| TemplateError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(parent) = path.parent() {
+        fs::create_dir_all(parent).map_err(err)?;
+    }
+    let file = File::create(path).map_err(err)?;
+    loop {
+        // SAFETY: flock on a descriptor we own; it touches no memory.
+        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+        if rc == 0 {
+            return Ok(file);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err(e));
+        }
+    }
+}
+
 fn write_file(
     path: &Path,
     f: impl FnOnce(&File) -> std::io::Result<()>,
@@ -149,9 +172,17 @@ fn write_file(
 
 impl Template {
     /// Loads the template for `spec` if it exists on disk, or boots and saves it.
+    ///
+    /// Processes that ask for the same template at once (a server and a `bud run`, two test
+    /// binaries) take turns on a lock file beside it: one boots, the others then load.
     pub fn load_or_build(spec: &TemplateSpec, echo: Option<EchoFn>) -> Result<Self, TemplateError> {
-        let dir = spec.root.join(template_key(&spec.boot)?);
-        if dir.join(STATE_FILE).exists() && dir.join(MEMORY_FILE).exists() {
+        let key = template_key(&spec.boot)?;
+        let dir = spec.root.join(&key);
+        if dir.join(STATE_FILE).exists() {
+            return Self::load(&dir);
+        }
+        let _lock = lock_file(&spec.root.join(format!("{key}.lock")))?;
+        if dir.join(STATE_FILE).exists() {
             return Self::load(&dir);
         }
         Self::build(&spec.boot, &dir, echo)
@@ -295,11 +326,12 @@ fn prune(root: &Path, current: &Path, keep: usize) {
     let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.path())
-        .filter(|p| p != current && p.join(STATE_FILE).exists())
+        .filter(|p| p.as_path() != current && p.join(STATE_FILE).exists())
         .filter_map(|p| Some((fs::metadata(p.join(STATE_FILE)).ok()?.modified().ok()?, p)))
         .collect();
     dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
     for (_, old) in dirs.into_iter().skip(keep) {
-        let _ = fs::remove_dir_all(old);
+        let _ = fs::remove_dir_all(&old);
+        let _ = fs::remove_file(old.with_extension("lock"));
     }
 }

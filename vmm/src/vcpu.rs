@@ -229,44 +229,6 @@ pub fn run(vcpu: &mut VcpuFd, bus: &mut PortBus, kicker: &Kicker) -> Result<Vcpu
     }
 }
 
-/// Kicks a vCPU when a timeout passes, unless dropped first. One thread per watchdog: meant for
-/// long runs such as a boot, not for every job.
-#[derive(Debug)]
-pub struct Watchdog {
-    cancel: Option<std::sync::mpsc::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Watchdog {
-    /// Starts the countdown.
-    pub fn start(kicker: Kicker, timeout: std::time::Duration) -> Self {
-        let (cancel, cancelled) = std::sync::mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("bud-watchdog".into())
-            .spawn(move || {
-                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                    cancelled.recv_timeout(timeout)
-                {
-                    kicker.kick();
-                }
-            })
-            .ok();
-        Self {
-            cancel: Some(cancel),
-            thread,
-        }
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        drop(self.cancel.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join(); // the thread only sleeps and kicks; a panic there cannot happen
-        }
-    }
-}
-
 fn internal_error_suberror(vcpu: &mut VcpuFd) -> u32 {
     // SAFETY: after a KVM_EXIT_INTERNAL_ERROR exit the `internal` member of the union is the
     // one KVM filled in.

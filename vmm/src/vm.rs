@@ -16,7 +16,7 @@ use crate::devices::PortBus;
 use crate::devices::console::ConsoleLog;
 use crate::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS, SERIAL_IRQ};
 use crate::memory::GuestRam;
-use crate::vcpu::{self, Kicker, VcpuError, VcpuStop, Watchdog};
+use crate::vcpu::{self, Kicker, VcpuError, VcpuStop};
 
 /// Errors of VM setup, one per ioctl.
 #[derive(Debug, thiserror::Error)]
@@ -117,7 +117,7 @@ impl Machine {
 
     /// Runs the vCPU until it stops, or until `timeout` passes (then [`VcpuStop::Kicked`]).
     pub fn run_for(&mut self, timeout: Duration) -> Result<VcpuStop, VcpuError> {
-        let _watchdog = Watchdog::start(self.kicker.clone(), timeout);
+        let _deadline = crate::timer::arm(std::time::Instant::now() + timeout, self.kicker.clone());
         vcpu::run(&mut self.vcpu, &mut self.bus, &self.kicker)
     }
 }

@@ -163,6 +163,8 @@ pub enum BootError {
     Params(#[from] params::ParamsError),
     #[error("cannot read host randomness for the guest's RNG seed: {0}")]
     Entropy(std::io::Error),
+    #[error("cannot start the profiler thread: {0}")]
+    Profiler(std::io::Error),
     #[error("vCPU setup: {op} failed")]
     VcpuSetup {
         op: &'static str,
@@ -227,7 +229,7 @@ struct Sampler {
 }
 
 impl Sampler {
-    fn start(kicker: Kicker, interval: Duration) -> Self {
+    fn start(kicker: Kicker, interval: Duration) -> Result<Self, BootError> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
@@ -238,8 +240,11 @@ impl Sampler {
                     kicker.kick();
                 }
             })
-            .ok();
-        Self { stop, thread }
+            .map_err(BootError::Profiler)?;
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
     }
 }
 
