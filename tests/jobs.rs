@@ -133,13 +133,18 @@ fn a_megabyte_of_output_comes_back_intact() {
 
 #[test]
 fn an_infinite_loop_times_out_and_the_next_clone_is_fine() {
-    let mut j = Job::python("while True: pass");
+    let mut j = Job::python("print('before', flush=True)\nwhile True: pass");
     j.timeout = Duration::from_millis(300);
 
     let looped = run(&j);
     let next = python("print('alive')");
 
     assert_eq!(looped.status, Status::Timeout);
+    assert_eq!(
+        text(&looped.stdout),
+        "before\n",
+        "output written before the deadline is kept"
+    );
     assert!(looped.timings.run >= Duration::from_millis(300));
     assert_eq!(text(&next.stdout), "alive\n");
 }

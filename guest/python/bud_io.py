@@ -33,13 +33,14 @@ only when the job *may* have written at fd level, as far as cheap signals tell:
   ``/proc/self/fd/1``). These make the capture *sticky*: a process or file object may write
   at any time, so from then on both streams are synced before each streaming FLUSH, before
   a Python-level write at most every STREAM_INTERVAL, and at the job's end.
-- ``os.write`` is not audited, so :func:`install_os_wrappers` replaces ``os.write``,
-  ``os.writev``, ``os.pwrite``, ``os.pwritev``, ``os.sendfile``, ``os.splice`` and
-  ``os.copy_file_range`` with thin wrappers that mark the capture dirty and call the
-  original (``posix.write`` itself is untouched). ``fileno()`` of the job's streams marks it
-  too (``os.write(sys.stdout.fileno(), ...)``, ``subprocess.run(..., stdout=sys.stdout)``,
-  ``faulthandler``). A dirty stream is synced before the next Python-level write to it, so
-  ``os.write`` and ``print(..., flush=True)`` keep their order.
+- ``os.write`` is not audited, so :func:`install_os_wrappers` puts stand-ins in front of
+  ``os.write``, ``os.writev``, ``os.pwrite``, ``os.pwritev``, ``os.sendfile``, ``os.splice``
+  and ``os.copy_file_range`` that mark the capture dirty and call the original (native
+  ``_bud.Hooked`` objects: no worker frame in a job's tracebacks; ``posix.write`` itself is
+  untouched). ``fileno()`` of the job's streams marks it too (``os.write(sys.stdout.fileno(),
+  ...)``, ``subprocess.run(..., stdout=sys.stdout)``, ``faulthandler``). A dirty stream is
+  synced before the next Python-level write to it, so ``os.write`` and
+  ``print(..., flush=True)`` keep their order.
 - Missed, by design: native code that writes fds 1/2 without any of the above (a C
   extension calling ``write(1, ...)``; none is in the image), and output of background
   processes that outlive the job.
@@ -55,7 +56,6 @@ is MADV_DONTFORK, so it is not mapped there) it never touches the mailbox or the
 the writers fall back to plain ``os.write`` on fds 1/2, which the parent collects.
 """
 
-import functools
 import io
 import os
 import struct
@@ -73,8 +73,9 @@ STDOUT, STDERR = 0, 1
 
 # perf_counter() marks of this clone's job path (vDSO reads: no syscalls), for measuring it
 # from inside a job: ``import bud_io; print(bud_io.MARKS)``. bud_jobs sets resumed (serve()
-# entered), identity (clock and CRNG done), started (job about to run), finished (set just
-# before DONE: only threads and atexit handlers see it); bud_shell adds the shell's steps.
+# entered), clock (wall clock set), entropy (seed added), identity (CRNG reseeded), started
+# (job about to run), finished (set just before DONE: only threads and atexit handlers see
+# it); bud_shell adds shell_fed (script written) and shell_polls.
 MARKS = {}
 
 # Protocol offsets (vmm/src/protocol.rs via _bud).
@@ -99,13 +100,12 @@ STICKY_EVENTS = frozenset(
         "pty.spawn",
     }
 )
-# ...of which these create a process (the job runner retires its parked shell first).
-PROCESS_EVENTS = STICKY_EVENTS
-
 # os functions that write to a descriptor; wrapped to mark the capture dirty.
 OS_WRITERS = ("write", "writev", "pwrite", "pwritev", "sendfile", "splice", "copy_file_range")
 # os functions that read a descriptor; wrapped to put the job's stdin into fd 0 first.
 OS_READERS = ("read", "readv")
+# os functions that may wait for *any* child; wrapped to retire the parked shell first.
+OS_WAITERS = ("wait", "wait3", "waitpid", "wait4", "waitid")
 
 # glibc's O_TMPFILE (Python has it as os.O_TMPFILE on Linux).
 _O_TMPFILE = getattr(os, "O_TMPFILE", 0o20200000)
@@ -122,7 +122,7 @@ class Areas:
     def __init__(self, view, ring, clock=time.perf_counter):
         self._view = view
         self._lens = view[_bud.RESULT_STDOUT_LEN : _bud.RESULT_STDOUT_LEN + 8].cast("I")
-        self._ring = ring
+        self.ring = ring  # replaceable: the warm-up jobs before READY ring a fake host
         self._clock = clock
         self._lock = threading.RLock()
         self.capture = None
@@ -143,10 +143,6 @@ class Areas:
         self._lens[STDOUT] = 0
         self._lens[STDERR] = 0
         self.streaming = False
-
-    def pending(self):
-        """Bytes waiting in (stdout, stderr)."""
-        return self._lens[STDOUT], self._lens[STDERR]
 
     def write(self, stream, data):
         """Copies all of ``data`` (any bytes-like object) into ``stream``'s area; returns its
@@ -232,7 +228,7 @@ class Areas:
     def flush_now(self):
         """Rings FLUSH: the host drains both areas and zeroes both counters."""
         with self._lock:
-            self._ring(_bud.FLUSH, 0, 0)
+            self.ring(_bud.FLUSH, 0, 0)
             self.last_flush = self._clock()
 
     def after_fork_in_child(self):
@@ -539,58 +535,78 @@ class FdCapture:
 
 
 # The os functions as they were before install_os_wrappers (the worker uses these).
-_ORIGINAL = {name: getattr(os, name) for name in OS_WRITERS + OS_READERS + ("_exit",)
-             if hasattr(os, name)}
+_ORIGINAL = {
+    name: getattr(os, name)
+    for name in (*OS_WRITERS, *OS_READERS, *OS_WAITERS, "_exit")
+    if hasattr(os, name)
+}
+
+
+def _waits_for_any(name, args):
+    """Does this call of os.``name`` wait for children it does not name by pid?"""
+    if name in ("wait", "wait3"):
+        return True
+    if name == "waitid":
+        return bool(args) and args[0] in (os.P_ALL, os.P_PGID)
+    return bool(args) and args[0] <= 0  # waitpid, wait4: -1, 0 or a process group
 
 
 def install_os_wrappers(state):
-    """Wraps the ``os`` writers (mark the capture dirty), readers (fd 0: materialize the
-    job's stdin first) and ``os._exit`` (copy fd-level output into the areas first, as
-    those bytes would already be in a pipe). ``state`` is the job runner: its ``capture``
-    and ``active`` attributes are looked up on each call. Idempotent."""
-    if getattr(os.write, "__bud_wrapper__", False):
+    """Puts hooks in front of the ``os`` writers (mark the capture dirty), readers (fd 0:
+    materialize the job's stdin first), waiters (waiting for any child:
+    ``state.before_wait_any()`` first) and ``os._exit`` (copy fd-level output into the
+    areas first, as those bytes would already be in a pipe). ``state`` is the job runner:
+    its ``capture``, ``areas`` and ``active`` attributes are looked up on each call.
+
+    The stand-ins are ``_bud.Hooked`` objects: native, so they add no frame to a job's
+    tracebacks. Hooks run only while a job is active and never raise. Idempotent."""
+    if isinstance(os.write, _bud.Hooked):
         return
 
-    def writer(original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if state.active:
-                fd = args[0] if args else kwargs.get("fd", kwargs.get("out_fd"))
-                state.capture.mark_dirty(STDERR if fd == 2 else STDOUT if fd == 1 else None)
-            return original(*args, **kwargs)
+    def on_write(args, kwargs):
+        if state.active:
+            fd = args[0] if args else (kwargs or {}).get("fd")
+            state.capture.mark_dirty(STDERR if fd == 2 else STDOUT if fd == 1 else None)
 
-        wrapper.__bud_wrapper__ = True
-        return wrapper
+    def on_read(args, kwargs):
+        del kwargs
+        if state.active and args and args[0] == 0:
+            state.capture.materialize_stdin()
 
-    def reader(original):
-        @functools.wraps(original)
-        def wrapper(fd, *args, **kwargs):
-            if fd == 0 and state.active:
-                state.capture.materialize_stdin()
-            return original(fd, *args, **kwargs)
+    def on_wait(name):
+        def hook(args, kwargs):
+            del kwargs
+            if state.active and _waits_for_any(name, args):
+                state.before_wait_any()
 
-        wrapper.__bud_wrapper__ = True
-        return wrapper
+        return hook
 
-    def exit_(original):
-        @functools.wraps(original)
-        def wrapper(status):
-            if state.active and not state.areas.forked:
-                try:
-                    state.capture.sync_all(state.areas)
-                except BaseException:  # noqa: BLE001 - exiting regardless
-                    pass
-            _ORIGINAL["_exit"](status)
-
-        wrapper.__bud_wrapper__ = True
-        return wrapper
+    def on_exit(args, kwargs):
+        del args, kwargs
+        if state.active and not state.areas.forked:
+            try:
+                state.capture.sync_all(state.areas)
+            except BaseException:  # noqa: BLE001 - exiting regardless
+                pass
 
     for name in OS_WRITERS:
         if name in _ORIGINAL:
-            setattr(os, name, writer(_ORIGINAL[name]))
+            setattr(os, name, _bud.Hooked(_ORIGINAL[name], on_write))
     for name in OS_READERS:
-        setattr(os, name, reader(_ORIGINAL[name]))
-    os._exit = exit_(_ORIGINAL["_exit"])
+        setattr(os, name, _bud.Hooked(_ORIGINAL[name], on_read))
+    for name in OS_WAITERS:
+        if name in _ORIGINAL:
+            setattr(os, name, _bud.Hooked(_ORIGINAL[name], on_wait(name)))
+    os._exit = _bud.Hooked(_exit_original, on_exit)
+
+
+def _exit_original(status):
+    """``os._exit`` as looked up at call time (host tests put a fake host's in its place)."""
+    _ORIGINAL["_exit"](status)
+
+
+_exit_original.__name__ = _exit_original.__qualname__ = "_exit"
+_exit_original.__doc__ = _ORIGINAL["_exit"].__doc__
 
 
 def write_u32_pair(view, offset, first, second):

@@ -11,10 +11,14 @@ Per-clone identity (:class:`Identity`), before the job: the wall clock from
 CLOCK_TOLERANCE_NS), ``job::SEED`` mixed into the kernel CRNG (``RNDADDENTROPY`` crediting
 256 bits, then ``RNDRESEEDCRNG``, on a /dev/urandom descriptor opened before READY) and into
 Python's global ``random``. Three syscalls, the only ones on a pure-Python job's path, and
-the dearest part of it: measured in the guest, the reseed runs the kernel's generic BLAKE2s
-in the emulator (several ms), the clock ~1-3 ms. Clones of one template still share CPython's hash seed
-(``PYTHONHASHSEED`` is fixed at interpreter start): set and dict iteration orders of str
-keys are the same in every clone.
+the dearest part of it under kvm_pvm (guest, busy dev host): clock_settime 3-6 ms,
+RNDADDENTROPY 2.5-5 ms, RNDRESEEDCRNG 9-13 ms (the kernel's generic BLAKE2s, emulated);
+about 2/3 of a ``print(1+1)`` job. Both would cost the guest nothing if the host did them:
+kvm-clock restored to the real elapsed time (this code then skips the clock by itself), and
+a fresh key written straight into the guest kernel's ``base_crng`` with its generation
+bumped. Clones of one template still share CPython's hash seed (``PYTHONHASHSEED`` is
+fixed at interpreter start): set and dict iteration orders of str keys are the same in
+every clone.
 
 Python jobs (:meth:`JobRunner._run_python`) get ``python3 -c CODE ARG...`` semantics in
 this very process: a fresh ``__main__``, ``sys.argv == ['-c', *args]``, ``''`` at the front
@@ -148,9 +152,11 @@ class Identity:
                 time.clock_settime_ns(time.CLOCK_REALTIME, request.wall_clock_ns)
             except OSError as error:
                 warn(f"clock_settime: {error}")
+        MARKS["clock"] = time.perf_counter()
         try:
             info = struct.pack("ii", SEED_ENTROPY_BITS, len(seed)) + seed
             fcntl.ioctl(self._urandom, RNDADDENTROPY, info)
+            MARKS["entropy"] = time.perf_counter()
             fcntl.ioctl(self._urandom, RNDRESEEDCRNG)
         except OSError as error:
             return f"cannot reseed the kernel CRNG: {error}"
@@ -260,8 +266,8 @@ class JobRunner:
     def _warm_up(self):
         bud_shell.job_script(b"echo 'hi'", [b"a b"], [(b"K", b"v")], 1)
         Request.read(self.view)  # an all-zero request: exercises the reader
-        real_ring = self.areas._ring
-        self.areas._ring = self._warm_ring
+        real_ring = self.areas.ring
+        self.areas.ring = self._warm_ring
         problems = []
         try:
             for code, stdin, args, env in WARM_JOBS:
@@ -278,7 +284,7 @@ class JobRunner:
                     self.areas.reset()
                     self.capture.reset()
         finally:
-            self.areas._ring = real_ring
+            self.areas.ring = real_ring
         return problems
 
     def _warm_ring(self, code, a=0, b=0):
@@ -403,8 +409,6 @@ class JobRunner:
             if event in bud_io.STICKY_EVENTS:
                 self.capture.mark_sticky()
                 self.capture.materialize_stdin()
-                if event in bud_io.PROCESS_EVENTS and not self.areas.forked:
-                    self.shell.retire()
             elif event == "open":
                 path = args[0]
                 if isinstance(path, int) or (
@@ -417,6 +421,12 @@ class JobRunner:
                 self.capture.mark_sticky()
         except BaseException as error:  # noqa: BLE001 - see above
             self.warn(f"audit hook ({event}): {error!r}")
+
+    def before_wait_any(self):
+        """A Python job is about to wait for *any* child: the parked shell must not be one
+        (see bud_shell). Called by the os wrappers of bud_io."""
+        if not self.areas.forked:
+            self.shell.retire()
 
     def _after_fork_in_child(self):
         self.areas.after_fork_in_child()

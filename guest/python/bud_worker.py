@@ -31,7 +31,8 @@ Python job: the three identity calls (``clock_settime``, RNDADDENTROPY, RNDRESEE
 nothing else: the job is read from the memoryview, compiled and run, its stdout and stderr
 go into the mailbox's areas through in-memory writers, and DONE is one ``out``. No clock
 syscalls (``time.*`` reads the vDSO), no fresh pages unless the job outgrows the reserves.
-Shell jobs pay a pipe write, a close and a wait instead of a process spawn (~0.2 s here).
+Shell jobs pay a pipe write and a status read to a shell parked before READY instead of a
+process spawn and exit (~0.5 s here).
 The mailbox is MADV_DONTFORK, so a fork never write-protects it and the worker's next
 write into it is not a copy-on-write fault; processes are spawned with vfork semantics
 (``posix_spawn``, ``subprocess`` without ``preexec_fn``) so the rest of the worker's pages

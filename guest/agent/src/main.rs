@@ -23,8 +23,9 @@
 //! writing its output into the mailbox and ringing the next doorbell are all user-mode
 //! accesses to pages that are already mapped: zero syscalls, zero fresh pages. Had PID 1 been
 //! the one parked, every job would pay at least a write, a wake-up, a read and a context
-//! switch each way before any Python ran. Shell jobs will need a child process (spawned by
-//! the worker); they are the only kind that pays for process creation.
+//! switch each way before any Python ran. Shell jobs run in a busybox `sh` the worker started
+//! and parked before READY (blocked reading its script from a pipe), so they pay a few pipe
+//! syscalls and a wake-up, but no process creation (see `guest/python/bud_shell.py`).
 //!
 //! # What PID 1 must never do
 //!

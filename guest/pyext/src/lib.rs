@@ -8,7 +8,9 @@
 //! - **the doorbell**: `ring(code, a, b)` and `ready()`, one `out` instruction each (see
 //!   `guest/agent/src/doorbell.rs`, shared with the agent);
 //! - **memory warm-up** ([`memory`]): `mallopt`, `reserve_heap`, `prefault_stack`,
-//!   `lock_memory`.
+//!   `lock_memory`;
+//! - **`Hooked`** ([`hooked`]): a frame-less stand-in for an `os` function that runs a hook
+//!   first (how the job runner notices fd-level output without showing up in tracebacks).
 //!
 //! Every call holds the GIL and returns on the thread that made it: a doorbell is a plain
 //! call, and in a clone the vCPU resumes right after its `out`, in the middle of `ring`.
@@ -22,6 +24,7 @@ mod protocol;
 
 #[path = "../../agent/src/doorbell.rs"]
 mod doorbell;
+mod hooked;
 mod mailbox;
 mod memory;
 
@@ -260,6 +263,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
+    m.add_class::<hooked::Hooked>()?;
 
     // The protocol, from the one shared source.
     for (name, value) in PROTOCOL {

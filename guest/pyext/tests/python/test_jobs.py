@@ -153,6 +153,23 @@ class PythonJobs(unittest.TestCase):
                                  (real.returncode, real.stderr))
                 self.assertEqual(result.outcome, _bud.OUTCOME_EXITED)
 
+    def test_errors_of_hooked_os_functions_show_no_worker_frames(self):
+        for code in (b"import os\nos.write(99, b'x')", b"import os\nos.read(99, 1)",
+                     b"import os\nos.waitpid(-1, 0)"):
+            with self.subTest(code=code):
+                real = python3_c(code)
+
+                result = run_job("python", code)
+
+                self.assertEqual(result.stderr, real.stderr)
+
+    def test_hooked_os_functions_keep_their_names(self):
+        code = b"import os\nprint(os.write.__name__, os.read.__name__, os._exit.__name__)"
+
+        result = run_job("python", code)
+
+        self.assertEqual(result.stdout, b"write read _exit\n")
+
     def test_custom_excepthook_is_used(self):
         code = b"import sys\nsys.excepthook = lambda t, v, tb: print('hooked', t.__name__)\n1/0"
 
@@ -248,8 +265,17 @@ class PythonJobs(unittest.TestCase):
 
         self.assertEqual((result.stdout, result.worker_exit, result.dones), (b"raw\nsub\n", 5, 0))
 
+    def test_starting_processes_leaves_the_parked_shell_alone(self):
+        code = (b"import gc, subprocess, sys\nsubprocess.run(['true'])\n"
+                b"runner = sys._getframe().f_back.f_back.f_locals['self']\n"
+                b"print(runner.shell.parked)")
+
+        result = run_job("python", code)
+
+        self.assertEqual(result.stdout, b"True\n")
+
     def test_os_wait_finds_only_the_jobs_children(self):
-        code = (b"import os, subprocess\nsubprocess.Popen(['true'])\nos.wait()\n"
+        code = (b"import os, subprocess\nchild = subprocess.Popen(['true'])\nos.wait()\n"
                 b"try:\n    os.wait()\nexcept ChildProcessError:\n    print('no more children')")
 
         result = run_job("python", code)
@@ -315,6 +341,24 @@ class ShellJobs(unittest.TestCase):
 
         self.assertEqual((result.stdout, result.stderr, result.exit_code),
                          (real.stdout, real.stderr, real.returncode))
+
+    def test_exit_status_survives_a_job_that_takes_the_status_fd(self):
+        closed = run_job("shell", b"exec 87>&-; echo out; exit 6")
+        elsewhere = run_job("shell", b"exec 87>/dev/null; echo out; exit 7")
+
+        self.assertEqual((closed.stdout, closed.stderr, closed.exit_code), (b"out\n", b"", 6))
+        self.assertEqual((elsewhere.stdout, elsewhere.exit_code), (b"out\n", 7))
+
+    def test_job_exit_trap_runs(self):
+        result = run_job("shell", b"trap 'echo bye' EXIT; echo hi; exit 2")
+
+        self.assertEqual((result.stdout, result.exit_code), (b"hi\nbye\n", 2))
+
+    def test_syntax_error_status_matches_sh(self):
+        result = run_job("shell", b"echo hi; if then")
+
+        self.assertEqual(result.exit_code, 2)
+        self.assertIn(b"syntax error", result.stderr)
 
     def test_killed_shell_is_signaled(self):
         result = run_job("shell", b"echo before; kill -9 $$")
@@ -383,8 +427,8 @@ class JobPathCosts(unittest.TestCase):
         result, syscalls = self.trace("shell", b"echo hi")
 
         self.assertEqual(result.stdout, b"hi\n")
-        # write + close (the script), poll (the pidfd), wait4, fstat x2 + preadv (capture).
-        self.assertLessEqual(len(syscalls), 7, "\n".join(syscalls))
+        # write (the script), poll + read (the status), fstat x2 + preadv (the capture).
+        self.assertLessEqual(len(syscalls), 6, "\n".join(syscalls))
         self.assertEqual(result.minflt, 0)
 
 
