@@ -5,6 +5,7 @@
 //!   console with timestamps and report the time from the first KVM_RUN to READY.
 //! - `bud run`: run one job in a copy-on-write clone of the template (booting and saving the
 //!   template on first use), print its output and exit with its exit code.
+//! - `bud serve`: the HTTP API (`bud-server`), until SIGINT or SIGTERM.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -44,6 +45,8 @@ enum Command {
     Boot(BootArgs),
     /// Run one job in a fresh clone of the template and exit with its exit code.
     Run(RunArgs),
+    /// Serve the HTTP API (POST /v1/exec, ...) until SIGINT or SIGTERM.
+    Serve(ServeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -119,6 +122,52 @@ struct RunArgs {
     /// Print status and timings to stderr after the output.
     #[arg(long)]
     timings: bool,
+    /// Guest RAM in MiB (part of the template's identity).
+    #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
+    mem_mib: u64,
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    listen: std::net::IpAddr,
+    /// TCP port (0: any free port, logged at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Job threads: jobs running at once (default: one per core).
+    #[arg(long, default_value_t = bud_server::config::default_workers())]
+    workers: usize,
+    /// Jobs that may wait for a job thread; past workers + queue, requests get 429.
+    #[arg(long, default_value_t = bud_server::Config::default().queue)]
+    queue: usize,
+    /// Clones kept restored and ready.
+    #[arg(long, default_value_t = bud_server::Config::default().pool_size)]
+    pool: usize,
+    /// Largest code, in bytes.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_code_bytes)]
+    max_code_bytes: usize,
+    /// Largest stdin, in bytes.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_stdin_bytes)]
+    max_stdin_bytes: usize,
+    /// Largest args + env, in bytes.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_args_env_bytes)]
+    max_args_env_bytes: usize,
+    /// Timeout of a job that asks for none, in milliseconds.
+    #[arg(long, default_value_t = bud_server::Limits::default().default_timeout_ms)]
+    default_timeout_ms: u64,
+    /// Largest timeout a job may ask for, in milliseconds.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_timeout_ms)]
+    max_timeout_ms: u64,
+    /// Largest (and default) cap on a job's stdout + stderr, in bytes.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_output_bytes)]
+    max_output_bytes: usize,
+    /// Most jobs in one batch.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_batch_jobs)]
+    max_batch_jobs: usize,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = bud_server::Limits::default().max_body_bytes)]
+    max_body_bytes: usize,
     /// Guest RAM in MiB (part of the template's identity).
     #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
     mem_mib: u64,
@@ -391,6 +440,38 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     Ok(exit_code_of(&result, args))
 }
 
+fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
+    bud_server::init_logging();
+    let config = bud_server::Config {
+        workers: args.workers,
+        queue: args.queue,
+        pool_size: args.pool,
+        limits: bud_server::Limits {
+            max_code_bytes: args.max_code_bytes,
+            max_stdin_bytes: args.max_stdin_bytes,
+            max_args_env_bytes: args.max_args_env_bytes,
+            default_timeout_ms: args.default_timeout_ms,
+            max_timeout_ms: args.max_timeout_ms,
+            max_output_bytes: args.max_output_bytes,
+            max_batch_jobs: args.max_batch_jobs,
+            max_body_bytes: args.max_body_bytes,
+        },
+        ..bud_server::Config::default()
+    };
+    bud_server::run(bud_server::ServeOptions {
+        listen: args.listen,
+        port: args.port,
+        config,
+        source_dir: cli.source_dir.clone(),
+        build_dir: cli
+            .build_dir
+            .clone()
+            .unwrap_or_else(|| cli.source_dir.join("build")),
+        ram_size: args.mem_mib << 20,
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
 /// The process exit code for a job: its own exit status, 128 + signal, or (like `timeout(1)`)
 /// 124 for a timeout; bud's own statuses say why on stderr.
 fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
@@ -442,6 +523,7 @@ fn main() -> ExitCode {
         } => build_guest(&cli).map(|_| ExitCode::SUCCESS),
         Command::Boot(args) => boot(&cli, args).map(|_| ExitCode::SUCCESS),
         Command::Run(args) => run(&cli, args),
+        Command::Serve(args) => serve(&cli, args),
     };
     match result {
         Ok(code) => code,

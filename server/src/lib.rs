@@ -1,4 +1,287 @@
-//! bud's HTTP API over the `vmm` library.
+//! bud's HTTP API over the `vmm` library: `bud serve`.
 //!
-//! A stub for now: the server (tokio + axum, `bud serve`) is built in its own issue. This crate
-//! exists so the workspace layout is the one users and docs rely on.
+//! - [`app`] builds the axum [`Router`] over an [`AppState`] (tested without a socket through
+//!   `tower::ServiceExt::oneshot`); [`serve`] runs it on a listener until a shutdown future
+//!   resolves, then lets in-flight jobs finish; [`run`] is the whole `bud serve`.
+//! - One module per concern: [`config`] (knobs and limits), [`api`] (JSON shapes and request
+//!   checks), [`body`] (reading JSON bodies), [`error`] (status codes and error bodies),
+//!   [`jobs`] (admission and the job threads), [`routes`] and [`stream`] (handlers),
+//!   [`metrics`] (Prometheus text), [`openapi`] (the API document), [`state`], [`startup`].
+//!
+//! KVM work never runs on the async runtime's threads: every job runs on a job thread
+//! ([`jobs`]) behind a bounded admission counter.
+
+pub mod api;
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod jobs;
+pub mod metrics;
+pub mod openapi;
+pub mod routes;
+pub mod startup;
+pub mod state;
+pub mod stream;
+
+use std::future::Future;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+
+pub use config::{Config, Limits};
+pub use error::ApiError;
+pub use startup::{ServeOptions, init_logging, run};
+pub use state::AppState;
+
+/// Every route and its method, as documented in the OpenAPI document.
+pub const ROUTES: [(&str, &str); 6] = [
+    ("post", "/v1/exec"),
+    ("post", "/v1/exec/batch"),
+    ("post", "/v1/exec/stream"),
+    ("get", "/v1/health"),
+    ("get", "/metrics"),
+    ("get", "/v1/openapi.json"),
+];
+
+/// The API's router over `state`.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/exec", post(routes::exec))
+        .route("/v1/exec/batch", post(routes::batch))
+        .route("/v1/exec/stream", post(stream::exec_stream))
+        .route("/v1/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .route("/v1/openapi.json", get(routes::openapi))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_responses,
+        ))
+        .with_state(state)
+}
+
+async fn count_responses(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let response = next.run(req).await;
+    state.metrics().response(response.status().as_u16());
+    response
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves; then stops accepting, waits for
+/// every in-flight request (so every running job) to finish, and stops the job threads.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    // Small JSON answers: do not let Nagle hold them back waiting for an ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, app(state.clone()))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    // Every request has its answer; jobs of clients that left may still be queued.
+    let drained = state.clone();
+    tokio::task::spawn_blocking(move || drained.drain())
+        .await
+        .map_err(std::io::Error::other)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The router without a socket or KVM: everything answered before a job would run.
+
+    use super::*;
+    use axum::body::Body;
+    use axum::http::{Method, StatusCode, header};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    fn state() -> AppState {
+        let config = Config {
+            workers: 1,
+            queue: 1,
+            limits: Limits {
+                max_batch_jobs: 2,
+                max_body_bytes: 1000,
+                ..Limits::default()
+            },
+            ..Config::default()
+        };
+        AppState::new(config, None).unwrap()
+    }
+
+    async fn send(
+        method: Method,
+        uri: &str,
+        ctype: Option<&str>,
+        body: &[u8],
+    ) -> (StatusCode, Vec<(String, String)>, serde_json::Value) {
+        let mut req = axum::http::Request::builder().method(method).uri(uri);
+        if let Some(t) = ctype {
+            req = req.header(header::CONTENT_TYPE, t);
+        }
+        let req = req.body(Body::from(body.to_vec())).unwrap();
+        let resp = app(state()).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let headers = resp
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+            .collect();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        (status, headers, json)
+    }
+
+    async fn post(uri: &str, body: &str) -> (StatusCode, serde_json::Value) {
+        let (s, _, j) = send(Method::POST, uri, Some("application/json"), body.as_bytes()).await;
+        (s, j)
+    }
+
+    #[tokio::test]
+    async fn wrong_content_type_is_415() {
+        let (status, _, body) = send(Method::POST, "/v1/exec", Some("text/plain"), b"{}").await;
+
+        assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert_eq!(body["error"]["code"], "unsupported_media_type");
+    }
+
+    #[tokio::test]
+    async fn malformed_json_is_400_invalid_json() {
+        let (status, body) = post("/v1/exec", "{\"code\": \"print(1)\"").await;
+
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body["error"]["code"], "invalid_json");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_413() {
+        let big = format!("{{\"code\": \"{}\"}}", "x".repeat(2000));
+
+        let (status, body) = post("/v1/exec", &big).await;
+
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(body["error"]["code"], "body_too_large");
+    }
+
+    #[tokio::test]
+    async fn field_errors_name_the_field_before_readiness_is_checked() {
+        let (timeout, t) = post("/v1/exec", r#"{"code": "x", "timeout_ms": 0}"#).await;
+        let (language, l) = post("/v1/exec", r#"{"code": "x", "language": "cobol"}"#).await;
+        let (batch, b) = post(
+            "/v1/exec/batch",
+            r#"{"jobs": [{"code": "x"}, {"code": "x"}, {"code": "x"}]}"#,
+        )
+        .await;
+        let (empty, e) = post("/v1/exec/batch", r#"{"jobs": []}"#).await;
+
+        assert_eq!(
+            (timeout, &t["error"]["field"]),
+            (StatusCode::BAD_REQUEST, &"timeout_ms".into())
+        );
+        assert_eq!(
+            (language, &l["error"]["field"]),
+            (StatusCode::BAD_REQUEST, &"language".into())
+        );
+        assert_eq!(
+            (batch, &b["error"]["code"]),
+            (StatusCode::PAYLOAD_TOO_LARGE, &"too_many".into())
+        );
+        assert_eq!(
+            (empty, &e["error"]["field"]),
+            (StatusCode::BAD_REQUEST, &"jobs".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn jobs_before_the_template_is_ready_get_503_with_retry_after() {
+        let (status, headers, body) = send(
+            Method::POST,
+            "/v1/exec/stream",
+            Some("application/json"),
+            br#"{"code": "x"}"#,
+        )
+        .await;
+
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            headers.iter().any(|(k, v)| k == "retry-after" && v == "1"),
+            "{headers:?}"
+        );
+        assert_eq!(body["error"]["code"], "not_ready");
+    }
+
+    #[tokio::test]
+    async fn health_says_starting_with_503_until_the_template_is_ready() {
+        let (status, _, body) = send(Method::GET, "/v1/health", None, b"").await;
+
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["status"], "starting");
+        assert_eq!(body["template_ready"], false);
+        assert_eq!(body["version"], env!("CARGO_PKG_VERSION"));
+    }
+
+    #[tokio::test]
+    async fn unknown_routes_and_methods_get_json_errors() {
+        let (missing, _, m) = send(Method::GET, "/v2/nothing", None, b"").await;
+        let (method, _, w) = send(Method::GET, "/v1/exec", None, b"").await;
+
+        assert_eq!(
+            (missing, &m["error"]["code"]),
+            (StatusCode::NOT_FOUND, &"not_found".into())
+        );
+        assert_eq!(
+            (method, &w["error"]["code"]),
+            (StatusCode::METHOD_NOT_ALLOWED, &"method_not_allowed".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn every_documented_route_is_routed() {
+        let (_, _, doc) = send(Method::GET, "/v1/openapi.json", None, b"").await;
+
+        for (method, path) in ROUTES {
+            assert!(
+                doc["paths"][path][method].is_object(),
+                "{method} {path} undocumented"
+            );
+            let m = Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            let (status, _, _) = send(m, path, Some("application/json"), b"{}").await;
+            assert_ne!(status, StatusCode::NOT_FOUND, "{method} {path}");
+            assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        }
+    }
+
+    #[tokio::test]
+    async fn metrics_are_prometheus_text() {
+        let req = axum::http::Request::get("/metrics")
+            .body(Body::empty())
+            .unwrap();
+
+        let resp = app(state()).oneshot(req).await.unwrap();
+        let ctype = resp.headers()[header::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let text = String::from_utf8(
+            resp.into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .to_vec(),
+        )
+        .unwrap();
+
+        assert!(ctype.starts_with("text/plain; version=0.0.4"));
+        assert!(text.contains("# TYPE bud_job_total_seconds histogram"));
+        assert!(text.contains("bud_template_ready 0\n"));
+    }
+}

@@ -1,0 +1,187 @@
+//! The server's knobs: how many job threads, how deep the admission queue, how many ready
+//! clones, and the limits every request is checked against. Defaults are documented here and
+//! in the README; `bud serve --help` shows the same numbers.
+
+use std::time::Duration;
+
+use vmm::protocol::job;
+
+/// Limits on one request. Every limit is checked before a job is admitted, and a request over
+/// one is answered 400 or 413 with the offending field named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of code (after base64 decoding).
+    pub max_code_bytes: usize,
+    /// Bytes of stdin (after base64 decoding).
+    pub max_stdin_bytes: usize,
+    /// Bytes of args + env as the guest gets them (each entry NUL-terminated, `K=V` for env).
+    pub max_args_env_bytes: usize,
+    /// Timeout used when a request gives none.
+    pub default_timeout_ms: u64,
+    /// Largest `timeout_ms` a request may ask for (the smallest is 1).
+    pub max_timeout_ms: u64,
+    /// Largest `output_limit` (stdout + stderr bytes kept) a request may ask for; also the
+    /// default.
+    pub max_output_bytes: usize,
+    /// Jobs in one `POST /v1/exec/batch`.
+    pub max_batch_jobs: usize,
+    /// Bytes of one request body.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_code_bytes: 512 << 10,
+            max_stdin_bytes: 1 << 20,
+            max_args_env_bytes: 64 << 10,
+            default_timeout_ms: vmm::job::DEFAULT_TIMEOUT.as_millis() as u64,
+            max_timeout_ms: 60_000,
+            max_output_bytes: vmm::job::DEFAULT_OUTPUT_LIMIT,
+            max_batch_jobs: 16,
+            max_body_bytes: 16 << 20,
+        }
+    }
+}
+
+/// The whole server configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Job threads: how many jobs run at once (each runs one clone's vCPU).
+    pub workers: usize,
+    /// Admitted jobs that may wait for a job thread; past `workers + queue` requests get 429.
+    pub queue: usize,
+    /// Clones the executor keeps restored and waiting.
+    pub pool_size: usize,
+    /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
+    pub retry_after_s: u64,
+    pub limits: Limits,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            workers: default_workers(),
+            queue: 64,
+            pool_size: 2,
+            retry_after_s: 1,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// One job thread per core.
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+}
+
+/// A configuration that cannot work.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("workers must be at least 1")]
+    NoWorkers,
+    #[error(
+        "code ({code}) + stdin ({stdin}) + args/env ({args_env}) limits exceed the {area} bytes a job can carry"
+    )]
+    RequestArea {
+        code: usize,
+        stdin: usize,
+        args_env: usize,
+        area: usize,
+    },
+    #[error("the default timeout {default} ms is not within 1..={max} ms")]
+    Timeout { default: u64, max: u64 },
+    #[error("max_batch_jobs ({batch}) must be 1..={capacity} (workers + queue)")]
+    Batch { batch: usize, capacity: usize },
+    #[error("max_output_bytes must be at least 1")]
+    Output,
+}
+
+impl Config {
+    /// Jobs admitted at once: running plus waiting.
+    pub fn capacity(&self) -> usize {
+        self.workers + self.queue
+    }
+
+    pub fn retry_after(&self) -> Duration {
+        Duration::from_secs(self.retry_after_s)
+    }
+
+    /// Checks the limits agree with each other and with the guest protocol.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let l = &self.limits;
+        if self.workers == 0 {
+            return Err(ConfigError::NoWorkers);
+        }
+        let area = job::DATA_END - job::DATA;
+        if l.max_code_bytes + l.max_stdin_bytes + l.max_args_env_bytes > area {
+            return Err(ConfigError::RequestArea {
+                code: l.max_code_bytes,
+                stdin: l.max_stdin_bytes,
+                args_env: l.max_args_env_bytes,
+                area,
+            });
+        }
+        if l.default_timeout_ms == 0 || l.default_timeout_ms > l.max_timeout_ms {
+            return Err(ConfigError::Timeout {
+                default: l.default_timeout_ms,
+                max: l.max_timeout_ms,
+            });
+        }
+        if l.max_batch_jobs == 0 || l.max_batch_jobs > self.capacity() {
+            return Err(ConfigError::Batch {
+                batch: l.max_batch_jobs,
+                capacity: self.capacity(),
+            });
+        }
+        if l.max_output_bytes == 0 {
+            return Err(ConfigError::Output);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        assert_eq!(Config::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn limits_larger_than_the_request_area_are_refused() {
+        let mut c = Config::default();
+        c.limits.max_stdin_bytes = 2 << 20;
+
+        assert!(matches!(c.validate(), Err(ConfigError::RequestArea { .. })));
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_admission_capacity_is_refused() {
+        let c = Config {
+            workers: 1,
+            queue: 2,
+            ..Config::default()
+        };
+
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::Batch {
+                batch: 16,
+                capacity: 3
+            })
+        );
+    }
+
+    #[test]
+    fn a_default_timeout_over_the_maximum_is_refused() {
+        let mut c = Config::default();
+        c.limits.default_timeout_ms = c.limits.max_timeout_ms + 1;
+
+        assert!(matches!(c.validate(), Err(ConfigError::Timeout { .. })));
+    }
+}

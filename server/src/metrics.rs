@@ -1,0 +1,298 @@
+//! `GET /metrics`: counters and histograms kept in atomics, written in the Prometheus text
+//! exposition format (version 0.0.4) by hand: the set is small and fixed.
+//!
+//! - `bud_jobs_total{status}`: jobs that ran, by status.
+//! - `bud_job_failures_total`: jobs bud could not run (answered 500).
+//! - `bud_rejected_total{reason}`: job requests refused for want of room or readiness
+//!   (`overloaded`, `not_ready`, `shutting_down`).
+//! - `bud_http_responses_total{code}`: responses by HTTP status code.
+//! - `bud_job_{queue,clone,run,total}_seconds`: histograms.
+//! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
+//!   live clones, and the process's resident memory.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use vmm::Status;
+
+/// Bucket upper bounds, in seconds.
+const BUCKETS: [f64; 16] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+
+const STATUSES: [(Status, &str); 6] = [
+    (Status::Ok, "ok"),
+    (Status::Error, "error"),
+    (Status::Timeout, "timeout"),
+    (Status::OutputLimit, "output_limit"),
+    (Status::MemoryLimit, "memory_limit"),
+    (Status::Crashed, "crashed"),
+];
+
+/// Why a request was refused before it ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    Overloaded,
+    NotReady,
+    ShuttingDown,
+}
+
+const REJECTIONS: [(Rejection, &str); 3] = [
+    (Rejection::Overloaded, "overloaded"),
+    (Rejection::NotReady, "not_ready"),
+    (Rejection::ShuttingDown, "shutting_down"),
+];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|b| s <= *b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (b, n) in BUCKETS.iter().zip(&self.buckets) {
+            cumulative += n.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {count}");
+    }
+}
+
+/// The server's counters.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    jobs: [AtomicU64; STATUSES.len()],
+    failures: AtomicU64,
+    rejected: [AtomicU64; REJECTIONS.len()],
+    responses: Mutex<BTreeMap<u16, u64>>,
+    queue: Histogram,
+    clone: Histogram,
+    run: Histogram,
+    total: Histogram,
+}
+
+/// Point-in-time values written as gauges.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Gauges {
+    pub workers: usize,
+    pub queue_capacity: usize,
+    pub jobs_running: usize,
+    pub jobs_queued: usize,
+    pub pool_size: usize,
+    pub pool_ready: usize,
+    pub live_clones: usize,
+    pub template_ready: bool,
+}
+
+impl Metrics {
+    /// A job that ran.
+    pub fn job(&self, status: Status, queued: Duration, t: &vmm::job::JobTimings) {
+        if let Some(i) = STATUSES.iter().position(|(s, _)| *s == status) {
+            self.jobs[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.queue.observe(queued);
+        self.clone.observe(t.clone);
+        self.run.observe(t.run);
+        self.total.observe(t.total);
+    }
+
+    /// A job bud could not run.
+    pub fn failure(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn rejected(&self, why: Rejection) {
+        if let Some(i) = REJECTIONS.iter().position(|(r, _)| *r == why) {
+            self.rejected[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A response went out with HTTP status `code`.
+    pub fn response(&self, code: u16) {
+        let mut r = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+        *r.entry(code).or_insert(0) += 1;
+    }
+
+    /// The exposition text.
+    pub fn render(&self, g: &Gauges) -> String {
+        let mut out = String::with_capacity(8 << 10);
+        out.push_str("# HELP bud_jobs_total Jobs that ran, by final status.\n");
+        out.push_str("# TYPE bud_jobs_total counter\n");
+        for ((_, name), n) in STATUSES.iter().zip(&self.jobs) {
+            let _ = writeln!(
+                out,
+                "bud_jobs_total{{status=\"{name}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        out.push_str("# HELP bud_job_failures_total Jobs bud could not run (HTTP 500).\n");
+        out.push_str("# TYPE bud_job_failures_total counter\n");
+        let _ = writeln!(
+            out,
+            "bud_job_failures_total {}",
+            self.failures.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP bud_rejected_total Requests refused before running, by reason.\n");
+        out.push_str("# TYPE bud_rejected_total counter\n");
+        for ((_, name), n) in REJECTIONS.iter().zip(&self.rejected) {
+            let _ = writeln!(
+                out,
+                "bud_rejected_total{{reason=\"{name}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        out.push_str("# HELP bud_http_responses_total HTTP responses, by status code.\n");
+        out.push_str("# TYPE bud_http_responses_total counter\n");
+        for (code, n) in self
+            .responses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            let _ = writeln!(out, "bud_http_responses_total{{code=\"{code}\"}} {n}");
+        }
+        self.queue.render(
+            &mut out,
+            "bud_job_queue_seconds",
+            "Time jobs waited for a job thread.",
+        );
+        self.clone.render(
+            &mut out,
+            "bud_job_clone_seconds",
+            "Time to get a clone (0 from the pool).",
+        );
+        self.run.render(
+            &mut out,
+            "bud_job_run_seconds",
+            "Time from resuming the clone to the job's end.",
+        );
+        self.total.render(
+            &mut out,
+            "bud_job_total_seconds",
+            "Clone + run + collecting the result.",
+        );
+        let gauges = [
+            ("bud_workers", "Job threads.", g.workers as u64),
+            (
+                "bud_queue_capacity",
+                "Jobs admitted at once (running + waiting).",
+                g.queue_capacity as u64,
+            ),
+            (
+                "bud_jobs_running",
+                "Jobs running now.",
+                g.jobs_running as u64,
+            ),
+            (
+                "bud_jobs_queued",
+                "Jobs admitted and waiting for a job thread.",
+                g.jobs_queued as u64,
+            ),
+            (
+                "bud_pool_size",
+                "Clones the pool keeps ready.",
+                g.pool_size as u64,
+            ),
+            (
+                "bud_pool_ready",
+                "Clones ready in the pool now.",
+                g.pool_ready as u64,
+            ),
+            (
+                "bud_live_clones",
+                "Clones that exist (pooled, running, or being closed).",
+                g.live_clones as u64,
+            ),
+            (
+                "bud_template_ready",
+                "1 once the template is loaded.",
+                g.template_ready as u64,
+            ),
+            (
+                "process_resident_memory_bytes",
+                "Resident memory of the server process.",
+                resident_bytes(),
+            ),
+        ];
+        for (name, help, v) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        out
+    }
+}
+
+/// VmRSS of this process, from /proc/self/status.
+pub fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmm::job::JobTimings;
+
+    #[test]
+    fn histograms_are_cumulative_and_counted() {
+        let m = Metrics::default();
+        let t = JobTimings {
+            clone: Duration::ZERO,
+            run: Duration::from_millis(3),
+            total: Duration::from_millis(4),
+        };
+
+        m.job(Status::Ok, Duration::ZERO, &t);
+        m.job(Status::Timeout, Duration::ZERO, &t);
+        let text = m.render(&Gauges::default());
+
+        assert!(text.contains("bud_jobs_total{status=\"ok\"} 1\n"));
+        assert!(text.contains("bud_jobs_total{status=\"timeout\"} 1\n"));
+        assert!(text.contains("bud_job_run_seconds_bucket{le=\"0.002\"} 0\n"));
+        assert!(text.contains("bud_job_run_seconds_bucket{le=\"0.005\"} 2\n"));
+        assert!(text.contains("bud_job_run_seconds_bucket{le=\"+Inf\"} 2\n"));
+        assert!(text.contains("bud_job_run_seconds_count 2\n"));
+    }
+
+    #[test]
+    fn every_sample_line_is_name_value() {
+        let text = Metrics::default().render(&Gauges::default());
+
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (name, value) = line.rsplit_once(' ').unwrap();
+            assert!(
+                name.starts_with("bud_") || name.starts_with("process_"),
+                "{line}"
+            );
+            assert!(value.parse::<f64>().is_ok(), "{line}");
+        }
+        assert!(resident_bytes() > 0);
+    }
+}

@@ -1,0 +1,108 @@
+//! `GET /v1/openapi.json`: the API described in OpenAPI 3.1.
+//!
+//! The document is hand-written (`openapi.json` beside this file); the limits in it are the
+//! defaults, replaced by the running server's own limits when served. A test checks that it
+//! documents exactly the routes in [`crate::ROUTES`], and that those are the router's routes.
+
+use serde_json::Value;
+
+use crate::config::Limits;
+
+/// The document as written, with default limits.
+pub const DOCUMENT: &str = include_str!("openapi.json");
+
+/// The document with this server's version and limits.
+pub fn document(limits: &Limits) -> Value {
+    let mut doc: Value = serde_json::from_str(DOCUMENT).unwrap_or_default();
+    doc["info"]["version"] = env!("CARGO_PKG_VERSION").into();
+    let schemas = &mut doc["components"]["schemas"];
+    let props = &mut schemas["ExecRequest"]["properties"];
+    props["timeout_ms"]["maximum"] = limits.max_timeout_ms.into();
+    props["timeout_ms"]["default"] = limits.default_timeout_ms.into();
+    props["output_limit"]["maximum"] = limits.max_output_bytes.into();
+    props["output_limit"]["default"] = limits.max_output_bytes.into();
+    schemas["BatchRequest"]["properties"]["jobs"]["maxItems"] = limits.max_batch_jobs.into();
+    doc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn documented_routes(doc: &Value) -> BTreeSet<(String, String)> {
+        let mut routes = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            for method in item.as_object().unwrap().keys() {
+                routes.insert((method.clone(), path.clone()));
+            }
+        }
+        routes
+    }
+
+    #[test]
+    fn the_document_covers_every_route_and_no_other() {
+        let doc = document(&Limits::default());
+
+        let expected: BTreeSet<(String, String)> = crate::ROUTES
+            .iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .collect();
+
+        assert_eq!(doc["openapi"], "3.1.0");
+        assert_eq!(documented_routes(&doc), expected);
+    }
+
+    #[test]
+    fn every_reference_resolves() {
+        let doc = document(&Limits::default());
+        let text = doc.to_string();
+
+        for piece in text.split("\"$ref\":\"#/").skip(1) {
+            let target = piece.split('"').next().unwrap();
+            let found = target.split('/').fold(&doc, |v, key| &v[key]);
+            assert!(!found.is_null(), "dangling $ref #/{target}");
+        }
+    }
+
+    #[test]
+    fn served_limits_are_the_servers() {
+        let limits = Limits {
+            max_timeout_ms: 1234,
+            max_batch_jobs: 3,
+            ..Limits::default()
+        };
+
+        let doc = document(&limits);
+
+        let props = &doc["components"]["schemas"]["ExecRequest"]["properties"];
+        assert_eq!(props["timeout_ms"]["maximum"], 1234);
+        assert_eq!(
+            doc["components"]["schemas"]["BatchRequest"]["properties"]["jobs"]["maxItems"],
+            3
+        );
+    }
+
+    #[test]
+    fn every_error_code_is_documented() {
+        let doc = document(&Limits::default());
+        let codes = &doc["components"]["schemas"]["ErrorDetail"]["properties"]["code"]["enum"];
+        let errors = [
+            crate::ApiError::ContentType,
+            crate::ApiError::ShuttingDown,
+            crate::ApiError::MethodNotAllowed,
+            crate::ApiError::NotFound(String::new()),
+            crate::ApiError::BodyTooLarge { limit: 1 },
+            crate::ApiError::Body(String::new()),
+            crate::ApiError::invalid("f", "m"),
+        ];
+
+        for e in errors {
+            assert!(
+                codes.as_array().unwrap().contains(&e.code().into()),
+                "{}",
+                e.code()
+            );
+        }
+    }
+}

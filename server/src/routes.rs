@@ -1,0 +1,192 @@
+//! The JSON handlers: one job, a batch, health, metrics, the OpenAPI document, and the
+//! answers for unknown routes and methods. Streaming lives in [`crate::stream`].
+//!
+//! Order of checks for a job request: content type (415), body size (413), JSON shape (400),
+//! field limits (400/413), template ready (503), admission (429). Only then does a job run, on
+//! a job thread; the handler awaits its reply.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use tokio::sync::oneshot;
+use vmm::{ExecError, Executor, Job, JobResult};
+
+use crate::api::{BatchRequest, BatchResponse, ExecRequest, ExecResponse};
+use crate::body::JsonBody;
+use crate::error::ApiError;
+use crate::jobs::Slot;
+use crate::metrics::Metrics;
+use crate::state::AppState;
+
+/// A job's outcome and how long it waited for a job thread.
+pub type Outcome = (Result<JobResult, ExecError>, Duration);
+
+/// Records and logs a finished job (on the job thread, so it counts even if the client left).
+pub fn record(metrics: &Metrics, outcome: &Outcome) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    match &outcome.0 {
+        Ok(r) => {
+            metrics.job(r.status, outcome.1, &r.timings);
+            tracing::debug!(
+                status = ?r.status,
+                exit_code = r.exit_code,
+                queue_ms = ms(outcome.1),
+                clone_ms = ms(r.timings.clone),
+                run_ms = ms(r.timings.run),
+                total_ms = ms(r.timings.total),
+                "job finished"
+            );
+            if let Some(why) = &r.crash {
+                tracing::warn!(crash = %why, "job crashed its clone");
+            }
+        }
+        Err(e) => {
+            metrics.failure();
+            tracing::error!(error = %e, "job could not run");
+        }
+    }
+}
+
+/// Queues `job` on a job thread; the receiver gets its outcome. A job whose client has gone
+/// away before a thread picks it up is dropped unrun.
+fn start(
+    state: &AppState,
+    exec: Arc<Executor>,
+    slot: Slot,
+    job: Job,
+) -> Result<oneshot::Receiver<Outcome>, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    let metrics = state.metrics_handle();
+    let queued_at = Instant::now();
+    state.spawn(slot, move || {
+        let waited = queued_at.elapsed();
+        if tx.is_closed() {
+            return;
+        }
+        let outcome = (exec.run(&job), waited);
+        record(&metrics, &outcome);
+        let _ = tx.send(outcome);
+    })?;
+    Ok(rx)
+}
+
+async fn finish(rx: oneshot::Receiver<Outcome>) -> Result<(JobResult, Duration), NoResult> {
+    match rx.await {
+        Ok((Ok(r), waited)) => Ok((r, waited)),
+        Ok((Err(e), _)) => Err(NoResult::Exec(e)),
+        Err(_) => Err(NoResult::Lost),
+    }
+}
+
+/// Why a queued job produced no result.
+enum NoResult {
+    Exec(ExecError),
+    /// The job thread dropped the job (it panicked).
+    Lost,
+}
+
+impl NoResult {
+    fn into_api(self, field: Option<String>) -> ApiError {
+        match self {
+            NoResult::Exec(e) => ApiError::exec(e, field),
+            NoResult::Lost => ApiError::Internal {
+                field,
+                message: "the job thread lost the job".into(),
+            },
+        }
+    }
+}
+
+/// `POST /v1/exec`.
+pub async fn exec(
+    State(state): State<AppState>,
+    JsonBody(req): JsonBody<ExecRequest>,
+) -> Result<Json<ExecResponse>, ApiError> {
+    let output_b64 = req.output_b64;
+    let job = req.into_job(&state.config().limits, "")?;
+    let exec = state.executor()?;
+    let slot = state.admit(1)?.remove(0);
+    let rx = start(&state, exec, slot, job)?;
+    let (r, waited) = finish(rx).await.map_err(|e| e.into_api(None))?;
+    Ok(Json(ExecResponse::new(r, waited, output_b64)))
+}
+
+/// `POST /v1/exec/batch`: all jobs admitted at once or none, run in parallel on the job
+/// threads, results in request order. One job bud could not run fails the whole request.
+pub async fn batch(
+    State(state): State<AppState>,
+    JsonBody(req): JsonBody<BatchRequest>,
+) -> Result<Json<BatchResponse>, ApiError> {
+    let limits = &state.config().limits;
+    let n = req.jobs.len();
+    if n == 0 {
+        return Err(ApiError::invalid("jobs", "jobs must hold at least one job"));
+    }
+    if n > limits.max_batch_jobs {
+        return Err(ApiError::TooMany {
+            field: "jobs".into(),
+            count: n,
+            limit: limits.max_batch_jobs,
+        });
+    }
+    let mut jobs = Vec::with_capacity(n);
+    for (i, r) in req.jobs.into_iter().enumerate() {
+        let b64 = r.output_b64;
+        jobs.push((r.into_job(limits, &format!("jobs[{i}]."))?, b64));
+    }
+    let exec = state.executor()?;
+    let slots = state.admit(n)?;
+    let mut pending = Vec::with_capacity(n);
+    for (slot, (job, b64)) in slots.into_iter().zip(jobs) {
+        pending.push((start(&state, exec.clone(), slot, job)?, b64));
+    }
+    let mut results = Vec::with_capacity(n);
+    for (i, (rx, b64)) in pending.into_iter().enumerate() {
+        let (r, waited) = finish(rx)
+            .await
+            .map_err(|e| e.into_api(Some(format!("jobs[{i}]"))))?;
+        results.push(ExecResponse::new(r, waited, b64));
+    }
+    Ok(Json(BatchResponse { results }))
+}
+
+/// `GET /v1/health`: 200 once the template is ready, 503 (same body) before.
+pub async fn health(State(state): State<AppState>) -> Response {
+    let h = state.health();
+    let code = if h.template_ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(h)).into_response()
+}
+
+/// `GET /metrics`.
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let text = state.metrics().render(&state.gauges());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// `GET /v1/openapi.json`.
+pub async fn openapi(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(crate::openapi::document(&state.config().limits))
+}
+
+pub async fn not_found(req: Request) -> ApiError {
+    ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
+}
+
+pub async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}

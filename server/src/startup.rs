@@ -1,0 +1,236 @@
+//! `bud serve` from start to stop: logging, the listener, the template, signals.
+//!
+//! The server listens first and prepares the template on its own thread (finding or building
+//! the guest, then loading or booting the template, all logged), so health answers
+//! `starting` meanwhile and jobs get 503. SIGINT or SIGTERM starts a graceful shutdown: no new
+//! connections, in-flight jobs finish and are answered; a second signal exits at once.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tracing::{error, info, warn};
+use vmm::devices::console::{ConsoleLine, EchoFn};
+use vmm::template::Origin;
+use vmm::{BootConfig, Executor, Template, TemplateSpec};
+
+use crate::config::Config;
+use crate::state::{AppState, StateError};
+
+/// Everything `bud serve` needs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub listen: IpAddr,
+    pub port: u16,
+    pub config: Config,
+    /// bud's source tree (guest recipe, kernel config).
+    pub source_dir: PathBuf,
+    /// Guest build outputs and templates (`<build_dir>/templates`).
+    pub build_dir: PathBuf,
+    /// Guest RAM in bytes (part of the template's identity).
+    pub ram_size: u64,
+}
+
+/// Why `bud serve` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot listen on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("serving: {0}")]
+    Serve(std::io::Error),
+    #[error("cannot start the template thread: {0}")]
+    Thread(std::io::Error),
+    #[error(transparent)]
+    Prepare(#[from] Box<PrepareError>),
+}
+
+/// Why the template could not be made ready.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("building the guest: {0}")]
+    Guest(Box<bud_guest::BuildError>),
+    #[error("preparing the template")]
+    Template(#[from] vmm::template::TemplateError),
+    #[error("starting the executor")]
+    Executor(#[from] vmm::ExecError),
+}
+
+/// Logs to stderr; `RUST_LOG` filters (default `info`). Does nothing if logging is set up.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+/// The built guest if present (like `bud run`, no rebuild check), else builds it.
+fn guest(opts: &ServeOptions) -> Result<(PathBuf, PathBuf), PrepareError> {
+    let kernel = opts.build_dir.join("kernel").join("vmlinux");
+    let initramfs = opts.build_dir.join("image").join("initramfs.cpio");
+    if kernel.is_file() && initramfs.is_file() {
+        return Ok((kernel, initramfs));
+    }
+    info!("no guest build found: building the kernel and image (minutes on first use)");
+    let mut build = bud_guest::BuildOptions::new(&opts.source_dir);
+    build.build_dir = opts.build_dir.clone();
+    let a = bud_guest::ensure(
+        &build,
+        &mut |line: &str| info!(target: "bud::guest_build", "{line}"),
+    )
+    .map_err(|e| PrepareError::Guest(Box::new(e)))?;
+    Ok((a.kernel, a.initramfs))
+}
+
+/// Finds or builds the guest, loads or boots the template, starts the executor.
+pub fn prepare(opts: &ServeOptions) -> Result<Executor, PrepareError> {
+    let started = Instant::now();
+    let (kernel, initramfs) = guest(opts)?;
+    let mut boot = BootConfig::new(kernel, initramfs);
+    boot.ram_size = opts.ram_size;
+    let spec = TemplateSpec {
+        boot,
+        root: opts.build_dir.join("templates"),
+    };
+    info!(
+        root = %spec.root.display(),
+        "loading the template (a first build boots the guest: about a minute)"
+    );
+    let echo: EchoFn = Box::new(
+        |line: &ConsoleLine| info!(target: "bud::guest_console", at_ms = line.at.as_millis() as u64, "{}", line.text),
+    );
+    let template = Template::load_or_build(&spec, Some(echo))?;
+    match template.origin() {
+        Origin::Built {
+            boot,
+            capture,
+            write,
+        } => info!(
+            dir = %template.dir().display(),
+            ready_s = boot.to_ready.as_secs_f64(),
+            capture_ms = capture.as_secs_f64() * 1e3,
+            write_ms = write.as_secs_f64() * 1e3,
+            "template built"
+        ),
+        Origin::Loaded { load } => info!(
+            dir = %template.dir().display(),
+            load_ms = load.as_secs_f64() * 1e3,
+            "template loaded"
+        ),
+    }
+    let executor = Executor::new(template, opts.config.pool_size)?;
+    info!(
+        pool = opts.config.pool_size,
+        total_s = started.elapsed().as_secs_f64(),
+        "ready for jobs"
+    );
+    Ok(executor)
+}
+
+/// An error and its sources, `a: b: c`.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!("cannot watch SIGTERM: {e}");
+            let _ = ctrl_c.await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Runs `bud serve` until a signal (Ok) or a failure to prepare the template (Err).
+pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
+    let state = AppState::new(opts.config.clone(), None)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("bud-http")
+        .build()
+        .map_err(ServeError::Runtime)?;
+    let failed: Arc<Mutex<Option<PrepareError>>> = Arc::default();
+    runtime.block_on(async {
+        let addr = SocketAddr::new(opts.listen, opts.port);
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        let local = listener.local_addr().map_err(ServeError::Serve)?;
+        info!(
+            addr = %local,
+            workers = opts.config.workers,
+            queue = opts.config.queue,
+            pool = opts.config.pool_size,
+            "listening"
+        );
+
+        let (prep_done, prep_failed) = oneshot::channel::<()>();
+        let prep_state = state.clone();
+        let prep_opts = opts.clone();
+        let prep_error = failed.clone();
+        // Detached: a signal during a long guest build must not wait for it.
+        std::thread::Builder::new()
+            .name("bud-template".into())
+            .spawn(move || match prepare(&prep_opts) {
+                Ok(e) => {
+                    prep_state.set_executor(Arc::new(e));
+                }
+                Err(e) => {
+                    error!("{}", chain(&e));
+                    *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    let _ = prep_done.send(());
+                }
+            })
+            .map_err(ServeError::Thread)?;
+
+        let shutdown = async move {
+            tokio::select! {
+                _ = shutdown_signal() => info!("shutting down: finishing in-flight jobs (signal again to exit now)"),
+                Ok(()) = prep_failed => info!("shutting down: the template could not be prepared"),
+            }
+            tokio::spawn(async {
+                shutdown_signal().await;
+                warn!("second signal: exiting now");
+                std::process::exit(130);
+            });
+        };
+        crate::serve(listener, state, shutdown)
+            .await
+            .map_err(ServeError::Serve)?;
+        info!("stopped");
+        Ok::<(), ServeError>(())
+    })?;
+    // Do not wait for a template thread that may still be building.
+    runtime.shutdown_background();
+    match failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(e) => Err(Box::new(e).into()),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,170 @@
+//! A real `bud serve` for the tests: the real guest and template (built once under
+//! `<repo>/build`, reused after), one executor per test binary, and per test a server on
+//! 127.0.0.1 with port 0 (real TCP) driven by a real HTTP client (reqwest).
+//!
+//! These tests need /dev/kvm. They never skip silently: without it they fail saying so.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bud_server::{AppState, Config, Limits};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use vmm::{BootConfig, Executor, Template, TemplateSpec};
+
+pub fn repo_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("server/ has a parent")
+        .to_path_buf()
+}
+
+pub fn require_kvm() {
+    assert!(
+        std::path::Path::new("/dev/kvm").exists(),
+        "\n\n*** THIS TEST NEEDS /dev/kvm AND THIS MACHINE HAS NONE: IT CANNOT RUN HERE ***\n\n"
+    );
+}
+
+/// One executor over the default template for this test binary.
+pub fn executor() -> Arc<Executor> {
+    static EXEC: OnceLock<Arc<Executor>> = OnceLock::new();
+    EXEC.get_or_init(|| {
+        require_kvm();
+        let opts = bud_guest::BuildOptions::new(repo_dir());
+        let g = bud_guest::ensure(&opts, &mut |line: &str| eprintln!("[guest build] {line}"))
+            .expect("building the guest (kernel + image) failed");
+        let spec = TemplateSpec {
+            boot: BootConfig::new(&g.kernel, &g.initramfs),
+            root: repo_dir().join("build").join("templates"),
+        };
+        let template = Template::load_or_build(&spec, None).expect("building the template failed");
+        Arc::new(Executor::new(template, 2).expect("starting the executor failed"))
+    })
+    .clone()
+}
+
+/// The configuration the tests use unless they need another: defaults, two job threads.
+pub fn test_config() -> Config {
+    Config {
+        workers: 2,
+        queue: 16,
+        limits: Limits::default(),
+        ..Config::default()
+    }
+}
+
+/// A server on 127.0.0.1:0, stopped (gracefully, joined) on drop.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl TestServer {
+    pub fn start() -> Self {
+        Self::with_config(test_config())
+    }
+
+    pub fn with_config(config: Config) -> Self {
+        let state = AppState::new(config, Some(executor())).expect("server state");
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served = state.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind 127.0.0.1:0");
+                addr_tx.send(listener.local_addr().unwrap()).unwrap();
+                bud_server::serve(listener, served, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .expect("serving failed");
+            });
+        });
+        let addr = addr_rx.recv().expect("the server did not start");
+        Self {
+            addr,
+            state,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Starts a graceful shutdown and waits for the server to finish.
+    pub fn shutdown(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            t.join().expect("the server thread panicked");
+        }
+    }
+
+    /// POSTs `body` as JSON; returns the status and the JSON answer.
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = client()
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .expect("request failed");
+        let status = r.status().as_u16();
+        (status, r.json().expect("the answer is not JSON"))
+    }
+
+    /// POSTs raw bytes with a content type.
+    pub fn post_raw(&self, path: &str, ctype: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = client()
+            .post(self.url(path))
+            .header("content-type", ctype)
+            .body(body)
+            .send()
+            .expect("request failed");
+        let status = r.status().as_u16();
+        (status, r.json().expect("the answer is not JSON"))
+    }
+
+    pub fn exec(&self, body: Value) -> (u16, Value) {
+        self.post("/v1/exec", &body)
+    }
+
+    /// Runs `print('alive')` and checks it worked: the server still serves.
+    pub fn assert_still_serving(&self) {
+        let (status, r) = self.exec(json!({"code": "print('alive')"}));
+        assert_eq!((status, &r["stdout"]), (200, &json!("alive\n")), "{r}");
+    }
+
+    pub fn get(&self, path: &str) -> reqwest::blocking::Response {
+        client().get(self.url(path)).send().expect("request failed")
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A blocking client with a generous timeout (the machine is shared and slow).
+pub fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .expect("http client")
+}
