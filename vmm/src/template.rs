@@ -131,6 +131,12 @@ pub fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
     Ok(digest.iter().take(12).map(|b| format!("{b:02x}")).collect())
 }
 
+/// Opens a template's memory file (read-only; clones map it copy-on-write).
+fn open_memory(dir: &Path) -> Result<File, TemplateError> {
+    let path = dir.join(MEMORY_FILE);
+    File::open(&path).map_err(|source| TemplateError::Read { path, source })
+}
+
 /// Opens `path` and holds an exclusive `flock` on it until the file is dropped.
 fn lock_file(path: &Path) -> Result<File, TemplateError> {
     let err = |source| TemplateError::Write {
@@ -238,15 +244,10 @@ impl Template {
         let boot_timings = ready.timings;
         drop(ready);
 
-        let memory_path = dir.join(MEMORY_FILE);
-        let memory = File::open(&memory_path).map_err(|source| TemplateError::Read {
-            path: memory_path,
-            source,
-        })?;
         Ok(Self {
             dir: dir.to_path_buf(),
             state,
-            memory,
+            memory: open_memory(dir)?,
             origin: Origin::Built {
                 boot: boot_timings,
                 capture,
@@ -271,15 +272,10 @@ impl Template {
                 this,
             });
         }
-        let memory_path = dir.join(MEMORY_FILE);
-        let memory = File::open(&memory_path).map_err(|source| TemplateError::Read {
-            path: memory_path,
-            source,
-        })?;
         Ok(Self {
             dir: dir.to_path_buf(),
             state,
-            memory,
+            memory: open_memory(dir)?,
             origin: Origin::Loaded {
                 load: started.elapsed(),
             },
