@@ -115,9 +115,9 @@ fn fail(doorbell: &Doorbell, error: &Error) -> ! {
 
 /// Reports a fatal error when `ioperm` failed, then blocks forever.
 ///
-/// Under kvm_pvm the port works without permission, so the FAILED doorbell is still worth
-/// trying; under hardware virtualization the `out` faults. It is rung from a disposable
-/// child so that a fault kills the child, not init.
+/// Without the permission the `out` most likely faults (it did under kvm_pvm, as it does under
+/// hardware virtualization), but the FAILED doorbell is still worth trying: it is rung from a
+/// disposable child, so a fault kills the child, not init, and the console line stays.
 fn fail_without_doorbell(error: &Error) -> ! {
     say!("{error}");
     // SAFETY: fork has no preconditions here: PID 1 is single-threaded at this point.

@@ -2,9 +2,10 @@
 //! serial console (vm-superio), the i8042 reset line, and the doorbell port.
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
-//! loop ([`PortEvent`]). Every port is reachable by untrusted guest user code (kvm_pvm lets CPL3
-//! code do port I/O without permission), so each access is treated as hostile input: unknown
-//! ports read as all-ones and swallow writes, wrong access sizes are ignored, nothing panics.
+//! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
+//! the guest and can take `ioperm`/`iopl` themselves, or run in the guest kernel after an
+//! exploit), so each access is treated as hostile input: unknown ports read as all-ones and
+//! swallow writes, wrong access sizes are ignored, nothing panics.
 
 pub mod console;
 pub mod i8042;
