@@ -173,15 +173,23 @@ struct ServeArgs {
     mem_mib: u64,
 }
 
+impl Cli {
+    /// Guest build options: `--build-dir`, or `<source>/build` by default.
+    fn build_options(&self) -> bud_guest::BuildOptions {
+        let mut opts = bud_guest::BuildOptions::new(&self.source_dir);
+        if let Some(dir) = &self.build_dir {
+            opts.build_dir = dir.clone();
+        }
+        opts
+    }
+}
+
 fn progress(line: &str) {
     eprintln!("[bud] {line}");
 }
 
 fn build_guest(cli: &Cli) -> anyhow::Result<bud_guest::GuestArtifacts> {
-    let mut opts = bud_guest::BuildOptions::new(&cli.source_dir);
-    if let Some(dir) = &cli.build_dir {
-        opts.build_dir = dir.clone();
-    }
+    let opts = cli.build_options();
     let started = Instant::now();
     let artifacts = bud_guest::ensure(&opts, &mut |l: &str| progress(l))
         .context("building the guest kernel and image")?;
@@ -348,17 +356,8 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
 /// The kernel and initramfs for `bud run`: the built ones if present (no rebuild check, so a
 /// run stays fast; `bud guest build` or `bud boot` picks up source changes), else build them.
 fn guest_for_run(cli: &Cli) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let build_dir = cli
-        .build_dir
-        .clone()
-        .unwrap_or_else(|| cli.source_dir.join("build"));
-    let kernel = build_dir.join("kernel").join("vmlinux");
-    let initramfs = build_dir.join("image").join("initramfs.cpio");
-    if kernel.is_file() && initramfs.is_file() {
-        return Ok((kernel, initramfs));
-    }
-    let a = build_guest(cli)?;
-    Ok((a.kernel, a.initramfs))
+    bud_guest::built_or_ensure(&cli.build_options(), &mut |l: &str| progress(l))
+        .context("building the guest kernel and image")
 }
 
 fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
@@ -390,10 +389,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     let (kernel, initramfs) = guest_for_run(cli)?;
     let mut boot = BootConfig::new(kernel, initramfs);
     boot.ram_size = args.mem_mib << 20;
-    let build_dir = cli
-        .build_dir
-        .clone()
-        .unwrap_or_else(|| cli.source_dir.join("build"));
+    let build_dir = cli.build_options().build_dir;
     let spec = vmm::TemplateSpec {
         boot,
         root: build_dir.join("templates"),
@@ -463,10 +459,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         port: args.port,
         config,
         source_dir: cli.source_dir.clone(),
-        build_dir: cli
-            .build_dir
-            .clone()
-            .unwrap_or_else(|| cli.source_dir.join("build")),
+        build_dir: cli.build_options().build_dir,
         ram_size: args.mem_mib << 20,
     })?;
     Ok(ExitCode::SUCCESS)

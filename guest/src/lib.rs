@@ -19,4 +19,6 @@ pub mod run;
 pub mod stage;
 pub mod zip;
 
-pub use pipeline::{BuildError, BuildOptions, GuestArtifacts, ensure};
+pub use pipeline::{
+    BuildError, BuildOptions, GuestArtifacts, artifact_paths, built_or_ensure, ensure,
+};

@@ -166,6 +166,30 @@ pub fn ensure(
     })
 }
 
+/// Where a build under `build_dir` leaves the kernel and the initramfs (they may not exist).
+pub fn artifact_paths(build_dir: &Path) -> (PathBuf, PathBuf) {
+    (
+        build_dir.join("kernel").join("vmlinux"),
+        build_dir.join("image").join(crate::image::IMAGE_FILE),
+    )
+}
+
+/// The kernel and initramfs already under `opts.build_dir`, taken as they are (no check that
+/// they are current, so a caller that starts often stays fast); builds them with [`ensure`]
+/// when either is missing.
+pub fn built_or_ensure(
+    opts: &BuildOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(PathBuf, PathBuf), BuildError> {
+    let (kernel, initramfs) = artifact_paths(&opts.build_dir);
+    if kernel.is_file() && initramfs.is_file() {
+        return Ok((kernel, initramfs));
+    }
+    progress("no guest build found: building the kernel and image (minutes on first use)");
+    let a = ensure(opts, progress)?;
+    Ok((a.kernel, a.initramfs))
+}
+
 fn megabytes(bytes: u64) -> String {
     format!("{:.2} MB", bytes as f64 / 1e6)
 }
@@ -184,7 +208,7 @@ pub fn build_kernel(
     cmd.arg(&script).arg(&out_dir).current_dir(&opts.source_dir);
     progress(&run::describe(&cmd));
     run::run(&mut cmd, false, progress).map_err(BuildError::Kernel)?;
-    let vmlinux = out_dir.join("vmlinux");
+    let (vmlinux, _) = artifact_paths(&opts.build_dir);
     if !vmlinux.is_file() {
         return Err(BuildError::KernelMissing(vmlinux));
     }

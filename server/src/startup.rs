@@ -78,20 +78,13 @@ pub fn init_logging() {
 
 /// The built guest if present (like `bud run`, no rebuild check), else builds it.
 fn guest(opts: &ServeOptions) -> Result<(PathBuf, PathBuf), PrepareError> {
-    let kernel = opts.build_dir.join("kernel").join("vmlinux");
-    let initramfs = opts.build_dir.join("image").join("initramfs.cpio");
-    if kernel.is_file() && initramfs.is_file() {
-        return Ok((kernel, initramfs));
-    }
-    info!("no guest build found: building the kernel and image (minutes on first use)");
     let mut build = bud_guest::BuildOptions::new(&opts.source_dir);
     build.build_dir = opts.build_dir.clone();
-    let a = bud_guest::ensure(
+    bud_guest::built_or_ensure(
         &build,
         &mut |line: &str| info!(target: "bud::guest_build", "{line}"),
     )
-    .map_err(|e| PrepareError::Guest(Box::new(e)))?;
-    Ok((a.kernel, a.initramfs))
+    .map_err(|e| PrepareError::Guest(Box::new(e)))
 }
 
 /// Finds or builds the guest, loads or boots the template, starts the executor.

@@ -172,18 +172,16 @@ impl Executor {
 
     /// Hands a finished clone to the reaper.
     pub fn discard(&self, m: Machine) {
-        match &self.reaper {
-            Some((tx, _)) => {
-                if let Err(back) = tx.send(m) {
-                    drop(back.0);
-                    self.shared.live_clones.fetch_sub(1, Ordering::Relaxed);
-                }
-            }
-            None => {
-                drop(m);
-                self.shared.live_clones.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
+        let m = match &self.reaper {
+            Some((tx, _)) => match tx.send(m) {
+                Ok(()) => return,
+                Err(back) => back.0,
+            },
+            None => m,
+        };
+        // No reaper to take it: close it here.
+        drop(m);
+        self.shared.live_clones.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Runs `j` in a fresh clone and throws the clone away.
