@@ -27,7 +27,6 @@ fn main() {
     }
     let template = common::template();
     let kvm = vmm::vm::open_kvm().expect("/dev/kvm");
-    let mailbox = template.state().mailbox.clone();
     let job = Job::python("print(1+1)");
 
     let base = smaps_kib("Private_Dirty:");
@@ -42,7 +41,7 @@ fn main() {
     let mut ran = Vec::new();
     for _ in 0..CLONES {
         let mut m = template.clone_machine(&kvm).expect("clone");
-        let r = vmm::job::run(&mut m, &mailbox, &job, &mut |_, _| {}).expect("run");
+        let (r, _) = vmm::job::run(&mut m, template.state(), &job, &mut |_, _| {}).expect("run");
         assert_eq!(r.stdout, b"2\n");
         ran.push(m);
     }

@@ -141,9 +141,15 @@ struct ServeArgs {
     /// Jobs that may wait for a job thread; past workers + queue, requests get 429.
     #[arg(long, default_value_t = bud_server::Config::default().queue)]
     queue: usize,
-    /// Clones kept restored and ready.
+    /// VMs kept ready (fresh clones and idle warm VMs).
     #[arg(long, default_value_t = bud_server::Config::default().pool_size)]
     pool: usize,
+    /// A fresh clone for every job instead of resetting and reusing warm VMs.
+    #[arg(long)]
+    fresh_clones: bool,
+    /// Verify every reset by value against the template (reads all of guest RAM per job).
+    #[arg(long)]
+    verify_resets: bool,
     /// Largest code, in bytes.
     #[arg(long, default_value_t = bud_server::Limits::default().max_code_bytes)]
     max_code_bytes: usize,
@@ -411,7 +417,13 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
             template.dir().display()
         ));
     }
-    let executor = vmm::Executor::new(template, 0)?;
+    // One job in this process: a fresh clone, no pool, nothing to reset.
+    let once = vmm::ExecutorOptions {
+        pool_size: 0,
+        reuse: vmm::Reuse::Fresh,
+        ..vmm::ExecutorOptions::default()
+    };
+    let executor = vmm::Executor::new(template, once)?;
     let result = executor.run(&job)?;
     {
         let mut out = std::io::stdout().lock();
@@ -442,6 +454,12 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         workers: args.workers,
         queue: args.queue,
         pool_size: args.pool,
+        reuse: if args.fresh_clones {
+            vmm::Reuse::Fresh
+        } else {
+            vmm::Reuse::Warm
+        },
+        verify_resets: args.verify_resets,
         limits: bud_server::Limits {
             max_code_bytes: args.max_code_bytes,
             max_stdin_bytes: args.max_stdin_bytes,

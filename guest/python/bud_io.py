@@ -73,7 +73,7 @@ STDOUT, STDERR = 0, 1
 
 # perf_counter() marks of this clone's job path (vDSO reads: no syscalls), for measuring it
 # from inside a job: ``import bud_io; print(bud_io.MARKS)``. bud_jobs sets resumed (serve()
-# entered), clock (wall clock set), entropy (seed added), identity (CRNG reseeded), started
+# entered), clock (wall clock checked), identity (random seeded, clock checked), started
 # (job about to run), finished (set just before DONE: only threads and atexit handlers see
 # it); bud_shell adds shell_fed (script written) and shell_polls.
 MARKS = {}

@@ -6,19 +6,17 @@ job: :meth:`JobRunner.serve` reads the request from the mailbox, gives the clone
 identity, runs the job, writes ``OUTCOME`` / ``EXIT_CODE`` and rings DONE, and rings DONE
 again every time it is resumed after that (it never runs a second job).
 
-Per-clone identity (:class:`Identity`), before the job: the wall clock from
-``job::WALL_CLOCK_NS`` (``clock_settime``, skipped when the clock is already within
-CLOCK_TOLERANCE_NS), ``job::SEED`` mixed into the kernel CRNG (``RNDADDENTROPY`` crediting
-256 bits, then ``RNDRESEEDCRNG``, on a /dev/urandom descriptor opened before READY) and into
-Python's global ``random``. Three syscalls, the only ones on a pure-Python job's path, and
-the dearest part of it under kvm_pvm (guest, busy dev host): clock_settime 3-6 ms,
-RNDADDENTROPY 2.5-5 ms, RNDRESEEDCRNG 9-13 ms (the kernel's generic BLAKE2s, emulated);
-about 2/3 of a ``print(1+1)`` job. Both would cost the guest nothing if the host did them:
-kvm-clock restored to the real elapsed time (this code then skips the clock by itself), and
-a fresh key written straight into the guest kernel's ``base_crng`` with its generation
-bumped. Clones of one template still share CPython's hash seed (``PYTHONHASHSEED`` is
-fixed at interpreter start): set and dict iteration orders of str keys are the same in
-every clone.
+Per-clone identity (:class:`Identity`): the host has done the expensive part before the
+clone resumes, by writing guest memory (``vmm/src/identity.rs``): the guest kernel's CRNG
+keys, input pool and batched entropy replaced with host randomness, and CLOCK_REALTIME
+moved to the host's wall clock (the clone keeps its template's monotonic clock, so the
+kernel has no elapsed time to account). Here, with no syscall: Python's global ``random``
+is seeded from ``job::SEED`` (a secret of its own, not the kernel's), and the clock is
+checked against ``job::WALL_CLOCK_NS``; only if it is off by more than CLOCK_TOLERANCE_NS
+(a host that did not set it) does the worker call ``clock_settime`` (milliseconds of
+emulated kernel work under kvm_pvm). Clones of one template still share CPython's hash
+seed (``PYTHONHASHSEED`` is fixed at interpreter start): set and dict iteration orders of
+str keys are the same in every clone.
 
 Python jobs (:meth:`JobRunner._run_python`) get ``python3 -c CODE ARG...`` semantics in
 this very process: a fresh ``__main__``, ``sys.argv == ['-c', *args]``, ``''`` at the front
@@ -42,7 +40,6 @@ identity syscalls, run anything after DONE, or ring from a forked child.
 
 import atexit
 import builtins
-import fcntl
 import faulthandler
 import os
 import posix
@@ -59,16 +56,10 @@ import _bud
 import bud_io
 import bud_shell
 
-# include/uapi/linux/random.h: RNDADDENTROPY = _IOW('R', 0x03, int[2]),
-# RNDRESEEDCRNG = _IO('R', 0x07).
-RNDADDENTROPY = 0x40085203
-RNDRESEEDCRNG = 0x5207
-SEED_ENTROPY_BITS = _bud.JOB_SEED_LEN * 8
-
-# The clock is set only when it is off by more than this: a host that restores the guest's
-# clock itself (kvm-clock moved on by the time since the snapshot) saves the clone a
-# clock_settime (1-3 ms of emulated kernel here). A right clock reads WALL_CLOCK_NS plus the
-# time from writing the request to this check (well under this).
+# The clock is set only when it is off by more than this: bud's host sets the guest's clock
+# itself before the clone resumes, which saves the clone a clock_settime (1-3 ms of emulated
+# kernel here). A right clock reads WALL_CLOCK_NS plus the time from writing the request to
+# this check (well under this).
 CLOCK_TOLERANCE_NS = 20_000_000
 
 # The job's outcome when the worker itself failed to run it (its stderr says why).
@@ -130,20 +121,18 @@ class Request:
 
 
 class Identity:
-    """Makes a clone distinct: clock, kernel CRNG, Python's ``random`` (module docs).
+    """Makes a clone distinct on the Python side: ``random`` and a clock check (module docs).
 
-    ``enabled=False`` (host tests: the calls need root and would change the *host's* clock
-    and entropy pool) skips the clock and the ioctls; ``random`` is still reseeded."""
+    ``enabled=False`` (host tests: setting the clock needs root and would change the *host's*
+    clock) skips the clock; ``random`` is still reseeded."""
 
     def __init__(self, enabled):
         self.enabled = enabled
-        self._urandom = os.open("/dev/urandom", os.O_RDONLY) if enabled else None
 
     def apply(self, request, warn):
-        """Returns None, or why the clone must not run the job (its CRNG is the template's).
-        A failed clock is only a warning (``warn``): the job runs with the template's."""
-        seed = request.seed
-        random.seed(int.from_bytes(seed, "little"))
+        """Returns None, or why the clone must not run the job. A failed clock is only a
+        warning (``warn``): the job runs with the template's."""
+        random.seed(int.from_bytes(request.seed, "little"))
         tempfile._name_sequence = None  # its own Random, seeded before READY
         if not self.enabled:
             return None
@@ -153,13 +142,6 @@ class Identity:
             except OSError as error:
                 warn(f"clock_settime: {error}")
         MARKS["clock"] = time.perf_counter()
-        try:
-            info = struct.pack("ii", SEED_ENTROPY_BITS, len(seed)) + seed
-            fcntl.ioctl(self._urandom, RNDADDENTROPY, info)
-            MARKS["entropy"] = time.perf_counter()
-            fcntl.ioctl(self._urandom, RNDRESEEDCRNG)
-        except OSError as error:
-            return f"cannot reseed the kernel CRNG: {error}"
         return None
 
 

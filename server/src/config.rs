@@ -51,8 +51,12 @@ pub struct Config {
     pub workers: usize,
     /// Admitted jobs that may wait for a job thread; past `workers + queue` requests get 429.
     pub queue: usize,
-    /// Clones the executor keeps restored and waiting.
+    /// VMs the executor keeps ready (fresh clones and idle warm VMs).
     pub pool_size: usize,
+    /// Reset and reuse VMs after clean jobs (the default), or a fresh clone per job.
+    pub reuse: vmm::Reuse,
+    /// Verify every reset by value (slow; for the paranoid and for tests).
+    pub verify_resets: bool,
     /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
     pub retry_after_s: u64,
     pub limits: Limits,
@@ -64,6 +68,8 @@ impl Default for Config {
             workers: default_workers(),
             queue: 64,
             pool_size: 2,
+            reuse: vmm::Reuse::Warm,
+            verify_resets: false,
             retry_after_s: 1,
             limits: Limits::default(),
         }

@@ -123,7 +123,15 @@ pub fn prepare(opts: &ServeOptions) -> Result<Executor, PrepareError> {
             "template loaded"
         ),
     }
-    let executor = Executor::new(template, opts.config.pool_size)?;
+    let executor = Executor::new(
+        template,
+        vmm::ExecutorOptions {
+            pool_size: opts.config.pool_size,
+            reuse: opts.config.reuse,
+            verify: opts.config.verify_resets,
+            ..vmm::ExecutorOptions::default()
+        },
+    )?;
     info!(
         pool = opts.config.pool_size,
         total_s = started.elapsed().as_secs_f64(),

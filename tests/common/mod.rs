@@ -52,6 +52,7 @@ pub fn executor() -> &'static Executor {
             root: template_root(),
         };
         let template = Template::load_or_build(&spec, None).expect("building the template failed");
-        Executor::new(template, 2).expect("starting the executor failed")
+        Executor::new(template, vmm::ExecutorOptions::default())
+            .expect("starting the executor failed")
     })
 }

@@ -1,16 +1,27 @@
-//! Running jobs against a template: a pool of ready clones in front, a reaper behind.
+//! Running jobs against a template from many threads: warm VMs reset in place, a pool of
+//! fresh clones in front, a reaper behind.
 //!
-//! - The **pool** keeps up to `pool_size` clones restored and waiting (never running), filled
-//!   by one background thread, so a job usually starts on a clone that already exists. When
-//!   the pool is empty the job makes its own clone inline.
-//! - The **reaper** thread closes finished clones: closing a VM with an in-kernel irqchip takes
+//! - **Warm VMs** ([`Reuse::Warm`], the default): after a job that ended at DONE, its VM is
+//!   [`reset`](crate::reset) to the template's READY state and kept for the next job, whose
+//!   pages are then already private and mapped. The idle warm VMs form a stack (the most
+//!   recently used first). A VM whose job ended any other way (timeout, output cap, a dead
+//!   worker, a crash), whose reset or verification failed, or that holds more than
+//!   `max_private_pages` private pages, is never reused: it goes to the reaper and a fresh clone takes its
+//!   place. [`Reuse::Fresh`] throws every VM away after one job, as bud did before resets.
+//! - **Verify** (`verify: true`, tests and the paranoid): after every reset the VM is compared
+//!   with the template by value ([`crate::reset::verify`]); a VM whose job ended abnormally is
+//!   reset and verified too before it is thrown away, so every kind of job proves the reset.
+//!   Failures are kept for [`Executor::take_reset_errors`].
+//! - The **pool** keeps up to `pool_size` VMs (fresh clones, plus idle warm VMs) ready, filled
+//!   by one background thread, so a job usually starts on a VM that already exists.
+//! - The **reaper** thread closes discarded VMs: closing a VM with an in-kernel irqchip takes
 //!   milliseconds of wall time, which a job's caller should not wait for.
 //!
-//! [`Executor::run`] is safe to call from many threads at once; each call runs one clone's
-//! vCPU on the calling thread (so never call it from an async executor's worker threads).
+//! [`Executor::run`] is safe to call from many threads at once; each call runs one VM's vCPU
+//! on the calling thread (so never call it from an async executor's worker threads).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -18,7 +29,8 @@ use std::time::{Duration, Instant};
 
 use kvm_ioctls::Kvm;
 
-use crate::job::{self, Job, JobError, JobResult, Stream};
+use crate::job::{self, Ending, Job, JobError, JobResult, Stream};
+use crate::reset::{self, ResetError};
 use crate::template::{Template, TemplateError};
 use crate::vm::{Machine, VmError};
 
@@ -35,44 +47,113 @@ pub enum ExecError {
     Vm(#[from] VmError),
 }
 
+/// What happens to a VM after its job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reuse {
+    /// Reset it in place and run the next job in it (when the job ended cleanly).
+    Warm,
+    /// Throw it away; every job gets a fresh clone.
+    Fresh,
+}
+
+/// How an [`Executor`] runs jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecutorOptions {
+    /// VMs kept ready before jobs ask (0: none).
+    pub pool_size: usize,
+    pub reuse: Reuse,
+    /// Verify every reset by value (slow: reads all of guest RAM).
+    pub verify: bool,
+    /// A VM holding more private (copy-on-write) pages than this after a job is replaced
+    /// instead of kept: bounds the host memory a warm VM keeps (a reset leaves every page a
+    /// job wrote private, restored to the template's bytes).
+    pub max_private_pages: u64,
+}
+
+impl Default for ExecutorOptions {
+    fn default() -> Self {
+        Self {
+            pool_size: 2,
+            reuse: Reuse::Warm,
+            verify: false,
+            max_private_pages: 16 * 1024,
+        }
+    }
+}
+
+/// Why a VM was replaced rather than reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replaced {
+    /// Its job did not end at DONE.
+    Abnormal,
+    /// It held more than `max_private_pages` private pages.
+    TooDirty,
+    /// Its reset or verification failed.
+    ResetFailed,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    live: AtomicUsize,
+    resets: AtomicU64,
+    reset_nanos: AtomicU64,
+    restored_pages: AtomicU64,
+    replaced_abnormal: AtomicU64,
+    replaced_too_dirty: AtomicU64,
+    replaced_reset_failed: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Idle {
+    /// Clones that never ran.
+    fresh: VecDeque<Machine>,
+    /// Reset VMs, most recently used last.
+    warm: Vec<Machine>,
+}
+
 #[derive(Debug)]
 struct Shared {
     template: Template,
     kvm: Kvm,
-    ready: Mutex<VecDeque<Machine>>,
+    opts: ExecutorOptions,
+    idle: Mutex<Idle>,
     wake_filler: Condvar,
-    pool_size: usize,
     stopping: AtomicBool,
-    live_clones: AtomicUsize,
+    counters: Counters,
+    reset_errors: Mutex<Vec<String>>,
 }
 
 impl Shared {
     fn new_clone(&self) -> Result<Machine, TemplateError> {
         let m = self.template.clone_machine(&self.kvm)?;
-        self.live_clones.fetch_add(1, Ordering::Relaxed);
+        self.counters.live.fetch_add(1, Ordering::Relaxed);
         Ok(m)
     }
 
+    fn idle(&self) -> std::sync::MutexGuard<'_, Idle> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn fill(&self) {
-        let mut ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle();
         while !self.stopping.load(Ordering::SeqCst) {
-            if ready.len() >= self.pool_size {
-                ready = self
+            if idle.fresh.len() + idle.warm.len() >= self.opts.pool_size {
+                idle = self
                     .wake_filler
-                    .wait(ready)
+                    .wait(idle)
                     .unwrap_or_else(|e| e.into_inner());
                 continue;
             }
-            drop(ready);
+            drop(idle);
             let made = self.new_clone();
-            ready = self.ready.lock().unwrap_or_else(|e| e.into_inner());
+            idle = self.idle();
             match made {
-                Ok(m) => ready.push_back(m),
+                Ok(m) => idle.fresh.push_back(m),
                 // The inline path reports errors to callers; here, back off and retry.
                 Err(_) => {
-                    ready = self
+                    idle = self
                         .wake_filler
-                        .wait_timeout(ready, Duration::from_millis(100))
+                        .wait_timeout(idle, Duration::from_millis(100))
                         .unwrap_or_else(|e| e.into_inner())
                         .0;
                 }
@@ -84,14 +165,24 @@ impl Shared {
 /// Counters for health and metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExecutorStats {
-    /// Clones waiting in the pool.
+    /// Fresh clones waiting in the pool.
     pub ready: usize,
-    /// Clones that exist (pooled, running or waiting for the reaper).
+    /// Reset VMs waiting for a job.
+    pub warm: usize,
+    /// VMs that exist (pooled, warm, running or waiting for the reaper).
     pub live: usize,
     pub pool_size: usize,
+    /// Resets done, their total time, and the pages they copied back.
+    pub resets: u64,
+    pub reset_time: Duration,
+    pub restored_pages: u64,
+    /// VMs replaced instead of reused, by reason.
+    pub replaced_abnormal: u64,
+    pub replaced_too_dirty: u64,
+    pub replaced_reset_failed: u64,
 }
 
-/// Runs jobs in clones of one template.
+/// Runs jobs in VMs of one template.
 #[derive(Debug)]
 pub struct Executor {
     shared: Arc<Shared>,
@@ -100,18 +191,19 @@ pub struct Executor {
 }
 
 impl Executor {
-    /// An executor over `template` keeping `pool_size` clones ready (0: no pool).
-    pub fn new(template: Template, pool_size: usize) -> Result<Self, ExecError> {
+    /// An executor over `template`.
+    pub fn new(template: Template, opts: ExecutorOptions) -> Result<Self, ExecError> {
         let shared = Arc::new(Shared {
             template,
             kvm: crate::vm::open_kvm()?,
-            ready: Mutex::new(VecDeque::new()),
+            opts,
+            idle: Mutex::new(Idle::default()),
             wake_filler: Condvar::new(),
-            pool_size,
             stopping: AtomicBool::new(false),
-            live_clones: AtomicUsize::new(0),
+            counters: Counters::default(),
+            reset_errors: Mutex::new(Vec::new()),
         });
-        let filler = if pool_size > 0 {
+        let filler = if opts.pool_size > 0 {
             let s = shared.clone();
             Some(
                 std::thread::Builder::new()
@@ -129,7 +221,7 @@ impl Executor {
             .spawn(move || {
                 for machine in rx {
                     drop(machine);
-                    s.live_clones.fetch_sub(1, Ordering::Relaxed);
+                    s.counters.live.fetch_sub(1, Ordering::Relaxed);
                 }
             })
             .map_err(ExecError::Thread)?;
@@ -145,32 +237,61 @@ impl Executor {
         &self.shared.template
     }
 
-    /// Pool and clone counters.
+    /// How this executor runs jobs.
+    pub fn options(&self) -> ExecutorOptions {
+        self.shared.opts
+    }
+
+    /// Pool, VM and reset counters.
     pub fn stats(&self) -> ExecutorStats {
+        let (ready, warm) = {
+            let idle = self.shared.idle();
+            (idle.fresh.len(), idle.warm.len())
+        };
+        let c = &self.shared.counters;
         ExecutorStats {
-            ready: self.shared.ready.lock().map(|r| r.len()).unwrap_or(0),
-            live: self.shared.live_clones.load(Ordering::Relaxed),
-            pool_size: self.shared.pool_size,
+            ready,
+            warm,
+            live: c.live.load(Ordering::Relaxed),
+            pool_size: self.shared.opts.pool_size,
+            resets: c.resets.load(Ordering::Relaxed),
+            reset_time: Duration::from_nanos(c.reset_nanos.load(Ordering::Relaxed)),
+            restored_pages: c.restored_pages.load(Ordering::Relaxed),
+            replaced_abnormal: c.replaced_abnormal.load(Ordering::Relaxed),
+            replaced_too_dirty: c.replaced_too_dirty.load(Ordering::Relaxed),
+            replaced_reset_failed: c.replaced_reset_failed.load(Ordering::Relaxed),
         }
     }
 
-    /// A clone: from the pool if one is ready, else made now. Returns it and the time taken.
-    pub fn take_clone(&self) -> Result<(Machine, Duration), ExecError> {
+    /// Reset and verification failures seen so far (then forgotten).
+    pub fn take_reset_errors(&self) -> Vec<String> {
+        std::mem::take(
+            &mut *self
+                .shared
+                .reset_errors
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
+    }
+
+    /// A VM at READY: a warm one if any is idle, else a fresh clone from the pool, else one
+    /// made now. Returns it and the time taken.
+    pub fn take_vm(&self) -> Result<(Machine, Duration), ExecError> {
         let started = Instant::now();
-        let pooled = {
-            let mut ready = self.shared.ready.lock().unwrap_or_else(|e| e.into_inner());
-            let m = ready.pop_front();
+        let idle = {
+            let mut idle = self.shared.idle();
+            let m = idle.warm.pop().or_else(|| idle.fresh.pop_front());
             self.shared.wake_filler.notify_one();
             m
         };
-        let m = match pooled {
+        let m = match idle {
             Some(m) => m,
             None => self.shared.new_clone()?,
         };
         Ok((m, started.elapsed()))
     }
 
-    /// Hands a finished clone to the reaper.
+    /// Hands a VM to the reaper.
     pub fn discard(&self, m: Machine) {
         let m = match &self.reaper {
             Some((tx, _)) => match tx.send(m) {
@@ -181,10 +302,10 @@ impl Executor {
         };
         // No reaper to take it: close it here.
         drop(m);
-        self.shared.live_clones.fetch_sub(1, Ordering::Relaxed);
+        self.shared.counters.live.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Runs `j` in a fresh clone and throws the clone away.
+    /// Runs `j` and returns its result; the VM is then reset or replaced (module docs).
     pub fn run(&self, j: &Job) -> Result<JobResult, ExecError> {
         self.run_streaming(j, &mut |_, _| {})
     }
@@ -195,14 +316,101 @@ impl Executor {
         j: &Job,
         on_output: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<JobResult, ExecError> {
+        let mut out = None;
+        self.run_then(j, on_output, |r| out = Some(r));
+        out.unwrap_or_else(|| unreachable!("run_then delivers exactly once"))
+    }
+
+    /// Runs `j`, hands its outcome to `deliver`, and only then resets (or replaces) the VM,
+    /// so a caller that answers a client from `deliver` does not make it wait for the reset.
+    pub fn run_then(
+        &self,
+        j: &Job,
+        on_output: &mut dyn FnMut(Stream, &[u8]),
+        deliver: impl FnOnce(Result<JobResult, ExecError>),
+    ) {
         let started = Instant::now();
-        let (mut m, clone_time) = self.take_clone()?;
-        let outcome = job::run(&mut m, &self.shared.template.state().mailbox, j, on_output);
+        let (mut m, clone_time) = match self.take_vm() {
+            Ok(taken) => taken,
+            Err(e) => return deliver(Err(e)),
+        };
+        match job::run(&mut m, self.shared.template.state(), j, on_output) {
+            Ok((mut result, ending)) => {
+                result.timings.clone = clone_time;
+                result.timings.total = started.elapsed();
+                deliver(Ok(result));
+                self.recycle(m, ending);
+            }
+            Err(e) => {
+                deliver(Err(e.into()));
+                self.recycle(m, Ending::Abnormal);
+            }
+        }
+    }
+
+    /// After a job: reset the VM and keep it, or throw it away (module docs).
+    fn recycle(&self, mut m: Machine, ending: Ending) {
+        let opts = self.shared.opts;
+        let c = &self.shared.counters;
+        if opts.reuse == Reuse::Fresh && !opts.verify {
+            return self.discard(m);
+        }
+        let outcome = self.reset(&mut m);
+        let verdict = match (&outcome, ending) {
+            (Err(_), _) => Some(Replaced::ResetFailed),
+            (Ok(_), Ending::Abnormal) => Some(Replaced::Abnormal),
+            (Ok(pages), Ending::Done) if *pages > opts.max_private_pages => {
+                Some(Replaced::TooDirty)
+            }
+            (Ok(_), Ending::Done) if opts.reuse == Reuse::Fresh => None,
+            (Ok(_), Ending::Done) => {
+                let mut idle = self.shared.idle();
+                idle.warm.push(m);
+                return;
+            }
+        };
+        let counter = match verdict {
+            Some(Replaced::Abnormal) => Some(&c.replaced_abnormal),
+            Some(Replaced::TooDirty) => Some(&c.replaced_too_dirty),
+            Some(Replaced::ResetFailed) => Some(&c.replaced_reset_failed),
+            None => None,
+        };
+        if let (Some(counter), Reuse::Warm) = (counter, opts.reuse) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
         self.discard(m);
-        let mut result = outcome?;
-        result.timings.clone = clone_time;
-        result.timings.total = started.elapsed();
-        Ok(result)
+        self.shared.wake_filler.notify_one();
+    }
+
+    /// Resets `m` (and verifies it when asked); returns the private pages it holds. Errors
+    /// are kept for [`Executor::take_reset_errors`].
+    fn reset(&self, m: &mut Machine) -> Result<u64, ResetError> {
+        let t = &self.shared.template;
+        let c = &self.shared.counters;
+        let done = reset::reset(m, t).and_then(|stats| {
+            if self.shared.opts.verify {
+                reset::verify(m, t)?;
+            }
+            Ok(stats)
+        });
+        match done {
+            Ok(stats) => {
+                c.resets.fetch_add(1, Ordering::Relaxed);
+                c.reset_nanos
+                    .fetch_add(stats.time.as_nanos() as u64, Ordering::Relaxed);
+                c.restored_pages
+                    .fetch_add(stats.restored_pages, Ordering::Relaxed);
+                Ok(stats.private_pages)
+            }
+            Err(e) => {
+                self.shared
+                    .reset_errors
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(e.to_string());
+                Err(e)
+            }
+        }
     }
 }
 
@@ -213,13 +421,13 @@ impl Drop for Executor {
         if let Some(f) = self.filler.take() {
             let _ = f.join();
         }
-        let pooled: Vec<Machine> = self
-            .shared
-            .ready
-            .lock()
-            .map(|mut r| r.drain(..).collect())
-            .unwrap_or_default();
-        for m in pooled {
+        let idle: Vec<Machine> = {
+            let mut idle = self.shared.idle();
+            let mut all: Vec<Machine> = idle.fresh.drain(..).collect();
+            all.append(&mut idle.warm);
+            all
+        };
+        for m in idle {
             self.discard(m);
         }
         if let Some((tx, handle)) = self.reaper.take() {

@@ -45,6 +45,28 @@ impl HostKind {
         }
     }
 
+    /// Whether KVM translates guest memory through shadow page tables built from the guest's
+    /// own page tables (kvm_pvm always; hardware when EPT/NPT is off), rather than through
+    /// two-dimensional paging (EPT/NPT). Under shadow paging, a host write into a guest
+    /// page-table page leaves KVM's shadow of it stale, so a reset must drop KVM's mappings.
+    /// Read from `/sys/module`; unknown means yes (the safe answer).
+    pub fn shadow_paging(self) -> bool {
+        Self::shadow_paging_in(self, Path::new("/sys/module"))
+    }
+
+    /// [`HostKind::shadow_paging`] against a given sysfs module directory (for tests).
+    pub fn shadow_paging_in(self, sys_module: &Path) -> bool {
+        if self == HostKind::Pvm {
+            return true;
+        }
+        let on = |module: &str, param: &str| {
+            std::fs::read_to_string(sys_module.join(module).join("parameters").join(param))
+                .map(|v| matches!(v.trim(), "Y" | "y" | "1"))
+                .unwrap_or(false)
+        };
+        !(on("kvm_intel", "ept") || on("kvm_amd", "npt"))
+    }
+
     /// Extra kernel command-line options this host kind needs.
     pub fn cmdline_knobs(self) -> &'static str {
         match self {
@@ -84,6 +106,26 @@ mod tests {
 
         assert_eq!(without, HostKind::Hardware);
         assert_eq!(with, HostKind::Pvm);
+    }
+
+    #[test]
+    fn shadow_paging_unless_ept_or_npt_is_on() {
+        let dir = std::env::temp_dir().join(format!("bud-tdp-test-{}", std::process::id()));
+        let params = dir.join("kvm_intel").join("parameters");
+        std::fs::create_dir_all(&params).unwrap();
+
+        let unknown = HostKind::Hardware.shadow_paging_in(&dir);
+        std::fs::write(params.join("ept"), "Y\n").unwrap();
+        let ept = HostKind::Hardware.shadow_paging_in(&dir);
+        let pvm = HostKind::Pvm.shadow_paging_in(&dir);
+        std::fs::write(params.join("ept"), "N\n").unwrap();
+        let no_ept = HostKind::Hardware.shadow_paging_in(&dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        assert!(unknown);
+        assert!(!ept);
+        assert!(pvm);
+        assert!(no_ept);
     }
 
     #[test]

@@ -10,9 +10,11 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::identity::{self, IdentityError};
 use crate::mailbox::{Mailbox, MailboxError};
 use crate::memory::GuestRam;
 use crate::protocol::{code, failure, job, language, outcome, result};
+use crate::snapshot::{self, SnapshotError, SnapshotState};
 use crate::timer;
 use crate::vcpu::{VcpuError, VcpuStop};
 use crate::vm::Machine;
@@ -158,6 +160,15 @@ pub struct JobResult {
     pub timings: JobTimings,
 }
 
+/// How the guest left a job: at the DONE doorbell with its worker intact, or any other way
+/// (a timeout kick, an output cap, a worker that died, a crash). Only a VM whose job ended
+/// [`Ending::Done`] is reset and reused; any other is replaced by a fresh clone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Done,
+    Abnormal,
+}
+
 /// Output streams.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream {
@@ -175,37 +186,21 @@ pub enum JobError {
     Nul(&'static str),
     #[error("environment variable name {0:?} is empty or holds '=' or NUL, or its value holds NUL")]
     BadEnv(String),
-    #[error("cannot read host randomness: {0}")]
-    Entropy(std::io::Error),
+    #[error("giving the clone its identity: {0}")]
+    Identity(#[from] IdentityError),
+    #[error("pinning the clone's clock: {0}")]
+    Clock(#[from] SnapshotError),
     #[error("writing the request into the mailbox: {0}")]
     Mailbox(#[from] MailboxError),
     #[error("running the clone's vCPU: {0}")]
     Run(#[from] VcpuError),
 }
 
-fn host_random(buf: &mut [u8]) -> Result<(), JobError> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        // SAFETY: the pointer and length describe the unfilled tail of `buf`, which we own.
-        let n =
-            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(JobError::Entropy(e));
-            }
-        } else {
-            filled += n as usize;
-        }
-    }
-    Ok(())
-}
-
 /// Writes `j` into the mailbox, with fresh randomness and the host's wall-clock time.
 pub fn write_request(ram: &GuestRam, mb: &Mailbox, j: &Job) -> Result<(), JobError> {
     let (args, env) = j.encode()?;
     let mut seed = [0u8; job::SEED_LEN];
-    host_random(&mut seed)?;
+    identity::host_random(&mut seed)?;
     let wall_ns = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -344,14 +339,30 @@ fn end_from_wait_status(status: u64, console_says_oom: bool) -> End {
     }
 }
 
-/// Runs `j` in a freshly restored clone `m` whose worker is parked at READY.
-/// `on_output` sees output chunks as they are drained (for streaming).
+/// Gives a clone at READY its own identity, right before it resumes: its kvm-clock pinned to
+/// the template's (so the guest sees no time pass while the clone waited), its wall clock
+/// moved to the host's, its kernel CRNG replaced (see [`crate::identity`]).
+pub fn give_identity(m: &Machine, s: &SnapshotState) -> Result<(), JobError> {
+    snapshot::set_clock(&m.vm, &s.machine)?;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i128)
+        .unwrap_or(0);
+    identity::set_realtime(&m.ram, &s.kernel.time, now - i128::from(s.ready_wall_ns))?;
+    identity::reseed_crng(&m.ram, &s.kernel.random)?;
+    Ok(())
+}
+
+/// Runs `j` in a clone `m` of the template whose state is `s`, restored (or reset) to READY
+/// and not run since. `on_output` sees output chunks as they are drained (for streaming).
 pub fn run(
     m: &mut Machine,
-    mb: &Mailbox,
+    s: &SnapshotState,
     j: &Job,
     on_output: &mut dyn FnMut(Stream, &[u8]),
-) -> Result<JobResult, JobError> {
+) -> Result<(JobResult, Ending), JobError> {
+    let mb = &s.mailbox;
+    give_identity(m, s)?;
     write_request(&m.ram, mb, j)?;
     let started = Instant::now();
     let deadline = started + j.timeout;
@@ -363,6 +374,7 @@ pub fn run(
         over_limit: false,
         on_output,
     };
+    let mut ending = Ending::Abnormal;
     let end = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.kicker)?;
         match stop {
@@ -379,6 +391,7 @@ pub fn run(
                 }
                 let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
                 let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
+                ending = Ending::Done;
                 break match oc {
                     outcome::EXITED => End::exited(value),
                     outcome::SIGNALED => End {
@@ -393,7 +406,10 @@ pub fn run(
                         signal: None,
                         crash: None,
                     },
-                    other => End::crashed(format!("guest reported unknown outcome {other}")),
+                    other => {
+                        ending = Ending::Abnormal;
+                        End::crashed(format!("guest reported unknown outcome {other}"))
+                    }
                 };
             }
             VcpuStop::Doorbell(code::FAILED) => {
@@ -434,7 +450,7 @@ pub fn run(
     } else {
         Vec::new()
     };
-    Ok(JobResult {
+    let result = JobResult {
         status: end.status,
         exit_code: end.exit_code,
         signal: end.signal,
@@ -447,7 +463,8 @@ pub fn run(
             run,
             total: run,
         },
-    })
+    };
+    Ok((result, ending))
 }
 
 #[cfg(test)]

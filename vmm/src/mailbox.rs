@@ -129,6 +129,13 @@ impl Mailbox {
         Ok(())
     }
 
+    /// Reads a little-endian `u64` at `offset`.
+    pub fn read_u64(&self, ram: &GuestRam, offset: u64) -> Result<u64, MailboxError> {
+        let mut b = [0u8; 8];
+        self.read(ram, offset, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
     /// Reads a little-endian `u32` at `offset`.
     pub fn read_u32(&self, ram: &GuestRam, offset: u64) -> Result<u32, MailboxError> {
         let mut b = [0u8; 4];

@@ -6,6 +6,10 @@
 //! Every access from the VMM goes through bounds-checked [`GuestRam::read`] /
 //! [`GuestRam::write`]; the guest itself reaches the memory through KVM. This module must
 //! never hand out a reference that outlives the mapping.
+//!
+//! For resets: [`GuestRam::private_pages`] lists the pages of a clone that hold a private
+//! copy (whoever wrote them: guest, KVM or host), and a template's pristine memory is mapped
+//! read-only and shared ([`GuestRam::pristine`]): the source of every page a reset restores.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -44,6 +48,10 @@ pub enum MemoryError {
     OutOfRange { addr: u64, len: u64, size: u64 },
     #[error("cannot describe guest RAM to vm-memory: {0}")]
     Region(String),
+    #[error("guest RAM mapping is read-only")]
+    ReadOnly,
+    #[error("cannot copy pages between guest RAM mappings of {0:#x} and {1:#x} bytes")]
+    SizeMismatch(u64, u64),
 }
 
 /// One contiguous host mapping backing guest-physical `0..len()`.
@@ -51,6 +59,7 @@ pub enum MemoryError {
 pub struct GuestRam {
     ptr: NonNull<u8>,
     len: u64,
+    writable: bool,
 }
 
 // SAFETY: `GuestRam` owns its mapping exclusively; the raw pointer is only dereferenced through
@@ -95,20 +104,7 @@ impl GuestRam {
     /// access instead of an error.
     pub fn private_fd(file: &File, len: u64) -> Result<Self, MemoryError> {
         check_size(len)?;
-        let actual = file
-            .metadata()
-            .map_err(|source| MemoryError::OpenFile {
-                path: "(memory file)".into(),
-                source,
-            })?
-            .len();
-        if actual < len {
-            return Err(MemoryError::ShortFile {
-                path: "(memory file)".into(),
-                expected: len,
-                actual,
-            });
-        }
+        check_file_len(file, len)?;
         // SAFETY: a new private mapping of an open file at an address of the kernel's choosing;
         // it aliases no Rust object and the result is checked below. The file is at least
         // `len` bytes long (checked above), so no access can hit SIGBUS unless someone
@@ -126,6 +122,29 @@ impl GuestRam {
         Self::from_mmap_result(ptr, len)
     }
 
+    /// Maps `file` read-only and shared: the template's pristine memory, the source a reset
+    /// copies pages from. Every access through it is a read; [`GuestRam::write`] refuses.
+    pub fn pristine(file: &File, len: u64) -> Result<Self, MemoryError> {
+        check_size(len)?;
+        check_file_len(file, len)?;
+        // SAFETY: a new read-only shared mapping of an open file at an address of the
+        // kernel's choosing; it aliases no Rust object and the result is checked below. The
+        // file is long enough (checked) and bud never truncates a template file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        let mut ram = Self::from_mmap_result(ptr, len)?;
+        ram.writable = false;
+        Ok(ram)
+    }
+
     fn from_mmap_result(ptr: *mut libc::c_void, len: u64) -> Result<Self, MemoryError> {
         if ptr == libc::MAP_FAILED {
             return Err(MemoryError::Mmap {
@@ -137,7 +156,16 @@ impl GuestRam {
             size: len,
             source: std::io::Error::other("mmap returned NULL"),
         })?;
-        Ok(Self { ptr, len })
+        Ok(Self {
+            ptr,
+            len,
+            writable: true,
+        })
+    }
+
+    /// Number of pages.
+    pub fn pages(&self) -> u64 {
+        self.len / PAGE_SIZE
     }
 
     /// Size of guest RAM in bytes.
@@ -169,6 +197,9 @@ impl GuestRam {
 
     /// Copies `data` into guest memory at guest-physical `addr`.
     pub fn write(&self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
+        if !self.writable {
+            return Err(MemoryError::ReadOnly);
+        }
         let offset = self.check_range(addr, data.len())?;
         // SAFETY: `offset + data.len() <= self.len` (checked), so the destination lies inside
         // our mapping, which cannot overlap `data` (a Rust object outside guest RAM). Guest RAM
@@ -192,6 +223,115 @@ impl GuestRam {
             )
         };
         Ok(())
+    }
+
+    /// Copies the pages whose bits are set in `bitmap` from `src` (same size) into this RAM.
+    /// Returns the number of pages copied.
+    pub fn copy_pages_from(&self, src: &GuestRam, bitmap: &[u64]) -> Result<u64, MemoryError> {
+        if !self.writable {
+            return Err(MemoryError::ReadOnly);
+        }
+        if src.len != self.len {
+            return Err(MemoryError::SizeMismatch(self.len, src.len));
+        }
+        let mut copied = 0;
+        for page in set_bits(bitmap) {
+            let offset = self.check_range(page * PAGE_SIZE, PAGE_SIZE as usize)?;
+            // SAFETY: both mappings are `len` bytes long and `offset + PAGE_SIZE <= len`
+            // (checked); they are distinct mappings, so the ranges do not overlap. Guest RAM is
+            // plain shared memory: a byte copy is valid whatever the guest does concurrently.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.ptr.as_ptr().add(offset),
+                    self.ptr.as_ptr().add(offset),
+                    PAGE_SIZE as usize,
+                )
+            };
+            copied += 1;
+        }
+        Ok(copied)
+    }
+
+    /// The pages of this mapping that hold a private copy (a `MAP_PRIVATE` page someone
+    /// wrote: guest, KVM or host), as a bitmap, from `/proc/self/pagemap`: present and not a
+    /// file page (bit 63 set, bit 61 clear), or swapped out (bit 62). Every other page is the
+    /// file's page, so this is every page that can differ from the file.
+    pub fn private_pages(&self) -> std::io::Result<Vec<u64>> {
+        use std::os::unix::fs::FileExt;
+        const PRESENT: u64 = 1 << 63;
+        const SWAPPED: u64 = 1 << 62;
+        const FILE: u64 = 1 << 61;
+        let pagemap = File::open("/proc/self/pagemap")?;
+        let pages = self.pages() as usize;
+        let mut bitmap = vec![0u64; pages.div_ceil(64)];
+        let mut buf = vec![0u8; 8 * 4096];
+        let first = self.host_address() / PAGE_SIZE;
+        let mut page = 0usize;
+        while page < pages {
+            let n = (pages - page).min(buf.len() / 8);
+            pagemap.read_exact_at(&mut buf[..n * 8], (first + page as u64) * 8)?;
+            for (i, entry) in buf[..n * 8].chunks_exact(8).enumerate() {
+                let e = u64::from_le_bytes(entry.try_into().unwrap_or([0; 8]));
+                if (e & PRESENT != 0 && e & FILE == 0) || e & SWAPPED != 0 {
+                    let p = page + i;
+                    bitmap[p / 64] |= 1 << (p % 64);
+                }
+            }
+            page += n;
+        }
+        Ok(bitmap)
+    }
+
+    /// Of the pages set in `bitmap`, those whose contents differ from `other` (same size), as
+    /// a bitmap.
+    pub fn differing_in(&self, other: &GuestRam, bitmap: &[u64]) -> Result<Vec<u64>, MemoryError> {
+        if other.len != self.len {
+            return Err(MemoryError::SizeMismatch(self.len, other.len));
+        }
+        let mut out = vec![0u64; bitmap.len()];
+        for n in set_bits(bitmap) {
+            let at = self.check_range(n * PAGE_SIZE, PAGE_SIZE as usize)?;
+            // SAFETY: `at + PAGE_SIZE <= len` for both mappings (checked, same length); reads
+            // of plain memory into slices that live only for this comparison.
+            let (a, b) = unsafe {
+                (
+                    std::slice::from_raw_parts(self.ptr.as_ptr().add(at), PAGE_SIZE as usize),
+                    std::slice::from_raw_parts(other.ptr.as_ptr().add(at), PAGE_SIZE as usize),
+                )
+            };
+            if a != b {
+                out[(n / 64) as usize] |= 1 << (n % 64);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Guest-physical page numbers whose contents differ between this RAM and `other` (same
+    /// size), in order; at most `limit` of them. Reads every page of both.
+    pub fn differing_pages(&self, other: &GuestRam, limit: usize) -> Result<Vec<u64>, MemoryError> {
+        if other.len != self.len {
+            return Err(MemoryError::SizeMismatch(self.len, other.len));
+        }
+        let page = PAGE_SIZE as usize;
+        let mut out = Vec::new();
+        for n in 0..self.pages() {
+            let at = (n * PAGE_SIZE) as usize;
+            // SAFETY: `at + page <= len` for both mappings (same length, n < pages); reads of
+            // plain memory into slices that live only for this comparison.
+            let (a, b) = unsafe {
+                (
+                    std::slice::from_raw_parts(self.ptr.as_ptr().add(at), page),
+                    std::slice::from_raw_parts(other.ptr.as_ptr().add(at), page),
+                )
+            };
+            if a != b {
+                out.push(n);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Writes a little-endian `u64` at guest-physical `addr`.
@@ -280,6 +420,39 @@ impl Drop for GuestRam {
     }
 }
 
+/// The page numbers whose bits are set in a dirty bitmap, in order.
+pub fn set_bits(bitmap: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    bitmap.iter().enumerate().flat_map(|(i, &word)| {
+        let mut w = word;
+        std::iter::from_fn(move || {
+            if w == 0 {
+                return None;
+            }
+            let bit = w.trailing_zeros() as u64;
+            w &= w - 1;
+            Some(i as u64 * 64 + bit)
+        })
+    })
+}
+
+fn check_file_len(file: &File, len: u64) -> Result<(), MemoryError> {
+    let actual = file
+        .metadata()
+        .map_err(|source| MemoryError::OpenFile {
+            path: "(memory file)".into(),
+            source,
+        })?
+        .len();
+    if actual < len {
+        return Err(MemoryError::ShortFile {
+            path: "(memory file)".into(),
+            expected: len,
+            actual,
+        });
+    }
+    Ok(())
+}
+
 fn check_size(len: u64) -> Result<(), MemoryError> {
     if len == 0 || len % PAGE_SIZE != 0 || usize::try_from(len).is_err() {
         return Err(MemoryError::BadSize(len));
@@ -339,6 +512,42 @@ mod tests {
 
         assert_eq!(written, 4 * PAGE_SIZE, "only the four non-zero pages");
         assert!(all == orig);
+    }
+
+    #[test]
+    fn copied_pages_match_the_source_and_others_are_untouched() {
+        let path = std::env::temp_dir().join(format!("bud-pristine-{}", std::process::id()));
+        std::fs::write(&path, vec![5u8; 4 * PAGE_SIZE as usize]).unwrap();
+        let file = File::open(&path).unwrap();
+        let pristine = GuestRam::pristine(&file, 4 * PAGE_SIZE).unwrap();
+        let ram = GuestRam::private_fd(&file, 4 * PAGE_SIZE).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        ram.write(0, &[9; 8]).unwrap();
+        ram.write(2 * PAGE_SIZE, &[9; 8]).unwrap();
+        ram.write(3 * PAGE_SIZE, &[5; 8]).unwrap(); // private, same bytes as the file
+
+        let private = ram.private_pages().unwrap();
+        let differ = ram.differing_in(&pristine, &private).unwrap();
+        let before = ram.differing_pages(&pristine, 10).unwrap();
+        let copied = ram.copy_pages_from(&pristine, &[differ[0] & 1]).unwrap();
+        let after = ram.differing_pages(&pristine, 10).unwrap();
+
+        assert_eq!(private, vec![0b1101]);
+        assert_eq!(differ, vec![0b0101]);
+        assert_eq!(before, vec![0, 2]);
+        assert_eq!(copied, 1);
+        assert_eq!(after, vec![2]);
+        assert!(matches!(
+            pristine.write(0, &[1]),
+            Err(MemoryError::ReadOnly)
+        ));
+    }
+
+    #[test]
+    fn set_bits_lists_pages_across_words() {
+        let bits: Vec<u64> = set_bits(&[0b101, 0, 1 << 63]).collect();
+
+        assert_eq!(bits, vec![0, 2, 191]);
     }
 
     #[test]

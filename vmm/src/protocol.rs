@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -44,6 +44,10 @@ pub mod header {
     pub const MAGIC: usize = 0;
     /// [`super::PROTOCOL_VERSION`] the guest speaks.
     pub const VERSION: usize = 4;
+    /// The guest's `CLOCK_REALTIME` (nanoseconds since the epoch, `u64`), read by the worker
+    /// right before it rings READY. Clones resume with the template's clock, so this is their
+    /// wall clock at resume; the host moves it to its own (see `vmm::identity`).
+    pub const READY_WALL_NS: usize = 8;
     /// Size of the header; payload (defined by the job protocol) starts here.
     pub const SIZE: usize = 64;
 }
@@ -93,9 +97,11 @@ pub mod job {
     pub const ENVC: usize = 84;
     pub const ENV_LEN: usize = 88;
     /// Host wall-clock time (`CLOCK_REALTIME`, nanoseconds since the epoch, `u64`) when the
-    /// request was written: the guest sets its clock from it.
+    /// request was written. The host has already set the guest's clock; the guest only
+    /// checks it (and sets it itself if it is off by more than its tolerance).
     pub const WALL_CLOCK_NS: usize = 96;
-    /// Fresh host randomness the guest mixes into its kernel CRNG and Python's `random`.
+    /// Fresh host randomness that seeds Python's `random` (and the shell's `$RANDOM`). Not
+    /// the kernel CRNG's secret: the host writes that one straight into the guest kernel.
     pub const SEED: usize = 104;
     pub const SEED_LEN: usize = 32;
     /// Start of the request data.

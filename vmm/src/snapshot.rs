@@ -23,12 +23,13 @@ use serde::{Deserialize, Serialize};
 use vm_superio::serial::SerialState;
 
 use crate::host::HostKind;
+use crate::identity::KernelLayout;
 use crate::mailbox::Mailbox;
 
 /// First bytes of a snapshot state file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`].
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 1;
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 2;
 
 const MSR_IA32_TSC: u32 = 0x10;
 
@@ -192,6 +193,10 @@ pub struct SnapshotState {
     pub ram_size: u64,
     pub machine: MachineState,
     pub mailbox: Mailbox,
+    /// Where the guest kernel keeps its clock and CRNG (read from its vmlinux).
+    pub kernel: KernelLayout,
+    /// The guest's wall clock at READY (ns since the epoch): a clone's wall clock at resume.
+    pub ready_wall_ns: u64,
 }
 
 impl SnapshotState {
@@ -279,6 +284,9 @@ pub fn capture(
         Err(e) if e.errno() == libc::EINTR => {}
         other => return Err(SnapshotError::CompleteIo(format!("{other:?}"))),
     }
+    // The clock first: the guest read its wall clock for READY just before the exit, and a
+    // clone's wall clock is that reading plus the clock's advance up to here.
+    let clock = cap("KVM_GET_CLOCK", vm.get_clock())?;
 
     let indices = saveable_msrs(kvm, vcpu)?;
     let mut msrs = Msrs::from_entries(
@@ -331,13 +339,23 @@ pub fn capture(
         pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE)?,
         ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
         pit: cap("KVM_GET_PIT2", vm.get_pit2())?,
-        clock: cap("KVM_GET_CLOCK", vm.get_clock())?,
+        clock,
         serial: SerialSnapshot::from(serial),
     })
 }
 
-/// Restores `s` into a freshly created VM and vCPU (see [`crate::vm::Machine::create`], which
-/// has already registered memory, created the irqchip and PIT, and restored the serial device).
+/// What [`restore`] restores into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// A VM that has never run: everything, CPUID included.
+    NewVm,
+    /// A VM that ran the same template before (a reset): CPUID is left as it is (KVM refuses
+    /// a different CPUID after the first `KVM_RUN`, and this one is the template's already).
+    SameVm,
+}
+
+/// Restores `s` into a VM and vCPU (see [`crate::vm::Machine::create`], which has already
+/// registered memory, created the irqchip and PIT, and restored the serial device).
 ///
 /// Order, and why:
 /// 1. VM devices: PIT, KVM clock (flags cleared, so the guest's clock continues from the
@@ -350,20 +368,23 @@ pub fn capture(
 /// 5. vCPU events last: pending exceptions and interrupts refer to the state above.
 ///
 /// Every call is checked; a partial MSR restore is an error.
-pub fn restore(vm: &VmFd, vcpu: &VcpuFd, s: &MachineState) -> Result<(), SnapshotError> {
+pub fn restore(
+    vm: &VmFd,
+    vcpu: &VcpuFd,
+    s: &MachineState,
+    target: Target,
+) -> Result<(), SnapshotError> {
     res("KVM_SET_PIT2", vm.set_pit2(&s.pit))?;
-    let clock = kvm_clock_data {
-        flags: 0,
-        ..s.clock
-    };
-    res("KVM_SET_CLOCK", vm.set_clock(&clock))?;
+    set_clock(vm, s)?;
     for chip in [&s.pic_master, &s.pic_slave, &s.ioapic] {
         res("KVM_SET_IRQCHIP", vm.set_irqchip(chip))?;
     }
 
-    let cpuid =
-        kvm_bindings::CpuId::from_entries(&s.cpuid).map_err(|_| SnapshotError::TooManyEntries)?;
-    res("KVM_SET_CPUID2", vcpu.set_cpuid2(&cpuid))?;
+    if target == Target::NewVm {
+        let cpuid = kvm_bindings::CpuId::from_entries(&s.cpuid)
+            .map_err(|_| SnapshotError::TooManyEntries)?;
+        res("KVM_SET_CPUID2", vcpu.set_cpuid2(&cpuid))?;
+    }
     res("KVM_SET_MP_STATE", vcpu.set_mp_state(s.mp_state))?;
     res("KVM_SET_REGS", vcpu.set_regs(&s.regs))?;
     res("KVM_SET_SREGS", vcpu.set_sregs(&s.sregs))?;
@@ -390,4 +411,17 @@ pub fn restore(vm: &VmFd, vcpu: &VcpuFd, s: &MachineState) -> Result<(), Snapsho
     }
     res("KVM_SET_VCPU_EVENTS", vcpu.set_vcpu_events(&s.events))?;
     Ok(())
+}
+
+/// Sets the VM's kvm-clock to the snapshot's value (flags cleared: not the real time), so the
+/// guest's clock continues from the instant of the snapshot. Called by [`restore`], and again
+/// right before a job resumes the guest, so that time a clone spent waiting (in a pool, or as
+/// a warm VM between jobs) is never seen by the guest: a guest that sees time pass accounts
+/// it in its timekeeping and timers, tick by tick, all emulated on kvm_pvm.
+pub fn set_clock(vm: &VmFd, s: &MachineState) -> Result<(), SnapshotError> {
+    let clock = kvm_clock_data {
+        flags: 0,
+        ..s.clock
+    };
+    res("KVM_SET_CLOCK", vm.set_clock(&clock))
 }

@@ -24,8 +24,9 @@ use sha2::{Digest, Sha256};
 use crate::boot::{self, BootConfig, BootError, BootTimings};
 use crate::devices::console::{ConsoleLog, EchoFn};
 use crate::host::HostKind;
+use crate::identity::KernelLayout;
 use crate::memory::{GuestRam, MemoryError};
-use crate::protocol::PROTOCOL_VERSION;
+use crate::protocol::{PROTOCOL_VERSION, header};
 use crate::snapshot::{self, SNAPSHOT_FORMAT_VERSION, SnapshotError, SnapshotState};
 use crate::vm::{Machine, SerialStart, VmError};
 
@@ -66,6 +67,10 @@ pub enum TemplateError {
     Memory(#[from] MemoryError),
     #[error("clone VM: {0}")]
     Vm(#[from] VmError),
+    #[error("guest kernel layout: {0}")]
+    Kernel(#[from] crate::identity::IdentityError),
+    #[error("reading the READY wall clock from the mailbox: {0}")]
+    Mailbox(#[from] crate::mailbox::MailboxError),
 }
 
 /// Where a template is made or found.
@@ -95,6 +100,8 @@ pub struct Template {
     dir: PathBuf,
     state: SnapshotState,
     memory: File,
+    /// The memory file mapped read-only: what a reset restores pages from.
+    pristine: GuestRam,
     origin: Origin,
 }
 
@@ -200,6 +207,8 @@ impl Template {
         dir: &Path,
         echo: Option<EchoFn>,
     ) -> Result<Self, TemplateError> {
+        // A kernel without bud's layouts cannot give clones their identity: fail before booting.
+        let kernel = KernelLayout::from_vmlinux(&cfg.kernel)?;
         let mut ready = boot::boot(cfg, echo)?;
         if let Some(root) = dir.parent() {
             prune(root, dir, TEMPLATES_KEPT - 1);
@@ -220,11 +229,16 @@ impl Template {
             cpuid.as_slice().to_vec(),
             &serial,
         )?;
+        let ready_wall_ns = ready
+            .mailbox
+            .read_u64(&ready.machine.ram, header::READY_WALL_NS as u64)?;
         let state = SnapshotState {
             host_kind: cfg.host_kind,
             ram_size: cfg.ram_size,
             machine,
             mailbox: ready.mailbox.clone(),
+            kernel,
+            ready_wall_ns,
         };
         let capture = captured.elapsed();
 
@@ -244,10 +258,12 @@ impl Template {
         let boot_timings = ready.timings;
         drop(ready);
 
+        let memory = open_memory(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
+            pristine: GuestRam::pristine(&memory, state.ram_size)?,
             state,
-            memory: open_memory(dir)?,
+            memory,
             origin: Origin::Built {
                 boot: boot_timings,
                 capture,
@@ -272,10 +288,12 @@ impl Template {
                 this,
             });
         }
+        let memory = open_memory(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
+            pristine: GuestRam::pristine(&memory, state.ram_size)?,
             state,
-            memory: open_memory(dir)?,
+            memory,
             origin: Origin::Loaded {
                 load: started.elapsed(),
             },
@@ -290,6 +308,11 @@ impl Template {
     /// The frozen state.
     pub fn state(&self) -> &SnapshotState {
         &self.state
+    }
+
+    /// The template's memory, mapped read-only.
+    pub fn pristine(&self) -> &GuestRam {
+        &self.pristine
     }
 
     /// How this template was obtained.
@@ -308,7 +331,12 @@ impl Template {
             ConsoleLog::default(),
             SerialStart::Restore(&serial),
         )?;
-        snapshot::restore(&machine.vm, &machine.vcpu, &self.state.machine)?;
+        snapshot::restore(
+            &machine.vm,
+            &machine.vcpu,
+            &self.state.machine,
+            snapshot::Target::NewVm,
+        )?;
         Ok(machine)
     }
 }

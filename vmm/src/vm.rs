@@ -5,6 +5,9 @@
 //! took 11.5 ms after `KVM_CREATE_IRQCHIP` and microseconds before it), then the TSS and
 //! identity-map pages (VMX needs them; harmless elsewhere), the irqchip, the PIT, the vCPU and
 //! the serial IRQ line. Boot and clone both start from here.
+//!
+//! [`Machine::forget_mappings`] deletes and re-adds the RAM slot, which makes KVM drop
+//! everything it derived from guest memory (a reset needs it under shadow paging).
 
 use std::time::Duration;
 
@@ -27,6 +30,8 @@ pub enum VmError {
     CreateVm(kvm_ioctls::Error),
     #[error("KVM_SET_USER_MEMORY_REGION failed: {0}")]
     SetMemoryRegion(kvm_ioctls::Error),
+    #[error("KVM_SET_USER_MEMORY_REGION (deleting the RAM slot) failed: {0}")]
+    DeleteMemoryRegion(kvm_ioctls::Error),
     #[error("KVM_SET_TSS_ADDR failed: {0}")]
     SetTssAddress(kvm_ioctls::Error),
     #[error("KVM_SET_IDENTITY_MAP_ADDR failed: {0}")]
@@ -60,6 +65,23 @@ pub struct Machine {
     pub kicker: Kicker,
 }
 
+/// KVM memory slot of guest RAM (the only slot).
+const RAM_SLOT: u32 = 0;
+
+/// Registers `ram` as guest-physical `0..len`.
+fn add_ram_slot(vm: &VmFd, ram: &GuestRam) -> Result<(), VmError> {
+    let region = kvm_userspace_memory_region {
+        slot: RAM_SLOT,
+        flags: 0,
+        guest_phys_addr: 0,
+        memory_size: ram.len(),
+        userspace_addr: ram.host_address(),
+    };
+    // SAFETY: the region describes `ram`'s live mapping, which the `Machine` owns and drops
+    // only after the VM (field order), so the guest never sees freed host memory.
+    unsafe { vm.set_user_memory_region(region) }.map_err(VmError::SetMemoryRegion)
+}
+
 /// How the serial device of a new machine starts.
 #[derive(Debug)]
 pub enum SerialStart<'a> {
@@ -78,16 +100,7 @@ impl Machine {
         serial: SerialStart<'_>,
     ) -> Result<Self, VmError> {
         let vm = kvm.create_vm().map_err(VmError::CreateVm)?;
-        let region = kvm_userspace_memory_region {
-            slot: 0,
-            flags: 0,
-            guest_phys_addr: 0,
-            memory_size: ram.len(),
-            userspace_addr: ram.host_address(),
-        };
-        // SAFETY: the region describes `ram`'s live mapping, which this `Machine` owns and
-        // drops only after the VM (field order), so the guest never sees freed host memory.
-        unsafe { vm.set_user_memory_region(region) }.map_err(VmError::SetMemoryRegion)?;
+        add_ram_slot(&vm, &ram)?;
         vm.set_tss_address(KVM_TSS_ADDRESS as usize)
             .map_err(VmError::SetTssAddress)?;
         vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
@@ -113,6 +126,23 @@ impl Machine {
             ram,
             kicker: Kicker::new(),
         })
+    }
+
+    /// Deletes and re-adds the RAM slot, which makes KVM drop every mapping it derived from
+    /// guest memory: on a shadow-paging MMU (kvm_pvm, or hardware without EPT/NPT) the
+    /// shadow page tables built from the guest's page tables, which host-side writes into
+    /// guest page-table pages would otherwise leave stale. The guest refaults what it touches.
+    pub fn forget_mappings(&self) -> Result<(), VmError> {
+        let gone = kvm_userspace_memory_region {
+            slot: RAM_SLOT,
+            flags: 0,
+            guest_phys_addr: 0,
+            memory_size: 0,
+            userspace_addr: self.ram.host_address(),
+        };
+        // SAFETY: a zero-sized region deletes the slot; KVM stops using the mapping.
+        unsafe { self.vm.set_user_memory_region(gone) }.map_err(VmError::DeleteMemoryRegion)?;
+        add_ram_slot(&self.vm, &self.ram)
     }
 
     /// Runs the vCPU until it stops, or until `timeout` passes (then [`VcpuStop::Kicked`]).

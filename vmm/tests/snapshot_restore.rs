@@ -57,7 +57,7 @@ fn clone_of(original: &Machine, state: &MachineState, name: &str) -> Machine {
         SerialStart::Restore(&serial),
     )
     .unwrap();
-    snapshot::restore(&m.vm, &m.vcpu, state).unwrap();
+    snapshot::restore(&m.vm, &m.vcpu, state, snapshot::Target::NewVm).unwrap();
     m
 }
 
@@ -151,6 +151,8 @@ fn state_file_round_trips_and_rejects_other_versions() {
         ram_size: RAM_SIZE,
         machine: machine_state,
         mailbox,
+        kernel: vmm::identity::KernelLayout::default(),
+        ready_wall_ns: 1_795_000_000_123_456_789,
     };
 
     let bytes = s.to_bytes().unwrap();
@@ -160,6 +162,7 @@ fn state_file_round_trips_and_rejects_other_versions() {
 
     assert_eq!(back.machine.regs, regs);
     assert_eq!(back.mailbox, s.mailbox);
+    assert_eq!(back.ready_wall_ns, s.ready_wall_ns);
     assert!(matches!(
         snapshot::SnapshotState::from_bytes(&other_version),
         Err(snapshot::SnapshotError::Version { .. })

@@ -53,6 +53,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("MAILBOX_MAX_SIZE", protocol::MAILBOX_MAX_SIZE as u64),
     ("HEADER_MAGIC", header::MAGIC as u64),
     ("HEADER_VERSION", header::VERSION as u64),
+    ("HEADER_READY_WALL_NS", header::READY_WALL_NS as u64),
     ("HEADER_SIZE", header::SIZE as u64),
     ("AGENT_STARTED", code::AGENT_STARTED as u64),
     ("READY", code::READY as u64),
@@ -200,12 +201,14 @@ fn ring(code: u32, a: u64, b: u64) -> PyResult<u32> {
     with_doorbell(|doorbell| doorbell.ring(code, a, b))
 }
 
-/// Rings READY with the mailbox's address and length. The host snapshots here; in a clone
-/// this call returns, and the job starts.
+/// Rings READY with the mailbox's address and length, after writing the wall clock into the
+/// header (`header::READY_WALL_NS`). The host snapshots here; in a clone this call returns,
+/// and the job starts.
 #[pyfunction]
 fn ready() -> PyResult<u32> {
     let mailbox = existing_mailbox()?;
     let (addr, len) = (mailbox.addr() as u64, mailbox.len() as u64);
+    mailbox.set_ready_wall_clock();
     with_doorbell(|doorbell| doorbell.ring(code::READY, addr, len))
 }
 

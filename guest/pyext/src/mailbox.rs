@@ -50,6 +50,26 @@ impl Mailbox {
         self.len
     }
 
+    /// Writes `CLOCK_REALTIME` now into `header::READY_WALL_NS` (a vDSO read, no syscall).
+    pub fn set_ready_wall_clock(&self) {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec.
+        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+        let ns = (ts.tv_sec as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(ts.tv_nsec as u64);
+        let at = header::READY_WALL_NS;
+        // SAFETY: the mapping is at least `header::SIZE` bytes (checked at creation) and
+        // `READY_WALL_NS + 8 <= header::SIZE`; an unaligned-safe byte copy into memory only
+        // this process and the host touch.
+        unsafe {
+            std::ptr::copy_nonoverlapping(ns.to_le_bytes().as_ptr(), self.as_ptr().add(at), 8)
+        };
+    }
+
     /// Start of the memory, for building views on it.
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr as *mut u8

@@ -4,7 +4,7 @@
 //!
 //! Never rings: `tests/python/fakehost.py` stands in for `_bud.ring`. Skips, saying so on
 //! stderr (uncaptured), when /usr/bin/python3.11 is missing; the suite itself says what it
-//! skips (the clock and CRNG calls always; shell jobs without a busybox; syscall counts
+//! skips (the clock call always; shell jobs without a busybox; syscall counts
 //! without strace), and this test repeats those lines.
 
 use std::io::Write as _;

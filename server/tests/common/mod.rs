@@ -43,7 +43,10 @@ pub fn executor() -> Arc<Executor> {
             root: repo_dir().join("build").join("templates"),
         };
         let template = Template::load_or_build(&spec, None).expect("building the template failed");
-        Arc::new(Executor::new(template, 2).expect("starting the executor failed"))
+        Arc::new(
+            Executor::new(template, vmm::ExecutorOptions::default())
+                .expect("starting the executor failed"),
+        )
     })
     .clone()
 }

@@ -47,8 +47,7 @@ use crate::vm::{Machine, SerialStart, VmError};
 /// `retain_initrd`: do not hand the initramfs pages back to the allocator after unpacking;
 /// freeing them page by page cost ~3 s of emulated kernel time (measured with
 /// `bud boot --profile`), and the memory is in the template file either way.
-pub const BASE_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=-1 tsc=reliable 8250.nr_uarts=1 retain_initrd";
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd";
 /// Added unless kernel messages are wanted: each console byte costs a port exit.
 pub const QUIET_CMDLINE: &str = "quiet";
 

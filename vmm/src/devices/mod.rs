@@ -87,6 +87,21 @@ impl PortBus {
         })
     }
 
+    /// Returns the serial console to `state` with an empty console log, keeping its IRQ line
+    /// (a reused VM's reset). The i8042 has no state.
+    pub fn restore_serial(&mut self, state: &SerialState) -> Result<(), DeviceError> {
+        let irq = self
+            .serial
+            .interrupt_evt()
+            .0
+            .try_clone()
+            .map_err(|e| DeviceError::SerialState(format!("cloning the IRQ eventfd: {e}")))?;
+        self.serial = Serial::from_state(state, IrqEvent(irq), NoEvents, ConsoleLog::default())
+            .map_err(|e| DeviceError::SerialState(format!("{e:?}")))?;
+        self.stray_accesses = 0;
+        Ok(())
+    }
+
     /// The serial console's register state (for snapshots).
     pub fn serial_state(&self) -> SerialState {
         self.serial.state()

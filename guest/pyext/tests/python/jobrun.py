@@ -10,7 +10,7 @@ outcome, exit_code, flushes, dones, minflt (page faults on the job path), warnin
 problems, worker_exit (the status if the job ended the worker with os._exit: the host then
 still drains the areas).
 
-The clock and CRNG calls of the clone identity are always skipped here (identity=False):
+The clock call of the clone identity is always skipped here (identity=False):
 they need root inside a real guest and would change this host's clock and entropy pool.
 """
 
