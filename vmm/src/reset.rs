@@ -22,7 +22,10 @@
 //!   the guest refaults what it touches. With EPT/NPT the guest's page tables are only ever
 //!   read by the CPU from guest memory, KVM maps guest-physical pages that a reset keeps in
 //!   place, and nothing is stale: the step is skipped.
-//! - **vCPU and VM state.** [`snapshot::restore`] in its documented order: PIT, kvm-clock,
+//! - **vCPU and VM state**, restored before the memory (restoring the kvm-clock MSRs makes
+//!   KVM write its wall-clock struct into guest memory at once). First the instruction
+//!   behind the job's last exit is completed ([`snapshot::complete_pending_io`]), so no
+//!   completion is left to land on the restored registers; then [`snapshot::restore`] in its documented order: PIT, kvm-clock,
 //!   both PICs and the IOAPIC; registers, special registers, FPU/XSAVE and XCRs, debug
 //!   registers, LAPIC, every MSR (all or nothing), MP state and pending events. CPUID is left:
 //!   it is the template's already, and KVM refuses to change it after the first run.
@@ -80,6 +83,13 @@ pub struct ResetStats {
 /// Returns `m`, a VM cloned from `t` that has run since, to `t`'s READY state (module docs).
 pub fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
     let started = Instant::now();
+    snapshot::complete_pending_io(&mut m.vcpu)?;
+    // State before memory: restoring some MSRs makes KVM write guest memory at once (the
+    // kvm-clock wall-clock struct), and the memory restore must come after that.
+    let s = &t.state().machine;
+    snapshot::restore(&m.vm, &m.vcpu, s, snapshot::Target::SameVm)?;
+    m.bus.restore_serial(&(&s.serial).into())?;
+    m.kicker.reset();
     let private = m.ram.private_pages().map_err(ResetError::Pagemap)?;
     let differ = m.ram.differing_in(t.pristine(), &private)?;
     let restored_pages = m.ram.copy_pages_from(t.pristine(), &differ)?;
@@ -88,10 +98,6 @@ pub fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
     if forgot_mappings {
         m.forget_mappings()?;
     }
-    let s = &t.state().machine;
-    snapshot::restore(&m.vm, &m.vcpu, s, snapshot::Target::SameVm)?;
-    m.bus.restore_serial(&(&s.serial).into())?;
-    m.kicker.reset();
     Ok(ResetStats {
         private_pages: count(&private),
         restored_pages,
@@ -107,7 +113,19 @@ fn count(bitmap: &[u64]) -> u64 {
 /// Checks that `m` is exactly at `t`'s READY state: all of guest RAM against the template's
 /// memory, and the vCPU and VM state by value. Returns every difference found.
 pub fn verify(m: &mut Machine, t: &Template) -> Result<(), ResetError> {
-    let mut diffs = Vec::new();
+    let kvm = crate::vm::open_kvm()?;
+    let s = t.state();
+    // The CPU and device state first, right after the reset: reading all of guest RAM takes
+    // tens of milliseconds, in which timers of a correctly reset VM may fire.
+    let now = snapshot::capture(
+        &kvm,
+        &m.vm,
+        &mut m.vcpu,
+        s.host_kind,
+        s.machine.cpuid.clone(),
+        &m.bus.serial_state(),
+    )?;
+    let mut diffs = differences(&s.machine, &now);
     let pages = m.ram.differing_pages(t.pristine(), VERIFY_PAGES_SHOWN)?;
     if !pages.is_empty() {
         diffs.push(format!(
@@ -119,17 +137,6 @@ pub fn verify(m: &mut Machine, t: &Template) -> Result<(), ResetError> {
                 .join(", ")
         ));
     }
-    let kvm = crate::vm::open_kvm()?;
-    let s = t.state();
-    let now = snapshot::capture(
-        &kvm,
-        &m.vm,
-        &mut m.vcpu,
-        s.host_kind,
-        s.machine.cpuid.clone(),
-        &m.bus.serial_state(),
-    )?;
-    diffs.extend(differences(&s.machine, &now));
     if diffs.is_empty() {
         Ok(())
     } else {
@@ -178,7 +185,18 @@ pub fn differences(want: &MachineState, got: &MachineState) -> Vec<String> {
         regs[APIC_TMCCT..APIC_TMCCT + 4].fill(0);
         regs
     };
-    field("LAPIC", lapic(&want.lapic) == lapic(&got.lapic));
+    let (wl, gl) = (lapic(&want.lapic), lapic(&got.lapic));
+    let lapic_diffs: Vec<String> = (0..wl.len())
+        .step_by(16)
+        .filter(|&reg| wl[reg..reg + 4] != gl[reg..reg + 4])
+        .map(|reg| {
+            format!(
+                "LAPIC register {reg:#x} is {:x?}, the template's {:x?}",
+                &gl[reg..reg + 4],
+                &wl[reg..reg + 4]
+            )
+        })
+        .collect();
     let pit = |p: &kvm_bindings::kvm_pit_state2| {
         let mut p = *p;
         for c in &mut p.channels {
@@ -187,6 +205,7 @@ pub fn differences(want: &MachineState, got: &MachineState) -> Vec<String> {
         p
     };
     field("PIT", pit(&want.pit) == pit(&got.pit));
+    d.extend(lapic_diffs);
     let slack = TIME_SLACK.as_nanos() as u64;
     if got.clock.clock.abs_diff(want.clock.clock) > slack {
         d.push(format!(

@@ -29,7 +29,7 @@ use crate::mailbox::Mailbox;
 /// First bytes of a snapshot state file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`].
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 2;
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 3;
 
 const MSR_IA32_TSC: u32 = 0x10;
 
@@ -264,6 +264,38 @@ fn saveable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<&'static [u32], SnapshotErr
     Ok(MSR_INDICES.get_or_init(|| ok))
 }
 
+/// Lets KVM finish the instruction behind the last exit (a port write's completion advances
+/// `rip`) without running the guest: `KVM_RUN` with `immediate_exit` set does that and
+/// returns `EINTR`. Before a capture, so the state describes a finished instruction; before
+/// a reset, so a completion left over from the job's last exit cannot land on the restored
+/// registers.
+pub fn complete_pending_io(vcpu: &mut VcpuFd) -> Result<(), SnapshotError> {
+    vcpu.set_kvm_immediate_exit(1);
+    let completed = vcpu.run().map(|exit| format!("{exit:?}"));
+    vcpu.set_kvm_immediate_exit(0);
+    match completed {
+        Err(e) if e.errno() == libc::EINTR => Ok(()),
+        other => Err(SnapshotError::CompleteIo(format!("{other:?}"))),
+    }
+}
+
+/// PIT counter modes that count down once (0, 1, 4, 5); 2 and 3 are periodic.
+const PIT_ONE_SHOT_MODES: [u8; 4] = [0, 1, 4, 5];
+
+/// KVM cannot restore an *expired* one-shot PIT channel 0: `KVM_SET_PIT2` reloads the count
+/// and arms the timer again, so every clone would take a timer interrupt (IRQ 0) about 55 ms
+/// after its restore that the template never saw pending. bud's guest shuts the PIT down
+/// early in boot (mode 0 with a zero count, one last countdown long expired by READY) and
+/// ticks with the LAPIC TSC-deadline timer. For such a state the capture sets
+/// `KVM_PIT_FLAGS_HPET_LEGACY`, with which `KVM_SET_PIT2` restores the channel's registers
+/// without arming its timer. A periodic channel 0 is kept as it is.
+fn quiet_expired_pit(mut pit: kvm_pit_state2) -> kvm_pit_state2 {
+    if PIT_ONE_SHOT_MODES.contains(&pit.channels[0].mode) {
+        pit.flags |= kvm_bindings::KVM_PIT_FLAGS_HPET_LEGACY;
+    }
+    pit
+}
+
 /// Captures the state of a vCPU stopped by an exit (typically the READY doorbell).
 ///
 /// First it re-enters `KVM_RUN` with `immediate_exit` set: KVM then completes the pending
@@ -277,13 +309,7 @@ pub fn capture(
     cpuid: Vec<kvm_cpuid_entry2>,
     serial: &SerialState,
 ) -> Result<MachineState, SnapshotError> {
-    vcpu.set_kvm_immediate_exit(1);
-    let completed = vcpu.run().map(|exit| format!("{exit:?}"));
-    vcpu.set_kvm_immediate_exit(0);
-    match completed {
-        Err(e) if e.errno() == libc::EINTR => {}
-        other => return Err(SnapshotError::CompleteIo(format!("{other:?}"))),
-    }
+    complete_pending_io(vcpu)?;
     // The clock first: the guest read its wall clock for READY just before the exit, and a
     // clone's wall clock is that reading plus the clock's advance up to here.
     let clock = cap("KVM_GET_CLOCK", vm.get_clock())?;
@@ -338,7 +364,7 @@ pub fn capture(
         pic_master: chip(KVM_IRQCHIP_PIC_MASTER)?,
         pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE)?,
         ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
-        pit: cap("KVM_GET_PIT2", vm.get_pit2())?,
+        pit: quiet_expired_pit(cap("KVM_GET_PIT2", vm.get_pit2())?),
         clock,
         serial: SerialSnapshot::from(serial),
     })

@@ -1,0 +1,324 @@
+//! Warm VMs reset in place, on the real VMM and the real guest: every reset verified by value
+//! against the template after jobs of every kind, nothing of one job visible to the next on
+//! the same VM, and a guest clock that never accounts the time a VM or template waited.
+//! Needs /dev/kvm.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use vmm::{Executor, ExecutorOptions, Job, JobResult, Reuse, Status};
+
+/// An executor of its own (verify on, no pool) over the tests' template.
+fn executor(reuse: Reuse, verify: bool) -> Executor {
+    let spec = vmm::TemplateSpec {
+        boot: common::boot_config(),
+        root: common::template_root(),
+    };
+    let template = vmm::Template::load_or_build(&spec, None).expect("building the template failed");
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        reuse,
+        verify,
+        ..ExecutorOptions::default()
+    };
+    Executor::new(template, opts).expect("starting the executor failed")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn timed(mut j: Job, ms: u64) -> Job {
+    j.timeout = Duration::from_millis(ms);
+    j
+}
+
+/// One job of each kind a reset must undo, with the status it must end with.
+fn job_kinds() -> Vec<(&'static str, Job, Status)> {
+    let mut flood = Job::python("import sys\nwhile True: sys.stdout.write('x' * 65536)");
+    flood.output_limit = 256 << 10;
+    vec![
+        (
+            "tmpfs writes",
+            Job::python(
+                "import os\nfor i in range(20):\n    open(f'/tmp/f{i}', 'w').write(str(i) * 5000)\n\
+                 os.makedirs('/tmp/d/e', exist_ok=True)\nprint(len(os.listdir('/tmp')))",
+            ),
+            Status::Ok,
+        ),
+        (
+            "heap growth",
+            Job::python("x = [bytearray(1 << 20) for _ in range(24)]\nprint(len(x))"),
+            Status::Ok,
+        ),
+        (
+            "fork and exec",
+            Job::python(
+                "import subprocess\nprint(subprocess.run(['echo', 'child'], capture_output=True).stdout)",
+            ),
+            Status::Ok,
+        ),
+        (
+            "mmap churn",
+            Job::python(
+                "import mmap\nfor i in range(64):\n    m = mmap.mmap(-1, 1 << 16)\n    m[i] = 1\n    m.close()",
+            ),
+            Status::Ok,
+        ),
+        (
+            "threads",
+            Job::python(
+                "import threading\nout = []\nts = [threading.Thread(target=lambda i=i: out.append(i * i)) for i in range(4)]\n\
+                 [t.start() for t in ts]\n[t.join() for t in ts]\nprint(sorted(out))",
+            ),
+            Status::Ok,
+        ),
+        (
+            "signals",
+            Job::python(
+                "import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: print('got it'))\n\
+                 os.kill(os.getpid(), signal.SIGUSR1)\nsignal.setitimer(signal.ITIMER_REAL, 0.01)\n\
+                 signal.signal(signal.SIGALRM, lambda *a: print('alarm'))\nsignal.pause()",
+            ),
+            Status::Ok,
+        ),
+        (
+            "shell pipeline",
+            Job::shell("echo hello world | tr a-z A-Z | wc -c; sleep 100 & echo bg"),
+            Status::Ok,
+        ),
+        (
+            "kernel state",
+            Job::python(
+                "import socket, os\nsocket.sethostname('changed')\n\
+                 open('/proc/sys/kernel/domainname', 'w').write('changed')\nos.environ['X'] = '1'\nprint(socket.gethostname())",
+            ),
+            Status::Ok,
+        ),
+        ("output flood", flood, Status::OutputLimit),
+        (
+            "timeout",
+            timed(Job::python("while True: pass"), 300),
+            Status::Timeout,
+        ),
+        (
+            "memory error",
+            Job::python("x = bytearray(1 << 40)"),
+            Status::MemoryLimit,
+        ),
+        (
+            "os._exit",
+            Job::python("import os\nos._exit(7)"),
+            Status::Error,
+        ),
+        (
+            "guest kernel restart",
+            Job::shell("reboot -f; sleep 5"),
+            Status::Crashed,
+        ),
+    ]
+}
+
+#[test]
+fn every_reset_is_exact_after_300_jobs_of_every_kind() {
+    let exec = executor(Reuse::Warm, true);
+    let kinds = job_kinds();
+    let rounds = 300usize.div_ceil(kinds.len());
+
+    let mut ran = 0u64;
+    let mut wrong = Vec::new();
+    for round in 0..rounds {
+        for (name, job, want) in &kinds {
+            let r = exec.run(job).expect("bud could not run the job");
+            ran += 1;
+            if r.status != *want {
+                wrong.push(format!("round {round}, {name}: {r:?}"));
+            }
+            let errors = exec.take_reset_errors();
+            assert!(errors.is_empty(), "round {round}, after {name}: {errors:?}");
+        }
+    }
+    let stats = exec.stats();
+
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert!(ran >= 300);
+    assert_eq!(
+        stats.resets, ran,
+        "every VM is reset and verified: {stats:?}"
+    );
+    assert_eq!(stats.replaced_reset_failed, 0, "{stats:?}");
+    assert!(
+        stats.replaced_abnormal > 0,
+        "abnormal jobs replace their VM: {stats:?}"
+    );
+}
+
+#[test]
+fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
+    let exec = executor(Reuse::Warm, false);
+    let mut raw = [0u8; 16];
+    vmm::identity::host_random(&mut raw).unwrap();
+    let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let mut plant = Job::python(format!(
+        "import os, socket, subprocess, builtins, sys\n\
+         s = 'BUDLEAK-' + {secret:?}\n\
+         open('/tmp/secret', 'w').write(s)\n\
+         os.makedirs('/dev/shm', exist_ok=True)\n\
+         open('/dev/shm/secret', 'w').write(s)\n\
+         open('/secret', 'w').write(s)\n\
+         os.environ['SECRET'] = s\n\
+         os.putenv('SECRET2', s)\n\
+         socket.sethostname(s[:60])\n\
+         open('/proc/sys/kernel/domainname', 'w').write(s[:60])\n\
+         builtins.secret = s\n\
+         sys.modules['secret'] = type(sys)(s)\n\
+         kept = [s.encode() * 1000 for _ in range(100)]\n\
+         subprocess.Popen(['sh', '-c', 'sleep 1000 # ' + s])\n\
+         print('planted')"
+    ));
+    plant.timeout = Duration::from_secs(30);
+    // The searcher prints every string it can find that follows the marker; the test checks
+    // the secret is not among them. It never holds the secret itself.
+    let mut search = Job::python(
+        "import os, socket, builtins, sys, gc\n\
+         marker = b'BUDL' + b'EAK-'\n\
+         found = set()\n\
+         def scan(data, where):\n\
+         \x20   at = data.find(marker)\n\
+         \x20   while at >= 0:\n\
+         \x20       found.add((where, data[at + 8:at + 40].decode('latin-1')))\n\
+         \x20       at = data.find(marker, at + 1)\n\
+         for root in ('/tmp', '/dev/shm', '/', '/root', os.getcwd()):\n\
+         \x20   for name in os.listdir(root):\n\
+         \x20       p = os.path.join(root, name)\n\
+         \x20       if os.path.isfile(p) and not p.startswith('/proc'):\n\
+         \x20           try: scan(open(p, 'rb').read(1 << 20), p)\n\
+         \x20           except OSError: pass\n\
+         for pid in os.listdir('/proc'):\n\
+         \x20   if pid.isdigit():\n\
+         \x20       for f in ('cmdline', 'environ'):\n\
+         \x20           try: scan(open(f'/proc/{pid}/{f}', 'rb').read(), f'/proc/{pid}/{f}')\n\
+         \x20           except OSError: pass\n\
+         scan(socket.gethostname().encode(), 'hostname')\n\
+         scan(open('/proc/sys/kernel/domainname', 'rb').read(), 'domainname')\n\
+         scan(repr(sorted(os.environ.items())).encode(), 'environ')\n\
+         scan(repr(dir(builtins)).encode() + repr(list(sys.modules)).encode(), 'modules')\n\
+         for o in gc.get_objects():\n\
+         \x20   if isinstance(o, (str, bytes)): scan(o.encode('latin-1', 'replace') if isinstance(o, str) else o, 'object')\n\
+         mem = open('/proc/self/mem', 'rb')\n\
+         for line in open('/proc/self/maps'):\n\
+         \x20   parts = line.split()\n\
+         \x20   if parts[1].startswith('rw') and (len(parts) < 6 or parts[5] in ('[heap]', '[stack]')):\n\
+         \x20       lo, hi = (int(x, 16) for x in parts[0].split('-'))\n\
+         \x20       try:\n\
+         \x20           mem.seek(lo); scan(mem.read(hi - lo), 'memory')\n\
+         \x20       except (OSError, ValueError, OverflowError): pass\n\
+         for where, tail in sorted(found): print(where, tail)\n\
+         print('searched', len(found))",
+    );
+    search.timeout = Duration::from_secs(60);
+
+    let planted = exec.run(&plant).expect("plant");
+    let searched = exec.run(&search).expect("search");
+    let stats = exec.stats();
+
+    assert_eq!(planted.status, Status::Ok, "{planted:?}");
+    assert_eq!(text(&planted.stdout), "planted\n");
+    assert_eq!(searched.status, Status::Ok, "{searched:?}");
+    assert!(text(&searched.stdout).contains("searched"), "{searched:?}");
+    assert!(
+        !text(&searched.stdout).contains(&secret),
+        "the second job found the first job's secret:\n{}",
+        text(&searched.stdout)
+    );
+    assert_eq!(
+        stats.resets, 2,
+        "both jobs ran on one VM, reset after each: {stats:?}"
+    );
+    assert_eq!(stats.live, 1, "{stats:?}");
+}
+
+/// `(guest monotonic, guest wall clock)` from one job, and the host's wall clock around it.
+fn guest_clocks(exec: &Executor) -> (f64, f64, f64, f64) {
+    let before = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let r = exec
+        .run(&Job::python(
+            "import time; print(time.monotonic(), time.time())",
+        ))
+        .expect("run");
+    let after = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let out = text(&r.stdout);
+    let mut it = out.split_whitespace().map(|v| v.parse::<f64>().unwrap());
+    (it.next().unwrap(), it.next().unwrap(), before, after)
+}
+
+fn assert_clock_does_not_see_the_wait(reuse: Reuse) {
+    let exec = executor(reuse, false);
+    let (mono1, _, _, _) = guest_clocks(&exec);
+    let waited = Instant::now();
+    std::thread::sleep(Duration::from_secs(3));
+
+    let (mono2, wall2, before, after) = guest_clocks(&exec);
+
+    assert!(waited.elapsed() >= Duration::from_secs(3));
+    assert!(
+        (mono2 - mono1).abs() < 0.5,
+        "{reuse:?}: the guest's monotonic clock moved {:.3} s across a 3 s wait: it accounted \
+         time it did not run",
+        mono2 - mono1
+    );
+    assert!(
+        wall2 >= before - 0.05 && wall2 <= after + 0.05,
+        "{reuse:?}: guest time.time() {wall2:.6} is not within 50 ms of the host's [{before:.6}, {after:.6}]"
+    );
+}
+
+#[test]
+fn a_warm_vm_does_not_account_the_time_it_waited() {
+    assert_clock_does_not_see_the_wait(Reuse::Warm);
+}
+
+#[test]
+fn a_fresh_clone_does_not_account_the_age_of_its_template() {
+    assert_clock_does_not_see_the_wait(Reuse::Fresh);
+}
+
+#[test]
+fn jobs_on_one_warm_vm_get_distinct_randomness() {
+    let exec = executor(Reuse::Warm, false);
+    let job = Job::python(
+        "import os, random, uuid\n\
+         print(os.urandom(16).hex(), random.random(), uuid.uuid4(),\n\
+         open('/proc/sys/kernel/random/uuid').read().strip())",
+    );
+
+    let outs: Vec<JobResult> = (0..50).map(|_| exec.run(&job).expect("run")).collect();
+    let stats = exec.stats();
+
+    let mut seen: [HashSet<String>; 4] = Default::default();
+    for r in &outs {
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        let out = text(&r.stdout);
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(fields.len(), 4, "{out}");
+        for (set, f) in seen.iter_mut().zip(fields) {
+            set.insert(f.to_string());
+        }
+    }
+    for (name, set) in ["os.urandom", "random.random", "uuid4", "kernel uuid"]
+        .iter()
+        .zip(&seen)
+    {
+        assert_eq!(set.len(), 50, "{name} repeated across 50 jobs on one VM");
+    }
+    assert_eq!(stats.live, 1, "all 50 jobs ran on one warm VM: {stats:?}");
+}
