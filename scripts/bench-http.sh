@@ -3,19 +3,23 @@
 # (Debian's HTTP load generator) for a fixed number of requests at a fixed concurrency, and
 # reports throughput, p50/p99 latency, failures and the server's RSS before and after.
 #
-#   scripts/bench-http.sh                       # 1000 requests of print(1+1), concurrency 4
-#   REQUESTS=5000 CONCURRENCY=8 scripts/bench-http.sh
+#   scripts/bench-http.sh                       # print(1+1): sequential, then 1000 requests
+#                                               #   at concurrency 4 and at 16
+#   REQUESTS=5000 CONCURRENCIES="8" scripts/bench-http.sh
 #   CODE='import json; print(json.dumps([1]))' scripts/bench-http.sh
+#   SERVE_ARGS=--fresh-clones scripts/bench-http.sh   # a fresh clone per job, for comparison
 #
 # Steps: build the release binary; start `bud serve` on 127.0.0.1:$PORT (its pid is stopped on
 # exit); wait for /v1/health; warm up; one sequential run (concurrency 1: the latency of a lone
-# request) and the load run; then compare the job counters in /metrics with the requests sent.
+# request) and a load run per concurrency; then compare the job counters in /metrics with the
+# requests sent.
 # It measures and reports; it asserts no time. It exits non-zero if any request failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 REQUESTS=${REQUESTS:-1000}
-CONCURRENCY=${CONCURRENCY:-4}
+CONCURRENCIES=${CONCURRENCIES:-4 16}
+SERVE_ARGS=${SERVE_ARGS:-}
 SEQUENTIAL=${SEQUENTIAL:-200}
 PORT=${PORT:-18471}
 CODE=${CODE:-print(1+1)}
@@ -34,7 +38,8 @@ URL="http://127.0.0.1:$PORT"
 BODY=$(CODE="$CODE" python3 -c 'import json, os; print(json.dumps({"code": os.environ["CODE"]}))')
 
 # The default queue (64 waiting jobs) holds every concurrent request of the load.
-target/release/bud serve --port "$PORT" >"$LOG" 2>&1 &
+# shellcheck disable=SC2086 # SERVE_ARGS is a list of options
+target/release/bud serve --port "$PORT" $SERVE_ARGS >"$LOG" 2>&1 &
 SERVER=$!
 stop_server() {
     if kill -0 "$SERVER" 2>/dev/null; then
@@ -100,10 +105,20 @@ FLOOR_OUT=$(mktemp)
 hey -n "$SEQUENTIAL" -c 1 "$URL/v1/health" >"$FLOOR_OUT"
 read -r _ FLOOR_P50 _ FLOOR_NON200 FLOOR_ERR _ < <(summarize "$FLOOR_OUT")
 
-echo "[bench-http] load: $REQUESTS requests, concurrency $CONCURRENCY" >&2
-LOAD_OUT=$(mktemp)
-run_hey "$REQUESTS" "$CONCURRENCY" "$LOAD_OUT"
-read -r RPS P50 P99 NON200 ERR OK200 < <(summarize "$LOAD_OUT")
+LOAD_LINES=""
+NON200=0
+ERR=0
+for CONCURRENCY in $CONCURRENCIES; do
+    echo "[bench-http] load: $REQUESTS requests, concurrency $CONCURRENCY" >&2
+    LOAD_OUT=$(mktemp)
+    run_hey "$REQUESTS" "$CONCURRENCY" "$LOAD_OUT"
+    read -r RPS P50 P99 L_NON200 L_ERR _ < <(summarize "$LOAD_OUT")
+    NON200=$((NON200 + L_NON200))
+    ERR=$((ERR + L_ERR))
+    LOAD_LINES="${LOAD_LINES}  load ($REQUESTS requests, concurrency $CONCURRENCY): ${RPS} req/s, p50 ${P50} ms, p99 ${P99} ms
+"
+    rm -f "$LOAD_OUT"
+done
 
 sleep 2 # let the reaper close the last clones
 RSS_AFTER=$(rss_kib)
@@ -113,13 +128,12 @@ FAILED=$(( SEQ_NON200 + SEQ_ERR + FLOOR_NON200 + FLOOR_ERR + NON200 + ERR + ALL_
 
 cat <<EOF
 bud HTTP benchmark: POST /v1/exec $BODY
-  host: $(nproc) cores; server: bud serve --port $PORT (pid $SERVER)
+  host: $(nproc) cores; server: bud serve --port $PORT $SERVE_ARGS (pid $SERVER)
   sequential ($SEQUENTIAL requests, concurrency 1): ${SEQ_RPS} req/s, p50 ${SEQ_P50} ms, p99 ${SEQ_P99} ms;
     mean server-side job time (clone + run + collect) ${SEQ_JOB_MS} ms: the rest is HTTP and queueing;
     HTTP floor (GET /v1/health, no job): p50 ${FLOOR_P50} ms
-  load ($REQUESTS requests, concurrency $CONCURRENCY): ${RPS} req/s, p50 ${P50} ms, p99 ${P99} ms
-  failures: $FAILED (non-200 $((SEQ_NON200 + NON200)), transport errors $((SEQ_ERR + ERR)), jobs not ok $((ALL_DELTA - OK_DELTA)) of $ALL_DELTA)
+${LOAD_LINES}  failures: $FAILED (non-200 $((SEQ_NON200 + NON200)), transport errors $((SEQ_ERR + ERR)), jobs not ok $((ALL_DELTA - OK_DELTA)) of $ALL_DELTA)
   server RSS: before ${RSS_BEFORE} KiB, after ${RSS_AFTER} KiB ($(( (RSS_AFTER - RSS_BEFORE) )) KiB)
 EOF
-rm -f "$SEQ_OUT" "$FLOOR_OUT" "$LOAD_OUT"
+rm -f "$SEQ_OUT" "$FLOOR_OUT"
 [ "$FAILED" -eq 0 ]

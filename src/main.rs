@@ -12,6 +12,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+mod remote;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use vmm::devices::console::ConsoleLine;
@@ -122,9 +124,14 @@ struct RunArgs {
     /// Print status and timings to stderr after the output.
     #[arg(long)]
     timings: bool,
-    /// Guest RAM in MiB (part of the template's identity).
+    /// Guest RAM in MiB (part of the template's identity). A value other than the default
+    /// runs the job in this process.
     #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
     mem_mib: u64,
+    /// Run in this process even when a `bud serve` is reachable (BUD_URL, or
+    /// http://127.0.0.1:8080).
+    #[arg(long)]
+    local: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -392,39 +399,15 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         job.env.push((k.to_string(), v.to_string()));
     }
 
-    let (kernel, initramfs) = guest_for_run(cli)?;
-    let mut boot = BootConfig::new(kernel, initramfs);
-    boot.ram_size = args.mem_mib << 20;
-    let build_dir = cli.build_options().build_dir;
-    let spec = vmm::TemplateSpec {
-        boot,
-        root: build_dir.join("templates"),
+    let server = if args.local || args.mem_mib != vmm::boot::DEFAULT_RAM_SIZE >> 20 {
+        None
+    } else {
+        remote::server_url()?
     };
-    let started = Instant::now();
-    let template = vmm::Template::load_or_build(&spec, None).context("preparing the template")?;
-    if let vmm::template::Origin::Built {
-        boot,
-        capture,
-        write,
-    } = template.origin()
-    {
-        progress(&format!(
-            "template built in {:.1} s (READY after {:.1} s, capture {:.1} ms, memory file {:.0} ms): {}",
-            started.elapsed().as_secs_f64(),
-            boot.to_ready.as_secs_f64(),
-            capture.as_secs_f64() * 1e3,
-            write.as_secs_f64() * 1e3,
-            template.dir().display()
-        ));
-    }
-    // One job in this process: a fresh clone, no pool, nothing to reset.
-    let once = vmm::ExecutorOptions {
-        pool_size: 0,
-        reuse: vmm::Reuse::Fresh,
-        ..vmm::ExecutorOptions::default()
+    let result = match server {
+        Some(url) => remote::run(&url, &job)?,
+        None => run_local(cli, args, &job)?,
     };
-    let executor = vmm::Executor::new(template, once)?;
-    let result = executor.run(&job)?;
     {
         let mut out = std::io::stdout().lock();
         out.write_all(&result.stdout)?;
@@ -485,6 +468,43 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
 
 /// The process exit code for a job: its own exit status, 128 + signal, or (like `timeout(1)`)
 /// 124 for a timeout; bud's own statuses say why on stderr.
+/// Runs `job` in a fresh clone in this process (loading or building the template).
+fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::JobResult> {
+    let (kernel, initramfs) = guest_for_run(cli)?;
+    let mut boot = BootConfig::new(kernel, initramfs);
+    boot.ram_size = args.mem_mib << 20;
+    let build_dir = cli.build_options().build_dir;
+    let spec = vmm::TemplateSpec {
+        boot,
+        root: build_dir.join("templates"),
+    };
+    let started = Instant::now();
+    let template = vmm::Template::load_or_build(&spec, None).context("preparing the template")?;
+    if let vmm::template::Origin::Built {
+        boot,
+        capture,
+        write,
+    } = template.origin()
+    {
+        progress(&format!(
+            "template built in {:.1} s (READY after {:.1} s, capture {:.1} ms, memory file {:.0} ms): {}",
+            started.elapsed().as_secs_f64(),
+            boot.to_ready.as_secs_f64(),
+            capture.as_secs_f64() * 1e3,
+            write.as_secs_f64() * 1e3,
+            template.dir().display()
+        ));
+    }
+    // One job in this process: a fresh clone, no pool, nothing to reset.
+    let once = vmm::ExecutorOptions {
+        pool_size: 0,
+        reuse: vmm::Reuse::Fresh,
+        ..vmm::ExecutorOptions::default()
+    };
+    let executor = vmm::Executor::new(template, once)?;
+    Ok(executor.run(job)?)
+}
+
 fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
     use vmm::Status;
     match result.status {

@@ -73,9 +73,10 @@ STDOUT, STDERR = 0, 1
 
 # perf_counter() marks of this clone's job path (vDSO reads: no syscalls), for measuring it
 # from inside a job: ``import bud_io; print(bud_io.MARKS)``. bud_jobs sets resumed (serve()
-# entered), clock (wall clock checked), identity (random seeded, clock checked), started
-# (job about to run), finished (set just before DONE: only threads and atexit handlers see
-# it); bud_shell adds shell_fed (script written) and shell_polls.
+# entered), read (request read), clock (wall clock checked), identity (random seeded, clock
+# checked), started (job about to run), compiled (Python code compiled; shell: script fed),
+# finished (set just before DONE: only threads and atexit handlers see it); bud_shell adds
+# shell_fed (script written) and shell_polls. write_phases sends four of them to the host.
 MARKS = {}
 
 # Protocol offsets (vmm/src/protocol.rs via _bud).
@@ -607,6 +608,17 @@ def _exit_original(status):
 
 _exit_original.__name__ = _exit_original.__qualname__ = "_exit"
 _exit_original.__doc__ = _ORIGINAL["_exit"].__doc__
+
+
+def write_phases(view, marks):
+    """The phase marks of ``result::PHASE_*_NS``: nanoseconds from ``resumed`` to the end of
+    each phase (0 for a phase not reached), as four little-endian u64s."""
+    start = marks.get("resumed")
+    values = []
+    for name in ("read", "identity", "compiled", "finished"):
+        at = marks.get(name)
+        values.append(0 if start is None or at is None else max(0, int((at - start) * 1e9)))
+    struct.pack_into("<4Q", view, _bud.RESULT_PHASE_READ_NS, *values)
 
 
 def write_u32_pair(view, offset, first, second):

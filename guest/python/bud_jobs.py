@@ -281,11 +281,13 @@ class JobRunner:
     def serve(self):
         """Runs the clone's job and reports it. Never returns: after DONE it rings DONE again
         each time it is resumed."""
+        MARKS.clear()  # the warm-up jobs' marks are in the template
         MARKS["resumed"] = time.perf_counter()
         if self._context is None:
             self._context = _Context(self.areas, self.text_settings)
         try:
             request = Request.read(self.view)
+            MARKS["read"] = time.perf_counter()
             failure = self.identity.apply(request, self.warn)
             MARKS["identity"] = time.perf_counter()
             if failure is None:
@@ -297,6 +299,7 @@ class JobRunner:
         MARKS["finished"] = time.perf_counter()
         self.areas.streaming = False
         bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
+        bud_io.write_phases(self.view, MARKS)
         while True:
             self.ring(_bud.DONE, 0, 0)
 
@@ -437,7 +440,9 @@ def _exec_main(source, namespace):
     The ``try`` is in this frame, so the traceback of anything the job raises starts here:
     dropping this one frame leaves exactly what ``python3 -c`` prints."""
     try:
-        exec(compile(source, "<string>", "exec"), namespace)
+        code = compile(source, "<string>", "exec")
+        MARKS["compiled"] = time.perf_counter()
+        exec(code, namespace)
     except SystemExit as error:
         return _bud.OUTCOME_EXITED, _exit_status(error)
     except BaseException as error:  # noqa: BLE001 - every uncaught exception is reported

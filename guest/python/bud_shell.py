@@ -291,7 +291,7 @@ class ParkedShell:
         except BrokenPipeError:
             self._reap()
             return None
-        bud_io.MARKS["shell_fed"] = time.perf_counter()
+        bud_io.MARKS["shell_fed"] = bud_io.MARKS["compiled"] = time.perf_counter()
         return self.waiter.wait(areas)
 
     def retire(self):

@@ -57,6 +57,25 @@ pub struct Timings {
     pub run_ms: f64,
     /// Clone + run + collecting the result (queueing not included).
     pub total_ms: f64,
+    /// Exits from the guest to the VMM during the job.
+    #[serde(default)]
+    pub exits: u64,
+    /// The guest's own account of `run_ms`, when the job ended normally.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<GuestTimings>,
+}
+
+/// The guest worker's phases of a job, in milliseconds of its own clock.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct GuestTimings {
+    /// Resume to request read.
+    pub read_ms: f64,
+    /// Seeding `random` and checking the clock.
+    pub identity_ms: f64,
+    /// Compiling the code (Python), or handing the script to the shell.
+    pub compile_ms: f64,
+    /// Running the job and flushing its output.
+    pub run_ms: f64,
 }
 
 /// The result of a job that ran (whatever its status).
@@ -103,6 +122,10 @@ pub struct Health {
     pub pool_size: usize,
     pub pool_ready: usize,
     pub live_clones: usize,
+    /// Reset VMs waiting for a job.
+    pub warm_vms: usize,
+    /// `warm` (VMs reset and reused) or `fresh` (a fresh clone per job).
+    pub reuse: String,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -139,6 +162,13 @@ impl ExecResponse {
                 clone_ms: ms(r.timings.clone),
                 run_ms: ms(r.timings.run),
                 total_ms: ms(r.timings.total),
+                exits: r.timings.exits,
+                guest: r.timings.guest.map(|g| GuestTimings {
+                    read_ms: ms(g.read),
+                    identity_ms: ms(g.identity),
+                    compile_ms: ms(g.compile),
+                    run_ms: ms(g.run),
+                }),
             },
         }
     }

@@ -7,8 +7,15 @@
 //!   (`overloaded`, `not_ready`, `shutting_down`).
 //! - `bud_http_responses_total{code}`: responses by HTTP status code.
 //! - `bud_job_{queue,clone,run,total}_seconds`: histograms.
+//! - `bud_job_exits_total`: exits from guests to the VMM during jobs;
+//!   `bud_job_guest_seconds_total{phase}`: the guests' own account of jobs that ended
+//!   normally (`read`, `identity`, `compile`, `run`).
 //! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
-//!   live clones, and the process's resident memory.
+//!   idle warm VMs, live clones, and the process's resident memory.
+//! - VM reuse: `bud_resets_total`, `bud_reset_seconds_total`, `bud_reset_restored_pages_total`
+//!   and `bud_vms_replaced_total{reason}` (`abnormal`: the job did not end at DONE;
+//!   `too_dirty`: too many private pages; `reset_failed`: the reset or its verification
+//!   failed).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -89,7 +96,12 @@ pub struct Metrics {
     clone: Histogram,
     run: Histogram,
     total: Histogram,
+    exits: AtomicU64,
+    /// Nanoseconds of guest phases: read, identity, compile, run.
+    guest_ns: [AtomicU64; 4],
 }
+
+const GUEST_PHASES: [&str; 4] = ["read", "identity", "compile", "run"];
 
 /// Point-in-time values written as gauges.
 #[derive(Debug, Clone, Copy, Default)]
@@ -101,7 +113,15 @@ pub struct Gauges {
     pub pool_size: usize,
     pub pool_ready: usize,
     pub live_clones: usize,
+    pub warm_vms: usize,
     pub template_ready: bool,
+    /// The executor's reset and replacement counters (zero before the template is ready).
+    pub resets: u64,
+    pub reset_time: Duration,
+    pub restored_pages: u64,
+    pub replaced_abnormal: u64,
+    pub replaced_too_dirty: u64,
+    pub replaced_reset_failed: u64,
 }
 
 impl Metrics {
@@ -114,6 +134,16 @@ impl Metrics {
         self.clone.observe(t.clone);
         self.run.observe(t.run);
         self.total.observe(t.total);
+        self.exits.fetch_add(t.exits, Ordering::Relaxed);
+        if let Some(g) = t.guest {
+            for (slot, d) in self
+                .guest_ns
+                .iter()
+                .zip([g.read, g.identity, g.compile, g.run])
+            {
+                slot.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
     }
 
     /// A job bud could not run.
@@ -152,6 +182,24 @@ impl Metrics {
             "bud_job_failures_total {}",
             self.failures.load(Ordering::Relaxed)
         );
+        out.push_str("# HELP bud_job_exits_total Exits from guests to the VMM during jobs.\n");
+        out.push_str("# TYPE bud_job_exits_total counter\n");
+        let _ = writeln!(
+            out,
+            "bud_job_exits_total {}",
+            self.exits.load(Ordering::Relaxed)
+        );
+        out.push_str(
+            "# HELP bud_job_guest_seconds_total The guests' own account of jobs, by phase.\n",
+        );
+        out.push_str("# TYPE bud_job_guest_seconds_total counter\n");
+        for (phase, ns) in GUEST_PHASES.iter().zip(&self.guest_ns) {
+            let secs = ns.load(Ordering::Relaxed) as f64 / 1e9;
+            let _ = writeln!(
+                out,
+                "bud_job_guest_seconds_total{{phase=\"{phase}\"}} {secs}"
+            );
+        }
         out.push_str("# HELP bud_rejected_total Requests refused before running, by reason.\n");
         out.push_str("# TYPE bud_rejected_total counter\n");
         for ((_, name), n) in REJECTIONS.iter().zip(&self.rejected) {
@@ -224,6 +272,11 @@ impl Metrics {
                 g.live_clones as u64,
             ),
             (
+                "bud_warm_vms",
+                "Reset VMs waiting for a job.",
+                g.warm_vms as u64,
+            ),
+            (
                 "bud_template_ready",
                 "1 once the template is loaded.",
                 g.template_ready as u64,
@@ -236,6 +289,41 @@ impl Metrics {
         ];
         for (name, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        }
+        let counters = [
+            (
+                "bud_resets_total",
+                "VMs reset in place after a job.",
+                g.resets.to_string(),
+            ),
+            (
+                "bud_reset_seconds_total",
+                "Time spent resetting VMs.",
+                format!("{}", g.reset_time.as_secs_f64()),
+            ),
+            (
+                "bud_reset_restored_pages_total",
+                "Guest pages copied back from the template by resets.",
+                g.restored_pages.to_string(),
+            ),
+        ];
+        for (name, help, v) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP bud_vms_replaced_total VMs thrown away after a job instead of reused, by reason.\n\
+             # TYPE bud_vms_replaced_total counter"
+        );
+        for (reason, v) in [
+            ("abnormal", g.replaced_abnormal),
+            ("too_dirty", g.replaced_too_dirty),
+            ("reset_failed", g.replaced_reset_failed),
+        ] {
+            let _ = writeln!(out, "bud_vms_replaced_total{{reason=\"{reason}\"}} {v}");
         }
         out
     }
@@ -267,6 +355,11 @@ mod tests {
             clone: Duration::ZERO,
             run: Duration::from_millis(3),
             total: Duration::from_millis(4),
+            guest: Some(vmm::job::GuestPhases {
+                run: Duration::from_millis(2),
+                ..Default::default()
+            }),
+            exits: 5,
         };
 
         m.job(Status::Ok, Duration::ZERO, &t);
@@ -279,6 +372,8 @@ mod tests {
         assert!(text.contains("bud_job_run_seconds_bucket{le=\"0.005\"} 2\n"));
         assert!(text.contains("bud_job_run_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(text.contains("bud_job_run_seconds_count 2\n"));
+        assert!(text.contains("bud_job_exits_total 10\n"));
+        assert!(text.contains("bud_job_guest_seconds_total{phase=\"run\"} 0.004\n"));
     }
 
     #[test]

@@ -67,9 +67,12 @@ fn start(
         if tx.is_closed() {
             return;
         }
-        let outcome = (exec.run(&job), waited);
-        record(&metrics, &outcome);
-        let _ = tx.send(outcome);
+        // The result goes out before the VM is reset for its next job.
+        exec.run_then(&job, &mut |_, _| {}, |result| {
+            let outcome = (result, waited);
+            record(&metrics, &outcome);
+            let _ = tx.send(outcome);
+        });
     })?;
     Ok(rx)
 }

@@ -6,6 +6,8 @@
 
 use std::sync::{Arc, OnceLock};
 
+use std::time::Duration;
+
 use vmm::Executor;
 
 use crate::api::Health;
@@ -129,7 +131,14 @@ impl AppState {
             pool_size: stats.map_or(self.config().pool_size, |s| s.pool_size),
             pool_ready: stats.map_or(0, |s| s.ready),
             live_clones: stats.map_or(0, |s| s.live),
+            warm_vms: stats.map_or(0, |s| s.warm),
             template_ready: stats.is_some(),
+            resets: stats.map_or(0, |s| s.resets),
+            reset_time: stats.map_or(Duration::ZERO, |s| s.reset_time),
+            restored_pages: stats.map_or(0, |s| s.restored_pages),
+            replaced_abnormal: stats.map_or(0, |s| s.replaced_abnormal),
+            replaced_too_dirty: stats.map_or(0, |s| s.replaced_too_dirty),
+            replaced_reset_failed: stats.map_or(0, |s| s.replaced_reset_failed),
         }
     }
 
@@ -154,6 +163,12 @@ impl AppState {
             pool_size: g.pool_size,
             pool_ready: g.pool_ready,
             live_clones: g.live_clones,
+            warm_vms: g.warm_vms,
+            reuse: match self.config().reuse {
+                vmm::Reuse::Warm => "warm",
+                vmm::Reuse::Fresh => "fresh",
+            }
+            .into(),
         }
     }
 }

@@ -35,7 +35,7 @@ use crate::state::AppState;
 /// What the job thread sends to the response body.
 enum Event {
     Output(Stream, Vec<u8>),
-    Done(Result<JobResult, ExecError>, std::time::Duration),
+    Done(Box<Result<JobResult, ExecError>>, std::time::Duration),
 }
 
 #[derive(Serialize)]
@@ -109,7 +109,7 @@ impl Encoder {
                     let rest = std::mem::take(&mut self.held[s as usize]);
                     self.chunk_line(s, &rest, &mut out);
                 }
-                match result {
+                match *result {
                     Ok(mut r) => {
                         r.stdout.clear();
                         r.stderr.clear();
@@ -153,9 +153,12 @@ pub async fn exec_stream(
         let mut forward = |s: Stream, bytes: &[u8]| {
             let _ = tx.send(Event::Output(s, bytes.to_vec()));
         };
-        let outcome = (exec.run_streaming(&job, &mut forward), waited);
-        record(&metrics, &outcome);
-        let _ = tx.send(Event::Done(outcome.0, outcome.1));
+        // The result goes out before the VM is reset for its next job.
+        exec.run_then(&job, &mut forward, |result| {
+            let outcome = (result, waited);
+            record(&metrics, &outcome);
+            let _ = tx.send(Event::Done(Box::new(outcome.0), outcome.1));
+        });
     })?;
 
     let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
@@ -163,7 +166,10 @@ pub async fn exec_stream(
         message: "the job thread lost the job".into(),
     })?;
     let first = match first {
-        Event::Done(Err(e), _) => return Err(ApiError::exec(e, None)),
+        Event::Done(result, waited) => match *result {
+            Err(e) => return Err(ApiError::exec(e, None)),
+            ok => Event::Done(Box::new(ok), waited),
+        },
         ev => ev,
     };
     let encoder = Encoder {

@@ -136,12 +136,43 @@ pub enum Status {
 /// Where the time of a job went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct JobTimings {
-    /// Creating and restoring the clone (zero when it came ready from a pool).
+    /// Getting a VM at READY: zero for a warm VM or a pooled clone, else creating a clone.
     pub clone: Duration,
     /// From resuming the clone to the job's end.
     pub run: Duration,
     /// Both, plus writing the request and collecting the result.
     pub total: Duration,
+    /// The guest's own account of `run`, when the job ended at DONE.
+    pub guest: Option<GuestPhases>,
+    /// Exits from the guest to the VMM during the job (doorbells, console bytes, ...).
+    pub exits: u64,
+}
+
+/// The guest worker's phases of a job, by its own clock (from `result::PHASE_*_NS`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GuestPhases {
+    /// Resume to request read.
+    pub read: Duration,
+    /// Giving the job its identity (seeding `random`, checking the clock).
+    pub identity: Duration,
+    /// Compiling the code (Python) or handing the script to the shell.
+    pub compile: Duration,
+    /// Running the job and flushing its output, to just before DONE.
+    pub run: Duration,
+}
+
+impl GuestPhases {
+    /// From the four cumulative marks (0: not reached); None if they are not in order.
+    fn from_marks(read: u64, identity: u64, compiled: u64, finished: u64) -> Option<Self> {
+        let compiled = if compiled == 0 { identity } else { compiled };
+        let ordered = read <= identity && identity <= compiled && compiled <= finished;
+        (finished > 0 && ordered).then(|| Self {
+            read: Duration::from_nanos(read),
+            identity: Duration::from_nanos(identity - read),
+            compile: Duration::from_nanos(compiled - identity),
+            run: Duration::from_nanos(finished - compiled),
+        })
+    }
 }
 
 /// What came back from a job.
@@ -375,6 +406,7 @@ pub fn run(
         on_output,
     };
     let mut ending = Ending::Abnormal;
+    let exits_before = m.bus.exits();
     let end = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.kicker)?;
         match stop {
@@ -445,6 +477,21 @@ pub fn run(
         }
     };
     let run = started.elapsed();
+    let guest = if ending == Ending::Done {
+        let mark = |at: usize| -> Result<u64, MailboxError> {
+            let mut b = [0u8; 8];
+            mb.read(&m.ram, at as u64, &mut b)?;
+            Ok(u64::from_le_bytes(b))
+        };
+        GuestPhases::from_marks(
+            mark(result::PHASE_READ_NS)?,
+            mark(result::PHASE_IDENTITY_NS)?,
+            mark(result::PHASE_COMPILED_NS)?,
+            mark(result::PHASE_FINISHED_NS)?,
+        )
+    } else {
+        None
+    };
     let console_tail = if end.status == Status::Crashed {
         m.bus.console().tail(CRASH_TAIL_LINES)
     } else {
@@ -462,6 +509,8 @@ pub fn run(
             clone: Duration::ZERO,
             run,
             total: run,
+            guest,
+            exits: m.bus.exits() - exits_before,
         },
     };
     Ok((result, ending))
@@ -479,6 +528,20 @@ mod tests {
         assert_eq!(end_from_wait_status(9, true).status, Status::MemoryLimit);
         assert_eq!(end_from_wait_status(9, false).status, Status::Error);
         assert_eq!(end_from_wait_status(11, false).signal, Some(11));
+    }
+
+    #[test]
+    fn guest_phases_come_from_cumulative_marks_and_disorder_is_dropped() {
+        let p = GuestPhases::from_marks(10, 30, 60, 100).unwrap();
+        let no_compile = GuestPhases::from_marks(10, 30, 0, 100).unwrap();
+
+        assert_eq!(p.read, Duration::from_nanos(10));
+        assert_eq!(p.identity, Duration::from_nanos(20));
+        assert_eq!(p.compile, Duration::from_nanos(30));
+        assert_eq!(p.run, Duration::from_nanos(40));
+        assert_eq!(no_compile.compile, Duration::ZERO);
+        assert_eq!(GuestPhases::from_marks(50, 30, 60, 100), None);
+        assert_eq!(GuestPhases::from_marks(0, 0, 0, 0), None);
     }
 
     #[test]

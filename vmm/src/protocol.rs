@@ -119,6 +119,14 @@ pub mod result {
     pub const OUTCOME: usize = 264;
     /// Exit status or signal number (`i32`), valid at DONE.
     pub const EXIT_CODE: usize = 268;
+    /// The guest's own phase marks, valid at DONE: `u64` nanoseconds of the guest's
+    /// `CLOCK_MONOTONIC` since the worker resumed from READY, at the end of each phase:
+    /// request read, identity applied, code compiled (Python; for shell, the script handed
+    /// to the shell), job finished (output flushed, just before DONE). 0: not reached.
+    pub const PHASE_READ_NS: usize = 272;
+    pub const PHASE_IDENTITY_NS: usize = 280;
+    pub const PHASE_COMPILED_NS: usize = 288;
+    pub const PHASE_FINISHED_NS: usize = 296;
     /// The stdout area.
     pub const STDOUT_AREA: usize = 2 << 20;
     pub const STDOUT_AREA_END: usize = 3 << 20;

@@ -117,13 +117,15 @@ pub fn verify(m: &mut Machine, t: &Template) -> Result<(), ResetError> {
     let s = t.state();
     // The CPU and device state first, right after the reset: reading all of guest RAM takes
     // tens of milliseconds, in which timers of a correctly reset VM may fire.
-    let now = snapshot::capture(
+    let indices: Vec<u32> = s.machine.msrs.iter().map(|e| e.index).collect();
+    let now = snapshot::capture_msrs(
         &kvm,
         &m.vm,
         &mut m.vcpu,
         s.host_kind,
         s.machine.cpuid.clone(),
         &m.bus.serial_state(),
+        &indices,
     )?;
     let mut diffs = differences(&s.machine, &now);
     let pages = m.ram.differing_pages(t.pristine(), VERIFY_PAGES_SHOWN)?;

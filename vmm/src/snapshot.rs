@@ -301,6 +301,11 @@ fn quiet_expired_pit(mut pit: kvm_pit_state2) -> kvm_pit_state2 {
 /// First it re-enters `KVM_RUN` with `immediate_exit` set: KVM then completes the pending
 /// port I/O (advancing `rip` past the `out`) and returns `EINTR` without running the guest, so
 /// the captured registers describe a finished instruction.
+///
+/// The MSRs captured are those this host's vCPUs both report and accept, found once per
+/// process by reading and writing back each one KVM lists, on this vCPU: only ever do that on
+/// a VM whose memory is captured afterwards (writing some MSRs makes KVM write guest memory).
+/// To capture a VM for comparison, use [`capture_msrs`] with the reference's MSR list.
 pub fn capture(
     kvm: &Kvm,
     vm: &VmFd,
@@ -313,8 +318,37 @@ pub fn capture(
     // The clock first: the guest read its wall clock for READY just before the exit, and a
     // clone's wall clock is that reading plus the clock's advance up to here.
     let clock = cap("KVM_GET_CLOCK", vm.get_clock())?;
-
     let indices = saveable_msrs(kvm, vcpu)?;
+    capture_rest(kvm, vm, vcpu, kind, cpuid, serial, clock, indices)
+}
+
+/// Like [`capture`], reading exactly the MSRs `indices` (a reference state's), without
+/// probing or writing any MSR.
+pub fn capture_msrs(
+    kvm: &Kvm,
+    vm: &VmFd,
+    vcpu: &mut VcpuFd,
+    kind: HostKind,
+    cpuid: Vec<kvm_cpuid_entry2>,
+    serial: &SerialState,
+    indices: &[u32],
+) -> Result<MachineState, SnapshotError> {
+    complete_pending_io(vcpu)?;
+    let clock = cap("KVM_GET_CLOCK", vm.get_clock())?;
+    capture_rest(kvm, vm, vcpu, kind, cpuid, serial, clock, indices)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn capture_rest(
+    kvm: &Kvm,
+    vm: &VmFd,
+    vcpu: &mut VcpuFd,
+    kind: HostKind,
+    cpuid: Vec<kvm_cpuid_entry2>,
+    serial: &SerialState,
+    clock: kvm_clock_data,
+    indices: &[u32],
+) -> Result<MachineState, SnapshotError> {
     let mut msrs = Msrs::from_entries(
         &indices
             .iter()

@@ -57,6 +57,7 @@ pub enum VcpuError {
 
 /// Turns one exit into an action, doing the device access it asks for.
 pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus) -> ExitAction {
+    bus.note_exit();
     let event = match exit {
         VcpuExit::IoOut(port, data) => bus.write(port, data),
         VcpuExit::IoIn(port, data) => bus.read(port, data),

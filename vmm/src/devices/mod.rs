@@ -60,6 +60,8 @@ pub struct PortBus {
     i8042: I8042,
     /// Accesses to ports no device owns, and malformed doorbell writes (diagnostics).
     stray_accesses: u64,
+    /// Exits to the VMM so far (every `KVM_RUN` that returned an exit to handle).
+    exits: u64,
 }
 
 impl PortBus {
@@ -69,6 +71,7 @@ impl PortBus {
             serial: Serial::new(IrqEvent(irq), log),
             i8042: I8042,
             stray_accesses: 0,
+            exits: 0,
         }
     }
 
@@ -84,6 +87,7 @@ impl PortBus {
             serial,
             i8042: I8042,
             stray_accesses: 0,
+            exits: 0,
         })
     }
 
@@ -115,6 +119,16 @@ impl PortBus {
     /// The console log, mutably (to set an echo or reset its clock).
     pub fn console_mut(&mut self) -> &mut ConsoleLog {
         self.serial.writer_mut()
+    }
+
+    /// Exits to the VMM counted so far.
+    pub fn exits(&self) -> u64 {
+        self.exits
+    }
+
+    /// Counts one exit (the run loop calls it for every exit it handles).
+    pub fn note_exit(&mut self) {
+        self.exits += 1;
     }
 
     /// Port accesses no device claimed.
