@@ -4,19 +4,15 @@
 
 use std::path::PathBuf;
 
-use vmm::{BootConfig, Template, TemplateSpec};
+use vmm::Template;
 
 pub fn source_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 pub fn template() -> Template {
-    let opts = bud_guest::BuildOptions::new(source_dir());
-    let guest = bud_guest::ensure(&opts, &mut |l: &str| eprintln!("[guest build] {l}"))
-        .expect("building the guest failed");
-    let spec = TemplateSpec {
-        boot: BootConfig::new(&guest.kernel, &guest.initramfs),
-        root: source_dir().join("build").join("templates"),
-    };
-    Template::load_or_build(&spec, None).expect("building the template failed")
+    let mut opts = bud_guest::TemplateOptions::new(source_dir());
+    opts.guest = bud_guest::GuestBuild::Current;
+    bud_guest::template(&opts, &mut |l: &str| eprintln!("[guest build] {l}"), None)
+        .expect("building the guest or its template failed")
 }

@@ -368,11 +368,6 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
 
 /// The kernel and initramfs for `bud run`: the built ones if present (no rebuild check, so a
 /// run stays fast; `bud guest build` or `bud boot` picks up source changes), else build them.
-fn guest_for_run(cli: &Cli) -> anyhow::Result<(PathBuf, PathBuf)> {
-    bud_guest::built_or_ensure(&cli.build_options(), &mut |l: &str| progress(l))
-        .context("building the guest kernel and image")
-}
-
 fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     let code = match (&args.code, &args.file) {
         (Some(c), _) => c.clone().into_bytes(),
@@ -455,13 +450,23 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         },
         ..bud_server::Config::default()
     };
+    let template_opts = bud_guest::TemplateOptions {
+        build: cli.build_options(),
+        guest: bud_guest::GuestBuild::Existing,
+        ram_size: args.mem_mib << 20,
+    };
     bud_server::run(bud_server::ServeOptions {
         listen: args.listen,
         port: args.port,
         config,
-        source_dir: cli.source_dir.clone(),
-        build_dir: cli.build_options().build_dir,
-        ram_size: args.mem_mib << 20,
+        template: Box::new(move || {
+            bud_guest::template(
+                &template_opts,
+                &mut bud_server::startup::log_build_line,
+                Some(bud_server::startup::console_echo()),
+            )
+            .map_err(Into::into)
+        }),
     })?;
     Ok(ExitCode::SUCCESS)
 }
@@ -470,16 +475,14 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
 /// 124 for a timeout; bud's own statuses say why on stderr.
 /// Runs `job` in a fresh clone in this process (loading or building the template).
 fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::JobResult> {
-    let (kernel, initramfs) = guest_for_run(cli)?;
-    let mut boot = BootConfig::new(kernel, initramfs);
-    boot.ram_size = args.mem_mib << 20;
-    let build_dir = cli.build_options().build_dir;
-    let spec = vmm::TemplateSpec {
-        boot,
-        root: build_dir.join("templates"),
-    };
     let started = Instant::now();
-    let template = vmm::Template::load_or_build(&spec, None).context("preparing the template")?;
+    let opts = bud_guest::TemplateOptions {
+        build: cli.build_options(),
+        guest: bud_guest::GuestBuild::Existing,
+        ram_size: args.mem_mib << 20,
+    };
+    let template = bud_guest::template(&opts, &mut |l: &str| progress(l), None)
+        .context("preparing the template")?;
     if let vmm::template::Origin::Built {
         boot,
         capture,

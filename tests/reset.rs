@@ -12,11 +12,7 @@ use vmm::{Executor, ExecutorOptions, Job, JobResult, Reuse, Status};
 
 /// An executor of its own (verify on, no pool) over the tests' template.
 fn executor(reuse: Reuse, verify: bool) -> Executor {
-    let spec = vmm::TemplateSpec {
-        boot: common::boot_config(),
-        root: common::template_root(),
-    };
-    let template = vmm::Template::load_or_build(&spec, None).expect("building the template failed");
+    let template = common::template();
     let opts = ExecutorOptions {
         pool_size: 0,
         reuse,
@@ -238,6 +234,79 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
         "both jobs ran on one VM, reset after each: {stats:?}"
     );
     assert_eq!(stats.live, 1, "{stats:?}");
+}
+
+#[test]
+fn only_a_job_that_changes_page_tables_makes_kvm_drop_its_mappings() {
+    let exec = executor(Reuse::Warm, true);
+    let print = Job::python("print(1 + 1)");
+    let map = Job::python(
+        "import mmap, builtins\nbuiltins.kept = mmap.mmap(-1, 1 << 20)\nbuiltins.kept[0] = 1",
+    );
+
+    let warm_up = exec.run(&print).expect("run");
+    let before = exec.stats();
+    for _ in 0..5 {
+        assert_eq!(exec.run(&print).expect("run").status, Status::Ok);
+    }
+    let after_prints = exec.stats();
+    let mapped = exec.run(&map).expect("run");
+    let after_map = exec.stats();
+    let errors = exec.take_reset_errors();
+
+    assert_eq!(warm_up.status, Status::Ok, "{warm_up:?}");
+    assert_eq!(mapped.status, Status::Ok, "{mapped:?}");
+    assert!(errors.is_empty(), "{errors:?}");
+    let shadow = vmm::HostKind::detect().shadow_paging();
+    assert_eq!(
+        after_prints.mapping_drops - before.mapping_drops,
+        0,
+        "print(1 + 1) changes no page table: {after_prints:?}"
+    );
+    assert_eq!(
+        after_map.mapping_drops - after_prints.mapping_drops,
+        u64::from(shadow),
+        "a new mapping in the worker changes its page tables: {after_map:?}"
+    );
+}
+
+#[test]
+fn a_child_cannot_reach_memory_a_previous_jobs_child_mapped() {
+    // Job A's child maps and fills a page at a fixed address and exits; job B's child, on the
+    // same VM (its page tables likely in the very pages A's child used), reads that address
+    // without mapping it: a fresh clone would kill it with SIGSEGV, and so must a reset VM.
+    let exec = executor(Reuse::Warm, false);
+    let spawn = |child: &str| {
+        let mut j = Job::python(format!(
+            "import subprocess, sys\n\
+             r = subprocess.run([sys.executable, '-S', '-c', {child:?}], capture_output=True)\n\
+             print(r.returncode, r.stdout.decode().strip())"
+        ));
+        j.timeout = Duration::from_secs(30);
+        j
+    };
+    let plant = spawn(
+        "import ctypes\n\
+         libc = ctypes.CDLL(None)\n\
+         libc.mmap.restype = ctypes.c_void_p\n\
+         a = libc.mmap(ctypes.c_void_p(0x7e0000000000), 1 << 16, 3, 0x32, -1, 0)\n\
+         ctypes.memset(a, 0x41, 1 << 16)\n\
+         print(hex(a))",
+    );
+    let probe = spawn("import ctypes\nprint(ctypes.string_at(0x7e0000000000, 4))");
+
+    let planted = exec.run(&plant).expect("run");
+    let probed = exec.run(&probe).expect("run");
+    let stats = exec.stats();
+
+    assert_eq!(text(&planted.stdout), "0 0x7e0000000000\n", "{planted:?}");
+    assert_eq!(text(&probed.stdout), "-11 \n", "{probed:?}");
+    assert_eq!(stats.live, 1, "both jobs ran on one VM: {stats:?}");
+    assert_eq!(
+        stats.mapping_drops, 0,
+        "the children's page tables are not the template's: KVM kept its mappings, and the \
+         test is about exactly that case: {stats:?}"
+    );
 }
 
 /// `(guest monotonic, guest wall clock)` from one job, and the host's wall clock around it.

@@ -17,8 +17,10 @@ pub mod python;
 pub mod recipe;
 pub mod run;
 pub mod stage;
+pub mod template;
 pub mod zip;
 
 pub use pipeline::{
     BuildError, BuildOptions, GuestArtifacts, artifact_paths, built_or_ensure, ensure,
 };
+pub use template::{GuestBuild, TemplateOptions, TemplateSetupError, template};

@@ -34,7 +34,7 @@ use axum::serve::ListenerExt;
 
 pub use config::{Config, Limits};
 pub use error::ApiError;
-pub use startup::{ServeOptions, init_logging, run};
+pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.

@@ -12,7 +12,8 @@
 //!   normally (`read`, `identity`, `compile`, `run`).
 //! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
 //!   idle warm VMs, live clones, and the process's resident memory.
-//! - VM reuse: `bud_resets_total`, `bud_reset_seconds_total`, `bud_reset_restored_pages_total`
+//! - VM reuse: `bud_resets_total`, `bud_reset_seconds_total`, `bud_reset_restored_pages_total`,
+//!   `bud_reset_mapping_drops_total`
 //!   and `bud_vms_replaced_total{reason}` (`abnormal`: the job did not end at DONE;
 //!   `too_dirty`: too many private pages; `reset_failed`: the reset or its verification
 //!   failed).
@@ -119,6 +120,7 @@ pub struct Gauges {
     pub resets: u64,
     pub reset_time: Duration,
     pub restored_pages: u64,
+    pub mapping_drops: u64,
     pub replaced_abnormal: u64,
     pub replaced_too_dirty: u64,
     pub replaced_reset_failed: u64,
@@ -305,6 +307,11 @@ impl Metrics {
                 "bud_reset_restored_pages_total",
                 "Guest pages copied back from the template by resets.",
                 g.restored_pages.to_string(),
+            ),
+            (
+                "bud_reset_mapping_drops_total",
+                "Resets that made KVM drop its shadow page tables (a job changed a page table).",
+                g.mapping_drops.to_string(),
             ),
         ];
         for (name, help, v) in counters {

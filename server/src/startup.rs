@@ -6,32 +6,41 @@
 //! connections, in-flight jobs finish and are answered; a second signal exits at once.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
+use vmm::Executor;
 use vmm::devices::console::{ConsoleLine, EchoFn};
 use vmm::template::Origin;
-use vmm::{BootConfig, Executor, Template, TemplateSpec};
 
 use crate::config::Config;
 use crate::state::{AppState, StateError};
 
 /// Everything `bud serve` needs.
-#[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub listen: IpAddr,
     pub port: u16,
     pub config: Config,
-    /// bud's source tree (guest recipe, kernel config).
-    pub source_dir: PathBuf,
-    /// Guest build outputs and templates (`<build_dir>/templates`).
-    pub build_dir: PathBuf,
-    /// Guest RAM in bytes (part of the template's identity).
-    pub ram_size: u64,
+    /// Where the template comes from (the `bud` binary passes `bud_guest::template`).
+    pub template: TemplateSource,
+}
+
+/// Produces the template jobs run in. Called once, on a background thread, after the server
+/// listens (a first call may build the guest and boot the template: minutes).
+pub type TemplateSource =
+    Box<dyn FnOnce() -> Result<vmm::Template, Box<dyn std::error::Error + Send + Sync>> + Send>;
+
+impl std::fmt::Debug for ServeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeOptions")
+            .field("listen", &self.listen)
+            .field("port", &self.port)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why `bud serve` stopped with an error.
@@ -57,10 +66,8 @@ pub enum ServeError {
 /// Why the template could not be made ready.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
-    #[error("building the guest: {0}")]
-    Guest(Box<bud_guest::BuildError>),
-    #[error("preparing the template")]
-    Template(#[from] vmm::template::TemplateError),
+    #[error("preparing the template: {0}")]
+    Template(Box<dyn std::error::Error + Send + Sync>),
     #[error("starting the executor")]
     Executor(#[from] vmm::ExecError),
 }
@@ -76,35 +83,23 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// The built guest if present (like `bud run`, no rebuild check), else builds it.
-fn guest(opts: &ServeOptions) -> Result<(PathBuf, PathBuf), PrepareError> {
-    let mut build = bud_guest::BuildOptions::new(&opts.source_dir);
-    build.build_dir = opts.build_dir.clone();
-    bud_guest::built_or_ensure(
-        &build,
-        &mut |line: &str| info!(target: "bud::guest_build", "{line}"),
+/// A console echo for a template boot, into the log (target `bud::guest_console`).
+pub fn console_echo() -> EchoFn {
+    Box::new(
+        |line: &ConsoleLine| info!(target: "bud::guest_console", at_ms = line.at.as_millis() as u64, "{}", line.text),
     )
-    .map_err(|e| PrepareError::Guest(Box::new(e)))
 }
 
-/// Finds or builds the guest, loads or boots the template, starts the executor.
-pub fn prepare(opts: &ServeOptions) -> Result<Executor, PrepareError> {
+/// A guest build progress line, into the log (target `bud::guest_build`).
+pub fn log_build_line(line: &str) {
+    info!(target: "bud::guest_build", "{line}");
+}
+
+/// Gets the template from `source`, then starts the executor.
+pub fn prepare(source: TemplateSource, config: &Config) -> Result<Executor, PrepareError> {
     let started = Instant::now();
-    let (kernel, initramfs) = guest(opts)?;
-    let mut boot = BootConfig::new(kernel, initramfs);
-    boot.ram_size = opts.ram_size;
-    let spec = TemplateSpec {
-        boot,
-        root: opts.build_dir.join("templates"),
-    };
-    info!(
-        root = %spec.root.display(),
-        "loading the template (a first build boots the guest: about a minute)"
-    );
-    let echo: EchoFn = Box::new(
-        |line: &ConsoleLine| info!(target: "bud::guest_console", at_ms = line.at.as_millis() as u64, "{}", line.text),
-    );
-    let template = Template::load_or_build(&spec, Some(echo))?;
+    info!("loading the template (a first build boots the guest: about a minute)");
+    let template = source().map_err(PrepareError::Template)?;
     match template.origin() {
         Origin::Built {
             boot,
@@ -126,14 +121,14 @@ pub fn prepare(opts: &ServeOptions) -> Result<Executor, PrepareError> {
     let executor = Executor::new(
         template,
         vmm::ExecutorOptions {
-            pool_size: opts.config.pool_size,
-            reuse: opts.config.reuse,
-            verify: opts.config.verify_resets,
+            pool_size: config.pool_size,
+            reuse: config.reuse,
+            verify: config.verify_resets,
             ..vmm::ExecutorOptions::default()
         },
     )?;
     info!(
-        pool = opts.config.pool_size,
+        pool = config.pool_size,
         total_s = started.elapsed().as_secs_f64(),
         "ready for jobs"
     );
@@ -194,12 +189,13 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
 
         let (prep_done, prep_failed) = oneshot::channel::<()>();
         let prep_state = state.clone();
-        let prep_opts = opts.clone();
+        let prep_config = opts.config.clone();
+        let source = opts.template;
         let prep_error = failed.clone();
         // Detached: a signal during a long guest build must not wait for it.
         std::thread::Builder::new()
             .name("bud-template".into())
-            .spawn(move || match prepare(&prep_opts) {
+            .spawn(move || match prepare(source, &prep_config) {
                 Ok(e) => {
                     prep_state.set_executor(Arc::new(e));
                 }

@@ -136,6 +136,7 @@ impl AppState {
             resets: stats.map_or(0, |s| s.resets),
             reset_time: stats.map_or(Duration::ZERO, |s| s.reset_time),
             restored_pages: stats.map_or(0, |s| s.restored_pages),
+            mapping_drops: stats.map_or(0, |s| s.mapping_drops),
             replaced_abnormal: stats.map_or(0, |s| s.replaced_abnormal),
             replaced_too_dirty: stats.map_or(0, |s| s.replaced_too_dirty),
             replaced_reset_failed: stats.map_or(0, |s| s.replaced_reset_failed),

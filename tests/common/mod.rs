@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use bud_guest::{BuildOptions, GuestArtifacts};
-use vmm::{BootConfig, Executor, Template, TemplateSpec};
+use vmm::{BootConfig, Executor, Template};
 
 pub fn source_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -43,16 +43,25 @@ pub fn template_root() -> PathBuf {
     source_dir().join("build").join("templates")
 }
 
+/// The default template, the one way every caller gets it ([`bud_guest::template`]), with
+/// the guest brought up to date with its inputs first.
+pub fn template() -> Template {
+    require_kvm();
+    let mut opts = bud_guest::TemplateOptions::new(source_dir());
+    opts.guest = bud_guest::GuestBuild::Current;
+    bud_guest::template(
+        &opts,
+        &mut |line: &str| eprintln!("[guest build] {line}"),
+        None,
+    )
+    .expect("building the guest or its template failed")
+}
+
 /// One executor over the default template for this test binary, with a small pool.
 pub fn executor() -> &'static Executor {
     static EXEC: OnceLock<Executor> = OnceLock::new();
     EXEC.get_or_init(|| {
-        let spec = TemplateSpec {
-            boot: boot_config(),
-            root: template_root(),
-        };
-        let template = Template::load_or_build(&spec, None).expect("building the template failed");
-        Executor::new(template, vmm::ExecutorOptions::default())
+        Executor::new(template(), vmm::ExecutorOptions::default())
             .expect("starting the executor failed")
     })
 }

@@ -98,6 +98,7 @@ struct Counters {
     resets: AtomicU64,
     reset_nanos: AtomicU64,
     restored_pages: AtomicU64,
+    mapping_drops: AtomicU64,
     replaced_abnormal: AtomicU64,
     replaced_too_dirty: AtomicU64,
     replaced_reset_failed: AtomicU64,
@@ -176,6 +177,8 @@ pub struct ExecutorStats {
     pub resets: u64,
     pub reset_time: Duration,
     pub restored_pages: u64,
+    /// Resets that made KVM drop its mappings (a job changed a page table, shadow paging).
+    pub mapping_drops: u64,
     /// VMs replaced instead of reused, by reason.
     pub replaced_abnormal: u64,
     pub replaced_too_dirty: u64,
@@ -257,6 +260,7 @@ impl Executor {
             resets: c.resets.load(Ordering::Relaxed),
             reset_time: Duration::from_nanos(c.reset_nanos.load(Ordering::Relaxed)),
             restored_pages: c.restored_pages.load(Ordering::Relaxed),
+            mapping_drops: c.mapping_drops.load(Ordering::Relaxed),
             replaced_abnormal: c.replaced_abnormal.load(Ordering::Relaxed),
             replaced_too_dirty: c.replaced_too_dirty.load(Ordering::Relaxed),
             replaced_reset_failed: c.replaced_reset_failed.load(Ordering::Relaxed),
@@ -400,6 +404,8 @@ impl Executor {
                     .fetch_add(stats.time.as_nanos() as u64, Ordering::Relaxed);
                 c.restored_pages
                     .fetch_add(stats.restored_pages, Ordering::Relaxed);
+                c.mapping_drops
+                    .fetch_add(u64::from(stats.forgot_mappings), Ordering::Relaxed);
                 Ok(stats.private_pages)
             }
             Err(e) => {

@@ -1,13 +1,7 @@
 //! A clone's own identity, written by the host into the stopped guest: its wall clock and its
 //! kernel CRNG. No guest-kernel work: on kvm_pvm `clock_settime()` and the RNDADDENTROPY +
-//! RNDRESEEDCRNG ioctls cost milliseconds of emulated kernel time per job.
-//!
-//! bud's guest kernel carries two read-only structs (patch
-//! `guest/kernel/patches/0006-bud-host-layout.patch`), `bud_time_layout` and
-//! `bud_random_layout`: the addresses of the timekeeping and CRNG state and the offsets of the
-//! fields, as the compiler laid them out. [`KernelLayout::from_vmlinux`] reads them from the
-//! kernel's ELF file (symbol table, then the bytes of the segment holding them) and checks
-//! magic, version and sizes; a kernel without them cannot make a template.
+//! RNDRESEEDCRNG ioctls cost milliseconds of emulated kernel time per job. Where to write
+//! comes from the guest kernel itself ([`crate::kernel_layout`]).
 //!
 //! - **Clock.** Every clone resumes with its template's kvm-clock (see
 //!   [`crate::snapshot::set_clock`]), so its guest believes no time passed since READY. Its
@@ -24,307 +18,20 @@
 //!
 //! This module must never write guest memory outside the fields the layouts name.
 
-use std::path::Path;
-
-use object::read::elf::{ElfFile64, ProgramHeader};
-use object::{Endianness, Object, ObjectSymbol};
-
+use crate::kernel_layout::{RandomLayout, TimeLayout};
 use crate::memory::{GuestRam, MemoryError};
 
-/// `"BUDT"`: magic of `bud_time_layout`.
-const TIME_MAGIC: u32 = 0x5444_5542;
-/// `"BUDR"`: magic of `bud_random_layout`.
-const RANDOM_MAGIC: u32 = 0x5244_5542;
-/// The layout versions this VMM reads.
-const TIME_VERSION: u32 = 1;
-const RANDOM_VERSION: u32 = 1;
-/// Sizes of the two structs (C layout of the patch).
-const TIME_LAYOUT_SIZE: usize = 120;
-const RANDOM_LAYOUT_SIZE: usize = 80;
 const NSEC_PER_SEC: i128 = 1_000_000_000;
 
-/// Errors of finding the layouts or writing through them.
+/// Errors of writing a clone's identity.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
-    #[error("cannot read the guest kernel {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("the guest kernel is not an ELF file bud can read: {0}")]
-    Elf(#[from] object::Error),
-    #[error(
-        "the guest kernel has no symbol {0}: it was built without bud's patch 0006-bud-host-layout"
-    )]
-    MissingSymbol(&'static str),
-    #[error("symbol {name} is {found} bytes, this VMM reads {expected}")]
-    SymbolSize {
-        name: &'static str,
-        found: u64,
-        expected: usize,
-    },
-    #[error("symbol {0} lies outside the kernel's loaded segments")]
-    NotLoaded(&'static str),
-    #[error("{name}: bad magic {magic:#x} or version {version} (this VMM reads version {want})")]
-    Version {
-        name: &'static str,
-        magic: u32,
-        version: u32,
-        want: u32,
-    },
-    #[error("{0}: a field lies outside the struct it describes, or sizes are not what bud writes")]
-    BadLayout(&'static str),
-    #[error("kernel address {0:#x} is outside the kernel's loaded segments")]
-    Address(u64),
     #[error("cannot read host randomness: {0}")]
     Entropy(std::io::Error),
+    #[error("the guest's timekeeper shift {0} is not below 64")]
+    BadShift(u32),
     #[error("guest memory: {0}")]
     Memory(#[from] MemoryError),
-}
-
-/// Where the guest kernel keeps its timekeeping state (guest-physical addresses, byte
-/// offsets). Read from `bud_time_layout`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TimeLayout {
-    /// `tk_core.timekeeper` and `shadow_timekeeper`: both get the same change.
-    pub timekeepers: [u64; 2],
-    pub timekeeper_seq: u64,
-    /// `tk_fast_mono`.
-    pub fast_mono: u64,
-    /// `_vdso_data[CS_HRES_COARSE]`.
-    pub vdso_data: u64,
-    pub xtime_sec: u64,
-    pub xtime_nsec: u64,
-    pub shift: u64,
-    pub base_real: u64,
-    pub wall_to_monotonic: u64,
-    pub offs_real: u64,
-    pub offs_tai: u64,
-    pub clock_was_set_seq: u64,
-    pub fast_base: u64,
-    pub read_base_size: u64,
-    pub read_base_base_real: u64,
-    pub vdso_seq: u64,
-    pub vdso_basetime: u64,
-    pub vdso_timestamp_size: u64,
-    pub clock_realtime: u64,
-    pub clock_realtime_coarse: u64,
-    pub clock_tai: u64,
-}
-
-/// Where the guest kernel keeps its CRNG state (guest-physical addresses). Read from
-/// `bud_random_layout`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RandomLayout {
-    /// `base_crng.key`, the CPU's `crngs.key`, `input_pool.hash.h`, with their sizes.
-    pub keys: [(u64, u64); 3],
-    /// `batched_entropy_{u8,u16,u32,u64}.entropy`.
-    pub batches: [u64; 4],
-    pub batch_size: u64,
-}
-
-/// Both layouts of one guest kernel.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct KernelLayout {
-    pub time: TimeLayout,
-    pub random: RandomLayout,
-}
-
-/// The kernel's loaded segments: virtual address, physical address, file bytes, memory size.
-struct Segments<'a> {
-    list: Vec<(u64, u64, &'a [u8], u64)>,
-}
-
-impl Segments<'_> {
-    fn phys(&self, vaddr: u64, len: u64) -> Option<u64> {
-        self.list.iter().find_map(|&(va, pa, _, size)| {
-            let end = vaddr.checked_add(len)?;
-            (vaddr >= va && end <= va + size).then(|| pa + (vaddr - va))
-        })
-    }
-
-    fn bytes(&self, vaddr: u64, len: usize) -> Option<&[u8]> {
-        self.list.iter().find_map(|&(va, _, data, _)| {
-            let off = usize::try_from(vaddr.checked_sub(va)?).ok()?;
-            data.get(off..off.checked_add(len)?)
-        })
-    }
-}
-
-/// Little-endian field reader over a struct's bytes.
-struct Fields<'a>(&'a [u8]);
-
-impl Fields<'_> {
-    fn u32(&self, at: usize) -> u64 {
-        u64::from(u32::from_le_bytes(
-            self.0[at..at + 4].try_into().unwrap_or([0; 4]),
-        ))
-    }
-    fn u64(&self, at: usize) -> u64 {
-        u64::from_le_bytes(self.0[at..at + 8].try_into().unwrap_or([0; 8]))
-    }
-}
-
-impl KernelLayout {
-    /// Reads and checks both layouts from the guest kernel's ELF file.
-    pub fn from_vmlinux(path: &Path) -> Result<Self, IdentityError> {
-        let data = std::fs::read(path).map_err(|source| IdentityError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_elf(&data)
-    }
-
-    /// Like [`KernelLayout::from_vmlinux`], from the file's bytes.
-    pub fn from_elf(data: &[u8]) -> Result<Self, IdentityError> {
-        let elf = ElfFile64::<Endianness>::parse(data)?;
-        let endian = elf.endian();
-        let mut list = Vec::new();
-        for ph in elf.elf_program_headers() {
-            if ph.p_type(endian) != object::elf::PT_LOAD {
-                continue;
-            }
-            let (offset, filesz) = (ph.p_offset(endian), ph.p_filesz(endian));
-            let bytes = usize::try_from(offset)
-                .ok()
-                .zip(usize::try_from(offset.saturating_add(filesz)).ok())
-                .and_then(|(a, b)| data.get(a..b))
-                .ok_or(IdentityError::BadLayout("program headers"))?;
-            list.push((
-                ph.p_vaddr(endian),
-                ph.p_paddr(endian),
-                bytes,
-                ph.p_memsz(endian),
-            ));
-        }
-        let segments = Segments { list };
-        let symbol = |name: &'static str, size: usize| -> Result<&[u8], IdentityError> {
-            let sym = elf
-                .symbols()
-                .find(|s| s.name() == Ok(name))
-                .ok_or(IdentityError::MissingSymbol(name))?;
-            if sym.size() != size as u64 {
-                return Err(IdentityError::SymbolSize {
-                    name,
-                    found: sym.size(),
-                    expected: size,
-                });
-            }
-            segments
-                .bytes(sym.address(), size)
-                .ok_or(IdentityError::NotLoaded(name))
-        };
-        let time = parse_time(
-            &Fields(symbol("bud_time_layout", TIME_LAYOUT_SIZE)?),
-            &segments,
-        )?;
-        let random = parse_random(
-            &Fields(symbol("bud_random_layout", RANDOM_LAYOUT_SIZE)?),
-            &segments,
-        )?;
-        Ok(Self { time, random })
-    }
-}
-
-fn check_header(
-    f: &Fields,
-    name: &'static str,
-    magic: u32,
-    version: u32,
-) -> Result<(), IdentityError> {
-    let (m, v) = (f.u32(0) as u32, f.u32(4) as u32);
-    if m != magic || v != version {
-        return Err(IdentityError::Version {
-            name,
-            magic: m,
-            version: v,
-            want: version,
-        });
-    }
-    Ok(())
-}
-
-fn parse_time(f: &Fields, seg: &Segments) -> Result<TimeLayout, IdentityError> {
-    const NAME: &str = "bud_time_layout";
-    check_header(f, NAME, TIME_MAGIC, TIME_VERSION)?;
-    let tk_size = f.u32(48);
-    let phys = |vaddr: u64, len: u64| seg.phys(vaddr, len).ok_or(IdentityError::Address(vaddr));
-    let t = TimeLayout {
-        timekeepers: [phys(f.u64(8), tk_size)?, phys(f.u64(24), tk_size)?],
-        timekeeper_seq: phys(f.u64(16), 4)?,
-        fast_mono: phys(f.u64(32), 8)?,
-        vdso_data: phys(f.u64(40), 8)?,
-        xtime_sec: f.u32(52),
-        xtime_nsec: f.u32(56),
-        shift: f.u32(60),
-        base_real: f.u32(64),
-        wall_to_monotonic: f.u32(68),
-        offs_real: f.u32(72),
-        offs_tai: f.u32(76),
-        clock_was_set_seq: f.u32(80),
-        fast_base: f.u32(84),
-        read_base_size: f.u32(88),
-        read_base_base_real: f.u32(92),
-        vdso_seq: f.u32(96),
-        vdso_basetime: f.u32(100),
-        vdso_timestamp_size: f.u32(104),
-        clock_realtime: f.u32(108),
-        clock_realtime_coarse: f.u32(112),
-        clock_tai: f.u32(116),
-    };
-    let fields_fit = [
-        (t.xtime_sec, 8),
-        (t.xtime_nsec, 8),
-        (t.shift, 4),
-        (t.base_real, 8),
-        (t.wall_to_monotonic, 16),
-        (t.offs_real, 8),
-        (t.offs_tai, 8),
-        (t.clock_was_set_seq, 4),
-    ]
-    .iter()
-    .all(|&(off, len)| off + len <= tk_size);
-    let last_clock = t
-        .clock_realtime
-        .max(t.clock_realtime_coarse)
-        .max(t.clock_tai);
-    let vdso_end = t.vdso_basetime + (last_clock + 1) * t.vdso_timestamp_size;
-    if !fields_fit
-        || t.read_base_base_real + 8 > t.read_base_size
-        || t.vdso_timestamp_size != 16
-        || last_clock > 16
-        || seg
-            .phys(f.u64(32), t.fast_base + 2 * t.read_base_size)
-            .is_none()
-        || seg.phys(f.u64(40), vdso_end).is_none()
-    {
-        return Err(IdentityError::BadLayout(NAME));
-    }
-    Ok(t)
-}
-
-fn parse_random(f: &Fields, seg: &Segments) -> Result<RandomLayout, IdentityError> {
-    const NAME: &str = "bud_random_layout";
-    check_header(f, NAME, RANDOM_MAGIC, RANDOM_VERSION)?;
-    let (key_size, pool_size, batch_size) = (f.u32(64), f.u32(68), f.u32(72));
-    if key_size != 32 || pool_size != 32 || batch_size == 0 || batch_size > 4096 {
-        return Err(IdentityError::BadLayout(NAME));
-    }
-    let phys = |vaddr: u64, len: u64| seg.phys(vaddr, len).ok_or(IdentityError::Address(vaddr));
-    Ok(RandomLayout {
-        keys: [
-            (phys(f.u64(8), key_size)?, key_size),
-            (phys(f.u64(16), key_size)?, key_size),
-            (phys(f.u64(24), pool_size)?, pool_size),
-        ],
-        batches: [
-            phys(f.u64(32), batch_size)?,
-            phys(f.u64(40), batch_size)?,
-            phys(f.u64(48), batch_size)?,
-            phys(f.u64(56), batch_size)?,
-        ],
-        batch_size,
-    })
 }
 
 /// Fills `buf` from the host's CRNG (`getrandom`).
@@ -397,7 +104,7 @@ pub fn set_realtime(ram: &GuestRam, t: &TimeLayout, delta_ns: i128) -> Result<()
         ram.read(tk + t.shift, &mut b)?;
         let shift = u32::from_le_bytes(b);
         if shift >= 64 {
-            return Err(IdentityError::BadLayout("timekeeper shift"));
+            return Err(IdentityError::BadShift(shift));
         }
         shift_bits = shift;
         let (sec, nsec) = shift_timestamp(
@@ -537,17 +244,5 @@ mod tests {
         assert_ne!(a, [0; 32]);
         assert_ne!(a, b);
         assert_ne!(batch, [0; 96]);
-    }
-
-    #[test]
-    fn a_kernel_without_the_layouts_is_refused_by_name() {
-        let this = std::fs::read(std::env::current_exe().unwrap()).unwrap();
-
-        let err = KernelLayout::from_elf(&this).unwrap_err();
-
-        assert!(
-            matches!(err, IdentityError::MissingSymbol("bud_time_layout")),
-            "{err}"
-        );
     }
 }

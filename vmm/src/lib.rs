@@ -27,6 +27,7 @@ pub mod executor;
 pub mod host;
 pub mod identity;
 pub mod job;
+pub mod kernel_layout;
 pub mod layout;
 pub mod mailbox;
 pub mod memory;

@@ -15,13 +15,30 @@
 //! - **What KVM derived from guest memory.** Under shadow paging (kvm_pvm; hardware without
 //!   EPT/NPT, see [`HostKind::shadow_paging`](crate::HostKind::shadow_paging)) KVM keeps
 //!   shadow page tables built from the guest's page tables, kept in sync by write-protecting
-//!   guest page-table pages, and sets accessed/dirty bits in guest page tables itself. Host
-//!   writes bypass that, so a restored page-table page would leave a stale translation (and
-//!   accessed/dirty bits the guest would never see set again). The RAM slot is deleted and
-//!   re-added ([`Machine::forget_mappings`]): KVM drops every shadow page and mapping, and
-//!   the guest refaults what it touches. With EPT/NPT the guest's page tables are only ever
-//!   read by the CPU from guest memory, KVM maps guest-physical pages that a reset keeps in
-//!   place, and nothing is stale: the step is skipped.
+//!   the guest pages it shadows (or, for unsync leaf tables, re-read at the guest's next TLB
+//!   flush), and it sets accessed/dirty bits in guest page tables itself. A host write
+//!   bypasses all of that. So if any restored page is one of the template's page-table pages
+//!   (every table reachable from `init_top_pgt` and from every mm's PGD on the kernel's
+//!   `pgd_list`, listed once per template, see [`crate::paging::all_table_pages`]), the RAM
+//!   slot is deleted and re-added ([`Machine::forget_mappings`]): KVM drops every shadow page
+//!   and mapping, and the next job refaults what it touches (about 16 ms of a trivial job on
+//!   kvm_pvm). Otherwise KVM's mappings are kept, and this is why that is exact:
+//!   1. Every shadow page reachable from a page table the template uses shadows one of the
+//!      template's page-table pages (by induction from the roots: a link in a shadow page
+//!      mirrors an entry of the guest table it shadows, and none of those changed), whose
+//!      bytes the job left as the template has them; a synced shadow of it saw every guest
+//!      write (write protection), and an unsync one is re-read from guest memory.
+//!   2. Any other shadow page (tables of processes the job started, tables it freed) is
+//!      unreachable from the template's tables. It can only become reachable when the guest
+//!      makes its page a page table again, and Linux allocates page tables zeroed
+//!      (`GFP_PGTABLE_*` has `__GFP_ZERO`): those writes go through KVM's write tracking,
+//!      which zaps the stale entries (or the page, if unsync, is re-read when KVM finds it).
+//!   3. Leaf mappings of data pages stay valid: a reset copies into the same host pages.
+//!   4. Accessed/dirty bits KVM set in a template page table change that page: it is then
+//!      restored, and the mappings are dropped.
+//!
+//!   With EPT/NPT the guest's page tables are only read by the CPU from guest memory, and
+//!   nothing is derived from their contents: the step is never needed.
 //! - **vCPU and VM state**, restored before the memory (restoring the kvm-clock MSRs makes
 //!   KVM write its wall-clock struct into guest memory at once). First the instruction
 //!   behind the job's last exit is completed ([`snapshot::complete_pending_io`]), so no
@@ -93,8 +110,12 @@ pub fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
     let private = m.ram.private_pages().map_err(ResetError::Pagemap)?;
     let differ = m.ram.differing_in(t.pristine(), &private)?;
     let restored_pages = m.ram.copy_pages_from(t.pristine(), &differ)?;
-    // Under shadow paging, drop KVM's mappings (module docs).
-    let forgot_mappings = t.state().host_kind.shadow_paging();
+    // Under shadow paging, drop KVM's mappings if the job changed a page table (module docs).
+    let changed_tables = match t.page_tables() {
+        Some(tables) => differ.iter().zip(tables).any(|(d, t)| d & t != 0),
+        None => true,
+    };
+    let forgot_mappings = changed_tables && t.state().host_kind.shadow_paging();
     if forgot_mappings {
         m.forget_mappings()?;
     }

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use vm_superio::serial::SerialState;
 
 use crate::host::HostKind;
-use crate::identity::KernelLayout;
+use crate::kernel_layout::KernelLayout;
 use crate::mailbox::Mailbox;
 
 /// First bytes of a snapshot state file.

@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use crate::boot::{self, BootConfig, BootError, BootTimings};
 use crate::devices::console::{ConsoleLog, EchoFn};
 use crate::host::HostKind;
-use crate::identity::KernelLayout;
+use crate::kernel_layout::KernelLayout;
 use crate::memory::{GuestRam, MemoryError};
 use crate::protocol::{PROTOCOL_VERSION, header};
 use crate::snapshot::{self, SNAPSHOT_FORMAT_VERSION, SnapshotError, SnapshotState};
@@ -68,9 +68,11 @@ pub enum TemplateError {
     #[error("clone VM: {0}")]
     Vm(#[from] VmError),
     #[error("guest kernel layout: {0}")]
-    Kernel(#[from] crate::identity::IdentityError),
+    Kernel(#[from] crate::kernel_layout::LayoutError),
     #[error("reading the READY wall clock from the mailbox: {0}")]
     Mailbox(#[from] crate::mailbox::MailboxError),
+    #[error("listing the template's page tables: {0}")]
+    Paging(#[from] crate::paging::PagingError),
 }
 
 /// Where a template is made or found.
@@ -102,6 +104,10 @@ pub struct Template {
     memory: File,
     /// The memory file mapped read-only: what a reset restores pages from.
     pristine: GuestRam,
+    /// Every page-table page of the template, as a bitmap (None: the kernel does not say
+    /// where they are). A reset under shadow paging drops KVM's mappings only when a job
+    /// changed one of these pages (see [`crate::reset`]).
+    page_tables: Option<Vec<u64>>,
     origin: Origin,
 }
 
@@ -259,9 +265,11 @@ impl Template {
         drop(ready);
 
         let memory = open_memory(dir)?;
+        let pristine = GuestRam::pristine(&memory, state.ram_size)?;
         Ok(Self {
             dir: dir.to_path_buf(),
-            pristine: GuestRam::pristine(&memory, state.ram_size)?,
+            page_tables: page_tables(&pristine, &state)?,
+            pristine,
             state,
             memory,
             origin: Origin::Built {
@@ -289,9 +297,11 @@ impl Template {
             });
         }
         let memory = open_memory(dir)?;
+        let pristine = GuestRam::pristine(&memory, state.ram_size)?;
         Ok(Self {
             dir: dir.to_path_buf(),
-            pristine: GuestRam::pristine(&memory, state.ram_size)?,
+            page_tables: page_tables(&pristine, &state)?,
+            pristine,
             state,
             memory,
             origin: Origin::Loaded {
@@ -313,6 +323,12 @@ impl Template {
     /// The template's memory, mapped read-only.
     pub fn pristine(&self) -> &GuestRam {
         &self.pristine
+    }
+
+    /// Every page-table page of the template, as a bitmap over guest pages (None when the
+    /// guest kernel does not publish where they are).
+    pub fn page_tables(&self) -> Option<&[u64]> {
+        self.page_tables.as_deref()
     }
 
     /// How this template was obtained.
@@ -339,6 +355,21 @@ impl Template {
         )?;
         Ok(machine)
     }
+}
+
+/// The template's page-table pages: those reachable from the kernel's PGD, every mm's PGD
+/// and the worker's CR3, read from the template's own (trusted) memory.
+fn page_tables(ram: &GuestRam, s: &SnapshotState) -> Result<Option<Vec<u64>>, TemplateError> {
+    let Some(mm) = &s.kernel.mm else {
+        return Ok(None);
+    };
+    let sregs = &s.machine.sregs;
+    Ok(Some(crate::paging::all_table_pages(
+        ram,
+        mm,
+        sregs.cr4,
+        &[sregs.cr3],
+    )?))
 }
 
 /// Removes all but the `keep` most recent template directories under `root` (never `current`).

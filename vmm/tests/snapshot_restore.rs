@@ -151,7 +151,7 @@ fn state_file_round_trips_and_rejects_other_versions() {
         ram_size: RAM_SIZE,
         machine: machine_state,
         mailbox,
-        kernel: vmm::identity::KernelLayout::default(),
+        kernel: vmm::kernel_layout::KernelLayout::default(),
         ready_wall_ns: 1_795_000_000_123_456_789,
     };
 

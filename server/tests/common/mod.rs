@@ -14,7 +14,7 @@ use std::time::Duration;
 use bud_server::{AppState, Config, Limits};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
-use vmm::{BootConfig, Executor, Template, TemplateSpec};
+use vmm::Executor;
 
 pub fn repo_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -35,14 +35,14 @@ pub fn executor() -> Arc<Executor> {
     static EXEC: OnceLock<Arc<Executor>> = OnceLock::new();
     EXEC.get_or_init(|| {
         require_kvm();
-        let opts = bud_guest::BuildOptions::new(repo_dir());
-        let g = bud_guest::ensure(&opts, &mut |line: &str| eprintln!("[guest build] {line}"))
-            .expect("building the guest (kernel + image) failed");
-        let spec = TemplateSpec {
-            boot: BootConfig::new(&g.kernel, &g.initramfs),
-            root: repo_dir().join("build").join("templates"),
-        };
-        let template = Template::load_or_build(&spec, None).expect("building the template failed");
+        let mut opts = bud_guest::TemplateOptions::new(repo_dir());
+        opts.guest = bud_guest::GuestBuild::Current;
+        let template = bud_guest::template(
+            &opts,
+            &mut |line: &str| eprintln!("[guest build] {line}"),
+            None,
+        )
+        .expect("building the guest or its template failed");
         Arc::new(
             Executor::new(template, vmm::ExecutorOptions::default())
                 .expect("starting the executor failed"),
