@@ -13,7 +13,9 @@
 //!   reset and verified too before it is thrown away, so every kind of job proves the reset.
 //!   Failures are kept for [`Executor::take_reset_errors`].
 //! - The **pool** keeps up to `pool_size` VMs (fresh clones, plus idle warm VMs) ready, filled
-//!   by one background thread, so a job usually starts on a VM that already exists.
+//!   by one background thread, so a job usually starts on a VM that already exists. With
+//!   [`Reuse::Warm`] the filler runs an empty job on each new clone and resets it before
+//!   pooling it, so even the first job on a VM finds its mappings in place.
 //! - The **reaper** thread closes discarded VMs: closing a VM with an in-kernel irqchip takes
 //!   milliseconds of wall time, which a job's caller should not wait for.
 //!
@@ -135,6 +137,54 @@ impl Shared {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Resets `m` (and verifies it when asked); returns the private pages it holds. Errors
+    /// are kept for [`Executor::take_reset_errors`].
+    fn reset(&self, m: &mut Machine) -> Result<u64, ResetError> {
+        let t = &self.template;
+        let c = &self.counters;
+        let done = reset::reset(m, t).and_then(|stats| {
+            if self.opts.verify {
+                reset::verify(m, t)?;
+            }
+            Ok(stats)
+        });
+        match done {
+            Ok(stats) => {
+                c.resets.fetch_add(1, Ordering::Relaxed);
+                c.reset_nanos
+                    .fetch_add(stats.time.as_nanos() as u64, Ordering::Relaxed);
+                c.restored_pages
+                    .fetch_add(stats.restored_pages, Ordering::Relaxed);
+                c.mapping_drops
+                    .fetch_add(u64::from(stats.forgot_mappings), Ordering::Relaxed);
+                Ok(stats.private_pages)
+            }
+            Err(e) => {
+                self.reset_errors
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs an empty job on a new clone and resets it: the clone's first job pays for
+    /// faulting in everything a job touches (tens of milliseconds under kvm_pvm's shadow
+    /// paging); this pays it before any caller waits. None if anything went wrong (then the
+    /// clone is closed).
+    fn warm_up(&self, mut m: Machine) -> Option<Machine> {
+        let warm_up = Job::python("");
+        let ran = job::run(&mut m, self.template.state(), &warm_up, &mut |_, _| {});
+        let ok = matches!(ran, Ok((_, Ending::Done))) && self.reset(&mut m).is_ok();
+        if ok {
+            return Some(m);
+        }
+        drop(m);
+        self.counters.live.fetch_sub(1, Ordering::Relaxed);
+        None
+    }
+
     fn fill(&self) {
         let mut idle = self.idle();
         while !self.stopping.load(Ordering::SeqCst) {
@@ -147,8 +197,14 @@ impl Shared {
             }
             drop(idle);
             let made = self.new_clone();
+            let made = match (made, self.opts.reuse) {
+                (Ok(m), Reuse::Warm) => self.warm_up(m).ok_or(()),
+                (Ok(m), Reuse::Fresh) => Ok(m),
+                (Err(_), _) => Err(()),
+            };
             idle = self.idle();
             match made {
+                Ok(m) if self.opts.reuse == Reuse::Warm => idle.warm.push(m),
                 Ok(m) => idle.fresh.push_back(m),
                 // The inline path reports errors to callers; here, back off and retry.
                 Err(_) => {
@@ -359,7 +415,7 @@ impl Executor {
         if opts.reuse == Reuse::Fresh && !opts.verify {
             return self.discard(m);
         }
-        let outcome = self.reset(&mut m);
+        let outcome = self.shared.reset(&mut m);
         let verdict = match (&outcome, ending) {
             (Err(_), _) => Some(Replaced::ResetFailed),
             (Ok(_), Ending::Abnormal) => Some(Replaced::Abnormal),
@@ -384,39 +440,6 @@ impl Executor {
         }
         self.discard(m);
         self.shared.wake_filler.notify_one();
-    }
-
-    /// Resets `m` (and verifies it when asked); returns the private pages it holds. Errors
-    /// are kept for [`Executor::take_reset_errors`].
-    fn reset(&self, m: &mut Machine) -> Result<u64, ResetError> {
-        let t = &self.shared.template;
-        let c = &self.shared.counters;
-        let done = reset::reset(m, t).and_then(|stats| {
-            if self.shared.opts.verify {
-                reset::verify(m, t)?;
-            }
-            Ok(stats)
-        });
-        match done {
-            Ok(stats) => {
-                c.resets.fetch_add(1, Ordering::Relaxed);
-                c.reset_nanos
-                    .fetch_add(stats.time.as_nanos() as u64, Ordering::Relaxed);
-                c.restored_pages
-                    .fetch_add(stats.restored_pages, Ordering::Relaxed);
-                c.mapping_drops
-                    .fetch_add(u64::from(stats.forgot_mappings), Ordering::Relaxed);
-                Ok(stats.private_pages)
-            }
-            Err(e) => {
-                self.shared
-                    .reset_errors
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(e.to_string());
-                Err(e)
-            }
-        }
     }
 }
 
