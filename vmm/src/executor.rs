@@ -2,7 +2,7 @@
 //! fresh clones in front, a reaper behind.
 //!
 //! - **Warm VMs** ([`Reuse::Warm`], the default): after a job that ended at DONE, its VM is
-//!   [`reset`](crate::reset) to the template's READY state and kept for the next job, whose
+//!   [`reset`](crate::reset::reset) to the template's READY state and kept for the next job, whose
 //!   pages are then already private and mapped. The idle warm VMs form a stack (the most
 //!   recently used first). A VM whose job ended any other way (timeout, output cap, a dead
 //!   worker, a crash), whose reset or verification failed, or that holds more than

@@ -11,8 +11,11 @@
 //! - [`mod@boot`]: boot protocol, MP table, entry state, boot to READY; [`devices`]: serial
 //!   console, i8042, doorbell; [`vcpu`]: the run loop and kicks; [`vm`]: VM setup.
 //! - [`snapshot`]: capture and restore of CPU and device state; [`template`]: templates on
-//!   disk and clones of them; [`job`]: one job in one clone; [`timer`]: job deadlines;
-//!   [`executor`]: clone pool, reaper, and running jobs from many threads.
+//!   disk and clones of them; [`reset`]: returning a VM that ran a job to its template's
+//!   exact state; [`job`]: one job in one VM; [`timer`]: job deadlines; [`executor`]: warm
+//!   VMs, clone pool, reaper, and running jobs from many threads.
+//! - [`kernel_layout`]: where the guest kernel keeps its clock, CRNG and page tables (read
+//!   from `vmlinux`); [`identity`]: each job's wall clock and CRNG, written by the host.
 //!
 //! This crate never starts an async runtime and never logs from the vCPU loop; the binaries
 //! on top of it do that.

@@ -174,7 +174,7 @@ const APIC_TMCCT: usize = 0x390;
 
 /// Every difference between two captured states, by field. Exact, except the values that
 /// move with time: the TSC, the LAPIC timer's current count, the PIT channels' load times
-/// and the kvm-clock, which must be within [`TIME_SLACK`] of the template's. CPUID is not
+/// and the kvm-clock, which must be within 2 s of the template's. CPUID is not
 /// compared (a reset leaves it; KVM refuses to change it).
 pub fn differences(want: &MachineState, got: &MachineState) -> Vec<String> {
     let mut d = Vec::new();
