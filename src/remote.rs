@@ -94,6 +94,11 @@ pub fn run(url: &str, job: &Job) -> anyhow::Result<JobResult> {
                 compile: Duration::from_secs_f64(g.compile_ms / 1e3),
                 run: Duration::from_secs_f64(g.run_ms / 1e3),
             }),
+            kvm: vmm::kvm_stats::VcpuCounters {
+                exits: r.timings.kvm.exits,
+                emulated_instructions: r.timings.kvm.emulated_instructions,
+                page_faults: r.timings.kvm.page_faults,
+            },
         },
     })
 }

@@ -391,3 +391,22 @@ fn jobs_on_one_warm_vm_get_distinct_randomness() {
     }
     assert_eq!(stats.live, 1, "all 50 jobs ran on one warm VM: {stats:?}");
 }
+
+#[test]
+fn kvm_counts_what_a_job_costs_and_a_warm_vm_takes_fewer_faults() {
+    let exec = executor(Reuse::Warm, false);
+    let job = Job::python("print(1 + 1)");
+
+    let cold = exec.run(&job).expect("run");
+    let warm = exec.run(&job).expect("run");
+
+    let (c, w) = (cold.timings.kvm, warm.timings.kvm);
+    assert!(
+        c.exits.is_some() && c.emulated_instructions.is_some() && c.page_faults.is_some(),
+        "this host's KVM keeps per-vCPU statistics (KVM_GET_STATS_FD): {c:?}"
+    );
+    assert!(
+        w.page_faults < c.page_faults,
+        "a warm VM keeps its mappings: cold {c:?}, warm {w:?}"
+    );
+}

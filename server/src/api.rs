@@ -63,6 +63,20 @@ pub struct Timings {
     /// The guest's own account of `run_ms`, when the job ended normally.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<GuestTimings>,
+    /// KVM's counters over the job, where this host's KVM keeps them.
+    #[serde(default)]
+    pub kvm: KvmCounters,
+}
+
+/// KVM's own counters of the job's vCPU during the job (null where KVM has no such count).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct KvmCounters {
+    /// Exits from the guest to KVM (most never reach bud).
+    pub exits: Option<u64>,
+    /// Guest instructions KVM emulated (under kvm_pvm: every guest-kernel instruction).
+    pub emulated_instructions: Option<u64>,
+    /// Page faults KVM took for the guest.
+    pub page_faults: Option<u64>,
 }
 
 /// The guest worker's phases of a job, in milliseconds of its own clock.
@@ -169,6 +183,11 @@ impl ExecResponse {
                     compile_ms: ms(g.compile),
                     run_ms: ms(g.run),
                 }),
+                kvm: KvmCounters {
+                    exits: r.timings.kvm.exits,
+                    emulated_instructions: r.timings.kvm.emulated_instructions,
+                    page_faults: r.timings.kvm.page_faults,
+                },
             },
         }
     }

@@ -8,6 +8,8 @@
 //! - `bud_http_responses_total{code}`: responses by HTTP status code.
 //! - `bud_job_{queue,clone,run,total}_seconds`: histograms.
 //! - `bud_job_exits_total`: exits from guests to the VMM during jobs;
+//!   `bud_kvm_{exits,emulated_instructions,page_faults}_total`: KVM's own counters of the
+//!   jobs' vCPUs (where KVM keeps them);
 //!   `bud_job_guest_seconds_total{phase}`: the guests' own account of jobs that ended
 //!   normally (`read`, `identity`, `compile`, `run`).
 //! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
@@ -98,6 +100,8 @@ pub struct Metrics {
     run: Histogram,
     total: Histogram,
     exits: AtomicU64,
+    /// KVM's counters: exits, emulated instructions, page faults.
+    kvm: [AtomicU64; 3],
     /// Nanoseconds of guest phases: read, identity, compile, run.
     guest_ns: [AtomicU64; 4],
 }
@@ -137,6 +141,14 @@ impl Metrics {
         self.run.observe(t.run);
         self.total.observe(t.total);
         self.exits.fetch_add(t.exits, Ordering::Relaxed);
+        let k = t.kvm;
+        for (slot, v) in self
+            .kvm
+            .iter()
+            .zip([k.exits, k.emulated_instructions, k.page_faults])
+        {
+            slot.fetch_add(v.unwrap_or(0), Ordering::Relaxed);
+        }
         if let Some(g) = t.guest {
             for (slot, d) in self
                 .guest_ns
@@ -191,6 +203,29 @@ impl Metrics {
             "bud_job_exits_total {}",
             self.exits.load(Ordering::Relaxed)
         );
+        for ((name, help), v) in [
+            (
+                "bud_kvm_exits_total",
+                "Exits to KVM during jobs (KVM's count).",
+            ),
+            (
+                "bud_kvm_emulated_instructions_total",
+                "Guest instructions KVM emulated during jobs.",
+            ),
+            (
+                "bud_kvm_page_faults_total",
+                "Page faults KVM took for guests during jobs.",
+            ),
+        ]
+        .iter()
+        .zip(&self.kvm)
+        {
+            let v = v.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        }
         out.push_str(
             "# HELP bud_job_guest_seconds_total The guests' own account of jobs, by phase.\n",
         );
@@ -367,6 +402,10 @@ mod tests {
                 ..Default::default()
             }),
             exits: 5,
+            kvm: vmm::kvm_stats::VcpuCounters {
+                emulated_instructions: Some(600),
+                ..Default::default()
+            },
         };
 
         m.job(Status::Ok, Duration::ZERO, &t);
@@ -380,6 +419,8 @@ mod tests {
         assert!(text.contains("bud_job_run_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(text.contains("bud_job_run_seconds_count 2\n"));
         assert!(text.contains("bud_job_exits_total 10\n"));
+        assert!(text.contains("bud_kvm_emulated_instructions_total 1200\n"));
+        assert!(text.contains("bud_kvm_page_faults_total 0\n"));
         assert!(text.contains("bud_job_guest_seconds_total{phase=\"run\"} 0.004\n"));
     }
 

@@ -146,6 +146,8 @@ pub struct JobTimings {
     pub guest: Option<GuestPhases>,
     /// Exits from the guest to the VMM during the job (doorbells, console bytes, ...).
     pub exits: u64,
+    /// KVM's own counters over the job: all exits, emulated instructions, page faults.
+    pub kvm: crate::kvm_stats::VcpuCounters,
 }
 
 /// The guest worker's phases of a job, by its own clock (from `result::PHASE_*_NS`).
@@ -407,6 +409,7 @@ pub fn run(
     };
     let mut ending = Ending::Abnormal;
     let exits_before = m.bus.exits();
+    let kvm_before = m.stats.as_ref().map(|s| s.read()).unwrap_or_default();
     let end = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.kicker)?;
         match stop {
@@ -477,6 +480,11 @@ pub fn run(
         }
     };
     let run = started.elapsed();
+    let kvm = m
+        .stats
+        .as_ref()
+        .map(|s| s.read().since(&kvm_before))
+        .unwrap_or_default();
     let guest = if ending == Ending::Done {
         let mark = |at: usize| -> Result<u64, MailboxError> {
             let mut b = [0u8; 8];
@@ -511,6 +519,7 @@ pub fn run(
             total: run,
             guest,
             exits: m.bus.exits() - exits_before,
+            kvm,
         },
     };
     Ok((result, ending))

@@ -15,7 +15,8 @@
 //!   exact state; [`job`]: one job in one VM; [`timer`]: job deadlines; [`executor`]: warm
 //!   VMs, clone pool, reaper, and running jobs from many threads.
 //! - [`kernel_layout`]: where the guest kernel keeps its clock, CRNG and page tables (read
-//!   from `vmlinux`); [`identity`]: each job's wall clock and CRNG, written by the host.
+//!   from `vmlinux`); [`identity`]: each job's wall clock and CRNG, written by the host;
+//!   [`kvm_stats`]: KVM's own per-vCPU counters (exits, emulated instructions, faults).
 //!
 //! This crate never starts an async runtime and never logs from the vCPU loop; the binaries
 //! on top of it do that.
@@ -31,6 +32,7 @@ pub mod host;
 pub mod identity;
 pub mod job;
 pub mod kernel_layout;
+pub mod kvm_stats;
 pub mod layout;
 pub mod mailbox;
 pub mod memory;

@@ -63,6 +63,8 @@ pub struct Machine {
     pub bus: PortBus,
     pub ram: GuestRam,
     pub kicker: Kicker,
+    /// KVM's counters of the vCPU (None when this KVM has no statistics file).
+    pub stats: Option<crate::kvm_stats::VcpuStats>,
 }
 
 /// KVM memory slot of guest RAM (the only slot).
@@ -119,12 +121,14 @@ impl Machine {
             SerialStart::Fresh => PortBus::new(irq, console),
             SerialStart::Restore(state) => PortBus::from_state(irq, console, state)?,
         };
+        let stats = crate::kvm_stats::VcpuStats::open(&vcpu);
         Ok(Self {
             vcpu,
             vm,
             bus,
             ram,
             kicker: Kicker::new(),
+            stats,
         })
     }
 
