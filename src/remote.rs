@@ -93,6 +93,7 @@ pub fn run(url: &str, job: &Job) -> anyhow::Result<JobResult> {
                 identity: Duration::from_secs_f64(g.identity_ms / 1e3),
                 compile: Duration::from_secs_f64(g.compile_ms / 1e3),
                 run: Duration::from_secs_f64(g.run_ms / 1e3),
+                clock_set: g.clock_set,
             }),
             kvm: vmm::kvm_stats::VcpuCounters {
                 exits: r.timings.kvm.exits,

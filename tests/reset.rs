@@ -310,6 +310,7 @@ fn a_child_cannot_reach_memory_a_previous_jobs_child_mapped() {
 }
 
 /// `(guest monotonic, guest wall clock)` from one job, and the host's wall clock around it.
+/// The guest must not have needed to set its clock itself: the host's write held.
 fn guest_clocks(exec: &Executor) -> (f64, f64, f64, f64) {
     let before = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -325,6 +326,15 @@ fn guest_clocks(exec: &Executor) -> (f64, f64, f64, f64) {
         .unwrap()
         .as_secs_f64();
     assert_eq!(r.status, Status::Ok, "{r:?}");
+    let guest = r
+        .timings
+        .guest
+        .expect("the guest's phases of a job that ended at DONE");
+    assert!(
+        !guest.clock_set,
+        "the guest found its clock off by more than its tolerance and called clock_settime: \
+         the host's setting of the wall clock did not hold"
+    );
     let out = text(&r.stdout);
     let mut it = out.split_whitespace().map(|v| v.parse::<f64>().unwrap());
     (it.next().unwrap(), it.next().unwrap(), before, after)

@@ -610,15 +610,17 @@ _exit_original.__name__ = _exit_original.__qualname__ = "_exit"
 _exit_original.__doc__ = _ORIGINAL["_exit"].__doc__
 
 
-def write_phases(view, marks):
+def write_phases(view, marks, flags=0):
     """The phase marks of ``result::PHASE_*_NS``: nanoseconds from ``resumed`` to the end of
-    each phase (0 for a phase not reached), as four little-endian u64s."""
+    each phase (0 for a phase not reached), as four little-endian u64s; then
+    ``result::GUEST_FLAGS``."""
     start = marks.get("resumed")
     values = []
     for name in ("read", "identity", "compiled", "finished"):
         at = marks.get(name)
         values.append(0 if start is None or at is None else max(0, int((at - start) * 1e9)))
     struct.pack_into("<4Q", view, _bud.RESULT_PHASE_READ_NS, *values)
+    struct.pack_into("<I", view, _bud.RESULT_GUEST_FLAGS, flags)
 
 
 def write_u32_pair(view, offset, first, second):

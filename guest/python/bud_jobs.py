@@ -12,7 +12,7 @@ keys, input pool and batched entropy replaced with host randomness, and CLOCK_RE
 moved to the host's wall clock (the clone keeps its template's monotonic clock, so the
 kernel has no elapsed time to account). Here, with no syscall: Python's global ``random``
 is seeded from ``job::SEED`` (a secret of its own, not the kernel's), and the clock is
-checked against ``job::WALL_CLOCK_NS``; only if it is off by more than CLOCK_TOLERANCE_NS
+checked against ``job::WALL_CLOCK_NS``; only if it is off by more than its tolerance
 (a host that did not set it) does the worker call ``clock_settime`` (milliseconds of
 emulated kernel work under kvm_pvm). Clones of one template still share CPython's hash
 seed (``PYTHONHASHSEED`` is fixed at interpreter start): set and dict iteration orders of
@@ -56,11 +56,14 @@ import _bud
 import bud_io
 import bud_shell
 
-# The clock is set only when it is off by more than this: bud's host sets the guest's clock
+# The clock is set only when it is off by more than these: bud's host sets the guest's clock
 # itself before the clone resumes, which saves the clone a clock_settime (1-3 ms of emulated
-# kernel here). A right clock reads WALL_CLOCK_NS plus the time from writing the request to
-# this check (well under this).
-CLOCK_TOLERANCE_NS = 20_000_000
+# kernel here). WALL_CLOCK_NS is the host's time when it wrote the request, so a right clock
+# reads it plus the time from then to this check: never less, and more by however long the
+# host took to resume the vCPU (milliseconds, more on a loaded host). Behind it is wrong at
+# once; ahead of it only by more than any plausible resume delay.
+CLOCK_BEHIND_TOLERANCE_NS = 20_000_000
+CLOCK_AHEAD_TOLERANCE_NS = 10_000_000_000
 
 # The job's outcome when the worker itself failed to run it (its stderr says why).
 EXIT_INTERNAL = 70
@@ -128,6 +131,7 @@ class Identity:
 
     def __init__(self, enabled):
         self.enabled = enabled
+        self.clock_set = False  # whether the last apply() had to set the clock
 
     def apply(self, request, warn):
         """Returns None, or why the clone must not run the job. A failed clock is only a
@@ -136,7 +140,9 @@ class Identity:
         tempfile._name_sequence = None  # its own Random, seeded before READY
         if not self.enabled:
             return None
-        if abs(time.time_ns() - request.wall_clock_ns) > CLOCK_TOLERANCE_NS:
+        ahead = time.time_ns() - request.wall_clock_ns
+        self.clock_set = not -CLOCK_BEHIND_TOLERANCE_NS <= ahead <= CLOCK_AHEAD_TOLERANCE_NS
+        if self.clock_set:
             try:
                 time.clock_settime_ns(time.CLOCK_REALTIME, request.wall_clock_ns)
             except OSError as error:
@@ -299,7 +305,8 @@ class JobRunner:
         MARKS["finished"] = time.perf_counter()
         self.areas.streaming = False
         bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
-        bud_io.write_phases(self.view, MARKS)
+        flags = _bud.GUEST_FLAG_CLOCK_SET if self.identity.clock_set else 0
+        bud_io.write_phases(self.view, MARKS, flags)
         while True:
             self.ring(_bud.DONE, 0, 0)
 

@@ -90,6 +90,9 @@ pub struct GuestTimings {
     pub compile_ms: f64,
     /// Running the job and flushing its output.
     pub run_ms: f64,
+    /// The guest had to set its wall clock itself (the host's setting did not hold).
+    #[serde(default)]
+    pub clock_set: bool,
 }
 
 /// The result of a job that ran (whatever its status).
@@ -182,6 +185,7 @@ impl ExecResponse {
                     identity_ms: ms(g.identity),
                     compile_ms: ms(g.compile),
                     run_ms: ms(g.run),
+                    clock_set: g.clock_set,
                 }),
                 kvm: KvmCounters {
                     exits: r.timings.kvm.exits,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::identity::{self, IdentityError};
 use crate::mailbox::{Mailbox, MailboxError};
 use crate::memory::GuestRam;
-use crate::protocol::{code, failure, job, language, outcome, result};
+use crate::protocol::{code, failure, guest_flags, job, language, outcome, result};
 use crate::snapshot::{self, SnapshotError, SnapshotState};
 use crate::timer;
 use crate::vcpu::{VcpuError, VcpuStop};
@@ -161,6 +161,8 @@ pub struct GuestPhases {
     pub compile: Duration,
     /// Running the job and flushing its output, to just before DONE.
     pub run: Duration,
+    /// The guest had to set its wall clock itself (the host's write did not hold).
+    pub clock_set: bool,
 }
 
 impl GuestPhases {
@@ -173,6 +175,7 @@ impl GuestPhases {
             identity: Duration::from_nanos(identity - read),
             compile: Duration::from_nanos(compiled - identity),
             run: Duration::from_nanos(finished - compiled),
+            clock_set: false,
         })
     }
 }
@@ -491,12 +494,17 @@ pub fn run(
             mb.read(&m.ram, at as u64, &mut b)?;
             Ok(u64::from_le_bytes(b))
         };
+        let flags = mb.read_u32(&m.ram, result::GUEST_FLAGS as u64)?;
         GuestPhases::from_marks(
             mark(result::PHASE_READ_NS)?,
             mark(result::PHASE_IDENTITY_NS)?,
             mark(result::PHASE_COMPILED_NS)?,
             mark(result::PHASE_FINISHED_NS)?,
         )
+        .map(|p| GuestPhases {
+            clock_set: flags & guest_flags::CLOCK_SET != 0,
+            ..p
+        })
     } else {
         None
     };

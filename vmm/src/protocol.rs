@@ -127,12 +127,21 @@ pub mod result {
     pub const PHASE_IDENTITY_NS: usize = 280;
     pub const PHASE_COMPILED_NS: usize = 288;
     pub const PHASE_FINISHED_NS: usize = 296;
+    /// What the guest had to do itself (`u32`, bits of [`super::guest_flags`]), valid at DONE.
+    pub const GUEST_FLAGS: usize = 304;
     /// The stdout area.
     pub const STDOUT_AREA: usize = 2 << 20;
     pub const STDOUT_AREA_END: usize = 3 << 20;
     /// The stderr area.
     pub const STDERR_AREA: usize = 3 << 20;
     pub const STDERR_AREA_END: usize = 4 << 20;
+}
+
+/// Bits of `result::GUEST_FLAGS`.
+pub mod guest_flags {
+    /// The guest found its wall clock off and set it itself (`clock_settime`): the host's
+    /// write of the clock did not hold.
+    pub const CLOCK_SET: u32 = 1;
 }
 
 /// How a job ended (`result::OUTCOME`).

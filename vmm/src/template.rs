@@ -215,11 +215,11 @@ impl Template {
     ) -> Result<Self, TemplateError> {
         // A kernel without bud's layouts cannot give clones their identity: fail before booting.
         let kernel = KernelLayout::from_vmlinux(&cfg.kernel)?;
-        let mut ready = boot::boot(cfg, echo)?;
-        if let Some(root) = dir.parent() {
-            prune(root, dir, TEMPLATES_KEPT - 1);
-        }
         let kvm = crate::vm::open_kvm()?;
+        let mut ready = boot::boot(cfg, echo)?;
+        // Capture at once: a clone's wall clock at resume is the guest's READY reading plus
+        // however long the host took from that exit to reading the clock (see
+        // `SnapshotState::ready_wall_ns`), so nothing slow may come before the capture.
         let captured = Instant::now();
         let cpuid = ready
             .machine
@@ -247,6 +247,9 @@ impl Template {
             ready_wall_ns,
         };
         let capture = captured.elapsed();
+        if let Some(root) = dir.parent() {
+            prune(root, dir, TEMPLATES_KEPT - 1);
+        }
 
         let written = Instant::now();
         fs::create_dir_all(dir).map_err(|source| TemplateError::Write {

@@ -36,7 +36,9 @@ use pyo3::prelude::*;
 
 use doorbell::Doorbell;
 use mailbox::{Mailbox, MailboxError};
-use protocol::{MAILBOX_DEFAULT_SIZE, code, failure, header, job, language, outcome, result};
+use protocol::{
+    MAILBOX_DEFAULT_SIZE, code, failure, guest_flags, header, job, language, outcome, result,
+};
 
 /// Every constant of `protocol.rs`, under its Python name: `NAME` for top-level constants and
 /// doorbell codes, `MODULE_NAME` for the others (`job::CODE_LEN` is `JOB_CODE_LEN`). A test
@@ -82,6 +84,8 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("RESULT_PHASE_IDENTITY_NS", result::PHASE_IDENTITY_NS as u64),
     ("RESULT_PHASE_COMPILED_NS", result::PHASE_COMPILED_NS as u64),
     ("RESULT_PHASE_FINISHED_NS", result::PHASE_FINISHED_NS as u64),
+    ("RESULT_GUEST_FLAGS", result::GUEST_FLAGS as u64),
+    ("GUEST_FLAG_CLOCK_SET", guest_flags::CLOCK_SET as u64),
     ("RESULT_STDOUT_AREA", result::STDOUT_AREA as u64),
     ("RESULT_STDOUT_AREA_END", result::STDOUT_AREA_END as u64),
     ("RESULT_STDERR_AREA", result::STDERR_AREA as u64),
