@@ -120,14 +120,8 @@ pub struct Gauges {
     pub live_clones: usize,
     pub warm_vms: usize,
     pub template_ready: bool,
-    /// The executor's reset and replacement counters (zero before the template is ready).
-    pub resets: u64,
-    pub reset_time: Duration,
-    pub restored_pages: u64,
-    pub mapping_drops: u64,
-    pub replaced_abnormal: u64,
-    pub replaced_too_dirty: u64,
-    pub replaced_reset_failed: u64,
+    /// The executor's counters (all zero before the template is ready).
+    pub executor: vmm::executor::ExecutorStats,
 }
 
 impl Metrics {
@@ -331,22 +325,22 @@ impl Metrics {
             (
                 "bud_resets_total",
                 "VMs reset in place after a job.",
-                g.resets.to_string(),
+                g.executor.resets.to_string(),
             ),
             (
                 "bud_reset_seconds_total",
                 "Time spent resetting VMs.",
-                format!("{}", g.reset_time.as_secs_f64()),
+                format!("{}", g.executor.reset_time.as_secs_f64()),
             ),
             (
                 "bud_reset_restored_pages_total",
                 "Guest pages copied back from the template by resets.",
-                g.restored_pages.to_string(),
+                g.executor.restored_pages.to_string(),
             ),
             (
                 "bud_reset_mapping_drops_total",
                 "Resets that made KVM drop its shadow page tables (a job changed a page table).",
-                g.mapping_drops.to_string(),
+                g.executor.mapping_drops.to_string(),
             ),
         ];
         for (name, help, v) in counters {
@@ -361,9 +355,9 @@ impl Metrics {
              # TYPE bud_vms_replaced_total counter"
         );
         for (reason, v) in [
-            ("abnormal", g.replaced_abnormal),
-            ("too_dirty", g.replaced_too_dirty),
-            ("reset_failed", g.replaced_reset_failed),
+            ("abnormal", g.executor.replaced_abnormal),
+            ("too_dirty", g.executor.replaced_too_dirty),
+            ("reset_failed", g.executor.replaced_reset_failed),
         ] {
             let _ = writeln!(out, "bud_vms_replaced_total{{reason=\"{reason}\"}} {v}");
         }

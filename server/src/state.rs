@@ -6,8 +6,6 @@
 
 use std::sync::{Arc, OnceLock};
 
-use std::time::Duration;
-
 use vmm::Executor;
 
 use crate::api::Health;
@@ -133,13 +131,7 @@ impl AppState {
             live_clones: stats.map_or(0, |s| s.live),
             warm_vms: stats.map_or(0, |s| s.warm),
             template_ready: stats.is_some(),
-            resets: stats.map_or(0, |s| s.resets),
-            reset_time: stats.map_or(Duration::ZERO, |s| s.reset_time),
-            restored_pages: stats.map_or(0, |s| s.restored_pages),
-            mapping_drops: stats.map_or(0, |s| s.mapping_drops),
-            replaced_abnormal: stats.map_or(0, |s| s.replaced_abnormal),
-            replaced_too_dirty: stats.map_or(0, |s| s.replaced_too_dirty),
-            replaced_reset_failed: stats.map_or(0, |s| s.replaced_reset_failed),
+            executor: stats.unwrap_or_default(),
         }
     }
 

@@ -220,7 +220,7 @@ impl Shared {
 }
 
 /// Counters for health and metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ExecutorStats {
     /// Fresh clones waiting in the pool.
     pub ready: usize,

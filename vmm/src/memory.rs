@@ -105,21 +105,12 @@ impl GuestRam {
     pub fn private_fd(file: &File, len: u64) -> Result<Self, MemoryError> {
         check_size(len)?;
         check_file_len(file, len)?;
-        // SAFETY: a new private mapping of an open file at an address of the kernel's choosing;
-        // it aliases no Rust object and the result is checked below. The file is at least
-        // `len` bytes long (checked above), so no access can hit SIGBUS unless someone
-        // truncates the template file, which bud never does (templates are read-only).
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        Self::from_mmap_result(ptr, len)
+        map_file(
+            file,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+        )
     }
 
     /// Maps `file` read-only and shared: the template's pristine memory, the source a reset
@@ -127,20 +118,7 @@ impl GuestRam {
     pub fn pristine(file: &File, len: u64) -> Result<Self, MemoryError> {
         check_size(len)?;
         check_file_len(file, len)?;
-        // SAFETY: a new read-only shared mapping of an open file at an address of the
-        // kernel's choosing; it aliases no Rust object and the result is checked below. The
-        // file is long enough (checked) and bud never truncates a template file.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        let mut ram = Self::from_mmap_result(ptr, len)?;
+        let mut ram = map_file(file, len, libc::PROT_READ, libc::MAP_SHARED)?;
         ram.writable = false;
         Ok(ram)
     }
@@ -418,6 +396,29 @@ impl Drop for GuestRam {
             std::io::Error::last_os_error()
         );
     }
+}
+
+/// Maps the first `len` bytes of `file` (at least that long: checked by the callers, and bud
+/// never truncates a template file, so no access can hit SIGBUS).
+fn map_file(
+    file: &File,
+    len: u64,
+    prot: libc::c_int,
+    flags: libc::c_int,
+) -> Result<GuestRam, MemoryError> {
+    // SAFETY: a new mapping of an open file at an address of the kernel's choosing; it
+    // aliases no Rust object and the result is checked by `from_mmap_result`.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len as usize,
+            prot,
+            flags,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    GuestRam::from_mmap_result(ptr, len)
 }
 
 /// The page numbers whose bits are set in a dirty bitmap, in order.

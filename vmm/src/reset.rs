@@ -42,7 +42,8 @@
 //! - **vCPU and VM state**, restored before the memory (restoring the kvm-clock MSRs makes
 //!   KVM write its wall-clock struct into guest memory at once). First the instruction
 //!   behind the job's last exit is completed ([`snapshot::complete_pending_io`]), so no
-//!   completion is left to land on the restored registers; then [`snapshot::restore`] in its documented order: PIT, kvm-clock,
+//!   completion is left to land on the restored registers, and interrupts still on their way
+//!   into the irqchip are flushed ([`Machine::quiesce_irqs`]); then [`snapshot::restore`] in its documented order: PIT, kvm-clock,
 //!   both PICs and the IOAPIC; registers, special registers, FPU/XSAVE and XCRs, debug
 //!   registers, LAPIC, every MSR (all or nothing), MP state and pending events. CPUID is left:
 //!   it is the template's already, and KVM refuses to change it after the first run.
@@ -101,6 +102,7 @@ pub struct ResetStats {
 pub fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
     let started = Instant::now();
     snapshot::complete_pending_io(&mut m.vcpu)?;
+    m.quiesce_irqs()?;
     // State before memory: restoring some MSRs makes KVM write guest memory at once (the
     // kvm-clock wall-clock struct), and the memory restore must come after that.
     let s = &t.state().machine;
@@ -139,14 +141,14 @@ pub fn verify(m: &mut Machine, t: &Template) -> Result<(), ResetError> {
     // The CPU and device state first, right after the reset: reading all of guest RAM takes
     // tens of milliseconds, in which timers of a correctly reset VM may fire.
     let indices: Vec<u32> = s.machine.msrs.iter().map(|e| e.index).collect();
-    let now = snapshot::capture_msrs(
+    let now = snapshot::capture(
         &kvm,
         &m.vm,
         &mut m.vcpu,
         s.host_kind,
         s.machine.cpuid.clone(),
         &m.bus.serial_state(),
-        &indices,
+        snapshot::MsrList::These(&indices),
     )?;
     let mut diffs = differences(&s.machine, &now);
     let pages = m.ram.differing_pages(t.pristine(), VERIFY_PAGES_SHOWN)?;

@@ -305,7 +305,7 @@ fn quiet_expired_pit(mut pit: kvm_pit_state2) -> kvm_pit_state2 {
 /// The MSRs captured are those this host's vCPUs both report and accept, found once per
 /// process by reading and writing back each one KVM lists, on this vCPU: only ever do that on
 /// a VM whose memory is captured afterwards (writing some MSRs makes KVM write guest memory).
-/// To capture a VM for comparison, use [`capture_msrs`] with the reference's MSR list.
+/// To capture a VM for comparison, pass the reference's MSR list instead.
 pub fn capture(
     kvm: &Kvm,
     vm: &VmFd,
@@ -313,29 +313,26 @@ pub fn capture(
     kind: HostKind,
     cpuid: Vec<kvm_cpuid_entry2>,
     serial: &SerialState,
+    msrs: MsrList<'_>,
 ) -> Result<MachineState, SnapshotError> {
     complete_pending_io(vcpu)?;
     // The clock first: the guest read its wall clock for READY just before the exit, and a
     // clone's wall clock is that reading plus the clock's advance up to here.
     let clock = cap("KVM_GET_CLOCK", vm.get_clock())?;
-    let indices = saveable_msrs(kvm, vcpu)?;
+    let indices = match msrs {
+        MsrList::Probe => saveable_msrs(kvm, vcpu)?,
+        MsrList::These(indices) => indices,
+    };
     capture_rest(kvm, vm, vcpu, kind, cpuid, serial, clock, indices)
 }
 
-/// Like [`capture`], reading exactly the MSRs `indices` (a reference state's), without
-/// probing or writing any MSR.
-pub fn capture_msrs(
-    kvm: &Kvm,
-    vm: &VmFd,
-    vcpu: &mut VcpuFd,
-    kind: HostKind,
-    cpuid: Vec<kvm_cpuid_entry2>,
-    serial: &SerialState,
-    indices: &[u32],
-) -> Result<MachineState, SnapshotError> {
-    complete_pending_io(vcpu)?;
-    let clock = cap("KVM_GET_CLOCK", vm.get_clock())?;
-    capture_rest(kvm, vm, vcpu, kind, cpuid, serial, clock, indices)
+/// Which MSRs [`capture`] reads.
+#[derive(Debug, Clone, Copy)]
+pub enum MsrList<'a> {
+    /// Every MSR this host's vCPUs report and accept (probed once per process, by writing).
+    Probe,
+    /// Exactly these (a reference state's), read without writing any.
+    These(&'a [u32]),
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -234,6 +234,7 @@ impl Template {
             cfg.host_kind,
             cpuid.as_slice().to_vec(),
             &serial,
+            snapshot::MsrList::Probe,
         )?;
         let ready_wall_ns = ready
             .mailbox

@@ -46,6 +46,8 @@ pub enum VmError {
     EventFd(std::io::Error),
     #[error("KVM_IRQFD for the serial IRQ failed: {0}")]
     RegisterIrqfd(kvm_ioctls::Error),
+    #[error("KVM_IRQFD (deassigning the serial IRQ) failed: {0}")]
+    UnregisterIrqfd(kvm_ioctls::Error),
     #[error(transparent)]
     Device(#[from] crate::devices::DeviceError),
 }
@@ -147,6 +149,22 @@ impl Machine {
         // SAFETY: a zero-sized region deletes the slot; KVM stops using the mapping.
         unsafe { self.vm.set_user_memory_region(gone) }.map_err(VmError::DeleteMemoryRegion)?;
         add_ram_slot(&self.vm, &self.ram)
+    }
+
+    /// Makes sure no device interrupt is still on its way into the irqchip. KVM injects an
+    /// irqfd's interrupt from a work item, so a serial interrupt the guest caused at the end
+    /// of a job can land after a reset restored the irqchip. Deassigning the irqfd waits for
+    /// that work; the eventfd's count is then drained and the irqfd assigned again.
+    pub fn quiesce_irqs(&self) -> Result<(), VmError> {
+        let irq = self.bus.serial_irq();
+        self.vm
+            .unregister_irqfd(irq, SERIAL_IRQ)
+            .map_err(VmError::UnregisterIrqfd)?;
+        // Non-blocking: EAGAIN when nothing is pending, which is as good as a drained count.
+        let _ = irq.read();
+        self.vm
+            .register_irqfd(irq, SERIAL_IRQ)
+            .map_err(VmError::RegisterIrqfd)
     }
 
     /// Runs the vCPU until it stops, or until `timeout` passes (then [`VcpuStop::Kicked`]).

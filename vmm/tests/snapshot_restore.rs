@@ -35,6 +35,7 @@ fn stopped_at_first_doorbell() -> (Machine, MachineState) {
         HostKind::detect(),
         cpuid.as_slice().to_vec(),
         &serial,
+        snapshot::MsrList::Probe,
     )
     .unwrap();
     (m, state)
@@ -97,6 +98,7 @@ fn state_captured_from_a_restored_clone_equals_the_original_state() {
         HostKind::detect(),
         state.cpuid.clone(),
         &serial,
+        snapshot::MsrList::Probe,
     )
     .unwrap();
 

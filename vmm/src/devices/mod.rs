@@ -106,6 +106,11 @@ impl PortBus {
         Ok(())
     }
 
+    /// The eventfd that raises the serial IRQ (registered with KVM as an irqfd).
+    pub fn serial_irq(&self) -> &EventFd {
+        &self.serial.interrupt_evt().0
+    }
+
     /// The serial console's register state (for snapshots).
     pub fn serial_state(&self) -> SerialState {
         self.serial.state()
