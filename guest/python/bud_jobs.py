@@ -305,7 +305,7 @@ class JobRunner:
         MARKS["finished"] = time.perf_counter()
         self.areas.streaming = False
         bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
-        flags = _bud.GUEST_FLAG_CLOCK_SET if self.identity.clock_set else 0
+        flags = _bud.GUEST_FLAGS_CLOCK_SET if self.identity.clock_set else 0
         bud_io.write_phases(self.view, MARKS, flags)
         while True:
             self.ring(_bud.DONE, 0, 0)

@@ -85,7 +85,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("RESULT_PHASE_COMPILED_NS", result::PHASE_COMPILED_NS as u64),
     ("RESULT_PHASE_FINISHED_NS", result::PHASE_FINISHED_NS as u64),
     ("RESULT_GUEST_FLAGS", result::GUEST_FLAGS as u64),
-    ("GUEST_FLAG_CLOCK_SET", guest_flags::CLOCK_SET as u64),
+    ("GUEST_FLAGS_CLOCK_SET", guest_flags::CLOCK_SET as u64),
     ("RESULT_STDOUT_AREA", result::STDOUT_AREA as u64),
     ("RESULT_STDOUT_AREA_END", result::STDOUT_AREA_END as u64),
     ("RESULT_STDERR_AREA", result::STDERR_AREA as u64),
