@@ -50,7 +50,7 @@ impl VcpuCounters {
     }
 }
 
-/// The statistics file of one vCPU, with the byte offsets of [`NAMES`] in it.
+/// The statistics file of one vCPU, with the byte offsets of the counters bud reads.
 #[derive(Debug)]
 pub struct VcpuStats {
     file: File,

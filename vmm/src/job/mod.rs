@@ -1,0 +1,273 @@
+//! Jobs: what a user asks to run ([`Job`]) and what comes back ([`JobResult`], with its
+//! [`Status`] and [`JobTimings`]). Running one in a VM is [`run`] (module `run`).
+
+mod run;
+
+pub use run::{give_identity, run, write_request};
+
+use std::time::Duration;
+
+use crate::identity::IdentityError;
+use crate::mailbox::MailboxError;
+use crate::protocol::{job, language};
+use crate::snapshot::SnapshotError;
+use crate::vcpu::VcpuError;
+
+/// Default wall-clock limit of a job.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default cap on stdout + stderr bytes kept.
+pub const DEFAULT_OUTPUT_LIMIT: usize = 8 << 20;
+/// Console lines a crashed job carries.
+pub const CRASH_TAIL_LINES: usize = 40;
+
+/// The language of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    /// CPython 3.11 with `python3 -c CODE` semantics.
+    Python,
+    /// POSIX shell (busybox `sh -c CODE` semantics).
+    Shell,
+}
+
+impl Language {
+    fn code(self) -> u32 {
+        match self {
+            Language::Python => language::PYTHON,
+            Language::Shell => language::SHELL,
+        }
+    }
+}
+
+/// A unit of work: code and its inputs, with limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job {
+    pub language: Language,
+    pub code: Vec<u8>,
+    pub stdin: Vec<u8>,
+    /// `sys.argv[1:]` (Python) or `$1...` (shell).
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    pub timeout: Duration,
+    /// Cap on stdout + stderr bytes; past it the job stops with [`Status::OutputLimit`].
+    pub output_limit: usize,
+}
+
+impl Job {
+    /// A Python job with default limits.
+    pub fn python(code: impl Into<Vec<u8>>) -> Self {
+        Self::new(Language::Python, code)
+    }
+
+    /// A shell job with default limits.
+    pub fn shell(code: impl Into<Vec<u8>>) -> Self {
+        Self::new(Language::Shell, code)
+    }
+
+    /// A job with default limits.
+    pub fn new(language: Language, code: impl Into<Vec<u8>>) -> Self {
+        Self {
+            language,
+            code: code.into(),
+            stdin: Vec::new(),
+            args: Vec::new(),
+            env: Vec::new(),
+            timeout: DEFAULT_TIMEOUT,
+            output_limit: DEFAULT_OUTPUT_LIMIT,
+        }
+    }
+
+    /// Checks the job fits the protocol; on success returns the encoded args and env blobs.
+    fn encode(&self) -> Result<(Vec<u8>, Vec<u8>), JobError> {
+        let mut args = Vec::new();
+        for a in &self.args {
+            if a.contains('\0') {
+                return Err(JobError::Nul("args"));
+            }
+            args.extend_from_slice(a.as_bytes());
+            args.push(0);
+        }
+        let mut env = Vec::new();
+        for (k, v) in &self.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(JobError::BadEnv(k.clone()));
+            }
+            env.extend_from_slice(k.as_bytes());
+            env.push(b'=');
+            env.extend_from_slice(v.as_bytes());
+            env.push(0);
+        }
+        let total = self.code.len() + self.stdin.len() + args.len() + env.len();
+        if total > job::DATA_END - job::DATA {
+            return Err(JobError::TooLarge {
+                bytes: total,
+                limit: job::DATA_END - job::DATA,
+            });
+        }
+        Ok((args, env))
+    }
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Exited with status 0.
+    Ok,
+    /// Exited with another status, or was killed by a signal.
+    Error,
+    /// Ran past its wall-clock limit.
+    Timeout,
+    /// Wrote more than its output cap.
+    OutputLimit,
+    /// Ran out of memory (uncaught `MemoryError`, or the guest's OOM killer).
+    MemoryLimit,
+    /// The guest kernel panicked, the vCPU faulted, or the guest broke the protocol.
+    Crashed,
+}
+
+/// Where the time of a job went.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobTimings {
+    /// Getting a VM at READY: zero for a warm VM or a pooled clone, else creating a clone.
+    pub clone: Duration,
+    /// From resuming the clone to the job's end.
+    pub run: Duration,
+    /// Both, plus writing the request and collecting the result.
+    pub total: Duration,
+    /// The guest's own account of `run`, when the job ended at DONE.
+    pub guest: Option<GuestPhases>,
+    /// Exits from the guest to the VMM during the job (doorbells, console bytes, ...).
+    pub exits: u64,
+    /// KVM's own counters over the job: all exits, emulated instructions, page faults.
+    pub kvm: crate::kvm_stats::VcpuCounters,
+}
+
+/// The guest worker's phases of a job, by its own clock (from `result::PHASE_*_NS`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GuestPhases {
+    /// Resume to request read.
+    pub read: Duration,
+    /// Giving the job its identity (seeding `random`, checking the clock).
+    pub identity: Duration,
+    /// Compiling the code (Python) or handing the script to the shell.
+    pub compile: Duration,
+    /// Running the job and flushing its output, to just before DONE.
+    pub run: Duration,
+    /// The guest had to set its wall clock itself (the host's write did not hold).
+    pub clock_set: bool,
+}
+
+impl GuestPhases {
+    /// From the four cumulative marks (0: not reached); None if they are not in order.
+    fn from_marks(read: u64, identity: u64, compiled: u64, finished: u64) -> Option<Self> {
+        let compiled = if compiled == 0 { identity } else { compiled };
+        let ordered = read <= identity && identity <= compiled && compiled <= finished;
+        (finished > 0 && ordered).then(|| Self {
+            read: Duration::from_nanos(read),
+            identity: Duration::from_nanos(identity - read),
+            compile: Duration::from_nanos(compiled - identity),
+            run: Duration::from_nanos(finished - compiled),
+            clock_set: false,
+        })
+    }
+}
+
+/// What came back from a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobResult {
+    pub status: Status,
+    /// Exit status, when the job exited.
+    pub exit_code: Option<i32>,
+    /// Signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// For [`Status::Crashed`]: what went wrong and the last console lines.
+    pub crash: Option<String>,
+    pub console_tail: Vec<String>,
+    pub timings: JobTimings,
+}
+
+/// How the guest left a job: at the DONE doorbell with its worker intact, or any other way
+/// (a timeout kick, an output cap, a worker that died, a crash). Only a VM whose job ended
+/// [`Ending::Done`] is reset and reused; any other is replaced by a fresh clone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    Done,
+    Abnormal,
+}
+
+/// Output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Errors that stop bud from running a job at all (as opposed to a job that ran and failed,
+/// which is a [`JobResult`] with a status).
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("job code + stdin + args + env is {bytes} bytes; the limit is {limit}")]
+    TooLarge { bytes: usize, limit: usize },
+    #[error("{0} must not contain NUL bytes")]
+    Nul(&'static str),
+    #[error("environment variable name {0:?} is empty or holds '=' or NUL, or its value holds NUL")]
+    BadEnv(String),
+    #[error("giving the clone its identity: {0}")]
+    Identity(#[from] IdentityError),
+    #[error("pinning the clone's clock: {0}")]
+    Clock(#[from] SnapshotError),
+    #[error("writing the request into the mailbox: {0}")]
+    Mailbox(#[from] MailboxError),
+    #[error("running the clone's vCPU: {0}")]
+    Run(#[from] VcpuError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_phases_come_from_cumulative_marks_and_disorder_is_dropped() {
+        let p = GuestPhases::from_marks(10, 30, 60, 100).unwrap();
+        let no_compile = GuestPhases::from_marks(10, 30, 0, 100).unwrap();
+
+        assert_eq!(p.read, Duration::from_nanos(10));
+        assert_eq!(p.identity, Duration::from_nanos(20));
+        assert_eq!(p.compile, Duration::from_nanos(30));
+        assert_eq!(p.run, Duration::from_nanos(40));
+        assert_eq!(no_compile.compile, Duration::ZERO);
+        assert_eq!(GuestPhases::from_marks(50, 30, 60, 100), None);
+        assert_eq!(GuestPhases::from_marks(0, 0, 0, 0), None);
+    }
+
+    #[test]
+    fn args_and_env_are_nul_terminated_and_validated() {
+        let mut j = Job::python("print(1)");
+        j.args = vec!["a".into(), "bc".into()];
+        j.env = vec![("K".into(), "v=1".into())];
+
+        let (args, env) = j.encode().unwrap();
+        j.env = vec![("A=B".into(), "x".into())];
+        let bad_env = j.encode().unwrap_err();
+        j.env.clear();
+        j.args = vec!["a\0b".into()];
+        let bad_arg = j.encode().unwrap_err();
+
+        assert_eq!(args, b"a\0bc\0");
+        assert_eq!(env, b"K=v=1\0");
+        assert!(matches!(bad_env, JobError::BadEnv(_)));
+        assert!(matches!(bad_arg, JobError::Nul("args")));
+    }
+
+    #[test]
+    fn a_request_larger_than_the_area_is_refused() {
+        let mut j = Job::python("x");
+        j.stdin = vec![0; job::DATA_END];
+
+        assert!(matches!(j.encode(), Err(JobError::TooLarge { .. })));
+    }
+}
