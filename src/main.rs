@@ -366,8 +366,7 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The kernel and initramfs for `bud run`: the built ones if present (no rebuild check, so a
-/// run stays fast; `bud guest build` or `bud boot` picks up source changes), else build them.
+/// `bud run`: through a reachable `bud serve` (see `remote`), else in this process.
 fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     let code = match (&args.code, &args.file) {
         (Some(c), _) => c.clone().into_bytes(),
@@ -471,9 +470,9 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The process exit code for a job: its own exit status, 128 + signal, or (like `timeout(1)`)
-/// 124 for a timeout; bud's own statuses say why on stderr.
-/// Runs `job` in a fresh clone in this process (loading or building the template).
+/// Runs `job` in a fresh clone in this process (loading or building the template; an
+/// existing guest build is used as it is, so a run stays fast: `bud guest build` picks up
+/// source changes).
 fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::JobResult> {
     let started = Instant::now();
     let opts = bud_guest::TemplateOptions {
@@ -508,6 +507,8 @@ fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::J
     Ok(executor.run(job)?)
 }
 
+/// The process exit code for a job: its own exit status, 128 + signal, or (like `timeout(1)`)
+/// 124 for a timeout; bud's own statuses say why on stderr.
 fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
     use vmm::Status;
     match result.status {

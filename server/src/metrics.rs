@@ -183,19 +183,20 @@ impl Metrics {
                 n.load(Ordering::Relaxed)
             );
         }
-        out.push_str("# HELP bud_job_failures_total Jobs bud could not run (HTTP 500).\n");
-        out.push_str("# TYPE bud_job_failures_total counter\n");
-        let _ = writeln!(
-            out,
-            "bud_job_failures_total {}",
-            self.failures.load(Ordering::Relaxed)
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        sample(
+            &mut out,
+            "bud_job_failures_total",
+            "counter",
+            "Jobs bud could not run (HTTP 500).",
+            load(&self.failures),
         );
-        out.push_str("# HELP bud_job_exits_total Exits from guests to the VMM during jobs.\n");
-        out.push_str("# TYPE bud_job_exits_total counter\n");
-        let _ = writeln!(
-            out,
-            "bud_job_exits_total {}",
-            self.exits.load(Ordering::Relaxed)
+        sample(
+            &mut out,
+            "bud_job_exits_total",
+            "counter",
+            "Exits from guests to the VMM during jobs.",
+            load(&self.exits),
         );
         for ((name, help), v) in [
             (
@@ -214,11 +215,7 @@ impl Metrics {
         .iter()
         .zip(&self.kvm)
         {
-            let v = v.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
+            sample(&mut out, name, "counter", help, load(v));
         }
         out.push_str(
             "# HELP bud_job_guest_seconds_total The guests' own account of jobs, by phase.\n",
@@ -319,36 +316,37 @@ impl Metrics {
             ),
         ];
         for (name, help, v) in gauges {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+            sample(&mut out, name, "gauge", help, v);
         }
-        let counters = [
-            (
-                "bud_resets_total",
-                "VMs reset in place after a job.",
-                g.executor.resets.to_string(),
-            ),
-            (
-                "bud_reset_seconds_total",
-                "Time spent resetting VMs.",
-                format!("{}", g.executor.reset_time.as_secs_f64()),
-            ),
-            (
-                "bud_reset_restored_pages_total",
-                "Guest pages copied back from the template by resets.",
-                g.executor.restored_pages.to_string(),
-            ),
-            (
-                "bud_reset_mapping_drops_total",
-                "Resets that made KVM drop its shadow page tables (a job changed a page table).",
-                g.executor.mapping_drops.to_string(),
-            ),
-        ];
-        for (name, help, v) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        }
+        let e = &g.executor;
+        sample(
+            &mut out,
+            "bud_resets_total",
+            "counter",
+            "VMs reset in place after a job.",
+            e.resets,
+        );
+        sample(
+            &mut out,
+            "bud_reset_seconds_total",
+            "counter",
+            "Time spent resetting VMs.",
+            e.reset_time.as_secs_f64(),
+        );
+        sample(
+            &mut out,
+            "bud_reset_restored_pages_total",
+            "counter",
+            "Guest pages copied back from the template by resets.",
+            e.restored_pages,
+        );
+        sample(
+            &mut out,
+            "bud_reset_mapping_drops_total",
+            "counter",
+            "Resets that made KVM drop its shadow page tables (a job changed a page table).",
+            e.mapping_drops,
+        );
         let _ = writeln!(
             out,
             "# HELP bud_vms_replaced_total VMs thrown away after a job instead of reused, by reason.\n\
@@ -363,6 +361,14 @@ impl Metrics {
         }
         out
     }
+}
+
+/// One metric with a single sample: its HELP and TYPE lines, then `name value`.
+fn sample(out: &mut String, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+    );
 }
 
 /// VmRSS of this process, from /proc/self/status.

@@ -83,17 +83,6 @@ impl Default for ExecutorOptions {
     }
 }
 
-/// Why a VM was replaced rather than reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Replaced {
-    /// Its job did not end at DONE.
-    Abnormal,
-    /// It held more than `max_private_pages` private pages.
-    TooDirty,
-    /// Its reset or verification failed.
-    ResetFailed,
-}
-
 #[derive(Debug, Default)]
 struct Counters {
     live: AtomicUsize,
@@ -144,7 +133,7 @@ impl Shared {
         let c = &self.counters;
         let done = reset::reset(m, t).and_then(|stats| {
             if self.opts.verify {
-                reset::verify(m, t)?;
+                reset::verify(&self.kvm, m, t)?;
             }
             Ok(stats)
         });
@@ -296,11 +285,6 @@ impl Executor {
         &self.shared.template
     }
 
-    /// How this executor runs jobs.
-    pub fn options(&self) -> ExecutorOptions {
-        self.shared.opts
-    }
-
     /// Pool, VM and reset counters.
     pub fn stats(&self) -> ExecutorStats {
         let (ready, warm) = {
@@ -411,31 +395,24 @@ impl Executor {
     /// After a job: reset the VM and keep it, or throw it away (module docs).
     fn recycle(&self, mut m: Machine, ending: Ending) {
         let opts = self.shared.opts;
-        let c = &self.shared.counters;
         if opts.reuse == Reuse::Fresh && !opts.verify {
             return self.discard(m);
         }
-        let outcome = self.shared.reset(&mut m);
-        let verdict = match (&outcome, ending) {
-            (Err(_), _) => Some(Replaced::ResetFailed),
-            (Ok(_), Ending::Abnormal) => Some(Replaced::Abnormal),
-            (Ok(pages), Ending::Done) if *pages > opts.max_private_pages => {
-                Some(Replaced::TooDirty)
+        let c = &self.shared.counters;
+        // The counter of why a warm VM is replaced; None for a VM that is simply done.
+        let replaced = match (self.shared.reset(&mut m), ending) {
+            (Err(_), _) => Some(&c.replaced_reset_failed),
+            (Ok(_), Ending::Abnormal) => Some(&c.replaced_abnormal),
+            (Ok(pages), Ending::Done) if pages > opts.max_private_pages => {
+                Some(&c.replaced_too_dirty)
             }
-            (Ok(_), Ending::Done) if opts.reuse == Reuse::Fresh => None,
-            (Ok(_), Ending::Done) => {
-                let mut idle = self.shared.idle();
-                idle.warm.push(m);
+            (Ok(_), Ending::Done) if opts.reuse == Reuse::Warm => {
+                self.shared.idle().warm.push(m);
                 return;
             }
+            (Ok(_), Ending::Done) => None,
         };
-        let counter = match verdict {
-            Some(Replaced::Abnormal) => Some(&c.replaced_abnormal),
-            Some(Replaced::TooDirty) => Some(&c.replaced_too_dirty),
-            Some(Replaced::ResetFailed) => Some(&c.replaced_reset_failed),
-            None => None,
-        };
-        if let (Some(counter), Reuse::Warm) = (counter, opts.reuse) {
+        if let (Some(counter), Reuse::Warm) = (replaced, opts.reuse) {
             counter.fetch_add(1, Ordering::Relaxed);
         }
         self.discard(m);

@@ -55,16 +55,19 @@ pub fn host_random(buf: &mut [u8]) -> Result<(), IdentityError> {
 
 /// Replaces the guest kernel's CRNG state with fresh host randomness (module docs).
 pub fn reseed_crng(ram: &GuestRam, r: &RandomLayout) -> Result<(), IdentityError> {
-    let mut buf = [0u8; 4096];
-    for &(addr, len) in &r.keys {
-        let part = &mut buf[..len as usize];
-        host_random(part)?;
-        ram.write(addr, part)?;
-    }
-    for &addr in &r.batches {
-        let part = &mut buf[..r.batch_size as usize];
-        host_random(part)?;
-        ram.write(addr, part)?;
+    let targets: Vec<(u64, usize)> = r
+        .keys
+        .iter()
+        .map(|&(addr, len)| (addr, len as usize))
+        .chain(r.batches.iter().map(|&addr| (addr, r.batch_size as usize)))
+        .collect();
+    // One getrandom for all of it, each target its own slice.
+    let mut buf = vec![0u8; targets.iter().map(|&(_, len)| len).sum()];
+    host_random(&mut buf)?;
+    let mut at = 0;
+    for (addr, len) in targets {
+        ram.write(addr, &buf[at..at + len])?;
+        at += len;
     }
     buf.fill(0);
     Ok(())

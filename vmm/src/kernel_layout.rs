@@ -139,11 +139,16 @@ struct Segments<'a> {
 }
 
 impl Segments<'_> {
-    fn phys(&self, vaddr: u64, len: u64) -> Option<u64> {
-        self.list.iter().find_map(|&(va, pa, _, size)| {
-            let end = vaddr.checked_add(len)?;
-            (vaddr >= va && end <= va + size).then(|| pa + (vaddr - va))
-        })
+    /// The guest-physical address of `len` bytes at kernel address `vaddr`, which must lie
+    /// inside one loaded segment.
+    fn phys(&self, vaddr: u64, len: u64) -> Result<u64, LayoutError> {
+        self.list
+            .iter()
+            .find_map(|&(va, pa, _, size)| {
+                let end = vaddr.checked_add(len)?;
+                (vaddr >= va && end <= va + size).then(|| pa + (vaddr - va))
+            })
+            .ok_or(LayoutError::Address(vaddr))
     }
 
     fn bytes(&self, vaddr: u64, len: usize) -> Option<&[u8]> {
@@ -256,12 +261,11 @@ fn parse_time(f: &Fields, seg: &Segments) -> Result<TimeLayout, LayoutError> {
     const NAME: &str = "bud_time_layout";
     check_header(f, NAME, TIME_MAGIC, TIME_VERSION)?;
     let tk_size = f.u32(48);
-    let phys = |vaddr: u64, len: u64| seg.phys(vaddr, len).ok_or(LayoutError::Address(vaddr));
     let t = TimeLayout {
-        timekeepers: [phys(f.u64(8), tk_size)?, phys(f.u64(24), tk_size)?],
-        timekeeper_seq: phys(f.u64(16), 4)?,
-        fast_mono: phys(f.u64(32), 8)?,
-        vdso_data: phys(f.u64(40), 8)?,
+        timekeepers: [seg.phys(f.u64(8), tk_size)?, seg.phys(f.u64(24), tk_size)?],
+        timekeeper_seq: seg.phys(f.u64(16), 4)?,
+        fast_mono: seg.phys(f.u64(32), 8)?,
+        vdso_data: seg.phys(f.u64(40), 8)?,
         xtime_sec: f.u32(52),
         xtime_nsec: f.u32(56),
         shift: f.u32(60),
@@ -303,8 +307,8 @@ fn parse_time(f: &Fields, seg: &Segments) -> Result<TimeLayout, LayoutError> {
         || last_clock > 16
         || seg
             .phys(f.u64(32), t.fast_base + 2 * t.read_base_size)
-            .is_none()
-        || seg.phys(f.u64(40), vdso_end).is_none()
+            .is_err()
+        || seg.phys(f.u64(40), vdso_end).is_err()
     {
         return Err(LayoutError::BadLayout(NAME));
     }
@@ -318,18 +322,17 @@ fn parse_random(f: &Fields, seg: &Segments) -> Result<RandomLayout, LayoutError>
     if key_size != 32 || pool_size != 32 || batch_size == 0 || batch_size > 4096 {
         return Err(LayoutError::BadLayout(NAME));
     }
-    let phys = |vaddr: u64, len: u64| seg.phys(vaddr, len).ok_or(LayoutError::Address(vaddr));
     Ok(RandomLayout {
         keys: [
-            (phys(f.u64(8), key_size)?, key_size),
-            (phys(f.u64(16), key_size)?, key_size),
-            (phys(f.u64(24), pool_size)?, pool_size),
+            (seg.phys(f.u64(8), key_size)?, key_size),
+            (seg.phys(f.u64(16), key_size)?, key_size),
+            (seg.phys(f.u64(24), pool_size)?, pool_size),
         ],
         batches: [
-            phys(f.u64(32), batch_size)?,
-            phys(f.u64(40), batch_size)?,
-            phys(f.u64(48), batch_size)?,
-            phys(f.u64(56), batch_size)?,
+            seg.phys(f.u64(32), batch_size)?,
+            seg.phys(f.u64(40), batch_size)?,
+            seg.phys(f.u64(48), batch_size)?,
+            seg.phys(f.u64(56), batch_size)?,
         ],
         batch_size,
     })
@@ -346,11 +349,10 @@ fn parse_mm(f: &Fields, seg: &Segments) -> Result<Option<MmLayout>, LayoutError>
     if vmemmap == 0 {
         return Ok(None);
     }
-    let phys = |vaddr: u64, len: u64| seg.phys(vaddr, len).ok_or(LayoutError::Address(vaddr));
     Ok(Some(MmLayout {
-        init_top_pgt: phys(f.u64(8), 4096)?,
+        init_top_pgt: seg.phys(f.u64(8), 4096)?,
         pgd_list_va: f.u64(16),
-        pgd_list: phys(f.u64(16), 16)?,
+        pgd_list: seg.phys(f.u64(16), 16)?,
         vmemmap,
         page_size,
         page_lru,

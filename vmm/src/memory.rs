@@ -103,8 +103,6 @@ impl GuestRam {
     /// The file length is checked first: a mapping past the end of a file raises SIGBUS on
     /// access instead of an error.
     pub fn private_fd(file: &File, len: u64) -> Result<Self, MemoryError> {
-        check_size(len)?;
-        check_file_len(file, len)?;
         map_file(
             file,
             len,
@@ -116,8 +114,6 @@ impl GuestRam {
     /// Maps `file` read-only and shared: the template's pristine memory, the source a reset
     /// copies pages from. Every access through it is a read; [`GuestRam::write`] refuses.
     pub fn pristine(file: &File, len: u64) -> Result<Self, MemoryError> {
-        check_size(len)?;
-        check_file_len(file, len)?;
         let mut ram = map_file(file, len, libc::PROT_READ, libc::MAP_SHARED)?;
         ram.writable = false;
         Ok(ram)
@@ -268,20 +264,26 @@ impl GuestRam {
         }
         let mut out = vec![0u64; bitmap.len()];
         for n in set_bits(bitmap) {
-            let at = self.check_range(n * PAGE_SIZE, PAGE_SIZE as usize)?;
-            // SAFETY: `at + PAGE_SIZE <= len` for both mappings (checked, same length); reads
-            // of plain memory into slices that live only for this comparison.
-            let (a, b) = unsafe {
-                (
-                    std::slice::from_raw_parts(self.ptr.as_ptr().add(at), PAGE_SIZE as usize),
-                    std::slice::from_raw_parts(other.ptr.as_ptr().add(at), PAGE_SIZE as usize),
-                )
-            };
-            if a != b {
+            if self.page_differs(other, n)? {
                 out[(n / 64) as usize] |= 1 << (n % 64);
             }
         }
         Ok(out)
+    }
+
+    /// Whether page `n` differs between this RAM and `other` (the callers check both are the
+    /// same size).
+    fn page_differs(&self, other: &GuestRam, n: u64) -> Result<bool, MemoryError> {
+        let at = self.check_range(n * PAGE_SIZE, PAGE_SIZE as usize)?;
+        // SAFETY: `at + PAGE_SIZE <= len` for both mappings (checked, same length); reads of
+        // plain memory into slices that live only for this comparison.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(self.ptr.as_ptr().add(at), PAGE_SIZE as usize),
+                std::slice::from_raw_parts(other.ptr.as_ptr().add(at), PAGE_SIZE as usize),
+            )
+        };
+        Ok(a != b)
     }
 
     /// Guest-physical page numbers whose contents differ between this RAM and `other` (same
@@ -290,19 +292,9 @@ impl GuestRam {
         if other.len != self.len {
             return Err(MemoryError::SizeMismatch(self.len, other.len));
         }
-        let page = PAGE_SIZE as usize;
         let mut out = Vec::new();
         for n in 0..self.pages() {
-            let at = (n * PAGE_SIZE) as usize;
-            // SAFETY: `at + page <= len` for both mappings (same length, n < pages); reads of
-            // plain memory into slices that live only for this comparison.
-            let (a, b) = unsafe {
-                (
-                    std::slice::from_raw_parts(self.ptr.as_ptr().add(at), page),
-                    std::slice::from_raw_parts(other.ptr.as_ptr().add(at), page),
-                )
-            };
-            if a != b {
+            if self.page_differs(other, n)? {
                 out.push(n);
                 if out.len() >= limit {
                     break;
@@ -398,14 +390,17 @@ impl Drop for GuestRam {
     }
 }
 
-/// Maps the first `len` bytes of `file` (at least that long: checked by the callers, and bud
-/// never truncates a template file, so no access can hit SIGBUS).
+/// Maps the first `len` bytes of `file`, after checking that the size is whole pages and
+/// that the file is that long (a mapping past its end would raise SIGBUS on access instead of
+/// an error; bud never truncates a template file).
 fn map_file(
     file: &File,
     len: u64,
     prot: libc::c_int,
     flags: libc::c_int,
 ) -> Result<GuestRam, MemoryError> {
+    check_size(len)?;
+    check_file_len(file, len)?;
     // SAFETY: a new mapping of an open file at an address of the kernel's choosing; it
     // aliases no Rust object and the result is checked by `from_mmap_result`.
     let ptr = unsafe {

@@ -59,6 +59,8 @@
 
 use std::time::{Duration, Instant};
 
+use kvm_ioctls::Kvm;
+
 use crate::memory::{self, MemoryError};
 use crate::snapshot::{self, MachineState, SnapshotError};
 use crate::template::Template;
@@ -135,14 +137,13 @@ fn count(bitmap: &[u64]) -> u64 {
 
 /// Checks that `m` is exactly at `t`'s READY state: all of guest RAM against the template's
 /// memory, and the vCPU and VM state by value. Returns every difference found.
-pub fn verify(m: &mut Machine, t: &Template) -> Result<(), ResetError> {
-    let kvm = crate::vm::open_kvm()?;
+pub fn verify(kvm: &Kvm, m: &mut Machine, t: &Template) -> Result<(), ResetError> {
     let s = t.state();
     // The CPU and device state first, right after the reset: reading all of guest RAM takes
     // tens of milliseconds, in which timers of a correctly reset VM may fire.
     let indices: Vec<u32> = s.machine.msrs.iter().map(|e| e.index).collect();
     let now = snapshot::capture(
-        &kvm,
+        kvm,
         &m.vm,
         &mut m.vcpu,
         s.host_kind,

@@ -296,6 +296,15 @@ fn quiet_expired_pit(mut pit: kvm_pit_state2) -> kvm_pit_state2 {
     pit
 }
 
+/// Which MSRs [`capture`] reads.
+#[derive(Debug, Clone, Copy)]
+pub enum MsrList<'a> {
+    /// Every MSR this host's vCPUs report and accept (probed once per process, by writing).
+    Probe,
+    /// Exactly these (a reference state's), read without writing any.
+    These(&'a [u32]),
+}
+
 /// Captures the state of a vCPU stopped by an exit (typically the READY doorbell).
 ///
 /// First it re-enters `KVM_RUN` with `immediate_exit` set: KVM then completes the pending
@@ -323,29 +332,6 @@ pub fn capture(
         MsrList::Probe => saveable_msrs(kvm, vcpu)?,
         MsrList::These(indices) => indices,
     };
-    capture_rest(kvm, vm, vcpu, kind, cpuid, serial, clock, indices)
-}
-
-/// Which MSRs [`capture`] reads.
-#[derive(Debug, Clone, Copy)]
-pub enum MsrList<'a> {
-    /// Every MSR this host's vCPUs report and accept (probed once per process, by writing).
-    Probe,
-    /// Exactly these (a reference state's), read without writing any.
-    These(&'a [u32]),
-}
-
-#[allow(clippy::too_many_arguments)]
-fn capture_rest(
-    kvm: &Kvm,
-    vm: &VmFd,
-    vcpu: &mut VcpuFd,
-    kind: HostKind,
-    cpuid: Vec<kvm_cpuid_entry2>,
-    serial: &SerialState,
-    clock: kvm_clock_data,
-    indices: &[u32],
-) -> Result<MachineState, SnapshotError> {
     let mut msrs = Msrs::from_entries(
         &indices
             .iter()

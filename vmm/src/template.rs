@@ -268,20 +268,15 @@ impl Template {
         let boot_timings = ready.timings;
         drop(ready);
 
-        let memory = open_memory(dir)?;
-        let pristine = GuestRam::pristine(&memory, state.ram_size)?;
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            page_tables: page_tables(&pristine, &state)?,
-            pristine,
+        Self::open(
+            dir,
             state,
-            memory,
-            origin: Origin::Built {
+            Origin::Built {
                 boot: boot_timings,
                 capture,
                 write,
             },
-        })
+        )
     }
 
     /// Loads a template directory written by [`Template::build`].
@@ -300,6 +295,22 @@ impl Template {
                 this,
             });
         }
+        let mut template = Self::open(
+            dir,
+            state,
+            Origin::Loaded {
+                load: Duration::ZERO,
+            },
+        )?;
+        template.origin = Origin::Loaded {
+            load: started.elapsed(),
+        };
+        Ok(template)
+    }
+
+    /// The template in `dir` around its decoded state: its memory file opened and mapped
+    /// read-only, and its page tables listed.
+    fn open(dir: &Path, state: SnapshotState, origin: Origin) -> Result<Self, TemplateError> {
         let memory = open_memory(dir)?;
         let pristine = GuestRam::pristine(&memory, state.ram_size)?;
         Ok(Self {
@@ -308,9 +319,7 @@ impl Template {
             pristine,
             state,
             memory,
-            origin: Origin::Loaded {
-                load: started.elapsed(),
-            },
+            origin,
         })
     }
 
