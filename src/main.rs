@@ -184,6 +184,28 @@ struct ServeArgs {
     /// Guest RAM in MiB (part of the template's identity).
     #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
     mem_mib: u64,
+    /// Most live sessions; past it, creating or forking one is 429.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_sessions)]
+    max_sessions: usize,
+    /// Host memory all sessions may hold (private pages + fork layers), in MiB; past it,
+    /// creating or forking one is 507.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_memory_bytes >> 20)]
+    sessions_memory_mib: u64,
+    /// Idle timeout of a session that asks for none, in seconds.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().default_idle_timeout_s)]
+    session_idle_timeout_s: u64,
+    /// Largest idle timeout a session may ask for, in seconds.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_idle_timeout_s)]
+    max_session_idle_timeout_s: u64,
+    /// Lifetime of a session that asks for none, in seconds.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().default_lifetime_s)]
+    session_lifetime_s: u64,
+    /// Largest lifetime a session may ask for, in seconds.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_lifetime_s)]
+    max_session_lifetime_s: u64,
+    /// Largest file uploaded into a session, in bytes.
+    #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_file_bytes)]
+    max_file_bytes: usize,
 }
 
 impl Cli {
@@ -446,6 +468,16 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_output_bytes: args.max_output_bytes,
             max_batch_jobs: args.max_batch_jobs,
             max_body_bytes: args.max_body_bytes,
+        },
+        sessions: bud_server::config::SessionLimits {
+            max_sessions: args.max_sessions,
+            max_memory_bytes: args.sessions_memory_mib << 20,
+            default_idle_timeout_s: args.session_idle_timeout_s,
+            max_idle_timeout_s: args.max_session_idle_timeout_s,
+            default_lifetime_s: args.session_lifetime_s,
+            max_lifetime_s: args.max_session_lifetime_s,
+            max_file_bytes: args.max_file_bytes,
+            ..bud_server::config::SessionLimits::default()
         },
         ..bud_server::Config::default()
     };

@@ -481,6 +481,17 @@ class FdCapture:
         self._stdin_source = None
         self._stdin_done = False
 
+    def next_request(self):
+        """A session's next request starts: its stdin starts empty (one truncate, only if the
+        last request's stdin reached the file). Output files are not truncated: reading goes
+        on from where the last request stopped, and a process a cell left running keeps
+        writing to them (so ``sticky`` stays)."""
+        if self._stdin_done:
+            os.ftruncate(self.stdin_fd, 0)
+            os.lseek(self.stdin_fd, 0, os.SEEK_SET)
+        self._stdin_source = None
+        self._stdin_done = False
+
     def mark_dirty(self, stream=None):
         """fd-level output may be waiting in ``stream`` (both if None)."""
         if stream is None:

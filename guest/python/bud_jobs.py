@@ -54,6 +54,7 @@ import types
 
 import _bud
 import bud_io
+import bud_session
 import bud_shell
 
 # The clock is set only when it is off by more than these: bud's host sets the guest's clock
@@ -74,6 +75,10 @@ MARKS = bud_io.MARKS  # timing marks of the job path (see bud_io)
 _REQUEST_HEADER = struct.Struct("<7I")
 assert _bud.JOB_ENV_LEN == _bud.JOB_LANGUAGE + 6 * 4
 _WALL_CLOCK = struct.Struct("<Q")
+# MODE, FLAGS, SEQUENCE, FILE_OP: four adjacent u32s.
+_REQUEST_KIND = struct.Struct("<4I")
+_SEQUENCE = struct.Struct("<I")
+assert _bud.JOB_FILE_OP == _bud.JOB_MODE + 3 * 4
 
 
 class ProtocolError(Exception):
@@ -92,9 +97,11 @@ class Request:
     """One job request, read from the mailbox. ``stdin`` is a memoryview on the mailbox
     (not copied); the rest are bytes, args and env as lists."""
 
-    __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed")
+    __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed", "mode",
+                 "flags", "sequence", "file_op")
 
-    def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b""):
+    def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b"",
+                 mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0):
         self.language = language
         self.code = code
         self.stdin = memoryview(stdin)
@@ -102,6 +109,16 @@ class Request:
         self.env = list(env)
         self.wall_clock_ns = wall_clock_ns
         self.seed = seed
+        self.mode = mode
+        self.flags = flags
+        self.sequence = sequence
+        self.file_op = file_op
+
+    @property
+    def reseed(self):
+        """Whether Python's ``random`` takes this request's seed (a one-shot job always; a
+        session when it starts or forks, so its own random state carries between cells)."""
+        return self.mode == _bud.MODE_JOB or bool(self.flags & _bud.JOB_FLAGS_RESEED)
 
     @classmethod
     def read(cls, view):
@@ -120,7 +137,9 @@ class Request:
         env = [entry.partition(b"=")[::2] for entry in _split(view[at : at + env_len], envc)]
         (wall_clock_ns,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_WALL_CLOCK_NS)
         seed = bytes(view[_bud.JOB_SEED : _bud.JOB_SEED + _bud.JOB_SEED_LEN])
-        return cls(language, code, stdin, args, env, wall_clock_ns, seed)
+        mode, flags, sequence, file_op = _REQUEST_KIND.unpack_from(view, _bud.JOB_MODE)
+        return cls(language, code, stdin, args, env, wall_clock_ns, seed, mode, flags,
+                   sequence, file_op)
 
 
 class Identity:
@@ -136,8 +155,9 @@ class Identity:
     def apply(self, request, warn):
         """Returns None, or why the clone must not run the job. A failed clock is only a
         warning (``warn``): the job runs with the template's."""
-        random.seed(int.from_bytes(request.seed, "little"))
-        tempfile._name_sequence = None  # its own Random, seeded before READY
+        if request.reseed:
+            random.seed(int.from_bytes(request.seed, "little"))
+            tempfile._name_sequence = None  # its own Random, seeded before READY
         if not self.enabled:
             return None
         ahead = time.time_ns() - request.wall_clock_ns
@@ -231,6 +251,7 @@ class JobRunner:
         self.warnings = []
         self._context = None
         self._current = None
+        self._display = None  # display data of the last cell (bud_session.display_of)
 
     # ---- before READY
 
@@ -285,30 +306,62 @@ class JobRunner:
     # ---- in the clone
 
     def serve(self):
-        """Runs the clone's job and reports it. Never returns: after DONE it rings DONE again
-        each time it is resumed."""
-        MARKS.clear()  # the warm-up jobs' marks are in the template
-        MARKS["resumed"] = time.perf_counter()
-        if self._context is None:
-            self._context = _Context(self.areas, self.text_settings)
-        try:
-            request = Request.read(self.view)
-            MARKS["read"] = time.perf_counter()
-            failure = self.identity.apply(request, self.warn)
-            MARKS["identity"] = time.perf_counter()
-            if failure is None:
-                outcome, code = self._run(request, self._context)
-            else:
-                outcome, code = self._internal_failure(failure)
-        except BaseException as error:  # noqa: BLE001 - a bug of ours: report, never hang
-            outcome, code = self._internal_failure(f"{type(error).__name__}: {error}")
-        MARKS["finished"] = time.perf_counter()
-        self.areas.streaming = False
-        bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
-        flags = _bud.GUEST_FLAGS_CLOCK_SET if self.identity.clock_set else 0
-        bud_io.write_phases(self.view, MARKS, flags)
+        """Runs the requests the host gives this clone, one per resume, and reports each with
+        DONE. Never returns. A one-shot job's VM gets one request (and file operations around
+        it); a session's gets one per cell. Resumed without a new request (the sequence
+        number of the one it ran), it rings DONE again without running anything."""
+        done = None  # sequence number of the last request run
+        first = True
         while True:
-            self.ring(_bud.DONE, 0, 0)
+            MARKS.clear()  # the warm-up jobs' (or the last request's) marks
+            MARKS["resumed"] = time.perf_counter()
+            try:
+                request = Request.read(self.view)
+            except BaseException as error:  # noqa: BLE001 - see below
+                request = None
+                failure = f"{type(error).__name__}: {error}"
+            if request is not None and request.sequence == done:
+                self._ring_done(done)
+                continue
+            if not first:
+                self.areas.reset()
+                self.capture.next_request()
+            first = False
+            MARKS["read"] = time.perf_counter()
+            try:
+                if request is None:
+                    raise ProtocolError(failure)
+                done = request.sequence
+                failure = self.identity.apply(request, self.warn)
+                MARKS["identity"] = time.perf_counter()
+                if failure is None:
+                    outcome, code = self._run(request, self._context)
+                else:
+                    outcome, code = self._internal_failure(failure)
+            except BaseException as error:  # noqa: BLE001 - a bug of ours: report, never hang
+                outcome, code = self._internal_failure(f"{type(error).__name__}: {error}")
+            MARKS["finished"] = time.perf_counter()
+            self.areas.streaming = False
+            self.active = False
+            bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
+            flags = _bud.GUEST_FLAGS_CLOCK_SET if self.identity.clock_set else 0
+            bud_io.write_phases(self.view, MARKS, flags)
+            if request is not None and request.mode == _bud.MODE_CELL and self._display:
+                bud_session.write_display(self.view, self._display)
+            self._display = None
+            self._ring_done(done)
+
+    def _ring_done(self, sequence):
+        """DONE, even if the host's interrupt of the request just ended lands now (the
+        SIGINT's KeyboardInterrupt would otherwise escape serve and end the worker). If it
+        lands as ``ring`` returns, the host has resumed the VM with a new request: serve it."""
+        while True:
+            try:
+                self.ring(_bud.DONE, 0, 0)
+                return
+            except KeyboardInterrupt:
+                if _SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sequence:
+                    return
 
     def warn(self, message):
         """One line on the console (not the job's output)."""
@@ -334,10 +387,14 @@ class JobRunner:
         self.active = True
         self.areas.start()
         MARKS["started"] = time.perf_counter()
+        if request.language == _bud.LANGUAGE_PYTHON and request.mode == _bud.MODE_CELL:
+            return self._run_cell(request, context)
         if request.language == _bud.LANGUAGE_PYTHON:
             return self._run_python(request, context, warm)
         if request.language == _bud.LANGUAGE_SHELL:
             return self._run_shell(request)
+        if request.language == _bud.LANGUAGE_FILES:
+            return self._run_file_op(request)
         return self._internal_failure(f"unknown job language {request.language}")
 
     # ---- Python jobs
@@ -354,6 +411,38 @@ class JobRunner:
         context.streams.install()
         outcome, code = _exec_main(source, context.main.__dict__)
         return self._finish_python(outcome, code, context, run_atexit=not warm)
+
+    def _run_cell(self, request, context):
+        """A session cell: the session's ``__main__`` (``context.main``, kept from cell to
+        cell), a displayed final expression, no interpreter exit (bud_session docs)."""
+        source = request.code.decode("utf-8", "surrogateescape")
+        if request.reseed:  # the session's first request (or a fork's): python3's argv
+            sys.argv = [""]
+            if not sys.path or sys.path[0] != "":
+                sys.path.insert(0, "")
+        for name, value in request.env:
+            os.environb[name] = value
+        sys.modules["__main__"] = context.main
+        context.streams.install()
+        outcome, code, value = _exec_cell(source, context.main.__dict__)
+        if value is not None:
+            self._display = bud_session.display_of(value)
+        self.areas.streaming = False
+        self.capture.sync_all(self.areas)
+        if not _flush_text(context) and outcome == _bud.OUTCOME_EXITED:
+            code = 120
+        return outcome, code
+
+    def _run_file_op(self, request):
+        def write_out(data):
+            self.areas.write(bud_io.STDOUT, data)
+
+        try:
+            return _bud.OUTCOME_EXITED, bud_session.file_op(
+                request.file_op, request.code, request.stdin, write_out)
+        except bud_session.FileError as error:
+            self.areas.write(bud_io.STDERR, f"{error}\n".encode("utf-8", "backslashreplace"))
+            return _bud.OUTCOME_EXITED, error.status
 
     def _finish_python(self, outcome, code, context, run_atexit):
         """Interpreter exit, in ``Py_FinalizeEx``'s order."""
@@ -381,6 +470,8 @@ class JobRunner:
         if self.shell.parked:
             seed = int.from_bytes(request.seed[:4], "little") & 0x7FFFFFFF
             script = bud_shell.job_script(request.code, request.args, request.env, seed)
+            if request.mode == _bud.MODE_CELL:  # where the session's cells have gone
+                script = b"cd -- " + bud_shell.quote(os.getcwdb()) + b" || exit\n" + script
             result = self.shell.run(script, self.areas)
         if result is None:
             waiter = bud_shell.spawn_shell(self.shell_path, request.code, request.args,
@@ -461,6 +552,29 @@ def _exec_main(source, namespace):
             return _bud.OUTCOME_SIGNALED, signal.SIGINT
         return _bud.OUTCOME_EXITED, 1
     return _bud.OUTCOME_EXITED, 0
+
+
+def _exec_cell(source, namespace):
+    """Runs a cell in ``namespace``: (outcome, exit status, the final expression's value or
+    None). Errors are reported as :func:`_exec_main` reports them."""
+    try:
+        body, last = bud_session.compile_cell(source)
+        MARKS["compiled"] = time.perf_counter()
+        exec(body, namespace)
+        value = None if last is None else eval(last, namespace)
+    except SystemExit as error:
+        return _bud.OUTCOME_EXITED, _exit_status(error), None
+    except BaseException as error:  # noqa: BLE001 - every uncaught exception is reported
+        error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None
+        _print_uncaught(error)
+        if isinstance(error, MemoryError):
+            return _bud.OUTCOME_OUT_OF_MEMORY, 1, None
+        if isinstance(error, KeyboardInterrupt):
+            return _bud.OUTCOME_SIGNALED, signal.SIGINT, None
+        return _bud.OUTCOME_EXITED, 1, None
+    if value is not None:
+        namespace["_"] = value
+    return _bud.OUTCOME_EXITED, 0, value
 
 
 def _print_uncaught(error):

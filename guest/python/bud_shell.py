@@ -188,6 +188,7 @@ class Waiter:
 
     def __init__(self, pid, status_fd=None):
         self.pid = pid
+        self.reaped = False
         self.pidfd = os.pidfd_open(pid)
         self.status_fd = status_fd
         self.poller = select.poll()
@@ -209,6 +210,7 @@ class Waiter:
                     return _bud.OUTCOME_EXITED, status
             if self.pidfd in ready:
                 _, status = posix.waitpid(self.pid, 0)
+                self.reaped = True
                 bud_io.MARKS["shell_polls"] = polls
                 return outcome_of(status)
             if not ready:
@@ -295,13 +297,16 @@ class ParkedShell:
         return self.waiter.wait(areas)
 
     def retire(self):
-        """Kills and reaps the parked shell, so that a Python job's "wait for any child"
-        finds only its own children. Idempotent; a no-op once a job used the shell."""
-        if self._script_fd is None:
+        """Kills and reaps the shell, parked or stopped after a session's shell cell, so
+        that a Python job's "wait for any child" finds only its own children. Idempotent.
+        The pidfd makes the kill safe against a reused pid."""
+        if self.waiter is None or self.waiter.reaped:
             return
-        self._script_fd = None  # left open: close-on-exec, and the clone is thrown away
+        if self._script_fd is not None:
+            os.close(self._script_fd)
+            self._script_fd = None
         try:
-            os.kill(self.waiter.pid, signal.SIGKILL)
+            signal.pidfd_send_signal(self.waiter.pidfd, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self._reap()
@@ -311,6 +316,7 @@ class ParkedShell:
             posix.waitpid(self.waiter.pid, 0)
         except ChildProcessError:
             pass
+        self.waiter.reaped = True
 
 
 def spawn_shell(path, code, args, env):

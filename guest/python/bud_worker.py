@@ -257,9 +257,17 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     reserve_memory()
     mailbox = _bud.create_mailbox(_bud.MAILBOX_DEFAULT_SIZE, doorbell=doorbell)
     mark("memory")
+    interrupts = None
+    if doorbell:
+        try:
+            _bud.start_interrupt_watcher()
+        except OSError as error:
+            interrupts = f"no interrupt watcher ({error}); session cells cannot be interrupted"
     runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell)
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err
     job_problems = runner.prepare()
+    if interrupts:
+        job_problems.append(interrupts)
     mark("jobs")
     # Everything alive now is template state: keep it out of every future collection, so
     # the collector neither spends time on it nor writes to its pages.

@@ -37,6 +37,43 @@ pub struct ExecRequest {
     /// Always return `stdout_b64` and `stderr_b64`.
     #[serde(default)]
     pub output_b64: bool,
+    /// Files put in the job's working directory (/tmp) before it runs: relative path ->
+    /// content in base64 (`POST /v1/exec` only).
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// Glob patterns (relative to /tmp, `**` allowed) of files to return after the job, in
+    /// the answer's `files` (`POST /v1/exec` only).
+    #[serde(default)]
+    pub return_files: Vec<String>,
+}
+
+/// The files of a job: what goes in, and the patterns of what comes back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobFiles {
+    pub put: Vec<(String, Vec<u8>)>,
+    pub return_globs: Vec<String>,
+}
+
+impl JobFiles {
+    pub fn is_empty(&self) -> bool {
+        self.put.is_empty() && self.return_globs.is_empty()
+    }
+}
+
+/// A relative path (or pattern) inside the work directory: not empty, not absolute, no
+/// `..` component, no NUL.
+pub fn check_relative(field: &str, path: &str) -> Result<(), ApiError> {
+    let bad = path.is_empty()
+        || path.starts_with('/')
+        || path.contains('\0')
+        || path.split('/').any(|c| c == "..");
+    if bad {
+        return Err(ApiError::invalid(
+            field,
+            format!("{path:?} must be a relative path without '..'"),
+        ));
+    }
+    Ok(())
 }
 
 /// `POST /v1/exec/batch`.
@@ -113,6 +150,9 @@ pub struct ExecResponse {
     /// For `crashed`: the last lines of the guest console.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub console_tail: Vec<String>,
+    /// The files `return_files` matched (path -> content in base64), when it was given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<BTreeMap<String, String>>,
     pub timings: Timings,
 }
 
@@ -174,6 +214,7 @@ impl ExecResponse {
             stderr_b64,
             crash: r.crash,
             console_tail: r.console_tail,
+            files: None,
             timings: Timings {
                 queue_ms: ms(queued),
                 clone_ms: ms(r.timings.clone),
@@ -237,9 +278,42 @@ fn check_size(prefix: &str, name: &str, bytes: usize, limit: usize) -> Result<()
 }
 
 impl ExecRequest {
+    /// Takes the request's files out (checked: paths, base64, total size against the body
+    /// limit). Routes that do not take files leave them in, and [`ExecRequest::into_job`]
+    /// refuses them.
+    pub fn take_files(&mut self, limits: &Limits) -> Result<JobFiles, ApiError> {
+        let files = std::mem::take(&mut self.files);
+        let globs = std::mem::take(&mut self.return_files);
+        let mut put = Vec::with_capacity(files.len());
+        let mut total = 0;
+        for (name, b64) in files {
+            let field = format!("files[{name:?}]");
+            check_relative(&field, &name)?;
+            let bytes = BASE64
+                .decode(b64.as_bytes())
+                .map_err(|e| ApiError::invalid(&field, format!("not valid base64: {e}")))?;
+            total += bytes.len();
+            put.push((name, bytes));
+        }
+        check_size("", "files", total, limits.max_body_bytes)?;
+        for (i, g) in globs.iter().enumerate() {
+            check_relative(&format!("return_files[{i}]"), g)?;
+        }
+        Ok(JobFiles {
+            put,
+            return_globs: globs,
+        })
+    }
+
     /// Checks the request against `limits` and builds the job; `prefix` names this request in
     /// error fields (`""`, or `"jobs[3]."` in a batch).
     pub fn into_job(self, limits: &Limits, prefix: &str) -> Result<Job, ApiError> {
+        if !(self.files.is_empty() && self.return_files.is_empty()) {
+            return Err(ApiError::invalid(
+                format!("{prefix}files"),
+                "files and return_files are taken by POST /v1/exec only",
+            ));
+        }
         let code = bytes_field(prefix, "code", self.code, self.code_b64, true)?;
         check_size(prefix, "code", code.len(), limits.max_code_bytes)?;
         let stdin = bytes_field(prefix, "stdin", self.stdin, self.stdin_b64, false)?;

@@ -44,7 +44,7 @@ fn is_json(value: Option<&header::HeaderValue>) -> bool {
 }
 
 /// The body's bytes if it is at most `limit` long.
-async fn read_limited(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+pub async fn read_limited(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
     let drain_cap = limit.saturating_mul(DRAIN_FACTOR);
     let too_large = ApiError::BodyTooLarge { limit };
     let declared = http_body::Body::size_hint(&body).exact();

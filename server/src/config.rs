@@ -44,6 +44,41 @@ impl Default for Limits {
     }
 }
 
+/// Limits of sessions (`/v1/sessions`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionLimits {
+    /// Live sessions at once; past it, creating or forking is 429.
+    pub max_sessions: usize,
+    /// Host memory all sessions may hold (their private pages plus fork layers); past it,
+    /// creating or forking is 507.
+    pub max_memory_bytes: u64,
+    /// Idle timeout when a session asks for none, and the most it may ask for.
+    pub default_idle_timeout_s: u64,
+    pub max_idle_timeout_s: u64,
+    /// Lifetime when a session asks for none, and the most it may ask for.
+    pub default_lifetime_s: u64,
+    pub max_lifetime_s: u64,
+    /// Bytes of one uploaded file (`PUT .../files/{path}`).
+    pub max_file_bytes: usize,
+    /// Children of one fork request.
+    pub max_fork_count: usize,
+}
+
+impl Default for SessionLimits {
+    fn default() -> Self {
+        Self {
+            max_sessions: 64,
+            max_memory_bytes: 4 << 30,
+            default_idle_timeout_s: 600,
+            max_idle_timeout_s: 3600,
+            default_lifetime_s: 3600,
+            max_lifetime_s: 24 * 3600,
+            max_file_bytes: 16 << 20,
+            max_fork_count: 16,
+        }
+    }
+}
+
 /// The whole server configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -60,6 +95,7 @@ pub struct Config {
     /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
     pub retry_after_s: u64,
     pub limits: Limits,
+    pub sessions: SessionLimits,
 }
 
 impl Default for Config {
@@ -72,6 +108,7 @@ impl Default for Config {
             verify_resets: false,
             retry_after_s: 1,
             limits: Limits::default(),
+            sessions: SessionLimits::default(),
         }
     }
 }
@@ -103,6 +140,10 @@ pub enum ConfigError {
     Batch { batch: usize, capacity: usize },
     #[error("max_output_bytes must be at least 1")]
     Output,
+    #[error(
+        "session idle timeout and lifetime defaults must be at least 1 s and at most their maximums"
+    )]
+    SessionTimes,
 }
 
 impl Config {
@@ -144,6 +185,13 @@ impl Config {
         }
         if l.max_output_bytes == 0 {
             return Err(ConfigError::Output);
+        }
+        let s = &self.sessions;
+        let ordered = |default: u64, max: u64| default >= 1 && default <= max;
+        if !ordered(s.default_idle_timeout_s, s.max_idle_timeout_s)
+            || !ordered(s.default_lifetime_s, s.max_lifetime_s)
+        {
+            return Err(ConfigError::SessionTimes);
         }
         Ok(())
     }

@@ -68,6 +68,28 @@ pub enum ApiError {
     /// The route exists but not with this method (405).
     #[error("method not allowed")]
     MethodNotAllowed,
+    /// No live or ended session has this id (404).
+    #[error("no session {0}")]
+    NoSession(String),
+    /// The session has ended (410): why, and for a crash the console's last lines.
+    #[error("session {id} has ended: {reason}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    SessionGone {
+        id: String,
+        reason: String,
+        detail: Option<String>,
+    },
+    /// A request is already running in the session (409).
+    #[error("session {0} is running another request; one at a time")]
+    SessionBusy(String),
+    /// The live-session cap is reached (429, `Retry-After`).
+    #[error("{limit} sessions are live, the server's limit; delete one or retry later")]
+    TooManySessions { limit: usize, retry_after: Duration },
+    /// Sessions hold as much host memory as the server allows (507).
+    #[error("sessions hold {used} bytes of host memory; the limit is {limit}")]
+    OutOfMemory { used: u64, limit: u64 },
+    /// No such file in the session (404).
+    #[error("{0}")]
+    NoFile(String),
     /// bud could not run the job at all (500): a clone or vCPU failure.
     #[error("could not run the job: {message}")]
     Internal {
@@ -132,7 +154,13 @@ impl ApiError {
             ApiError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::NotReady { .. } | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NotFound(_) | ApiError::NoSession(_) | ApiError::NoFile(_) => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::SessionGone { .. } => StatusCode::GONE,
+            ApiError::SessionBusy(_) => StatusCode::CONFLICT,
+            ApiError::TooManySessions { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -152,6 +180,12 @@ impl ApiError {
             ApiError::NotReady { .. } => "not_ready",
             ApiError::ShuttingDown => "shutting_down",
             ApiError::NotFound(_) => "not_found",
+            ApiError::NoSession(_) => "no_session",
+            ApiError::SessionGone { .. } => "session_gone",
+            ApiError::SessionBusy(_) => "session_busy",
+            ApiError::TooManySessions { .. } => "too_many_sessions",
+            ApiError::OutOfMemory { .. } => "out_of_memory",
+            ApiError::NoFile(_) => "no_file",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal { .. } => "internal",
         }
@@ -170,9 +204,9 @@ impl ApiError {
 
     fn retry_after(&self) -> Option<Duration> {
         match self {
-            ApiError::Overloaded { retry_after, .. } | ApiError::NotReady { retry_after } => {
-                Some(*retry_after)
-            }
+            ApiError::Overloaded { retry_after, .. }
+            | ApiError::NotReady { retry_after }
+            | ApiError::TooManySessions { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
     }

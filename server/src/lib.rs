@@ -19,6 +19,8 @@ pub mod jobs;
 pub mod metrics;
 pub mod openapi;
 pub mod routes;
+pub mod session_routes;
+pub mod sessions;
 pub mod startup;
 pub mod state;
 pub mod stream;
@@ -38,13 +40,24 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 6] = [
+pub const ROUTES: [(&str, &str); 17] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
     ("get", "/v1/health"),
     ("get", "/metrics"),
     ("get", "/v1/openapi.json"),
+    ("post", "/v1/sessions"),
+    ("get", "/v1/sessions"),
+    ("get", "/v1/sessions/{id}"),
+    ("delete", "/v1/sessions/{id}"),
+    ("post", "/v1/sessions/{id}/exec"),
+    ("post", "/v1/sessions/{id}/exec/stream"),
+    ("post", "/v1/sessions/{id}/fork"),
+    ("get", "/v1/sessions/{id}/files"),
+    ("put", "/v1/sessions/{id}/files/{path}"),
+    ("get", "/v1/sessions/{id}/files/{path}"),
+    ("delete", "/v1/sessions/{id}/files/{path}"),
 ];
 
 /// The API's router over `state`.
@@ -56,6 +69,27 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/v1/openapi.json", get(routes::openapi))
+        .route(
+            "/v1/sessions",
+            post(session_routes::create).get(session_routes::list),
+        )
+        .route(
+            "/v1/sessions/{id}",
+            get(session_routes::show).delete(session_routes::delete),
+        )
+        .route("/v1/sessions/{id}/exec", post(session_routes::exec))
+        .route(
+            "/v1/sessions/{id}/exec/stream",
+            post(stream::session_stream),
+        )
+        .route("/v1/sessions/{id}/fork", post(session_routes::fork))
+        .route("/v1/sessions/{id}/files", get(session_routes::list_files))
+        .route(
+            "/v1/sessions/{id}/files/{*path}",
+            get(session_routes::get_file)
+                .put(session_routes::put_file)
+                .delete(session_routes::delete_file),
+        )
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(middleware::from_fn_with_state(
@@ -82,14 +116,21 @@ pub async fn serve(
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
+    let reaper = tokio::spawn(session_routes::reaper(state.clone()));
     axum::serve(listener, app(state.clone()))
         .with_graceful_shutdown(shutdown)
         .await?;
+    reaper.abort();
     // Every request has its answer; jobs of clients that left may still be queued.
     let drained = state.clone();
-    tokio::task::spawn_blocking(move || drained.drain())
-        .await
-        .map_err(std::io::Error::other)?;
+    tokio::task::spawn_blocking(move || {
+        drained.drain();
+        if let Some(ex) = drained.executor_if_ready() {
+            drained.sessions().end_all(&ex);
+        }
+    })
+    .await
+    .map_err(std::io::Error::other)?;
     Ok(())
 }
 
@@ -253,8 +294,10 @@ mod tests {
                 "{method} {path} undocumented"
             );
             let m = Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
-            let (status, _, _) = send(m, path, Some("application/json"), b"{}").await;
-            assert_ne!(status, StatusCode::NOT_FOUND, "{method} {path}");
+            let uri = path.replace("{id}", "ses_x").replace("{path}", "f.txt");
+            let (status, _, body) = send(m, &uri, Some("application/json"), b"{}").await;
+            // A session route answers 404 for an unknown session, but never the router's.
+            assert_ne!(body["error"]["code"], "not_found", "{method} {path}");
             assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
         }
     }

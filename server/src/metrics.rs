@@ -19,6 +19,9 @@
 //!   and `bud_vms_replaced_total{reason}` (`abnormal`: the job did not end at DONE;
 //!   `too_dirty`: too many private pages; `reset_failed`: the reset or its verification
 //!   failed).
+//! - sessions: `bud_sessions` (live), `bud_sessions_memory_bytes` (their private pages plus
+//!   fork layers, what the memory cap counts), `bud_sessions_created_total`,
+//!   `bud_sessions_forked_total` (children made) and `bud_sessions_ended_total{reason}`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -109,7 +112,7 @@ pub struct Metrics {
 const GUEST_PHASES: [&str; 4] = ["read", "identity", "compile", "run"];
 
 /// Point-in-time values written as gauges.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Gauges {
     pub workers: usize,
     pub queue_capacity: usize,
@@ -122,6 +125,17 @@ pub struct Gauges {
     pub template_ready: bool,
     /// The executor's counters (all zero before the template is ready).
     pub executor: vmm::executor::ExecutorStats,
+    pub sessions: SessionGauges,
+}
+
+/// What the sessions hold and have done.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionGauges {
+    pub live: usize,
+    pub memory_bytes: u64,
+    pub created: u64,
+    pub forked: u64,
+    pub ended: BTreeMap<String, u64>,
 }
 
 impl Metrics {
@@ -358,6 +372,37 @@ impl Metrics {
             ("reset_failed", g.executor.replaced_reset_failed),
         ] {
             let _ = writeln!(out, "bud_vms_replaced_total{{reason=\"{reason}\"}} {v}");
+        }
+        let ss = &g.sessions;
+        sample(&mut out, "bud_sessions", "gauge", "Live sessions.", ss.live);
+        sample(
+            &mut out,
+            "bud_sessions_memory_bytes",
+            "gauge",
+            "Host memory sessions hold: their private pages plus fork layers.",
+            ss.memory_bytes,
+        );
+        sample(
+            &mut out,
+            "bud_sessions_created_total",
+            "counter",
+            "Sessions created (forks included).",
+            ss.created,
+        );
+        sample(
+            &mut out,
+            "bud_sessions_forked_total",
+            "counter",
+            "Sessions made by forking.",
+            ss.forked,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP bud_sessions_ended_total Sessions ended, by reason.\n\
+             # TYPE bud_sessions_ended_total counter"
+        );
+        for (reason, v) in &ss.ended {
+            let _ = writeln!(out, "bud_sessions_ended_total{{reason=\"{reason}\"}} {v}");
         }
         out
     }

@@ -33,7 +33,13 @@ mod tests {
     fn documented_routes(doc: &Value) -> BTreeSet<(String, String)> {
         let mut routes = BTreeSet::new();
         for (path, item) in doc["paths"].as_object().unwrap() {
-            for method in item.as_object().unwrap().keys() {
+            // `parameters` is the path item's shared parameters, not a method.
+            for method in item
+                .as_object()
+                .unwrap()
+                .keys()
+                .filter(|k| *k != "parameters")
+            {
                 routes.insert((method.clone(), path.clone()));
             }
         }
@@ -95,6 +101,19 @@ mod tests {
             crate::ApiError::BodyTooLarge { limit: 1 },
             crate::ApiError::Body(String::new()),
             crate::ApiError::invalid("f", "m"),
+            crate::ApiError::NoSession(String::new()),
+            crate::ApiError::SessionBusy(String::new()),
+            crate::ApiError::NoFile(String::new()),
+            crate::ApiError::OutOfMemory { used: 1, limit: 1 },
+            crate::ApiError::TooManySessions {
+                limit: 1,
+                retry_after: std::time::Duration::from_secs(1),
+            },
+            crate::ApiError::SessionGone {
+                id: String::new(),
+                reason: String::new(),
+                detail: None,
+            },
         ];
 
         for e in errors {

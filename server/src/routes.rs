@@ -107,10 +107,16 @@ impl NoResult {
 /// `POST /v1/exec`.
 pub async fn exec(
     State(state): State<AppState>,
-    JsonBody(req): JsonBody<ExecRequest>,
+    JsonBody(mut req): JsonBody<ExecRequest>,
 ) -> Result<Json<ExecResponse>, ApiError> {
     let output_b64 = req.output_b64;
+    let files = req.take_files(&state.config().limits)?;
     let job = req.into_job(&state.config().limits, "")?;
+    if !files.is_empty() {
+        return crate::session_routes::exec_with_files(&state, job, files, output_b64)
+            .await
+            .map(Json);
+    }
     let exec = state.executor()?;
     let slot = state.admit(1)?.remove(0);
     let rx = start(&state, exec, slot, job)?;

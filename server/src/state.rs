@@ -20,6 +20,7 @@ struct Shared {
     executor: OnceLock<Arc<Executor>>,
     jobs: JobThreads,
     metrics: Arc<Metrics>,
+    sessions: Arc<crate::sessions::Sessions>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -50,6 +51,7 @@ impl AppState {
             executor: slot,
             jobs,
             metrics: Arc::default(),
+            sessions: Arc::default(),
         })))
     }
 
@@ -64,6 +66,11 @@ impl AppState {
     /// The metrics, to record from a job thread.
     pub fn metrics_handle(&self) -> Arc<Metrics> {
         self.0.metrics.clone()
+    }
+
+    /// The live sessions.
+    pub fn sessions(&self) -> &Arc<crate::sessions::Sessions> {
+        &self.0.sessions
     }
 
     pub fn jobs(&self) -> &JobThreads {
@@ -83,6 +90,11 @@ impl AppState {
                 retry_after: self.config().retry_after(),
             }
         })
+    }
+
+    /// The executor if the template is ready (no rejection counted).
+    pub fn executor_if_ready(&self) -> Option<Arc<Executor>> {
+        self.0.executor.get().cloned()
     }
 
     /// `n` admission slots, or 429 (full) / 503 (shutting down).
@@ -132,6 +144,7 @@ impl AppState {
             warm_vms: stats.map_or(0, |s| s.warm),
             template_ready: stats.is_some(),
             executor: stats.unwrap_or_default(),
+            sessions: self.0.sessions.gauges(),
         }
     }
 

@@ -17,7 +17,7 @@ use std::convert::Infallible;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
@@ -30,12 +30,15 @@ use crate::api::{ExecRequest, ExecResponse, text_and_b64};
 use crate::body::JsonBody;
 use crate::error::ApiError;
 use crate::routes::record;
+use crate::session_routes::{self, CellResponse};
 use crate::state::AppState;
 
 /// What the job thread sends to the response body.
 enum Event {
     Output(Stream, Vec<u8>),
     Done(Box<Result<JobResult, ExecError>>, std::time::Duration),
+    /// A session cell's end (`POST /v1/sessions/{id}/exec/stream`).
+    Cell(Box<Result<CellResponse, ApiError>>),
 }
 
 #[derive(Serialize)]
@@ -52,6 +55,8 @@ enum Line<'a> {
         data_b64: Option<String>,
     },
     Result(&'a ExecResponse),
+    #[serde(rename = "result")]
+    CellResult(&'a CellResponse),
     Error {
         error: serde_json::Value,
     },
@@ -94,6 +99,14 @@ impl Encoder {
         push_line(out, &line);
     }
 
+    /// Sends what was held back of both streams (the output has ended).
+    fn flush_held(&mut self, out: &mut Vec<u8>) {
+        for s in [Stream::Stdout, Stream::Stderr] {
+            let rest = std::mem::take(&mut self.held[s as usize]);
+            self.chunk_line(s, &rest, out);
+        }
+    }
+
     fn encode(&mut self, ev: Event) -> Bytes {
         let mut out = Vec::new();
         match ev {
@@ -104,11 +117,24 @@ impl Encoder {
                 let ready: Vec<u8> = held.drain(..cut).collect();
                 self.chunk_line(s, &ready, &mut out);
             }
-            Event::Done(result, waited) => {
-                for s in [Stream::Stdout, Stream::Stderr] {
-                    let rest = std::mem::take(&mut self.held[s as usize]);
-                    self.chunk_line(s, &rest, &mut out);
+            Event::Cell(result) => {
+                self.flush_held(&mut out);
+                match *result {
+                    Ok(mut r) => {
+                        r.exec.stdout.clear();
+                        r.exec.stderr.clear();
+                        r.exec.stdout_b64 = None;
+                        r.exec.stderr_b64 = None;
+                        push_line(&mut out, &Line::CellResult(&r));
+                    }
+                    Err(e) => {
+                        let error = e.body()["error"].take();
+                        push_line(&mut out, &Line::Error { error });
+                    }
                 }
+            }
+            Event::Done(result, waited) => {
+                self.flush_held(&mut out);
                 match *result {
                     Ok(mut r) => {
                         r.stdout.clear();
@@ -172,6 +198,43 @@ pub async fn exec_stream(
         },
         ev => ev,
     };
+    Ok(respond(first, rx, output_b64))
+}
+
+/// `POST /v1/sessions/{id}/exec/stream`: a cell's output as it comes, then its result line
+/// (the fields of a `POST /v1/sessions/{id}/exec` answer). A cell that cannot run at all
+/// (unknown or busy session, bad request) gets its error status instead.
+pub async fn session_stream(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<ExecRequest>,
+) -> Result<Response, ApiError> {
+    let output_b64 = req.output_b64;
+    let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
+    let out = tx.clone();
+    tokio::spawn(async move {
+        let forward = move |s: Stream, bytes: &[u8]| {
+            let _ = out.send(Event::Output(s, bytes.to_vec()));
+        };
+        let r = session_routes::run_cell(&state, &id, req, forward).await;
+        let _ = tx.send(Event::Cell(Box::new(r.map(|(cell, _)| cell))));
+    });
+    let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
+        field: None,
+        message: "the cell's task ended without an answer".into(),
+    })?;
+    let first = match first {
+        Event::Cell(r) => match *r {
+            Err(e) => return Err(e),
+            ok => Event::Cell(Box::new(ok)),
+        },
+        ev => ev,
+    };
+    Ok(respond(first, rx, output_b64))
+}
+
+/// The NDJSON response: `first`, then every event from `rx`, one line each.
+fn respond(first: Event, rx: mpsc::UnboundedReceiver<Event>, output_b64: bool) -> Response {
     let encoder = Encoder {
         output_b64,
         held: [Vec::new(), Vec::new()],
@@ -187,11 +250,11 @@ pub async fn exec_stream(
             Some((Ok::<_, Infallible>(line), (None, rx, enc)))
         },
     );
-    Ok((
+    (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(lines),
     )
-        .into_response())
+        .into_response()
 }
 
 #[cfg(test)]

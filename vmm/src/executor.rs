@@ -335,6 +335,26 @@ impl Executor {
         Ok((m, started.elapsed()))
     }
 
+    /// The KVM handle VMs are made with.
+    pub fn kvm(&self) -> &Kvm {
+        &self.shared.kvm
+    }
+
+    /// Takes back a VM lent with [`Executor::take_vm`] whose last request ended at DONE
+    /// and whose RAM is still the template's mapping (no layer mapped over it): it is reset
+    /// and kept like a job's VM (module docs), or replaced if the reset fails or it holds
+    /// too many private pages.
+    pub fn give_back(&self, m: Machine) {
+        self.recycle(m, Ending::Done);
+    }
+
+    /// Counts a VM made outside the executor (a session's fork child) among its live VMs;
+    /// it is later handed to [`Executor::discard`] like any other.
+    pub fn adopt(&self, m: Machine) -> Machine {
+        self.shared.counters.live.fetch_add(1, Ordering::Relaxed);
+        m
+    }
+
     /// Hands a VM to the reaper.
     pub fn discard(&self, m: Machine) {
         let m = match &self.reaper {

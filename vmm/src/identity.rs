@@ -34,6 +34,14 @@ pub enum IdentityError {
     Memory(#[from] MemoryError),
 }
 
+/// The host's wall clock (`CLOCK_REALTIME`) in nanoseconds since the epoch; 0 before it.
+pub fn host_wall_ns() -> i128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i128)
+        .unwrap_or(0)
+}
+
 /// Fills `buf` from the host's CRNG (`getrandom`).
 pub fn host_random(buf: &mut [u8]) -> Result<(), IdentityError> {
     let mut filled = 0;

@@ -226,6 +226,43 @@ impl GuestRam {
         Ok(copied)
     }
 
+    /// Copies `len` bytes of guest memory at `addr` into `file` at the same offset, straight
+    /// from the mapping (no intermediate buffer).
+    pub fn write_to_file(&self, file: &File, addr: u64, len: u64) -> std::io::Result<()> {
+        let end = addr.checked_add(len).filter(|&e| e <= self.len);
+        if end.is_none() {
+            return Err(std::io::Error::other(format!(
+                "{len:#x} bytes at {addr:#x} are outside guest RAM"
+            )));
+        }
+        let mut done = 0u64;
+        while done < len {
+            // SAFETY: `addr + done .. addr + len` lies inside the live mapping (checked
+            // above); pwrite only reads it. No Rust reference to guest memory is made, so a
+            // guest writing meanwhile races only on the bytes copied, never on Rust's rules.
+            let n = unsafe {
+                libc::pwrite(
+                    file.as_raw_fd(),
+                    (self.host_address() + addr + done) as *const libc::c_void,
+                    (len - done) as usize,
+                    (addr + done) as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(std::io::Error::other("pwrite wrote nothing"));
+            }
+            done += n as u64;
+        }
+        Ok(())
+    }
+
     /// The pages of this mapping that hold a private copy (a `MAP_PRIVATE` page someone
     /// wrote: guest, KVM or host), as a bitmap, from `/proc/self/pagemap`: present and not a
     /// file page (bit 63 set, bit 61 clear), or swapped out (bit 62). Every other page is the

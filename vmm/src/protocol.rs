@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -79,6 +79,58 @@ pub mod language {
     pub const PYTHON: u32 = 1;
     /// POSIX shell (busybox `sh`).
     pub const SHELL: u32 = 2;
+    /// A file operation in the work directory (`job::FILE_OP`, see [`super::file_op`]):
+    /// `code` is the path, `stdin` the data written.
+    pub const FILES: u32 = 3;
+}
+
+/// How the worker treats a request (`job::MODE`).
+pub mod mode {
+    /// A one-shot job: `python3 -c` semantics in a fresh `__main__`. The VM is reset (or
+    /// thrown away) afterwards.
+    pub const JOB: u32 = 0;
+    /// A cell of a session: Python runs in the session's `__main__`, which persists from
+    /// cell to cell, and a final expression's value is reported in the display area
+    /// (`result::DISPLAY_LEN`); shell runs in the session's working directory.
+    pub const CELL: u32 = 1;
+}
+
+/// Bits of `job::FLAGS`.
+pub mod job_flags {
+    /// Seed Python's `random` from `job::SEED` (always done for [`super::mode::JOB`]; for a
+    /// session only on its first request and the first request of a fork child, so that a
+    /// session's own random state carries from cell to cell).
+    pub const RESEED: u32 = 1;
+}
+
+/// File operations (`job::FILE_OP` of a `language::FILES` request). Paths are relative to
+/// the work directory and must resolve inside it; exit codes are [`file_status`].
+pub mod file_op {
+    /// Create or truncate the file, then write `stdin` (parent directories are created).
+    pub const WRITE: u32 = 1;
+    /// Append `stdin` to the file (a large upload arrives in several requests).
+    pub const APPEND: u32 = 2;
+    /// Write the file's bytes to stdout.
+    pub const READ: u32 = 3;
+    /// Write a JSON list of `{"name", "type": "file"|"dir"|"other", "size"}` to stdout.
+    pub const LIST: u32 = 4;
+    /// Remove a file, or a directory with everything in it.
+    pub const DELETE: u32 = 5;
+    /// Write the names of the regular files matching the glob pattern in `code` (relative
+    /// to the work directory, `**` allowed) to stdout, NUL-separated.
+    pub const GLOB: u32 = 6;
+}
+
+/// Exit codes of a `language::FILES` request (`EXIT_CODE` with outcome `EXITED`).
+pub mod file_status {
+    pub const OK: i32 = 0;
+    /// The path is malformed or leaves the work directory (after resolving symlinks).
+    pub const BAD_PATH: i32 = 2;
+    pub const NOT_FOUND: i32 = 3;
+    /// A directory where a file was needed, or the other way round.
+    pub const WRONG_KIND: i32 = 4;
+    /// Any other OS error (stderr says which).
+    pub const OS_ERROR: i32 = 5;
 }
 
 /// The job request: fields the host writes before resuming a clone (byte offsets in the
@@ -104,6 +156,20 @@ pub mod job {
     /// the kernel CRNG's secret: the host writes that one straight into the guest kernel.
     pub const SEED: usize = 104;
     pub const SEED_LEN: usize = 32;
+    /// [`super::mode`] of the request (`u32`).
+    pub const MODE: usize = 136;
+    /// [`super::job_flags`] bits (`u32`).
+    pub const FLAGS: usize = 140;
+    /// Sequence number of the request (`u32`, never 0): the worker runs a request once;
+    /// resumed with a number it has already run, it rings DONE again without running it.
+    pub const SEQUENCE: usize = 144;
+    /// [`super::file_op`] of a `language::FILES` request (`u32`).
+    pub const FILE_OP: usize = 148;
+    /// The sequence number of the request the host wants interrupted (`u32`), written
+    /// before it sends the interrupt byte on the console. The guest's watcher signals the
+    /// running request only if this matches its `SEQUENCE`: a late byte never interrupts
+    /// the next request.
+    pub const INTERRUPT: usize = 152;
     /// Start of the request data.
     pub const DATA: usize = 4096;
     /// End of the request data: code + stdin + args + env must fit in `DATA..DATA_END`.
@@ -129,6 +195,11 @@ pub mod result {
     pub const PHASE_FINISHED_NS: usize = 296;
     /// What the guest had to do itself (`u32`, bits of [`super::guest_flags`]), valid at DONE.
     pub const GUEST_FLAGS: usize = 304;
+    /// Bytes of display data (`u32`), valid at DONE of a [`super::mode::CELL`] request: a
+    /// JSON array of `{"type": MIME, "data": TEXT}` objects (`image/png` base64-encoded) at
+    /// `job::DATA`, over the request, which is no longer needed by then. Hostile input:
+    /// the host clamps the length to `job::DATA_END - job::DATA` and parses it strictly.
+    pub const DISPLAY_LEN: usize = 308;
     /// The stdout area.
     pub const STDOUT_AREA: usize = 2 << 20;
     pub const STDOUT_AREA_END: usize = 3 << 20;

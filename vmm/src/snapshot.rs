@@ -462,9 +462,17 @@ pub fn restore(
 /// a warm VM between jobs) is never seen by the guest: a guest that sees time pass accounts
 /// it in its timekeeping and timers, tick by tick, all emulated on kvm_pvm.
 pub fn set_clock(vm: &VmFd, s: &MachineState) -> Result<(), SnapshotError> {
-    let clock = kvm_clock_data {
-        flags: 0,
-        ..s.clock
-    };
+    pin_clock(vm, &s.clock)
+}
+
+/// Sets the VM's kvm-clock to `clock` (flags cleared, as [`set_clock`]): a session's clock
+/// where its last request stopped.
+pub fn pin_clock(vm: &VmFd, clock: &kvm_clock_data) -> Result<(), SnapshotError> {
+    let clock = kvm_clock_data { flags: 0, ..*clock };
     res("KVM_SET_CLOCK", vm.set_clock(&clock))
+}
+
+/// The VM's kvm-clock now.
+pub fn read_clock(vm: &VmFd) -> Result<kvm_clock_data, SnapshotError> {
+    cap("KVM_GET_CLOCK", vm.get_clock())
 }

@@ -349,10 +349,15 @@ impl Template {
         self.origin
     }
 
+    /// A new copy-on-write mapping of the template's memory (what a clone runs on).
+    pub fn private_ram(&self) -> Result<GuestRam, TemplateError> {
+        Ok(GuestRam::private_fd(&self.memory, self.state.ram_size)?)
+    }
+
     /// Creates a clone: a new VM over a copy-on-write mapping of the memory file, with the
     /// template's state restored (order in [`snapshot::restore`]). The clone has not run yet.
     pub fn clone_machine(&self, kvm: &Kvm) -> Result<Machine, TemplateError> {
-        let ram = GuestRam::private_fd(&self.memory, self.state.ram_size)?;
+        let ram = self.private_ram()?;
         let serial = (&self.state.machine.serial).into();
         let machine = Machine::create(
             kvm,

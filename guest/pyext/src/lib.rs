@@ -25,6 +25,7 @@ mod protocol;
 #[path = "../../agent/src/doorbell.rs"]
 mod doorbell;
 mod hooked;
+mod interrupt;
 mod mailbox;
 mod memory;
 
@@ -37,7 +38,8 @@ use pyo3::prelude::*;
 use doorbell::Doorbell;
 use mailbox::{Mailbox, MailboxError};
 use protocol::{
-    MAILBOX_DEFAULT_SIZE, code, failure, guest_flags, header, job, language, outcome, result,
+    MAILBOX_DEFAULT_SIZE, code, failure, file_op, file_status, guest_flags, header, job, job_flags,
+    language, mode, outcome, result,
 };
 
 /// Every constant of `protocol.rs`, under its Python name: `NAME` for top-level constants and
@@ -64,6 +66,21 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("FAILED", code::FAILED as u64),
     ("LANGUAGE_PYTHON", language::PYTHON as u64),
     ("LANGUAGE_SHELL", language::SHELL as u64),
+    ("LANGUAGE_FILES", language::FILES as u64),
+    ("MODE_JOB", mode::JOB as u64),
+    ("MODE_CELL", mode::CELL as u64),
+    ("JOB_FLAGS_RESEED", job_flags::RESEED as u64),
+    ("FILE_OP_WRITE", file_op::WRITE as u64),
+    ("FILE_OP_APPEND", file_op::APPEND as u64),
+    ("FILE_OP_READ", file_op::READ as u64),
+    ("FILE_OP_LIST", file_op::LIST as u64),
+    ("FILE_OP_DELETE", file_op::DELETE as u64),
+    ("FILE_OP_GLOB", file_op::GLOB as u64),
+    ("FILE_STATUS_OK", file_status::OK as u64),
+    ("FILE_STATUS_BAD_PATH", file_status::BAD_PATH as u64),
+    ("FILE_STATUS_NOT_FOUND", file_status::NOT_FOUND as u64),
+    ("FILE_STATUS_WRONG_KIND", file_status::WRONG_KIND as u64),
+    ("FILE_STATUS_OS_ERROR", file_status::OS_ERROR as u64),
     ("JOB_LANGUAGE", job::LANGUAGE as u64),
     ("JOB_CODE_LEN", job::CODE_LEN as u64),
     ("JOB_STDIN_LEN", job::STDIN_LEN as u64),
@@ -74,6 +91,11 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("JOB_WALL_CLOCK_NS", job::WALL_CLOCK_NS as u64),
     ("JOB_SEED", job::SEED as u64),
     ("JOB_SEED_LEN", job::SEED_LEN as u64),
+    ("JOB_MODE", job::MODE as u64),
+    ("JOB_FLAGS", job::FLAGS as u64),
+    ("JOB_SEQUENCE", job::SEQUENCE as u64),
+    ("JOB_FILE_OP", job::FILE_OP as u64),
+    ("JOB_INTERRUPT", job::INTERRUPT as u64),
     ("JOB_DATA", job::DATA as u64),
     ("JOB_DATA_END", job::DATA_END as u64),
     ("RESULT_STDOUT_LEN", result::STDOUT_LEN as u64),
@@ -85,6 +107,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("RESULT_PHASE_COMPILED_NS", result::PHASE_COMPILED_NS as u64),
     ("RESULT_PHASE_FINISHED_NS", result::PHASE_FINISHED_NS as u64),
     ("RESULT_GUEST_FLAGS", result::GUEST_FLAGS as u64),
+    ("RESULT_DISPLAY_LEN", result::DISPLAY_LEN as u64),
     ("GUEST_FLAGS_CLOCK_SET", guest_flags::CLOCK_SET as u64),
     ("RESULT_STDOUT_AREA", result::STDOUT_AREA as u64),
     ("RESULT_STDOUT_AREA_END", result::STDOUT_AREA_END as u64),
@@ -255,6 +278,15 @@ fn prefault_stack(nbytes: usize) -> PyResult<()> {
 }
 
 /// mlockall(MCL_CURRENT): every page mapped now becomes resident and present.
+/// Starts the thread that turns the host's interrupt byte on `tty` into SIGINT for this
+/// (the main) thread (see `interrupt.rs`). Call before READY, from the main thread.
+#[pyfunction]
+#[pyo3(signature = (tty = "/dev/ttyS0"))]
+fn start_interrupt_watcher(tty: &str) -> PyResult<()> {
+    let mailbox = existing_mailbox()?;
+    interrupt::start(tty, mailbox).map_err(|e| os_error("interrupt watcher", &e))
+}
+
 #[pyfunction]
 fn lock_memory() -> PyResult<()> {
     memory::lock_all().map_err(|e| os_error("mlockall", &e))
@@ -274,6 +306,8 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
+    m.add("INTERRUPT_BYTE", interrupt::INTERRUPT_BYTE)?;
     m.add_class::<hooked::Hooked>()?;
 
     // The protocol, from the one shared source.

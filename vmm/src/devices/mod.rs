@@ -49,6 +49,8 @@ pub enum PortEvent {
 /// Errors of device setup.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
+    #[error("cannot put bytes in the serial receive FIFO: {0}")]
+    Receive(String),
     #[error("cannot restore serial state: {0}")]
     SerialState(String),
 }
@@ -104,6 +106,15 @@ impl PortBus {
             .map_err(|e| DeviceError::SerialState(format!("{e:?}")))?;
         self.stray_accesses = 0;
         Ok(())
+    }
+
+    /// Puts `bytes` in the serial console's receive FIFO and raises its IRQ if the guest
+    /// enabled receive interrupts: how the host interrupts a session's cell (a worker thread
+    /// reads the console and signals the cell). Bytes past the FIFO's room are dropped.
+    pub fn send_to_guest(&mut self, bytes: &[u8]) -> Result<usize, DeviceError> {
+        self.serial
+            .enqueue_raw_bytes(bytes)
+            .map_err(|e| DeviceError::Receive(format!("{e:?}")))
     }
 
     /// The eventfd that raises the serial IRQ (registered with KVM as an irqfd).

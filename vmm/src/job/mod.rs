@@ -3,7 +3,7 @@
 
 mod run;
 
-pub use run::{give_identity, run, write_request};
+pub use run::{INTERRUPT_BYTE, Kind, Request, give_identity, run, run_request, write_request};
 
 use std::time::Duration;
 
@@ -187,7 +187,18 @@ pub struct JobResult {
     /// For [`Status::Crashed`]: what went wrong and the last console lines.
     pub crash: Option<String>,
     pub console_tail: Vec<String>,
+    /// What a session cell displayed: its final expression's value (empty otherwise).
+    pub display: Vec<Display>,
     pub timings: JobTimings,
+}
+
+/// One representation of a displayed value, as Jupyter's display data: `mime` is
+/// `text/plain`, `text/html` or `image/png` (`data` base64-encoded).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Display {
+    #[serde(rename = "type")]
+    pub mime: String,
+    pub data: String,
 }
 
 /// How the guest left a job: at the DONE doorbell with its worker intact, or any other way
@@ -224,6 +235,8 @@ pub enum JobError {
     Mailbox(#[from] MailboxError),
     #[error("running the clone's vCPU: {0}")]
     Run(#[from] VcpuError),
+    #[error("interrupting the guest: {0}")]
+    Interrupt(String),
 }
 
 #[cfg(test)]

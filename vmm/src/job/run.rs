@@ -9,31 +9,89 @@
 //! timer thread. Afterwards the VM is reset or thrown away ([`crate::executor`]), so nothing
 //! a job does reaches another job.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use super::{
-    CRASH_TAIL_LINES, Ending, GuestPhases, Job, JobError, JobResult, JobTimings, Status, Stream,
+    CRASH_TAIL_LINES, Display, Ending, GuestPhases, Job, JobError, JobResult, JobTimings, Status,
+    Stream,
 };
 use crate::identity;
 use crate::mailbox::{Mailbox, MailboxError};
 use crate::memory::GuestRam;
-use crate::protocol::{code, failure, guest_flags, job, outcome, result};
+use crate::protocol::{
+    code, failure, guest_flags, job, job_flags, language, mode, outcome, result,
+};
 use crate::snapshot::{self, SnapshotState};
 use crate::timer;
 use crate::vcpu::{VcpuError, VcpuStop};
 use crate::vm::Machine;
 
-/// Writes `j` into the mailbox, with fresh randomness and the host's wall-clock time.
-pub fn write_request(ram: &GuestRam, mb: &Mailbox, j: &Job) -> Result<(), JobError> {
+/// What the worker is asked to do with a request ([`crate::protocol::mode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A one-shot job: `python3 -c` / `sh -c` semantics.
+    Job,
+    /// A session cell; `reseed`: the session's first request, or a fork child's, which
+    /// seeds Python's `random`.
+    Cell { reseed: bool },
+    /// A file operation ([`crate::protocol::file_op`]): the job's code is the path, its
+    /// stdin the data.
+    File(u32),
+}
+
+/// One request to a VM's worker: the job, how to treat it, and its sequence number (never
+/// 0, different from the last request's: the worker runs each number once).
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    pub job: &'a Job,
+    pub kind: Kind,
+    pub sequence: u32,
+    /// What a timeout or the output cap does: None ends the request there, as
+    /// [`Status::Timeout`] or [`Status::OutputLimit`], with the vCPU stopped where it was
+    /// (the VM is then unusable); Some(grace) interrupts it (SIGINT, `KeyboardInterrupt`;
+    /// output past the cap is dropped) and waits up to `grace` for it to end at DONE, with
+    /// the VM still usable and the same status; if it does not end, the request ends as a
+    /// timeout with the VM unusable.
+    pub interrupt_grace: Option<Duration>,
+}
+
+impl<'a> Request<'a> {
+    /// A one-shot job, the first request of its VM.
+    pub fn one_shot(job: &'a Job) -> Self {
+        Self {
+            job,
+            kind: Kind::Job,
+            sequence: 1,
+            interrupt_grace: None,
+        }
+    }
+}
+
+/// Writes `r` into the mailbox, with fresh randomness and the host's wall-clock time.
+pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<(), JobError> {
+    let j = r.job;
     let (args, env) = j.encode()?;
     let mut seed = [0u8; job::SEED_LEN];
     identity::host_random(&mut seed)?;
-    let wall_ns = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
+    let wall_ns = identity::host_wall_ns() as u64;
     let put32 = |off: usize, v: usize| mb.write(ram, off as u64, &(v as u32).to_le_bytes());
-    put32(job::LANGUAGE, j.language.code() as usize)?;
+    let (lang, mode, flags, op) = match r.kind {
+        Kind::Job => (j.language.code(), mode::JOB, 0, 0),
+        Kind::Cell { reseed } => (
+            j.language.code(),
+            mode::CELL,
+            if reseed { job_flags::RESEED } else { 0 },
+            0,
+        ),
+        Kind::File(op) => (language::FILES, mode::JOB, 0, op),
+    };
+    put32(job::LANGUAGE, lang as usize)?;
+    put32(job::MODE, mode as usize)?;
+    put32(job::FLAGS, flags as usize)?;
+    put32(job::SEQUENCE, r.sequence as usize)?;
+    put32(job::FILE_OP, op as usize)?;
+    put32(job::INTERRUPT, 0)?;
+    put32(result::DISPLAY_LEN, 0)?;
     put32(job::CODE_LEN, j.code.len())?;
     put32(job::STDIN_LEN, j.stdin.len())?;
     put32(job::ARGC, j.args.len())?;
@@ -171,10 +229,7 @@ fn end_from_wait_status(status: u64, console_says_oom: bool) -> End {
 /// moved to the host's, its kernel CRNG replaced (see [`crate::identity`]).
 pub fn give_identity(m: &Machine, s: &SnapshotState) -> Result<(), JobError> {
     snapshot::set_clock(&m.vm, &s.machine)?;
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i128)
-        .unwrap_or(0);
+    let now = identity::host_wall_ns();
     identity::set_realtime(&m.ram, &s.kernel.time, now - i128::from(s.ready_wall_ns))?;
     identity::reseed_crng(&m.ram, &s.kernel.random)?;
     Ok(())
@@ -188,12 +243,39 @@ pub fn run(
     j: &Job,
     on_output: &mut dyn FnMut(Stream, &[u8]),
 ) -> Result<(JobResult, Ending), JobError> {
-    let mb = &s.mailbox;
     give_identity(m, s)?;
-    write_request(&m.ram, mb, j)?;
+    run_request(m, s, &Request::one_shot(j), on_output)
+}
+
+/// Sends the interrupt of request `sequence`: names it in the mailbox, then puts the
+/// interrupt byte on the console (the guest's watcher turns it into SIGINT).
+fn interrupt(m: &mut Machine, mb: &Mailbox, sequence: u32) -> Result<(), JobError> {
+    mb.write(&m.ram, job::INTERRUPT as u64, &sequence.to_le_bytes())?;
+    m.bus
+        .send_to_guest(&[INTERRUPT_BYTE])
+        .map_err(|e| JobError::Interrupt(e.to_string()))?;
+    Ok(())
+}
+
+/// The byte the guest's watcher takes as "interrupt" (ETX, a terminal's Ctrl-C).
+pub const INTERRUPT_BYTE: u8 = 0x03;
+
+/// Runs request `r` in `m`, a VM whose worker is at READY or at the DONE of its last
+/// request, with its identity and clock already given by the caller.
+pub fn run_request(
+    m: &mut Machine,
+    s: &SnapshotState,
+    r: &Request<'_>,
+    on_output: &mut dyn FnMut(Stream, &[u8]),
+) -> Result<(JobResult, Ending), JobError> {
+    let mb = &s.mailbox;
+    let j = r.job;
+    write_request(&m.ram, mb, r)?;
     let started = Instant::now();
     let deadline = started + j.timeout;
-    let _timer = timer::arm(deadline, m.kicker.clone());
+    let mut timer = timer::arm(deadline, m.kicker.clone());
+    // Why the host interrupted the request (with `interrupt_grace`): a timeout or the cap.
+    let mut interrupted: Option<Status> = None;
     let mut out = Collected {
         stdout: Vec::new(),
         stderr: Vec::new(),
@@ -210,13 +292,25 @@ pub fn run(
             VcpuStop::Doorbell(code::FLUSH) => {
                 out.drain(&m.ram, mb, true)?;
                 if out.over_limit {
-                    break End::with(Status::OutputLimit);
+                    match r.interrupt_grace {
+                        // Interrupted once; what it still writes is dropped.
+                        Some(_) if interrupted.is_some() => {}
+                        Some(grace) => {
+                            interrupted = Some(Status::OutputLimit);
+                            interrupt(m, mb, r.sequence)?;
+                            timer = timer::arm(Instant::now() + grace, m.kicker.clone());
+                        }
+                        None => break End::with(Status::OutputLimit),
+                    }
                 }
             }
             VcpuStop::Doorbell(code::DONE) => {
                 out.drain(&m.ram, mb, false)?;
-                if out.over_limit {
+                if out.over_limit && r.interrupt_grace.is_none() {
                     break End::with(Status::OutputLimit);
+                }
+                if out.over_limit && interrupted.is_none() {
+                    interrupted = Some(Status::OutputLimit);
                 }
                 let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
                 let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
@@ -264,15 +358,31 @@ pub fn run(
             VcpuStop::Doorbell(other) => {
                 break End::crashed(format!("guest rang unknown doorbell {other:#x}"));
             }
-            VcpuStop::Kicked => {
-                // Keep what the job wrote before the deadline. The guest updates a length only
-                // after copying the bytes it counts, so the areas are consistent at any stop.
-                out.drain(&m.ram, mb, false)?;
-                break End::with(Status::Timeout);
-            }
+            VcpuStop::Kicked => match r.interrupt_grace {
+                Some(grace) if interrupted.is_none() => {
+                    interrupted = Some(Status::Timeout);
+                    m.kicker.reset();
+                    interrupt(m, mb, r.sequence)?;
+                    timer = timer::arm(Instant::now() + grace, m.kicker.clone());
+                }
+                _ => {
+                    // Keep what the job wrote before the deadline. The guest updates a length
+                    // only after copying the bytes it counts, so the areas are consistent at
+                    // any stop.
+                    out.drain(&m.ram, mb, false)?;
+                    break End::with(Status::Timeout);
+                }
+            },
             other => break End::crashed(format!("guest stopped: {other:?}")),
         }
     };
+    drop(timer);
+    let mut end = end;
+    if let (Some(why), Ending::Done) = (interrupted, ending) {
+        // The cell ended because the host interrupted it (or, for the cap, because it ran
+        // over it): the host's word, not the guest's.
+        end = End::with(why);
+    }
     let run = started.elapsed();
     let kvm = m
         .stats
@@ -304,6 +414,11 @@ pub fn run(
     } else {
         Vec::new()
     };
+    let display = if ending == Ending::Done && matches!(r.kind, Kind::Cell { .. }) {
+        read_display(&m.ram, mb)?
+    } else {
+        Vec::new()
+    };
     let result = JobResult {
         status: end.status,
         exit_code: end.exit_code,
@@ -312,6 +427,7 @@ pub fn run(
         stderr: out.stderr,
         crash: end.crash,
         console_tail,
+        display,
         timings: JobTimings {
             clone: Duration::ZERO,
             run,
@@ -322,6 +438,19 @@ pub fn run(
         },
     };
     Ok((result, ending))
+}
+
+/// The display data of a cell (`result::DISPLAY_LEN`). Hostile: the length is clamped to the
+/// area, and anything but a JSON array of `{type, data}` strings is dropped whole.
+fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Vec<Display>, JobError> {
+    let len =
+        (mb.read_u32(ram, result::DISPLAY_LEN as u64)? as usize).min(job::DATA_END - job::DATA);
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let mut bytes = vec![0u8; len];
+    mb.read(ram, job::DATA as u64, &mut bytes)?;
+    Ok(serde_json::from_slice(&bytes).unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -1,0 +1,106 @@
+//! The host's interrupt of a session cell, guest side: Jupyter's "interrupt kernel".
+//!
+//! A cell that runs past its time must get `KeyboardInterrupt` and leave the session usable.
+//! The host has one way to wake something in the guest without the guest asking: a byte on
+//! the serial console's receive line, which raises the UART's IRQ. [`start`] (before READY)
+//! opens the console tty in raw mode (so that no line discipline echoes, buffers lines or
+//! turns the byte into a signal for some process group) and leaves a small thread blocked in
+//! `read` on it. For every [`INTERRUPT_BYTE`] it reads, if the mailbox's `job::INTERRUPT`
+//! names the request now running (`job::SEQUENCE`), it sends `SIGINT` to the worker's main
+//! thread (a byte that arrives late, after its request ended, interrupts nothing): Python's handler raises `KeyboardInterrupt` in the cell at its next bytecode, and
+//! a blocking call (a `sleep`, a wait for a child) returns early with `EINTR` first.
+//!
+//! The thread is plain Rust, not Python: it never needs the GIL, so a cell that holds the
+//! GIL in a long C call is still signalled (Python raises once the call returns). It costs
+//! nothing while nobody writes to the console: it sleeps in the guest kernel. A cell can
+//! defeat the interrupt (ignore SIGINT, catch `KeyboardInterrupt`, close the tty): the host
+//! then ends the session after its grace period; that harms only that session.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use crate::mailbox::Mailbox;
+use crate::protocol::job;
+
+/// The byte that means "interrupt" (ETX, what a terminal's Ctrl-C sends).
+pub const INTERRUPT_BYTE: u8 = 0x03;
+
+/// Stack of the watcher thread: it only loops over `read`.
+const STACK_SIZE: usize = 64 << 10;
+
+/// Opens `tty` raw and starts the watcher thread; must be called on the main thread (the
+/// one that runs cells), which is the one signalled.
+pub fn start(tty: &str, mailbox: &'static Mailbox) -> io::Result<()> {
+    let path = std::ffi::CString::new(tty).map_err(io::Error::other)?;
+    // SAFETY: `path` is a valid C string; open has no other memory effects.
+    let raw = unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDONLY | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a descriptor we just opened and own from here on.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    make_raw(fd.as_raw_fd())?;
+    // SAFETY: pthread_self has no preconditions.
+    let main = unsafe { libc::pthread_self() };
+    std::thread::Builder::new()
+        .name("bud-interrupt".into())
+        .stack_size(STACK_SIZE)
+        .spawn(move || watch(fd, main, mailbox))?;
+    Ok(())
+}
+
+/// `cfmakeraw` on `fd`: no echo, no line buffering, no signal characters, no output
+/// processing, 8-bit bytes; `read` returns as soon as one byte is there.
+fn make_raw(fd: libc::c_int) -> io::Result<()> {
+    // SAFETY: termios is plain data, filled in by tcgetattr before use.
+    let mut t: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: `t` is a valid termios for tcgetattr to fill.
+    if unsafe { libc::tcgetattr(fd, &mut t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `t` is a valid, initialised termios.
+    unsafe { libc::cfmakeraw(&mut t) };
+    t.c_cc[libc::VMIN] = 1;
+    t.c_cc[libc::VTIME] = 0;
+    // SAFETY: `t` is a valid termios for tcsetattr to read.
+    if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A `u32` field of the mailbox, read as the host left it.
+fn field(mailbox: &Mailbox, offset: usize) -> u32 {
+    debug_assert!(offset + 4 <= mailbox.len());
+    // SAFETY: the mailbox lives for the whole process and `offset + 4` is inside it; the host
+    // writes these fields only while the vCPU is stopped, so a volatile read sees them whole.
+    unsafe { std::ptr::read_volatile(mailbox.as_ptr().add(offset).cast::<u32>()) }
+}
+
+fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox) {
+    let mut buf = [0u8; 64];
+    loop {
+        // SAFETY: `buf` is a valid writable buffer of its length; `fd` is open.
+        let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return; // the tty is gone: interrupts are off for this worker
+        }
+        if n == 0 {
+            return;
+        }
+        if buf[..n as usize].contains(&INTERRUPT_BYTE)
+            && field(mailbox, job::INTERRUPT) == field(mailbox, job::SEQUENCE)
+        {
+            // SAFETY: `main` is the worker's main thread, which lives as long as the process.
+            unsafe { libc::pthread_kill(main, libc::SIGINT) };
+        }
+    }
+}

@@ -1,0 +1,178 @@
+"""Sessions, guest side: cells that share one ``__main__``, their displayed results, and the
+file operations of the work directory.
+
+A session is one clone kept alive by the host between requests (``vmm/src/session.rs``).
+The worker serves it request after request (``bud_jobs.JobRunner.serve``); what differs
+from a one-shot job is here:
+
+- **Cells** (``mode::CELL``): Python runs in the session's own ``__main__``, which persists,
+  so variables, imports, functions and the working directory carry from cell to cell. As
+  in Jupyter, when the last statement of a cell is an expression its value is *displayed*:
+  assigned to ``_`` and reported as ``text/plain`` (``repr``), plus ``text/html`` and
+  ``image/png`` when the object has ``_repr_html_`` / ``_repr_png_``. The display data go
+  back as JSON over the request area (``result::DISPLAY_LEN``). An exception prints its
+  traceback on stderr (exit status 1), ``SystemExit`` gives its status; neither ends the
+  session. Threads a cell started keep running in later cells; ``atexit`` handlers never
+  run (the interpreter never exits).
+- **Interrupts**: the host's interrupt byte on the console becomes SIGINT for this thread
+  (``_bud.start_interrupt_watcher``), so a cell past its time gets ``KeyboardInterrupt``.
+- **Files** (``language::FILES``): write, append, read, list, delete and glob in the work
+  directory (:data:`WORKDIR`), confined to it after resolving symlinks. They never run user
+  code and never touch ``__main__``.
+"""
+
+import ast
+import base64
+import errno
+import glob
+import json
+import os
+import shutil
+import stat
+
+import _bud
+
+# Where session files live: the worker's own working directory (the tmpfs; also HOME).
+WORKDIR = "/tmp"
+
+# Display data larger than this is left out (the rest of the display still goes back).
+_DISPLAY_ROOM = _bud.JOB_DATA_END - _bud.JOB_DATA
+
+
+def compile_cell(source):
+    """(body code, last-expression code or None) of a cell; raises SyntaxError as
+    ``compile`` does."""
+    tree = ast.parse(source, "<cell>", "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, "<cell>", "exec")
+    return body, (compile(last, "<cell>", "eval") if last is not None else None)
+
+
+def display_of(value):
+    """The display data of a cell's value, Jupyter-style: a list of {type, data}."""
+    shown = []
+    for mime, method in (("text/html", "_repr_html_"), ("image/png", "_repr_png_")):
+        render = getattr(type(value), method, None)
+        if render is None:
+            continue
+        try:
+            data = render(value)
+        except Exception:  # noqa: BLE001 - a broken renderer only loses that format
+            continue
+        if mime == "image/png" and isinstance(data, (bytes, bytearray)):
+            shown.append({"type": mime, "data": base64.b64encode(data).decode("ascii")})
+        elif isinstance(data, str):
+            shown.append({"type": mime, "data": data})
+    try:
+        text = repr(value)
+    except Exception as error:  # noqa: BLE001 - shown instead of the value
+        text = f"<repr failed: {type(error).__name__}: {error}>"
+    shown.insert(0, {"type": "text/plain", "data": text})
+    return shown
+
+
+def write_display(view, shown):
+    """Writes the display JSON over the request area and its length; items that do not fit
+    are dropped, last first."""
+    while True:
+        data = json.dumps(shown, ensure_ascii=False).encode("utf-8", "surrogateescape")
+        if len(data) <= _DISPLAY_ROOM or not shown:
+            break
+        shown = shown[:-1]
+    if len(data) > _DISPLAY_ROOM:
+        data = b"[]"
+    view[_bud.JOB_DATA : _bud.JOB_DATA + len(data)] = data
+    view[_bud.RESULT_DISPLAY_LEN : _bud.RESULT_DISPLAY_LEN + 4] = len(data).to_bytes(4, "little")
+
+
+class FileError(Exception):
+    """A refused file operation: ``status`` is a ``FILE_STATUS_*`` code."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+def resolve(relative, must_exist=False):
+    """The absolute path of ``relative`` inside WORKDIR, symlinks resolved; FileError if it
+    is malformed or leaves WORKDIR."""
+    if not relative or "\0" in relative or relative.startswith("/"):
+        raise FileError(_bud.FILE_STATUS_BAD_PATH, f"bad path {relative!r}")
+    full = os.path.realpath(os.path.join(WORKDIR, relative))
+    if full != WORKDIR and not full.startswith(WORKDIR + "/"):
+        raise FileError(_bud.FILE_STATUS_BAD_PATH, f"{relative!r} leaves the work directory")
+    if must_exist and not os.path.lexists(full):
+        raise FileError(_bud.FILE_STATUS_NOT_FOUND, f"{relative!r} does not exist")
+    return full
+
+
+def _listing(path):
+    entries = []
+    with os.scandir(path) as it:
+        for entry in it:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            kind = "dir" if stat.S_ISDIR(st.st_mode) else (
+                "file" if stat.S_ISREG(st.st_mode) else "other")
+            entries.append({"name": entry.name, "type": kind, "size": st.st_size})
+    entries.sort(key=lambda e: e["name"])
+    return json.dumps(entries).encode()
+
+
+def file_op(op, path, data, write_out):
+    """Runs one file operation; returns a FILE_STATUS_* code (and says why on failure with
+    FileError). ``write_out(bytes)`` sends stdout."""
+    relative = path.decode("utf-8", "surrogateescape")
+    try:
+        if op in (_bud.FILE_OP_WRITE, _bud.FILE_OP_APPEND):
+            full = resolve(relative)
+            if os.path.isdir(full):
+                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is a directory")
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "ab" if op == _bud.FILE_OP_APPEND else "wb") as f:
+                f.write(data)
+        elif op == _bud.FILE_OP_READ:
+            full = resolve(relative, must_exist=True)
+            if not os.path.isfile(full):
+                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a file")
+            with open(full, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    write_out(chunk)
+        elif op == _bud.FILE_OP_LIST:
+            full = WORKDIR if relative in ("", ".") else resolve(relative, must_exist=True)
+            if not os.path.isdir(full):
+                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a directory")
+            write_out(_listing(full))
+        elif op == _bud.FILE_OP_DELETE:
+            full = resolve(relative, must_exist=True)
+            if full == WORKDIR:
+                raise FileError(_bud.FILE_STATUS_BAD_PATH, "cannot delete the work directory")
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+        elif op == _bud.FILE_OP_GLOB:
+            if relative.startswith("/") or ".." in relative.split("/"):
+                raise FileError(_bud.FILE_STATUS_BAD_PATH, f"bad pattern {relative!r}")
+            names = []
+            for name in sorted(glob.glob(relative, root_dir=WORKDIR, recursive=True)):
+                try:
+                    full = resolve(name)
+                except FileError:
+                    continue
+                if os.path.isfile(full):
+                    names.append(name.encode("utf-8", "surrogateescape"))
+            write_out(b"\0".join(names))
+        else:
+            raise FileError(_bud.FILE_STATUS_BAD_PATH, f"unknown file operation {op}")
+    except OSError as error:
+        if error.errno == errno.ENOENT:
+            raise FileError(_bud.FILE_STATUS_NOT_FOUND, str(error)) from None
+        if error.errno in (errno.EISDIR, errno.ENOTDIR):
+            raise FileError(_bud.FILE_STATUS_WRONG_KIND, str(error)) from None
+        raise FileError(_bud.FILE_STATUS_OS_ERROR, str(error)) from None
+    return _bud.FILE_STATUS_OK

@@ -1,0 +1,676 @@
+//! The session API: create, list, show, delete, run a cell, fork, and files.
+//!
+//! Every request that touches a session's VM takes the session (409 if a request is already
+//! in it) and an admission slot (429 when the server is full), then runs on a job thread like
+//! a job. Error model as `/v1/exec`; an ended session answers 410 with why.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+use vmm::protocol::{file_op, file_status};
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session, SessionError};
+use vmm::{Executor, JobResult, Language, Status};
+
+use crate::api::{ExecRequest, ExecResponse, JobFiles};
+use crate::body::JsonBody;
+use crate::error::ApiError;
+use crate::sessions::{Busy, Ended, Entry, NewSession, Unavailable, epoch_s};
+use crate::state::AppState;
+
+/// `POST /v1/sessions`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// Default language of its cells (`python` unless given).
+    pub language: Option<Language>,
+    /// Environment of every cell.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub idle_timeout_s: Option<u64>,
+    pub max_lifetime_s: Option<u64>,
+    /// Anything the client wants back in `GET` (at most 4 KiB of JSON).
+    #[serde(default)]
+    pub metadata: serde_json::Value,
+}
+
+/// A session as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionInfo {
+    pub id: String,
+    pub created_at: f64,
+    pub expires_at: f64,
+    pub idle_timeout_s: u64,
+    pub language: Language,
+    pub execution_count: u64,
+    /// Host memory this session holds alone (its private pages).
+    pub memory_bytes: u64,
+    /// Fork layers it sits on (shared with its relatives).
+    pub shared_memory_bytes: u64,
+    pub busy: bool,
+    pub parent: Option<String>,
+    pub metadata: serde_json::Value,
+}
+
+impl SessionInfo {
+    fn of(e: &Entry) -> Self {
+        use std::sync::atomic::Ordering::Relaxed;
+        Self {
+            id: e.id.clone(),
+            created_at: epoch_s(e.created_at),
+            expires_at: epoch_s(e.expires_at),
+            idle_timeout_s: e.idle_timeout.as_secs(),
+            language: e.language,
+            execution_count: e.executions.load(Relaxed),
+            memory_bytes: e.private_bytes.load(Relaxed),
+            shared_memory_bytes: e.layer_bytes.load(Relaxed),
+            busy: e.is_busy(),
+            parent: e.parent.clone(),
+            metadata: e.metadata.clone(),
+        }
+    }
+}
+
+/// A cell's result: the job result, plus the displayed value and the execution count.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CellResponse {
+    #[serde(flatten)]
+    pub exec: ExecResponse,
+    /// The final expression's value by MIME type (`text/plain`, `text/html`, `image/png` in
+    /// base64), as Jupyter's `execute_result`; null when there is none.
+    pub result: Option<BTreeMap<String, String>>,
+    pub execution_count: u64,
+}
+
+/// `POST /v1/sessions/{id}/fork`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    #[serde(default = "one")]
+    pub count: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// What a fork made.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ForkResponse {
+    pub ids: Vec<String>,
+    /// How long the source was paused (state capture, layer copy, remap).
+    pub source_pause_ms: f64,
+    /// Creation time of each child.
+    pub per_child_ms: f64,
+    /// Bytes frozen into the new layer (shared by the source and the children).
+    pub layer_bytes: u64,
+}
+
+/// `GET /v1/sessions/{id}/files?dir=`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ListQuery {
+    pub dir: Option<String>,
+}
+
+fn unavailable(id: &str, u: Unavailable) -> ApiError {
+    match u {
+        Unavailable::Unknown => ApiError::NoSession(id.to_owned()),
+        Unavailable::Busy => ApiError::SessionBusy(id.to_owned()),
+        Unavailable::Gone(e) => ApiError::SessionGone {
+            id: id.to_owned(),
+            reason: e.reason,
+            detail: e.detail,
+        },
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal {
+        field: None,
+        message: e.to_string(),
+    }
+}
+
+/// Checks the memory cap before a session is made or forked.
+fn check_memory(state: &AppState) -> Result<(), ApiError> {
+    let limit = state.config().sessions.max_memory_bytes;
+    let used = state.sessions().memory_bytes();
+    if used >= limit {
+        return Err(ApiError::OutOfMemory { used, limit });
+    }
+    Ok(())
+}
+
+fn check_count(state: &AppState, more: usize) -> Result<(), ApiError> {
+    let limit = state.config().sessions.max_sessions;
+    if state.sessions().count() + more > limit {
+        return Err(ApiError::TooManySessions {
+            limit,
+            retry_after: state.config().retry_after(),
+        });
+    }
+    Ok(())
+}
+
+fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Duration, ApiError> {
+    let s = asked.unwrap_or(default);
+    if !(1..=max).contains(&s) {
+        return Err(ApiError::invalid(
+            field,
+            format!("{field} must be 1..={max} (got {s})"),
+        ));
+    }
+    Ok(Duration::from_secs(s))
+}
+
+/// Runs `work` with the executor on a job thread and awaits its answer.
+async fn on_job_thread<R: Send + 'static>(
+    state: &AppState,
+    work: impl FnOnce(&Executor) -> R + Send + 'static,
+) -> Result<R, ApiError> {
+    let exec = state.executor()?;
+    let slot = state.admit(1)?.remove(0);
+    let (tx, rx) = oneshot::channel();
+    state.spawn(slot, move || {
+        let _ = tx.send(work(&exec));
+    })?;
+    rx.await
+        .map_err(|_| internal("the job thread lost the request"))
+}
+
+/// Ends the session of `busy` if its VM is no longer usable after a request, with why.
+fn end_if_unusable(state: &AppState, ex: &Executor, busy: &Busy, r: Option<&JobResult>) {
+    let e = busy.entry();
+    let usable = e.with_vm(|s| s.usable()).unwrap_or(false);
+    if usable {
+        return;
+    }
+    let (reason, detail) = match r {
+        Some(r) if r.status == Status::Timeout => (
+            "timeout",
+            "the cell did not stop within the grace period after its interrupt".to_owned(),
+        ),
+        Some(r) => (
+            "crashed",
+            r.crash.clone().unwrap_or_else(|| {
+                format!(
+                    "the worker process is gone (status {:?}, exit code {:?}, signal {:?})",
+                    r.status, r.exit_code, r.signal
+                )
+            }),
+        ),
+        None => ("crashed", "the VMM could not run the request".to_owned()),
+    };
+    // The 410s that follow carry the last console lines too.
+    let last = e.with_vm(|s| s.console_tail(5)).unwrap_or_default();
+    let detail = if reason == "crashed" && !last.is_empty() {
+        Some(format!("{detail}; console: {}", last.join(" | ")))
+    } else {
+        Some(detail)
+    };
+    state.sessions().end(
+        ex,
+        &e.id,
+        Ended {
+            reason: reason.into(),
+            detail,
+        },
+    );
+}
+
+/// `POST /v1/sessions`.
+pub async fn create(
+    State(state): State<AppState>,
+    JsonBody(req): JsonBody<CreateSession>,
+) -> Result<(StatusCode, Json<SessionInfo>), ApiError> {
+    let lim = &state.config().sessions;
+    let idle = seconds(
+        "idle_timeout_s",
+        req.idle_timeout_s,
+        lim.default_idle_timeout_s,
+        lim.max_idle_timeout_s,
+    )?;
+    let life = seconds(
+        "max_lifetime_s",
+        req.max_lifetime_s,
+        lim.default_lifetime_s,
+        lim.max_lifetime_s,
+    )?;
+    if serde_json::to_vec(&req.metadata).map_or(0, |v| v.len()) > 4096 {
+        return Err(ApiError::invalid(
+            "metadata",
+            "metadata must be at most 4096 bytes of JSON",
+        ));
+    }
+    let probe = ExecRequest {
+        code: Some(String::new()),
+        env: req.env.clone(),
+        ..ExecRequest::default()
+    };
+    probe.into_job(&state.config().limits, "")?;
+    check_count(&state, 1)?;
+    check_memory(&state)?;
+    let settings = NewSession {
+        language: req.language.unwrap_or(Language::Python),
+        env: req.env,
+        idle_timeout: idle,
+        max_lifetime: life,
+        metadata: req.metadata,
+        parent: None,
+    };
+    let sessions = state.sessions().clone();
+    let made = on_job_thread(&state, move |ex| {
+        let made = Session::start(ex)
+            .map_err(internal)
+            .and_then(|vm| sessions.insert(settings, vm).map_err(internal))?;
+        made.account();
+        Ok::<_, ApiError>(made)
+    })
+    .await??;
+    Ok((StatusCode::CREATED, Json(SessionInfo::of(&made))))
+}
+
+/// `GET /v1/sessions`.
+pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let all: Vec<SessionInfo> = state
+        .sessions()
+        .list()
+        .iter()
+        .map(|e| SessionInfo::of(e))
+        .collect();
+    Json(serde_json::json!({ "sessions": all }))
+}
+
+/// `GET /v1/sessions/{id}`.
+pub async fn show(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<SessionInfo>, ApiError> {
+    let e = state.sessions().get(&id).map_err(|u| unavailable(&id, u))?;
+    Ok(Json(SessionInfo::of(&e)))
+}
+
+/// `DELETE /v1/sessions/{id}`: 204; 404 when unknown; waits for a running request's end.
+pub async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    match state.sessions().get(&id) {
+        Ok(_) => {}
+        Err(Unavailable::Gone(_)) => {
+            state.sessions().forget(&id);
+            return Ok(StatusCode::NO_CONTENT);
+        }
+        Err(u) => return Err(unavailable(&id, u)),
+    }
+    let sessions = state.sessions().clone();
+    let why = Ended {
+        reason: "deleted".into(),
+        detail: None,
+    };
+    on_job_thread(&state, move |ex| sessions.end(ex, &id, why)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn cell_job(
+    state: &AppState,
+    e: &Entry,
+    mut req: ExecRequest,
+) -> Result<(vmm::Job, bool), ApiError> {
+    let b64 = req.output_b64;
+    if req.language.is_none() {
+        req.language = Some(e.language);
+    }
+    let mut env = e.env.clone();
+    env.append(&mut req.env);
+    req.env = env;
+    Ok((req.into_job(&state.config().limits, "")?, b64))
+}
+
+/// Runs a cell of session `id` on a job thread; `on_output` sees its output as it comes.
+pub async fn run_cell(
+    state: &AppState,
+    id: &str,
+    req: ExecRequest,
+    mut on_output: impl FnMut(vmm::job::Stream, &[u8]) + Send + 'static,
+) -> Result<(CellResponse, bool), ApiError> {
+    let busy = state
+        .sessions()
+        .acquire(id)
+        .map_err(|u| unavailable(id, u))?;
+    let (job, b64) = cell_job(state, busy.entry(), req)?;
+    let st = state.clone();
+    let queued = Instant::now();
+    let (ran, waited) = on_job_thread(state, move |ex| {
+        let waited = queued.elapsed();
+        let ran = busy
+            .entry()
+            .with_vm(|s| {
+                s.exec(ex, &job, DEFAULT_INTERRUPT_GRACE, &mut on_output)
+                    .map(|r| (r, s.executions()))
+            })
+            .unwrap_or(Err(SessionError::Unusable));
+        if let Ok((r, _)) = &ran {
+            st.metrics().job(r.status, waited, &r.timings);
+        }
+        end_if_unusable(&st, ex, &busy, ran.as_ref().ok().map(|(r, _)| r));
+        // Accounted before the answer: a client that creates or forks right after a cell
+        // that grew must meet the memory cap with that growth counted. Freed before the
+        // answer too, so its next cell never finds it busy.
+        busy.entry().account();
+        drop(busy);
+        (ran, waited)
+    })
+    .await?;
+    let (r, count) = ran.map_err(internal)?;
+    let result = (!r.display.is_empty()).then(|| {
+        r.display
+            .iter()
+            .map(|d| (d.mime.clone(), d.data.clone()))
+            .collect()
+    });
+    let exec = ExecResponse::new(r, waited, b64);
+    Ok((
+        CellResponse {
+            exec,
+            result,
+            execution_count: count,
+        },
+        b64,
+    ))
+}
+
+/// `POST /v1/sessions/{id}/exec`.
+pub async fn exec(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<ExecRequest>,
+) -> Result<Json<CellResponse>, ApiError> {
+    let (r, _) = run_cell(&state, &id, req, |_, _| {}).await?;
+    Ok(Json(r))
+}
+
+/// `POST /v1/sessions/{id}/fork`.
+pub async fn fork(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<ForkRequest>,
+) -> Result<(StatusCode, Json<ForkResponse>), ApiError> {
+    let max = state.config().sessions.max_fork_count;
+    if !(1..=max).contains(&req.count) {
+        return Err(ApiError::invalid(
+            "count",
+            format!("count must be 1..={max} (got {})", req.count),
+        ));
+    }
+    let busy = state
+        .sessions()
+        .acquire(&id)
+        .map_err(|u| unavailable(&id, u))?;
+    check_count(&state, req.count)?;
+    check_memory(&state)?;
+    let sessions = state.sessions().clone();
+    let count = req.count;
+    let made = on_job_thread(&state, move |ex| {
+        let e = busy.entry().clone();
+        let forked = e
+            .with_vm(|s| s.fork(ex, count))
+            .unwrap_or(Err(SessionError::Unusable));
+        let (children, stats) = forked.map_err(internal)?;
+        let mut ids = Vec::with_capacity(children.len());
+        for child in children {
+            let settings = NewSession {
+                language: e.language,
+                env: e.env.clone(),
+                idle_timeout: e.idle_timeout,
+                max_lifetime: e
+                    .expires_at
+                    .duration_since(std::time::SystemTime::now())
+                    .unwrap_or_default()
+                    .max(Duration::from_secs(1)),
+                metadata: e.metadata.clone(),
+                parent: Some(e.id.clone()),
+            };
+            let child_entry = sessions.insert(settings, child).map_err(internal)?;
+            child_entry.account();
+            ids.push(child_entry.id.clone());
+        }
+        sessions
+            .forked
+            .fetch_add(ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        e.account();
+        drop(busy);
+        Ok::<_, ApiError>(ForkResponse {
+            ids,
+            source_pause_ms: stats.source_pause.as_secs_f64() * 1e3,
+            per_child_ms: stats.per_child.as_secs_f64() * 1e3,
+            layer_bytes: stats.layer_bytes,
+        })
+    })
+    .await??;
+    Ok((StatusCode::CREATED, Json(made)))
+}
+
+/// A file path from the URL, checked before the guest sees it (the guest checks again after
+/// resolving symlinks).
+fn file_path(path: &str) -> Result<String, ApiError> {
+    crate::api::check_relative("path", path)?;
+    Ok(path.to_owned())
+}
+
+/// Runs file operation `op` in session `id`; maps its status to the API's.
+async fn file_request(
+    state: &AppState,
+    id: &str,
+    op: u32,
+    path: String,
+    data: Vec<u8>,
+) -> Result<Vec<u8>, ApiError> {
+    let busy = state
+        .sessions()
+        .acquire(id)
+        .map_err(|u| unavailable(id, u))?;
+    let limit = state.config().sessions.max_file_bytes;
+    let timeout = Duration::from_millis(state.config().limits.max_timeout_ms);
+    let st = state.clone();
+    let shown = path.clone();
+    let r = on_job_thread(state, move |ex| {
+        let ran = busy
+            .entry()
+            .with_vm(|s| {
+                if op == file_op::WRITE {
+                    s.write_file(ex, &path, &data, timeout)
+                } else {
+                    s.file_op(ex, op, &path, data, timeout, limit)
+                }
+            })
+            .unwrap_or(Err(SessionError::Unusable));
+        busy.entry().account();
+        end_if_unusable(&st, ex, &busy, ran.as_ref().ok());
+        ran
+    })
+    .await?
+    .map_err(internal)?;
+    let message = || String::from_utf8_lossy(&r.stderr).trim().to_owned();
+    match (r.status, r.exit_code) {
+        (Status::Ok, _) => Ok(r.stdout),
+        (Status::OutputLimit, _) => Err(ApiError::TooLarge {
+            field: "path".into(),
+            bytes: limit + 1,
+            limit,
+        }),
+        (_, Some(file_status::BAD_PATH)) | (_, Some(file_status::WRONG_KIND)) => {
+            Err(ApiError::invalid("path", message()))
+        }
+        (_, Some(file_status::NOT_FOUND)) => {
+            Err(ApiError::NoFile(format!("{shown}: {}", message())))
+        }
+        _ => Err(internal(format!(
+            "file operation on {shown} failed: {} {:?}",
+            message(),
+            r.status
+        ))),
+    }
+}
+
+/// `PUT /v1/sessions/{id}/files/{*path}`: the raw body becomes the file.
+pub async fn put_file(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+    req: Request,
+) -> Result<StatusCode, ApiError> {
+    let path = file_path(&path)?;
+    let limit = state.config().sessions.max_file_bytes;
+    let data = crate::body::read_limited(req.into_body(), limit)
+        .await
+        .map_err(|e| match e {
+            ApiError::BodyTooLarge { limit } => ApiError::TooLarge {
+                field: "body".into(),
+                bytes: limit + 1,
+                limit,
+            },
+            other => other,
+        })?;
+    file_request(&state, &id, file_op::WRITE, path, data).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /v1/sessions/{id}/files/{*path}`: the file's bytes.
+pub async fn get_file(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let path = file_path(&path)?;
+    let bytes = file_request(&state, &id, file_op::READ, path, Vec::new()).await?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Bytes::from(bytes),
+    )
+        .into_response())
+}
+
+/// `DELETE /v1/sessions/{id}/files/{*path}`.
+pub async fn delete_file(
+    State(state): State<AppState>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let path = file_path(&path)?;
+    file_request(&state, &id, file_op::DELETE, path, Vec::new()).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /v1/sessions/{id}/files?dir=`: `{"files": [{name, type, size}]}`.
+pub async fn list_files(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let dir = match q.dir.as_deref() {
+        None | Some("") | Some(".") => ".".to_owned(),
+        Some(d) => file_path(d)?,
+    };
+    let bytes = file_request(&state, &id, file_op::LIST, dir, Vec::new()).await?;
+    let files: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| internal(format!("the guest's listing is not JSON: {e}")))?;
+    Ok(Json(serde_json::json!({ "files": files })))
+}
+
+/// `POST /v1/exec` with `files` / `return_files`: the job runs in a VM that first gets the
+/// files (file requests), then runs the job as a one-shot job, then returns the files the
+/// patterns match (only if the job ended at DONE; up to the job's output limit in all), and
+/// goes back to the executor like any job's VM.
+pub async fn exec_with_files(
+    state: &AppState,
+    job: vmm::Job,
+    files: JobFiles,
+    output_b64: bool,
+) -> Result<ExecResponse, ApiError> {
+    let metrics = state.metrics_handle();
+    let queued = Instant::now();
+    let ran = on_job_thread(state, move |ex| {
+        let waited = queued.elapsed();
+        let mut s = Session::start(ex).map_err(internal)?;
+        let outcome = files_job(ex, &mut s, &job, &files);
+        s.end(ex);
+        let (r, back) = outcome?;
+        metrics.job(r.status, waited, &r.timings);
+        Ok::<_, ApiError>((r, back, waited))
+    })
+    .await??;
+    let (r, back, waited) = ran;
+    let mut resp = ExecResponse::new(r, waited, output_b64);
+    resp.files = back;
+    Ok(resp)
+}
+
+fn files_job(
+    ex: &Executor,
+    s: &mut Session,
+    job: &vmm::Job,
+    files: &JobFiles,
+) -> Result<(JobResult, Option<BTreeMap<String, String>>), ApiError> {
+    use base64::Engine;
+    let t = job.timeout;
+    for (name, data) in &files.put {
+        let w = s.write_file(ex, name, data, t).map_err(internal)?;
+        if w.status != Status::Ok {
+            let why = String::from_utf8_lossy(&w.stderr).trim().to_owned();
+            return Err(ApiError::invalid(format!("files[{name:?}]"), why));
+        }
+    }
+    let r = s.run_job(ex, job, &mut |_, _| {}).map_err(internal)?;
+    if files.return_globs.is_empty() || !s.usable() {
+        return Ok((r, (!files.return_globs.is_empty()).then(BTreeMap::new)));
+    }
+    let mut back = BTreeMap::new();
+    let mut room = job.output_limit;
+    let mut names = Vec::new();
+    for g in &files.return_globs {
+        let found = s
+            .file_op(ex, file_op::GLOB, g, Vec::new(), t, 1 << 20)
+            .map_err(internal)?;
+        names.extend(
+            found
+                .stdout
+                .split(|b| *b == 0)
+                .filter(|n| !n.is_empty())
+                .map(|n| String::from_utf8_lossy(n).into_owned()),
+        );
+    }
+    names.sort();
+    names.dedup();
+    for name in names {
+        let got = s
+            .file_op(ex, file_op::READ, &name, Vec::new(), t, room.max(1))
+            .map_err(internal)?;
+        if got.status != Status::Ok {
+            continue; // over the output limit, or gone: left out
+        }
+        room = room.saturating_sub(got.stdout.len());
+        back.insert(
+            name,
+            base64::engine::general_purpose::STANDARD.encode(&got.stdout),
+        );
+    }
+    Ok((r, Some(back)))
+}
+
+/// Ends expired sessions every second until the server stops (spawned by `serve`).
+pub async fn reaper(state: AppState) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Some(ex) = state.executor_if_ready() else {
+            continue;
+        };
+        let sessions: Arc<_> = state.sessions().clone();
+        let _ = tokio::task::spawn_blocking(move || sessions.reap(&ex)).await;
+    }
+}

@@ -1,0 +1,355 @@
+//! The live sessions of the server: a registry of [`vmm::session::Session`]s with their
+//! settings, one request at a time each, expiry, caps, and what is left of ended ones.
+//!
+//! - **One at a time**: a session is *busy* while a cell, file operation or fork runs in it;
+//!   a second request meanwhile is 409. The VM itself is only touched on a job thread.
+//! - **Ended sessions** (deleted, expired, crashed, timed out past the interrupt) leave a
+//!   tombstone saying why, so later calls get 410 Gone with the reason instead of a bare 404;
+//!   a DELETE of an ended session removes its tombstone (204). The tombstones kept are
+//!   bounded ([`TOMBSTONES_KEPT`], oldest dropped first).
+//! - **Caps**: live sessions (`max_sessions`, 429) and the host memory they hold
+//!   (`max_sessions_memory_bytes`: every session's private pages plus every fork layer once,
+//!   checked before a session is created or forked, 507).
+//! - **Expiry**: [`Sessions::reap`] ends sessions idle past their idle timeout or past their
+//!   maximum lifetime; `bud serve` runs it every second, and ends every session at shutdown.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use vmm::Executor;
+use vmm::session::Session;
+
+/// Ended sessions remembered for a 410.
+pub const TOMBSTONES_KEPT: usize = 4096;
+
+/// Why a session ended.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Ended {
+    /// `deleted`, `idle_timeout`, `max_lifetime`, `crashed`, `timeout`, `shutdown`.
+    pub reason: String,
+    /// What happened; for a crash, with the last console lines.
+    pub detail: Option<String>,
+}
+
+/// A session's settings and bookkeeping (the VM is in `vm`).
+#[derive(Debug)]
+pub struct Entry {
+    pub id: String,
+    pub created_at: SystemTime,
+    pub expires_at: SystemTime,
+    pub idle_timeout: Duration,
+    pub language: vmm::Language,
+    pub env: BTreeMap<String, String>,
+    pub metadata: serde_json::Value,
+    pub parent: Option<String>,
+    deadline: Instant,
+    last_used: Mutex<Instant>,
+    busy: AtomicBool,
+    /// The VM; None once the session ended.
+    vm: Mutex<Option<Session>>,
+    pub private_bytes: AtomicU64,
+    pub layer_bytes: AtomicU64,
+    pub executions: AtomicU64,
+}
+
+/// Settings a new session starts with.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    pub language: vmm::Language,
+    pub env: BTreeMap<String, String>,
+    pub idle_timeout: Duration,
+    pub max_lifetime: Duration,
+    pub metadata: serde_json::Value,
+    pub parent: Option<String>,
+}
+
+/// Held while a request uses a session; frees it on drop.
+#[derive(Debug)]
+pub struct Busy(Arc<Entry>);
+
+impl Busy {
+    pub fn entry(&self) -> &Arc<Entry> {
+        &self.0
+    }
+}
+
+impl Drop for Busy {
+    /// The request is over: the session is free for the next one.
+    fn drop(&mut self) {
+        *self.0.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.0.busy.store(false, Ordering::Release);
+    }
+}
+
+/// Why a session cannot be used now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unavailable {
+    Unknown,
+    Gone(Ended),
+    Busy,
+}
+
+impl Entry {
+    fn new(id: String, s: NewSession) -> Self {
+        let now = SystemTime::now();
+        Self {
+            id,
+            created_at: now,
+            expires_at: now + s.max_lifetime,
+            idle_timeout: s.idle_timeout,
+            language: s.language,
+            env: s.env,
+            metadata: s.metadata,
+            parent: s.parent,
+            deadline: Instant::now() + s.max_lifetime,
+            last_used: Mutex::new(Instant::now()),
+            busy: AtomicBool::new(false),
+            vm: Mutex::new(None),
+            private_bytes: AtomicU64::new(0),
+            layer_bytes: AtomicU64::new(0),
+            executions: AtomicU64::new(0),
+        }
+    }
+
+    /// Runs `f` on the session's VM (on a job thread). None if the session has ended.
+    pub fn with_vm<R>(&self, f: impl FnOnce(&mut Session) -> R) -> Option<R> {
+        let mut vm = self.vm.lock().unwrap_or_else(|e| e.into_inner());
+        let s = vm.as_mut()?;
+        let r = f(s);
+        self.executions.store(s.executions(), Ordering::Relaxed);
+        Some(r)
+    }
+
+    /// Records the memory the session holds (its private pages, its layers).
+    pub fn account(&self) {
+        let _ = self.with_vm(|s| {
+            if let Ok(bytes) = s.private_bytes() {
+                self.private_bytes.store(bytes, Ordering::Relaxed);
+            }
+            let layers = s.layers().iter().map(|l| l.bytes()).sum();
+            self.layer_bytes.store(layers, Ordering::Relaxed);
+        });
+    }
+
+    /// Whether a request is running in it.
+    pub fn is_busy(&self) -> bool {
+        self.busy.load(Ordering::Acquire)
+    }
+
+    /// When it was last used (end of its last request, or its creation).
+    pub fn idle_for(&self) -> Duration {
+        self.last_used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+    }
+
+    /// The session's VM, taken out (it has ended).
+    fn take_vm(&self) -> Option<Session> {
+        self.vm.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// The registry (module docs).
+#[derive(Debug, Default)]
+pub struct Sessions {
+    live: Mutex<HashMap<String, Arc<Entry>>>,
+    ended: Mutex<(HashMap<String, Ended>, VecDeque<String>)>,
+    pub created: AtomicU64,
+    pub forked: AtomicU64,
+    /// Ended sessions by reason (for metrics).
+    pub ended_by: Mutex<BTreeMap<String, u64>>,
+}
+
+/// A new random session id (128 bits from the host's CSPRNG, hex): unguessable, so an id
+/// is the capability to use its session.
+pub fn new_id() -> Result<String, vmm::identity::IdentityError> {
+    let mut b = [0u8; 16];
+    vmm::identity::host_random(&mut b)?;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    Ok(format!("ses_{hex}"))
+}
+
+impl Sessions {
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Live sessions now.
+    pub fn count(&self) -> usize {
+        self.live().len()
+    }
+
+    /// Every live session.
+    pub fn list(&self) -> Vec<Arc<Entry>> {
+        let mut all: Vec<_> = self.live().values().cloned().collect();
+        all.sort_by_key(|e| e.created_at);
+        all
+    }
+
+    /// Host memory held by all sessions: private pages, and each layer once.
+    pub fn memory_bytes(&self) -> u64 {
+        let live = self.live();
+        let private: u64 = live
+            .values()
+            .map(|e| e.private_bytes.load(Ordering::Relaxed))
+            .sum();
+        let mut seen = std::collections::HashSet::new();
+        let mut layers = 0;
+        for e in live.values() {
+            if let Ok(vm) = e.vm.try_lock() {
+                for l in vm.iter().flat_map(|s| s.layers()) {
+                    if seen.insert(Arc::as_ptr(l) as usize) {
+                        layers += l.bytes();
+                    }
+                }
+            } else {
+                // Busy: count its layers as last recorded (maybe twice; errs on the safe side).
+                layers += e.layer_bytes.load(Ordering::Relaxed);
+            }
+        }
+        private + layers
+    }
+
+    /// Registers a started session.
+    pub fn insert(
+        &self,
+        settings: NewSession,
+        vm: Session,
+    ) -> Result<Arc<Entry>, vmm::identity::IdentityError> {
+        let e = Arc::new(Entry::new(new_id()?, settings));
+        *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);
+        self.live().insert(e.id.clone(), e.clone());
+        self.created.fetch_add(1, Ordering::Relaxed);
+        Ok(e)
+    }
+
+    /// The session, if it is live.
+    pub fn get(&self, id: &str) -> Result<Arc<Entry>, Unavailable> {
+        if let Some(e) = self.live().get(id) {
+            return Ok(e.clone());
+        }
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        match ended.0.get(id) {
+            Some(why) => Err(Unavailable::Gone(why.clone())),
+            None => Err(Unavailable::Unknown),
+        }
+    }
+
+    /// Marks the session busy for one request, or says why it cannot be used.
+    pub fn acquire(&self, id: &str) -> Result<Busy, Unavailable> {
+        let e = self.get(id)?;
+        e.busy
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .map_err(|_| Unavailable::Busy)?;
+        Ok(Busy(e))
+    }
+
+    /// Ends a session: out of the registry, tombstone kept, VM ended (reset and reused, or
+    /// closed; see [`Session::end`]). Call off the async runtime (a reset runs the VMM).
+    pub fn end(&self, ex: &Executor, id: &str, why: Ended) {
+        let Some(e) = self.live().remove(id) else {
+            return;
+        };
+        *self
+            .ended_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(why.reason.clone())
+            .or_default() += 1;
+        if why.reason != "deleted" {
+            let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+            ended.0.insert(id.to_owned(), why);
+            ended.1.push_back(id.to_owned());
+            while ended.1.len() > TOMBSTONES_KEPT {
+                if let Some(old) = ended.1.pop_front() {
+                    ended.0.remove(&old);
+                }
+            }
+        }
+        if let Some(vm) = e.take_vm() {
+            vm.end(ex);
+        }
+    }
+
+    /// Forgets an ended session's tombstone; true if there was one.
+    pub fn forget(&self, id: &str) -> bool {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        let had = ended.0.remove(id).is_some();
+        if had {
+            ended.1.retain(|x| x != id);
+        }
+        had
+    }
+
+    /// Ends sessions idle past their timeout or past their lifetime (not busy ones: a
+    /// running request ends on its own deadline first).
+    pub fn reap(&self, ex: &Executor) -> usize {
+        let now = Instant::now();
+        let due: Vec<(String, &'static str)> = self
+            .live()
+            .values()
+            .filter(|e| !e.is_busy())
+            .filter_map(|e| {
+                if now >= e.deadline {
+                    Some((e.id.clone(), "max_lifetime"))
+                } else if e.idle_for() >= e.idle_timeout {
+                    Some((e.id.clone(), "idle_timeout"))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (id, reason) in &due {
+            self.end(
+                ex,
+                id,
+                Ended {
+                    reason: (*reason).into(),
+                    detail: None,
+                },
+            );
+        }
+        due.len()
+    }
+
+    /// Counts for `/metrics`.
+    pub fn gauges(&self) -> crate::metrics::SessionGauges {
+        crate::metrics::SessionGauges {
+            live: self.count(),
+            memory_bytes: self.memory_bytes(),
+            created: self.created.load(Ordering::Relaxed),
+            forked: self.forked.load(Ordering::Relaxed),
+            ended: self
+                .ended_by
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
+
+    /// Ends every session (shutdown).
+    pub fn end_all(&self, ex: &Executor) {
+        let ids: Vec<String> = self.live().keys().cloned().collect();
+        for id in ids {
+            self.end(
+                ex,
+                &id,
+                Ended {
+                    reason: "shutdown".into(),
+                    detail: None,
+                },
+            );
+        }
+    }
+}
+
+/// Seconds since the epoch, for the API.
+pub fn epoch_s(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}

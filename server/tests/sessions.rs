@@ -1,0 +1,507 @@
+//! The session API against a real server on loopback, over the real template on the real
+//! VMM: state across cells, displayed results, interrupts, crashes, one cell at a time,
+//! files, forks, expiry, caps and leaks. Needs /dev/kvm.
+
+mod common;
+
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bud_server::Config;
+use common::*;
+use serde_json::{Value, json};
+
+fn create(s: &TestServer, body: Value) -> String {
+    let (status, r) = s.post("/v1/sessions", &body);
+    assert_eq!(status, 201, "{r}");
+    r["id"].as_str().expect("an id").to_owned()
+}
+
+fn cell(s: &TestServer, id: &str, code: &str) -> Value {
+    let (status, r) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({ "code": code }));
+    assert_eq!(status, 200, "{r}");
+    r
+}
+
+fn shown(r: &Value) -> &Value {
+    &r["result"]["text/plain"]
+}
+
+fn delete(s: &TestServer, path: &str) -> u16 {
+    client()
+        .delete(s.url(path))
+        .send()
+        .expect("request failed")
+        .status()
+        .as_u16()
+}
+
+fn put(s: &TestServer, path: &str, body: Vec<u8>) -> (u16, String) {
+    let r = client()
+        .put(s.url(path))
+        .body(body)
+        .send()
+        .expect("request failed");
+    (r.status().as_u16(), r.text().unwrap_or_default())
+}
+
+fn get_json(s: &TestServer, path: &str) -> (u16, Value) {
+    let r = s.get(path);
+    let status = r.status().as_u16();
+    (status, r.json().unwrap_or(Value::Null))
+}
+
+#[test]
+fn state_persists_across_twenty_cells_with_results_and_execution_counts() {
+    let s = TestServer::start();
+    let id = create(
+        &s,
+        json!({"env": {"WHO": "bud"}, "metadata": {"user": "u1"}}),
+    );
+
+    let first = cell(
+        &s,
+        &id,
+        "import os\ntotal = 0\ndef add(v):\n    global total\n    total += v\n    return total",
+    );
+    let mut last = Value::Null;
+    for i in 1..=20 {
+        last = cell(&s, &id, &format!("add({i})"));
+    }
+    let env = cell(&s, &id, "os.environ['WHO']");
+    let printed = cell(&s, &id, "print('out'); x = 5");
+    let shell = s.post(
+        &format!("/v1/sessions/{id}/exec"),
+        &json!({"language": "shell", "code": "echo $WHO; pwd"}),
+    );
+    let (info_status, info) = get_json(&s, &format!("/v1/sessions/{id}"));
+    let (_, listed) = get_json(&s, "/v1/sessions");
+
+    assert_eq!(first["result"], Value::Null);
+    assert_eq!(first["execution_count"], 1);
+    assert_eq!(shown(&last), "210");
+    assert_eq!(last["execution_count"], 21);
+    assert_eq!(last["status"], "ok");
+    assert_eq!(shown(&env), "'bud'");
+    assert_eq!(
+        (&printed["stdout"], &printed["result"]),
+        (&json!("out\n"), &Value::Null)
+    );
+    assert_eq!(
+        (shell.0, &shell.1["stdout"]),
+        (200, &json!("bud\n/tmp\n")),
+        "{}",
+        shell.1
+    );
+    assert_eq!(info_status, 200);
+    assert_eq!(
+        (&info["execution_count"], &info["metadata"]["user"]),
+        (&json!(24), &json!("u1"))
+    );
+    assert!(info["memory_bytes"].as_u64().unwrap() > 0, "{info}");
+    assert!(
+        listed["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["id"] == id.as_str())
+    );
+    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 204);
+    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 404);
+    assert_eq!(get_json(&s, &format!("/v1/sessions/{id}")).0, 404);
+}
+
+#[test]
+fn html_results_and_errors_are_shown_like_jupyter() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+
+    let html = cell(
+        &s,
+        &id,
+        "class Table:\n    def _repr_html_(self): return '<table></table>'\nTable()",
+    );
+    let error = cell(&s, &id, "undefined_name");
+    let after = cell(&s, &id, "1 + 1");
+
+    assert_eq!(html["result"]["text/html"], "<table></table>");
+    assert!(
+        html["result"]["text/plain"]
+            .as_str()
+            .unwrap()
+            .contains("Table object")
+    );
+    assert_eq!(
+        (&error["status"], &error["exit_code"]),
+        (&json!("error"), &json!(1))
+    );
+    assert!(
+        error["stderr"].as_str().unwrap().contains("NameError"),
+        "{error}"
+    );
+    assert_eq!(shown(&after), "2");
+}
+
+#[test]
+fn a_cell_past_its_timeout_is_interrupted_and_the_next_cell_works() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+    cell(&s, &id, "count = 0");
+
+    let (status, r) = s.post(
+        &format!("/v1/sessions/{id}/exec"),
+        &json!({"code": "while True:\n    count += 1", "timeout_ms": 500}),
+    );
+    let next = cell(&s, &id, "count > 0");
+
+    assert_eq!((status, &r["status"]), (200, &json!("timeout")), "{r}");
+    assert!(
+        r["stderr"].as_str().unwrap().contains("KeyboardInterrupt"),
+        "{r}"
+    );
+    assert_eq!(shown(&next), "True");
+}
+
+#[test]
+fn a_cell_that_kills_the_worker_ends_the_session_with_410() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+
+    let r = cell(&s, &id, "import os\nos._exit(7)");
+    let (status, gone) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": "1"}));
+    let (show, shown_gone) = get_json(&s, &format!("/v1/sessions/{id}"));
+
+    assert_eq!(
+        (&r["status"], &r["exit_code"]),
+        (&json!("error"), &json!(7)),
+        "{r}"
+    );
+    assert_eq!(
+        (status, &gone["error"]["code"]),
+        (410, &json!("session_gone")),
+        "{gone}"
+    );
+    assert!(
+        gone["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("crashed"),
+        "{gone}"
+    );
+    assert_eq!(show, 410, "{shown_gone}");
+    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 204);
+    assert_eq!(get_json(&s, &format!("/v1/sessions/{id}")).0, 404);
+}
+
+#[test]
+fn a_second_concurrent_cell_gets_409() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+    let url = s.url(&format!("/v1/sessions/{id}/exec"));
+
+    let slow = std::thread::spawn(move || {
+        client()
+            .post(url)
+            .json(&json!({"code": "import time\ntime.sleep(3)\n'slept'"}))
+            .send()
+            .unwrap()
+            .json::<Value>()
+            .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(800));
+    let (status, busy) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": "1"}));
+    let first = slow.join().unwrap();
+
+    assert_eq!(
+        (status, &busy["error"]["code"]),
+        (409, &json!("session_busy")),
+        "{busy}"
+    );
+    assert_eq!(shown(&first), "'slept'");
+    assert_eq!(shown(&cell(&s, &id, "2")), "2");
+}
+
+#[test]
+fn files_round_trip_binary_and_large_and_escapes_are_refused() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+    let big: Vec<u8> = (0..10 << 20)
+        .map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let files = format!("/v1/sessions/{id}/files");
+
+    let (put_status, put_body) = put(&s, &format!("{files}/data/big.bin"), big.clone());
+    let got = s.get(&format!("{files}/data/big.bin"));
+    let got_status = got.status().as_u16();
+    let got_bytes = got.bytes().unwrap().to_vec();
+    let seen = cell(
+        &s,
+        &id,
+        "import hashlib\nlen(open('data/big.bin','rb').read())",
+    );
+    let (list_status, list) = get_json(&s, &format!("{files}?dir=data"));
+    cell(&s, &id, "import os\nos.symlink('/etc', 'etc')");
+    let escape = put(&s, &format!("{files}/..%2Fx"), b"x".to_vec());
+    let absolute = s.get(&format!("{files}/%2Fetc%2Fpasswd")).status().as_u16();
+    let via_link = s.get(&format!("{files}/etc/passwd")).status().as_u16();
+    let missing = s.get(&format!("{files}/nope")).status().as_u16();
+    let removed = delete(&s, &format!("{files}/data"));
+    let after = cell(&s, &id, "os.path.exists('data')");
+
+    assert_eq!(put_status, 204, "{put_body}");
+    assert_eq!(got_status, 200);
+    assert!(
+        got_bytes == big,
+        "the file came back different ({} bytes)",
+        got_bytes.len()
+    );
+    assert_eq!(shown(&seen), "10485760");
+    assert_eq!(list_status, 200, "{list}");
+    assert_eq!(
+        list["files"],
+        json!([{"name": "big.bin", "type": "file", "size": 10485760}])
+    );
+    assert_eq!(escape.0, 400, "{}", escape.1);
+    assert_eq!((absolute, via_link, missing), (400, 400, 404));
+    assert_eq!(removed, 204);
+    assert_eq!(shown(&after), "False");
+}
+
+#[test]
+fn a_file_over_the_limit_is_413_and_loses_nothing() {
+    let mut config = test_config();
+    config.sessions.max_file_bytes = 1 << 20;
+    let s = TestServer::with_config(config);
+    let id = create(&s, json!({}));
+
+    let (status, body) = put(
+        &s,
+        &format!("/v1/sessions/{id}/files/big"),
+        vec![1; (1 << 20) + 1],
+    );
+    let exists = cell(&s, &id, "import os\nos.path.exists('big')");
+
+    cell(&s, &id, "open('big', 'wb').write(b'y' * (2 << 20))");
+    let read_big = s
+        .get(&format!("/v1/sessions/{id}/files/big"))
+        .status()
+        .as_u16();
+    let still = cell(&s, &id, "'alive'");
+
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(shown(&exists), "False");
+    assert_eq!(read_big, 413);
+    assert_eq!(shown(&still), "'alive'");
+}
+
+#[test]
+fn one_shot_jobs_take_files_in_and_return_files_out() {
+    let s = TestServer::start();
+
+    let (status, r) = s.exec(json!({
+        "code": "data = open('in/x.csv').read()\nopen('out.txt', 'w').write(data.upper())\nprint(len(data))",
+        "files": {"in/x.csv": BASE64.encode("a,b\n1,2\n")},
+        "return_files": ["*.txt", "in/**/*.csv"],
+    }));
+    let (bad, refused) = s.exec(json!({"code": "1", "files": {"../x": ""}}));
+    let (batch, batch_refused) = s.post(
+        "/v1/exec/batch",
+        &json!({"jobs": [{"code": "1", "return_files": ["*"]}]}),
+    );
+
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        (&r["status"], &r["stdout"]),
+        (&json!("ok"), &json!("8\n")),
+        "{r}"
+    );
+    assert_eq!(r["files"]["out.txt"], BASE64.encode("A,B\n1,2\n"));
+    assert_eq!(r["files"]["in/x.csv"], BASE64.encode("a,b\n1,2\n"));
+    assert_eq!(
+        (bad, &refused["error"]["code"]),
+        (400, &json!("invalid_request")),
+        "{refused}"
+    );
+    assert_eq!(batch, 400, "{batch_refused}");
+    s.assert_still_serving();
+}
+
+#[test]
+fn forks_diverge_and_never_see_each_other() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+    cell(
+        &s,
+        &id,
+        "items = list(range(100))\nopen('f.txt', 'w').write('base')",
+    );
+
+    let (status, fork) = s.post(&format!("/v1/sessions/{id}/fork"), &json!({"count": 8}));
+    let kids: Vec<String> = fork["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    for (i, k) in kids.iter().enumerate() {
+        cell(
+            &s,
+            k,
+            &format!("items.append({i})\nopen('f.txt', 'a').write('-{i}')"),
+        );
+    }
+    let views: Vec<Value> = kids
+        .iter()
+        .map(|k| cell(&s, k, "(len(items), items[-1], open('f.txt').read())"))
+        .collect();
+    let source = cell(&s, &id, "(len(items), open('f.txt').read())");
+    let (g_status, grand) = s.post(
+        &format!("/v1/sessions/{}/fork", kids[3]),
+        &json!({"count": 1}),
+    );
+    let grandchild = grand["ids"][0].as_str().unwrap().to_owned();
+    let g_view = cell(
+        &s,
+        &grandchild,
+        "items.append('g')\n(len(items), open('f.txt').read())",
+    );
+    let parent_view = cell(&s, &kids[3], "len(items)");
+    let (_, info) = get_json(&s, &format!("/v1/sessions/{grandchild}"));
+
+    assert_eq!(status, 201, "{fork}");
+    assert_eq!(kids.len(), 8);
+    for (i, v) in views.iter().enumerate() {
+        assert_eq!(shown(v), &json!(format!("(101, {i}, 'base-{i}')")), "{v}");
+    }
+    assert_eq!(shown(&source), "(100, 'base')");
+    assert_eq!(g_status, 201, "{grand}");
+    assert_eq!(shown(&g_view), "(102, 'base-3')");
+    assert_eq!(shown(&parent_view), "101");
+    assert_eq!(info["parent"], kids[3].as_str());
+    assert!(fork["source_pause_ms"].as_f64().unwrap() > 0.0, "{fork}");
+    let metrics = s.get("/metrics").text().unwrap();
+    let memory: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("bud_sessions_memory_bytes "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    for k in kids.iter().chain([&grandchild, &id]) {
+        assert_eq!(delete(&s, &format!("/v1/sessions/{k}")), 204);
+    }
+    let after = s.get("/metrics").text().unwrap();
+
+    assert!(metrics.contains("bud_sessions 10\n"), "{metrics}");
+    assert!(
+        metrics.contains("bud_sessions_forked_total 9\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("bud_sessions_created_total 10\n"),
+        "{metrics}"
+    );
+    assert!(memory > 0, "{metrics}");
+    assert!(after.contains("bud_sessions 0\n"), "{after}");
+    assert!(
+        after.contains("bud_sessions_ended_total{reason=\"deleted\"} 10\n"),
+        "{after}"
+    );
+}
+
+#[test]
+fn shutdown_ends_every_session() {
+    let mut s = TestServer::start();
+    let ids: Vec<String> = (0..3).map(|_| create(&s, json!({}))).collect();
+    cell(&s, &ids[0], "x = 1");
+    let state = s.state.clone();
+
+    s.shutdown();
+
+    assert_eq!(state.sessions().count(), 0);
+    assert_eq!(state.sessions().gauges().ended.get("shutdown"), Some(&3));
+}
+
+#[test]
+fn idle_sessions_expire_with_410() {
+    let s = TestServer::start();
+    let id = create(&s, json!({"idle_timeout_s": 1}));
+    cell(&s, &id, "1");
+
+    std::thread::sleep(Duration::from_millis(3000));
+    let (status, r) = get_json(&s, &format!("/v1/sessions/{id}"));
+    let (bad, refused) = s.post("/v1/sessions", &json!({"idle_timeout_s": 0}));
+
+    assert_eq!(status, 410, "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("idle_timeout"),
+        "{r}"
+    );
+    assert_eq!(
+        (bad, &refused["error"]["field"]),
+        (400, &json!("idle_timeout_s"))
+    );
+}
+
+#[test]
+fn the_session_caps_answer_429_and_507() {
+    let mut config: Config = test_config();
+    config.sessions.max_sessions = 2;
+    config.sessions.max_memory_bytes = 24 << 20;
+    let s = TestServer::with_config(config);
+    let a = create(&s, json!({}));
+    let b = create(&s, json!({}));
+
+    let (full, too_many) = s.post("/v1/sessions", &json!({}));
+    assert_eq!(delete(&s, &format!("/v1/sessions/{b}")), 204);
+    cell(&s, &a, "blob = b'x' * (32 << 20)");
+    let (over, out_of_memory) = s.post("/v1/sessions", &json!({}));
+    let (fork_over, _) = s.post(&format!("/v1/sessions/{a}/fork"), &json!({"count": 1}));
+    assert_eq!(delete(&s, &format!("/v1/sessions/{a}")), 204);
+    let again = create(&s, json!({}));
+
+    assert_eq!(
+        (full, &too_many["error"]["code"]),
+        (429, &json!("too_many_sessions")),
+        "{too_many}"
+    );
+    assert_eq!(
+        (over, &out_of_memory["error"]["code"]),
+        (507, &json!("out_of_memory")),
+        "{out_of_memory}"
+    );
+    assert_eq!(fork_over, 507);
+    assert_eq!(delete(&s, &format!("/v1/sessions/{again}")), 204);
+}
+
+#[test]
+fn the_stream_of_a_cell_ends_with_its_result() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+
+    let r = client()
+        .post(s.url(&format!("/v1/sessions/{id}/exec/stream")))
+        .json(&json!({"code": "print('a')\n40 + 2"}))
+        .send()
+        .unwrap();
+    let text = r.text().unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+
+    assert_eq!(
+        lines.first().unwrap(),
+        &json!({"type": "stdout", "data": "a\n"})
+    );
+    let last = lines.last().unwrap();
+    assert_eq!(
+        (&last["type"], &last["result"]["text/plain"]),
+        (&json!("result"), &json!("42")),
+        "{text}"
+    );
+    assert_eq!(last["execution_count"], 1);
+}

@@ -1,0 +1,342 @@
+//! Sessions on the real VMM and guest, through the library: state that persists across
+//! cells, displayed values, interrupts, files, forks. Needs /dev/kvm. (The HTTP API over
+//! them is tested in `server/tests/sessions.rs`.)
+
+mod common;
+
+use std::time::Duration;
+
+use vmm::protocol::{file_op, file_status};
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
+use vmm::{Executor, ExecutorOptions, Job, JobResult, Language, Status};
+
+fn executor() -> Executor {
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        verify: true,
+        ..ExecutorOptions::default()
+    };
+    Executor::new(common::template(), opts).expect("starting the executor failed")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn cell(s: &mut Session, ex: &Executor, code: &str) -> JobResult {
+    let r = s
+        .exec(
+            ex,
+            &Job::python(code),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .expect("the cell could not run");
+    assert!(
+        r.status != Status::Crashed,
+        "cell {code:?} crashed: {:?}\n{}",
+        r.crash,
+        r.console_tail.join("\n")
+    );
+    r
+}
+
+fn plain(r: &JobResult) -> Option<&str> {
+    r.display
+        .iter()
+        .find(|d| d.mime == "text/plain")
+        .map(|d| d.data.as_str())
+}
+
+#[test]
+fn variables_imports_functions_and_cwd_persist_across_cells() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+
+    let first = cell(
+        &mut s,
+        &ex,
+        "import json\nx = 1\ndef f(v):\n    return v * 2",
+    );
+    for _ in 0..20 {
+        let r = cell(&mut s, &ex, "x += 1");
+        assert_eq!((r.status, r.exit_code), (Status::Ok, Some(0)));
+    }
+    let r = cell(
+        &mut s,
+        &ex,
+        "import os\nos.makedirs('d', exist_ok=True)\nos.chdir('d')\nprint(json.dumps([x, f(x)]))\nos.getcwd()",
+    );
+    let shell = s
+        .exec(
+            &ex,
+            &Job::new(Language::Shell, "pwd; echo $((1+2))"),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+
+    assert!(
+        first.display.is_empty(),
+        "a cell ending in a def displays nothing"
+    );
+    assert_eq!(text(&r.stdout), "[21, 42]\n");
+    assert_eq!(plain(&r), Some("'/tmp/d'"));
+    assert_eq!(
+        (shell.status, text(&shell.stdout)),
+        (Status::Ok, "/tmp/d\n3\n".into())
+    );
+    assert_eq!(s.executions(), 23);
+    s.end(&ex);
+    assert_eq!(ex.take_reset_errors(), Vec::<String>::new());
+}
+
+#[test]
+fn a_final_expression_is_displayed_with_html_and_png_when_offered() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+
+    let r = cell(
+        &mut s,
+        &ex,
+        "class T:\n    def _repr_html_(self): return '<b>t</b>'\n    def _repr_png_(self): return b'\\x89PNG'\n    def __repr__(self): return 'T()'\nT()",
+    );
+    let none = cell(&mut s, &ex, "None");
+    let underscore = cell(&mut s, &ex, "_");
+    let error = cell(&mut s, &ex, "1/0");
+
+    let kinds: Vec<_> = r
+        .display
+        .iter()
+        .map(|d| (d.mime.as_str(), d.data.as_str()))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            ("text/plain", "T()"),
+            ("text/html", "<b>t</b>"),
+            ("image/png", "iVBORw==")
+        ]
+    );
+    assert!(none.display.is_empty());
+    assert_eq!(plain(&underscore), Some("T()"));
+    assert_eq!((error.status, error.exit_code), (Status::Error, Some(1)));
+    assert!(
+        text(&error.stderr).contains("ZeroDivisionError"),
+        "{}",
+        text(&error.stderr)
+    );
+    s.end(&ex);
+}
+
+#[test]
+fn a_cell_past_its_time_is_interrupted_and_the_session_goes_on() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    cell(&mut s, &ex, "n = 5");
+
+    let mut spin = Job::python("print('started', flush=True)\nwhile True:\n    n += 1");
+    spin.timeout = Duration::from_millis(300);
+    let r = s
+        .exec(&ex, &spin, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    let mut sleeper = Job::python("import time\ntime.sleep(30)");
+    sleeper.timeout = Duration::from_millis(300);
+    let slept = s
+        .exec(&ex, &sleeper, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    let after = cell(&mut s, &ex, "n > 5");
+
+    assert_eq!(r.status, Status::Timeout);
+    assert_eq!(text(&r.stdout), "started\n");
+    assert!(
+        text(&r.stderr).contains("KeyboardInterrupt"),
+        "{}",
+        text(&r.stderr)
+    );
+    assert_eq!(slept.status, Status::Timeout);
+    assert!(
+        text(&slept.stderr).contains("KeyboardInterrupt"),
+        "{}",
+        text(&slept.stderr)
+    );
+    assert_eq!(plain(&after), Some("True"));
+    assert!(s.usable());
+    s.end(&ex);
+}
+
+#[test]
+fn a_cell_over_the_output_cap_is_interrupted_and_the_session_goes_on() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    cell(&mut s, &ex, "import sys\nsent = 0");
+
+    let mut flood = Job::python("while True:\n    sys.stdout.write('x' * 65536)\n    sent += 1");
+    flood.output_limit = 256 << 10;
+    let r = s
+        .exec(&ex, &flood, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    let after = cell(&mut s, &ex, "sent > 3");
+
+    assert_eq!(r.status, Status::OutputLimit);
+    assert_eq!(r.stdout.len() + r.stderr.len(), 256 << 10);
+    assert!(s.usable());
+    assert_eq!(plain(&after), Some("True"));
+    s.end(&ex);
+}
+
+#[test]
+fn a_cell_that_ignores_the_interrupt_ends_the_session() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+
+    let mut stubborn = Job::python(
+        "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
+    );
+    stubborn.timeout = Duration::from_millis(200);
+    let r = s
+        .exec(&ex, &stubborn, Duration::from_millis(300), &mut |_, _| {})
+        .unwrap();
+    let next = s.exec(
+        &ex,
+        &Job::python("1"),
+        DEFAULT_INTERRUPT_GRACE,
+        &mut |_, _| {},
+    );
+
+    assert_eq!(r.status, Status::Timeout);
+    assert!(!s.usable());
+    assert!(matches!(next, Err(vmm::session::SessionError::Unusable)));
+    s.end(&ex);
+}
+
+#[test]
+fn files_round_trip_and_paths_stay_inside_the_work_directory() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let t = Duration::from_secs(10);
+    let data: Vec<u8> = (0..=255u8).cycle().take(3 << 20).collect();
+
+    let w = s.write_file(&ex, "in/data.bin", &data, t).unwrap();
+    let a = s
+        .file_op(
+            &ex,
+            file_op::APPEND,
+            "in/data.bin",
+            b"tail".to_vec(),
+            t,
+            1 << 20,
+        )
+        .unwrap();
+    let seen = cell(
+        &mut s,
+        &ex,
+        "import hashlib\nhashlib.sha256(open('in/data.bin','rb').read()).hexdigest()",
+    );
+    let read = s
+        .file_op(&ex, file_op::READ, "in/data.bin", Vec::new(), t, 8 << 20)
+        .unwrap();
+    let list = s
+        .file_op(&ex, file_op::LIST, "in", Vec::new(), t, 1 << 20)
+        .unwrap();
+    let escape = s
+        .file_op(&ex, file_op::READ, "../etc/passwd", Vec::new(), t, 1 << 20)
+        .unwrap();
+    cell(&mut s, &ex, "import os\nos.symlink('/etc', 'out')");
+    let via_link = s
+        .file_op(&ex, file_op::READ, "out/passwd", Vec::new(), t, 1 << 20)
+        .unwrap();
+    let missing = s
+        .file_op(&ex, file_op::READ, "nope", Vec::new(), t, 1 << 20)
+        .unwrap();
+    let deleted = s
+        .file_op(&ex, file_op::DELETE, "in", Vec::new(), t, 1 << 20)
+        .unwrap();
+    let gone = cell(&mut s, &ex, "import os\nos.path.exists('in')");
+
+    assert_eq!((w.exit_code, a.exit_code), (Some(0), Some(0)));
+    let data = [&data[..], b"tail"].concat();
+    let want = format!("{:?}", sha256_hex(&data));
+    assert_eq!(plain(&seen), Some(want.replace('"', "'").as_str()));
+    assert_eq!(read.stdout, data);
+    assert_eq!(
+        text(&list.stdout),
+        format!(
+            "[{{\"name\": \"data.bin\", \"type\": \"file\", \"size\": {}}}]",
+            (3 << 20) + 4
+        )
+    );
+    assert_eq!(escape.exit_code, Some(file_status::BAD_PATH));
+    assert_eq!(via_link.exit_code, Some(file_status::BAD_PATH));
+    assert_eq!(missing.exit_code, Some(file_status::NOT_FOUND));
+    assert_eq!(deleted.exit_code, Some(0));
+    assert_eq!(plain(&gone), Some("False"));
+    s.end(&ex);
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[test]
+fn forks_start_from_the_live_state_and_never_see_each_other() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    cell(
+        &mut s,
+        &ex,
+        "import os, random\nbig = bytes(range(256)) * 4096 * 4\nopen('f.txt','w').write('base')\nn = 10",
+    );
+
+    let (mut kids, stats) = s.fork(&ex, 4).unwrap();
+    let mut seen = Vec::new();
+    for (i, k) in kids.iter_mut().enumerate() {
+        cell(
+            k,
+            &ex,
+            &format!("n += {i}\nopen('f.txt','a').write('-{i}')"),
+        );
+    }
+    for k in kids.iter_mut() {
+        let r = cell(
+            k,
+            &ex,
+            "(n, open('f.txt').read(), len(big), os.urandom(8).hex(), random.random())",
+        );
+        seen.push(plain(&r).unwrap().to_owned());
+    }
+    let source = cell(&mut s, &ex, "(n, open('f.txt').read())");
+    let (mut grandkids, _) = kids[1].fork(&ex, 2).unwrap();
+    let g0 = cell(
+        &mut grandkids[0],
+        &ex,
+        "n += 100\n(n, open('f.txt').read())",
+    );
+    let g1 = cell(&mut grandkids[1], &ex, "(n, open('f.txt').read())");
+    let parent_after = cell(&mut kids[1], &ex, "n");
+
+    for (i, line) in seen.iter().enumerate() {
+        assert!(
+            line.starts_with(&format!("({}, 'base-{i}', 4194304, ", 10 + i)),
+            "{line}"
+        );
+    }
+    let urandoms: std::collections::HashSet<_> = seen
+        .iter()
+        .map(|l| l.split(", ").nth(3).unwrap().to_owned())
+        .collect();
+    assert_eq!(urandoms.len(), 4, "every child has its own CRNG: {seen:?}");
+    assert_eq!(plain(&source), Some("(10, 'base')"));
+    assert_eq!(plain(&g0), Some("(111, 'base-1')"));
+    assert_eq!(plain(&g1), Some("(11, 'base-1')"));
+    assert_eq!(plain(&parent_after), Some("11"));
+    assert!(stats.layer_bytes >= 4 << 20, "{stats:?}");
+    for k in kids.into_iter().chain(grandkids) {
+        k.end(&ex);
+    }
+    s.end(&ex);
+}
