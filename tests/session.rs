@@ -92,6 +92,33 @@ fn variables_imports_functions_and_cwd_persist_across_cells() {
 }
 
 #[test]
+fn a_session_on_a_vm_that_ran_a_big_job_holds_only_its_own_pages() {
+    let ex = executor();
+    let big = ex
+        .run(&Job::python(
+            "b = bytearray(8 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint(sum(b))",
+        ))
+        .unwrap();
+    assert_eq!(
+        (big.status, text(&big.stdout)),
+        (Status::Ok, "2048\n".into())
+    );
+    assert_eq!(ex.stats().warm, 1, "the big job's VM was not kept warm");
+
+    let mut s = Session::start(&ex).unwrap();
+    let held = s.private_bytes().unwrap();
+    let r = cell(&mut s, &ex, "x = 6 * 7\nx");
+
+    assert_eq!(ex.stats().warm, 0, "the session did not take the warm VM");
+    assert!(
+        held < 4 << 20,
+        "a new session holds {held} bytes: the big job's pages were not given back"
+    );
+    assert_eq!((r.status, plain(&r)), (Status::Ok, Some("42")));
+    s.end(&ex);
+}
+
+#[test]
 fn a_final_expression_is_displayed_with_html_and_png_when_offered() {
     let ex = executor();
     let mut s = Session::start(&ex).unwrap();

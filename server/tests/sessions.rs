@@ -450,14 +450,15 @@ fn idle_sessions_expire_with_410() {
 fn the_session_caps_answer_429_and_507() {
     let mut config: Config = test_config();
     config.sessions.max_sessions = 2;
-    config.sessions.max_memory_bytes = 24 << 20;
+    // A new session holds about 1.4 MiB (a warmed-up clone's working set): two fit.
+    config.sessions.max_memory_bytes = 4 << 20;
     let s = TestServer::with_config(config);
     let a = create(&s, json!({}));
     let b = create(&s, json!({}));
 
     let (full, too_many) = s.post("/v1/sessions", &json!({}));
     assert_eq!(delete(&s, &format!("/v1/sessions/{b}")), 204);
-    cell(&s, &a, "blob = b'x' * (32 << 20)");
+    let grew = cell(&s, &a, "blob = b'x' * (6 << 20)");
     let (over, out_of_memory) = s.post("/v1/sessions", &json!({}));
     let (fork_over, _) = s.post(&format!("/v1/sessions/{a}/fork"), &json!({"count": 1}));
     assert_eq!(delete(&s, &format!("/v1/sessions/{a}")), 204);
@@ -474,6 +475,7 @@ fn the_session_caps_answer_429_and_507() {
         "{out_of_memory}"
     );
     assert_eq!(fork_over, 507);
+    assert_eq!(grew["status"], "ok", "{grew}");
     assert_eq!(delete(&s, &format!("/v1/sessions/{again}")), 204);
 }
 

@@ -25,7 +25,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,10 @@ pub enum ExecError {
     Thread(std::io::Error),
     #[error(transparent)]
     Vm(#[from] VmError),
+    #[error("reading /proc/self/pagemap: {0}")]
+    Pagemap(std::io::Error),
+    #[error("giving back a VM's private pages: {0}")]
+    Trim(#[from] crate::memory::MemoryError),
 }
 
 /// What happens to a VM after its job.
@@ -113,6 +117,9 @@ struct Shared {
     stopping: AtomicBool,
     counters: Counters,
     reset_errors: Mutex<Vec<String>>,
+    /// The pages a warmed-up clone holds private after its reset: what any job touches
+    /// (recorded by the first warm-up; see [`Executor::take_lean_vm`]).
+    working_set: OnceLock<Vec<u64>>,
 }
 
 impl Shared {
@@ -167,6 +174,11 @@ impl Shared {
         let ran = job::run(&mut m, self.template.state(), &warm_up, &mut |_, _| {});
         let ok = matches!(ran, Ok((_, Ending::Done))) && self.reset(&mut m).is_ok();
         if ok {
+            if self.working_set.get().is_none()
+                && let Ok(pages) = m.ram.private_pages()
+            {
+                let _ = self.working_set.set(pages);
+            }
             return Some(m);
         }
         drop(m);
@@ -250,6 +262,7 @@ impl Executor {
             stopping: AtomicBool::new(false),
             counters: Counters::default(),
             reset_errors: Mutex::new(Vec::new()),
+            working_set: OnceLock::new(),
         });
         let filler = if opts.pool_size > 0 {
             let s = shared.clone();
@@ -333,6 +346,38 @@ impl Executor {
             None => self.shared.new_clone()?,
         };
         Ok((m, started.elapsed()))
+    }
+
+    /// A VM at READY, like [`Executor::take_vm`], holding no more host memory than a
+    /// warmed-up clone: for a VM kept long (a session). A warm VM keeps private every page
+    /// any of its earlier jobs wrote (a reset copies the template back into them, module
+    /// docs), up to `max_private_pages`; the pages outside the working set a warm-up
+    /// records are given back ([`GuestRam::drop_private_pages`](crate::memory::GuestRam::drop_private_pages)),
+    /// which is exact because a reset VM's pages equal the template's. With no working set
+    /// recorded yet (no warm-up ran) every private page is given back. Returns the VM, the
+    /// time taken and the pages given back.
+    pub fn take_lean_vm(&self) -> Result<(Machine, Duration, u64), ExecError> {
+        let (m, _) = self.take_vm()?;
+        let started = Instant::now();
+        let trimmed = m
+            .ram
+            .private_pages()
+            .map_err(ExecError::Pagemap)
+            .and_then(|mut pages| {
+                if let Some(keep) = self.shared.working_set.get() {
+                    for (word, kept) in pages.iter_mut().zip(keep) {
+                        *word &= !kept;
+                    }
+                }
+                Ok(m.ram.drop_private_pages(&pages)?)
+            });
+        match trimmed {
+            Ok(dropped) => Ok((m, started.elapsed(), dropped)),
+            Err(e) => {
+                self.discard(m);
+                Err(e)
+            }
+        }
     }
 
     /// The KVM handle VMs are made with.

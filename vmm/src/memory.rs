@@ -52,6 +52,8 @@ pub enum MemoryError {
     ReadOnly,
     #[error("cannot copy pages between guest RAM mappings of {0:#x} and {1:#x} bytes")]
     SizeMismatch(u64, u64),
+    #[error("madvise(MADV_DONTNEED) on guest RAM failed: {0}")]
+    Madvise(std::io::Error),
 }
 
 /// One contiguous host mapping backing guest-physical `0..len()`.
@@ -224,6 +226,43 @@ impl GuestRam {
             copied += 1;
         }
         Ok(copied)
+    }
+
+    /// Gives up the private copies of the pages set in `bitmap` (`MADV_DONTNEED` on each run
+    /// of them): in a clone's `MAP_PRIVATE` mapping of its template file they read as the file
+    /// again, and their host memory is freed. Only meant for pages whose contents equal the
+    /// file (a VM just [reset](crate::reset::reset)); otherwise the guest sees them change.
+    /// KVM learns of it through its MMU notifier and drops its mappings of those pages (the
+    /// guest refaults them). Returns the number of pages given up.
+    pub fn drop_private_pages(&self, bitmap: &[u64]) -> Result<u64, MemoryError> {
+        if !self.writable {
+            return Err(MemoryError::ReadOnly);
+        }
+        let mut dropped = 0;
+        let mut pages = set_bits(bitmap).peekable();
+        while let Some(first) = pages.next() {
+            let mut end = first + 1;
+            while pages.next_if_eq(&end).is_some() {
+                end += 1;
+            }
+            let offset =
+                self.check_range(first * PAGE_SIZE, ((end - first) * PAGE_SIZE) as usize)?;
+            // SAFETY: the range lies inside this mapping (checked) and is page aligned; no Rust
+            // reference into guest RAM exists (every access copies), so replacing the pages'
+            // contents invalidates nothing the compiler relies on.
+            let r = unsafe {
+                libc::madvise(
+                    self.ptr.as_ptr().add(offset).cast(),
+                    ((end - first) * PAGE_SIZE) as usize,
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if r != 0 {
+                return Err(MemoryError::Madvise(std::io::Error::last_os_error()));
+            }
+            dropped += end - first;
+        }
+        Ok(dropped)
     }
 
     /// Copies `len` bytes of guest memory at `addr` into `file` at the same offset, straight

@@ -146,10 +146,11 @@ pub struct ForkStats {
 }
 
 impl Session {
-    /// A new session on a VM from `ex` (at READY, never run since its reset): gives it its
+    /// A new session on a VM from `ex` (at READY, never run since its reset, holding no
+    /// more memory than a warmed-up clone: [`Executor::take_lean_vm`]): gives it its
     /// identity; it has run nothing yet.
     pub fn start(ex: &Executor) -> Result<Self, SessionError> {
-        let (m, _) = ex.take_vm()?;
+        let (m, _, _) = ex.take_lean_vm()?;
         let s = ex.template().state();
         if let Err(e) = job::give_identity(&m, s) {
             ex.discard(m);
