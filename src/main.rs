@@ -54,7 +54,11 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum GuestCommand {
     /// Build the guest kernel and initramfs (cached; rebuilt only when inputs change).
-    Build,
+    Build {
+        /// The template whose image to build (`python`, or one of guest/image/templates/).
+        #[arg(long, default_value = bud_guest::recipe::BASE_TEMPLATE)]
+        template: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -124,10 +128,13 @@ struct RunArgs {
     /// Print status and timings to stderr after the output.
     #[arg(long)]
     timings: bool,
-    /// Guest RAM in MiB (part of the template's identity). A value other than the default
-    /// runs the job in this process.
-    #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
-    mem_mib: u64,
+    /// Guest RAM in MiB (part of the template's identity; default: the template's). Given,
+    /// it runs the job in this process.
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// The template to run in (`python`, `datascience`, ...).
+    #[arg(long, default_value = bud_guest::recipe::BASE_TEMPLATE)]
+    template: String,
     /// Run in this process even when a `bud serve` is reachable (BUD_URL, or
     /// http://127.0.0.1:8080).
     #[arg(long)]
@@ -181,9 +188,14 @@ struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = bud_server::Limits::default().max_body_bytes)]
     max_body_bytes: usize,
-    /// Guest RAM in MiB (part of the template's identity).
-    #[arg(long, default_value_t = vmm::boot::DEFAULT_RAM_SIZE >> 20)]
-    mem_mib: u64,
+    /// The templates to serve, comma-separated, prepared in this order at start (`python`,
+    /// `datascience`: guest/image/templates/). Jobs and sessions choose one with
+    /// `template`; without it they get `python` if served, else the first.
+    #[arg(long, value_delimiter = ',', default_value = "python")]
+    templates: Vec<String>,
+    /// Guest RAM in MiB of every template (part of its identity; default: each template's).
+    #[arg(long)]
+    mem_mib: Option<u64>,
     /// Most live sessions; past it, creating or forking one is 429.
     #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_sessions)]
     max_sessions: usize,
@@ -223,8 +235,9 @@ fn progress(line: &str) {
     eprintln!("[bud] {line}");
 }
 
-fn build_guest(cli: &Cli) -> anyhow::Result<bud_guest::GuestArtifacts> {
-    let opts = cli.build_options();
+fn build_guest(cli: &Cli, template: &str) -> anyhow::Result<bud_guest::GuestArtifacts> {
+    let mut opts = cli.build_options();
+    opts.template = template.to_owned();
     let started = Instant::now();
     let artifacts = bud_guest::ensure(&opts, &mut |l: &str| progress(l))
         .context("building the guest kernel and image")?;
@@ -317,7 +330,7 @@ fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
     let (kernel, initramfs) = match (&args.kernel, &args.initramfs) {
         (Some(k), Some(i)) => (k.clone(), i.clone()),
         _ => {
-            let a = build_guest(cli)?;
+            let a = build_guest(cli, bud_guest::recipe::BASE_TEMPLATE)?;
             (a.kernel, a.initramfs)
         }
     };
@@ -415,7 +428,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         job.env.push((k.to_string(), v.to_string()));
     }
 
-    let server = if args.local || args.mem_mib != vmm::boot::DEFAULT_RAM_SIZE >> 20 {
+    let server = if args.local || args.mem_mib.is_some() {
         None
     } else {
         remote::server_url()?
@@ -479,24 +492,34 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_file_bytes: args.max_file_bytes,
             ..bud_server::config::SessionLimits::default()
         },
+        templates: args.templates.clone(),
         ..bud_server::Config::default()
     };
-    let template_opts = bud_guest::TemplateOptions {
-        build: cli.build_options(),
-        guest: bud_guest::GuestBuild::Existing,
-        ram_size: args.mem_mib << 20,
-    };
+    let build = cli.build_options();
+    let ram_size = args.mem_mib.map(|m| m << 20);
     bud_server::run(bud_server::ServeOptions {
         listen: args.listen,
         port: args.port,
         config,
-        template: Box::new(move || {
-            bud_guest::template(
-                &template_opts,
+        template: Box::new(move |name: &str| {
+            let mut build = build.clone();
+            build.template = name.to_owned();
+            let opts = bud_guest::TemplateOptions {
+                build,
+                guest: bud_guest::GuestBuild::Existing,
+                ram_size,
+            };
+            let template = bud_guest::template(
+                &opts,
                 &mut bud_server::startup::log_build_line,
                 Some(bud_server::startup::console_echo()),
-            )
-            .map_err(Into::into)
+            )?;
+            let (image_bytes, packages) = bud_guest::image_facts(&opts);
+            let info = bud_server::state::TemplateInfo {
+                image_bytes,
+                packages,
+            };
+            Ok((template, info))
         }),
     })?;
     Ok(ExitCode::SUCCESS)
@@ -507,10 +530,12 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
 /// source changes).
 fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::JobResult> {
     let started = Instant::now();
+    let mut build = cli.build_options();
+    build.template.clone_from(&args.template);
     let opts = bud_guest::TemplateOptions {
-        build: cli.build_options(),
+        build,
         guest: bud_guest::GuestBuild::Existing,
-        ram_size: args.mem_mib << 20,
+        ram_size: args.mem_mib.map(|m| m << 20),
     };
     let template = bud_guest::template(&opts, &mut |l: &str| progress(l), None)
         .context("preparing the template")?;
@@ -586,8 +611,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Guest {
-            command: GuestCommand::Build,
-        } => build_guest(&cli).map(|_| ExitCode::SUCCESS),
+            command: GuestCommand::Build { template },
+        } => build_guest(&cli, template).map(|_| ExitCode::SUCCESS),
         Command::Boot(args) => boot(&cli, args).map(|_| ExitCode::SUCCESS),
         Command::Run(args) => run(&cli, args),
         Command::Serve(args) => serve(&cli, args),

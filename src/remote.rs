@@ -84,6 +84,7 @@ pub fn run(url: &str, job: &Job) -> anyhow::Result<JobResult> {
         crash: r.crash,
         console_tail: r.console_tail,
         display: Vec::new(),
+        figures: Vec::new(),
         timings: vmm::job::JobTimings {
             clone: Duration::from_secs_f64(r.timings.clone_ms / 1e3),
             run: Duration::from_secs_f64(r.timings.run_ms / 1e3),

@@ -143,7 +143,8 @@ class Request:
 
 
 class Identity:
-    """Makes a clone distinct on the Python side: ``random`` and a clock check (module docs).
+    """Makes a clone distinct on the Python side: ``random`` (and numpy's global random state
+    when numpy is loaded) and a clock check (module docs).
 
     ``enabled=False`` (host tests: setting the clock needs root and would change the *host's*
     clock) skips the clock; ``random`` is still reseeded."""
@@ -158,6 +159,14 @@ class Identity:
         if request.reseed:
             random.seed(int.from_bytes(request.seed, "little"))
             tempfile._name_sequence = None  # its own Random, seeded before READY
+            # A template that imported numpy (datascience) holds numpy's global RandomState
+            # as seeded before READY: every clone would draw the same numbers.
+            # (default_rng() and SeedSequence() take fresh entropy from the reseeded CRNG.)
+            numpy_random = sys.modules.get("numpy.random")
+            if numpy_random is not None:
+                seed = request.seed
+                numpy_random.seed([int.from_bytes(seed[i : i + 4], "little")
+                                   for i in range(0, len(seed), 4)])
         if not self.enabled:
             return None
         ahead = time.time_ns() - request.wall_clock_ns
@@ -346,8 +355,14 @@ class JobRunner:
             bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
             flags = _bud.GUEST_FLAGS_CLOCK_SET if self.identity.clock_set else 0
             bud_io.write_phases(self.view, MARKS, flags)
-            if request is not None and request.mode == _bud.MODE_CELL and self._display:
-                bud_session.write_display(self.view, self._display)
+            figures = []
+            if request is not None and request.language == _bud.LANGUAGE_PYTHON:
+                try:
+                    figures = bud_session.take_figures()
+                except BaseException as error:  # noqa: BLE001 - the outcome still goes out
+                    self.warn(f"figures: {type(error).__name__}: {error}")
+            if self._display or figures:
+                bud_session.write_display(self.view, self._display or (), figures)
             self._display = None
             self._ring_done(done)
 

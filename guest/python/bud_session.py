@@ -12,7 +12,11 @@ from a one-shot job is here:
   ``image/png`` when the object has ``_repr_html_`` / ``_repr_png_``. The display data go
   back as JSON over the request area (``result::DISPLAY_LEN``). An exception prints its
   traceback on stderr (exit status 1), ``SystemExit`` gives its status; neither ends the
-  session. Threads a cell started keep running in later cells; ``atexit`` handlers never
+  session.
+- **Figures** (a job's or a cell's): every matplotlib figure shown with ``plt.show()``
+  (which, as Jupyter's inline backend, renders and closes the open figures) or left open at
+  the end is rendered to PNG and goes back with the display data, in order
+  (:func:`take_figures`); the host returns them as the request's ``results``. Threads a cell started keep running in later cells; ``atexit`` handlers never
   run (the interpreter never exits).
 - **Interrupts**: the host's interrupt byte on the console becomes SIGINT for this thread
   (``_bud.start_interrupt_watcher``), so a cell past its time gets ``KeyboardInterrupt``.
@@ -25,10 +29,12 @@ import ast
 import base64
 import errno
 import glob
+import io
 import json
 import os
 import shutil
 import stat
+import sys
 
 import _bud
 
@@ -73,16 +79,61 @@ def display_of(value):
     return shown
 
 
-def write_display(view, shown):
-    """Writes the display JSON over the request area and its length; items that do not fit
-    are dropped, last first."""
+# PNGs of the figures shown (plt.show()) during the current request, in order.
+_shown_figures = []
+
+
+def _render_open_figures(pyplot):
+    """Every open figure of ``pyplot`` as a PNG display item, in figure-number order; closes
+    them. A figure that fails to render is reported on stderr and skipped."""
+    shown = []
+    for number in pyplot.get_fignums():
+        buffer = io.BytesIO()
+        try:
+            pyplot.figure(number).savefig(buffer, format="png")
+        except Exception as error:  # noqa: BLE001 - the user's figure; the rest still goes
+            print(f"figure {number} could not be rendered: {error!r}", file=sys.stderr)
+            continue
+        shown.append({"type": "image/png", "data": base64.b64encode(buffer.getvalue()).decode()})
+    pyplot.close("all")
+    return shown
+
+
+def capture_figures_from(pyplot):
+    """Makes ``pyplot.show`` render the open figures into the request's results and close
+    them (what Jupyter's inline backend does; with Agg it would do nothing)."""
+    def show(*args, **kwargs):
+        del args, kwargs
+        _shown_figures.extend(_render_open_figures(pyplot))
+
+    pyplot.show = show
+
+
+def take_figures():
+    """The current request's figures: those shown, then those still open (rendered now)."""
+    figures = list(_shown_figures)
+    _shown_figures.clear()
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        figures.extend(_render_open_figures(pyplot))
+    return figures
+
+
+def write_display(view, shown, figures=()):
+    """Writes the display JSON, ``{"value": [...], "figures": [...]}``, over the request
+    area and its length; items that do not fit are dropped, figures first (last first)."""
+    shown, figures = list(shown), list(figures)
     while True:
-        data = json.dumps(shown, ensure_ascii=False).encode("utf-8", "surrogateescape")
-        if len(data) <= _DISPLAY_ROOM or not shown:
+        blob = {"value": shown, "figures": figures}
+        data = json.dumps(blob, ensure_ascii=False).encode("utf-8", "surrogateescape")
+        if len(data) <= _DISPLAY_ROOM or not (shown or figures):
             break
-        shown = shown[:-1]
+        if figures:
+            figures.pop()
+        else:
+            shown.pop()
     if len(data) > _DISPLAY_ROOM:
-        data = b"[]"
+        data = b"{}"
     view[_bud.JOB_DATA : _bud.JOB_DATA + len(data)] = data
     view[_bud.RESULT_DISPLAY_LEN : _bud.RESULT_DISPLAY_LEN + 4] = len(data).to_bytes(4, "little")
 

@@ -148,6 +148,14 @@ MALLOC_SETTINGS = (
     ("M_TRIM_THRESHOLD", 2**31 - 1),
 )
 
+# The template manifest the image builder writes (guest/src/site.rs): the template's name,
+# the modules to import before READY, its warm-up code and its packages.
+TEMPLATE_MANIFEST = "/usr/lib/bud/template.json"
+# Set before a template's modules are imported: matplotlib draws with the non-interactive
+# Agg backend (there is no display) and keeps its font cache outside the job's work
+# directory (/tmp, which a session's file API lists).
+TEMPLATE_ENV = (("MPLBACKEND", "Agg"), ("MPLCONFIGDIR", "/var/cache/matplotlib"))
+
 # The idle moment right before READY (see main).
 READY_IDLE_S = 0.002
 
@@ -207,6 +215,38 @@ def warm_code_paths():
     return failure
 
 
+def warm_template(path=TEMPLATE_MANIFEST):
+    """Imports the template's modules and runs its warm-up code (both from the manifest),
+    so that no job pays for them. Returns (template name, problem or None). A base image has
+    nothing to do; a missing module or a failing warm-up is a broken template: reported, and
+    the template still comes up (jobs that need the module fail with its ImportError)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return "python", None
+    name = manifest.get("name", "?")
+    if not manifest.get("preload") and not manifest.get("warm"):
+        return name, None
+    for key, value in TEMPLATE_ENV:
+        os.environ[key] = value
+    os.makedirs(dict(TEMPLATE_ENV)["MPLCONFIGDIR"], exist_ok=True)
+    try:
+        for module in manifest.get("preload", ()):
+            __import__(module)
+        if manifest.get("warm"):
+            with open(manifest["warm"], "rb") as f:
+                source = f.read()
+            exec(compile(source, manifest["warm"], "exec"), {"__name__": "__bud_warm__"})
+        if "matplotlib.pyplot" in sys.modules:
+            bud_jobs.bud_session.capture_figures_from(sys.modules["matplotlib.pyplot"])
+    except Exception as error:  # noqa: BLE001 - reported on the console, see above
+        return name, f"{type(error).__name__}: {error}"
+    return name, None
+
+
 def reserve_memory():
     """Tunes malloc and leaves pymalloc arenas and malloc heap mapped and free for jobs."""
     for name, value in MALLOC_SETTINGS:
@@ -254,6 +294,8 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     mark("imports")
     code_failure = warm_code_paths()
     mark("code")
+    template, template_failure = warm_template()
+    mark("template")
     reserve_memory()
     mailbox = _bud.create_mailbox(_bud.MAILBOX_DEFAULT_SIZE, doorbell=doorbell)
     mark("memory")
@@ -277,6 +319,8 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     _bud.lock_memory()
     mark("lock")
     facts = {
+        "template": template,
+        "template_failure": template_failure,
         "modules": len(sys.modules),
         "missing": missing,
         "code_failure": code_failure,
@@ -296,7 +340,7 @@ def describe(steps, facts):
     """The one-line boot summary: where the warm-up's time and page faults went."""
     parts = ", ".join(f"{name} {secs:.2f} s/{faults} pf" for name, secs, faults in steps)
     text = (
-        f"{parts} (startup {facts['faults_at_start']} pf); {facts['modules']} modules; "
+        f"template {facts['template']}: {parts} (startup {facts['faults_at_start']} pf); {facts['modules']} modules; "
         f"rss {facts['rss_before_lock']:.0f} -> {facts['rss']:.0f} MiB; "
         f"mailbox {_bud.mailbox_size() >> 10} KiB at {_bud.mailbox_address():#x}"
     )
@@ -304,6 +348,8 @@ def describe(steps, facts):
         text += f"; missing {','.join(facts['missing'])}"
     if facts["code_failure"]:
         text += f"; warm job failed: {facts['code_failure']}"
+    if facts["template_failure"]:
+        text += f"; template {facts['template']} warm-up failed: {facts['template_failure']}"
     if facts["job_problems"]:
         text += f"; jobs: {'; '.join(facts['job_problems'])}"
     return text

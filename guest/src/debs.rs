@@ -219,6 +219,78 @@ pub fn fetch(
     hashes: &mut HashCache,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Package>, DebError> {
+    fetch_some(specs, dir, apt, refresh, true, hashes, progress)
+}
+
+/// [`fetch`] of `specs` and of every shared-library package they depend on, transitively:
+/// the first alternative of each `Depends` clause whose name starts with `lib` (not
+/// `libjs-`, which is JavaScript), unless `provided` (the base image's packages) has it.
+/// Only the libraries some ELF file of the image loads are copied out of them later
+/// (`libs::complete`), so a dependency the image does not need costs a download, nothing
+/// more. Returns `specs`' packages first, then the libraries found.
+pub fn fetch_with_libraries(
+    specs: &[String],
+    provided: &[Package],
+    dir: &Path,
+    apt: &mut Apt,
+    refresh: bool,
+    hashes: &mut HashCache,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Package>, DebError> {
+    let mut all: Vec<String> = specs.to_vec();
+    let mut refresh = refresh;
+    loop {
+        let packages = fetch_some(&all, dir, apt, refresh, false, hashes, progress)?;
+        refresh = false;
+        let mut added = false;
+        for p in &packages {
+            for name in library_dependencies(&dir.join(&p.file))? {
+                let known = all.iter().any(|s| package_name(s) == name)
+                    || provided.iter().any(|b| b.name == name);
+                if !known {
+                    all.push(name);
+                    added = true;
+                }
+            }
+        }
+        if !added {
+            return fetch(&all, dir, apt, false, hashes, progress);
+        }
+    }
+}
+
+/// The library packages a `.deb` depends on (see [`fetch_with_libraries`]).
+fn library_dependencies(deb: &Path) -> Result<Vec<String>, DebError> {
+    let mut cmd = Command::new("dpkg-deb");
+    cmd.arg("-f").arg(deb).arg("Depends");
+    let out = run::stdout_of(&mut cmd, &mut |_| {}).map_err(|source| DebError::Control {
+        path: deb.to_owned(),
+        source,
+    })?;
+    Ok(parse_library_dependencies(&String::from_utf8_lossy(&out)))
+}
+
+fn parse_library_dependencies(depends: &str) -> Vec<String> {
+    depends
+        .split(',')
+        .filter_map(|clause| {
+            let first = clause.split('|').next()?.trim();
+            let name = first.split([' ', '(']).next()?.trim();
+            let name = name.split_once(':').map_or(name, |(n, _)| n);
+            (name.starts_with("lib") && !name.starts_with("libjs-")).then(|| name.to_owned())
+        })
+        .collect()
+}
+
+fn fetch_some(
+    specs: &[String],
+    dir: &Path,
+    apt: &mut Apt,
+    refresh: bool,
+    prune: bool,
+    hashes: &mut HashCache,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<Package>, DebError> {
     std::fs::create_dir_all(dir).map_err(|source| DebError::CreateDir {
         path: dir.to_owned(),
         source,
@@ -249,10 +321,20 @@ pub fn fetch(
                 .ok_or_else(|| DebError::NotDownloaded(spec.clone()))?,
         );
     }
-    if !fetched.is_empty() || cache != packages {
-        write_manifest(dir, &packages)?;
+    // Without pruning the manifest keeps what it had too (a closure is fetched in rounds).
+    let mut recorded = packages.clone();
+    if !prune {
+        let kept = cache
+            .iter()
+            .filter(|c| !recorded.iter().any(|p| p.name == c.name));
+        recorded.extend(kept.cloned().collect::<Vec<_>>());
     }
-    remove_unused(dir, &packages)?;
+    if !fetched.is_empty() || cache != recorded {
+        write_manifest(dir, &recorded)?;
+    }
+    if prune {
+        remove_unused(dir, &packages)?;
+    }
     Ok(packages)
 }
 
@@ -298,6 +380,16 @@ pub fn extract(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn library_dependencies_take_the_first_alternative_of_lib_packages() {
+        let depends = "python3-pkg-resources, python3 (<< 3.12), libblas3 | libblas.so.3, \
+                       libc6 (>= 2.35), libjs-jquery, zlib1g, libstdc++6:amd64 (>= 11)";
+        assert_eq!(
+            parse_library_dependencies(depends),
+            ["libblas3", "libc6", "libstdc++6"]
+        );
+    }
 
     #[test]
     fn manifest_line_round_trips() {

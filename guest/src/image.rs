@@ -17,12 +17,13 @@ use crate::debs::{self, DebError, Package};
 use crate::hashes::{HashCache, HashError};
 use crate::libs::{self, ElfFile, LibError};
 use crate::python::{self, PythonError};
-use crate::recipe::{self, Busybox, Recipe, RecipeError};
+use crate::recipe::{self, Busybox, Recipe, RecipeError, Site};
 use crate::run::{self, RunError};
+use crate::site::{self, SiteError};
 use crate::stage::{StageError, Staging};
 
 /// Bump when the builder's own logic changes what it produces: part of the input hash.
-pub const BUILDER_VERSION: u32 = 2;
+pub const BUILDER_VERSION: u32 = 3;
 
 /// The agent, run by the kernel as PID 1.
 pub const INIT_PATH: &str = "init";
@@ -72,6 +73,8 @@ pub enum ImageError {
     },
     #[error("stage Python")]
     Python(#[from] PythonError),
+    #[error("stage the template's packages")]
+    Site(#[from] SiteError),
     #[error("resolve shared libraries")]
     Libs(#[from] LibError),
     #[error("write archive {path}")]
@@ -108,6 +111,14 @@ pub struct ImageInputs {
     /// Where the `.deb` files of `packages` are.
     pub debs_dir: PathBuf,
     pub packages: Vec<Package>,
+    /// The template this image is for ([`recipe::BASE_TEMPLATE`] or a template recipe).
+    pub template: String,
+    /// The template recipe's additions (none for the base template).
+    pub site: Option<Site>,
+    /// Where the `.deb` files of `site_packages` are.
+    pub site_debs_dir: PathBuf,
+    /// The template's packages: those it lists, then the libraries they need.
+    pub site_packages: Vec<Package>,
 }
 
 /// A finished image.
@@ -180,14 +191,30 @@ pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String,
             });
         }
     }
-    let mut text = format!("bud-guest-image {BUILDER_VERSION}\n");
-    for rel in files_under(&inputs.recipe_dir)? {
+    let mut text = format!(
+        "bud-guest-image {BUILDER_VERSION}\ntemplate {}\n",
+        inputs.template
+    );
+    let templates = format!("{}/", recipe::TEMPLATES_DIR);
+    let mine = |rel: &str| match &inputs.site {
+        None => false,
+        Some(site) => {
+            let name = &rel[templates.len()..];
+            name == format!("{}.toml", inputs.template) || site.warm.as_deref() == Some(name)
+        }
+    };
+    let recipe_files = files_under(&inputs.recipe_dir)?;
+    // Other templates' recipes are not this image's input.
+    let recipe_files = recipe_files
+        .into_iter()
+        .filter(|rel| !rel.starts_with(&templates) || mine(rel));
+    for rel in recipe_files {
         text.push_str(&format!(
             "recipe {rel} {}\n",
             hash_of(hashes, &inputs.recipe_dir.join(&rel))?
         ));
     }
-    for p in &inputs.packages {
+    for p in inputs.packages.iter().chain(&inputs.site_packages) {
         text.push_str(&format!("deb {} {} {}\n", p.name, p.version, p.sha256));
     }
     text.push_str(&format!("agent {}\n", hash_of(hashes, &inputs.agent)?));
@@ -256,6 +283,8 @@ pub fn build(
     let root = unpacked.root();
     debs::extract(&inputs.packages, &inputs.debs_dir, root, progress)
         .map_err(ImageError::Extract)?;
+    debs::extract(&inputs.site_packages, &inputs.site_debs_dir, root, progress)
+        .map_err(ImageError::Extract)?;
 
     progress("staging files");
     let staging = Staging::reset(&work_dir.join("rootfs"))?;
@@ -289,6 +318,31 @@ pub fn build(
         bud_jobs.len()
     ));
     python::compile(root, &bud_jobs, true, work_dir, "bud", progress)?;
+    if let Some(site) = &inputs.site {
+        progress("compiling and staging the template's dist-packages");
+        site::stage_site(site, root, &staging, work_dir, progress)?;
+    }
+    // The manifest lists the Python the template offers: the interpreter's package and the
+    // packages the template recipe names (not the libraries found for them).
+    let listed: Vec<Package> = inputs
+        .packages
+        .iter()
+        .filter(|p| p.name.starts_with("python3"))
+        .chain(inputs.site_packages.iter().filter(|p| {
+            inputs
+                .site
+                .as_ref()
+                .is_some_and(|s| s.debs.iter().any(|d| recipe::package_name(d) == p.name))
+        }))
+        .cloned()
+        .collect();
+    site::write_manifest(
+        &inputs.template,
+        inputs.site.as_ref(),
+        &listed,
+        &inputs.recipe_dir,
+        &staging,
+    )?;
 
     progress("resolving shared libraries");
     let elf_files = libs::complete(&staging, root)?;

@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod python;
 pub mod recipe;
 pub mod run;
+pub mod site;
 pub mod stage;
 pub mod template;
 pub mod zip;
@@ -23,4 +24,4 @@ pub mod zip;
 pub use pipeline::{
     BuildError, BuildOptions, GuestArtifacts, artifact_paths, built_or_ensure, ensure,
 };
-pub use template::{GuestBuild, TemplateOptions, TemplateSetupError, template};
+pub use template::{GuestBuild, TemplateOptions, TemplateSetupError, image_facts, template};

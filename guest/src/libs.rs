@@ -128,6 +128,38 @@ fn find_library(root: &Path, name: &str) -> Result<Option<Vec<stage::Hop>>, LibE
     Ok(None)
 }
 
+/// Where Debian's alternatives keep libraries that several packages provide (BLAS and LAPACK:
+/// `blas/libblas.so.3`, `lapack/liblapack.so.3`, ...), one directory below this one;
+/// `update-alternatives` links the chosen one into this directory when a package is
+/// installed, which unpacking alone never does.
+const ALTERNATIVES_PARENT: &str = "usr/lib/x86_64-linux-gnu";
+
+/// A library found only in a subdirectory of [`ALTERNATIVES_PARENT`] (the first one, by name):
+/// the subdirectory's name and the hops to the file. The image gets the link
+/// `update-alternatives` would have made.
+fn find_alternative(
+    root: &Path,
+    name: &str,
+) -> Result<Option<(String, Vec<stage::Hop>)>, LibError> {
+    let parent = root.join(ALTERNATIVES_PARENT);
+    let Ok(entries) = std::fs::read_dir(&parent) else {
+        return Ok(None);
+    };
+    let mut dirs: Vec<String> = entries
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    dirs.sort();
+    for dir in dirs {
+        if let Some(hops) = stage::resolve_in(root, &format!("{ALTERNATIVES_PARENT}/{dir}/{name}"))?
+        {
+            return Ok(Some((dir, hops)));
+        }
+    }
+    Ok(None)
+}
+
 /// Copies a resolved path into the staging tree: its symlinks as symlinks, the final file as
 /// a copy. Returns the guest path of the real file.
 fn install(staging: &Staging, source: &Path, hops: &[stage::Hop]) -> Result<String, LibError> {
@@ -172,11 +204,20 @@ pub fn complete(staging: &Staging, source: &Path) -> Result<Vec<ElfFile>, LibErr
             if find_library(root, name)?.is_some() {
                 continue;
             }
-            let hops = find_library(source, name)?.ok_or_else(|| LibError::Missing {
+            if let Some(hops) = find_library(source, name)? {
+                queue.push(install(staging, source, &hops)?);
+                continue;
+            }
+            let (dir, hops) = find_alternative(source, name)?.ok_or_else(|| LibError::Missing {
                 library: name.clone(),
                 needed_by: rel.clone(),
             })?;
-            queue.push(install(staging, source, &hops)?);
+            let real = install(staging, source, &hops)?;
+            staging.symlink(
+                &format!("{ALTERNATIVES_PARENT}/{name}"),
+                &format!("{dir}/{name}"),
+            )?;
+            queue.push(real);
         }
     }
     check(root)

@@ -77,6 +77,9 @@ pub struct BuildOptions {
     pub build_dir: PathBuf,
     /// Ask apt for the current package versions even when the cached ones are complete.
     pub refresh_packages: bool,
+    /// The template whose image to build: [`recipe::BASE_TEMPLATE`] or one of
+    /// `guest/image/templates/`.
+    pub template: String,
 }
 
 impl BuildOptions {
@@ -86,6 +89,7 @@ impl BuildOptions {
             build_dir: source_dir.join("build"),
             source_dir,
             refresh_packages: false,
+            template: crate::recipe::BASE_TEMPLATE.to_owned(),
         }
     }
 }
@@ -166,12 +170,22 @@ pub fn ensure(
     })
 }
 
-/// Where a build under `build_dir` leaves the kernel and the initramfs (they may not exist).
-pub fn artifact_paths(build_dir: &Path) -> (PathBuf, PathBuf) {
+/// Where a build under `build_dir` leaves the kernel and the initramfs of `template` (they
+/// may not exist).
+pub fn artifact_paths(build_dir: &Path, template: &str) -> (PathBuf, PathBuf) {
     (
         build_dir.join("kernel").join("vmlinux"),
-        build_dir.join("image").join(crate::image::IMAGE_FILE),
+        image_dir(build_dir, template).join(crate::image::IMAGE_FILE),
     )
+}
+
+/// The image work directory of `template`: `image/` for the base one, `image-<name>/`.
+fn image_dir(build_dir: &Path, template: &str) -> PathBuf {
+    if template == crate::recipe::BASE_TEMPLATE {
+        build_dir.join("image")
+    } else {
+        build_dir.join(format!("image-{template}"))
+    }
 }
 
 /// The kernel and initramfs already under `opts.build_dir`, taken as they are (no check that
@@ -181,7 +195,7 @@ pub fn built_or_ensure(
     opts: &BuildOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(PathBuf, PathBuf), BuildError> {
-    let (kernel, initramfs) = artifact_paths(&opts.build_dir);
+    let (kernel, initramfs) = artifact_paths(&opts.build_dir, &opts.template);
     if kernel.is_file() && initramfs.is_file() {
         return Ok((kernel, initramfs));
     }
@@ -208,7 +222,7 @@ pub fn build_kernel(
     cmd.arg(&script).arg(&out_dir).current_dir(&opts.source_dir);
     progress(&run::describe(&cmd));
     run::run(&mut cmd, false, progress).map_err(BuildError::Kernel)?;
-    let (vmlinux, _) = artifact_paths(&opts.build_dir);
+    let (vmlinux, _) = artifact_paths(&opts.build_dir, crate::recipe::BASE_TEMPLATE);
     if !vmlinux.is_file() {
         return Err(BuildError::KernelMissing(vmlinux));
     }
@@ -257,6 +271,7 @@ pub fn build_image(
     let _lock = lock(&opts.build_dir.join(IMAGE_LOCK), progress)?;
     let recipe_dir = opts.source_dir.join(RECIPE_DIR);
     let recipe = Recipe::load(&recipe_dir).map_err(BuildError::Recipe)?;
+    let site = crate::recipe::load_site(&recipe_dir, &opts.template).map_err(BuildError::Recipe)?;
     let debs_dir = opts.build_dir.join("debs");
     let mut hashes = HashCache::load(&opts.build_dir.join(HASH_CACHE));
     let specs = &recipe.packages.debs;
@@ -269,17 +284,37 @@ pub fn build_image(
         progress,
     )
     .map_err(BuildError::Packages)?;
+    let site_debs_dir = opts.build_dir.join(format!("debs-{}", opts.template));
+    let site_packages = match &site {
+        None => Vec::new(),
+        Some(site) => debs::fetch_with_libraries(
+            &site.debs,
+            &packages,
+            &site_debs_dir,
+            apt,
+            opts.refresh_packages,
+            &mut hashes,
+            progress,
+        )
+        .map_err(BuildError::Packages)?,
+    };
+    let mut all = packages.clone();
+    all.extend(site_packages.iter().cloned());
     let inputs = ImageInputs {
         recipe_dir,
         agent: agent.to_owned(),
         extension: extension.to_owned(),
         python_dir: opts.source_dir.join(PYTHON_DIR),
         debs_dir,
-        packages: packages.clone(),
+        packages,
+        template: opts.template.clone(),
+        site,
+        site_debs_dir,
+        site_packages,
     };
     let image = image::ensure(
         &inputs,
-        &opts.build_dir.join("image"),
+        &image_dir(&opts.build_dir, &opts.template),
         &mut hashes,
         progress,
     )
@@ -289,7 +324,7 @@ pub fn build_image(
     if image.report.is_none() {
         progress(&format!("up to date ({})", megabytes(image.size)));
     }
-    Ok((image, packages))
+    Ok((image, all))
 }
 
 /// Takes an exclusive `flock` on `path` (created if needed), waiting for another holder; the
@@ -434,6 +469,10 @@ mod tests {
             python_dir: opts.source_dir.join(PYTHON_DIR),
             debs_dir: opts.build_dir.join("debs"),
             packages: built.packages.clone(),
+            template: crate::recipe::BASE_TEMPLATE.to_owned(),
+            site: None,
+            site_debs_dir: opts.build_dir.join("debs-python"),
+            site_packages: Vec::new(),
         }
     }
 

@@ -12,6 +12,11 @@ use serde::Deserialize;
 pub const RECIPE_FILE: &str = "recipe.toml";
 /// Files copied verbatim into the image, relative to the recipe directory.
 pub const OVERLAY_DIR: &str = "overlay";
+/// Template recipes (`<name>.toml`: what a template adds to the base image), relative to the
+/// recipe directory.
+pub const TEMPLATES_DIR: &str = "templates";
+/// The template of the base image alone (no template recipe).
+pub const BASE_TEMPLATE: &str = "python";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RecipeError {
@@ -31,6 +36,8 @@ pub enum RecipeError {
     DuplicatePackage(String),
     #[error("recipe path `{0}` must be relative, without `.` or `..`")]
     BadPath(String),
+    #[error("unknown template `{name}` (known: {})", .known.join(", "))]
+    UnknownTemplate { name: String, known: Vec<String> },
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -70,6 +77,86 @@ pub struct Rootfs {
     pub dirs: BTreeMap<String, u32>,
     pub links: BTreeMap<String, String>,
     pub char_devs: Vec<CharDev>,
+}
+
+/// What a template adds to the base image: `guest/image/templates/<name>.toml`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Site {
+    /// Python (and data) packages, `name` or `name=version`; the shared-library packages
+    /// they depend on are found by the builder (`debs::fetch_with_libraries`).
+    pub debs: Vec<String>,
+    /// Paths under `dist-packages` left out (patterns as `python.drop`); for `share`, the
+    /// patterns match the path from the root.
+    pub drop: Vec<String>,
+    /// Directories outside `dist-packages` the packages need at run time (from the root).
+    #[serde(default)]
+    pub share: Vec<String>,
+    /// Modules the worker imports before READY.
+    pub preload: Vec<String>,
+    /// Python code (a file next to the template recipe) the worker runs before READY, after
+    /// the imports: it drives the common code paths once.
+    pub warm: Option<String>,
+    /// Guest RAM in MiB.
+    pub ram_mib: u64,
+    /// How long the template's first boot may take to READY, in seconds (the guest kernel
+    /// unpacks the whole image first: minutes for a big one under kvm_pvm).
+    pub boot_timeout_s: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TemplateFile {
+    site: Site,
+}
+
+/// The names of the templates `dir` (a recipe directory) defines: the base one and one per
+/// template recipe, sorted.
+pub fn template_names(dir: &Path) -> Vec<String> {
+    let mut names = vec![BASE_TEMPLATE.to_owned()];
+    if let Ok(entries) = std::fs::read_dir(dir.join(TEMPLATES_DIR)) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(stem) = name.strip_suffix(".toml") {
+                names.push(stem.to_owned());
+            }
+        }
+    }
+    names.sort();
+    names
+}
+
+/// The template recipe of `name` in recipe directory `dir`: `None` for the base template.
+pub fn load_site(dir: &Path, name: &str) -> Result<Option<Site>, RecipeError> {
+    if name == BASE_TEMPLATE {
+        return Ok(None);
+    }
+    let known = template_names(dir);
+    if !known.iter().any(|k| k == name) {
+        return Err(RecipeError::UnknownTemplate {
+            name: name.to_owned(),
+            known,
+        });
+    }
+    let path = dir.join(TEMPLATES_DIR).join(format!("{name}.toml"));
+    let text = std::fs::read_to_string(&path).map_err(|source| RecipeError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let file: TemplateFile =
+        toml::from_str(&text).map_err(|source| RecipeError::Parse { path, source })?;
+    let mut seen = std::collections::BTreeSet::new();
+    for spec in &file.site.debs {
+        if !seen.insert(package_name(spec)) {
+            return Err(RecipeError::DuplicatePackage(package_name(spec).to_owned()));
+        }
+    }
+    if let Some(warm) = &file.site.warm
+        && !is_relative_clean(warm)
+    {
+        return Err(RecipeError::BadPath(warm.clone()));
+    }
+    Ok(Some(file.site))
 }
 
 #[derive(Debug, Clone, Deserialize)]

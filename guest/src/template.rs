@@ -27,6 +27,8 @@ pub enum TemplateSetupError {
     Guest(#[from] Box<BuildError>),
     #[error("preparing the template: {0}")]
     Template(#[from] vmm::template::TemplateError),
+    #[error("{0}")]
+    Recipe(#[from] crate::recipe::RecipeError),
 }
 
 /// What to prepare.
@@ -34,25 +36,66 @@ pub enum TemplateSetupError {
 pub struct TemplateOptions {
     pub build: BuildOptions,
     pub guest: GuestBuild,
-    /// Guest RAM in bytes (part of the template's identity).
-    pub ram_size: u64,
+    /// Guest RAM in bytes (part of the template's identity); `None`: the template recipe's
+    /// `ram_mib`, or [`vmm::boot::DEFAULT_RAM_SIZE`] for the base template.
+    pub ram_size: Option<u64>,
 }
 
 impl TemplateOptions {
-    /// Defaults for the source tree at `source_dir`: its `build/`, an existing guest build,
-    /// the default guest RAM.
+    /// Defaults for the source tree at `source_dir`: its `build/`, the base template, an
+    /// existing guest build, the template's guest RAM.
     pub fn new(source_dir: impl Into<PathBuf>) -> Self {
         Self {
             build: BuildOptions::new(source_dir),
             guest: GuestBuild::Existing,
-            ram_size: vmm::boot::DEFAULT_RAM_SIZE,
+            ram_size: None,
         }
+    }
+
+    /// The same for template `name`.
+    pub fn named(source_dir: impl Into<PathBuf>, name: &str) -> Self {
+        let mut opts = Self::new(source_dir);
+        opts.build.template = name.to_owned();
+        opts
+    }
+
+    /// The template's name.
+    pub fn name(&self) -> &str {
+        &self.build.template
+    }
+
+    /// The templates the source tree defines (sorted).
+    pub fn names(&self) -> Vec<String> {
+        crate::recipe::template_names(&self.build.source_dir.join(crate::pipeline::RECIPE_DIR))
     }
 
     /// Where templates are kept: `<build>/templates`.
     pub fn template_root(&self) -> PathBuf {
         self.build.build_dir.join("templates")
     }
+}
+
+/// What the image of `opts`' template holds, as its builder recorded it: the image's size
+/// and the Python packages its manifest lists (name to version). Zero and empty when the
+/// image or its manifest is missing.
+pub fn image_facts(opts: &TemplateOptions) -> (u64, std::collections::BTreeMap<String, String>) {
+    let (_, image) = crate::pipeline::artifact_paths(&opts.build.build_dir, opts.name());
+    let size = image.metadata().map_or(0, |m| m.len());
+    let manifest = image
+        .parent()
+        .map(|dir| dir.join("rootfs").join(crate::site::MANIFEST_PATH))
+        .and_then(|p| std::fs::read(p).ok())
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    let packages = manifest
+        .as_ref()
+        .and_then(|m| m["packages"].as_object())
+        .map(|p| {
+            p.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    (size, packages)
 }
 
 /// The guest (found or built), then its template (loaded, or booted and saved: about a
@@ -63,6 +106,10 @@ pub fn template(
     progress: &mut dyn FnMut(&str),
     echo: Option<EchoFn>,
 ) -> Result<Template, TemplateSetupError> {
+    let site = crate::recipe::load_site(
+        &opts.build.source_dir.join(crate::pipeline::RECIPE_DIR),
+        opts.name(),
+    )?;
     let (kernel, initramfs) = match opts.guest {
         GuestBuild::Existing => built_or_ensure(&opts.build, progress).map_err(Box::new)?,
         GuestBuild::Current => {
@@ -71,7 +118,13 @@ pub fn template(
         }
     };
     let mut boot = BootConfig::new(kernel, initramfs);
-    boot.ram_size = opts.ram_size;
+    boot.ram_size = opts.ram_size.unwrap_or_else(|| {
+        site.as_ref()
+            .map_or(vmm::boot::DEFAULT_RAM_SIZE, |s| s.ram_mib << 20)
+    });
+    if let Some(site) = &site {
+        boot.timeout = std::time::Duration::from_secs(site.boot_timeout_s);
+    }
     let spec = TemplateSpec {
         boot,
         root: opts.template_root(),

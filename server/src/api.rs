@@ -45,6 +45,9 @@ pub struct ExecRequest {
     /// the answer's `files` (`POST /v1/exec` only).
     #[serde(default)]
     pub return_files: Vec<String>,
+    /// The template to run in (`GET /v1/templates`; default: the server's default). Not for
+    /// session cells: a session keeps the template it was created from.
+    pub template: Option<String>,
 }
 
 /// The files of a job: what goes in, and the patterns of what comes back.
@@ -153,7 +156,20 @@ pub struct ExecResponse {
     /// The files `return_files` matched (path -> content in base64), when it was given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<BTreeMap<String, String>>,
+    /// Rich results: every matplotlib figure the job showed (`plt.show()`) or left open,
+    /// in order, as `image/png`.
+    #[serde(default)]
+    pub results: Vec<RichResult>,
     pub timings: Timings,
+}
+
+/// One rich result of a job or cell.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RichResult {
+    /// MIME type: `image/png`.
+    #[serde(rename = "type")]
+    pub mime: String,
+    pub data_b64: String,
 }
 
 /// `POST /v1/exec/batch`: one result per job, in request order.
@@ -215,6 +231,14 @@ impl ExecResponse {
             crash: r.crash,
             console_tail: r.console_tail,
             files: None,
+            results: r
+                .figures
+                .into_iter()
+                .map(|f| RichResult {
+                    mime: f.mime,
+                    data_b64: f.data,
+                })
+                .collect(),
             timings: Timings {
                 queue_ms: ms(queued),
                 clone_ms: ms(r.timings.clone),

@@ -96,7 +96,13 @@ pub struct Config {
     pub retry_after_s: u64,
     pub limits: Limits,
     pub sessions: SessionLimits,
+    /// The templates served, prepared in this order. A request without `template` gets
+    /// [`DEFAULT_TEMPLATE`] when it is served, else the first.
+    pub templates: Vec<String>,
 }
+
+/// The template of a request that names none (when served).
+pub const DEFAULT_TEMPLATE: &str = "python";
 
 impl Default for Config {
     fn default() -> Self {
@@ -109,6 +115,7 @@ impl Default for Config {
             retry_after_s: 1,
             limits: Limits::default(),
             sessions: SessionLimits::default(),
+            templates: vec![DEFAULT_TEMPLATE.to_owned()],
         }
     }
 }
@@ -140,6 +147,10 @@ pub enum ConfigError {
     Batch { batch: usize, capacity: usize },
     #[error("max_output_bytes must be at least 1")]
     Output,
+    #[error("at least one template must be served")]
+    NoTemplates,
+    #[error("template name `{0}` is repeated or not made of a-z, 0-9, - and _")]
+    TemplateName(String),
     #[error(
         "session idle timeout and lifetime defaults must be at least 1 s and at most their maximums"
     )]
@@ -147,6 +158,17 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The template of a request that names none.
+    pub fn default_template(&self) -> &str {
+        if self.templates.iter().any(|t| t == DEFAULT_TEMPLATE) {
+            DEFAULT_TEMPLATE
+        } else {
+            self.templates
+                .first()
+                .map_or(DEFAULT_TEMPLATE, String::as_str)
+        }
+    }
+
     /// Jobs admitted at once: running plus waiting.
     pub fn capacity(&self) -> usize {
         self.workers + self.queue
@@ -192,6 +214,18 @@ impl Config {
             || !ordered(s.default_lifetime_s, s.max_lifetime_s)
         {
             return Err(ConfigError::SessionTimes);
+        }
+        if self.templates.is_empty() {
+            return Err(ConfigError::NoTemplates);
+        }
+        for (i, name) in self.templates.iter().enumerate() {
+            let ok = !name.is_empty()
+                && name.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_'
+                });
+            if !ok || self.templates[..i].contains(name) {
+                return Err(ConfigError::TemplateName(name.clone()));
+            }
         }
         Ok(())
     }

@@ -59,6 +59,16 @@ pub enum ApiError {
     /// The template is still being built or loaded (503, `Retry-After`).
     #[error("the template is not ready yet")]
     NotReady { retry_after: Duration },
+    /// A request named a template the server does not serve (400).
+    #[error("unknown template `{name}`; this server serves: {}", .served.join(", "))]
+    UnknownTemplate {
+        name: String,
+        served: Vec<String>,
+        field: String,
+    },
+    /// The template could not be prepared (503).
+    #[error("template `{name}` could not be prepared: {why}")]
+    TemplateFailed { name: String, why: String },
     /// The server is finishing in-flight jobs before it stops (503).
     #[error("the server is shutting down")]
     ShuttingDown,
@@ -153,7 +163,10 @@ impl ApiError {
             | ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::NotReady { .. } | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NotReady { .. }
+            | ApiError::ShuttingDown
+            | ApiError::TemplateFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::UnknownTemplate { .. } => StatusCode::BAD_REQUEST,
             ApiError::NotFound(_) | ApiError::NoSession(_) | ApiError::NoFile(_) => {
                 StatusCode::NOT_FOUND
             }
@@ -178,6 +191,8 @@ impl ApiError {
             ApiError::ContentType => "unsupported_media_type",
             ApiError::Overloaded { .. } => "overloaded",
             ApiError::NotReady { .. } => "not_ready",
+            ApiError::UnknownTemplate { .. } => "unknown_template",
+            ApiError::TemplateFailed { .. } => "template_failed",
             ApiError::ShuttingDown => "shutting_down",
             ApiError::NotFound(_) => "not_found",
             ApiError::NoSession(_) => "no_session",
@@ -198,6 +213,7 @@ impl ApiError {
             | ApiError::Json { field, .. }
             | ApiError::Internal { field, .. } => field.as_deref(),
             ApiError::TooLarge { field, .. } | ApiError::TooMany { field, .. } => Some(field),
+            ApiError::UnknownTemplate { field, .. } => Some(field),
             _ => None,
         }
     }
@@ -218,6 +234,18 @@ impl ApiError {
                 message: self.to_string(),
                 field: self.field(),
             },
+        }
+    }
+
+    /// The same error, reported against `field` when it names none (a batch's job).
+    pub fn in_field(self, field: &str) -> Self {
+        match self {
+            ApiError::UnknownTemplate { name, served, .. } => ApiError::UnknownTemplate {
+                name,
+                served,
+                field: field.to_owned(),
+            },
+            other => other,
         }
     }
 

@@ -40,13 +40,14 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 17] = [
+pub const ROUTES: [(&str, &str); 18] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
     ("get", "/v1/health"),
     ("get", "/metrics"),
     ("get", "/v1/openapi.json"),
+    ("get", "/v1/templates"),
     ("post", "/v1/sessions"),
     ("get", "/v1/sessions"),
     ("get", "/v1/sessions/{id}"),
@@ -69,6 +70,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/v1/openapi.json", get(routes::openapi))
+        .route("/v1/templates", get(routes::templates))
         .route(
             "/v1/sessions",
             post(session_routes::create).get(session_routes::list),
@@ -125,9 +127,7 @@ pub async fn serve(
     let drained = state.clone();
     tokio::task::spawn_blocking(move || {
         drained.drain();
-        if let Some(ex) = drained.executor_if_ready() {
-            drained.sessions().end_all(&ex);
-        }
+        drained.sessions().end_all();
     })
     .await
     .map_err(std::io::Error::other)?;

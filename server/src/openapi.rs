@@ -105,6 +105,15 @@ mod tests {
             crate::ApiError::SessionBusy(String::new()),
             crate::ApiError::NoFile(String::new()),
             crate::ApiError::OutOfMemory { used: 1, limit: 1 },
+            crate::ApiError::UnknownTemplate {
+                name: String::new(),
+                served: Vec::new(),
+                field: String::new(),
+            },
+            crate::ApiError::TemplateFailed {
+                name: String::new(),
+                why: String::new(),
+            },
             crate::ApiError::TooManySessions {
                 limit: 1,
                 retry_after: std::time::Duration::from_secs(1),

@@ -111,13 +111,13 @@ pub async fn exec(
 ) -> Result<Json<ExecResponse>, ApiError> {
     let output_b64 = req.output_b64;
     let files = req.take_files(&state.config().limits)?;
+    let exec = state.executor_for(req.template.as_deref())?;
     let job = req.into_job(&state.config().limits, "")?;
     if !files.is_empty() {
-        return crate::session_routes::exec_with_files(&state, job, files, output_b64)
+        return crate::session_routes::exec_with_files(&state, exec, job, files, output_b64)
             .await
             .map(Json);
     }
-    let exec = state.executor()?;
     let slot = state.admit(1)?.remove(0);
     let rx = start(&state, exec, slot, job)?;
     let (r, waited) = finish(rx).await.map_err(|e| e.into_api(None))?;
@@ -145,13 +145,15 @@ pub async fn batch(
     let mut jobs = Vec::with_capacity(n);
     for (i, r) in req.jobs.into_iter().enumerate() {
         let b64 = r.output_b64;
-        jobs.push((r.into_job(limits, &format!("jobs[{i}]."))?, b64));
+        let exec = state
+            .executor_for(r.template.as_deref())
+            .map_err(|e| e.in_field(&format!("jobs[{i}].template")))?;
+        jobs.push((r.into_job(limits, &format!("jobs[{i}]."))?, b64, exec));
     }
-    let exec = state.executor()?;
     let slots = state.admit(n)?;
     let mut pending = Vec::with_capacity(n);
-    for (slot, (job, b64)) in slots.into_iter().zip(jobs) {
-        pending.push((start(&state, exec.clone(), slot, job)?, b64));
+    for (slot, (job, b64, exec)) in slots.into_iter().zip(jobs) {
+        pending.push((start(&state, exec, slot, job)?, b64));
     }
     let mut results = Vec::with_capacity(n);
     for (i, (rx, b64)) in pending.into_iter().enumerate() {
@@ -172,6 +174,12 @@ pub async fn health(State(state): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(h)).into_response()
+}
+
+/// `GET /v1/templates`: the served templates, their state (`ready`, `building`, `failed`
+/// with why), image size, packages and memory.
+pub async fn templates(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "templates": state.templates() }))
 }
 
 /// `GET /metrics`.

@@ -39,6 +39,8 @@ pub struct CreateSession {
     /// Anything the client wants back in `GET` (at most 4 KiB of JSON).
     #[serde(default)]
     pub metadata: serde_json::Value,
+    /// The template to start from (default: the server's default template).
+    pub template: Option<String>,
 }
 
 /// A session as the API shows it.
@@ -57,6 +59,7 @@ pub struct SessionInfo {
     pub busy: bool,
     pub parent: Option<String>,
     pub metadata: serde_json::Value,
+    pub template: String,
 }
 
 impl SessionInfo {
@@ -74,6 +77,7 @@ impl SessionInfo {
             busy: e.is_busy(),
             parent: e.parent.clone(),
             metadata: e.metadata.clone(),
+            template: e.template.clone(),
         }
     }
 }
@@ -173,9 +177,9 @@ fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Du
 /// Runs `work` with the executor on a job thread and awaits its answer.
 async fn on_job_thread<R: Send + 'static>(
     state: &AppState,
+    exec: Arc<Executor>,
     work: impl FnOnce(&Executor) -> R + Send + 'static,
 ) -> Result<R, ApiError> {
-    let exec = state.executor()?;
     let slot = state.admit(1)?.remove(0);
     let (tx, rx) = oneshot::channel();
     state.spawn(slot, move || {
@@ -186,7 +190,7 @@ async fn on_job_thread<R: Send + 'static>(
 }
 
 /// Ends the session of `busy` if its VM is no longer usable after a request, with why.
-fn end_if_unusable(state: &AppState, ex: &Executor, busy: &Busy, r: Option<&JobResult>) {
+fn end_if_unusable(state: &AppState, busy: &Busy, r: Option<&JobResult>) {
     let e = busy.entry();
     let usable = e.with_vm(|s| s.usable()).unwrap_or(false);
     if usable {
@@ -216,7 +220,6 @@ fn end_if_unusable(state: &AppState, ex: &Executor, busy: &Busy, r: Option<&JobR
         Some(detail)
     };
     state.sessions().end(
-        ex,
         &e.id,
         Ended {
             reason: reason.into(),
@@ -255,6 +258,7 @@ pub async fn create(
         ..ExecRequest::default()
     };
     probe.into_job(&state.config().limits, "")?;
+    let exec = state.executor_for(req.template.as_deref())?;
     check_count(&state, 1)?;
     check_memory(&state)?;
     let settings = NewSession {
@@ -264,9 +268,11 @@ pub async fn create(
         max_lifetime: life,
         metadata: req.metadata,
         parent: None,
+        template: state.template_name(req.template.as_deref()).to_owned(),
+        executor: exec.clone(),
     };
     let sessions = state.sessions().clone();
-    let made = on_job_thread(&state, move |ex| {
+    let made = on_job_thread(&state, exec, move |ex| {
         let made = Session::start(ex)
             .map_err(internal)
             .and_then(|vm| sessions.insert(settings, vm).map_err(internal))?;
@@ -302,20 +308,20 @@ pub async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    match state.sessions().get(&id) {
-        Ok(_) => {}
+    let exec = match state.sessions().get(&id) {
+        Ok(e) => e.executor.clone(),
         Err(Unavailable::Gone(_)) => {
             state.sessions().forget(&id);
             return Ok(StatusCode::NO_CONTENT);
         }
         Err(u) => return Err(unavailable(&id, u)),
-    }
+    };
     let sessions = state.sessions().clone();
     let why = Ended {
         reason: "deleted".into(),
         detail: None,
     };
-    on_job_thread(&state, move |ex| sessions.end(ex, &id, why)).await?;
+    on_job_thread(&state, exec, move |_| sessions.end(&id, why)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -325,6 +331,17 @@ fn cell_job(
     mut req: ExecRequest,
 ) -> Result<(vmm::Job, bool), ApiError> {
     let b64 = req.output_b64;
+    if let Some(t) = req.template.as_deref()
+        && t != e.template
+    {
+        return Err(ApiError::invalid(
+            "template",
+            format!(
+                "a session keeps its template ({}); create another session for {t}",
+                e.template
+            ),
+        ));
+    }
     if req.language.is_none() {
         req.language = Some(e.language);
     }
@@ -348,7 +365,8 @@ pub async fn run_cell(
     let (job, b64) = cell_job(state, busy.entry(), req)?;
     let st = state.clone();
     let queued = Instant::now();
-    let (ran, waited) = on_job_thread(state, move |ex| {
+    let exec = busy.entry().executor.clone();
+    let (ran, waited) = on_job_thread(state, exec, move |ex| {
         let waited = queued.elapsed();
         let ran = busy
             .entry()
@@ -360,7 +378,7 @@ pub async fn run_cell(
         if let Ok((r, _)) = &ran {
             st.metrics().job(r.status, waited, &r.timings);
         }
-        end_if_unusable(&st, ex, &busy, ran.as_ref().ok().map(|(r, _)| r));
+        end_if_unusable(&st, &busy, ran.as_ref().ok().map(|(r, _)| r));
         // Accounted before the answer: a client that creates or forks right after a cell
         // that grew must meet the memory cap with that growth counted. Freed before the
         // answer too, so its next cell never finds it busy.
@@ -418,7 +436,8 @@ pub async fn fork(
     check_memory(&state)?;
     let sessions = state.sessions().clone();
     let count = req.count;
-    let made = on_job_thread(&state, move |ex| {
+    let exec = busy.entry().executor.clone();
+    let made = on_job_thread(&state, exec, move |ex| {
         let e = busy.entry().clone();
         let forked = e
             .with_vm(|s| s.fork(ex, count))
@@ -437,6 +456,8 @@ pub async fn fork(
                     .max(Duration::from_secs(1)),
                 metadata: e.metadata.clone(),
                 parent: Some(e.id.clone()),
+                template: e.template.clone(),
+                executor: e.executor.clone(),
             };
             let child_entry = sessions.insert(settings, child).map_err(internal)?;
             child_entry.account();
@@ -481,7 +502,8 @@ async fn file_request(
     let timeout = Duration::from_millis(state.config().limits.max_timeout_ms);
     let st = state.clone();
     let shown = path.clone();
-    let r = on_job_thread(state, move |ex| {
+    let exec = busy.entry().executor.clone();
+    let r = on_job_thread(state, exec, move |ex| {
         let ran = busy
             .entry()
             .with_vm(|s| {
@@ -493,7 +515,7 @@ async fn file_request(
             })
             .unwrap_or(Err(SessionError::Unusable));
         busy.entry().account();
-        end_if_unusable(&st, ex, &busy, ran.as_ref().ok());
+        end_if_unusable(&st, &busy, ran.as_ref().ok());
         ran
     })
     .await?
@@ -588,13 +610,14 @@ pub async fn list_files(
 /// goes back to the executor like any job's VM.
 pub async fn exec_with_files(
     state: &AppState,
+    exec: Arc<Executor>,
     job: vmm::Job,
     files: JobFiles,
     output_b64: bool,
 ) -> Result<ExecResponse, ApiError> {
     let metrics = state.metrics_handle();
     let queued = Instant::now();
-    let ran = on_job_thread(state, move |ex| {
+    let ran = on_job_thread(state, exec, move |ex| {
         let waited = queued.elapsed();
         let mut s = Session::start(ex).map_err(internal)?;
         let outcome = files_job(ex, &mut s, &job, &files);
@@ -667,10 +690,7 @@ pub async fn reaper(state: AppState) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
-        let Some(ex) = state.executor_if_ready() else {
-            continue;
-        };
         let sessions: Arc<_> = state.sessions().clone();
-        let _ = tokio::task::spawn_blocking(move || sessions.reap(&ex)).await;
+        let _ = tokio::task::spawn_blocking(move || sessions.reap()).await;
     }
 }

@@ -45,6 +45,9 @@ pub struct Entry {
     pub env: BTreeMap<String, String>,
     pub metadata: serde_json::Value,
     pub parent: Option<String>,
+    /// The template the session was made from, and its executor (the VM goes back to it).
+    pub template: String,
+    pub executor: Arc<Executor>,
     deadline: Instant,
     last_used: Mutex<Instant>,
     busy: AtomicBool,
@@ -64,6 +67,8 @@ pub struct NewSession {
     pub max_lifetime: Duration,
     pub metadata: serde_json::Value,
     pub parent: Option<String>,
+    pub template: String,
+    pub executor: Arc<Executor>,
 }
 
 /// Held while a request uses a session; frees it on drop.
@@ -104,6 +109,8 @@ impl Entry {
             env: s.env,
             metadata: s.metadata,
             parent: s.parent,
+            template: s.template,
+            executor: s.executor,
             deadline: Instant::now() + s.max_lifetime,
             last_used: Mutex::new(Instant::now()),
             busy: AtomicBool::new(false),
@@ -250,7 +257,7 @@ impl Sessions {
 
     /// Ends a session: out of the registry, tombstone kept, VM ended (reset and reused, or
     /// closed; see [`Session::end`]). Call off the async runtime (a reset runs the VMM).
-    pub fn end(&self, ex: &Executor, id: &str, why: Ended) {
+    pub fn end(&self, id: &str, why: Ended) {
         let Some(e) = self.live().remove(id) else {
             return;
         };
@@ -271,7 +278,7 @@ impl Sessions {
             }
         }
         if let Some(vm) = e.take_vm() {
-            vm.end(ex);
+            vm.end(&e.executor);
         }
     }
 
@@ -287,7 +294,7 @@ impl Sessions {
 
     /// Ends sessions idle past their timeout or past their lifetime (not busy ones: a
     /// running request ends on its own deadline first).
-    pub fn reap(&self, ex: &Executor) -> usize {
+    pub fn reap(&self) -> usize {
         let now = Instant::now();
         let due: Vec<(String, &'static str)> = self
             .live()
@@ -305,7 +312,6 @@ impl Sessions {
             .collect();
         for (id, reason) in &due {
             self.end(
-                ex,
                 id,
                 Ended {
                     reason: (*reason).into(),
@@ -332,11 +338,10 @@ impl Sessions {
     }
 
     /// Ends every session (shutdown).
-    pub fn end_all(&self, ex: &Executor) {
+    pub fn end_all(&self) {
         let ids: Vec<String> = self.live().keys().cloned().collect();
         for id in ids {
             self.end(
-                ex,
                 &id,
                 Ended {
                     reason: "shutdown".into(),

@@ -1,8 +1,11 @@
 //! `bud serve` from start to stop: logging, the listener, the template, signals.
 //!
-//! The server listens first and prepares the template on its own thread (finding or building
-//! the guest, then loading or booting the template, all logged), so health answers
-//! `starting` meanwhile and jobs get 503. SIGINT or SIGTERM starts a graceful shutdown: no new
+//! The server listens first and prepares its templates on one thread of their own, the
+//! default one first, then the others in the configured order (finding or building each
+//! guest image, then loading or booting its template, all logged), so health answers
+//! `starting` until the default one is ready and a template's jobs get 503 until it is. A
+//! default template that cannot be prepared stops the server; another one is marked failed
+//! (its requests get 503 saying why). SIGINT or SIGTERM starts a graceful shutdown: no new
 //! connections, in-flight jobs finish and are answered; a second signal exits at once.
 
 use std::net::{IpAddr, SocketAddr};
@@ -17,21 +20,25 @@ use vmm::devices::console::{ConsoleLine, EchoFn};
 use vmm::template::Origin;
 
 use crate::config::Config;
-use crate::state::{AppState, StateError};
+use crate::state::{AppState, StateError, TemplateInfo};
 
 /// Everything `bud serve` needs.
 pub struct ServeOptions {
     pub listen: IpAddr,
     pub port: u16,
     pub config: Config,
-    /// Where the template comes from (the `bud` binary passes `bud_guest::template`).
+    /// Where each template of `config.templates` comes from (the `bud` binary passes
+    /// `bud_guest::template`).
     pub template: TemplateSource,
 }
 
-/// Produces the template jobs run in. Called once, on a background thread, after the server
-/// listens (a first call may build the guest and boot the template: minutes).
-pub type TemplateSource =
-    Box<dyn FnOnce() -> Result<vmm::Template, Box<dyn std::error::Error + Send + Sync>> + Send>;
+/// Produces the named template and what its image holds. Called once per served template,
+/// on a background thread, after the server listens (a first call may build the guest
+/// image and boot the template: minutes).
+pub type TemplateSource = Box<
+    dyn Fn(&str) -> Result<(vmm::Template, TemplateInfo), Box<dyn std::error::Error + Send + Sync>>
+        + Send,
+>;
 
 impl std::fmt::Debug for ServeOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -95,17 +102,25 @@ pub fn log_build_line(line: &str) {
     info!(target: "bud::guest_build", "{line}");
 }
 
-/// Gets the template from `source`, then starts the executor.
-pub fn prepare(source: TemplateSource, config: &Config) -> Result<Executor, PrepareError> {
+/// Gets template `name` from `source`, then starts its executor.
+pub fn prepare(
+    source: &TemplateSource,
+    name: &str,
+    config: &Config,
+) -> Result<(Executor, TemplateInfo), PrepareError> {
     let started = Instant::now();
-    info!("loading the template (a first build boots the guest: about a minute)");
-    let template = source().map_err(PrepareError::Template)?;
+    info!(
+        template = name,
+        "loading the template (a first build boots the guest: minutes)"
+    );
+    let (template, template_info) = source(name).map_err(PrepareError::Template)?;
     match template.origin() {
         Origin::Built {
             boot,
             capture,
             write,
         } => info!(
+            template = name,
             dir = %template.dir().display(),
             ready_s = boot.to_ready.as_secs_f64(),
             capture_ms = capture.as_secs_f64() * 1e3,
@@ -113,6 +128,7 @@ pub fn prepare(source: TemplateSource, config: &Config) -> Result<Executor, Prep
             "template built"
         ),
         Origin::Loaded { load } => info!(
+            template = name,
             dir = %template.dir().display(),
             load_ms = load.as_secs_f64() * 1e3,
             "template loaded"
@@ -128,11 +144,12 @@ pub fn prepare(source: TemplateSource, config: &Config) -> Result<Executor, Prep
         },
     )?;
     info!(
+        template = name,
         pool = config.pool_size,
         total_s = started.elapsed().as_secs_f64(),
         "ready for jobs"
     );
-    Ok(executor)
+    Ok((executor, template_info))
 }
 
 /// An error and its sources, `a: b: c`.
@@ -195,14 +212,26 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
         // Detached: a signal during a long guest build must not wait for it.
         std::thread::Builder::new()
             .name("bud-template".into())
-            .spawn(move || match prepare(source, &prep_config) {
-                Ok(e) => {
-                    prep_state.set_executor(Arc::new(e));
-                }
-                Err(e) => {
-                    error!("{}", chain(&e));
-                    *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                    let _ = prep_done.send(());
+            .spawn(move || {
+                let default = prep_config.default_template().to_owned();
+                let mut order = vec![default.clone()];
+                order.extend(prep_config.templates.iter().filter(|t| **t != default).cloned());
+                for name in order {
+                    match prepare(&source, &name, &prep_config) {
+                        Ok((e, info)) => {
+                            prep_state.set_template(&name, Arc::new(e), info);
+                        }
+                        Err(e) if name != default => {
+                            error!(template = %name, "{}", chain(&e));
+                            prep_state.template_failed(&name, chain(&e));
+                        }
+                        Err(e) => {
+                            error!(template = %name, "{}", chain(&e));
+                            *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                            let _ = prep_done.send(());
+                            return;
+                        }
+                    }
                 }
             })
             .map_err(ServeError::Thread)?;

@@ -1,9 +1,11 @@
-//! What every handler shares: the configuration, the executor (once the template is ready),
-//! the job threads and the metrics.
+//! What every handler shares: the configuration, one executor per served template (once
+//! it is ready), the job threads and the metrics.
 //!
-//! The server answers before the template exists (health says `starting`, jobs get 503 with
-//! `Retry-After`); [`AppState::set_executor`] makes it ready.
+//! The server answers before its templates exist (health says `starting`, jobs get 503 with
+//! `Retry-After`); [`AppState::set_template`] makes one ready, [`AppState::template_failed`]
+//! records why one never will be.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
 use vmm::Executor;
@@ -14,10 +16,45 @@ use crate::error::ApiError;
 use crate::jobs::{AdmitError, JobThreads, Slot};
 use crate::metrics::{Gauges, Metrics, Rejection};
 
+/// What `GET /v1/templates` tells about a template besides its state: from its image.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TemplateInfo {
+    /// Size of the initramfs, bytes.
+    pub image_bytes: u64,
+    /// Debian packages of Python the template offers, name to version.
+    pub packages: BTreeMap<String, String>,
+}
+
+/// One served template.
+#[derive(Debug)]
+struct Served {
+    name: String,
+    executor: OnceLock<Arc<Executor>>,
+    info: OnceLock<TemplateInfo>,
+    failed: OnceLock<String>,
+}
+
+/// A served template's state, as `GET /v1/templates` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TemplateStatus {
+    pub name: String,
+    /// `ready`, `building` or `failed`.
+    pub status: &'static str,
+    pub default: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(flatten)]
+    pub info: TemplateInfo,
+    /// Guest RAM of its VMs, bytes.
+    pub ram_bytes: Option<u64>,
+    /// Size of the template's memory file (the snapshot every VM maps), bytes.
+    pub memory_file_bytes: Option<u64>,
+}
+
 #[derive(Debug)]
 struct Shared {
     config: Config,
-    executor: OnceLock<Arc<Executor>>,
+    templates: Vec<Served>,
     jobs: JobThreads,
     metrics: Arc<Metrics>,
     sessions: Arc<crate::sessions::Sessions>,
@@ -42,13 +79,27 @@ impl AppState {
         config.validate()?;
         let jobs =
             JobThreads::start(config.workers, config.capacity()).map_err(StateError::Threads)?;
-        let slot = OnceLock::new();
-        if let Some(e) = executor {
-            let _ = slot.set(e);
+        let templates: Vec<Served> = config
+            .templates
+            .iter()
+            .map(|name| Served {
+                name: name.clone(),
+                executor: OnceLock::new(),
+                info: OnceLock::new(),
+                failed: OnceLock::new(),
+            })
+            .collect();
+        if let (Some(e), Some(t)) = (
+            executor,
+            templates
+                .iter()
+                .find(|t| t.name == config.default_template()),
+        ) {
+            let _ = t.executor.set(e);
         }
         Ok(Self(Arc::new(Shared {
             config,
-            executor: slot,
+            templates,
             jobs,
             metrics: Arc::default(),
             sessions: Arc::default(),
@@ -77,24 +128,101 @@ impl AppState {
         &self.0.jobs
     }
 
-    /// Makes the server ready. Returns `false` (and drops `e`) if it already had one.
-    pub fn set_executor(&self, e: Arc<Executor>) -> bool {
-        self.0.executor.set(e).is_ok()
+    /// Makes template `name` ready. Returns `false` (and drops `e`) if it is not served or
+    /// already had one.
+    pub fn set_template(&self, name: &str, e: Arc<Executor>, info: TemplateInfo) -> bool {
+        let Some(t) = self.served(name) else {
+            return false;
+        };
+        let _ = t.info.set(info);
+        t.executor.set(e).is_ok()
     }
 
-    /// The executor, or 503 while the template is not ready.
-    pub fn executor(&self) -> Result<Arc<Executor>, ApiError> {
-        self.0.executor.get().cloned().ok_or_else(|| {
-            self.metrics().rejected(Rejection::NotReady);
-            ApiError::NotReady {
+    /// Records that template `name` could not be prepared.
+    pub fn template_failed(&self, name: &str, why: String) {
+        if let Some(t) = self.served(name) {
+            let _ = t.failed.set(why);
+        }
+    }
+
+    fn served(&self, name: &str) -> Option<&Served> {
+        self.0.templates.iter().find(|t| t.name == name)
+    }
+
+    /// The name a request's `template` resolves to: its own, or the default one.
+    pub fn template_name<'a>(&'a self, asked: Option<&'a str>) -> &'a str {
+        asked.unwrap_or_else(|| self.config().default_template())
+    }
+
+    /// The executor of template `asked` (`None`: the default one): 400 if it is not served,
+    /// 503 while it is not ready (with `Retry-After`) or if it failed.
+    pub fn executor_for(&self, asked: Option<&str>) -> Result<Arc<Executor>, ApiError> {
+        let name = self.template_name(asked);
+        let Some(t) = self.served(name) else {
+            return Err(ApiError::UnknownTemplate {
+                name: name.to_owned(),
+                served: self.config().templates.clone(),
+                field: "template".into(),
+            });
+        };
+        if let Some(e) = t.executor.get() {
+            return Ok(e.clone());
+        }
+        self.metrics().rejected(Rejection::NotReady);
+        Err(match t.failed.get() {
+            Some(why) => ApiError::TemplateFailed {
+                name: name.to_owned(),
+                why: why.clone(),
+            },
+            None => ApiError::NotReady {
                 retry_after: self.config().retry_after(),
-            }
+            },
         })
     }
 
-    /// The executor if the template is ready (no rejection counted).
+    /// The default template's executor, or 503 while it is not ready.
+    pub fn executor(&self) -> Result<Arc<Executor>, ApiError> {
+        self.executor_for(None)
+    }
+
+    /// The default template's executor if it is ready (no rejection counted).
     pub fn executor_if_ready(&self) -> Option<Arc<Executor>> {
-        self.0.executor.get().cloned()
+        self.served(self.config().default_template())
+            .and_then(|t| t.executor.get().cloned())
+    }
+
+    /// Every ready template's executor, by name.
+    pub fn ready_executors(&self) -> Vec<(String, Arc<Executor>)> {
+        self.0
+            .templates
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), t.executor.get()?.clone())))
+            .collect()
+    }
+
+    /// The served templates and their states, in the configured order.
+    pub fn templates(&self) -> Vec<TemplateStatus> {
+        let default = self.config().default_template();
+        self.0
+            .templates
+            .iter()
+            .map(|t| {
+                let e = t.executor.get();
+                TemplateStatus {
+                    name: t.name.clone(),
+                    status: match (e, t.failed.get()) {
+                        (Some(_), _) => "ready",
+                        (None, Some(_)) => "failed",
+                        (None, None) => "building",
+                    },
+                    default: t.name == default,
+                    error: t.failed.get().cloned(),
+                    info: t.info.get().cloned().unwrap_or_default(),
+                    ram_bytes: e.map(|e| e.template().state().ram_size),
+                    memory_file_bytes: e.map(|e| e.template().memory_file_bytes()),
+                }
+            })
+            .collect()
     }
 
     /// `n` admission slots, or 429 (full) / 503 (shutting down).
@@ -132,7 +260,15 @@ impl AppState {
     }
 
     pub fn gauges(&self) -> Gauges {
-        let stats = self.0.executor.get().map(|e| e.stats());
+        // Every ready template's VMs together; the server is ready with its default one.
+        let ready = self.ready_executors();
+        let stats = self.executor_if_ready().map(|_| {
+            let mut sum = vmm::executor::ExecutorStats::default();
+            for (_, e) in &ready {
+                sum += e.stats();
+            }
+            sum
+        });
         Gauges {
             workers: self.config().workers,
             queue_capacity: self.0.jobs.capacity(),
@@ -150,7 +286,7 @@ impl AppState {
 
     pub fn health(&self) -> Health {
         let g = self.gauges();
-        let template = self.0.executor.get().and_then(|e| {
+        let template = self.executor_if_ready().and_then(|e| {
             e.template()
                 .dir()
                 .file_name()

@@ -242,6 +242,23 @@ pub struct ExecutorStats {
     pub replaced_reset_failed: u64,
 }
 
+impl std::ops::AddAssign for ExecutorStats {
+    /// Adds another executor's figures (a server's several templates).
+    fn add_assign(&mut self, o: Self) {
+        self.ready += o.ready;
+        self.warm += o.warm;
+        self.live += o.live;
+        self.pool_size += o.pool_size;
+        self.resets += o.resets;
+        self.reset_time += o.reset_time;
+        self.restored_pages += o.restored_pages;
+        self.mapping_drops += o.mapping_drops;
+        self.replaced_abnormal += o.replaced_abnormal;
+        self.replaced_too_dirty += o.replaced_too_dirty;
+        self.replaced_reset_failed += o.replaced_reset_failed;
+    }
+}
+
 /// Runs jobs in VMs of one template.
 #[derive(Debug)]
 pub struct Executor {

@@ -349,6 +349,13 @@ impl Template {
         self.origin
     }
 
+    /// Bytes the template's (sparse) memory file holds on disk: the guest memory that is not
+    /// zero, what a clone can share.
+    pub fn memory_file_bytes(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        self.memory.metadata().map_or(0, |m| m.blocks() * 512)
+    }
+
     /// A new copy-on-write mapping of the template's memory (what a clone runs on).
     pub fn private_ram(&self) -> Result<GuestRam, TemplateError> {
         Ok(GuestRam::private_fd(&self.memory, self.state.ram_size)?)

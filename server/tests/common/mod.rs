@@ -5,9 +5,10 @@
 //! These tests need /dev/kvm. They never skip silently: without it they fail saying so.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -30,25 +31,42 @@ pub fn require_kvm() {
     );
 }
 
+/// The options of template `name` in this source tree (its guest brought up to date).
+pub fn template_options(name: &str) -> bud_guest::TemplateOptions {
+    let mut opts = bud_guest::TemplateOptions::named(repo_dir(), name);
+    opts.guest = bud_guest::GuestBuild::Current;
+    opts
+}
+
+/// One executor over template `name` for this test binary (built or loaded on first use;
+/// the first build of the datascience template boots its guest: minutes).
+pub fn executor_of(name: &str) -> Arc<Executor> {
+    static EXECS: OnceLock<Mutex<BTreeMap<String, Arc<Executor>>>> = OnceLock::new();
+    let mut all = EXECS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(e) = all.get(name) {
+        return e.clone();
+    }
+    require_kvm();
+    let template = bud_guest::template(
+        &template_options(name),
+        &mut |line: &str| eprintln!("[guest build {name}] {line}"),
+        None,
+    )
+    .unwrap_or_else(|e| panic!("building the guest or template {name} failed: {e}"));
+    let e = Arc::new(
+        Executor::new(template, vmm::ExecutorOptions::default())
+            .expect("starting the executor failed"),
+    );
+    all.insert(name.to_owned(), e.clone());
+    e
+}
+
 /// One executor over the default template for this test binary.
 pub fn executor() -> Arc<Executor> {
-    static EXEC: OnceLock<Arc<Executor>> = OnceLock::new();
-    EXEC.get_or_init(|| {
-        require_kvm();
-        let mut opts = bud_guest::TemplateOptions::new(repo_dir());
-        opts.guest = bud_guest::GuestBuild::Current;
-        let template = bud_guest::template(
-            &opts,
-            &mut |line: &str| eprintln!("[guest build] {line}"),
-            None,
-        )
-        .expect("building the guest or its template failed");
-        Arc::new(
-            Executor::new(template, vmm::ExecutorOptions::default())
-                .expect("starting the executor failed"),
-        )
-    })
-    .clone()
+    executor_of("python")
 }
 
 /// The configuration the tests use unless they need another: defaults, two job threads.
@@ -74,8 +92,25 @@ impl TestServer {
         Self::with_config(test_config())
     }
 
+    /// A server with every template of `config.templates` ready.
     pub fn with_config(config: Config) -> Self {
-        let state = AppState::new(config, Some(executor())).expect("server state");
+        let all = config.templates.clone();
+        let ready: Vec<&str> = all.iter().map(String::as_str).collect();
+        Self::with_templates(config, &ready)
+    }
+
+    /// A server on which only the templates in `ready` are ready (the others stay
+    /// `building`).
+    pub fn with_templates(config: Config, ready: &[&str]) -> Self {
+        let state = AppState::new(config, None).expect("server state");
+        for name in ready {
+            let (image_bytes, packages) = bud_guest::image_facts(&template_options(name));
+            let info = bud_server::state::TemplateInfo {
+                image_bytes,
+                packages,
+            };
+            assert!(state.set_template(name, executor_of(name), info));
+        }
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (stop, stopped) = oneshot::channel::<()>();
         let served = state.clone();

@@ -189,6 +189,9 @@ pub struct JobResult {
     pub console_tail: Vec<String>,
     /// What a session cell displayed: its final expression's value (empty otherwise).
     pub display: Vec<Display>,
+    /// The matplotlib figures a Python job or cell showed or left open, as `image/png`, in
+    /// order (the guest's `bud_session.take_figures`).
+    pub figures: Vec<Display>,
     pub timings: JobTimings,
 }
 

@@ -414,10 +414,10 @@ pub fn run_request(
     } else {
         Vec::new()
     };
-    let display = if ending == Ending::Done && matches!(r.kind, Kind::Cell { .. }) {
+    let shown = if ending == Ending::Done && !matches!(r.kind, Kind::File(_)) {
         read_display(&m.ram, mb)?
     } else {
-        Vec::new()
+        Shown::default()
     };
     let result = JobResult {
         status: end.status,
@@ -427,7 +427,8 @@ pub fn run_request(
         stderr: out.stderr,
         crash: end.crash,
         console_tail,
-        display,
+        display: shown.value,
+        figures: shown.figures,
         timings: JobTimings {
             clone: Duration::ZERO,
             run,
@@ -440,13 +441,23 @@ pub fn run_request(
     Ok((result, ending))
 }
 
-/// The display data of a cell (`result::DISPLAY_LEN`). Hostile: the length is clamped to the
-/// area, and anything but a JSON array of `{type, data}` strings is dropped whole.
-fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Vec<Display>, JobError> {
+/// What a request displayed (`result::DISPLAY_LEN`): `{"value": [...], "figures": [...]}`,
+/// each a list of `{type, data}`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Shown {
+    #[serde(default)]
+    value: Vec<Display>,
+    #[serde(default)]
+    figures: Vec<Display>,
+}
+
+/// The display data of a request. Hostile: the length is clamped to the area, and anything
+/// but the JSON of [`Shown`] is dropped whole.
+fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Shown, JobError> {
     let len =
         (mb.read_u32(ram, result::DISPLAY_LEN as u64)? as usize).min(job::DATA_END - job::DATA);
     if len == 0 {
-        return Ok(Vec::new());
+        return Ok(Shown::default());
     }
     let mut bytes = vec![0u8; len];
     mb.read(ram, job::DATA as u64, &mut bytes)?;
