@@ -132,6 +132,9 @@ struct RunArgs {
     /// it runs the job in this process.
     #[arg(long)]
     mem_mib: Option<u64>,
+    /// Save the job's figures (matplotlib figures shown or left open) as DIR/figure-N.png.
+    #[arg(long, value_name = "DIR")]
+    figures_dir: Option<PathBuf>,
     /// The template to run in (`python`, `datascience`, ...).
     #[arg(long, default_value = bud_guest::recipe::BASE_TEMPLATE)]
     template: String,
@@ -434,7 +437,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         remote::server_url()?
     };
     let result = match server {
-        Some(url) => remote::run(&url, &job)?,
+        Some(url) => remote::run(&url, &job, &args.template)?,
         None => run_local(cli, args, &job)?,
     };
     {
@@ -445,6 +448,7 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         err.write_all(&result.stderr)?;
         err.flush()?;
     }
+    save_figures(&result, args.figures_dir.as_deref())?;
     if args.timings {
         let t = result.timings;
         eprintln!(
@@ -458,6 +462,31 @@ fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(exit_code_of(&result, args))
+}
+
+/// Writes the job's figures into `dir` (figure-1.png, ...), or says how many there are.
+fn save_figures(result: &vmm::JobResult, dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    use base64::Engine;
+    if result.figures.is_empty() {
+        return Ok(());
+    }
+    let Some(dir) = dir else {
+        progress(&format!(
+            "the job returned {} figure(s); --figures-dir DIR saves them",
+            result.figures.len()
+        ));
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (i, f) in result.figures.iter().enumerate() {
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(&f.data)
+            .context("a figure is not base64")?;
+        let path = dir.join(format!("figure-{}.png", i + 1));
+        std::fs::write(&path, png).with_context(|| format!("writing {}", path.display()))?;
+        progress(&format!("figure {} saved: {}", i + 1, path.display()));
+    }
+    Ok(())
 }
 
 fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {

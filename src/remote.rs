@@ -43,8 +43,9 @@ fn default_addr() -> Option<SocketAddr> {
 }
 
 /// Runs `job` on the server at `url`.
-pub fn run(url: &str, job: &Job) -> anyhow::Result<JobResult> {
+pub fn run(url: &str, job: &Job, template: &str) -> anyhow::Result<JobResult> {
     let req = ExecRequest {
+        template: Some(template.to_owned()),
         language: Some(job.language),
         code_b64: Some(BASE64.encode(&job.code)),
         stdin_b64: (!job.stdin.is_empty()).then(|| BASE64.encode(&job.stdin)),
@@ -84,7 +85,14 @@ pub fn run(url: &str, job: &Job) -> anyhow::Result<JobResult> {
         crash: r.crash,
         console_tail: r.console_tail,
         display: Vec::new(),
-        figures: Vec::new(),
+        figures: r
+            .results
+            .into_iter()
+            .map(|f| vmm::job::Display {
+                mime: f.mime,
+                data: f.data_b64,
+            })
+            .collect(),
         timings: vmm::job::JobTimings {
             clone: Duration::from_secs_f64(r.timings.clone_ms / 1e3),
             run: Duration::from_secs_f64(r.timings.run_ms / 1e3),

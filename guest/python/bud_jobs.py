@@ -261,6 +261,7 @@ class JobRunner:
         self._context = None
         self._current = None
         self._display = None  # display data of the last cell (bud_session.display_of)
+        self._figures = []  # the figures of the last Python request (bud_session.take_figures)
 
     # ---- before READY
 
@@ -355,15 +356,10 @@ class JobRunner:
             bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
             flags = _bud.GUEST_FLAGS_CLOCK_SET if self.identity.clock_set else 0
             bud_io.write_phases(self.view, MARKS, flags)
-            figures = []
-            if request is not None and request.language == _bud.LANGUAGE_PYTHON:
-                try:
-                    figures = bud_session.take_figures()
-                except BaseException as error:  # noqa: BLE001 - the outcome still goes out
-                    self.warn(f"figures: {type(error).__name__}: {error}")
-            if self._display or figures:
-                bud_session.write_display(self.view, self._display or (), figures)
+            if self._display or self._figures:
+                bud_session.write_display(self.view, self._display or (), self._figures)
             self._display = None
+            self._figures = []
             self._ring_done(done)
 
     def _ring_done(self, sequence):
@@ -425,7 +421,14 @@ class JobRunner:
         sys.modules["__main__"] = context.main
         context.streams.install()
         outcome, code = _exec_main(source, context.main.__dict__)
+        self._take_figures()  # before atexit: pyplot's handler closes every figure
         return self._finish_python(outcome, code, context, run_atexit=not warm)
+
+    def _take_figures(self):
+        try:
+            self._figures = bud_session.take_figures()
+        except BaseException as error:  # noqa: BLE001 - the outcome still goes out
+            self.warn(f"figures: {type(error).__name__}: {error}")
 
     def _run_cell(self, request, context):
         """A session cell: the session's ``__main__`` (``context.main``, kept from cell to
@@ -442,6 +445,7 @@ class JobRunner:
         outcome, code, value = _exec_cell(source, context.main.__dict__)
         if value is not None:
             self._display = bud_session.display_of(value)
+        self._take_figures()
         self.areas.streaming = False
         self.capture.sync_all(self.areas)
         if not _flush_text(context) and outcome == _bud.OUTCOME_EXITED:

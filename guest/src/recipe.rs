@@ -89,7 +89,8 @@ pub struct Site {
     /// Paths under `dist-packages` left out (patterns as `python.drop`); for `share`, the
     /// patterns match the path from the root.
     pub drop: Vec<String>,
-    /// Directories outside `dist-packages` the packages need at run time (from the root).
+    /// Files and directories outside `dist-packages` the packages need at run time (from
+    /// the root).
     #[serde(default)]
     pub share: Vec<String>,
     /// Modules the worker imports before READY.
@@ -262,6 +263,22 @@ pub fn pattern_drops(pattern: &str, path: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repository_templates_load_and_unknown_ones_are_named() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("image");
+
+        let names = template_names(&dir);
+        let ds = load_site(&dir, "datascience").unwrap().unwrap();
+        let err = load_site(&dir, "nope").unwrap_err().to_string();
+
+        assert_eq!(names, ["datascience", "python"]);
+        assert!(load_site(&dir, BASE_TEMPLATE).unwrap().is_none());
+        assert!(ds.debs.iter().any(|d| d == "python3-pandas"), "{ds:?}");
+        assert_eq!(ds.preload[0], "numpy");
+        assert!(dir.join(TEMPLATES_DIR).join(ds.warm.unwrap()).is_file());
+        assert_eq!(err, "unknown template `nope` (known: datascience, python)");
+    }
 
     #[test]
     fn repository_recipe_parses() {

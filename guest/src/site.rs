@@ -124,7 +124,7 @@ fn walk(
 }
 
 /// Stages `dist-packages` of the unpacked packages at `root`, and the recipe's `share`
-/// paths (module docs).
+/// paths, files or directories (module docs).
 pub fn stage_site(
     site: &Site,
     root: &Path,
@@ -151,8 +151,14 @@ pub fn stage_site(
         }
     }
     for path in &site.share {
-        if !root.join(path).exists() {
+        let Some(hops) = stage::resolve_in(root, path)? else {
             return Err(SiteError::NoShare(path.clone()));
+        };
+        let host = root.join(hops.last().map(|h| h.path.as_str()).unwrap_or_default());
+        if !host.is_dir() {
+            staging.copy(&host, path)?;
+            report.files += 1;
+            continue;
         }
         for (logical, host) in walk(root, path, &format!("{path}/"), &site.drop, &mut report)? {
             staging.copy(&host, &format!("{path}/{logical}"))?;

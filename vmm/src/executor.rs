@@ -53,6 +53,15 @@ pub enum ExecError {
     Trim(#[from] crate::memory::MemoryError),
 }
 
+/// The job the pool runs on each new clone before pooling it: the template's own warm-up
+/// code when its image has one (`/usr/lib/bud/template_warm.py`, written by the guest
+/// builder: `guest/src/site.rs`; the datascience template's group-by and figure), so the
+/// pages a typical job of that template touches are mapped before a caller's job; an empty
+/// job otherwise (one `stat` more).
+pub const WARM_UP_JOB: &str = "import os\n\
+if os.path.exists('/usr/lib/bud/template_warm.py'):\n\
+    exec(compile(open('/usr/lib/bud/template_warm.py').read(), 'template_warm', 'exec'), {})\n";
+
 /// What happens to a VM after its job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reuse {
@@ -165,12 +174,12 @@ impl Shared {
         }
     }
 
-    /// Runs an empty job on a new clone and resets it: the clone's first job pays for
+    /// Runs [`WARM_UP_JOB`] on a new clone and resets it: the clone's first job pays for
     /// faulting in everything a job touches (tens of milliseconds under kvm_pvm's shadow
     /// paging); this pays it before any caller waits. None if anything went wrong (then the
     /// clone is closed).
     fn warm_up(&self, mut m: Machine) -> Option<Machine> {
-        let warm_up = Job::python("");
+        let warm_up = Job::python(WARM_UP_JOB);
         let ran = job::run(&mut m, self.template.state(), &warm_up, &mut |_, _| {});
         let ok = matches!(ran, Ok((_, Ending::Done))) && self.reset(&mut m).is_ok();
         if ok {

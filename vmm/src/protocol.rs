@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -195,9 +195,11 @@ pub mod result {
     pub const PHASE_FINISHED_NS: usize = 296;
     /// What the guest had to do itself (`u32`, bits of [`super::guest_flags`]), valid at DONE.
     pub const GUEST_FLAGS: usize = 304;
-    /// Bytes of display data (`u32`), valid at DONE of a [`super::mode::CELL`] request: a
-    /// JSON array of `{"type": MIME, "data": TEXT}` objects (`image/png` base64-encoded) at
-    /// `job::DATA`, over the request, which is no longer needed by then. Hostile input:
+    /// Bytes of display data (`u32`), valid at DONE of a Python request (0: none): the JSON
+    /// object `{"value": [...], "figures": [...]}` at `job::DATA`, over the request, which is
+    /// no longer needed by then; `value` is a cell's displayed final expression and
+    /// `figures` the matplotlib figures shown or left open, each a list of
+    /// `{"type": MIME, "data": TEXT}` objects (`image/png` base64-encoded). Hostile input:
     /// the host clamps the length to `job::DATA_END - job::DATA` and parses it strictly.
     pub const DISPLAY_LEN: usize = 308;
     /// The stdout area.
