@@ -96,7 +96,9 @@ fn figures_come_back_as_pngs_of_their_size_in_order() {
          plt.show()\n\
          plt.figure(figsize=(2, 2), dpi=50)\n\
          plt.bar(['a', 'b'], [1, 2])\n\
-         print(len(plt.get_fignums()))",
+         plt.title('text, in a PDF too')\n\
+         import io; pdf = io.BytesIO(); plt.gcf().savefig(pdf, format='pdf')\n\
+         print(len(plt.get_fignums()), pdf.getvalue()[:5])",
         "",
     );
     let results = r["results"].as_array().expect("results");
@@ -108,7 +110,7 @@ fn figures_come_back_as_pngs_of_their_size_in_order() {
 
     assert_eq!(
         (&r["status"], &r["stdout"]),
-        (&json!("ok"), &json!("1\n")),
+        (&json!("ok"), &json!("1 b'%PDF-'\n")),
         "{r}"
     );
     assert_eq!(sizes, [(200, 150), (100, 100)]);

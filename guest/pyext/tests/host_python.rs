@@ -192,7 +192,7 @@ fn worker_dry_run_warms_up_without_ringing() {
 
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && stdout.starts_with("dry run: imports"),
+        out.status.success() && stdout.starts_with("dry run: template python: imports"),
         "stdout:\n{stdout}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
