@@ -57,8 +57,11 @@ pub enum ApiError {
         retry_after: Duration,
     },
     /// The template is still being built or loaded (503, `Retry-After`).
-    #[error("the template is not ready yet")]
-    NotReady { retry_after: Duration },
+    #[error("template `{template}` is not ready yet (it is being built or loaded)")]
+    NotReady {
+        template: String,
+        retry_after: Duration,
+    },
     /// A request named a template the server does not serve (400).
     #[error("unknown template `{name}`; this server serves: {}", .served.join(", "))]
     UnknownTemplate {
@@ -221,7 +224,7 @@ impl ApiError {
     fn retry_after(&self) -> Option<Duration> {
         match self {
             ApiError::Overloaded { retry_after, .. }
-            | ApiError::NotReady { retry_after }
+            | ApiError::NotReady { retry_after, .. }
             | ApiError::TooManySessions { retry_after, .. } => Some(*retry_after),
             _ => None,
         }

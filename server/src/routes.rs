@@ -111,8 +111,9 @@ pub async fn exec(
 ) -> Result<Json<ExecResponse>, ApiError> {
     let output_b64 = req.output_b64;
     let files = req.take_files(&state.config().limits)?;
-    let exec = state.executor_for(req.template.as_deref())?;
+    let template = req.template.take();
     let job = req.into_job(&state.config().limits, "")?;
+    let exec = state.executor_for(template.as_deref())?;
     if !files.is_empty() {
         return crate::session_routes::exec_with_files(&state, exec, job, files, output_b64)
             .await
@@ -145,14 +146,20 @@ pub async fn batch(
     let mut jobs = Vec::with_capacity(n);
     for (i, r) in req.jobs.into_iter().enumerate() {
         let b64 = r.output_b64;
+        let template = r.template.clone();
+        let job = r.into_job(limits, &format!("jobs[{i}]."))?;
+        jobs.push((job, b64, template));
+    }
+    let mut ready = Vec::with_capacity(n);
+    for (i, (job, b64, template)) in jobs.into_iter().enumerate() {
         let exec = state
-            .executor_for(r.template.as_deref())
+            .executor_for(template.as_deref())
             .map_err(|e| e.in_field(&format!("jobs[{i}].template")))?;
-        jobs.push((r.into_job(limits, &format!("jobs[{i}]."))?, b64, exec));
+        ready.push((job, b64, exec));
     }
     let slots = state.admit(n)?;
     let mut pending = Vec::with_capacity(n);
-    for (slot, (job, b64, exec)) in slots.into_iter().zip(jobs) {
+    for (slot, (job, b64, exec)) in slots.into_iter().zip(ready) {
         pending.push((start(&state, exec, slot, job)?, b64));
     }
     let mut results = Vec::with_capacity(n);

@@ -175,6 +175,7 @@ impl AppState {
                 why: why.clone(),
             },
             None => ApiError::NotReady {
+                template: name.to_owned(),
                 retry_after: self.config().retry_after(),
             },
         })

@@ -165,8 +165,9 @@ pub async fn exec_stream(
     JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Response, ApiError> {
     let output_b64 = req.output_b64;
-    let exec = state.executor_for(req.template.as_deref())?;
+    let template = req.template.clone();
     let job = req.into_job(&state.config().limits, "")?;
+    let exec = state.executor_for(template.as_deref())?;
     let slot = state.admit(1)?.remove(0);
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let metrics = state.metrics_handle();

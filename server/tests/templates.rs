@@ -250,6 +250,11 @@ fn unknown_templates_are_400_and_unready_ones_503() {
     assert_eq!(building["templates"][1]["status"], "building", "{building}");
     assert_eq!(r.status().as_u16(), 503);
     assert_eq!(r.headers()["retry-after"], "1");
+    let not_ready: Value = r.json().unwrap();
+    assert_eq!(
+        not_ready["error"]["message"],
+        "template `datascience` is not ready yet (it is being built or loaded)"
+    );
 }
 
 #[test]
