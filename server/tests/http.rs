@@ -264,7 +264,7 @@ fn streaming_sends_chunks_as_they_come_then_the_result() {
         .iter()
         .map(|(t, d)| (t.to_string(), d.to_string()))
         .collect();
-    assert_eq!(chunks, expected);
+    assert_eq!(chunks, expected, "the whole stream: {lines:?}");
     let last = lines.last().unwrap();
     assert_eq!(
         (&last["type"], &last["status"], &last["exit_code"]),
