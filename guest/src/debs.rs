@@ -239,11 +239,14 @@ pub fn fetch_with_libraries(
 ) -> Result<Vec<Package>, DebError> {
     let mut all: Vec<String> = specs.to_vec();
     let mut refresh = refresh;
+    // Packages whose Depends were read already (each round only reads the new ones).
+    let mut read = 0;
     loop {
         let packages = fetch_some(&all, dir, apt, refresh, false, hashes, progress)?;
         refresh = false;
         let mut added = false;
-        for p in &packages {
+        let unread = packages.len();
+        for p in &packages[read..] {
             for name in library_dependencies(&dir.join(&p.file))? {
                 let known = all.iter().any(|s| package_name(s) == name)
                     || provided.iter().any(|b| b.name == name);
@@ -253,6 +256,7 @@ pub fn fetch_with_libraries(
                 }
             }
         }
+        read = unread;
         if !added {
             return fetch(&all, dir, apt, false, hashes, progress);
         }
