@@ -38,23 +38,9 @@ URL="http://127.0.0.1:$PORT"
 BODY=$(CODE="$CODE" python3 -c 'import json, os; print(json.dumps({"code": os.environ["CODE"]}))')
 
 # The default queue (64 waiting jobs) holds every concurrent request of the load.
+. scripts/serve-lib.sh
 # shellcheck disable=SC2086 # SERVE_ARGS is a list of options
-target/release/bud serve --port "$PORT" $SERVE_ARGS >"$LOG" 2>&1 &
-SERVER=$!
-stop_server() {
-    if kill -0 "$SERVER" 2>/dev/null; then
-        kill -TERM "$SERVER"
-        wait "$SERVER" || true
-    fi
-}
-trap stop_server EXIT
-
-for _ in $(seq 600); do
-    if curl -sf "$URL/v1/health" >/dev/null 2>&1; then break; fi
-    kill -0 "$SERVER" 2>/dev/null || { echo "[bench-http] server died; log: $LOG" >&2; tail -20 "$LOG" >&2; exit 1; }
-    sleep 0.5
-done
-curl -sf "$URL/v1/health" >/dev/null || { echo "[bench-http] server not ready after 300 s" >&2; exit 1; }
+start_bud_serve bench-http "$PORT" "$LOG" $SERVE_ARGS
 
 rss_kib() { awk '/^VmRSS:/ {print $2}' "/proc/$SERVER/status"; }
 jobs_ok() { curl -sf "$URL/metrics" | awk '/^bud_jobs_total\{status="ok"\}/ {print $2}'; }

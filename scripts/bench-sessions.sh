@@ -14,18 +14,6 @@ LOG=${LOG:-target/bench-sessions-server.log}
 command -v python3 >/dev/null || { echo "[bench-sessions] needs python3" >&2; exit 1; }
 
 cargo build --release --quiet
-target/release/bud serve --port "$PORT" >"$LOG" 2>&1 &
-SERVER=$!
-stop_server() {
-    if kill -0 "$SERVER" 2>/dev/null; then
-        kill -TERM "$SERVER"
-        wait "$SERVER" || true
-    fi
-}
-trap stop_server EXIT
-for _ in $(seq 600); do
-    if curl -sf "http://127.0.0.1:$PORT/v1/health" >/dev/null 2>&1; then break; fi
-    kill -0 "$SERVER" 2>/dev/null || { echo "[bench-sessions] server died; log: $LOG" >&2; tail -20 "$LOG" >&2; exit 1; }
-    sleep 0.5
-done
+. scripts/serve-lib.sh
+start_bud_serve bench-sessions "$PORT" "$LOG"
 python3 scripts/bench_sessions.py 127.0.0.1 "$PORT" "$SERVER"

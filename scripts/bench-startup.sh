@@ -29,14 +29,8 @@ bud=target/release/bud
 # First use builds the guest and the template (minutes); not part of the measurement.
 "$bud" run --local -c 'print(1)' >/dev/null
 
-"$bud" serve --port "$port" >target/bench-startup-server.log 2>&1 &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 300); do
-    curl -sf "http://127.0.0.1:$port/v1/health" >/dev/null 2>&1 && break
-    kill -0 "$server" 2>/dev/null || { echo "[bench] server died" >&2; exit 1; }
-    sleep 0.2
-done
+. scripts/serve-lib.sh
+start_bud_serve bench-startup "$port" target/bench-startup-server.log
 
 BUD_URL="http://127.0.0.1:$port" python3 - "$rounds" "$bud" "$programs" <<'PY'
 import concurrent.futures, json, os, statistics, subprocess, sys, time, urllib.request

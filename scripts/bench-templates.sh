@@ -26,9 +26,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import pandas, matplo
     "$venv/bin/pip" install -q numpy==1.24.2 pandas==1.5.3 matplotlib==3.6.3 >&2
 fi
 cargo build --release -q
-target/release/bud serve --port "$port" --templates python,datascience >"$log" 2>&1 &
-server=$!
-trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+. scripts/serve-lib.sh
+start_bud_serve bench-templates "$port" "$log" --templates python,datascience
 echo "[bench] waiting for the datascience template (first use boots it: minutes; log: $log)" >&2
 for _ in $(seq 1800); do
     state=$(curl -sf "http://127.0.0.1:$port/v1/templates" 2>/dev/null | python3 -c \
@@ -36,7 +35,7 @@ for _ in $(seq 1800); do
         2>/dev/null || true)
     [ "$state" = ready ] && break
     [ "$state" = failed ] && { echo "[bench] the datascience template failed; log: $log" >&2; exit 1; }
-    kill -0 "$server" 2>/dev/null || { echo "[bench] server died; log: $log" >&2; tail -20 "$log" >&2; exit 1; }
+    kill -0 "$SERVER" 2>/dev/null || { echo "[bench] server died; log: $log" >&2; tail -20 "$log" >&2; exit 1; }
     sleep 1
 done
 

@@ -1,0 +1,22 @@
+# Sourced by the benchmark scripts: starts `bud serve` and stops it by pid at exit.
+#
+#   start_bud_serve TAG PORT LOG [serve options...]
+#
+# Starts target/release/bud serve on 127.0.0.1:PORT with its log in LOG, sets SERVER to its
+# pid, stops it (SIGTERM, then waits) when the script exits, and returns once /v1/health
+# answers 200 (the default template is ready; first use builds it: minutes). Exits naming
+# TAG, with the log's tail, if the server dies or is not ready within 900 s.
+start_bud_serve() {
+    local tag=$1 port=$2 log=$3
+    shift 3
+    target/release/bud serve --port "$port" "$@" >"$log" 2>&1 &
+    SERVER=$!
+    trap 'if kill -0 "$SERVER" 2>/dev/null; then kill -TERM "$SERVER"; wait "$SERVER" || true; fi' EXIT
+    for _ in $(seq 1800); do
+        curl -sf "http://127.0.0.1:$port/v1/health" >/dev/null 2>&1 && return 0
+        kill -0 "$SERVER" 2>/dev/null || { echo "[$tag] server died; log: $log" >&2; tail -20 "$log" >&2; exit 1; }
+        sleep 0.5
+    done
+    echo "[$tag] server not ready after 900 s; log: $log" >&2
+    exit 1
+}
