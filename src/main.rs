@@ -199,6 +199,10 @@ struct ServeArgs {
     /// Guest RAM in MiB of every template (part of its identity; default: each template's).
     #[arg(long)]
     mem_mib: Option<u64>,
+    /// API keys, one `NAME KEY` a line: every request then needs one (Authorization:
+    /// Bearer KEY, or X-API-Key). Required to listen on anything but loopback.
+    #[arg(long)]
+    api_keys_file: Option<std::path::PathBuf>,
     /// Most live sessions; past it, creating or forking one is 429.
     #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_sessions)]
     max_sessions: usize,
@@ -522,6 +526,10 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             ..bud_server::config::SessionLimits::default()
         },
         templates: args.templates.clone(),
+        api_keys: match &args.api_keys_file {
+            Some(path) => Some(std::sync::Arc::new(bud_server::keys::ApiKeys::load(path)?)),
+            None => None,
+        },
         ..bud_server::Config::default()
     };
     let build = cli.build_options();

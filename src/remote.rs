@@ -93,6 +93,7 @@ pub fn run(url: &str, job: &Job, template: &str) -> anyhow::Result<JobResult> {
                 data: f.data_b64,
             })
             .collect(),
+        error: None,
         timings: vmm::job::JobTimings {
             clone: Duration::from_secs_f64(r.timings.clone_ms / 1e3),
             run: Duration::from_secs_f64(r.timings.run_ms / 1e3),

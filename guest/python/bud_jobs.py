@@ -77,6 +77,7 @@ assert _bud.JOB_ENV_LEN == _bud.JOB_LANGUAGE + 6 * 4
 _WALL_CLOCK = struct.Struct("<Q")
 # MODE, FLAGS, SEQUENCE, FILE_OP: four adjacent u32s.
 _REQUEST_KIND = struct.Struct("<4I")
+_U32 = struct.Struct("<I")
 _SEQUENCE = struct.Struct("<I")
 assert _bud.JOB_FILE_OP == _bud.JOB_MODE + 3 * 4
 
@@ -98,10 +99,10 @@ class Request:
     (not copied); the rest are bytes, args and env as lists."""
 
     __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed", "mode",
-                 "flags", "sequence", "file_op")
+                 "flags", "sequence", "file_op", "namespace")
 
     def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b"",
-                 mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0):
+                 mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0, namespace=0):
         self.language = language
         self.code = code
         self.stdin = memoryview(stdin)
@@ -113,6 +114,7 @@ class Request:
         self.flags = flags
         self.sequence = sequence
         self.file_op = file_op
+        self.namespace = namespace
 
     @property
     def reseed(self):
@@ -138,8 +140,9 @@ class Request:
         (wall_clock_ns,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_WALL_CLOCK_NS)
         seed = bytes(view[_bud.JOB_SEED : _bud.JOB_SEED + _bud.JOB_SEED_LEN])
         mode, flags, sequence, file_op = _REQUEST_KIND.unpack_from(view, _bud.JOB_MODE)
+        (namespace,) = _U32.unpack_from(view, _bud.JOB_NAMESPACE)
         return cls(language, code, stdin, args, env, wall_clock_ns, seed, mode, flags,
-                   sequence, file_op)
+                   sequence, file_op, namespace)
 
 
 class Identity:
@@ -262,6 +265,8 @@ class JobRunner:
         self._current = None
         self._display = None  # display data of the last cell (bud_session.display_of)
         self._figures = []  # the figures of the last Python request (bud_session.take_figures)
+        self._error = None  # the last cell's exception, when asked for in the display
+        self._namespaces = {}  # a session's namespaces other than __main__, by number
 
     # ---- before READY
 
@@ -356,10 +361,12 @@ class JobRunner:
             bud_io.write_u32_pair(self.view, _bud.RESULT_OUTCOME, outcome, code)
             flags = _bud.GUEST_FLAGS_CLOCK_SET if self.identity.clock_set else 0
             bud_io.write_phases(self.view, MARKS, flags)
-            if self._display or self._figures:
-                bud_session.write_display(self.view, self._display or (), self._figures)
+            if self._display or self._figures or self._error:
+                bud_session.write_display(self.view, self._display or (), self._figures,
+                                          self._error)
             self._display = None
             self._figures = []
+            self._error = None
             self._ring_done(done)
 
     def _ring_done(self, sequence):
@@ -442,7 +449,12 @@ class JobRunner:
             os.environb[name] = value
         sys.modules["__main__"] = context.main
         context.streams.install()
-        outcome, code, value = _exec_cell(source, context.main.__dict__)
+        namespace = self._namespace(request, context)
+        report = None
+        if request.flags & _bud.JOB_FLAGS_ERROR_IN_DISPLAY:
+            def report(error):
+                self._error = bud_session.error_of(error)
+        outcome, code, value = _exec_cell(source, namespace, report)
         if value is not None:
             self._display = bud_session.display_of(value)
         self._take_figures()
@@ -451,6 +463,22 @@ class JobRunner:
         if not _flush_text(context) and outcome == _bud.OUTCOME_EXITED:
             code = 120
         return outcome, code
+
+    def _namespace(self, request, context):
+        """The globals a cell runs in (``job::NAMESPACE``): the session's ``__main__`` or a
+        context's own dict, emptied first when the request says so."""
+        if request.namespace == 0:
+            namespace = context.main.__dict__
+        else:
+            namespace = self._namespaces.get(request.namespace)
+            if namespace is None:
+                namespace = self._namespaces[request.namespace] = {}
+        if request.flags & _bud.JOB_FLAGS_RESET_NAMESPACE or not namespace:
+            kept = {k: namespace[k] for k in ("__loader__", "__spec__") if k in namespace}
+            namespace.clear()
+            namespace.update(kept, __name__="__main__", __doc__=None, __builtins__=builtins,
+                             __annotations__={})
+        return namespace
 
     def _run_file_op(self, request):
         def write_out(data):
@@ -573,9 +601,9 @@ def _exec_main(source, namespace):
     return _bud.OUTCOME_EXITED, 0
 
 
-def _exec_cell(source, namespace):
+def _exec_cell(source, namespace, report=None):
     """Runs a cell in ``namespace``: (outcome, exit status, the final expression's value or
-    None). Errors are reported as :func:`_exec_main` reports them."""
+    None). Errors are reported as :func:`_exec_main` reports them, or given to ``report``."""
     try:
         body, last = bud_session.compile_cell(source)
         MARKS["compiled"] = time.perf_counter()
@@ -585,7 +613,10 @@ def _exec_cell(source, namespace):
         return _bud.OUTCOME_EXITED, _exit_status(error), None
     except BaseException as error:  # noqa: BLE001 - every uncaught exception is reported
         error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None
-        _print_uncaught(error)
+        if report is None:
+            _print_uncaught(error)
+        else:
+            report(error)
         if isinstance(error, MemoryError):
             return _bud.OUTCOME_OUT_OF_MEMORY, 1, None
         if isinstance(error, KeyboardInterrupt):

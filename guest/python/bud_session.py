@@ -12,7 +12,10 @@ from a one-shot job is here:
   ``image/png`` when the object has ``_repr_html_`` / ``_repr_png_``. The display data go
   back as JSON over the request area (``result::DISPLAY_LEN``). An exception prints its
   traceback on stderr (exit status 1), ``SystemExit`` gives its status; neither ends the
-  session.
+  session. With ``job_flags::ERROR_IN_DISPLAY`` the exception goes back in the display
+  data instead (``"error"``: name, value, traceback), as Jupyter reports it.
+- **Namespaces** (``job::NAMESPACE``): 0 is ``__main__``; other numbers are independent
+  globals dicts made on first use (a client's "contexts"); ``RESET_NAMESPACE`` empties one.
 - **Figures** (a job's or a cell's): every matplotlib figure shown with ``plt.show()``
   (which, as Jupyter's inline backend, renders and closes the open figures) or left open at
   the end is rendered to PNG and goes back with the display data, in order
@@ -20,8 +23,8 @@ from a one-shot job is here:
   run (the interpreter never exits).
 - **Interrupts**: the host's interrupt byte on the console becomes SIGINT for this thread
   (``_bud.start_interrupt_watcher``), so a cell past its time gets ``KeyboardInterrupt``.
-- **Files** (``language::FILES``): write, append, read, list, delete and glob in the work
-  directory (:data:`WORKDIR`), confined to it after resolving symlinks. They never run user
+- **Files** (``language::FILES``): write, append, read, list, delete, glob, stat, mkdir and
+  move in the work directory (:data:`WORKDIR`), confined to it after resolving symlinks. They never run user
   code and never touch ``__main__``.
 """
 
@@ -35,6 +38,7 @@ import os
 import shutil
 import stat
 import sys
+import traceback
 
 import _bud
 
@@ -43,6 +47,8 @@ WORKDIR = "/tmp"
 
 # Display data larger than this is left out (the rest of the display still goes back).
 _DISPLAY_ROOM = _bud.JOB_DATA_END - _bud.JOB_DATA
+# A reported exception's text is cut to this many characters (its end kept).
+_ERROR_ROOM = 64 << 10
 
 
 def compile_cell(source):
@@ -119,12 +125,31 @@ def take_figures():
     return figures
 
 
-def write_display(view, shown, figures=()):
-    """Writes the display JSON, ``{"value": [...], "figures": [...]}``, over the request
-    area and its length; items that do not fit are dropped, figures first (last first)."""
+def error_of(error):
+    """A cell's uncaught exception as Jupyter reports it: ``{"name", "value", "traceback"}``
+    (the traceback formatted as ``sys.excepthook`` would print it)."""
+    try:
+        value = str(error)
+    except Exception as failure:  # noqa: BLE001 - the user's __str__
+        value = f"<str failed: {type(failure).__name__}>"
+    try:
+        text = "".join(traceback.format_exception(error))
+    except Exception:  # noqa: BLE001 - out of memory, broken __str__ inside...
+        text = f"{type(error).__name__}: {value}\n"
+    if len(text) > _ERROR_ROOM:
+        text = "...\n" + text[-_ERROR_ROOM:]
+    return {"name": type(error).__name__, "value": value[:_ERROR_ROOM], "traceback": text}
+
+
+def write_display(view, shown, figures=(), error=None):
+    """Writes the display JSON, ``{"value": [...], "figures": [...], "error": {...}}``,
+    over the request area and its length; items that do not fit are dropped, figures first
+    (last first)."""
     shown, figures = list(shown), list(figures)
     while True:
         blob = {"value": shown, "figures": figures}
+        if error is not None:
+            blob["error"] = error
         data = json.dumps(blob, ensure_ascii=False).encode("utf-8", "surrogateescape")
         if len(data) <= _DISPLAY_ROOM or not (shown or figures):
             break
@@ -159,6 +184,26 @@ def resolve(relative, must_exist=False):
     return full
 
 
+def _resolve_parent(relative):
+    """Like :func:`resolve`, but a final symlink is the entry itself, not its target (what
+    stat, move and delete act on)."""
+    head, _, name = relative.rstrip("/").rpartition("/")
+    if name in ("", ".", ".."):
+        return resolve(relative)
+    parent = resolve(head) if head else WORKDIR
+    return os.path.join(parent, name)
+
+
+def _kind(mode):
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
 def _listing(path):
     entries = []
     with os.scandir(path) as it:
@@ -169,7 +214,8 @@ def _listing(path):
                 continue
             kind = "dir" if stat.S_ISDIR(st.st_mode) else (
                 "file" if stat.S_ISREG(st.st_mode) else "other")
-            entries.append({"name": entry.name, "type": kind, "size": st.st_size})
+            entries.append({"name": entry.name, "type": kind, "size": st.st_size,
+                            "mode": st.st_mode, "mtime_ns": st.st_mtime_ns})
     entries.sort(key=lambda e: e["name"])
     return json.dumps(entries).encode()
 
@@ -218,6 +264,29 @@ def file_op(op, path, data, write_out):
                 if os.path.isfile(full):
                     names.append(name.encode("utf-8", "surrogateescape"))
             write_out(b"\0".join(names))
+        elif op == _bud.FILE_OP_STAT:
+            full = WORKDIR if relative in ("", ".") else _resolve_parent(relative)
+            st = os.lstat(full)
+            target = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+            write_out(json.dumps({
+                "name": os.path.basename(full), "type": _kind(st.st_mode), "size": st.st_size,
+                "mode": st.st_mode, "mtime_ns": st.st_mtime_ns,
+                "target": target,
+            }).encode("utf-8", "surrogateescape"))
+        elif op == _bud.FILE_OP_MKDIR:
+            full = resolve(relative)
+            if os.path.lexists(full) and not os.path.isdir(full):
+                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a directory")
+            os.makedirs(full, exist_ok=True)
+        elif op == _bud.FILE_OP_MOVE:
+            source = _resolve_parent(relative)
+            if source == WORKDIR:
+                raise FileError(_bud.FILE_STATUS_BAD_PATH, "cannot move the work directory")
+            if not os.path.lexists(source):
+                raise FileError(_bud.FILE_STATUS_NOT_FOUND, f"{relative!r} does not exist")
+            destination = resolve(bytes(data).decode("utf-8", "surrogateescape"))
+            os.makedirs(os.path.dirname(destination), exist_ok=True)
+            os.rename(source, destination)
         else:
             raise FileError(_bud.FILE_STATUS_BAD_PATH, f"unknown file operation {op}")
     except OSError as error:

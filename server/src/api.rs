@@ -48,6 +48,9 @@ pub struct ExecRequest {
     /// The template to run in (`GET /v1/templates`; default: the server's default). Not for
     /// session cells: a session keeps the template it was created from.
     pub template: Option<String>,
+    /// How a session cell runs (set by the code-interpreter compat layer, not by clients).
+    #[serde(skip)]
+    pub cell: vmm::CellOptions,
 }
 
 /// The files of a job: what goes in, and the patterns of what comes back.
@@ -400,6 +403,7 @@ impl ExecRequest {
         job.env = self.env.into_iter().collect();
         job.timeout = Duration::from_millis(timeout_ms);
         job.output_limit = output_limit as usize;
+        job.cell = self.cell;
         Ok(job)
     }
 }

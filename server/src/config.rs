@@ -99,6 +99,8 @@ pub struct Config {
     /// The templates served, prepared in this order. A request without `template` gets
     /// [`DEFAULT_TEMPLATE`] when it is served, else the first.
     pub templates: Vec<String>,
+    /// API keys (`--api-keys-file`); None: the server is open (loopback only).
+    pub api_keys: Option<std::sync::Arc<crate::keys::ApiKeys>>,
 }
 
 /// The template of a request that names none (when served).
@@ -116,6 +118,7 @@ impl Default for Config {
             limits: Limits::default(),
             sessions: SessionLimits::default(),
             templates: vec![DEFAULT_TEMPLATE.to_owned()],
+            api_keys: None,
         }
     }
 }

@@ -103,6 +103,12 @@ pub enum ApiError {
     /// No such file in the session (404).
     #[error("{0}")]
     NoFile(String),
+    /// An E2B in-sandbox request for a sandbox that is not running (502, as E2B's proxy).
+    #[error("sandbox {0} is not running")]
+    SandboxGone(String),
+    /// Keys are configured and the request presented none of them (401).
+    #[error("a valid API key is required (Authorization: Bearer KEY, or X-API-Key: KEY)")]
+    Unauthorized,
     /// bud could not run the job at all (500): a clone or vCPU failure.
     #[error("could not run the job: {message}")]
     Internal {
@@ -178,6 +184,8 @@ impl ApiError {
             ApiError::TooManySessions { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::SandboxGone(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -205,6 +213,8 @@ impl ApiError {
             ApiError::OutOfMemory { .. } => "out_of_memory",
             ApiError::NoFile(_) => "no_file",
             ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::SandboxGone(_) => "sandbox_gone",
             ApiError::Internal { .. } => "internal",
         }
     }
@@ -255,6 +265,21 @@ impl ApiError {
     /// The JSON body (also used as the last line of a stream that failed after it started).
     pub fn body(&self) -> serde_json::Value {
         serde_json::to_value(self.detail()).unwrap_or_default()
+    }
+}
+
+impl ApiError {
+    /// This error's status (and Retry-After) with another body: how the compat layers
+    /// answer in their clients' error shapes.
+    pub fn respond_with(&self, body: serde_json::Value) -> Response {
+        let mut response = (self.status(), axum::Json(body)).into_response();
+        if let Some(after) = self.retry_after() {
+            let secs = after.as_secs().max(1);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
     }
 }
 

@@ -13,9 +13,11 @@
 
 pub mod api;
 pub mod body;
+pub mod compat;
 pub mod config;
 pub mod error;
 pub mod jobs;
+pub mod keys;
 pub mod metrics;
 pub mod openapi;
 pub mod routes;
@@ -92,8 +94,13 @@ pub fn app(state: AppState) -> Router {
                 .put(session_routes::put_file)
                 .delete(session_routes::delete_file),
         )
+        .merge(compat::routes())
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            keys::require_key,
+        ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_responses,

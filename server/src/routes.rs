@@ -107,22 +107,26 @@ impl NoResult {
 /// `POST /v1/exec`.
 pub async fn exec(
     State(state): State<AppState>,
-    JsonBody(mut req): JsonBody<ExecRequest>,
+    JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Json<ExecResponse>, ApiError> {
+    run_exec(&state, req).await.map(Json)
+}
+
+/// Checks and runs one job, with its files if it has any: `POST /v1/exec`, and the way
+/// compat layers run theirs (same limits, same admission).
+pub async fn run_exec(state: &AppState, mut req: ExecRequest) -> Result<ExecResponse, ApiError> {
     let output_b64 = req.output_b64;
     let files = req.take_files(&state.config().limits)?;
     let template = req.template.take();
     let job = req.into_job(&state.config().limits, "")?;
     let exec = state.executor_for(template.as_deref())?;
     if !files.is_empty() {
-        return crate::session_routes::exec_with_files(&state, exec, job, files, output_b64)
-            .await
-            .map(Json);
+        return crate::session_routes::exec_with_files(state, exec, job, files, output_b64).await;
     }
     let slot = state.admit(1)?.remove(0);
-    let rx = start(&state, exec, slot, job)?;
+    let rx = start(state, exec, slot, job)?;
     let (r, waited) = finish(rx).await.map_err(|e| e.into_api(None))?;
-    Ok(Json(ExecResponse::new(r, waited, output_b64)))
+    Ok(ExecResponse::new(r, waited, output_b64))
 }
 
 /// `POST /v1/exec/batch`: all jobs admitted at once or none, run in parallel on the job

@@ -68,7 +68,7 @@ impl SessionInfo {
         Self {
             id: e.id.clone(),
             created_at: epoch_s(e.created_at),
-            expires_at: epoch_s(e.expires_at),
+            expires_at: epoch_s(e.expires_at()),
             idle_timeout_s: e.idle_timeout.as_secs(),
             language: e.language,
             execution_count: e.executions.load(Relaxed),
@@ -91,6 +91,10 @@ pub struct CellResponse {
     /// base64), as Jupyter's `execute_result`; null when there is none.
     pub result: Option<BTreeMap<String, String>>,
     pub execution_count: u64,
+    /// The cell's uncaught exception, for cells run with `error_in_display` (the
+    /// code-interpreter compat layer); the native API prints it on stderr instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<vmm::CellError>,
 }
 
 /// `POST /v1/sessions/{id}/fork`.
@@ -123,7 +127,7 @@ pub struct ListQuery {
     pub dir: Option<String>,
 }
 
-fn unavailable(id: &str, u: Unavailable) -> ApiError {
+pub fn unavailable(id: &str, u: Unavailable) -> ApiError {
     match u {
         Unavailable::Unknown => ApiError::NoSession(id.to_owned()),
         Unavailable::Busy => ApiError::SessionBusy(id.to_owned()),
@@ -233,6 +237,13 @@ pub async fn create(
     State(state): State<AppState>,
     JsonBody(req): JsonBody<CreateSession>,
 ) -> Result<(StatusCode, Json<SessionInfo>), ApiError> {
+    let made = start_session(&state, req).await?;
+    Ok((StatusCode::CREATED, Json(SessionInfo::of(&made))))
+}
+
+/// Checks `req` against the limits and caps, starts its session on a job thread and
+/// registers it (the one way to make a session, for the native API and the compat layers).
+pub async fn start_session(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, ApiError> {
     let lim = &state.config().sessions;
     let idle = seconds(
         "idle_timeout_s",
@@ -259,8 +270,8 @@ pub async fn create(
     };
     probe.into_job(&state.config().limits, "")?;
     let exec = state.executor_for(req.template.as_deref())?;
-    check_count(&state, 1)?;
-    check_memory(&state)?;
+    check_count(state, 1)?;
+    check_memory(state)?;
     let settings = NewSession {
         language: req.language.unwrap_or(Language::Python),
         env: req.env,
@@ -272,15 +283,14 @@ pub async fn create(
         executor: exec.clone(),
     };
     let sessions = state.sessions().clone();
-    let made = on_job_thread(&state, exec, move |ex| {
+    on_job_thread(state, exec, move |ex| {
         let made = Session::start(ex)
             .map_err(internal)
             .and_then(|vm| sessions.insert(settings, vm).map_err(internal))?;
         made.account();
         Ok::<_, ApiError>(made)
     })
-    .await??;
-    Ok((StatusCode::CREATED, Json(SessionInfo::of(&made))))
+    .await?
 }
 
 /// `GET /v1/sessions`.
@@ -308,11 +318,18 @@ pub async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    end_session(&state, id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Ends session `id` as deleted (its tombstone too, if it had ended already); 404 when
+/// unknown; waits for a running request's end.
+pub async fn end_session(state: &AppState, id: String) -> Result<(), ApiError> {
     let exec = match state.sessions().get(&id) {
         Ok(e) => e.executor.clone(),
         Err(Unavailable::Gone(_)) => {
             state.sessions().forget(&id);
-            return Ok(StatusCode::NO_CONTENT);
+            return Ok(());
         }
         Err(u) => return Err(unavailable(&id, u)),
     };
@@ -321,8 +338,7 @@ pub async fn delete(
         reason: "deleted".into(),
         detail: None,
     };
-    on_job_thread(&state, exec, move |_| sessions.end(&id, why)).await?;
-    Ok(StatusCode::NO_CONTENT)
+    on_job_thread(state, exec, move |_| sessions.end(&id, why)).await
 }
 
 fn cell_job(
@@ -394,12 +410,14 @@ pub async fn run_cell(
             .map(|d| (d.mime.clone(), d.data.clone()))
             .collect()
     });
+    let error = r.error.clone();
     let exec = ExecResponse::new(r, waited, b64);
     Ok((
         CellResponse {
             exec,
             result,
             execution_count: count,
+            error,
         },
         b64,
     ))
@@ -450,7 +468,7 @@ pub async fn fork(
                 env: e.env.clone(),
                 idle_timeout: e.idle_timeout,
                 max_lifetime: e
-                    .expires_at
+                    .expires_at()
                     .duration_since(std::time::SystemTime::now())
                     .unwrap_or_default()
                     .max(Duration::from_secs(1)),
@@ -487,7 +505,7 @@ fn file_path(path: &str) -> Result<String, ApiError> {
 }
 
 /// Runs file operation `op` in session `id`; maps its status to the API's.
-async fn file_request(
+pub async fn file_request(
     state: &AppState,
     id: &str,
     op: u32,

@@ -39,7 +39,6 @@ pub struct Ended {
 pub struct Entry {
     pub id: String,
     pub created_at: SystemTime,
-    pub expires_at: SystemTime,
     pub idle_timeout: Duration,
     pub language: vmm::Language,
     pub env: BTreeMap<String, String>,
@@ -48,7 +47,8 @@ pub struct Entry {
     /// The template the session was made from, and its executor (the VM goes back to it).
     pub template: String,
     pub executor: Arc<Executor>,
-    deadline: Instant,
+    /// When it ends whatever it does (its lifetime), as an instant and on the wall clock.
+    deadline: Mutex<(Instant, SystemTime)>,
     last_used: Mutex<Instant>,
     busy: AtomicBool,
     /// The VM; None once the session ended.
@@ -103,7 +103,6 @@ impl Entry {
         Self {
             id,
             created_at: now,
-            expires_at: now + s.max_lifetime,
             idle_timeout: s.idle_timeout,
             language: s.language,
             env: s.env,
@@ -111,7 +110,7 @@ impl Entry {
             parent: s.parent,
             template: s.template,
             executor: s.executor,
-            deadline: Instant::now() + s.max_lifetime,
+            deadline: Mutex::new((Instant::now() + s.max_lifetime, now + s.max_lifetime)),
             last_used: Mutex::new(Instant::now()),
             busy: AtomicBool::new(false),
             vm: Mutex::new(None),
@@ -119,6 +118,22 @@ impl Entry {
             layer_bytes: AtomicU64::new(0),
             executions: AtomicU64::new(0),
         }
+    }
+
+    /// When its lifetime ends (wall clock).
+    pub fn expires_at(&self) -> SystemTime {
+        self.deadline.lock().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    /// Moves the end of its lifetime to `lifetime` from now (an E2B sandbox's
+    /// `set_timeout`; it may come sooner than the old one).
+    pub fn set_lifetime(&self, lifetime: Duration) {
+        *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) =
+            (Instant::now() + lifetime, SystemTime::now() + lifetime);
+    }
+
+    fn past_deadline(&self, now: Instant) -> bool {
+        now >= self.deadline.lock().unwrap_or_else(|e| e.into_inner()).0
     }
 
     /// Runs `f` on the session's VM (on a job thread). None if the session has ended.
@@ -301,7 +316,7 @@ impl Sessions {
             .values()
             .filter(|e| !e.is_busy())
             .filter_map(|e| {
-                if now >= e.deadline {
+                if e.past_deadline(now) {
                     Some((e.id.clone(), "max_lifetime"))
                 } else if e.idle_for() >= e.idle_timeout {
                     Some((e.id.clone(), "idle_timeout"))

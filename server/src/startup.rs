@@ -64,6 +64,10 @@ pub enum ServeError {
     },
     #[error("serving: {0}")]
     Serve(std::io::Error),
+    #[error(
+        "bud serve without API keys listens on loopback only ({0} is not): give --api-keys-file"
+    )]
+    OpenBeyondLoopback(IpAddr),
     #[error("cannot start the template thread: {0}")]
     Thread(std::io::Error),
     #[error(transparent)]
@@ -183,6 +187,9 @@ async fn shutdown_signal() {
 
 /// Runs `bud serve` until a signal (Ok) or a failure to prepare the template (Err).
 pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
+    if opts.config.api_keys.is_none() && !opts.listen.is_loopback() {
+        return Err(ServeError::OpenBeyondLoopback(opts.listen));
+    }
     let state = AppState::new(opts.config.clone(), None)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

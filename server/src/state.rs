@@ -58,6 +58,7 @@ struct Shared {
     jobs: JobThreads,
     metrics: Arc<Metrics>,
     sessions: Arc<crate::sessions::Sessions>,
+    compat: crate::compat::CompatState,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -103,6 +104,7 @@ impl AppState {
             jobs,
             metrics: Arc::default(),
             sessions: Arc::default(),
+            compat: Default::default(),
         })))
     }
 
@@ -122,6 +124,11 @@ impl AppState {
     /// The live sessions.
     pub fn sessions(&self) -> &Arc<crate::sessions::Sessions> {
         &self.0.sessions
+    }
+
+    /// What the compat layers (E2B, Piston) keep.
+    pub fn compat(&self) -> &crate::compat::CompatState {
+        &self.0.compat
     }
 
     pub fn jobs(&self) -> &JobThreads {

@@ -63,7 +63,7 @@ enum Line<'a> {
 }
 
 /// Number of trailing bytes of `b` that begin a UTF-8 character not yet complete.
-fn incomplete_tail(b: &[u8]) -> usize {
+pub(crate) fn incomplete_tail(b: &[u8]) -> usize {
     for back in 1..=b.len().min(3) {
         let byte = b[b.len() - back];
         if byte & 0xc0 == 0x80 {

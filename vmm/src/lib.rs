@@ -50,5 +50,5 @@ pub mod vm;
 pub use boot::{BootConfig, BootError, ReadyGuest, boot};
 pub use executor::{ExecError, Executor, ExecutorOptions, Reuse};
 pub use host::HostKind;
-pub use job::{Job, JobResult, Language, Status};
+pub use job::{CellError, CellOptions, Job, JobResult, Language, Status};
 pub use template::{Template, TemplateSpec};

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -101,6 +101,13 @@ pub mod job_flags {
     /// session only on its first request and the first request of a fork child, so that a
     /// session's own random state carries from cell to cell).
     pub const RESEED: u32 = 1;
+    /// A cell: empty its namespace (`job::NAMESPACE`) before running it (a restarted
+    /// context; a new namespace starts empty anyway).
+    pub const RESET_NAMESPACE: u32 = 2;
+    /// A cell: report an uncaught exception in the display area (`"error": {"name",
+    /// "value", "traceback"}`) instead of printing its traceback on stderr (Jupyter's
+    /// error message, for clients that show it apart from the output).
+    pub const ERROR_IN_DISPLAY: u32 = 4;
 }
 
 /// File operations (`job::FILE_OP` of a `language::FILES` request). Paths are relative to
@@ -112,13 +119,23 @@ pub mod file_op {
     pub const APPEND: u32 = 2;
     /// Write the file's bytes to stdout.
     pub const READ: u32 = 3;
-    /// Write a JSON list of `{"name", "type": "file"|"dir"|"other", "size"}` to stdout.
+    /// Write a JSON list of `{"name", "type": "file"|"dir"|"other", "size", "mode"
+    /// (`st_mode`), "mtime_ns"}` to stdout (entries as `lstat` sees them).
     pub const LIST: u32 = 4;
     /// Remove a file, or a directory with everything in it.
     pub const DELETE: u32 = 5;
     /// Write the names of the regular files matching the glob pattern in `code` (relative
     /// to the work directory, `**` allowed) to stdout, NUL-separated.
     pub const GLOB: u32 = 6;
+    /// Write a JSON object `{"name", "type": "file"|"dir"|"symlink"|"other", "size", "mode"
+    /// (`st_mode`), "mtime_ns", "target"}` of the path (not following a final symlink) to
+    /// stdout.
+    pub const STAT: u32 = 7;
+    /// Create the directory and its parents (an existing directory is not an error; an
+    /// existing file is [`super::file_status::WRONG_KIND`]).
+    pub const MKDIR: u32 = 8;
+    /// Rename the path to the path in `stdin` (parents of the destination are created).
+    pub const MOVE: u32 = 9;
 }
 
 /// Exit codes of a `language::FILES` request (`EXIT_CODE` with outcome `EXITED`).
@@ -170,6 +187,10 @@ pub mod job {
     /// running request only if this matches its `SEQUENCE`: a late byte never interrupts
     /// the next request.
     pub const INTERRUPT: usize = 152;
+    /// The Python namespace of a cell (`u32`): 0 is the session's `__main__`, any other
+    /// number an independent namespace made on first use (a context of a code-interpreter
+    /// client). Unused by other requests.
+    pub const NAMESPACE: usize = 156;
     /// Start of the request data.
     pub const DATA: usize = 4096;
     /// End of the request data: code + stdin + args + env must fit in `DATA..DATA_END`.

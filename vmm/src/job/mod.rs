@@ -52,6 +52,21 @@ pub struct Job {
     pub timeout: Duration,
     /// Cap on stdout + stderr bytes; past it the job stops with [`Status::OutputLimit`].
     pub output_limit: usize,
+    /// How a session cell runs (ignored by one-shot jobs and file operations).
+    pub cell: CellOptions,
+}
+
+/// How a session cell runs: in which Python namespace, and how it reports an exception.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CellOptions {
+    /// 0: the session's `__main__`; another number: an independent namespace (a context of
+    /// a code-interpreter client), made empty on first use.
+    pub namespace: u32,
+    /// Empty the namespace before the cell runs (a restarted context).
+    pub reset: bool,
+    /// Report an uncaught exception as [`JobResult::error`] instead of printing its
+    /// traceback on stderr.
+    pub error_in_display: bool,
 }
 
 impl Job {
@@ -75,6 +90,7 @@ impl Job {
             env: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
             output_limit: DEFAULT_OUTPUT_LIMIT,
+            cell: CellOptions::default(),
         }
     }
 
@@ -192,7 +208,18 @@ pub struct JobResult {
     /// The matplotlib figures a Python job or cell showed or left open, as `image/png`, in
     /// order (the guest's `bud_session.take_figures`).
     pub figures: Vec<Display>,
+    /// A cell's uncaught exception, when it ran with [`CellOptions::error_in_display`].
+    pub error: Option<CellError>,
     pub timings: JobTimings,
+}
+
+/// An uncaught exception of a cell, as Jupyter reports it: the exception's class name, its
+/// `str`, and the formatted traceback.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CellError {
+    pub name: String,
+    pub value: String,
+    pub traceback: String,
 }
 
 /// One representation of a displayed value, as Jupyter's display data: `mime` is

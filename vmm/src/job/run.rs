@@ -12,8 +12,8 @@
 use std::time::{Duration, Instant};
 
 use super::{
-    CRASH_TAIL_LINES, Display, Ending, GuestPhases, Job, JobError, JobResult, JobTimings, Status,
-    Stream,
+    CRASH_TAIL_LINES, CellError, Display, Ending, GuestPhases, Job, JobError, JobResult,
+    JobTimings, Status, Stream,
 };
 use crate::identity;
 use crate::mailbox::{Mailbox, MailboxError};
@@ -77,12 +77,18 @@ pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<()
     let put32 = |off: usize, v: usize| mb.write(ram, off as u64, &(v as u32).to_le_bytes());
     let (lang, mode, flags, op) = match r.kind {
         Kind::Job => (j.language.code(), mode::JOB, 0, 0),
-        Kind::Cell { reseed } => (
-            j.language.code(),
-            mode::CELL,
-            if reseed { job_flags::RESEED } else { 0 },
-            0,
-        ),
+        Kind::Cell { reseed } => {
+            let c = &j.cell;
+            let bit = |on: bool, b: u32| if on { b } else { 0 };
+            (
+                j.language.code(),
+                mode::CELL,
+                bit(reseed, job_flags::RESEED)
+                    | bit(c.reset, job_flags::RESET_NAMESPACE)
+                    | bit(c.error_in_display, job_flags::ERROR_IN_DISPLAY),
+                0,
+            )
+        }
         Kind::File(op) => (language::FILES, mode::JOB, 0, op),
     };
     put32(job::LANGUAGE, lang as usize)?;
@@ -91,6 +97,7 @@ pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<()
     put32(job::SEQUENCE, r.sequence as usize)?;
     put32(job::FILE_OP, op as usize)?;
     put32(job::INTERRUPT, 0)?;
+    put32(job::NAMESPACE, j.cell.namespace as usize)?;
     put32(result::DISPLAY_LEN, 0)?;
     put32(job::CODE_LEN, j.code.len())?;
     put32(job::STDIN_LEN, j.stdin.len())?;
@@ -429,6 +436,7 @@ pub fn run_request(
         console_tail,
         display: shown.value,
         figures: shown.figures,
+        error: shown.error,
         timings: JobTimings {
             clone: Duration::ZERO,
             run,
@@ -449,6 +457,8 @@ struct Shown {
     value: Vec<Display>,
     #[serde(default)]
     figures: Vec<Display>,
+    #[serde(default)]
+    error: Option<CellError>,
 }
 
 /// The display data of a request. Hostile: the length is clamped to the area, and anything

@@ -1,0 +1,408 @@
+//! E2B's control plane over bud sessions: an E2B sandbox *is* a bud session.
+//!
+//! - `POST /v2/sandboxes` (and the older `POST /sandboxes`): 201 with `templateID`,
+//!   `sandboxID` (the session id), `clientID`, `envdVersion` and `envdAccessToken`. Template
+//!   `code-interpreter-v1` (the SDK's default) is bud's `datascience` template, `base` is
+//!   `python`, and any template bud serves can be named directly. `timeout` (seconds,
+//!   default 300) is the session's lifetime, and also its idle timeout up to the server's
+//!   `max_idle_timeout_s` (E2B has no idle timeout of its own); `envVars` are the env of
+//!   every cell and command; `metadata` is kept and shown.
+//! - `DELETE /sandboxes/{id}` 204 / 404; `GET /sandboxes/{id}`; `POST
+//!   /v2/sandboxes/{id}/connect` (200, and its `timeout` extends the lifetime);
+//!   `POST /sandboxes/{id}/timeout` (204: the lifetime is now `timeout` from now).
+//! - Errors are `{"code": HTTP status, "message"}`.
+//!
+//! The registry here keeps only what E2B clients know that a session does not: the
+//! template name they asked for, the access token, and the code contexts. A sandbox whose
+//! session ended by itself (lifetime, crash) is dropped from it on its next use.
+//!
+//! `envdVersion` is `0.5.7`: the SDK then uses what bud implements (commands with stdin
+//! off by default, multipart and octet-stream uploads) and nothing newer (file metadata,
+//! watchers).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::keys::constant_time_eq;
+use crate::session_routes::{self, CreateSession};
+use crate::sessions::{Entry, epoch_s};
+use crate::state::AppState;
+
+/// The header E2B's SDK names the sandbox with on in-sandbox routes.
+pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
+/// The header carrying the sandbox's access token.
+pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
+/// The envd version bud's compat layer speaks (module docs).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// E2B's default sandbox timeout, seconds.
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// One code context: an independent Python namespace (or the shell) in the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Context {
+    pub id: String,
+    /// `python` or `bash`.
+    pub language: String,
+    pub cwd: String,
+    /// The guest namespace of its cells (`vmm::CellOptions::namespace`).
+    pub namespace: u32,
+}
+
+/// What E2B clients know of a sandbox besides its session.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub id: String,
+    pub template_id: String,
+    pub token: String,
+    pub metadata: BTreeMap<String, String>,
+    pub contexts: Mutex<Contexts>,
+}
+
+/// A sandbox's contexts: the default one (namespace 0) and those made by clients.
+#[derive(Debug, Default)]
+pub struct Contexts {
+    pub made: BTreeMap<String, Context>,
+    next_namespace: u32,
+}
+
+impl Contexts {
+    /// Most contexts a sandbox may have (each holds a namespace in the guest).
+    pub const MAX: usize = 64;
+
+    pub fn add(&mut self, language: &str, cwd: &str) -> Result<Context, ApiError> {
+        if self.made.len() >= Self::MAX {
+            return Err(ApiError::invalid(
+                "contexts",
+                format!("a sandbox has at most {} contexts", Self::MAX),
+            ));
+        }
+        self.next_namespace += 1;
+        let c = Context {
+            id: format!("ctx_{}", random_hex(8)?),
+            language: language.to_owned(),
+            cwd: cwd.to_owned(),
+            namespace: self.next_namespace,
+        };
+        self.made.insert(c.id.clone(), c.clone());
+        Ok(c)
+    }
+}
+
+/// The E2B sandboxes by id.
+#[derive(Debug, Default)]
+pub struct Registry {
+    sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+}
+
+impl Registry {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Sandbox>>> {
+        self.sandboxes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn count(&self) -> usize {
+        self.map().len()
+    }
+}
+
+fn random_hex(bytes: usize) -> Result<String, ApiError> {
+    let mut b = vec![0u8; bytes];
+    vmm::identity::host_random(&mut b).map_err(|e| ApiError::Internal {
+        field: None,
+        message: e.to_string(),
+    })?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// E2B's error shape over a native error's status.
+pub fn e2b_error(e: ApiError) -> Response {
+    let code = e.status().as_u16();
+    e.respond_with(json!({ "code": code, "message": e.to_string() }))
+}
+
+/// The bud template of an E2B template name.
+fn bud_template(state: &AppState, asked: &str) -> Result<String, ApiError> {
+    let name = match asked {
+        "code-interpreter-v1" | "code-interpreter" => "datascience",
+        "base" => "python",
+        other => other,
+    };
+    if state.templates().iter().any(|t| t.name == name) {
+        return Ok(name.to_owned());
+    }
+    Err(ApiError::invalid(
+        "templateID",
+        format!(
+            "template {asked} is bud's {name}, which this server does not serve (bud serve --templates {name},...)"
+        ),
+    ))
+}
+
+/// `POST /v2/sandboxes`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub timeout: Option<u64>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub env_vars: BTreeMap<String, String>,
+}
+
+fn body_of(s: &Sandbox, e: &Entry, with_token: bool) -> serde_json::Value {
+    let mut v = json!({
+        "templateID": s.template_id,
+        "sandboxID": s.id,
+        "clientID": "bud",
+        "envdVersion": ENVD_VERSION,
+        "alias": e.template,
+    });
+    if with_token {
+        v["envdAccessToken"] = json!(s.token);
+    }
+    v
+}
+
+async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, ApiError> {
+    let template = bud_template(state, &req.template_id)?;
+    let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
+    let lim = &state.config().sessions;
+    let native = CreateSession {
+        env: req.env_vars,
+        idle_timeout_s: Some(timeout.clamp(1, lim.max_idle_timeout_s)),
+        max_lifetime_s: Some(timeout),
+        metadata: serde_json::to_value(&req.metadata).unwrap_or_default(),
+        template: Some(template),
+        ..CreateSession::default()
+    };
+    let e = session_routes::start_session(state, native)
+        .await
+        .map_err(|e| match e {
+            ApiError::Invalid { field, message } => ApiError::Invalid {
+                field: field.map(|f| {
+                    if f == "max_lifetime_s" {
+                        "timeout".into()
+                    } else {
+                        f
+                    }
+                }),
+                message: message.replace("max_lifetime_s", "timeout"),
+            },
+            other => other,
+        })?;
+    let s = Arc::new(Sandbox {
+        id: e.id.clone(),
+        template_id: req.template_id,
+        token: random_hex(16)?,
+        metadata: req.metadata,
+        contexts: Mutex::default(),
+    });
+    state.compat().e2b.map().insert(s.id.clone(), s.clone());
+    Ok((StatusCode::CREATED, Json(body_of(&s, &e, true))).into_response())
+}
+
+/// `POST /v2/sandboxes`.
+pub async fn create(State(state): State<AppState>, body: axum::body::Bytes) -> Response {
+    let req = match serde_json::from_slice::<NewSandbox>(&body) {
+        Ok(r) => r,
+        Err(e) => return e2b_error(ApiError::invalid("body", format!("bad JSON body: {e}"))),
+    };
+    create_sandbox(&state, req).await.unwrap_or_else(e2b_error)
+}
+
+/// `POST /sandboxes`: the older route, same body.
+pub async fn create_v1(state: State<AppState>, body: axum::body::Bytes) -> Response {
+    create(state, body).await
+}
+
+/// The live sandbox `id` and its session; a sandbox whose session is gone is forgotten.
+pub fn live(state: &AppState, id: &str) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+    let found = state.compat().e2b.map().get(id).cloned();
+    let Some(s) = found else {
+        return Err(ApiError::NotFound(format!("sandbox {id} not found")));
+    };
+    match state.sessions().get(id) {
+        Ok(e) => Ok((s, e)),
+        Err(_) => {
+            state.compat().e2b.map().remove(id);
+            Err(ApiError::NotFound(format!("sandbox {id} is not running")))
+        }
+    }
+}
+
+/// The sandbox an in-sandbox request is for (`E2b-Sandbox-Id`), with its token checked
+/// when the server has keys. A sandbox that is not running is 502, as E2B's proxy answers.
+pub fn sandbox_of(
+    state: &AppState,
+    headers: &HeaderMap,
+) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+    let id = headers
+        .get(SANDBOX_ID_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| {
+            ApiError::NotFound(
+                "this route needs an E2b-Sandbox-Id header (E2B's SDK sends it)".into(),
+            )
+        })?;
+    let (s, e) = live(state, id).map_err(|_| ApiError::SandboxGone(id.to_owned()))?;
+    if state.config().api_keys.is_some() {
+        let token = headers
+            .get(ACCESS_TOKEN_HEADER)
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        if !constant_time_eq(token, s.token.as_bytes()) {
+            return Err(ApiError::Unauthorized);
+        }
+    }
+    Ok((s, e))
+}
+
+/// `DELETE /sandboxes/{id}`: 204, or 404 if unknown.
+pub async fn kill(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let known = state.compat().e2b.map().remove(&id).is_some();
+    if !known {
+        return e2b_error(ApiError::NotFound(format!("sandbox {id} not found")));
+    }
+    match session_routes::end_session(&state, id).await {
+        Ok(()) | Err(ApiError::NoSession(_)) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e2b_error(e),
+    }
+}
+
+/// `GET /sandboxes/{id}`.
+pub async fn info(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let (s, e) = match live(&state, &id) {
+        Ok(found) => found,
+        Err(err) => return e2b_error(err),
+    };
+    let stamp = |t: SystemTime| rfc3339(epoch_s(t));
+    let ram = state
+        .templates()
+        .into_iter()
+        .find(|t| t.name == e.template)
+        .and_then(|t| t.ram_bytes)
+        .unwrap_or(0);
+    let mut v = body_of(&s, &e, false);
+    let extra = json!({
+        "startedAt": stamp(e.created_at),
+        "endAt": stamp(e.expires_at()),
+        "cpuCount": 1,
+        "memoryMB": ram >> 20,
+        "diskSizeMB": 0,
+        "state": "running",
+        "metadata": s.metadata,
+    });
+    if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+        v.extend(extra.clone());
+    }
+    Json(v).into_response()
+}
+
+/// `{"timeout": seconds}` of connect and set_timeout.
+#[derive(Debug, Deserialize)]
+pub struct Timeout {
+    pub timeout: u64,
+}
+
+fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), ApiError> {
+    let max = state.config().sessions.max_lifetime_s;
+    if !(1..=max).contains(&seconds) {
+        return Err(ApiError::invalid(
+            "timeout",
+            format!("timeout must be 1..={max} seconds (got {seconds})"),
+        ));
+    }
+    e.set_lifetime(Duration::from_secs(seconds));
+    Ok(())
+}
+
+/// `POST /v2/sandboxes/{id}/connect`: 200 with the sandbox; its lifetime becomes `timeout`
+/// from now.
+pub async fn connect(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let (s, e) = live(&state, &id)?;
+        if let Ok(t) = serde_json::from_slice::<Timeout>(&body) {
+            set_lifetime(&state, &e, t.timeout)?;
+        }
+        Ok(Json(body_of(&s, &e, true)).into_response())
+    };
+    run().unwrap_or_else(e2b_error)
+}
+
+/// `POST /sandboxes/{id}/timeout`: 204.
+pub async fn set_timeout(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let (_, e) = live(&state, &id)?;
+        let t: Timeout = serde_json::from_slice(&body)
+            .map_err(|err| ApiError::invalid("timeout", format!("bad JSON body: {err}")))?;
+        set_lifetime(&state, &e, t.timeout)?;
+        Ok(StatusCode::NO_CONTENT.into_response())
+    };
+    run().unwrap_or_else(e2b_error)
+}
+
+/// Seconds since the epoch as RFC 3339 UTC (`2026-11-23T13:04:05.123Z`).
+pub fn rfc3339(epoch: f64) -> String {
+    let secs = epoch.floor() as i64;
+    let millis = ((epoch - secs as f64) * 1000.0).floor() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_dates_are_civil_utc() {
+        assert_eq!(rfc3339(0.0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400.5), "2000-02-29T00:00:00.500Z");
+        assert_eq!(rfc3339(1_795_438_245.25), "2026-11-23T12:50:45.250Z");
+    }
+
+    #[test]
+    fn contexts_get_their_own_namespaces_up_to_the_cap() {
+        let mut c = Contexts::default();
+        let a = c.add("python", "/home/user").unwrap();
+        let b = c.add("python", "/tmp").unwrap();
+        assert_eq!((a.namespace, b.namespace), (1, 2));
+        assert_ne!(a.id, b.id);
+        for _ in 2..Contexts::MAX {
+            c.add("python", "/").unwrap();
+        }
+        assert!(c.add("python", "/").is_err());
+    }
+}

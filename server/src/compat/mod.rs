@@ -1,0 +1,61 @@
+//! Other sandboxes' client protocols over bud's own machinery, so that existing clients
+//! switch to bud by changing a URL:
+//! - [`e2b`]: E2B's control plane (sandboxes), over bud sessions;
+//! - [`jupyter`]: E2B's code-interpreter API (`/execute`, `/contexts`), over session cells;
+//! - [`envd`]: E2B's in-sandbox daemon (commands over the Connect protocol, filesystem RPCs,
+//!   `/files`), over shell cells and file operations;
+//! - [`piston`]: Piston's v2 API, over one-shot jobs.
+//!
+//! Every route here goes through the same checks, limits and admission as the native API
+//! (it calls the native functions), and through the same API-key check ([`crate::keys`]).
+//! E2B's in-sandbox routes (envd and the code interpreter) are found by the
+//! `E2b-Sandbox-Id` header, as E2B's own proxy finds them, and need the sandbox's access
+//! token when keys are configured.
+
+pub mod e2b;
+pub mod envd;
+pub mod jupyter;
+pub mod piston;
+
+use axum::Router;
+use axum::routing::{delete, get, post};
+
+use crate::state::AppState;
+
+/// What the compat layers keep between requests.
+#[derive(Debug, Default)]
+pub struct CompatState {
+    /// The runtime versions Piston clients see, read off the guest once.
+    pub piston_versions: tokio::sync::OnceCell<piston::Versions>,
+    /// E2B sandboxes: their bud session and what E2B clients know of them.
+    pub e2b: e2b::Registry,
+}
+
+/// The compat routes, merged into the API's router.
+pub fn routes() -> Router<AppState> {
+    let mut r = Router::new();
+    for prefix in ["/api/v2", "/api/v2/piston"] {
+        for slash in ["", "/"] {
+            r = r
+                .route(&format!("{prefix}/runtimes{slash}"), get(piston::runtimes))
+                .route(&format!("{prefix}/execute{slash}"), post(piston::execute));
+        }
+    }
+    r.route("/v2/sandboxes", post(e2b::create))
+        .route("/sandboxes", post(e2b::create_v1))
+        .route("/sandboxes/{id}", delete(e2b::kill).get(e2b::info))
+        .route("/v2/sandboxes/{id}/connect", post(e2b::connect))
+        .route("/sandboxes/{id}/connect", post(e2b::connect))
+        .route("/sandboxes/{id}/timeout", post(e2b::set_timeout))
+        .route("/execute", post(jupyter::execute))
+        .route(
+            "/contexts",
+            post(jupyter::create_context).get(jupyter::list_contexts),
+        )
+        .route("/contexts/{id}", delete(jupyter::remove_context))
+        .route("/contexts/{id}/restart", post(jupyter::restart_context))
+        .route("/health", get(envd::health))
+        .route("/files", get(envd::read_file).post(envd::write_files))
+        .route("/process.Process/{method}", post(envd::process))
+        .route("/filesystem.Filesystem/{method}", post(envd::filesystem))
+}

@@ -1,0 +1,396 @@
+//! The Piston v2 API (`/api/v2/runtimes`, `/api/v2/execute`, also under `/api/v2/piston/`
+//! where the public instance and its clients put it), over bud's one-shot jobs.
+//!
+//! A Piston request becomes a native [`ExecRequest`] and runs through
+//! [`crate::routes::run_exec`]: the same limits, admission and template as `POST /v1/exec`.
+//! Mapping (the README has the table):
+//! - `language`: `python` (aliases `py`, `py3`, `python3`, `python3.11`) runs as a Python job;
+//!   `bash` (alias `sh`) as a shell job — bud's shell is busybox `ash`, and the runtime list
+//!   says so (`runtime: "busybox"`, busybox's version).
+//! - `version`: `*`, absent, or a prefix of the real version (`3`, `3.11`, `3.11.2`).
+//!   Versions are read off the guest by one job the first time they are needed.
+//! - `files[0]` is the program (its code); every named file, the first one too, is also put
+//!   in the job's working directory, so programs that open their siblings find them. Each
+//!   file's `encoding` is `utf8` (default), `base64` or `hex`.
+//! - `run_timeout` (ms) is the job's timeout (at most the server's `max_timeout_ms`, else
+//!   400 as Piston answers a timeout over its limit); `run_memory_limit` is checked (-1 or a
+//!   positive number of bytes) but not enforced below the VM's own RAM (README).
+//! - The answer's `run.status` is Piston's: `RE` (non-zero exit), `SG` (signal), `TO`
+//!   (timeout), `OL` (output limit), `XX` (crash); a memory error is `SG` with `SIGKILL`
+//!   as Piston reports its own OOM kills. `output` is stdout followed by stderr (bud keeps
+//!   the two streams apart, not their interleaving).
+//!
+//! Errors are `{"message": "..."}` with the native status code. The request body is JSON
+//! whatever its Content-Type says (the npm client sends none).
+
+use std::collections::BTreeMap;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use vmm::{Language, Status};
+
+use crate::api::{ExecRequest, ExecResponse};
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// The runtimes bud offers, with their versions as read off the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versions {
+    pub python: String,
+    pub busybox: String,
+}
+
+/// One entry of `GET /api/v2/runtimes`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Runtime {
+    pub language: String,
+    pub version: String,
+    pub aliases: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+}
+
+/// `POST /api/v2/execute`. Unknown fields are ignored (clients send compile settings).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Execute {
+    pub language: Option<String>,
+    pub version: Option<String>,
+    pub files: Option<Vec<PistonFile>>,
+    #[serde(default)]
+    pub stdin: Option<String>,
+    #[serde(default)]
+    pub args: Option<Vec<String>>,
+    pub run_timeout: Option<i64>,
+    pub run_memory_limit: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct PistonFile {
+    pub name: Option<String>,
+    pub content: Option<String>,
+    pub encoding: Option<String>,
+}
+
+/// The `run` stage of an answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Stage {
+    pub stdout: String,
+    pub stderr: String,
+    pub output: String,
+    pub code: Option<i32>,
+    pub signal: Option<String>,
+    pub message: Option<String>,
+    pub status: Option<String>,
+    pub wall_time: u64,
+}
+
+/// Piston's error shape over a native error's status.
+fn piston_error(e: ApiError) -> Response {
+    let message = match &e {
+        ApiError::Invalid { message, .. } => message.clone(),
+        other => other.to_string(),
+    };
+    e.respond_with(serde_json::json!({ "message": message }))
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::Invalid {
+        field: None,
+        message: message.into(),
+    }
+}
+
+const PYTHON_NAMES: [&str; 5] = ["python", "py", "py3", "python3", "python3.11"];
+const SHELL_NAMES: [&str; 2] = ["bash", "sh"];
+
+/// Reads the versions off the guest (once per server).
+async fn versions(state: &AppState) -> Result<Versions, ApiError> {
+    state
+        .compat()
+        .piston_versions
+        .get_or_try_init(|| async {
+            let req = ExecRequest {
+                language: Some(Language::Shell),
+                code: Some(
+                    "python3 -c 'import platform; print(platform.python_version())'\n\
+                     busybox | head -n 1"
+                        .into(),
+                ),
+                ..ExecRequest::default()
+            };
+            let r = crate::routes::run_exec(state, req).await?;
+            parse_versions(&r.stdout).ok_or_else(|| ApiError::Internal {
+                field: None,
+                message: format!("could not read the runtime versions: {:?}", r.stdout),
+            })
+        })
+        .await
+        .cloned()
+}
+
+/// `3.11.2\nBusyBox v1.35.0 (...) multi-call binary.` -> the two versions.
+fn parse_versions(out: &str) -> Option<Versions> {
+    let mut lines = out.lines();
+    let python = lines.next()?.trim().to_owned();
+    let busybox = lines
+        .next()?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix('v'))?
+        .to_owned();
+    (!python.is_empty()).then_some(Versions { python, busybox })
+}
+
+fn runtimes_of(v: &Versions) -> Vec<Runtime> {
+    let names = |n: &[&str]| n[1..].iter().map(|s| s.to_string()).collect();
+    vec![
+        Runtime {
+            language: "python".into(),
+            version: v.python.clone(),
+            aliases: names(&PYTHON_NAMES),
+            runtime: None,
+        },
+        Runtime {
+            language: "bash".into(),
+            version: v.busybox.clone(),
+            aliases: names(&SHELL_NAMES),
+            runtime: Some("busybox".into()),
+        },
+    ]
+}
+
+/// `GET /api/v2/runtimes`.
+pub async fn runtimes(State(state): State<AppState>) -> Response {
+    match versions(&state).await {
+        Ok(v) => Json(runtimes_of(&v)).into_response(),
+        Err(e) => piston_error(e),
+    }
+}
+
+/// Whether `asked` (a Piston version request) names version `have`.
+fn version_matches(asked: Option<&str>, have: &str) -> bool {
+    let asked = match asked.map(str::trim) {
+        None | Some("") | Some("*") | Some("x") => return true,
+        Some(a) => a.trim_end_matches(".x").trim_end_matches(".*"),
+    };
+    have == asked || have.starts_with(&format!("{asked}."))
+}
+
+fn decode(i: usize, f: &PistonFile) -> Result<Vec<u8>, ApiError> {
+    let content = f
+        .content
+        .as_deref()
+        .ok_or_else(|| bad(format!("files[{i}].content is required as a string")))?;
+    match f.encoding.as_deref().unwrap_or("utf8") {
+        "utf8" => Ok(content.as_bytes().to_vec()),
+        "base64" => base64::engine::general_purpose::STANDARD
+            .decode(content)
+            .map_err(|e| bad(format!("files[{i}].content is not valid base64: {e}"))),
+        "hex" => {
+            hex_decode(content).ok_or_else(|| bad(format!("files[{i}].content is not valid hex")))
+        }
+        other => Err(bad(format!(
+            "files[{i}].encoding must be utf8, base64 or hex (got {other:?})"
+        ))),
+    }
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    let s = s.as_bytes();
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    s.chunks(2)
+        .map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?))
+        .collect()
+}
+
+/// The native request of a Piston one, and the language and version it names.
+fn native(
+    state: &AppState,
+    req: Execute,
+    v: &Versions,
+) -> Result<(ExecRequest, &'static str, String), ApiError> {
+    let lang = req
+        .language
+        .ok_or_else(|| bad("language is required as a string"))?;
+    let (language, name, version) = if PYTHON_NAMES.contains(&lang.as_str()) {
+        (Language::Python, "python", &v.python)
+    } else if SHELL_NAMES.contains(&lang.as_str()) {
+        (Language::Shell, "bash", &v.busybox)
+    } else {
+        return Err(bad(format!(
+            "{lang}-{} runtime is unknown",
+            req.version.as_deref().unwrap_or("*")
+        )));
+    };
+    if !version_matches(req.version.as_deref(), version) {
+        return Err(bad(format!(
+            "{lang}-{} runtime is unknown",
+            req.version.as_deref().unwrap_or("*")
+        )));
+    }
+    let files = req
+        .files
+        .filter(|f| !f.is_empty())
+        .ok_or_else(|| bad("files is required as a non-empty array"))?;
+    let max = state.config().limits.max_timeout_ms;
+    let timeout_ms = match req.run_timeout {
+        None => None,
+        Some(t) if t >= 1 && t as u64 <= max => Some(t as u64),
+        Some(t) => {
+            return Err(bad(format!(
+                "run_timeout must be 1..={max} ms, the configured limit (got {t})"
+            )));
+        }
+    };
+    if let Some(m) = req.run_memory_limit
+        && m != -1
+        && m < 1
+    {
+        return Err(bad(format!(
+            "run_memory_limit must be -1 or a positive number of bytes (got {m})"
+        )));
+    }
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut code = Vec::new();
+    let mut put = BTreeMap::new();
+    for (i, f) in files.iter().enumerate() {
+        let bytes = decode(i, f)?;
+        if let Some(n) = f.name.as_deref().filter(|n| !n.is_empty()) {
+            crate::api::check_relative(&format!("files[{i}].name"), n)?;
+            put.insert(n.to_owned(), b64.encode(&bytes));
+        }
+        if i == 0 {
+            code = bytes;
+        }
+    }
+    let native = ExecRequest {
+        language: Some(language),
+        code_b64: Some(b64.encode(&code)),
+        stdin: req.stdin,
+        args: req.args.unwrap_or_default(),
+        timeout_ms,
+        files: put,
+        ..ExecRequest::default()
+    };
+    Ok((native, name, version.clone()))
+}
+
+/// Piston's `run` stage of a bud result.
+fn stage(r: &ExecResponse) -> Stage {
+    let signal_name = |s: i32| {
+        let name = match s {
+            1 => "SIGHUP",
+            2 => "SIGINT",
+            3 => "SIGQUIT",
+            4 => "SIGILL",
+            6 => "SIGABRT",
+            8 => "SIGFPE",
+            9 => "SIGKILL",
+            11 => "SIGSEGV",
+            13 => "SIGPIPE",
+            14 => "SIGALRM",
+            15 => "SIGTERM",
+            _ => return format!("SIG{s}"),
+        };
+        name.to_owned()
+    };
+    let (status, signal, message) = match r.status {
+        Status::Ok => (None, None, None),
+        Status::Error => match r.signal {
+            Some(s) => (Some("SG"), Some(signal_name(s)), None),
+            None => (Some("RE"), None, None),
+        },
+        Status::Timeout => (Some("TO"), Some("SIGKILL".to_owned()), Some("Timeout")),
+        Status::OutputLimit => (
+            Some("OL"),
+            Some("SIGKILL".to_owned()),
+            Some("Output limit exceeded"),
+        ),
+        Status::MemoryLimit => (
+            Some("SG"),
+            Some("SIGKILL".to_owned()),
+            Some("Memory limit exceeded"),
+        ),
+        Status::Crashed => (Some("XX"), None, Some("The sandbox crashed")),
+    };
+    Stage {
+        stdout: r.stdout.clone(),
+        stderr: r.stderr.clone(),
+        output: format!("{}{}", r.stdout, r.stderr),
+        code: r.exit_code,
+        signal,
+        message: message.map(str::to_owned),
+        status: status.map(str::to_owned),
+        wall_time: r.timings.total_ms.round() as u64,
+    }
+}
+
+/// `POST /api/v2/execute`.
+pub async fn execute(State(state): State<AppState>, req: Request) -> Response {
+    match run(&state, req.into_body()).await {
+        Ok(answer) => Json(answer).into_response(),
+        Err(e) => piston_error(e),
+    }
+}
+
+async fn run(state: &AppState, body: Body) -> Result<serde_json::Value, ApiError> {
+    let bytes = crate::body::read_limited(body, state.config().limits.max_body_bytes).await?;
+    let req: Execute =
+        serde_json::from_slice(&bytes).map_err(|e| bad(format!("bad JSON body: {e}")))?;
+    let v = versions(state).await?;
+    let (native, language, version) = native(state, req, &v)?;
+    let r = crate::routes::run_exec(state, native).await?;
+    Ok(serde_json::json!({
+        "language": language,
+        "version": version,
+        "run": stage(&r),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_read_from_the_guest_output() {
+        let out = "3.11.2\nBusyBox v1.35.0 (Debian 1:1.35.0-4+b3) multi-call binary.\n";
+        assert_eq!(
+            parse_versions(out),
+            Some(Versions {
+                python: "3.11.2".into(),
+                busybox: "1.35.0".into()
+            })
+        );
+        assert_eq!(parse_versions("3.11.2\n"), None);
+    }
+
+    #[test]
+    fn version_requests_match_by_prefix() {
+        for ok in [
+            None,
+            Some("*"),
+            Some("3"),
+            Some("3.11"),
+            Some("3.11.2"),
+            Some("3.x"),
+        ] {
+            assert!(version_matches(ok, "3.11.2"), "{ok:?}");
+        }
+        for no in [Some("3.1"), Some("3.10.0"), Some("2"), Some("3.11.22")] {
+            assert!(!version_matches(no, "3.11.2"), "{no:?}");
+        }
+    }
+
+    #[test]
+    fn hex_decodes_pairs_and_rejects_the_rest() {
+        assert_eq!(hex_decode("48690a"), Some(b"Hi\n".to_vec()));
+        assert_eq!(hex_decode("4"), None);
+        assert_eq!(hex_decode("zz"), None);
+    }
+}

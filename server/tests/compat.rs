@@ -1,0 +1,339 @@
+//! Other sandboxes' real clients against bud on loopback: the E2B code-interpreter SDK and
+//! the Piston client aiopyston, unmodified, installed from PyPI (pinned in
+//! `compat/requirements.txt`) into `<repo>/build/compat-venv` by the first test that needs
+//! them. Each client script prints what it saw as JSON and the test asserts every value.
+//! Needs /dev/kvm and PyPI; the first run builds and boots the datascience template.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+
+use bud_server::Config;
+use bud_server::keys::ApiKeys;
+use common::*;
+use serde_json::{Value, json};
+
+/// The venv with the pinned clients (made once; a failure to make it fails the test).
+fn venv_python() -> PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let venv = repo_dir().join("build/compat-venv");
+            let python = venv.join("bin/python");
+            let reqs = repo_dir().join("server/tests/compat/requirements.txt");
+            let stamp = venv.join("requirements.txt");
+            let wanted = std::fs::read(&reqs).expect("reading the requirements");
+            if std::fs::read(&stamp).ok().as_deref() == Some(&wanted[..]) && python.exists() {
+                return python;
+            }
+            let run = |cmd: &mut Command| {
+                let out = cmd.output().expect("starting python3");
+                assert!(
+                    out.status.success(),
+                    "making the client venv failed: {}\n{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            };
+            let _ = std::fs::remove_dir_all(&venv);
+            run(Command::new("python3").arg("-m").arg("venv").arg(&venv));
+            run(Command::new(&python)
+                .args(["-m", "pip", "install", "-q", "-r"])
+                .arg(&reqs));
+            std::fs::write(&stamp, &wanted).expect("writing the venv stamp");
+            python
+        })
+        .clone()
+}
+
+/// Runs client script `name` with `env`; its stdout's JSON.
+fn client_script(name: &str, args: &[&str], env: &[(&str, String)]) -> Value {
+    let script = repo_dir().join("server/tests/compat").join(name);
+    let out = Command::new(venv_python())
+        .arg(&script)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .expect("starting the client script");
+    assert!(
+        out.status.success(),
+        "{name} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{name} printed no JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn server(keys: Option<&str>) -> TestServer {
+    let mut config: Config = test_config();
+    config.templates = vec!["python".into(), "datascience".into()];
+    config.api_keys = keys.map(|k| Arc::new(ApiKeys::parse(k).expect("test keys")));
+    TestServer::with_config(config)
+}
+
+fn e2b_env(s: &TestServer, key: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("E2B_API_URL", s.url("")),
+        ("E2B_SANDBOX_URL", s.url("")),
+        ("E2B_API_KEY", key.to_owned()),
+    ]
+}
+
+#[test]
+fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
+    let s = server(None);
+    let seen = client_script("e2b_interpreter.py", &[], &e2b_env(&s, "e2b_any"));
+    assert_eq!(seen["id_prefix"], json!("ses_"));
+    assert_eq!(seen["first"], json!("42"));
+    assert_eq!(seen["stateful"], json!("82"));
+    assert_eq!(seen["count"], json!(-1));
+    assert_eq!(
+        seen["streamed"],
+        json!([["stderr", "b\n"], ["stdout", "a\n"], ["stdout", "c\n"]])
+    );
+    assert_eq!(seen["logs"], json!([["a\n", "c\n"], ["b\n"]]));
+    assert_eq!(seen["no_error"], json!(true));
+    assert_eq!(
+        seen["error"],
+        json!([
+            "ZeroDivisionError",
+            "division by zero",
+            ["ZeroDivisionError"]
+        ])
+    );
+    assert_eq!(seen["traceback_has_line"], json!(true));
+    assert_eq!(
+        seen["traceback_ends"],
+        json!("ZeroDivisionError: division by zero")
+    );
+    assert_eq!(seen["stderr_after_error"], json!([]));
+    assert_eq!(seen["figure"], json!([2, true, false, "'done'", true]));
+    assert_eq!(
+        seen["frame"],
+        json!([true, ["a", "b", "0", "1", "3", "1", "2", "4"]])
+    );
+    assert_eq!(seen["context"], json!(["'in the context'", "41"]));
+    assert_eq!(seen["contexts"], json!([false, true]));
+    assert_eq!(seen["restarted"], json!("NameError"));
+    assert_eq!(seen["removed"], json!(["default"]));
+    assert_eq!(seen["bash"], json!(["42\n"]));
+    assert_eq!(seen["running"], json!(true));
+    assert_eq!(seen["running_after_kill"], json!(false));
+    assert_eq!(seen["kill_again"], json!(false));
+    assert_eq!(
+        s.state.sessions().count(),
+        0,
+        "the sandbox's session is gone"
+    );
+}
+
+#[test]
+fn the_e2b_sdk_moves_files_and_runs_commands() {
+    let s = server(None);
+    let seen = client_script("e2b_sandbox.py", &[], &e2b_env(&s, "e2b_any"));
+    assert_eq!(seen["written"], json!(["data.txt", "/home/user/data.txt"]));
+    assert_eq!(seen["read"], json!("one\ntwo\n"));
+    assert_eq!(seen["read_relative"], json!("one\ntwo\n"));
+    assert_eq!(seen["bytes"], json!([111, 110, 101]));
+    assert_eq!(seen["seen_by_code"], json!("['one', 'two']"));
+    assert_eq!(seen["cmd"], json!(["out\nhello\n", "err\n", 0]));
+    assert_eq!(seen["cmd_exit"], json!([3, "partial\n"]));
+    assert_eq!(seen["cmd_cwd"], json!("2"));
+    assert_eq!(seen["mkdir"], json!([true, false]));
+    assert_eq!(seen["moved"], json!("one\ntwo\n"));
+    assert_eq!(seen["exists"], json!([false, true]));
+    assert_eq!(
+        seen["list"],
+        json!([
+            ["e", "dir", "/home/user/d/e", 40],
+            ["moved.txt", "file", "/home/user/d/moved.txt", 8]
+        ])
+    );
+    assert_eq!(
+        seen["list_deep"],
+        json!(["/home/user/d", "/home/user/d/e", "/home/user/d/moved.txt"])
+    );
+    assert_eq!(seen["removed"], json!(false));
+    assert_eq!(seen["missing"], json!("NotFoundException"));
+    assert_eq!(seen["connected"], json!("2"));
+}
+
+#[test]
+fn a_piston_client_runs_python_and_bash_with_stdin_and_args() {
+    let s = server(None);
+    let seen = client_script("piston_client.py", &[&s.url("/api/v2/piston/"), ""], &[]);
+    assert_eq!(
+        seen["runtimes"],
+        json!([
+            ["bash", ["sh"]],
+            ["python", ["py", "py3", "python3", "python3.11"]]
+        ])
+    );
+    let version = seen["python_version"].as_str().expect("a version");
+    assert!(version.starts_with("3.11."), "{version}");
+    assert_eq!(seen["python"], json!(["['a', 'b c'] PIPED\n", 0, "python"]));
+    assert_eq!(seen["bash"], json!(["x-y\ngot input\n", 4]));
+    assert_eq!(seen["error"], json!([1, "ValueError: boom"]));
+    assert_eq!(seen["unknown"], json!("cobol-* runtime is unknown"));
+}
+
+/// A raw POST with no Content-Type, as the npm `piston-client` sends it.
+fn post_bare(s: &TestServer, path: &str, body: &Value) -> (u16, Value) {
+    let r = client()
+        .post(s.url(path))
+        .body(serde_json::to_vec(body).unwrap())
+        .send()
+        .expect("request failed");
+    let status = r.status().as_u16();
+    (status, r.json().expect("the answer is not JSON"))
+}
+
+#[test]
+fn piston_execute_decodes_files_maps_statuses_and_answers_bad_input_with_400() {
+    let s = server(None);
+    let (status, r) = post_bare(
+        &s,
+        "/api/v2/execute",
+        &json!({
+            "language": "python", "version": "3",
+            "files": [
+                {"name": "main.py", "content": "696d706f7274206c69620a7072696e74286c69622e56290a", "encoding": "hex"},
+                {"name": "lib.py", "content": "ViA9ICdzaWJsaW5nJwo=", "encoding": "base64"}
+            ]
+        }),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["run"]["stdout"], json!("sibling\n"));
+    assert_eq!(r["run"]["status"], Value::Null);
+    assert_eq!(r["run"]["code"], json!(0));
+
+    let (status, r) = post_bare(
+        &s,
+        "/api/v2/execute/",
+        &json!({"language": "python", "files": [{"content": "import time; time.sleep(5)"}], "run_timeout": 300}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        (&r["run"]["status"], &r["run"]["signal"]),
+        (&json!("TO"), &json!("SIGKILL"))
+    );
+
+    let (status, r) = post_bare(
+        &s,
+        "/api/v2/execute",
+        &json!({"language": "bash", "files": [{"content": "kill -SEGV $$"}]}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        (&r["run"]["status"], &r["run"]["signal"]),
+        (&json!("SG"), &json!("SIGSEGV"))
+    );
+
+    for (body, message) in [
+        (
+            json!({"language": "python", "version": "2.7", "files": [{"content": "1"}]}),
+            "python-2.7 runtime is unknown",
+        ),
+        (
+            json!({"language": "python", "files": []}),
+            "files is required as a non-empty array",
+        ),
+        (
+            json!({"language": "python", "files": [{"content": "zz", "encoding": "hex"}]}),
+            "files[0].content is not valid hex",
+        ),
+        (
+            json!({"language": "python", "files": [{"content": "1"}], "run_timeout": 999999}),
+            "run_timeout must be 1..=60000 ms, the configured limit (got 999999)",
+        ),
+    ] {
+        let (status, r) = post_bare(&s, "/api/v2/execute", &body);
+        assert_eq!(
+            (status, &r),
+            (400, &json!({ "message": message })),
+            "{body}"
+        );
+    }
+}
+
+#[test]
+fn with_keys_every_client_needs_one_and_e2b_sandboxes_their_token() {
+    let key = "0123456789abcdef0123";
+    let s = server(Some(&format!("ci {key}\n")));
+
+    // The native API and Piston: no key, a wrong one, the right one in each header form.
+    let (status, r) = s.exec(json!({"code": "print(1)"}));
+    assert_eq!((status, &r["error"]["code"]), (401, &json!("unauthorized")));
+    let run = |header: &str, value: &str| {
+        client()
+            .post(s.url("/api/v2/execute"))
+            .header(header, value)
+            .json(&json!({"language": "python", "files": [{"content": "print(2)"}]}))
+            .send()
+            .expect("request failed")
+            .status()
+            .as_u16()
+    };
+    assert_eq!(run("authorization", "wrong-key-wrong-key"), 401);
+    assert_eq!(run("authorization", key), 200);
+    assert_eq!(run("authorization", &format!("Bearer {key}")), 200);
+    assert_eq!(run("x-api-key", key), 200);
+    assert_eq!(s.get("/v1/health").status().as_u16(), 200);
+
+    // The E2B SDK with the right key works end to end; with a wrong one it is refused.
+    let seen = client_script("piston_client.py", &[&s.url("/api/v2/piston/"), key], &[]);
+    assert_eq!(seen["bash"], json!(["x-y\ngot input\n", 4]));
+    let (status, r) = {
+        let resp = client()
+            .post(s.url("/v2/sandboxes"))
+            .header("x-api-key", "not-the-key-at-all")
+            .json(&json!({"templateID": "base"}))
+            .send()
+            .unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().unwrap())
+    };
+    assert_eq!((status, &r["error"]["code"]), (401, &json!("unauthorized")));
+
+    // A sandbox's routes need its own access token, not only its id.
+    let resp = client()
+        .post(s.url("/v2/sandboxes"))
+        .header("x-api-key", key)
+        .json(&json!({"templateID": "base"}))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 201);
+    let made: Value = resp.json().unwrap();
+    let id = made["sandboxID"].as_str().unwrap().to_owned();
+    let token = made["envdAccessToken"].as_str().unwrap().to_owned();
+    let execute = |token: Option<&str>| {
+        let mut req = client()
+            .post(s.url("/execute"))
+            .header("e2b-sandbox-id", &id)
+            .json(&json!({"code": "6 * 7"}));
+        if let Some(t) = token {
+            req = req.header("x-access-token", t);
+        }
+        let resp = req.send().unwrap();
+        (resp.status().as_u16(), resp.text().unwrap())
+    };
+    assert_eq!(execute(None).0, 401);
+    assert_eq!(execute(Some("0000")).0, 401);
+    let (status, body) = execute(Some(&token));
+    assert_eq!(status, 200, "{body}");
+    let lines: Vec<Value> = body
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["text"], json!("42"));
+    assert_eq!(lines.last().unwrap()["type"], json!("end_of_execution"));
+    let seen = client_script("e2b_sandbox.py", &[], &e2b_env(&s, key));
+    assert_eq!(seen["connected"], json!("2"));
+}
