@@ -34,6 +34,7 @@ import errno
 import glob
 import io
 import json
+import linecache
 import os
 import shutil
 import stat
@@ -51,15 +52,24 @@ _DISPLAY_ROOM = _bud.JOB_DATA_END - _bud.JOB_DATA
 _ERROR_ROOM = 64 << 10
 
 
+# Cells compiled so far in this session: each gets its own file name, ``<cell N>``.
+_cells = 0
+
+
 def compile_cell(source):
     """(body code, last-expression code or None) of a cell; raises SyntaxError as
-    ``compile`` does."""
-    tree = ast.parse(source, "<cell>", "exec")
+    ``compile`` does. The cell's source goes into ``linecache`` under its own name, so
+    tracebacks show its lines, those of functions it defines too, as Jupyter's do."""
+    global _cells
+    _cells += 1
+    name = f"<cell {_cells}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    tree = ast.parse(source, name, "exec")
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
-    body = compile(tree, "<cell>", "exec")
-    return body, (compile(last, "<cell>", "eval") if last is not None else None)
+    body = compile(tree, name, "exec")
+    return body, (compile(last, name, "eval") if last is not None else None)
 
 
 def display_of(value):

@@ -8,9 +8,10 @@
 //! in constant time, every configured key each time. Without keys the server is open, which
 //! `bud serve` allows only on a loopback address.
 //!
-//! E2B's in-sandbox routes (requests with an `E2b-Sandbox-Id` header) carry no API key in
-//! E2B's SDK: they carry the sandbox's own access token (`X-Access-Token`), which bud gave
-//! the client that created the sandbox; [`crate::compat::e2b`] checks it.
+//! E2B's in-sandbox routes (envd's and the code interpreter's, which name their sandbox with
+//! an `E2b-Sandbox-Id` header) carry no API key in E2B's SDK: they carry the sandbox's own
+//! access token (`X-Access-Token`), which bud gave the client that created the sandbox;
+//! [`crate::compat::e2b::sandbox_of`] checks it, and those routes do nothing without it.
 
 use std::path::{Path, PathBuf};
 
@@ -128,10 +129,9 @@ pub async fn require_key(State(state): State<AppState>, req: Request, next: Next
     let Some(keys) = state.config().api_keys.as_deref() else {
         return next.run(req).await;
     };
-    let exempt = req.uri().path() == "/v1/health"
-        || req
-            .headers()
-            .contains_key(crate::compat::e2b::SANDBOX_ID_HEADER);
+    // In-sandbox routes check the sandbox's own token instead (crate::compat::e2b).
+    let path = req.uri().path();
+    let exempt = path == "/v1/health" || crate::compat::e2b::is_sandbox_route(path);
     if exempt || presented(req.headers()).is_some_and(|k| keys.name_of(k).is_some()) {
         return next.run(req).await;
     }

@@ -240,6 +240,15 @@ pub fn live(state: &AppState, id: &str) -> Result<(Arc<Sandbox>, Arc<Entry>), Ap
     }
 }
 
+/// Whether `path` is one of the in-sandbox routes (envd's, the code interpreter's), which
+/// find their sandbox by header and check its token rather than an API key.
+pub fn is_sandbox_route(path: &str) -> bool {
+    matches!(path, "/execute" | "/contexts" | "/health" | "/files")
+        || path.starts_with("/contexts/")
+        || path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+}
+
 /// The sandbox an in-sandbox request is for (`E2b-Sandbox-Id`), with its token checked
 /// when the server has keys. A sandbox that is not running is 502, as E2B's proxy answers.
 pub fn sandbox_of(
