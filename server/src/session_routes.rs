@@ -617,8 +617,12 @@ pub async fn list_files(
         Some(d) => file_path(d)?,
     };
     let bytes = file_request(&state, &id, file_op::LIST, dir, Vec::new()).await?;
-    let files: serde_json::Value = serde_json::from_slice(&bytes)
+    let listed: Vec<serde_json::Value> = serde_json::from_slice(&bytes)
         .map_err(|e| internal(format!("the guest's listing is not JSON: {e}")))?;
+    let files: Vec<serde_json::Value> = listed
+        .into_iter()
+        .map(|f| serde_json::json!({"name": f["name"], "type": f["type"], "size": f["size"]}))
+        .collect();
     Ok(Json(serde_json::json!({ "files": files })))
 }
 

@@ -207,7 +207,12 @@ async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, A
         metadata: req.metadata,
         contexts: Mutex::default(),
     });
-    state.compat().e2b.map().insert(s.id.clone(), s.clone());
+    let mut map = state.compat().e2b.map();
+    // Sandboxes whose sessions ended by themselves (expired, crashed) go here, so the
+    // registry never holds more than the live sessions and those that ended since.
+    map.retain(|id, _| state.sessions().get(id).is_ok());
+    map.insert(s.id.clone(), s.clone());
+    drop(map);
     Ok((StatusCode::CREATED, Json(body_of(&s, &e, true))).into_response())
 }
 
