@@ -76,7 +76,7 @@ def native(template):
     call("DELETE", f"/v1/sessions/{s['id']}")
     return took
 
-piston = PystonClient(base_url=f"http://127.0.0.1:{port}/api/v2/piston/")
+piston = None
 
 async def pyston_print():
     t = time.perf_counter()
@@ -101,6 +101,8 @@ def exec_native():
     return took
 
 async def main():
+    global piston
+    piston = PystonClient(base_url=f"http://127.0.0.1:{port}/api/v2/piston/")
     await pyston_print()  # reads the runtime versions once
     for template in ("base", "code-interpreter-v1"):
         e2b(template)
@@ -115,6 +117,7 @@ async def main():
         times["piston raw"].append(piston_raw())
         times["native exec"].append(exec_native())
     await piston.close_session()
+    piston._http_session.__class__.__del__ = lambda self: None  # aiopyston's __del__ needs a live loop
     p50 = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print(f"{rounds} rounds, p50 ms (ratio to the native call)")
     for k, ref in (("e2b base", "native python"), ("e2b code-interpreter-v1", "native datascience"),
