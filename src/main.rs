@@ -641,6 +641,10 @@ fn exit_code_of(result: &vmm::JobResult, args: &RunArgs) -> ExitCode {
             }
             ExitCode::from(70)
         }
+        Status::Cancelled => {
+            eprintln!("bud: the job was cancelled");
+            ExitCode::from(130)
+        }
     }
 }
 

@@ -71,3 +71,34 @@ fn boot_timeout_stops_the_guest_and_reports_the_console() {
     assert!(matches!(err, BootError::Timeout { .. }), "got: {err}");
     assert!(err.to_string().contains("no READY within"));
 }
+
+#[test]
+fn a_template_made_under_another_cpu_or_kvm_is_never_restored() {
+    let t = template();
+    let here = t.state().host_identity.clone();
+    assert_eq!(here.len(), 24, "a template records its host identity");
+    // The same template, as if captured under another CPU/KVM: its state's identity
+    // changed, its memory file linked.
+    let dir = std::env::temp_dir().join(format!("bud-other-host-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes = std::fs::read(t.dir().join("state")).unwrap();
+    let mut state = vmm::snapshot::SnapshotState::from_bytes(&bytes).unwrap();
+    state.host_identity = "ffffffffffffffffffffffff".into();
+    std::fs::write(dir.join("state"), state.to_bytes().unwrap()).unwrap();
+    std::fs::hard_link(t.dir().join("memory"), dir.join("memory")).unwrap();
+
+    let err = vmm::Template::load(&dir).expect_err("another host's template must not load");
+    let same = vmm::Template::load(t.dir()).map(|_| ());
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    assert!(
+        matches!(
+            &err,
+            vmm::template::TemplateError::WrongIdentity { made, this }
+                if made == "ffffffffffffffffffffffff" && this == &here
+        ),
+        "{err}"
+    );
+    same.expect("the template made here loads");
+}

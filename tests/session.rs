@@ -286,13 +286,24 @@ fn files_round_trip_and_paths_stay_inside_the_work_directory() {
     let want = format!("{:?}", sha256_hex(&data));
     assert_eq!(plain(&seen), Some(want.replace('"', "'").as_str()));
     assert_eq!(read.stdout, data);
+    let listed: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    let entry = &listed[0];
     assert_eq!(
-        text(&list.stdout),
-        format!(
-            "[{{\"name\": \"data.bin\", \"type\": \"file\", \"size\": {}}}]",
-            (3 << 20) + 4
+        (
+            &entry["name"],
+            &entry["type"],
+            &entry["size"],
+            &entry["mode"]
+        ),
+        (
+            &serde_json::json!("data.bin"),
+            &serde_json::json!("file"),
+            &serde_json::json!((3 << 20) + 4),
+            &serde_json::json!(0o100644)
         )
     );
+    assert!(entry["mtime_ns"].as_u64().unwrap() > 1_700_000_000_000_000_000);
     assert_eq!(escape.exit_code, Some(file_status::BAD_PATH));
     assert_eq!(via_link.exit_code, Some(file_status::BAD_PATH));
     assert_eq!(missing.exit_code, Some(file_status::NOT_FOUND));

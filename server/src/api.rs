@@ -51,6 +51,9 @@ pub struct ExecRequest {
     /// How a session cell runs (set by the code-interpreter compat layer, not by clients).
     #[serde(skip)]
     pub cell: vmm::CellOptions,
+    /// Its output is streamed to the client (set by the streaming routes).
+    #[serde(skip)]
+    pub stream: bool,
 }
 
 /// The files of a job: what goes in, and the patterns of what comes back.
@@ -404,6 +407,7 @@ impl ExecRequest {
         job.timeout = Duration::from_millis(timeout_ms);
         job.output_limit = output_limit as usize;
         job.cell = self.cell;
+        job.stream_output = self.stream;
         Ok(job)
     }
 }

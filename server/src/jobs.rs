@@ -47,6 +47,34 @@ impl Drop for Slot {
     }
 }
 
+/// Cancels its job when dropped while armed. Held by the request's future, or by its
+/// response stream: a client that goes away drops them, which cancels what it asked for
+/// ([`vmm::Cancel`]: the vCPU is kicked, the job ends `cancelled`, the worker is free).
+#[derive(Debug)]
+pub struct CancelOnDrop(Option<vmm::Cancel>);
+
+impl CancelOnDrop {
+    /// A new handle for `job`, armed.
+    pub fn for_job(job: &mut vmm::Job) -> Self {
+        let c = vmm::Cancel::new();
+        job.cancel = Some(c.clone());
+        Self(Some(c))
+    }
+
+    /// The job's answer went out: nothing to cancel any more.
+    pub fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.take() {
+            c.cancel();
+        }
+    }
+}
+
 /// Why work was not accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum AdmitError {

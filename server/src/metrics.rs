@@ -36,13 +36,14 @@ const BUCKETS: [f64; 16] = [
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
 ];
 
-const STATUSES: [(Status, &str); 6] = [
+const STATUSES: [(Status, &str); 7] = [
     (Status::Ok, "ok"),
     (Status::Error, "error"),
     (Status::Timeout, "timeout"),
     (Status::OutputLimit, "output_limit"),
     (Status::MemoryLimit, "memory_limit"),
     (Status::Crashed, "crashed"),
+    (Status::Cancelled, "cancelled"),
 ];
 
 /// Why a request was refused before it ran.

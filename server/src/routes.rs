@@ -18,7 +18,7 @@ use vmm::{ExecError, Executor, Job, JobResult};
 use crate::api::{BatchRequest, BatchResponse, ExecRequest, ExecResponse};
 use crate::body::JsonBody;
 use crate::error::ApiError;
-use crate::jobs::Slot;
+use crate::jobs::{CancelOnDrop, Slot};
 use crate::metrics::Metrics;
 use crate::state::AppState;
 
@@ -57,8 +57,9 @@ fn start(
     state: &AppState,
     exec: Arc<Executor>,
     slot: Slot,
-    job: Job,
-) -> Result<oneshot::Receiver<Outcome>, ApiError> {
+    mut job: Job,
+) -> Result<(oneshot::Receiver<Outcome>, CancelOnDrop), ApiError> {
+    let cancel = CancelOnDrop::for_job(&mut job);
     let (tx, rx) = oneshot::channel();
     let metrics = state.metrics_handle();
     let queued_at = Instant::now();
@@ -74,7 +75,7 @@ fn start(
             let _ = tx.send(outcome);
         });
     })?;
-    Ok(rx)
+    Ok((rx, cancel))
 }
 
 async fn finish(rx: oneshot::Receiver<Outcome>) -> Result<(JobResult, Duration), NoResult> {
@@ -124,8 +125,11 @@ pub async fn run_exec(state: &AppState, mut req: ExecRequest) -> Result<ExecResp
         return crate::session_routes::exec_with_files(state, exec, job, files, output_b64).await;
     }
     let slot = state.admit(1)?.remove(0);
-    let rx = start(state, exec, slot, job)?;
-    let (r, waited) = finish(rx).await.map_err(|e| e.into_api(None))?;
+    // Dropped with this future if the client goes away: that cancels the job.
+    let (rx, mut cancel) = start(state, exec, slot, job)?;
+    let done = finish(rx).await;
+    cancel.disarm();
+    let (r, waited) = done.map_err(|e| e.into_api(None))?;
     Ok(ExecResponse::new(r, waited, output_b64))
 }
 
@@ -167,10 +171,10 @@ pub async fn batch(
         pending.push((start(&state, exec, slot, job)?, b64));
     }
     let mut results = Vec::with_capacity(n);
-    for (i, (rx, b64)) in pending.into_iter().enumerate() {
-        let (r, waited) = finish(rx)
-            .await
-            .map_err(|e| e.into_api(Some(format!("jobs[{i}]"))))?;
+    for (i, ((rx, mut cancel), b64)) in pending.into_iter().enumerate() {
+        let done = finish(rx).await;
+        cancel.disarm();
+        let (r, waited) = done.map_err(|e| e.into_api(Some(format!("jobs[{i}]"))))?;
         results.push(ExecResponse::new(r, waited, b64));
     }
     Ok(Json(BatchResponse { results }))

@@ -29,6 +29,7 @@ use vmm::{ExecError, JobResult};
 use crate::api::{ExecRequest, ExecResponse, text_and_b64};
 use crate::body::JsonBody;
 use crate::error::ApiError;
+use crate::jobs::CancelOnDrop;
 use crate::routes::record;
 use crate::session_routes::{self, CellResponse};
 use crate::state::AppState;
@@ -166,9 +167,13 @@ pub async fn exec_stream(
 ) -> Result<Response, ApiError> {
     let output_b64 = req.output_b64;
     let template = req.template.clone();
-    let job = req.into_job(&state.config().limits, "")?;
+    let mut job = req.into_job(&state.config().limits, "")?;
+    job.stream_output = true;
     let exec = state.executor_for(template.as_deref())?;
     let slot = state.admit(1)?.remove(0);
+    // Held by this future, then by the response stream: a client that goes away before the
+    // result line cancels the job.
+    let cancel = CancelOnDrop::for_job(&mut job);
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let metrics = state.metrics_handle();
     let queued_at = Instant::now();
@@ -199,7 +204,7 @@ pub async fn exec_stream(
         },
         ev => ev,
     };
-    Ok(respond(first, rx, output_b64))
+    Ok(respond(first, rx, output_b64, Some(cancel)))
 }
 
 /// `POST /v1/sessions/{id}/exec/stream`: a cell's output as it comes, then its result line
@@ -208,9 +213,10 @@ pub async fn exec_stream(
 pub async fn session_stream(
     State(state): State<AppState>,
     Path(id): Path<String>,
-    JsonBody(req): JsonBody<ExecRequest>,
+    JsonBody(mut req): JsonBody<ExecRequest>,
 ) -> Result<Response, ApiError> {
     let output_b64 = req.output_b64;
+    req.stream = true;
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let out = tx.clone();
     tokio::spawn(async move {
@@ -231,24 +237,36 @@ pub async fn session_stream(
         },
         ev => ev,
     };
-    Ok(respond(first, rx, output_b64))
+    Ok(respond(first, rx, output_b64, None))
 }
 
-/// The NDJSON response: `first`, then every event from `rx`, one line each.
-fn respond(first: Event, rx: mpsc::UnboundedReceiver<Event>, output_b64: bool) -> Response {
+/// The NDJSON response: `first`, then every event from `rx`, one line each. `cancel` (a
+/// one-shot job's) lives as long as the stream: dropped before the result line (the client
+/// went away), it cancels the job.
+fn respond(
+    first: Event,
+    rx: mpsc::UnboundedReceiver<Event>,
+    output_b64: bool,
+    cancel: Option<CancelOnDrop>,
+) -> Response {
     let encoder = Encoder {
         output_b64,
         held: [Vec::new(), Vec::new()],
     };
     let lines = stream::unfold(
-        (Some(first), rx, encoder),
-        |(pending, mut rx, mut enc)| async move {
+        (Some(first), rx, encoder, cancel),
+        |(pending, mut rx, mut enc, mut cancel)| async move {
             let ev = match pending {
                 Some(ev) => ev,
                 None => rx.recv().await?,
             };
+            if matches!(ev, Event::Done(..) | Event::Cell(..))
+                && let Some(c) = cancel.as_mut()
+            {
+                c.disarm();
+            }
             let line = enc.encode(ev);
-            Some((Ok::<_, Infallible>(line), (None, rx, enc)))
+            Some((Ok::<_, Infallible>(line), (None, rx, enc, cancel)))
         },
     );
     (

@@ -29,7 +29,7 @@ use crate::mailbox::Mailbox;
 /// First bytes of a snapshot state file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`].
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 3;
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 4;
 
 const MSR_IA32_TSC: u32 = 0x10;
 
@@ -190,6 +190,8 @@ pub struct MachineState {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct SnapshotState {
     pub host_kind: HostKind,
+    /// The CPU and KVM it was captured under ([`crate::host_identity`]).
+    pub host_identity: String,
     pub ram_size: u64,
     pub machine: MachineState,
     pub mailbox: Mailbox,

@@ -24,6 +24,7 @@ use sha2::{Digest, Sha256};
 use crate::boot::{self, BootConfig, BootError, BootTimings};
 use crate::devices::console::{ConsoleLog, EchoFn};
 use crate::host::HostKind;
+use crate::host_identity::host_identity;
 use crate::kernel_layout::KernelLayout;
 use crate::memory::{GuestRam, MemoryError};
 use crate::protocol::{PROTOCOL_VERSION, header};
@@ -63,6 +64,12 @@ pub enum TemplateError {
     GetCpuid(kvm_ioctls::Error),
     #[error("template was made on a {made} host, this host is {this}")]
     WrongHost { made: HostKind, this: HostKind },
+    #[error(
+        "template was made under another CPU or KVM (identity {made}, this host's {this}): it is never restored here"
+    )]
+    WrongIdentity { made: String, this: String },
+    #[error("host identity: {0}")]
+    Identity(#[from] crate::host_identity::IdentityError),
     #[error("clone memory: {0}")]
     Memory(#[from] MemoryError),
     #[error("clone VM: {0}")]
@@ -127,7 +134,8 @@ fn hash_file(h: &mut Sha256, path: &Path) -> Result<(), TemplateError> {
     }
 }
 
-/// The key naming a template: a hash of its inputs.
+/// The key naming a template: a hash of its inputs, this host's CPU and KVM identity among
+/// them ([`crate::host_identity`]): another host gets its own template, never this one.
 pub fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
     let mut h = Sha256::new();
     h.update(b"bud-template\0");
@@ -135,6 +143,8 @@ pub fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
     h.update(SNAPSHOT_FORMAT_VERSION.to_le_bytes());
     h.update(PROTOCOL_VERSION.to_le_bytes());
     h.update(cfg.host_kind.name().as_bytes());
+    let kvm = crate::vm::open_kvm()?;
+    h.update(host_identity(&kvm, cfg.host_kind)?.as_bytes());
     h.update(cfg.ram_size.to_le_bytes());
     h.update(cfg.cmdline().as_bytes());
     h.update([0]);
@@ -197,12 +207,21 @@ impl Template {
     pub fn load_or_build(spec: &TemplateSpec, echo: Option<EchoFn>) -> Result<Self, TemplateError> {
         let key = template_key(&spec.boot)?;
         let dir = spec.root.join(&key);
-        if dir.join(STATE_FILE).exists() {
-            return Self::load(&dir);
+        // A template made under another CPU/KVM identity (which the key should have kept
+        // apart) is rebuilt here, never restored.
+        let found = |dir: &Path| match dir.join(STATE_FILE).exists() {
+            true => match Self::load(dir) {
+                Err(TemplateError::WrongIdentity { .. }) => None,
+                loaded => Some(loaded),
+            },
+            false => None,
+        };
+        if let Some(loaded) = found(&dir) {
+            return loaded;
         }
         let _lock = lock_file(&spec.root.join(format!("{key}.lock")))?;
-        if dir.join(STATE_FILE).exists() {
-            return Self::load(&dir);
+        if let Some(loaded) = found(&dir) {
+            return loaded;
         }
         Self::build(&spec.boot, &dir, echo)
     }
@@ -241,6 +260,7 @@ impl Template {
             .read_u64(&ready.machine.ram, header::READY_WALL_NS as u64)?;
         let state = SnapshotState {
             host_kind: cfg.host_kind,
+            host_identity: host_identity(&kvm, cfg.host_kind)?,
             ram_size: cfg.ram_size,
             machine,
             mailbox: ready.mailbox.clone(),
@@ -293,6 +313,13 @@ impl Template {
             return Err(TemplateError::WrongHost {
                 made: state.host_kind,
                 this,
+            });
+        }
+        let here = host_identity(&crate::vm::open_kvm()?, this)?;
+        if state.host_identity != here {
+            return Err(TemplateError::WrongIdentity {
+                made: state.host_identity,
+                this: here,
             });
         }
         let mut template = Self::open(

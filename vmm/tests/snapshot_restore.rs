@@ -150,6 +150,7 @@ fn state_file_round_trips_and_rejects_other_versions() {
     let mailbox = vmm::mailbox::Mailbox::locate(&ram, pml4, 0, gva, 4096).unwrap();
     let s = snapshot::SnapshotState {
         host_kind: HostKind::detect(),
+        host_identity: "0123456789abcdef01234567".into(),
         ram_size: RAM_SIZE,
         machine: machine_state,
         mailbox,
@@ -165,6 +166,7 @@ fn state_file_round_trips_and_rejects_other_versions() {
     assert_eq!(back.machine.regs, regs);
     assert_eq!(back.mailbox, s.mailbox);
     assert_eq!(back.ready_wall_ns, s.ready_wall_ns);
+    assert_eq!(back.host_identity, s.host_identity);
     assert!(matches!(
         snapshot::SnapshotState::from_bytes(&other_version),
         Err(snapshot::SnapshotError::Version { .. })

@@ -514,6 +514,7 @@ async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Respo
         code: Some(script),
         env,
         timeout_ms: Some(timeout_ms),
+        stream: true,
         ..ExecRequest::default()
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();

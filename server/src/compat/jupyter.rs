@@ -243,6 +243,7 @@ async fn start_execute(
             reset: false,
             error_in_display: true,
         },
+        stream: true,
         ..ExecRequest::default()
     };
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();

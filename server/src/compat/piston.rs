@@ -318,6 +318,7 @@ fn stage(r: &ExecResponse) -> Stage {
             Some("Memory limit exceeded"),
         ),
         Status::Crashed => (Some("XX"), None, Some("The sandbox crashed")),
+        Status::Cancelled => (Some("XX"), None, Some("Cancelled")),
     };
     Stage {
         stdout: r.stdout.clone(),

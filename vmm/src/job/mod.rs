@@ -17,6 +17,8 @@ use crate::vcpu::VcpuError;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default cap on stdout + stderr bytes kept.
 pub const DEFAULT_OUTPUT_LIMIT: usize = 8 << 20;
+/// How often a streamed job's output is taken while it runs (see [`Job::stream_output`]).
+pub const STREAM_TICK: Duration = Duration::from_millis(50);
 /// Console lines a crashed job carries.
 pub const CRASH_TAIL_LINES: usize = 40;
 
@@ -54,6 +56,11 @@ pub struct Job {
     pub output_limit: usize,
     /// How a session cell runs (ignored by one-shot jobs and file operations).
     pub cell: CellOptions,
+    /// Cancels the job from another thread (its client went away).
+    pub cancel: Option<Cancel>,
+    /// The caller streams the output: it is also taken every [`STREAM_TICK`] while the job
+    /// runs, not only when the guest FLUSHes (which it does when it writes again).
+    pub stream_output: bool,
 }
 
 /// How a session cell runs: in which Python namespace, and how it reports an exception.
@@ -91,6 +98,8 @@ impl Job {
             timeout: DEFAULT_TIMEOUT,
             output_limit: DEFAULT_OUTPUT_LIMIT,
             cell: CellOptions::default(),
+            cancel: None,
+            stream_output: false,
         }
     }
 
@@ -141,7 +150,68 @@ pub enum Status {
     MemoryLimit,
     /// The guest kernel panicked, the vCPU faulted, or the guest broke the protocol.
     Crashed,
+    /// Cancelled by the host before it ended (its client went away): see [`Cancel`].
+    Cancelled,
 }
+
+/// Cancels a job from another thread: the job's vCPU is kicked and the job ends as
+/// [`Status::Cancelled`] with the output it had written, its VM thrown away (never reused).
+/// Cancelling before the job starts makes it end at once when it does.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(std::sync::Arc<CancelState>);
+
+#[derive(Debug, Default)]
+struct CancelState {
+    cancelled: std::sync::atomic::AtomicBool,
+    /// The kicker of the vCPU running the job, while it runs.
+    kicker: std::sync::Mutex<Option<crate::vcpu::Kicker>>,
+}
+
+impl Cancel {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cancels the job (idempotent).
+    pub fn cancel(&self) {
+        self.0
+            .cancelled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(k) = self.kicker().as_ref() {
+            k.kick();
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.cancelled.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn kicker(&self) -> std::sync::MutexGuard<'_, Option<crate::vcpu::Kicker>> {
+        self.0.kicker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The job starts on the vCPU of `k` (kicked at once if already cancelled).
+    fn attach(&self, k: &crate::vcpu::Kicker) {
+        *self.kicker() = Some(k.clone());
+        if self.is_cancelled() {
+            k.kick();
+        }
+    }
+
+    /// The job has left the vCPU.
+    fn detach(&self) {
+        *self.kicker() = None;
+    }
+}
+
+impl PartialEq for Cancel {
+    /// The same handle.
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Cancel {}
 
 /// Where the time of a job went.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

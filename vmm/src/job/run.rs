@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     CRASH_TAIL_LINES, CellError, Display, Ending, GuestPhases, Job, JobError, JobResult,
-    JobTimings, Status, Stream,
+    JobTimings, STREAM_TICK, Status, Stream,
 };
 use crate::identity;
 use crate::mailbox::{Mailbox, MailboxError};
@@ -125,10 +125,16 @@ struct Collected<'a> {
     limit: usize,
     over_limit: bool,
     on_output: &'a mut dyn FnMut(Stream, &[u8]),
+    /// Bytes of each area already taken since the guest's counters were last zeroed.
+    taken: [usize; 2],
 }
 
 impl Collected<'_> {
-    /// Drains both areas; `reset` zeroes the guest's fill counters (after a FLUSH).
+    /// Takes what each area holds past what was already taken. `reset` zeroes the guest's
+    /// fill counters (after a FLUSH, the guest waiting at the doorbell). Without it the
+    /// guest may be stopped anywhere, even mid-write: the guest counts bytes only after
+    /// copying them, so the areas up to their counters are always whole, and the counters
+    /// only grow until a FLUSH; so this may run at any stop, and takes each byte once.
     fn drain(&mut self, ram: &GuestRam, mb: &Mailbox, reset: bool) -> Result<(), MailboxError> {
         for (stream, len_at, area, end) in [
             (
@@ -144,17 +150,19 @@ impl Collected<'_> {
                 result::STDERR_AREA_END,
             ),
         ] {
-            // Hostile: clamp the guest's length to its area.
+            // Hostile: clamp the guest's length to its area (and never below what was taken).
             let len = (mb.read_u32(ram, len_at as u64)? as usize).min(end - area);
+            let from = self.taken[stream as usize].min(len);
             let room = self
                 .limit
                 .saturating_sub(self.stdout.len() + self.stderr.len());
-            let take = len.min(room);
-            if len > room {
+            let take = (len - from).min(room);
+            if len - from > room {
                 self.over_limit = true;
             }
             let mut chunk = vec![0u8; take];
-            mb.read(ram, area as u64, &mut chunk)?;
+            mb.read(ram, (area + from) as u64, &mut chunk)?;
+            self.taken[stream as usize] = if reset { 0 } else { from + take };
             if !chunk.is_empty() {
                 (self.on_output)(stream, &chunk);
             }
@@ -209,6 +217,31 @@ impl End {
 const SIGKILL: i32 = 9;
 
 /// Maps a wait status of the worker process (from a FAILED / WORKER_EXITED doorbell).
+/// The end of a job from the outcome and value the guest reported at DONE. Hostile input:
+/// an exit status outside 0..=255, a signal outside 1..=64 or an unknown outcome is a
+/// crash (the guest broke the protocol), never a status a job could not have had.
+fn end_from_outcome(outcome: u32, value: i32) -> End {
+    match outcome {
+        outcome::EXITED if (0..=255).contains(&value) => End::exited(value),
+        outcome::SIGNALED if (1..=64).contains(&value) => End {
+            status: Status::Error,
+            exit_code: None,
+            signal: Some(value),
+            crash: None,
+        },
+        outcome::OUT_OF_MEMORY if (0..=255).contains(&value) => End {
+            status: Status::MemoryLimit,
+            exit_code: Some(value),
+            signal: None,
+            crash: None,
+        },
+        outcome::EXITED | outcome::SIGNALED | outcome::OUT_OF_MEMORY => End::crashed(format!(
+            "guest reported outcome {outcome} with value {value}, out of range"
+        )),
+        other => End::crashed(format!("guest reported unknown outcome {other}")),
+    }
+}
+
 fn end_from_wait_status(status: u64, console_says_oom: bool) -> End {
     let status = status as i32;
     let signal = status & 0x7f;
@@ -281,6 +314,10 @@ pub fn run_request(
     let started = Instant::now();
     let deadline = started + j.timeout;
     let mut timer = timer::arm(deadline, m.kicker.clone());
+    if let Some(c) = &j.cancel {
+        c.attach(&m.kicker);
+    }
+    let cancelled = || j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled);
     // Why the host interrupted the request (with `interrupt_grace`): a timeout or the cap.
     let mut interrupted: Option<Status> = None;
     let mut out = Collected {
@@ -289,28 +326,49 @@ pub fn run_request(
         limit: j.output_limit,
         over_limit: false,
         on_output,
+        taken: [0, 0],
     };
+    // A streamed job's output is also taken every STREAM_TICK while it runs: the guest
+    // FLUSHes only when it writes again, so a job that goes quiet after a line would hold
+    // it back until it writes or ends.
+    let mut kick_at = deadline;
+    let arm_tick = |k: &crate::vcpu::Kicker| {
+        j.stream_output
+            .then(|| timer::arm(Instant::now() + STREAM_TICK, k.clone()))
+    };
+    let mut tick = arm_tick(&m.kicker);
     let mut ending = Ending::Abnormal;
     let exits_before = m.bus.exits();
     let kvm_before = m.stats.as_ref().map(|s| s.read()).unwrap_or_default();
     let end = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.kicker)?;
-        match stop {
-            VcpuStop::Doorbell(code::FLUSH) => {
-                out.drain(&m.ram, mb, true)?;
-                if out.over_limit {
-                    match r.interrupt_grace {
-                        // Interrupted once; what it still writes is dropped.
-                        Some(_) if interrupted.is_some() => {}
-                        Some(grace) => {
-                            interrupted = Some(Status::OutputLimit);
-                            interrupt(m, mb, r.sequence)?;
-                            timer = timer::arm(Instant::now() + grace, m.kicker.clone());
-                        }
-                        None => break End::with(Status::OutputLimit),
+        let take = match stop {
+            VcpuStop::Doorbell(code::FLUSH) => Some(true),
+            VcpuStop::Kicked if tick.is_some() && !cancelled() && Instant::now() < kick_at => {
+                m.kicker.reset();
+                tick = arm_tick(&m.kicker);
+                Some(false)
+            }
+            _ => None,
+        };
+        if let Some(reset) = take {
+            out.drain(&m.ram, mb, reset)?;
+            if out.over_limit {
+                match r.interrupt_grace {
+                    // Interrupted once; what it still writes is dropped.
+                    Some(_) if interrupted.is_some() => {}
+                    Some(grace) => {
+                        interrupted = Some(Status::OutputLimit);
+                        interrupt(m, mb, r.sequence)?;
+                        kick_at = Instant::now() + grace;
+                        timer = timer::arm(kick_at, m.kicker.clone());
                     }
+                    None => break End::with(Status::OutputLimit),
                 }
             }
+            continue;
+        }
+        match stop {
             VcpuStop::Doorbell(code::DONE) => {
                 out.drain(&m.ram, mb, false)?;
                 if out.over_limit && r.interrupt_grace.is_none() {
@@ -321,26 +379,13 @@ pub fn run_request(
                 }
                 let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
                 let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
-                ending = Ending::Done;
-                break match oc {
-                    outcome::EXITED => End::exited(value),
-                    outcome::SIGNALED => End {
-                        status: Status::Error,
-                        exit_code: None,
-                        signal: Some(value),
-                        crash: None,
-                    },
-                    outcome::OUT_OF_MEMORY => End {
-                        status: Status::MemoryLimit,
-                        exit_code: Some(value),
-                        signal: None,
-                        crash: None,
-                    },
-                    other => {
-                        ending = Ending::Abnormal;
-                        End::crashed(format!("guest reported unknown outcome {other}"))
-                    }
+                let end = end_from_outcome(oc, value);
+                ending = if end.status == Status::Crashed {
+                    Ending::Abnormal
+                } else {
+                    Ending::Done
                 };
+                break end;
             }
             VcpuStop::Doorbell(code::FAILED) => {
                 let regs = m.vcpu.get_regs().map_err(VcpuError::Run)?;
@@ -365,12 +410,17 @@ pub fn run_request(
             VcpuStop::Doorbell(other) => {
                 break End::crashed(format!("guest rang unknown doorbell {other:#x}"));
             }
+            VcpuStop::Kicked if cancelled() => {
+                out.drain(&m.ram, mb, false)?;
+                break End::with(Status::Cancelled);
+            }
             VcpuStop::Kicked => match r.interrupt_grace {
                 Some(grace) if interrupted.is_none() => {
                     interrupted = Some(Status::Timeout);
                     m.kicker.reset();
                     interrupt(m, mb, r.sequence)?;
-                    timer = timer::arm(Instant::now() + grace, m.kicker.clone());
+                    kick_at = Instant::now() + grace;
+                    timer = timer::arm(kick_at, m.kicker.clone());
                 }
                 _ => {
                     // Keep what the job wrote before the deadline. The guest updates a length
@@ -384,6 +434,10 @@ pub fn run_request(
         }
     };
     drop(timer);
+    drop(tick);
+    if let Some(c) = &j.cancel {
+        c.detach();
+    }
     let mut end = end;
     if let (Some(why), Ending::Done) = (interrupted, ending) {
         // The cell ended because the host interrupted it (or, for the cap, because it ran
@@ -477,6 +531,24 @@ fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Shown, JobError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guest_outcomes_out_of_range_are_crashes() {
+        assert_eq!(end_from_outcome(outcome::EXITED, 3).exit_code, Some(3));
+        assert_eq!(end_from_outcome(outcome::SIGNALED, 9).signal, Some(9));
+        assert_eq!(end_from_outcome(outcome::SIGNALED, 64).signal, Some(64));
+        for (oc, v) in [
+            (outcome::EXITED, 256),
+            (outcome::EXITED, -1),
+            (outcome::SIGNALED, 0),
+            (outcome::SIGNALED, 65),
+            (outcome::SIGNALED, i32::MIN),
+            (outcome::OUT_OF_MEMORY, 1000),
+            (77, 0),
+        ] {
+            assert_eq!(end_from_outcome(oc, v).status, Status::Crashed, "{oc} {v}");
+        }
+    }
 
     #[test]
     fn wait_status_exit_code_and_signals_map_to_statuses() {

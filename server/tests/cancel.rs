@@ -1,0 +1,134 @@
+//! A client that goes away cancels its job: the vCPU is kicked, the job ends `cancelled`
+//! (counted in the metrics), and its job thread is free for the next job long before the
+//! job's own end. Real server on loopback, real guest; needs /dev/kvm.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+/// A job that would hold its job thread until its 30 s timeout. Its first line reaches the
+/// client while it runs: a streamed job's output is taken every 50 ms.
+const LONG: &str = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(1)";
+
+fn one_worker() -> TestServer {
+    let mut config = test_config();
+    config.workers = 1;
+    config.queue = 0;
+    config.limits.max_timeout_ms = 30_000;
+    config.limits.max_batch_jobs = 1;
+    TestServer::with_config(config)
+}
+
+fn cancelled_count(s: &TestServer) -> u64 {
+    let text = s.get("/metrics").text().unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("bud_jobs_total{status=\"cancelled\"} "))
+        .map(|n| n.parse().unwrap())
+        .unwrap_or(0)
+}
+
+/// Waits (polling, at most 15 s: well under the job's 20 s) for `n` cancelled jobs.
+fn wait_cancelled(s: &TestServer, n: u64) {
+    let until = Instant::now() + Duration::from_secs(15);
+    while cancelled_count(s) < n {
+        assert!(
+            Instant::now() < until,
+            "the job was not cancelled: it still holds its worker"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends a raw HTTP/1.1 POST of `body` to `path` on a fresh connection.
+fn raw_post(s: &TestServer, path: &str, body: &serde_json::Value) -> TcpStream {
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    let body = serde_json::to_vec(body).unwrap();
+    write!(
+        c,
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    c.write_all(&body).unwrap();
+    c
+}
+
+#[test]
+fn a_streaming_client_that_leaves_after_the_first_chunk_cancels_its_job() {
+    let s = one_worker();
+    let c = raw_post(
+        &s,
+        "/v1/exec/stream",
+        &json!({"code": LONG, "timeout_ms": 30_000}),
+    );
+    let mut lines = BufReader::new(c);
+    let mut seen = String::new();
+    while !seen.contains("started") {
+        let mut line = String::new();
+        assert!(
+            lines.read_line(&mut line).unwrap() > 0,
+            "stream ended: {seen}"
+        );
+        seen.push_str(&line);
+    }
+    drop(lines); // the client goes away
+
+    wait_cancelled(&s, 1);
+    // The only job thread is free again: a job runs now (queue 0 would refuse it if not).
+    let (status, r) = s.exec(json!({"code": "print('next')"}));
+    assert_eq!((status, &r["stdout"]), (200, &json!("next\n")), "{r}");
+}
+
+#[test]
+fn a_client_that_disconnects_from_a_plain_job_cancels_it() {
+    let s = one_worker();
+    let c = raw_post(&s, "/v1/exec", &json!({"code": LONG, "timeout_ms": 30_000}));
+    // Wait until the job runs (the metrics' running gauge), then leave.
+    let until = Instant::now() + Duration::from_secs(10);
+    while !s
+        .get("/metrics")
+        .text()
+        .unwrap()
+        .contains("bud_jobs_running 1\n")
+    {
+        assert!(Instant::now() < until, "the job never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    c.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(c);
+
+    wait_cancelled(&s, 1);
+    let (status, r) = s.exec(json!({"code": "print('next')"}));
+    assert_eq!((status, &r["stdout"]), (200, &json!("next\n")), "{r}");
+}
+
+#[test]
+fn a_client_that_stays_gets_its_result_and_nothing_is_cancelled() {
+    let s = one_worker();
+    let mut c = raw_post(
+        &s,
+        "/v1/exec/stream",
+        &json!({"code": "print('a', flush=True)\nimport time\ntime.sleep(0.2)\nprint('b')"}),
+    );
+    let mut all = String::new();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut buf = [0u8; 4096];
+    while !all.contains("\"type\":\"result\"") {
+        let n = c.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early: {all}");
+        all.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    drop(c);
+    assert!(all.contains("\"status\":\"ok\""), "{all}");
+    // The job's status is counted before its result line goes out, and leaving after that
+    // line cancels nothing.
+    assert_eq!(cancelled_count(&s), 0);
+    let (status, r) = s.exec(json!({"code": "print('next')"}));
+    assert_eq!((status, &r["stdout"]), (200, &json!("next\n")), "{r}");
+    assert_eq!(cancelled_count(&s), 0);
+}
