@@ -21,6 +21,7 @@ pub mod keys;
 pub mod metrics;
 pub mod openapi;
 pub mod routes;
+pub mod session_files;
 pub mod session_routes;
 pub mod sessions;
 pub mod startup;
@@ -87,12 +88,12 @@ pub fn app(state: AppState) -> Router {
             post(stream::session_stream),
         )
         .route("/v1/sessions/{id}/fork", post(session_routes::fork))
-        .route("/v1/sessions/{id}/files", get(session_routes::list_files))
+        .route("/v1/sessions/{id}/files", get(session_files::list_files))
         .route(
             "/v1/sessions/{id}/files/{*path}",
-            get(session_routes::get_file)
-                .put(session_routes::put_file)
-                .delete(session_routes::delete_file),
+            get(session_files::get_file)
+                .put(session_files::put_file)
+                .delete(session_files::delete_file),
         )
         .merge(compat::routes())
         .fallback(routes::not_found)

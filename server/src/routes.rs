@@ -122,7 +122,7 @@ pub async fn run_exec(state: &AppState, mut req: ExecRequest) -> Result<ExecResp
     let job = req.into_job(&state.config().limits, "")?;
     let exec = state.executor_for(template.as_deref())?;
     if !files.is_empty() {
-        return crate::session_routes::exec_with_files(state, exec, job, files, output_b64).await;
+        return crate::session_files::exec_with_files(state, exec, job, files, output_b64).await;
     }
     let slot = state.admit(1)?.remove(0);
     // Dropped with this future if the client goes away: that cancels the job.

@@ -1,0 +1,251 @@
+//! E2B's in-sandbox daemon (envd) over a session: commands, the filesystem RPCs, `/files`.
+//!
+//! - **Connect protocol, JSON codec** (what E2B's SDKs speak to envd): a unary call is a
+//!   `POST /{service}/{method}` with a JSON body, answered with JSON, or with an HTTP error
+//!   status and `{"code", "message"}` (Connect's codes); a server-streaming call
+//!   (`process.Process/Start`) sends and receives *envelopes* (1 flag byte, a big-endian
+//!   u32 length, the JSON), the last one flagged end-of-stream with `{}` or `{"error"}`.
+//! - `process.Process/Start` runs the command as a **shell cell** of the sandbox's session
+//!   (the same files and working directory as its Python cells): `/bin/bash -l -c SCRIPT`
+//!   (what `sandbox.commands.run` sends) runs SCRIPT in busybox `sh`; any other command
+//!   runs as its quoted argv. `envs` and `cwd` apply; the timeout is `Connect-Timeout-Ms`
+//!   up to the server's `max_timeout_ms`. Events: `start` (a per-server pid number, not a
+//!   guest pid), `data` (stdout / stderr as they come, base64 as proto JSON has bytes),
+//!   `end` (`exitCode`, `exited`, `status`). Background processes, stdin, signals, PTYs and
+//!   `List`/`Connect` are not implemented (`unimplemented`).
+//! - `filesystem.Filesystem`: `Stat`, `ListDir` (depth >= 1), `MakeDir`
+//!   (`already_exists` when it does), `Remove`, `Move`; watchers are not implemented.
+//! - `GET /files?path=` reads a file; `POST /files` writes files from a multipart form
+//!   (field `file`, the path as its filename or `?path=`) or an octet-stream body with
+//!   `?path=`, answering `[{"name", "type": "file", "path"}]`.
+//! - `GET /health`: 204 while the sandbox runs, 502 once it does not.
+//!
+//! **Paths**: E2B's home `/home/user` is a link to bud's work directory `/tmp` in the guest
+//! image, so code sees the same files under both names. The API accepts paths under either,
+//! or relative to the home, and names them under `/home/user` in its answers; any other
+//! absolute path is `invalid_argument` (bud's file operations stay in the work directory).
+
+//!
+//! Modules: [`filesystem`] (the filesystem RPCs) and [`process`] (commands); this one has
+//! what they share (paths, Connect errors) and the plain HTTP routes (`/health`, `/files`).
+
+pub mod filesystem;
+pub mod process;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Multipart, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use vmm::protocol::file_op;
+
+use super::e2b::{e2b_error, sandbox_of};
+use super::jupyter::HOME;
+use crate::error::ApiError;
+use crate::session_files;
+use crate::state::AppState;
+
+pub use filesystem::filesystem;
+pub use process::process;
+
+/// The work directory's other name in the guest.
+const WORKDIR: &str = "/tmp";
+/// Entries one `ListDir` may return.
+const MAX_ENTRIES: usize = 10_000;
+
+/// A guest path relative to the work directory, from an E2B path (module docs).
+pub fn guest_path(p: &str) -> Result<String, ApiError> {
+    let p = p.trim_end_matches('/');
+    let rel = if p.is_empty() || p == HOME || p == WORKDIR {
+        "."
+    } else if let Some(r) = p
+        .strip_prefix(&format!("{HOME}/"))
+        .or_else(|| p.strip_prefix(&format!("{WORKDIR}/")))
+    {
+        r
+    } else if p.starts_with('/') {
+        return Err(ApiError::invalid(
+            "path",
+            format!("{p}: bud sandboxes keep files under {HOME} (the same directory as {WORKDIR})"),
+        ));
+    } else {
+        p
+    };
+    if rel != "." {
+        crate::api::check_relative("path", rel)?;
+    }
+    Ok(rel.to_owned())
+}
+
+/// The E2B path of a guest path relative to the work directory.
+pub(crate) fn e2b_path(rel: &str) -> String {
+    if rel == "." || rel.is_empty() {
+        HOME.to_owned()
+    } else {
+        format!("{HOME}/{}", rel.trim_start_matches("./"))
+    }
+}
+
+/// Connect's code for a native error.
+pub(crate) fn connect_code(e: &ApiError) -> &'static str {
+    match e.status().as_u16() {
+        400 => "invalid_argument",
+        401 => "unauthenticated",
+        404 => "not_found",
+        409 => "aborted",
+        413 | 429 | 507 => "resource_exhausted",
+        410 | 502 | 503 => "unavailable",
+        501 => "unimplemented",
+        _ => "internal",
+    }
+}
+
+/// A unary Connect error: Connect's HTTP status for the code, `{"code", "message"}`.
+pub(crate) fn connect_error(code: &str, message: String) -> Response {
+    let status = match code {
+        "invalid_argument" => StatusCode::BAD_REQUEST,
+        "unauthenticated" => StatusCode::UNAUTHORIZED,
+        "not_found" => StatusCode::NOT_FOUND,
+        "already_exists" | "aborted" => StatusCode::CONFLICT,
+        "resource_exhausted" => StatusCode::TOO_MANY_REQUESTS,
+        "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+        "unimplemented" => StatusCode::NOT_IMPLEMENTED,
+        "deadline_exceeded" => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    (status, Json(json!({"code": code, "message": message}))).into_response()
+}
+
+pub(crate) fn from_api(e: ApiError) -> Response {
+    connect_error(connect_code(&e), e.to_string())
+}
+
+/// `GET /health`.
+pub async fn health(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    match sandbox_of(&state, &headers) {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e2b_error(e),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FileQuery {
+    pub path: Option<String>,
+}
+
+/// `GET /files?path=`.
+pub async fn read_file(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<FileQuery>,
+) -> Response {
+    let run = async {
+        let (_, e) = sandbox_of(&state, &headers)?;
+        let path = guest_path(q.path.as_deref().unwrap_or_default())?;
+        session_files::file_request(&state, &e.id, file_op::READ, path, Vec::new()).await
+    };
+    match run.await {
+        Ok(bytes) => (
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            Bytes::from(bytes),
+        )
+            .into_response(),
+        Err(e) => e2b_error(e),
+    }
+}
+
+/// `POST /files`.
+pub async fn write_files(
+    State(state): State<AppState>,
+    Query(q): Query<FileQuery>,
+    req: Request,
+) -> Response {
+    match write(&state, q, req).await {
+        Ok(written) => Json(written).into_response(),
+        Err(e) => e2b_error(e),
+    }
+}
+
+async fn write(state: &AppState, q: FileQuery, req: Request) -> Result<Vec<Value>, ApiError> {
+    let (_, e) = sandbox_of(state, req.headers())?;
+    let limit = state.config().sessions.max_file_bytes;
+    let too_large = |bytes| ApiError::TooLarge {
+        field: "file".into(),
+        bytes,
+        limit,
+    };
+    let multipart = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+    if multipart {
+        let mut form = Multipart::from_request(req, state)
+            .await
+            .map_err(|err| ApiError::invalid("body", err.body_text()))?;
+        while let Some(mut field) = form
+            .next_field()
+            .await
+            .map_err(|err| ApiError::invalid("body", err.body_text()))?
+        {
+            let name = field
+                .file_name()
+                .map(str::to_owned)
+                .or_else(|| q.path.clone())
+                .ok_or_else(|| ApiError::invalid("path", "a file part needs a path"))?;
+            let mut data = Vec::new();
+            while let Some(chunk) = field
+                .chunk()
+                .await
+                .map_err(|err| ApiError::invalid("body", err.body_text()))?
+            {
+                data.extend_from_slice(&chunk);
+                if data.len() > limit {
+                    return Err(too_large(data.len()));
+                }
+            }
+            files.push((name, data));
+        }
+    } else {
+        let path = q
+            .path
+            .clone()
+            .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
+        let data = crate::body::read_limited(req.into_body(), limit)
+            .await
+            .map_err(|err| match err {
+                ApiError::BodyTooLarge { limit } => too_large(limit + 1),
+                other => other,
+            })?;
+        files.push((path, data));
+    }
+    let mut written = Vec::with_capacity(files.len());
+    for (path, data) in files {
+        let rel = guest_path(&path)?;
+        session_files::file_request(state, &e.id, file_op::WRITE, rel.clone(), data).await?;
+        let name = rel.rsplit('/').next().unwrap_or(&rel).to_owned();
+        written.push(json!({"name": name, "type": "file", "path": e2b_path(&rel)}));
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2b_paths_map_into_the_work_directory() {
+        assert_eq!(guest_path("/home/user/a.txt").unwrap(), "a.txt");
+        assert_eq!(guest_path("/tmp/d/a.txt").unwrap(), "d/a.txt");
+        assert_eq!(guest_path("/home/user").unwrap(), ".");
+        assert_eq!(guest_path("/home/user/").unwrap(), ".");
+        assert_eq!(guest_path("rel/x").unwrap(), "rel/x");
+        assert!(guest_path("/etc/passwd").is_err());
+        assert!(guest_path("/home/user/../../etc/passwd").is_err());
+        assert_eq!(e2b_path("d/a.txt"), "/home/user/d/a.txt");
+        assert_eq!(e2b_path("."), "/home/user");
+    }
+}
