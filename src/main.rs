@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+mod audit_cmd;
 mod remote;
 
 use anyhow::Context;
@@ -49,6 +50,8 @@ enum Command {
     Run(RunArgs),
     /// Serve the HTTP API (POST /v1/exec, ...) until SIGINT or SIGTERM.
     Serve(ServeArgs),
+    /// Print the records of an audit log (`bud serve --audit-log`) that match filters.
+    Audit(audit_cmd::AuditArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -203,6 +206,16 @@ struct ServeArgs {
     /// Bearer KEY, or X-API-Key). Required to listen on anything but loopback.
     #[arg(long)]
     api_keys_file: Option<std::path::PathBuf>,
+    /// Append one JSON line per job and session cell to this file (`bud audit` reads it).
+    #[arg(long)]
+    audit_log: Option<std::path::PathBuf>,
+    /// Also store each job's code and output in the audit log (64 KiB of each at most).
+    #[arg(long, requires = "audit_log")]
+    audit_content: bool,
+    /// Refuse jobs (503) while the audit log cannot be written, rather than run them
+    /// unrecorded.
+    #[arg(long, requires = "audit_log")]
+    audit_required: bool,
     /// Most live sessions; past it, creating or forking one is 429.
     #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_sessions)]
     max_sessions: usize,
@@ -526,6 +539,14 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             ..bud_server::config::SessionLimits::default()
         },
         templates: args.templates.clone(),
+        audit: args
+            .audit_log
+            .clone()
+            .map(|path| bud_server::audit::AuditConfig {
+                path,
+                content: args.audit_content,
+                required: args.audit_required,
+            }),
         api_keys: match &args.api_keys_file {
             Some(path) => Some(std::sync::Arc::new(bud_server::keys::ApiKeys::load(path)?)),
             None => None,
@@ -657,6 +678,7 @@ fn main() -> ExitCode {
         Command::Boot(args) => boot(&cli, args).map(|_| ExitCode::SUCCESS),
         Command::Run(args) => run(&cli, args),
         Command::Serve(args) => serve(&cli, args),
+        Command::Audit(args) => audit_cmd::audit(args),
     };
     match result {
         Ok(code) => code,

@@ -429,7 +429,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn second_ensure_is_a_quick_no_op() {
         let first = built();
         let start = Instant::now();
@@ -445,7 +444,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn image_rebuilt_elsewhere_has_identical_bytes() {
         let first = built();
         let inputs = image_inputs(first, &repo_root().join(RECIPE_DIR));
@@ -477,7 +475,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn image_with_sources_shows_standard_library_lines_in_tracebacks() {
         let work = scratch("sources");
         let recipe_dir = work.join("recipe");
@@ -509,7 +506,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn every_elf_in_the_archive_finds_its_libraries() {
         let root = scratch("elf");
         unpack_archive(&root);
@@ -526,7 +522,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn chrooted_guest_python_imports_the_standard_library() {
         let root = scratch("chroot");
         unpack_archive(&root);
@@ -558,7 +553,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn chrooted_python_loads_bud_extension_and_modules() {
         let root = scratch("bud-modules");
         unpack_archive(&root);
@@ -590,7 +584,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "builds the real guest: root, apt and minutes"]
     fn chrooted_busybox_shell_runs_applets() {
         let root = scratch("shell");
         unpack_archive(&root);

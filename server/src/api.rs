@@ -205,6 +205,22 @@ pub struct Health {
     pub warm_vms: usize,
     /// `warm` (VMs reset and reused) or `fresh` (a fresh clone per job).
     pub reuse: String,
+    /// The audit log's state, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditHealth>,
+}
+
+/// The audit log in `GET /v1/health`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AuditHealth {
+    /// Records written.
+    pub written: u64,
+    /// Records lost (queue full or the file not writable).
+    pub dropped: u64,
+    /// The last write (or the queue) failed; with `--audit-required` jobs are refused.
+    pub failing: bool,
+    /// The last failure.
+    pub error: Option<String>,
 }
 
 fn ms(d: Duration) -> f64 {

@@ -101,6 +101,8 @@ pub struct Config {
     pub templates: Vec<String>,
     /// API keys (`--api-keys-file`); None: the server is open (loopback only).
     pub api_keys: Option<std::sync::Arc<crate::keys::ApiKeys>>,
+    /// The audit trail (`--audit-log`); None: no audit log.
+    pub audit: Option<crate::audit::AuditConfig>,
 }
 
 /// The template of a request that names none (when served).
@@ -119,6 +121,7 @@ impl Default for Config {
             sessions: SessionLimits::default(),
             templates: vec![DEFAULT_TEMPLATE.to_owned()],
             api_keys: None,
+            audit: None,
         }
     }
 }

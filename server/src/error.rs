@@ -106,6 +106,9 @@ pub enum ApiError {
     /// An E2B in-sandbox request for a sandbox that is not running (502, as E2B's proxy).
     #[error("sandbox {0} is not running")]
     SandboxGone(String),
+    /// `--audit-required` and the audit log cannot be written (503).
+    #[error("the audit log cannot be written, so no job runs: {0}")]
+    AuditUnavailable(String),
     /// Keys are configured and the request presented none of them (401).
     #[error("a valid API key is required (Authorization: Bearer KEY, or X-API-Key: KEY)")]
     Unauthorized,
@@ -185,6 +188,7 @@ impl ApiError {
             ApiError::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::AuditUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::SandboxGone(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -214,6 +218,7 @@ impl ApiError {
             ApiError::NoFile(_) => "no_file",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::AuditUnavailable(_) => "audit_unavailable",
             ApiError::SandboxGone(_) => "sandbox_gone",
             ApiError::Internal { .. } => "internal",
         }

@@ -127,13 +127,15 @@ pub fn presented(headers: &HeaderMap) -> Option<&[u8]> {
 /// The middleware: 401 unless the request presents a configured key (module docs).
 pub async fn require_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let Some(keys) = state.config().api_keys.as_deref() else {
-        return next.run(req).await;
+        return crate::audit::KEY.scope(None, next.run(req)).await;
     };
     // In-sandbox routes check the sandbox's own token instead (crate::compat::e2b).
     let path = req.uri().path();
     let exempt = path == "/v1/health" || crate::compat::e2b::is_sandbox_route(path);
-    if exempt || presented(req.headers()).is_some_and(|k| keys.name_of(k).is_some()) {
-        return next.run(req).await;
+    let name = presented(req.headers()).and_then(|k| keys.name_of(k).map(str::to_owned));
+    if exempt || name.is_some() {
+        // The key's name goes with the request, for the audit trail.
+        return crate::audit::KEY.scope(name, next.run(req)).await;
     }
     ApiError::Unauthorized.into_response()
 }

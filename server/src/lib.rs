@@ -12,6 +12,7 @@
 //! ([`jobs`]) behind a bounded admission counter.
 
 pub mod api;
+pub mod audit;
 pub mod body;
 pub mod compat;
 pub mod config;

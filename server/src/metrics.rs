@@ -127,6 +127,8 @@ pub struct Gauges {
     /// The executor's counters (all zero before the template is ready).
     pub executor: vmm::executor::ExecutorStats,
     pub sessions: SessionGauges,
+    /// The audit log's records written and lost, and whether it is failing (None: no log).
+    pub audit: Option<(u64, u64, bool)>,
 }
 
 /// What the sessions hold and have done.
@@ -241,6 +243,19 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "bud_job_guest_seconds_total{{phase=\"{phase}\"}} {secs}"
+            );
+        }
+        if let Some((written, dropped, failing)) = g.audit {
+            let _ = writeln!(
+                out,
+                "# HELP bud_audit_records_total Audit records written, and lost.\n\
+                 # TYPE bud_audit_records_total counter\n\
+                 bud_audit_records_total{{result=\"written\"}} {written}\n\
+                 bud_audit_records_total{{result=\"dropped\"}} {dropped}\n\
+                 # HELP bud_audit_failing 1 while the audit log cannot be written.\n\
+                 # TYPE bud_audit_failing gauge\n\
+                 bud_audit_failing {}",
+                u8::from(failing)
             );
         }
         out.push_str("# HELP bud_rejected_total Requests refused before running, by reason.\n");

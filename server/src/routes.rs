@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 use vmm::{ExecError, Executor, Job, JobResult};
 
 use crate::api::{BatchRequest, BatchResponse, ExecRequest, ExecResponse};
+use crate::audit::Origin;
 use crate::body::JsonBody;
 use crate::error::ApiError;
 use crate::jobs::{CancelOnDrop, Slot};
@@ -58,10 +59,12 @@ fn start(
     exec: Arc<Executor>,
     slot: Slot,
     mut job: Job,
+    origin: Origin,
 ) -> Result<(oneshot::Receiver<Outcome>, CancelOnDrop), ApiError> {
     let cancel = CancelOnDrop::for_job(&mut job);
     let (tx, rx) = oneshot::channel();
     let metrics = state.metrics_handle();
+    let st = state.clone();
     let queued_at = Instant::now();
     state.spawn(slot, move || {
         let waited = queued_at.elapsed();
@@ -70,6 +73,9 @@ fn start(
         }
         // The result goes out before the VM is reset for its next job.
         exec.run_then(&job, &mut |_, _| {}, |result| {
+            if let Ok(r) = &result {
+                st.audit_job(&origin, "job", &job, r, waited);
+            }
             let outcome = (result, waited);
             record(&metrics, &outcome);
             let _ = tx.send(outcome);
@@ -110,23 +116,30 @@ pub async fn exec(
     State(state): State<AppState>,
     JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Json<ExecResponse>, ApiError> {
-    run_exec(&state, req).await.map(Json)
+    run_exec(&state, req, "/v1/exec").await.map(Json)
 }
 
 /// Checks and runs one job, with its files if it has any: `POST /v1/exec`, and the way
 /// compat layers run theirs (same limits, same admission).
-pub async fn run_exec(state: &AppState, mut req: ExecRequest) -> Result<ExecResponse, ApiError> {
+/// `route` names the route in the audit trail.
+pub async fn run_exec(
+    state: &AppState,
+    mut req: ExecRequest,
+    route: &str,
+) -> Result<ExecResponse, ApiError> {
     let output_b64 = req.output_b64;
     let files = req.take_files(&state.config().limits)?;
     let template = req.template.take();
     let job = req.into_job(&state.config().limits, "")?;
     let exec = state.executor_for(template.as_deref())?;
+    let origin = Origin::here(route, state.template_name(template.as_deref()), None);
     if !files.is_empty() {
-        return crate::session_files::exec_with_files(state, exec, job, files, output_b64).await;
+        return crate::session_files::exec_with_files(state, exec, job, files, output_b64, origin)
+            .await;
     }
     let slot = state.admit(1)?.remove(0);
     // Dropped with this future if the client goes away: that cancels the job.
-    let (rx, mut cancel) = start(state, exec, slot, job)?;
+    let (rx, mut cancel) = start(state, exec, slot, job, origin)?;
     let done = finish(rx).await;
     cancel.disarm();
     let (r, waited) = done.map_err(|e| e.into_api(None))?;
@@ -163,12 +176,17 @@ pub async fn batch(
         let exec = state
             .executor_for(template.as_deref())
             .map_err(|e| e.in_field(&format!("jobs[{i}].template")))?;
-        ready.push((job, b64, exec));
+        let origin = Origin::here(
+            "/v1/exec/batch",
+            state.template_name(template.as_deref()),
+            None,
+        );
+        ready.push((job, b64, exec, origin));
     }
     let slots = state.admit(n)?;
     let mut pending = Vec::with_capacity(n);
-    for (slot, (job, b64, exec)) in slots.into_iter().zip(ready) {
-        pending.push((start(&state, exec, slot, job)?, b64));
+    for (slot, (job, b64, exec, origin)) in slots.into_iter().zip(ready) {
+        pending.push((start(&state, exec, slot, job, origin)?, b64));
     }
     let mut results = Vec::with_capacity(n);
     for (i, ((rx, mut cancel), b64)) in pending.into_iter().enumerate() {

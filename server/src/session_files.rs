@@ -167,7 +167,9 @@ pub async fn exec_with_files(
     job: vmm::Job,
     files: JobFiles,
     output_b64: bool,
+    origin: crate::audit::Origin,
 ) -> Result<ExecResponse, ApiError> {
+    let st = state.clone();
     let metrics = state.metrics_handle();
     let queued = Instant::now();
     let ran = on_job_thread(state, exec, move |ex| {
@@ -177,6 +179,7 @@ pub async fn exec_with_files(
         s.end(ex);
         let (r, back) = outcome?;
         metrics.job(r.status, waited, &r.timings);
+        st.audit_job(&origin, "job", &job, &r, waited);
         Ok::<_, ApiError>((r, back, waited))
     })
     .await??;

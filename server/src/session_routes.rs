@@ -359,10 +359,12 @@ fn cell_job(
 }
 
 /// Runs a cell of session `id` on a job thread; `on_output` sees its output as it comes.
+/// `route` names the route in the audit trail.
 pub async fn run_cell(
     state: &AppState,
     id: &str,
     req: ExecRequest,
+    route: &str,
     mut on_output: impl FnMut(vmm::job::Stream, &[u8]) + Send + 'static,
 ) -> Result<(CellResponse, bool), ApiError> {
     let busy = state
@@ -370,6 +372,7 @@ pub async fn run_cell(
         .acquire(id)
         .map_err(|u| unavailable(id, u))?;
     let (job, b64) = cell_job(state, busy.entry(), req)?;
+    let origin = crate::audit::Origin::here(route, &busy.entry().template, Some(id));
     let st = state.clone();
     let queued = Instant::now();
     let exec = busy.entry().executor.clone();
@@ -384,6 +387,7 @@ pub async fn run_cell(
             .unwrap_or(Err(SessionError::Unusable));
         if let Ok((r, _)) = &ran {
             st.metrics().job(r.status, waited, &r.timings);
+            st.audit_job(&origin, "cell", &job, r, waited);
         }
         end_if_unusable(&st, &busy, ran.as_ref().ok().map(|(r, _)| r));
         // Accounted before the answer: a client that creates or forks right after a cell
@@ -420,7 +424,7 @@ pub async fn exec(
     Path(id): Path<String>,
     JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Json<CellResponse>, ApiError> {
-    let (r, _) = run_cell(&state, &id, req, |_, _| {}).await?;
+    let (r, _) = run_cell(&state, &id, req, "/v1/sessions/{id}/exec", |_, _| {}).await?;
     Ok(Json(r))
 }
 

@@ -59,6 +59,7 @@ struct Shared {
     metrics: Arc<Metrics>,
     sessions: Arc<crate::sessions::Sessions>,
     compat: crate::compat::CompatState,
+    audit: Option<crate::audit::AuditLog>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -72,6 +73,8 @@ pub enum StateError {
     Config(#[from] ConfigError),
     #[error("cannot start the job threads: {0}")]
     Threads(std::io::Error),
+    #[error("cannot start the audit writer: {0}")]
+    Audit(std::io::Error),
 }
 
 impl AppState {
@@ -98,6 +101,10 @@ impl AppState {
         ) {
             let _ = t.executor.set(e);
         }
+        let audit = match &config.audit {
+            Some(a) => Some(crate::audit::AuditLog::start(a.clone()).map_err(StateError::Audit)?),
+            None => None,
+        };
         Ok(Self(Arc::new(Shared {
             config,
             templates,
@@ -105,6 +112,7 @@ impl AppState {
             metrics: Arc::default(),
             sessions: Arc::default(),
             compat: Default::default(),
+            audit,
         })))
     }
 
@@ -124,6 +132,25 @@ impl AppState {
     /// The live sessions.
     pub fn sessions(&self) -> &Arc<crate::sessions::Sessions> {
         &self.0.sessions
+    }
+
+    /// The audit log, when configured.
+    pub fn audit(&self) -> Option<&crate::audit::AuditLog> {
+        self.0.audit.as_ref()
+    }
+
+    /// Queues the audit record of `job` (no-op without an audit log). On a job thread.
+    pub fn audit_job(
+        &self,
+        origin: &crate::audit::Origin,
+        kind: &str,
+        job: &vmm::Job,
+        r: &vmm::JobResult,
+        waited: std::time::Duration,
+    ) {
+        if let Some(a) = self.audit() {
+            a.job(origin, kind, job, r, waited);
+        }
     }
 
     /// What the compat layers (E2B, Piston) keep.
@@ -235,6 +262,16 @@ impl AppState {
 
     /// `n` admission slots, or 429 (full) / 503 (shutting down).
     pub fn admit(&self, n: usize) -> Result<Vec<Slot>, ApiError> {
+        if self
+            .audit()
+            .is_some_and(crate::audit::AuditLog::refuses_jobs)
+        {
+            return Err(ApiError::AuditUnavailable(
+                self.audit()
+                    .and_then(|a| a.state.last_error())
+                    .unwrap_or_default(),
+            ));
+        }
         self.0.jobs.admit(n).map_err(|e| self.admit_error(e))
     }
 
@@ -289,6 +326,14 @@ impl AppState {
             template_ready: stats.is_some(),
             executor: stats.unwrap_or_default(),
             sessions: self.0.sessions.gauges(),
+            audit: self.audit().map(|a| {
+                let s = &a.state;
+                (
+                    s.written.load(std::sync::atomic::Ordering::Relaxed),
+                    s.dropped.load(std::sync::atomic::Ordering::Relaxed),
+                    s.failing(),
+                )
+            }),
         }
     }
 
@@ -319,6 +364,12 @@ impl AppState {
                 vmm::Reuse::Fresh => "fresh",
             }
             .into(),
+            audit: self.audit().map(|a| crate::api::AuditHealth {
+                written: a.state.written.load(std::sync::atomic::Ordering::Relaxed),
+                dropped: a.state.dropped.load(std::sync::atomic::Ordering::Relaxed),
+                failing: a.state.failing(),
+                error: a.state.last_error(),
+            }),
         }
     }
 }

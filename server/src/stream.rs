@@ -177,6 +177,12 @@ pub async fn exec_stream(
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let metrics = state.metrics_handle();
     let queued_at = Instant::now();
+    let origin = crate::audit::Origin::here(
+        "/v1/exec/stream",
+        state.template_name(template.as_deref()),
+        None,
+    );
+    let st = state.clone();
     state.spawn(slot, move || {
         let waited = queued_at.elapsed();
         if tx.is_closed() {
@@ -187,6 +193,9 @@ pub async fn exec_stream(
         };
         // The result goes out before the VM is reset for its next job.
         exec.run_then(&job, &mut forward, |result| {
+            if let Ok(r) = &result {
+                st.audit_job(&origin, "job", &job, r, waited);
+            }
             let outcome = (result, waited);
             record(&metrics, &outcome);
             let _ = tx.send(Event::Done(Box::new(outcome.0), outcome.1));
@@ -219,13 +228,15 @@ pub async fn session_stream(
     req.stream = true;
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let out = tx.clone();
-    tokio::spawn(async move {
+    let key = crate::audit::current_key();
+    tokio::spawn(crate::audit::KEY.scope(key, async move {
         let forward = move |s: Stream, bytes: &[u8]| {
             let _ = out.send(Event::Output(s, bytes.to_vec()));
         };
-        let r = session_routes::run_cell(&state, &id, req, forward).await;
+        let route = "/v1/sessions/{id}/exec/stream";
+        let r = session_routes::run_cell(&state, &id, req, route, forward).await;
         let _ = tx.send(Event::Cell(Box::new(r.map(|(cell, _)| cell))));
-    });
+    }));
     let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
         field: None,
         message: "the cell's task ended without an answer".into(),

@@ -63,6 +63,8 @@ pub struct Sandbox {
     pub id: String,
     pub template_id: String,
     pub token: String,
+    /// The name of the API key that made it (its routes carry none; for the audit trail).
+    pub key: Option<String>,
     pub metadata: BTreeMap<String, String>,
     pub contexts: Mutex<Contexts>,
 }
@@ -204,6 +206,7 @@ async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, A
         id: e.id.clone(),
         template_id: req.template_id,
         token: random_hex(16)?,
+        key: crate::audit::current_key(),
         metadata: req.metadata,
         contexts: Mutex::default(),
     });

@@ -249,13 +249,14 @@ async fn start_execute(
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let out = tx.clone();
     let id = e.id.clone();
-    tokio::spawn(async move {
+    // The audit trail names the key that made the sandbox (its routes carry no API key).
+    tokio::spawn(crate::audit::KEY.scope(s.key.clone(), async move {
         let forward = move |st: Stream, bytes: &[u8]| {
             let _ = out.send(Event::Output(st, bytes.to_vec()));
         };
-        let r = session_routes::run_cell(&state, &id, native, forward).await;
+        let r = session_routes::run_cell(&state, &id, native, "/execute", forward).await;
         let _ = tx.send(Event::End(Box::new(r.map(|(cell, _)| cell)), language));
-    });
+    }));
     // The first event decides the status: a cell that could not run is an HTTP error.
     let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
         field: None,
@@ -360,7 +361,8 @@ async fn reset(state: AppState, headers: HeaderMap, id: String, forget: bool) ->
             },
             ..ExecRequest::default()
         };
-        session_routes::run_cell(&state, &e.id, native, |_, _| {}).await?;
+        let reset = session_routes::run_cell(&state, &e.id, native, "/contexts", |_, _| {});
+        crate::audit::KEY.scope(s.key.clone(), reset).await?;
         if forget {
             s.contexts
                 .lock()

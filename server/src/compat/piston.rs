@@ -122,7 +122,7 @@ async fn versions(state: &AppState) -> Result<Versions, ApiError> {
                 ),
                 ..ExecRequest::default()
             };
-            let r = crate::routes::run_exec(state, req).await?;
+            let r = crate::routes::run_exec(state, req, "/api/v2/runtimes").await?;
             parse_versions(&r.stdout).ok_or_else(|| ApiError::Internal {
                 field: None,
                 message: format!("could not read the runtime versions: {:?}", r.stdout),
@@ -346,7 +346,7 @@ async fn run(state: &AppState, body: Body) -> Result<serde_json::Value, ApiError
         serde_json::from_slice(&bytes).map_err(|e| bad(format!("bad JSON body: {e}")))?;
     let v = versions(state).await?;
     let (native, language, version) = native(state, req, &v)?;
-    let r = crate::routes::run_exec(state, native).await?;
+    let r = crate::routes::run_exec(state, native, "/api/v2/execute").await?;
     Ok(serde_json::json!({
         "language": language,
         "version": version,

@@ -111,7 +111,7 @@ pub async fn process(
 }
 
 async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let (_, e) = sandbox_of(&state, &headers)?;
+    let (sandbox, e) = sandbox_of(&state, &headers)?;
     let req = unwrap_envelope(&body)?;
     let process = &req["process"];
     let script = script_of(process)?;
@@ -146,13 +146,14 @@ async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Respo
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let out = tx.clone();
     let id = e.id.clone();
-    tokio::spawn(async move {
+    let route = "/process.Process/Start";
+    tokio::spawn(crate::audit::KEY.scope(sandbox.key.clone(), async move {
         let forward = move |s: Stream, bytes: &[u8]| {
             let _ = out.send(Event::Output(s, bytes.to_vec()));
         };
-        let r = session_routes::run_cell(&state, &id, native, forward).await;
+        let r = session_routes::run_cell(&state, &id, native, route, forward).await;
         let _ = tx.send(Event::End(Box::new(r.map(|(cell, _)| cell))));
-    });
+    }));
     let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
         field: None,
         message: "the command's task ended without an answer".into(),
