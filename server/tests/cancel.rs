@@ -18,7 +18,9 @@ const LONG: &str = "import time\nprint('started', flush=True)\nwhile True:\n    
 fn one_worker() -> TestServer {
     let mut config = test_config();
     config.workers = 1;
-    config.queue = 0;
+    // One waiting place: a job's answer goes out before its VM is reset and its slot
+    // returned, so a client's next request may arrive before that.
+    config.queue = 1;
     config.limits.max_timeout_ms = 30_000;
     config.limits.max_batch_jobs = 1;
     TestServer::with_config(config)
@@ -32,10 +34,15 @@ fn cancelled_count(s: &TestServer) -> u64 {
         .unwrap_or(0)
 }
 
-/// Waits (polling, at most 15 s: well under the job's 20 s) for `n` cancelled jobs.
+/// Waits (polling, at most 15 s: well under the job's 30 s) for `n` cancelled jobs, then
+/// for the job thread to give its slot back (its VM is discarded after the result).
 fn wait_cancelled(s: &TestServer, n: u64) {
     let until = Instant::now() + Duration::from_secs(15);
-    while cancelled_count(s) < n {
+    let idle = |s: &TestServer| {
+        let h: serde_json::Value = s.get("/v1/health").json().unwrap();
+        h["jobs_running"] == json!(0) && h["jobs_queued"] == json!(0)
+    };
+    while cancelled_count(s) < n || !idle(s) {
         assert!(
             Instant::now() < until,
             "the job was not cancelled: it still holds its worker"
@@ -79,7 +86,7 @@ fn a_streaming_client_that_leaves_after_the_first_chunk_cancels_its_job() {
     drop(lines); // the client goes away
 
     wait_cancelled(&s, 1);
-    // The only job thread is free again: a job runs now (queue 0 would refuse it if not).
+    // The only job thread is free again (wait_cancelled saw it idle): a job runs now.
     let (status, r) = s.exec(json!({"code": "print('next')"}));
     assert_eq!((status, &r["stdout"]), (200, &json!("next\n")), "{r}");
 }
