@@ -48,6 +48,17 @@ fn post(s: &TestServer, path: &str, body: &Value) -> (u16, Value) {
     (r.status().as_u16(), r.json().unwrap())
 }
 
+/// `/metrics`, which needs a key like every route but health.
+fn metrics(s: &TestServer) -> String {
+    client()
+        .get(s.url("/metrics"))
+        .header("x-api-key", KEY)
+        .send()
+        .unwrap()
+        .text()
+        .unwrap()
+}
+
 fn health(s: &TestServer) -> Value {
     s.get("/v1/health").json().unwrap()
 }
@@ -120,7 +131,7 @@ fn every_job_and_cell_gets_a_record_naming_its_key_with_matching_hashes() {
         "{}",
         cell.time
     );
-    let metrics = s.get("/metrics").text().unwrap();
+    let metrics = metrics(&s);
     assert!(
         metrics.contains("bud_audit_records_total{result=\"written\"} 3\n"),
         "{metrics}"
@@ -193,12 +204,7 @@ fn a_log_that_cannot_be_written_refuses_jobs_when_required_and_says_so() {
             .contains("cannot open"),
         "{h}"
     );
-    assert!(
-        s.get("/metrics")
-            .text()
-            .unwrap()
-            .contains("bud_audit_failing 1\n")
-    );
+    assert!(metrics(&s).contains("bud_audit_failing 1\n"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
