@@ -194,6 +194,9 @@ struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = bud_server::Limits::default().max_body_bytes)]
     max_body_bytes: usize,
+    /// Time a request body may take to arrive, in milliseconds (then 408).
+    #[arg(long, default_value_t = bud_server::Limits::default().body_timeout_ms)]
+    body_timeout_ms: u64,
     /// The templates to serve, comma-separated, prepared in this order at start (`python`,
     /// `datascience`: guest/image/templates/). Jobs and sessions choose one with
     /// `template`; without it they get `python` if served, else the first.
@@ -527,6 +530,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_output_bytes: args.max_output_bytes,
             max_batch_jobs: args.max_batch_jobs,
             max_body_bytes: args.max_body_bytes,
+            body_timeout_ms: args.body_timeout_ms,
         },
         sessions: bud_server::config::SessionLimits {
             max_sessions: args.max_sessions,

@@ -1,5 +1,6 @@
-//! Reading a JSON request body: `Content-Type` check (415), a size limit (413), and
-//! deserialization that names the field at fault (400).
+//! Reading a JSON request body: `Content-Type` check (415), a size limit (413), a time
+//! limit (408: a client trickling its body cannot hold a connection and its memory open;
+//! `Limits::body_timeout_ms`), and deserialization that names the field at fault (400).
 //!
 //! A body over the limit is still read and thrown away, up to [`DRAIN_FACTOR`] times the
 //! limit, before the 413 goes out: a server that answers early and closes a socket with
@@ -29,8 +30,13 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
         if !is_json(req.headers().get(header::CONTENT_TYPE)) {
             return Err(ApiError::ContentType);
         }
-        let limit = state.config().limits.max_body_bytes;
-        let bytes = read_limited(req.into_body(), limit).await?;
+        let limits = &state.config().limits;
+        let bytes = read_limited(
+            req.into_body(),
+            limits.max_body_bytes,
+            limits.body_timeout(),
+        )
+        .await?;
         parse(&bytes).map(JsonBody)
     }
 }
@@ -43,8 +49,18 @@ fn is_json(value: Option<&header::HeaderValue>) -> bool {
     mime.eq_ignore_ascii_case("application/json")
 }
 
-/// The body's bytes if it is at most `limit` long.
-pub async fn read_limited(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+/// The body's bytes if it is at most `limit` long and all arrives within `timeout`.
+pub async fn read_limited(
+    body: Body,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<Vec<u8>, ApiError> {
+    tokio::time::timeout(timeout, read_all(body, limit))
+        .await
+        .map_err(|_| ApiError::RequestTimeout(timeout))?
+}
+
+async fn read_all(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
     let drain_cap = limit.saturating_mul(DRAIN_FACTOR);
     let too_large = ApiError::BodyTooLarge { limit };
     let declared = http_body::Body::size_hint(&body).exact();
@@ -111,6 +127,9 @@ mod tests {
     use super::*;
     use crate::api::{BatchRequest, ExecRequest};
 
+    /// A time limit no test body comes near.
+    const T: std::time::Duration = std::time::Duration::from_secs(60);
+
     #[test]
     fn content_type_must_be_json() {
         let json = header::HeaderValue::from_static("application/json; charset=utf-8");
@@ -154,9 +173,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_over_the_limit_is_drained_and_refused() {
-        let small = read_limited(Body::from(vec![b'x'; 10]), 10).await;
-        let over = read_limited(Body::from(vec![b'x'; 11]), 10).await;
-        let huge = read_limited(Body::from(vec![b'x'; 100]), 10).await;
+        let small = read_limited(Body::from(vec![b'x'; 10]), 10, T).await;
+        let over = read_limited(Body::from(vec![b'x'; 11]), 10, T).await;
+        let huge = read_limited(Body::from(vec![b'x'; 100]), 10, T).await;
 
         assert_eq!(small.unwrap().len(), 10);
         assert!(matches!(over, Err(ApiError::BodyTooLarge { limit: 10 })));

@@ -27,6 +27,14 @@ pub struct Limits {
     pub max_batch_jobs: usize,
     /// Bytes of one request body.
     pub max_body_bytes: usize,
+    /// Time a request body may take to arrive, milliseconds (then 408).
+    pub body_timeout_ms: u64,
+}
+
+impl Limits {
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_timeout_ms)
+    }
 }
 
 impl Default for Limits {
@@ -40,6 +48,7 @@ impl Default for Limits {
             max_output_bytes: vmm::job::DEFAULT_OUTPUT_LIMIT,
             max_batch_jobs: 16,
             max_body_bytes: 16 << 20,
+            body_timeout_ms: 30_000,
         }
     }
 }

@@ -99,7 +99,8 @@ pub async fn put_file(
 ) -> Result<StatusCode, ApiError> {
     let path = file_path(&path)?;
     let limit = state.config().sessions.max_file_bytes;
-    let data = crate::body::read_limited(req.into_body(), limit)
+    let timeout = state.config().limits.body_timeout();
+    let data = crate::body::read_limited(req.into_body(), limit, timeout)
         .await
         .map_err(|e| match e {
             ApiError::BodyTooLarge { limit } => ApiError::TooLarge {

@@ -238,3 +238,31 @@ fn overload_is_429_with_retry_after_and_the_server_recovers() {
         refused.len()
     )));
 }
+
+#[test]
+fn a_body_trickled_past_the_time_limit_is_408_and_the_server_keeps_serving() {
+    let mut config = test_config();
+    config.limits.body_timeout_ms = 300;
+    let s = TestServer::with_config(config);
+    let mut c = TcpStream::connect(s.addr).unwrap();
+    // Headers promise 100 bytes; 10 come, then nothing.
+    write!(
+        c,
+        "POST /v1/exec HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: 100\r\n\r\n{{\"code\": "
+    )
+    .unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.ends_with(b"}") {
+        let n = c.read(&mut buf).expect("the server answered");
+        assert!(n > 0, "closed without an answer: {answer:?}");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 408 "), "{text}");
+    assert!(text.contains("\"code\":\"request_timeout\""), "{text}");
+    s.assert_still_serving();
+}

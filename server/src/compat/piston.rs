@@ -341,7 +341,9 @@ pub async fn execute(State(state): State<AppState>, req: Request) -> Response {
 }
 
 async fn run(state: &AppState, body: Body) -> Result<serde_json::Value, ApiError> {
-    let bytes = crate::body::read_limited(body, state.config().limits.max_body_bytes).await?;
+    let limits = &state.config().limits;
+    let bytes =
+        crate::body::read_limited(body, limits.max_body_bytes, limits.body_timeout()).await?;
     let req: Execute =
         serde_json::from_slice(&bytes).map_err(|e| bad(format!("bad JSON body: {e}")))?;
     let v = versions(state).await?;

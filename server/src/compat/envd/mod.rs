@@ -214,7 +214,8 @@ async fn write(state: &AppState, q: FileQuery, req: Request) -> Result<Vec<Value
             .path
             .clone()
             .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
-        let data = crate::body::read_limited(req.into_body(), limit)
+        let timeout = state.config().limits.body_timeout();
+        let data = crate::body::read_limited(req.into_body(), limit, timeout)
             .await
             .map_err(|err| match err {
                 ApiError::BodyTooLarge { limit } => too_large(limit + 1),
