@@ -29,16 +29,7 @@ fi
 cargo build --release -q
 . scripts/serve-lib.sh
 start_bud_serve bench-compat "$port" "$log" --templates python,datascience
-echo "[bench] waiting for the datascience template (first use boots it: minutes; log: $log)" >&2
-for _ in $(seq 1800); do
-    state=$(curl -sf "http://127.0.0.1:$port/v1/templates" 2>/dev/null | python3 -c \
-        'import sys, json; print({t["name"]: t["status"] for t in json.load(sys.stdin)["templates"]}["datascience"])' \
-        2>/dev/null || true)
-    [ "$state" = ready ] && break
-    [ "$state" = failed ] && { echo "[bench] the datascience template failed; log: $log" >&2; exit 1; }
-    kill -0 "$SERVER" 2>/dev/null || { echo "[bench] server died; log: $log" >&2; exit 1; }
-    sleep 1
-done
+wait_for_template bench-compat "$port" "$log" datascience
 
 E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" \
 E2B_API_KEY=bench "$venv/bin/python" - "$rounds" "$port" <<'PY'

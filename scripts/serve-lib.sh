@@ -20,3 +20,22 @@ start_bud_serve() {
     echo "[$tag] server not ready after 900 s; log: $log" >&2
     exit 1
 }
+
+#   wait_for_template TAG PORT LOG NAME
+#
+# Waits (up to 1800 s) until the server started by start_bud_serve has template NAME ready
+# (its first use builds and boots it: minutes); exits naming TAG if the template failed or
+# the server died.
+wait_for_template() {
+    local tag=$1 port=$2 log=$3 name=$4
+    echo "[$tag] waiting for the $name template (first use boots it: minutes; log: $log)" >&2
+    for _ in $(seq 1800); do
+        state=$(curl -sf "http://127.0.0.1:$port/v1/templates" 2>/dev/null | python3 -c \
+            'import sys, json; print({t["name"]: t["status"] for t in json.load(sys.stdin)["templates"]}[sys.argv[1]])' \
+            "$name" 2>/dev/null || true)
+        [ "$state" = ready ] && return 0
+        [ "$state" = failed ] && { echo "[$tag] the $name template failed; log: $log" >&2; exit 1; }
+        kill -0 "$SERVER" 2>/dev/null || { echo "[$tag] server died; log: $log" >&2; tail -20 "$log" >&2; exit 1; }
+        sleep 1
+    done
+}

@@ -279,8 +279,8 @@ impl ApiError {
 }
 
 impl ApiError {
-    /// This error's status (and Retry-After) with another body: how the compat layers
-    /// answer in their clients' error shapes.
+    /// This error's status and Retry-After with `body`: bud's own error body
+    /// (`into_response`), or the compat layers' in their clients' shapes.
     pub fn respond_with(&self, body: serde_json::Value) -> Response {
         let mut response = (self.status(), axum::Json(body)).into_response();
         if let Some(after) = self.retry_after() {
@@ -295,14 +295,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status(), axum::Json(self.detail())).into_response();
-        if let Some(after) = self.retry_after() {
-            let secs = after.as_secs().max(1);
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        response
+        self.respond_with(self.body())
     }
 }
 
