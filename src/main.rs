@@ -209,6 +209,11 @@ struct ServeArgs {
     /// Bearer KEY, or X-API-Key). Required to listen on anything but loopback.
     #[arg(long)]
     api_keys_file: Option<std::path::PathBuf>,
+    /// Most jobs one API key may have running or queued at once (429 key_quota past it).
+    /// Default: half of workers + queue with several keys (at least --max-batch-jobs),
+    /// no limit but the server's own with one key or none.
+    #[arg(long)]
+    key_max_jobs: Option<usize>,
     /// Append one JSON line per job and session cell to this file (`bud audit` reads it).
     #[arg(long)]
     audit_log: Option<std::path::PathBuf>,
@@ -543,6 +548,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             ..bud_server::config::SessionLimits::default()
         },
         templates: args.templates.clone(),
+        key_max_jobs: args.key_max_jobs,
         audit: args
             .audit_log
             .clone()

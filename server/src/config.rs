@@ -108,6 +108,9 @@ pub struct Config {
     /// The templates served, prepared in this order. A request without `template` gets
     /// [`DEFAULT_TEMPLATE`] when it is served, else the first.
     pub templates: Vec<String>,
+    /// Most jobs one API key may have admitted at once (`--key-max-jobs`); None: the
+    /// default, [`Config::key_quota`].
+    pub key_max_jobs: Option<usize>,
     /// API keys (`--api-keys-file`); None: the server is open (loopback only).
     pub api_keys: Option<std::sync::Arc<crate::keys::ApiKeys>>,
     /// The audit trail (`--audit-log`); None: no audit log.
@@ -129,6 +132,7 @@ impl Default for Config {
             limits: Limits::default(),
             sessions: SessionLimits::default(),
             templates: vec![DEFAULT_TEMPLATE.to_owned()],
+            key_max_jobs: None,
             api_keys: None,
             audit: None,
         }
@@ -160,6 +164,14 @@ pub enum ConfigError {
     Timeout { default: u64, max: u64 },
     #[error("max_batch_jobs ({batch}) must be 1..={capacity} (workers + queue)")]
     Batch { batch: usize, capacity: usize },
+    #[error(
+        "key_max_jobs ({quota}) must be at least max_batch_jobs ({batch}) and at most {capacity} (workers + queue)"
+    )]
+    KeyQuota {
+        quota: usize,
+        batch: usize,
+        capacity: usize,
+    },
     #[error("max_output_bytes must be at least 1")]
     Output,
     #[error("at least one template must be served")]
@@ -189,6 +201,21 @@ impl Config {
         self.workers + self.queue
     }
 
+    /// Most jobs one API key may have admitted at once: `--key-max-jobs`, or by default
+    /// half the capacity when several keys are configured (so one client leaves the other
+    /// half to the rest), at least a whole batch; the whole capacity with one key or none.
+    pub fn key_quota(&self) -> usize {
+        let keys = self.api_keys.as_ref().map_or(0, |k| k.len());
+        self.key_max_jobs.unwrap_or(if keys > 1 {
+            self.capacity()
+                .div_ceil(2)
+                .max(self.limits.max_batch_jobs)
+                .min(self.capacity())
+        } else {
+            self.capacity()
+        })
+    }
+
     pub fn retry_after(&self) -> Duration {
         Duration::from_secs(self.retry_after_s)
     }
@@ -216,6 +243,15 @@ impl Config {
         }
         if l.max_batch_jobs == 0 || l.max_batch_jobs > self.capacity() {
             return Err(ConfigError::Batch {
+                batch: l.max_batch_jobs,
+                capacity: self.capacity(),
+            });
+        }
+        if let Some(q) = self.key_max_jobs
+            && (q < l.max_batch_jobs || q > self.capacity())
+        {
+            return Err(ConfigError::KeyQuota {
+                quota: q,
                 batch: l.max_batch_jobs,
                 capacity: self.capacity(),
             });

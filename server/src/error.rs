@@ -56,6 +56,15 @@ pub enum ApiError {
         capacity: usize,
         retry_after: Duration,
     },
+    /// The request's API key has its quota of jobs admitted (429, `Retry-After`).
+    #[error(
+        "key {key} already has {quota} jobs running or queued, its quota (--key-max-jobs); retry later"
+    )]
+    KeyQuota {
+        key: String,
+        quota: usize,
+        retry_after: Duration,
+    },
     /// The template is still being built or loaded (503, `Retry-After`).
     #[error("template `{template}` is not ready yet (it is being built or loaded)")]
     NotReady {
@@ -177,7 +186,9 @@ impl ApiError {
             | ApiError::TooMany { .. }
             | ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded { .. } | ApiError::KeyQuota { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ApiError::NotReady { .. }
             | ApiError::ShuttingDown
             | ApiError::TemplateFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -209,6 +220,7 @@ impl ApiError {
             ApiError::Body(_) => "bad_body",
             ApiError::ContentType => "unsupported_media_type",
             ApiError::Overloaded { .. } => "overloaded",
+            ApiError::KeyQuota { .. } => "key_quota",
             ApiError::NotReady { .. } => "not_ready",
             ApiError::UnknownTemplate { .. } => "unknown_template",
             ApiError::TemplateFailed { .. } => "template_failed",
@@ -244,6 +256,7 @@ impl ApiError {
     fn retry_after(&self) -> Option<Duration> {
         match self {
             ApiError::Overloaded { retry_after, .. }
+            | ApiError::KeyQuota { retry_after, .. }
             | ApiError::NotReady { retry_after, .. }
             | ApiError::TooManySessions { retry_after, .. } => Some(*retry_after),
             _ => None,

@@ -1,9 +1,15 @@
 //! Admission and the job threads: where KVM work runs, away from the async runtime.
 //!
 //! - **Admission** is a counter of jobs in the system (running or waiting), capped at
-//!   `workers + queue`. [`JobThreads::admit`] takes `n` slots at once or none (a batch is
-//!   admitted whole), so a full server answers 429 at once instead of queueing without bound.
-//! - **Job threads**: `workers` plain OS threads take work from one channel and run it. Each
+//!   `workers + queue`, and one per API key, capped at the key's quota (`--key-max-jobs`).
+//!   [`JobThreads::admit`] takes `n` slots at once or none (a batch is admitted whole), so a
+//!   full server answers 429 at once instead of queueing without bound, and one client cannot
+//!   take every place.
+//! - **Fair order**: admitted work waits in one queue per key; the job threads serve the keys
+//!   round robin (one job of each waiting key in turn, each key's jobs in their order), so a
+//!   client with 30 jobs queued does not make another's one job wait behind all 30. Without
+//!   keys every request is the same client and the order is plain FIFO.
+//! - **Job threads**: `workers` plain OS threads take work from the queues and run it. Each
 //!   job runs one clone's vCPU on its job thread ([`vmm::Executor::run`] is synchronous); the
 //!   tokio workers only await a reply.
 //! - A [`Slot`] goes back when its work is done (or dropped unrun), whatever happened.
@@ -11,40 +17,102 @@
 //!
 //! This module never touches KVM itself and never blocks an async task.
 
+use std::collections::{HashMap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 type Work = Box<dyn FnOnce() + Send>;
 
+/// Who a job is for: an API key's name, or `None` without keys.
+pub type Client = Option<Arc<str>>;
+
+/// What admission and the job threads share.
 #[derive(Debug, Default)]
-struct Counters {
-    admitted: AtomicUsize,
+struct Shared {
     running: AtomicUsize,
-    closed: AtomicBool,
+    admitted: AtomicUsize,
+    state: Mutex<Queues>,
+    ready: Condvar,
+}
+
+/// Admitted counts and waiting work, by client.
+#[derive(Default)]
+struct Queues {
+    /// Slots held per client (running or waiting), for the per-key quota.
+    held: HashMap<Client, usize>,
+    /// Work waiting, per client.
+    waiting: HashMap<Client, VecDeque<(Slot, Work)>>,
+    /// Clients with waiting work, in the order they are served next.
+    turn: VecDeque<Client>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for Queues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queues")
+            .field("held", &self.held)
+            .field("turn", &self.turn)
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Queues {
+    fn push(&mut self, slot: Slot, work: Work) {
+        let q = self.waiting.entry(slot.client.clone()).or_default();
+        if q.is_empty() {
+            self.turn.push_back(slot.client.clone());
+        }
+        q.push_back((slot, work));
+    }
+
+    /// The next client's oldest work; that client goes to the back of the turn.
+    fn pop(&mut self) -> Option<(Slot, Work)> {
+        let client = self.turn.pop_front()?;
+        let q = self.waiting.get_mut(&client)?;
+        let next = q.pop_front();
+        if q.is_empty() {
+            self.waiting.remove(&client);
+        } else {
+            self.turn.push_back(client);
+        }
+        next
+    }
 }
 
 /// A fixed set of job threads behind an admission counter.
 #[derive(Debug)]
 pub struct JobThreads {
     capacity: usize,
-    counters: Arc<Counters>,
-    tx: Mutex<Option<Sender<(Slot, Work)>>>,
+    per_client: usize,
+    shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// One admitted job's place; handing it back happens on drop.
 #[derive(Debug)]
 pub struct Slot {
-    counters: Arc<Counters>,
+    shared: Arc<Shared>,
+    client: Client,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.counters.admitted.fetch_sub(1, Ordering::AcqRel);
+        let mut q = lock(&self.shared.state);
+        if let Some(n) = q.held.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                q.held.remove(&self.client);
+            }
+        }
+        self.shared.admitted.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+fn lock(m: &Mutex<Queues>) -> MutexGuard<'_, Queues> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Cancels its job when dropped while armed. Held by the request's future, or by its
@@ -76,72 +144,83 @@ impl Drop for CancelOnDrop {
 }
 
 /// Why work was not accepted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdmitError {
     #[error("all {0} job slots are taken")]
     Full(usize),
+    #[error("key {key} holds {quota} job slots, its quota")]
+    Quota { key: String, quota: usize },
     #[error("job threads are closed")]
     Closed,
 }
 
 impl JobThreads {
-    /// Starts `workers` job threads admitting up to `capacity` jobs at once.
-    pub fn start(workers: usize, capacity: usize) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::channel::<(Slot, Work)>();
-        let rx = Arc::new(Mutex::new(rx));
-        let counters = Arc::new(Counters::default());
+    /// Starts `workers` job threads admitting up to `capacity` jobs at once, and up to
+    /// `per_client` of them for one API key.
+    pub fn start(workers: usize, capacity: usize, per_client: usize) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared::default());
         let mut threads = Vec::with_capacity(workers);
         for i in 0..workers {
-            let rx = rx.clone();
-            let counters = counters.clone();
+            let shared = shared.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("bud-job-{i}"))
-                    .spawn(move || job_thread(&rx, &counters))?,
+                    .spawn(move || job_thread(&shared))?,
             );
         }
         Ok(Self {
             capacity,
-            counters,
-            tx: Mutex::new(Some(tx)),
+            per_client,
+            shared,
             threads: Mutex::new(threads),
         })
     }
 
-    /// Takes `n` slots, all or none.
-    pub fn admit(&self, n: usize) -> Result<Vec<Slot>, AdmitError> {
-        if self.counters.closed.load(Ordering::Acquire) {
+    /// Takes `n` slots for `client`, all or none.
+    pub fn admit(&self, client: Client, n: usize) -> Result<Vec<Slot>, AdmitError> {
+        let mut q = lock(&self.shared.state);
+        if q.closed {
             return Err(AdmitError::Closed);
         }
-        let taken =
-            self.counters
-                .admitted
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
-                    (now + n <= self.capacity).then_some(now + n)
-                });
-        if taken.is_err() {
+        // The key's own quota first: when both apply, that is the reason to give.
+        let held = q.held.get(&client).copied().unwrap_or(0);
+        if let Some(key) = &client
+            && held + n > self.per_client
+        {
+            return Err(AdmitError::Quota {
+                key: key.to_string(),
+                quota: self.per_client,
+            });
+        }
+        let now = self.shared.admitted.load(Ordering::Acquire);
+        if now + n > self.capacity {
             return Err(AdmitError::Full(self.capacity));
         }
+        q.held.insert(client.clone(), held + n);
+        self.shared.admitted.fetch_add(n, Ordering::AcqRel);
+        drop(q);
         Ok((0..n)
             .map(|_| Slot {
-                counters: self.counters.clone(),
+                shared: self.shared.clone(),
+                client: client.clone(),
             })
             .collect())
     }
 
-    /// Runs `work` on a job thread; the slot is released when it returns.
+    /// Runs `work` on a job thread in `slot`'s turn; the slot is released when it returns.
     pub fn spawn(
         &self,
         slot: Slot,
         work: impl FnOnce() + Send + 'static,
     ) -> Result<(), AdmitError> {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        match tx.as_ref() {
-            Some(tx) => tx
-                .send((slot, Box::new(work)))
-                .map_err(|_| AdmitError::Closed),
-            None => Err(AdmitError::Closed),
+        let mut q = lock(&self.shared.state);
+        if q.closed {
+            return Err(AdmitError::Closed);
         }
+        q.push(slot, Box::new(work));
+        drop(q);
+        self.shared.ready.notify_one();
+        Ok(())
     }
 
     /// Most jobs admitted at once.
@@ -149,14 +228,19 @@ impl JobThreads {
         self.capacity
     }
 
+    /// Most jobs admitted at once for one API key.
+    pub fn per_client(&self) -> usize {
+        self.per_client
+    }
+
     /// Jobs on a job thread now.
     pub fn running(&self) -> usize {
-        self.counters.running.load(Ordering::Relaxed)
+        self.shared.running.load(Ordering::Relaxed)
     }
 
     /// Jobs admitted and not yet on a job thread.
     pub fn queued(&self) -> usize {
-        self.counters
+        self.shared
             .admitted
             .load(Ordering::Relaxed)
             .saturating_sub(self.running())
@@ -164,8 +248,8 @@ impl JobThreads {
 
     /// Stops admitting; queued work still runs. Idempotent.
     pub fn close(&self) {
-        self.counters.closed.store(true, Ordering::Release);
-        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        lock(&self.shared.state).closed = true;
+        self.shared.ready.notify_all();
     }
 
     /// Closes and waits for the job threads to finish everything queued.
@@ -190,16 +274,23 @@ impl Drop for JobThreads {
     }
 }
 
-fn job_thread(rx: &Mutex<Receiver<(Slot, Work)>>, counters: &Counters) {
+fn job_thread(shared: &Shared) {
     loop {
-        let next = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-        let Ok((slot, work)) = next else {
-            return;
+        let mut q = lock(&shared.state);
+        let (slot, work) = loop {
+            if let Some(next) = q.pop() {
+                break next;
+            }
+            if q.closed {
+                return;
+            }
+            q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
         };
-        counters.running.fetch_add(1, Ordering::AcqRel);
+        shared.running.fetch_add(1, Ordering::AcqRel);
+        drop(q);
         // A panicking job drops its reply channel (the request gets a 500); the thread lives.
         let _ = catch_unwind(AssertUnwindSafe(work));
-        counters.running.fetch_sub(1, Ordering::AcqRel);
+        shared.running.fetch_sub(1, Ordering::AcqRel);
         drop(slot);
     }
 }
@@ -211,13 +302,13 @@ mod tests {
 
     #[test]
     fn admission_is_all_or_nothing_and_slots_come_back() {
-        let jobs = JobThreads::start(1, 3).unwrap();
+        let jobs = JobThreads::start(1, 3, 3).unwrap();
 
-        let two = jobs.admit(2).unwrap();
-        let too_many = jobs.admit(2);
-        let one = jobs.admit(1).unwrap();
+        let two = jobs.admit(None, 2).unwrap();
+        let too_many = jobs.admit(None, 2);
+        let one = jobs.admit(None, 1).unwrap();
         drop(two);
-        let again = jobs.admit(2);
+        let again = jobs.admit(None, 2);
 
         assert_eq!(too_many.unwrap_err(), AdmitError::Full(3));
         assert_eq!(one.len(), 1);
@@ -226,10 +317,10 @@ mod tests {
 
     #[test]
     fn work_runs_on_a_job_thread_and_releases_its_slot() {
-        let jobs = JobThreads::start(2, 2).unwrap();
+        let jobs = JobThreads::start(2, 2, 2).unwrap();
         let (tx, rx) = channel();
 
-        for slot in jobs.admit(2).unwrap() {
+        for slot in jobs.admit(None, 2).unwrap() {
             let tx = tx.clone();
             jobs.spawn(slot, move || {
                 let name = std::thread::current().name().unwrap_or("").to_string();
@@ -246,9 +337,9 @@ mod tests {
 
     #[test]
     fn a_panicking_job_does_not_kill_its_thread() {
-        let jobs = JobThreads::start(1, 2).unwrap();
+        let jobs = JobThreads::start(1, 2, 2).unwrap();
         let (tx, rx) = channel();
-        let mut slots = jobs.admit(2).unwrap();
+        let mut slots = jobs.admit(None, 2).unwrap();
 
         jobs.spawn(slots.pop().unwrap(), || panic!("job panicked"))
             .unwrap();
@@ -260,14 +351,72 @@ mod tests {
 
     #[test]
     fn closed_threads_admit_nothing_but_finish_queued_work() {
-        let jobs = JobThreads::start(1, 2).unwrap();
+        let jobs = JobThreads::start(1, 2, 2).unwrap();
         let (tx, rx) = channel();
-        let slot = jobs.admit(1).unwrap().pop().unwrap();
+        let slot = jobs.admit(None, 1).unwrap().pop().unwrap();
         jobs.spawn(slot, move || tx.send(1).unwrap()).unwrap();
 
         jobs.join();
 
-        assert_eq!(jobs.admit(1).unwrap_err(), AdmitError::Closed);
+        assert_eq!(jobs.admit(None, 1).unwrap_err(), AdmitError::Closed);
         assert_eq!(rx.recv().unwrap(), 1);
+    }
+
+    fn key(name: &str) -> Client {
+        Some(Arc::from(name))
+    }
+
+    #[test]
+    fn a_key_past_its_quota_is_refused_while_others_are_admitted() {
+        let jobs = JobThreads::start(1, 4, 2).unwrap();
+
+        let alice = jobs.admit(key("alice"), 2).unwrap();
+        let third = jobs.admit(key("alice"), 1);
+        let bob = jobs.admit(key("bob"), 2).unwrap();
+        let full = jobs.admit(key("carol"), 1);
+        drop(alice);
+        let alice_again = jobs.admit(key("alice"), 1);
+
+        assert_eq!(
+            third.unwrap_err(),
+            AdmitError::Quota {
+                key: "alice".into(),
+                quota: 2
+            }
+        );
+        assert_eq!(bob.len(), 2);
+        assert_eq!(full.unwrap_err(), AdmitError::Full(4));
+        assert_eq!(alice_again.map(|s| s.len()), Ok(1));
+    }
+
+    #[test]
+    fn waiting_work_is_served_round_robin_between_keys() {
+        let jobs = JobThreads::start(1, 8, 8).unwrap();
+        let (order_tx, order_rx) = channel();
+        let (gate_tx, gate_rx) = channel::<()>();
+        let (started_tx, started_rx) = channel();
+        // The one job thread is held by a job of alice's until the others are queued.
+        let first = jobs.admit(key("alice"), 1).unwrap().pop().unwrap();
+        jobs.spawn(first, move || {
+            started_tx.send(()).unwrap();
+            gate_rx.recv().unwrap();
+        })
+        .unwrap();
+        started_rx.recv().unwrap();
+        for name in ["alice-1", "alice-2", "alice-3", "bob-1", "bob-2", "carol-1"] {
+            let who = name.split('-').next().unwrap();
+            let slot = jobs.admit(key(who), 1).unwrap().pop().unwrap();
+            let tx = order_tx.clone();
+            jobs.spawn(slot, move || tx.send(name).unwrap()).unwrap();
+        }
+        drop(order_tx);
+
+        gate_tx.send(()).unwrap();
+        let order: Vec<&str> = order_rx.iter().collect();
+
+        assert_eq!(
+            order,
+            ["alice-1", "bob-1", "carol-1", "alice-2", "bob-2", "alice-3"]
+        );
     }
 }

@@ -94,6 +94,16 @@ impl ApiKeys {
         Ok(Self { keys })
     }
 
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Never true: a file without keys is refused.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
     /// The name of the key `presented` is, comparing with every key in constant time.
     pub fn name_of(&self, presented: &[u8]) -> Option<&str> {
         let mut found = None;

@@ -50,12 +50,14 @@ const STATUSES: [(Status, &str); 7] = [
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rejection {
     Overloaded,
+    KeyQuota,
     NotReady,
     ShuttingDown,
 }
 
-const REJECTIONS: [(Rejection, &str); 3] = [
+const REJECTIONS: [(Rejection, &str); 4] = [
     (Rejection::Overloaded, "overloaded"),
+    (Rejection::KeyQuota, "key_quota"),
     (Rejection::NotReady, "not_ready"),
     (Rejection::ShuttingDown, "shutting_down"),
 ];

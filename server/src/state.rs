@@ -81,8 +81,8 @@ impl AppState {
     /// A state with its job threads running; ready for jobs once it has an executor.
     pub fn new(config: Config, executor: Option<Arc<Executor>>) -> Result<Self, StateError> {
         config.validate()?;
-        let jobs =
-            JobThreads::start(config.workers, config.capacity()).map_err(StateError::Threads)?;
+        let jobs = JobThreads::start(config.workers, config.capacity(), config.key_quota())
+            .map_err(StateError::Threads)?;
         let templates: Vec<Served> = config
             .templates
             .iter()
@@ -260,7 +260,8 @@ impl AppState {
             .collect()
     }
 
-    /// `n` admission slots, or 429 (full) / 503 (shutting down).
+    /// `n` admission slots for the current request's key, or 429 (full, or the key's
+    /// quota) / 503 (shutting down).
     pub fn admit(&self, n: usize) -> Result<Vec<Slot>, ApiError> {
         if self
             .audit()
@@ -272,7 +273,11 @@ impl AppState {
                     .unwrap_or_default(),
             ));
         }
-        self.0.jobs.admit(n).map_err(|e| self.admit_error(e))
+        let client = crate::audit::current_key().map(std::sync::Arc::from);
+        self.0
+            .jobs
+            .admit(client, n)
+            .map_err(|e| self.admit_error(e))
     }
 
     /// Runs `work` on a job thread in `slot`.
@@ -289,6 +294,14 @@ impl AppState {
                 self.metrics().rejected(Rejection::Overloaded);
                 ApiError::Overloaded {
                     capacity,
+                    retry_after: self.config().retry_after(),
+                }
+            }
+            AdmitError::Quota { key, quota } => {
+                self.metrics().rejected(Rejection::KeyQuota);
+                ApiError::KeyQuota {
+                    key,
+                    quota,
                     retry_after: self.config().retry_after(),
                 }
             }
