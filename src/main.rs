@@ -197,6 +197,10 @@ struct ServeArgs {
     /// Time a request body may take to arrive, in milliseconds (then 408).
     #[arg(long, default_value_t = bud_server::Limits::default().body_timeout_ms)]
     body_timeout_ms: u64,
+    /// Time a request's line and headers may take to arrive, in milliseconds (then 408; a
+    /// keep-alive connection idle that long is closed).
+    #[arg(long, default_value_t = bud_server::Limits::default().header_timeout_ms)]
+    header_timeout_ms: u64,
     /// The templates to serve, comma-separated, prepared in this order at start (`python`,
     /// `datascience`: guest/image/templates/). Jobs and sessions choose one with
     /// `template`; without it they get `python` if served, else the first.
@@ -536,6 +540,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_batch_jobs: args.max_batch_jobs,
             max_body_bytes: args.max_body_bytes,
             body_timeout_ms: args.body_timeout_ms,
+            header_timeout_ms: args.header_timeout_ms,
         },
         sessions: bud_server::config::SessionLimits {
             max_sessions: args.max_sessions,

@@ -57,7 +57,10 @@ pub async fn read_limited(
 ) -> Result<Vec<u8>, ApiError> {
     tokio::time::timeout(timeout, read_all(body, limit))
         .await
-        .map_err(|_| ApiError::RequestTimeout(timeout))?
+        .map_err(|_| ApiError::RequestTimeout {
+            part: "body",
+            after: timeout,
+        })?
 }
 
 async fn read_all(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {

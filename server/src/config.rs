@@ -29,11 +29,18 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Time a request body may take to arrive, milliseconds (then 408).
     pub body_timeout_ms: u64,
+    /// Time a request's head (request line and headers) may take to arrive, milliseconds
+    /// (then 408; a connection idle that long between requests is closed).
+    pub header_timeout_ms: u64,
 }
 
 impl Limits {
     pub fn body_timeout(&self) -> Duration {
         Duration::from_millis(self.body_timeout_ms)
+    }
+
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.header_timeout_ms)
     }
 }
 
@@ -49,6 +56,7 @@ impl Default for Limits {
             max_batch_jobs: 16,
             max_body_bytes: 16 << 20,
             body_timeout_ms: 30_000,
+            header_timeout_ms: 10_000,
         }
     }
 }
@@ -172,6 +180,8 @@ pub enum ConfigError {
         batch: usize,
         capacity: usize,
     },
+    #[error("the header and body timeouts must be at least 1 ms")]
+    RequestTimes,
     #[error("max_output_bytes must be at least 1")]
     Output,
     #[error("at least one template must be served")]
@@ -258,6 +268,9 @@ impl Config {
         }
         if l.max_output_bytes == 0 {
             return Err(ConfigError::Output);
+        }
+        if l.header_timeout_ms == 0 || l.body_timeout_ms == 0 {
+            return Err(ConfigError::RequestTimes);
         }
         let s = &self.sessions;
         let ordered = |default: u64, max: u64| default >= 1 && default <= max;

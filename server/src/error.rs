@@ -118,9 +118,13 @@ pub enum ApiError {
     /// `--audit-required` and the audit log cannot be written (503).
     #[error("the audit log cannot be written, so no job runs: {0}")]
     AuditUnavailable(String),
-    /// The request body did not arrive in time (408).
-    #[error("the request body did not arrive within {0:?}")]
-    RequestTimeout(std::time::Duration),
+    /// The request's head or body did not arrive in time (408).
+    #[error("the request {part} did not arrive within {after:?}")]
+    RequestTimeout {
+        /// `headers` or `body`.
+        part: &'static str,
+        after: std::time::Duration,
+    },
     /// Keys are configured and the request presented none of them (401).
     #[error("a valid API key is required (Authorization: Bearer KEY, or X-API-Key: KEY)")]
     Unauthorized,
@@ -202,7 +206,7 @@ impl ApiError {
             ApiError::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::AuditUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::SandboxGone(_) => StatusCode::BAD_GATEWAY,
             ApiError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
@@ -234,7 +238,7 @@ impl ApiError {
             ApiError::NoFile(_) => "no_file",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Unauthorized => "unauthorized",
-            ApiError::RequestTimeout(_) => "request_timeout",
+            ApiError::RequestTimeout { .. } => "request_timeout",
             ApiError::AuditUnavailable(_) => "audit_unavailable",
             ApiError::SandboxGone(_) => "sandbox_gone",
             ApiError::Internal { .. } => "internal",

@@ -3,7 +3,7 @@
 //! - [`app`] builds the axum [`Router`] over an [`AppState`] (tested without a socket through
 //!   `tower::ServiceExt::oneshot`); [`serve`] runs it on a listener until a shutdown future
 //!   resolves, then lets in-flight jobs finish; [`run`] is the whole `bud serve`.
-//! - One module per concern: [`config`] (knobs and limits), [`api`] (JSON shapes and request
+//! - One module per concern: [`conn`] (the accept loop, slow clients), [`config`] (knobs and limits), [`api`] (JSON shapes and request
 //!   checks), [`body`] (reading JSON bodies), [`error`] (status codes and error bodies),
 //!   [`jobs`] (admission and the job threads), [`routes`] and [`stream`] (handlers),
 //!   [`metrics`] (Prometheus text), [`openapi`] (the API document), [`state`], [`startup`].
@@ -16,6 +16,7 @@ pub mod audit;
 pub mod body;
 pub mod compat;
 pub mod config;
+pub mod conn;
 pub mod error;
 pub mod jobs;
 pub mod keys;
@@ -36,7 +37,6 @@ use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 
 pub use config::{Config, Limits};
 pub use error::ApiError;
@@ -123,14 +123,9 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Small JSON answers: do not let Nagle hold them back waiting for an ACK.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     let reaper = tokio::spawn(session_routes::reaper(state.clone()));
-    axum::serve(listener, app(state.clone()))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let header_timeout = state.config().limits.header_timeout();
+    conn::serve_connections(listener, app(state.clone()), header_timeout, shutdown).await;
     reaper.abort();
     // Every request has its answer; jobs of clients that left may still be queued.
     let drained = state.clone();

@@ -266,3 +266,58 @@ fn a_body_trickled_past_the_time_limit_is_408_and_the_server_keeps_serving() {
     assert!(text.contains("\"code\":\"request_timeout\""), "{text}");
     s.assert_still_serving();
 }
+
+#[test]
+fn headers_trickled_past_the_time_limit_are_408_and_an_idle_connection_is_closed_silently() {
+    let mut config = test_config();
+    config.limits.header_timeout_ms = 300;
+    let s = TestServer::with_config(config);
+    let timeout = Some(std::time::Duration::from_secs(30));
+
+    // A request line and one header, then a byte every 50 ms: past 300 ms it is cut off.
+    let mut slow = TcpStream::connect(s.addr).unwrap();
+    slow.set_read_timeout(timeout).unwrap();
+    write!(slow, "POST /v1/exec HTTP/1.1\r\nhost: x\r\n").unwrap();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    for b in b"x-slow: 0123456789012345678901234567890123456789"
+        .iter()
+        .cycle()
+    {
+        // Ends when the server closes the connection; a write to it may then fail.
+        slow.set_nonblocking(true).unwrap();
+        match slow.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("{e}: {answer:?}"),
+        }
+        slow.set_nonblocking(false).unwrap();
+        if slow.write_all(&[*b]).is_err() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    slow.set_nonblocking(false).unwrap();
+    let _ = slow.read_to_end(&mut answer);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.starts_with("HTTP/1.1 408 Request Timeout\r\n"),
+        "{text}"
+    );
+    assert!(text.contains("connection: close\r\n"), "{text}");
+    let body: serde_json::Value =
+        serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"error": {"code": "request_timeout", "field": null,
+            "message": "the request headers did not arrive within 300ms"}})
+    );
+
+    // A connection that never sends anything is closed without an answer.
+    let mut idle = TcpStream::connect(s.addr).unwrap();
+    idle.set_read_timeout(timeout).unwrap();
+    let mut nothing = Vec::new();
+    assert_eq!(idle.read_to_end(&mut nothing).unwrap(), 0);
+    s.assert_still_serving();
+}
