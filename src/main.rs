@@ -218,6 +218,10 @@ struct ServeArgs {
     /// no limit but the server's own with one key or none.
     #[arg(long)]
     key_max_jobs: Option<usize>,
+    /// On SIGINT/SIGTERM: seconds running and queued jobs get to finish before they are
+    /// cancelled (their clients get `cancelled`).
+    #[arg(long, default_value_t = bud_server::Config::default().shutdown_grace_s)]
+    shutdown_grace_s: u64,
     /// Append one JSON line per job and session cell to this file (`bud audit` reads it).
     #[arg(long)]
     audit_log: Option<std::path::PathBuf>,
@@ -554,6 +558,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         },
         templates: args.templates.clone(),
         key_max_jobs: args.key_max_jobs,
+        shutdown_grace_s: args.shutdown_grace_s,
         audit: args
             .audit_log
             .clone()

@@ -149,6 +149,31 @@ fn an_infinite_loop_times_out_and_the_next_clone_is_fine() {
     assert_eq!(text(&next.stdout), "alive\n");
 }
 
+/// Output written below Python's level before a timeout comes back with the timeout: the
+/// host interrupts the job first and the worker collects the capture as the job ends.
+#[test]
+fn fd_level_output_before_a_timeout_comes_back_with_it() {
+    let mut sh = Job::shell("echo before; echo err >&2; while :; do :; done");
+    sh.timeout = Duration::from_millis(1500);
+    let mut py = Job::python("import os\nos.write(1, b'before\\n')\nwhile True: pass");
+    py.timeout = Duration::from_millis(1500);
+
+    let (sh, py) = (run(&sh), run(&py));
+
+    assert_eq!(sh.status, Status::Timeout, "{sh:?}");
+    assert_eq!(
+        (text(&sh.stdout), text(&sh.stderr)),
+        ("before\n".into(), "err\n".into())
+    );
+    assert_eq!(py.status, Status::Timeout, "{py:?}");
+    assert_eq!(text(&py.stdout), "before\n");
+    assert!(
+        text(&py.stderr).ends_with("KeyboardInterrupt\n"),
+        "{}",
+        text(&py.stderr)
+    );
+}
+
 #[test]
 fn output_past_the_cap_stops_the_job_with_output_limit() {
     let mut j = Job::python("while True: print('x' * 1000)");
@@ -158,6 +183,53 @@ fn output_past_the_cap_stops_the_job_with_output_limit() {
 
     assert_eq!(r.status, Status::OutputLimit);
     assert!(r.stdout.len() <= 10_000);
+}
+
+/// Output below Python's level lands in a capture file system bounded at the job's cap
+/// (plus a slack): a flood there ends when the writer gets ENOSPC, as `output_limit` with
+/// the cap's worth of output, not at the timeout (the old capture on /tmp grew until the
+/// timeout or the guest's RAM ran out, and a timeout returned none of it).
+#[test]
+fn a_shell_flood_ends_at_the_cap_with_output_limit_not_at_the_timeout() {
+    for code in ["yes", "cat /dev/zero"] {
+        let mut j = Job::shell(code);
+        j.output_limit = 64 << 10;
+        j.timeout = Duration::from_secs(60);
+
+        let r = run(&j);
+
+        assert_eq!(r.status, Status::OutputLimit, "{code}: {r:?}");
+        assert_eq!(r.stdout.len() + r.stderr.len(), 64 << 10, "{code}");
+        let byte = if code == "yes" {
+            b"y\n" as &[u8]
+        } else {
+            b"\0"
+        };
+        assert!(r.stdout.starts_with(byte), "{code}");
+    }
+}
+
+#[test]
+fn an_fd_level_flood_from_python_ends_at_the_cap() {
+    let mut j = Job::python("import os\nwhile True: os.write(1, b'z' * 65536)");
+    j.output_limit = 100_000;
+    j.timeout = Duration::from_secs(60);
+
+    let r = run(&j);
+
+    assert_eq!(r.status, Status::OutputLimit, "{r:?}");
+    assert_eq!(r.stdout.len() + r.stderr.len(), 100_000);
+    assert!(r.stdout.iter().all(|&b| b == b'z'));
+}
+
+#[test]
+fn output_below_the_cap_at_fd_level_is_not_cut() {
+    // 3 MiB through a child process with the default cap: the capture holds it all.
+    let r =
+        python("import subprocess\nsubprocess.run(['/bin/sh', '-c', 'head -c 3145728 /dev/zero'])");
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(r.stdout.len(), 3 << 20);
 }
 
 #[test]

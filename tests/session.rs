@@ -212,6 +212,68 @@ fn a_cell_over_the_output_cap_is_interrupted_and_the_session_goes_on() {
     s.end(&ex);
 }
 
+/// A session's cells keep appending to the same capture files: what was copied out is
+/// freed, so fd-level output adding up past the capture's bound (default cap + slack) in
+/// several cells is never cut, and a cell with a smaller cap still gets its own bound.
+#[test]
+fn fd_level_output_of_many_cells_adds_up_past_the_capture_bound() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let mut lengths = Vec::new();
+    for _ in 0..4 {
+        // 3 MiB each: 12 MiB in all, over the 8 MiB + 64 KiB capture file system.
+        let r = cell(
+            &mut s,
+            &ex,
+            "import os\nfor _ in range(48): os.write(1, b'q' * 65536)",
+        );
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        lengths.push(r.stdout.len());
+    }
+    let mut small = Job::python("import os\nwhile True: os.write(1, b'w' * 4096)");
+    small.output_limit = 20_000;
+    let flood = s
+        .exec(&ex, &small, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    let after = cell(&mut s, &ex, "import os\nos.write(1, b'still here\\n')");
+
+    assert_eq!(lengths, [3 << 20; 4]);
+    assert_eq!(flood.status, Status::OutputLimit);
+    assert_eq!(flood.stdout.len() + flood.stderr.len(), 20_000);
+    assert_eq!(after.stdout, b"still here\n");
+    assert!(s.usable());
+    s.end(&ex);
+}
+
+#[test]
+fn a_shell_cell_past_its_timeout_keeps_its_output_and_the_session_goes_on() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let mut looping = Job::shell("echo started; while :; do :; done");
+    looping.timeout = Duration::from_millis(1000);
+
+    let r = s
+        .exec(&ex, &looping, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    let next = s
+        .exec(
+            &ex,
+            &Job::shell("echo next"),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+
+    assert_eq!(r.status, Status::Timeout);
+    assert_eq!(text(&r.stdout), "started\n");
+    assert_eq!(
+        (next.status, text(&next.stdout)),
+        (Status::Ok, "next\n".into())
+    );
+    assert!(s.usable());
+    s.end(&ex);
+}
+
 #[test]
 fn a_cell_that_ignores_the_interrupt_ends_the_session() {
     let ex = executor();

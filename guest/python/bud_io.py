@@ -19,7 +19,14 @@ What this module owns
   before READY and empty in the template. fd-level output (``os.write(1, ...)``, a
   subprocess, ``os.system``, a shell job) lands in them and is copied into the areas by
   :meth:`FdCapture.sync`: one ``fstat`` per stream, plus one ``preadv`` straight into the
-  area when the file grew. The job's stdin is written to the stdin file (one ``pwrite``
+  area when the file grew. In a guest the files live on their own tmpfs,
+  :data:`CAPTURE_DIR`, sized to the request's output cap plus ``CAPTURE_SLACK`` (resized,
+  one remount, only for a request whose cap differs from the last one's): a writer that
+  floods fd 1 or 2 gets ``ENOSPC`` once the cap is passed, the job ends, and the host, seeing
+  more than the cap, says ``output_limit`` (a shell's ``head -c 100000000 /dev/zero`` used to
+  fill the guest's RAM page by page until its timeout). What was copied out is freed
+  (``punch_hole``, once :data:`PUNCH_EVERY` bytes were copied), so a session's files never
+  fill that file system with output already delivered. The job's stdin is written to the stdin file (one ``pwrite``
   from the mailbox) only when something below Python's level may read fd 0.
 
 When fd-level output is collected (the zero-syscall rule)
@@ -68,6 +75,13 @@ import _bud
 # Output pending for this long (since the last FLUSH or the job's start) is pushed to the
 # host by the next write or flush. Bounds doorbells to ~20 a second while streaming.
 STREAM_INTERVAL = 0.05
+
+# Where the capture files live in a guest: a tmpfs of its own, mounted by the agent
+# (guest/agent/src/mounts.rs) at the default cap plus the slack.
+CAPTURE_DIR = "/run/bud-output"
+# Bytes copied out of a capture file before the copied part is freed.
+PUNCH_EVERY = 1 << 20
+_PAGE = 4096
 
 STDOUT, STDERR = 0, 1
 
@@ -445,8 +459,11 @@ class FdCapture:
     """fds 0, 1, 2 of this process as anonymous files, and copying what lands in 1 and 2
     into the output areas (see the module docs for when)."""
 
-    def __init__(self, directory="/tmp", clock=time.perf_counter):
+    def __init__(self, directory="/tmp", clock=time.perf_counter, bounded=False):
         self._clock = clock
+        self._directory = directory
+        # Size of the bounded capture file system (None: not bounded, e.g. /tmp in tests).
+        self._size = _bud.DEFAULT_OUTPUT_LIMIT + _bud.CAPTURE_SLACK if bounded else None
         # Saved before the redirection: the console (worker diagnostics, crash dumps).
         self.console_out = os.dup(1)
         self.console_err = os.dup(2)
@@ -459,16 +476,28 @@ class FdCapture:
         for fd, target in ((self.stdin_fd, 0), (self._fds[0], 1), (self._fds[1], 2)):
             os.dup2(fd, target)  # inheritable: every process a job starts gets them
         self._consumed = [0, 0]
+        self._punched = [0, 0]  # bytes at the start of each file already freed
         self.dirty = [False, False]  # per stream: fd-level output may be waiting
         self._last_sync = [0.0, 0.0]
         self.sticky = False
         self._stdin_source = None  # a StdinReader while a job runs
         self._stdin_done = False
 
-    def begin(self, stdin_reader):
-        """A job starts: ``stdin_reader`` holds its stdin (written to fd 0 on demand)."""
+    def begin(self, stdin_reader, output_limit=0):
+        """A job starts: ``stdin_reader`` holds its stdin (written to fd 0 on demand), and
+        its output cap bounds the capture file system (0: leave it as it is)."""
         self._stdin_source = stdin_reader
         self._stdin_done = False
+        if self._size is not None and output_limit:
+            size = -(-(output_limit + _bud.CAPTURE_SLACK) // _PAGE) * _PAGE
+            if size != self._size:
+                try:
+                    _bud.resize_tmpfs(self._directory, size)
+                    self._size = size
+                except OSError:
+                    # Smaller than what a session's files still hold unread: keep the
+                    # larger bound (the host enforces the cap itself in any case).
+                    pass
 
     def reset(self):
         """Back to empty files (between warm-up jobs; a clone never needs this)."""
@@ -476,6 +505,7 @@ class FdCapture:
             os.ftruncate(fd, 0)
         os.lseek(self.stdin_fd, 0, os.SEEK_SET)
         self._consumed = [0, 0]
+        self._punched = [0, 0]
         self.dirty = [False, False]
         self.sticky = False
         self._stdin_source = None
@@ -521,12 +551,16 @@ class FdCapture:
             self._last_sync[stream] = self._clock()
         size = os.fstat(fd).st_size
         if size < self._consumed[stream]:
-            self._consumed[stream] = 0  # truncated (`: > /dev/stdout`): start again
+            # truncated (`: > /dev/stdout`): start again
+            self._consumed[stream] = self._punched[stream] = 0
         count = size - self._consumed[stream]
         if count > 0:
             self._consumed[stream] += areas.fill_from_fd(
                 stream, fd, self._consumed[stream], count
             )
+            if self._consumed[stream] - self._punched[stream] >= PUNCH_EVERY:
+                _bud.punch_hole(fd, self._consumed[stream])
+                self._punched[stream] = self._consumed[stream]
 
     def sync_all(self, areas):
         """Both streams, if there may be anything (the job's end, os._exit)."""

@@ -74,7 +74,7 @@ MARKS = bud_io.MARKS  # timing marks of the job path (see bud_io)
 # LANGUAGE, CODE_LEN, STDIN_LEN, ARGC, ARGS_LEN, ENVC, ENV_LEN: seven adjacent u32s.
 _REQUEST_HEADER = struct.Struct("<7I")
 assert _bud.JOB_ENV_LEN == _bud.JOB_LANGUAGE + 6 * 4
-_WALL_CLOCK = struct.Struct("<Q")
+_WALL_CLOCK = struct.Struct("<Q")  # also the output limit's u64
 # MODE, FLAGS, SEQUENCE, FILE_OP: four adjacent u32s.
 _REQUEST_KIND = struct.Struct("<4I")
 _U32 = struct.Struct("<I")
@@ -99,10 +99,11 @@ class Request:
     (not copied); the rest are bytes, args and env as lists."""
 
     __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed", "mode",
-                 "flags", "sequence", "file_op", "namespace")
+                 "flags", "sequence", "file_op", "namespace", "output_limit")
 
     def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b"",
-                 mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0, namespace=0):
+                 mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0, namespace=0,
+                 output_limit=0):
         self.language = language
         self.code = code
         self.stdin = memoryview(stdin)
@@ -115,6 +116,7 @@ class Request:
         self.sequence = sequence
         self.file_op = file_op
         self.namespace = namespace
+        self.output_limit = output_limit  # 0: not given (the capture keeps its size)
 
     @property
     def reseed(self):
@@ -141,8 +143,9 @@ class Request:
         seed = bytes(view[_bud.JOB_SEED : _bud.JOB_SEED + _bud.JOB_SEED_LEN])
         mode, flags, sequence, file_op = _REQUEST_KIND.unpack_from(view, _bud.JOB_MODE)
         (namespace,) = _U32.unpack_from(view, _bud.JOB_NAMESPACE)
+        (output_limit,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_OUTPUT_LIMIT)
         return cls(language, code, stdin, args, env, wall_clock_ns, seed, mode, flags,
-                   sequence, file_op, namespace)
+                   sequence, file_op, namespace, output_limit)
 
 
 class Identity:
@@ -253,7 +256,8 @@ class JobRunner:
         self.view = view
         self.ring = _from_any_thread(ring) if ring is _bud.ring else ring
         self.areas = bud_io.Areas(view, self.ring, clock)
-        self.capture = bud_io.FdCapture(capture_dir, clock)
+        self.capture = bud_io.FdCapture(capture_dir, clock,
+                                        bounded=capture_dir == bud_io.CAPTURE_DIR)
         self.areas.capture = self.capture
         self.identity = Identity(identity)
         self.text_settings = bud_io.python_text_settings()
@@ -401,7 +405,7 @@ class JobRunner:
     def _run(self, request, context, warm=False):
         self._current = context
         context.streams.reader.attach(request.stdin, self.capture)
-        self.capture.begin(context.streams.reader)
+        self.capture.begin(context.streams.reader, request.output_limit)
         self.active = True
         self.areas.start()
         MARKS["started"] = time.perf_counter()
@@ -513,17 +517,26 @@ class JobRunner:
             return _bud.OUTCOME_EXITED, 2
         self.capture.materialize_stdin()
         self.capture.mark_sticky()
-        result = None
-        if self.shell.parked:
-            seed = int.from_bytes(request.seed[:4], "little") & 0x7FFFFFFF
-            script = bud_shell.job_script(request.code, request.args, request.env, seed)
-            if request.mode == _bud.MODE_CELL:  # where the session's cells have gone
-                script = b"cd -- " + bud_shell.quote(os.getcwdb()) + b" || exit\n" + script
-            result = self.shell.run(script, self.areas)
-        if result is None:
-            waiter = bud_shell.spawn_shell(self.shell_path, request.code, request.args,
-                                           request.env)
-            result = waiter.wait(self.areas)
+        result = waiter = None
+        try:
+            if self.shell.parked:
+                seed = int.from_bytes(request.seed[:4], "little") & 0x7FFFFFFF
+                script = bud_shell.job_script(request.code, request.args, request.env, seed)
+                if request.mode == _bud.MODE_CELL:  # where the session's cells have gone
+                    script = b"cd -- " + bud_shell.quote(os.getcwdb()) + b" || exit\n" + script
+                result = self.shell.run(script, self.areas)
+            if result is None:
+                waiter = bud_shell.spawn_shell(self.shell_path, request.code, request.args,
+                                               request.env)
+                result = waiter.wait(self.areas)
+        except KeyboardInterrupt:
+            # The host's interrupt (past the timeout, or over the output cap): stop the
+            # shell and keep what it wrote; the host gives the status.
+            if waiter is None:
+                self.shell.retire()
+            else:
+                bud_shell.kill(waiter)
+            result = _bud.OUTCOME_SIGNALED, signal.SIGINT
         self.areas.streaming = False
         self.capture.sync_all(self.areas)
         return result

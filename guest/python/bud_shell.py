@@ -319,6 +319,22 @@ class ParkedShell:
         self.waiter.reaped = True
 
 
+def kill(waiter):
+    """Kills and reaps the shell ``waiter`` waits for (through its pidfd: safe against a
+    reused pid)."""
+    if waiter.reaped:
+        return
+    try:
+        signal.pidfd_send_signal(waiter.pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        posix.waitpid(waiter.pid, 0)
+    except ChildProcessError:
+        pass
+    waiter.reaped = True
+
+
 def spawn_shell(path, code, args, env):
     """``sh -c CODE sh ARG...`` as a new process, environment = ours plus ``env``; returns
     a :class:`Waiter` for it (the fallback path, ~0.2 s of spawn in the guest)."""

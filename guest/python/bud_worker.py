@@ -53,6 +53,7 @@ import sys
 import time
 
 import _bud
+import bud_io
 import bud_jobs
 
 # Exit statuses (the agent forwards the wait status in FAILED(WORKER_EXITED, status)).
@@ -305,7 +306,10 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
             _bud.start_interrupt_watcher()
         except OSError as error:
             interrupts = f"no interrupt watcher ({error}); session cells cannot be interrupted"
-    runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell)
+    # In a guest the capture files live on their own bounded tmpfs (the agent mounts it).
+    capture_dir = bud_io.CAPTURE_DIR if doorbell else "/tmp"
+    runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell,
+                                capture_dir=capture_dir)
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err
     job_problems = runner.prepare()
     if interrupts:

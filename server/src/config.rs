@@ -111,6 +111,8 @@ pub struct Config {
     pub verify_resets: bool,
     /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
     pub retry_after_s: u64,
+    /// How long a shutdown lets running and queued jobs finish before it cancels them.
+    pub shutdown_grace_s: u64,
     pub limits: Limits,
     pub sessions: SessionLimits,
     /// The templates served, prepared in this order. A request without `template` gets
@@ -137,6 +139,7 @@ impl Default for Config {
             reuse: vmm::Reuse::Warm,
             verify_resets: false,
             retry_after_s: 1,
+            shutdown_grace_s: 10,
             limits: Limits::default(),
             sessions: SessionLimits::default(),
             templates: vec![DEFAULT_TEMPLATE.to_owned()],

@@ -47,6 +47,9 @@ struct Queues {
     /// Clients with waiting work, in the order they are served next.
     turn: VecDeque<Client>,
     closed: bool,
+    /// The cancel handles of the jobs admitted and not yet answered, by ticket.
+    cancels: HashMap<u64, vmm::Cancel>,
+    next_ticket: u64,
 }
 
 impl std::fmt::Debug for Queues {
@@ -55,6 +58,7 @@ impl std::fmt::Debug for Queues {
             .field("held", &self.held)
             .field("turn", &self.turn)
             .field("closed", &self.closed)
+            .field("cancels", &self.cancels.len())
             .finish_non_exhaustive()
     }
 }
@@ -115,30 +119,55 @@ fn lock(m: &Mutex<Queues>) -> MutexGuard<'_, Queues> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A running or waiting job's [`vmm::Cancel`], known to its [`JobThreads`] until dropped (so
+/// that a shutdown can cancel everything still running after its grace period).
+#[derive(Debug)]
+pub struct Tracked {
+    cancel: vmm::Cancel,
+    id: u64,
+    shared: Arc<Shared>,
+}
+
+impl Tracked {
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        lock(&self.shared.state).cancels.remove(&self.id);
+    }
+}
+
 /// Cancels its job when dropped while armed. Held by the request's future, or by its
 /// response stream: a client that goes away drops them, which cancels what it asked for
 /// ([`vmm::Cancel`]: the vCPU is kicked, the job ends `cancelled`, the worker is free).
 #[derive(Debug)]
-pub struct CancelOnDrop(Option<vmm::Cancel>);
+pub struct CancelOnDrop {
+    tracked: Tracked,
+    armed: bool,
+}
 
 impl CancelOnDrop {
     /// A new handle for `job`, armed.
-    pub fn for_job(job: &mut vmm::Job) -> Self {
-        let c = vmm::Cancel::new();
-        job.cancel = Some(c.clone());
-        Self(Some(c))
+    pub fn for_job(jobs: &JobThreads, job: &mut vmm::Job) -> Self {
+        Self {
+            tracked: jobs.track(job),
+            armed: true,
+        }
     }
 
     /// The job's answer went out: nothing to cancel any more.
     pub fn disarm(&mut self) {
-        self.0 = None;
+        self.armed = false;
     }
 }
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
-        if let Some(c) = self.0.take() {
-            c.cancel();
+        if self.armed {
+            self.tracked.cancel();
         }
     }
 }
@@ -221,6 +250,32 @@ impl JobThreads {
         drop(q);
         self.shared.ready.notify_one();
         Ok(())
+    }
+
+    /// Gives `job` a cancel handle known to these job threads until the result is dropped.
+    pub fn track(&self, job: &mut vmm::Job) -> Tracked {
+        let cancel = vmm::Cancel::new();
+        job.cancel = Some(cancel.clone());
+        let mut q = lock(&self.shared.state);
+        q.next_ticket += 1;
+        let id = q.next_ticket;
+        q.cancels.insert(id, cancel.clone());
+        drop(q);
+        Tracked {
+            cancel,
+            id,
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Cancels every tracked job, running or waiting (a shutdown past its grace period);
+    /// returns how many there were.
+    pub fn cancel_all(&self) -> usize {
+        let all: Vec<vmm::Cancel> = lock(&self.shared.state).cancels.values().cloned().collect();
+        for c in &all {
+            c.cancel();
+        }
+        all.len()
     }
 
     /// Most jobs admitted at once.
@@ -418,5 +473,27 @@ mod tests {
             order,
             ["alice-1", "bob-1", "carol-1", "alice-2", "bob-2", "alice-3"]
         );
+    }
+
+    #[test]
+    fn cancel_all_reaches_every_tracked_job_and_only_those() {
+        let jobs = JobThreads::start(1, 4, 4).unwrap();
+        let (mut a, mut b, mut c) = (
+            vmm::Job::python("1"),
+            vmm::Job::python("2"),
+            vmm::Job::python("3"),
+        );
+        let ta = jobs.track(&mut a);
+        let tb = CancelOnDrop::for_job(&jobs, &mut b);
+        let tc = jobs.track(&mut c);
+        drop(tc); // answered: no longer tracked
+
+        let n = jobs.cancel_all();
+
+        assert_eq!(n, 2);
+        let cancelled = |j: &vmm::Job| j.cancel.as_ref().unwrap().is_cancelled();
+        assert!(cancelled(&a) && cancelled(&b) && !cancelled(&c));
+        drop((ta, tb));
+        assert_eq!(jobs.cancel_all(), 0);
     }
 }

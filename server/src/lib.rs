@@ -125,6 +125,25 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let reaper = tokio::spawn(session_routes::reaper(state.clone()));
     let header_timeout = state.config().limits.header_timeout();
+    // Once the shutdown starts, running and queued jobs get the grace period to finish;
+    // then whatever is left is cancelled, so their requests end and the server stops.
+    let (started, start) = tokio::sync::oneshot::channel::<()>();
+    let grace = std::time::Duration::from_secs(state.config().shutdown_grace_s);
+    let late = state.clone();
+    let canceller = tokio::spawn(async move {
+        if start.await.is_ok() {
+            tokio::time::sleep(grace).await;
+            let n = late.jobs().cancel_all();
+            tracing::info!(
+                jobs = n,
+                "shutdown grace period over: cancelled what still ran"
+            );
+        }
+    });
+    let shutdown = async move {
+        shutdown.await;
+        let _ = started.send(());
+    };
     conn::serve_connections(listener, app(state.clone()), header_timeout, shutdown).await;
     reaper.abort();
     // Every request has its answer; jobs of clients that left may still be queued.
@@ -135,6 +154,7 @@ pub async fn serve(
     })
     .await
     .map_err(std::io::Error::other)?;
+    canceller.abort();
     Ok(())
 }
 

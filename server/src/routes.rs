@@ -61,7 +61,7 @@ fn start(
     mut job: Job,
     origin: Origin,
 ) -> Result<(oneshot::Receiver<Outcome>, CancelOnDrop), ApiError> {
-    let cancel = CancelOnDrop::for_job(&mut job);
+    let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
     let (tx, rx) = oneshot::channel();
     let metrics = state.metrics_handle();
     let st = state.clone();

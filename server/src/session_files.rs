@@ -165,11 +165,13 @@ pub async fn list_files(
 pub async fn exec_with_files(
     state: &AppState,
     exec: Arc<Executor>,
-    job: vmm::Job,
+    mut job: vmm::Job,
     files: JobFiles,
     output_b64: bool,
     origin: crate::audit::Origin,
 ) -> Result<ExecResponse, ApiError> {
+    // Held by this future: a client that goes away cancels the job.
+    let mut cancel = crate::jobs::CancelOnDrop::for_job(state.jobs(), &mut job);
     let st = state.clone();
     let metrics = state.metrics_handle();
     let queued = Instant::now();
@@ -184,6 +186,7 @@ pub async fn exec_with_files(
         Ok::<_, ApiError>((r, back, waited))
     })
     .await??;
+    cancel.disarm();
     let (r, back, waited) = ran;
     let mut resp = ExecResponse::new(r, waited, output_b64);
     resp.files = back;

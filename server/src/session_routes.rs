@@ -371,7 +371,9 @@ pub async fn run_cell(
         .sessions()
         .acquire(id)
         .map_err(|u| unavailable(id, u))?;
-    let (job, b64) = cell_job(state, busy.entry(), req)?;
+    let (mut job, b64) = cell_job(state, busy.entry(), req)?;
+    // Known to the job threads while it runs: a shutdown past its grace cancels it.
+    let tracked = state.jobs().track(&mut job);
     let origin = crate::audit::Origin::here(route, &busy.entry().template, Some(id));
     let st = state.clone();
     let queued = Instant::now();
@@ -394,7 +396,7 @@ pub async fn run_cell(
         // that grew must meet the memory cap with that growth counted. Freed before the
         // answer too, so its next cell never finds it busy.
         busy.entry().account();
-        drop(busy);
+        drop((busy, tracked));
         (ran, waited)
     })
     .await?;

@@ -173,7 +173,7 @@ pub async fn exec_stream(
     let slot = state.admit(1)?.remove(0);
     // Held by this future, then by the response stream: a client that goes away before the
     // result line cancels the job.
-    let cancel = CancelOnDrop::for_job(&mut job);
+    let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let metrics = state.metrics_handle();
     let queued_at = Instant::now();

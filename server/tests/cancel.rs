@@ -139,3 +139,41 @@ fn a_client_that_stays_gets_its_result_and_nothing_is_cancelled() {
     assert_eq!((status, &r["stdout"]), (200, &json!("next\n")), "{r}");
     assert_eq!(cancelled_count(&s), 0);
 }
+
+#[test]
+fn a_shutdown_cancels_what_still_runs_after_its_grace_period() {
+    let mut config = test_config();
+    config.workers = 1;
+    config.queue = 1;
+    config.limits.max_timeout_ms = 30_000;
+    config.limits.max_batch_jobs = 1;
+    config.shutdown_grace_s = 1;
+    let mut s = TestServer::with_config(config);
+    let c = raw_post(&s, "/v1/exec", &json!({"code": LONG, "timeout_ms": 30_000}));
+    let until = Instant::now() + Duration::from_secs(10);
+    while !s
+        .get("/metrics")
+        .text()
+        .unwrap()
+        .contains("bud_jobs_running 1\n")
+    {
+        assert!(Instant::now() < until, "the job never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    // The shutdown waits for the request, the grace period passes, the job is cancelled:
+    // its client (still there) gets the job's answer with that status, not a timeout.
+    let reader = std::thread::spawn(move || {
+        let mut c = c;
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut all = String::new();
+        let _ = c.read_to_string(&mut all);
+        all
+    });
+    s.shutdown();
+    let answer = reader.join().unwrap();
+
+    assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
+    assert!(answer.contains("\"status\":\"cancelled\""), "{answer}");
+    assert!(answer.contains("\"stdout\":\"started\\n\""), "{answer}");
+}

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -37,6 +37,14 @@ pub const MAILBOX_DEFAULT_SIZE: usize = 4 << 20;
 
 /// Upper bound the host accepts for the mailbox length at READY.
 pub const MAILBOX_MAX_SIZE: usize = 64 << 20;
+
+/// Bytes past a request's [`job::OUTPUT_LIMIT`] that the guest's output capture may hold:
+/// enough for the host to see the cap crossed (and so say `output_limit`).
+pub const CAPTURE_SLACK: usize = 64 << 10;
+
+/// The output cap of a request that names none (8 MiB); the guest's capture file system is
+/// made this size plus [`CAPTURE_SLACK`] at boot, so such jobs never resize it.
+pub const DEFAULT_OUTPUT_LIMIT: usize = 8 << 20;
 
 /// Byte offsets of the mailbox header fields (all `u32`, little endian).
 pub mod header {
@@ -191,6 +199,12 @@ pub mod job {
     /// number an independent namespace made on first use (a context of a code-interpreter
     /// client). Unused by other requests.
     pub const NAMESPACE: usize = 156;
+    /// The request's output cap, stdout + stderr bytes (`u64`). The host enforces it as it
+    /// copies output out; the guest only uses it to bound the files that catch output
+    /// written below Python's level (shell jobs, child processes, `os.write`) at the cap
+    /// plus [`super::CAPTURE_SLACK`], so a flood there ends promptly (the writer gets
+    /// `ENOSPC`) instead of filling the guest's RAM.
+    pub const OUTPUT_LIMIT: usize = 160;
     /// Start of the request data.
     pub const DATA: usize = 4096;
     /// End of the request data: code + stdin + args + env must fit in `DATA..DATA_END`.

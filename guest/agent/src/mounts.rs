@@ -27,7 +27,11 @@ const NOSUID_NODEV: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
 /// /tmp keeps exec (jobs write scripts there and run them) and is also the worker's HOME
 /// and working directory. /dev/shm is for POSIX shared memory and semaphores
 /// (`multiprocessing`); it is optional because a job that does not use it loses nothing.
-pub const MOUNTS: [Mount; 5] = [
+/// /run/bud-output holds the files that catch a job's output below Python's level (see
+/// `guest/python/bud_io.py`, `FdCapture`): its own small tmpfs, sized to the default output
+/// cap plus `CAPTURE_SLACK` (the worker resizes it for a request with another cap), so that
+/// a flood of output there ends with `ENOSPC` for the writer, not with a full guest RAM.
+pub const MOUNTS: [Mount; 7] = [
     Mount {
         source: c"proc",
         target: c"/proc",
@@ -68,7 +72,27 @@ pub const MOUNTS: [Mount; 5] = [
         data: c"mode=1777",
         required: true,
     },
+    Mount {
+        source: c"tmpfs",
+        target: c"/run",
+        fstype: c"tmpfs",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        data: c"mode=0755",
+        required: true,
+    },
+    Mount {
+        source: c"bud-output",
+        target: CAPTURE_DIR,
+        fstype: c"tmpfs",
+        flags: NOSUID_NODEV | libc::MS_NOEXEC,
+        // DEFAULT_OUTPUT_LIMIT + CAPTURE_SLACK (a test checks it).
+        data: c"mode=0700,size=8454144",
+        required: true,
+    },
 ];
+
+/// Where the worker's output capture files live (`bud_io.CAPTURE_DIR`).
+pub const CAPTURE_DIR: &CStr = c"/run/bud-output";
 
 /// Symlinks devtmpfs does not create but shells and `/dev/stdin`-style paths rely on
 /// (bash process substitution uses /dev/fd). Optional: a failure is logged only.
@@ -136,6 +160,13 @@ fn mount_one(m: &Mount) -> Result<(), Error> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_capture_file_system_is_the_default_cap_plus_the_slack() {
+        let m = MOUNTS.iter().find(|m| m.target == CAPTURE_DIR).unwrap();
+        let size = crate::protocol::DEFAULT_OUTPUT_LIMIT + crate::protocol::CAPTURE_SLACK;
+        assert_eq!(m.data.to_str().unwrap(), format!("mode=0700,size={size}"));
+    }
+
     fn is_under(path: &[u8], parent: &[u8]) -> bool {
         path.len() > parent.len() && path.starts_with(parent) && path[parent.len()] == b'/'
     }
@@ -165,14 +196,17 @@ mod tests {
     }
 
     #[test]
-    fn required_mounts_are_proc_sys_dev_and_tmp() {
+    fn required_mounts_are_proc_sys_dev_tmp_and_the_capture() {
         let required: Vec<_> = MOUNTS
             .iter()
             .filter(|m| m.required)
             .map(|m| m.target.to_str().unwrap_or("?"))
             .collect();
 
-        assert_eq!(required, ["/proc", "/sys", "/dev", "/tmp"]);
+        assert_eq!(
+            required,
+            ["/proc", "/sys", "/dev", "/tmp", "/run", "/run/bud-output"]
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@
 #[allow(dead_code)] // shared verbatim with the host; the extension uses only some of it
 mod protocol;
 
+mod capture;
 #[path = "../../agent/src/doorbell.rs"]
 mod doorbell;
 mod hooked;
@@ -55,6 +56,11 @@ const PROTOCOL: &[(&str, u64)] = &[
         protocol::MAILBOX_DEFAULT_SIZE as u64,
     ),
     ("MAILBOX_MAX_SIZE", protocol::MAILBOX_MAX_SIZE as u64),
+    ("CAPTURE_SLACK", protocol::CAPTURE_SLACK as u64),
+    (
+        "DEFAULT_OUTPUT_LIMIT",
+        protocol::DEFAULT_OUTPUT_LIMIT as u64,
+    ),
     ("HEADER_MAGIC", header::MAGIC as u64),
     ("HEADER_VERSION", header::VERSION as u64),
     ("HEADER_READY_WALL_NS", header::READY_WALL_NS as u64),
@@ -108,6 +114,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("JOB_FILE_OP", job::FILE_OP as u64),
     ("JOB_INTERRUPT", job::INTERRUPT as u64),
     ("JOB_NAMESPACE", job::NAMESPACE as u64),
+    ("JOB_OUTPUT_LIMIT", job::OUTPUT_LIMIT as u64),
     ("JOB_DATA", job::DATA as u64),
     ("JOB_DATA_END", job::DATA_END as u64),
     ("RESULT_STDOUT_LEN", result::STDOUT_LEN as u64),
@@ -289,7 +296,6 @@ fn prefault_stack(nbytes: usize) -> PyResult<()> {
     Ok(())
 }
 
-/// mlockall(MCL_CURRENT): every page mapped now becomes resident and present.
 /// Starts the thread that turns the host's interrupt byte on `tty` into SIGINT for this
 /// (the main) thread (see `interrupt.rs`). Call before READY, from the main thread.
 #[pyfunction]
@@ -299,9 +305,22 @@ fn start_interrupt_watcher(tty: &str) -> PyResult<()> {
     interrupt::start(tty, mailbox).map_err(|e| os_error("interrupt watcher", &e))
 }
 
+/// mlockall(MCL_CURRENT): every page mapped now becomes resident and present.
 #[pyfunction]
 fn lock_memory() -> PyResult<()> {
     memory::lock_all().map_err(|e| os_error("mlockall", &e))
+}
+
+/// Frees the first `length` bytes of file `fd` (see `capture.rs`).
+#[pyfunction]
+fn punch_hole(fd: i32, length: u64) -> PyResult<()> {
+    capture::punch_hole(fd, length).map_err(|e| os_error("fallocate(PUNCH_HOLE)", &e))
+}
+
+/// Remounts the tmpfs at `path` with `size=bytes` (see `capture.rs`).
+#[pyfunction]
+fn resize_tmpfs(path: &str, bytes: u64) -> PyResult<()> {
+    capture::resize_tmpfs(path, bytes).map_err(|e| os_error("remount", &e))
 }
 
 /// Mailbox and doorbell of bud's warm Python worker (inside a bud guest).
@@ -319,6 +338,8 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
+    m.add_function(wrap_pyfunction!(punch_hole, m)?)?;
+    m.add_function(wrap_pyfunction!(resize_tmpfs, m)?)?;
     m.add("INTERRUPT_BYTE", interrupt::INTERRUPT_BYTE)?;
     m.add_class::<hooked::Hooked>()?;
 

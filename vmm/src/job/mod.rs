@@ -16,7 +16,7 @@ use crate::vcpu::VcpuError;
 /// Default wall-clock limit of a job.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default cap on stdout + stderr bytes kept.
-pub const DEFAULT_OUTPUT_LIMIT: usize = 8 << 20;
+pub const DEFAULT_OUTPUT_LIMIT: usize = crate::protocol::DEFAULT_OUTPUT_LIMIT;
 /// How often a streamed job's output is taken while it runs (see [`Job::stream_output`]).
 pub const STREAM_TICK: Duration = Duration::from_millis(50);
 /// Console lines a crashed job carries.

@@ -55,6 +55,12 @@ pub struct Request<'a> {
     pub interrupt_grace: Option<Duration>,
 }
 
+/// How long a one-shot job interrupted at its timeout or output cap has to end at DONE:
+/// long enough for the worker to collect what the job wrote below Python's level (shell
+/// jobs, child processes), which it does as the interrupt ends the job; a job that ignores
+/// the interrupt is stopped after it as before.
+pub const ONE_SHOT_GRACE: Duration = Duration::from_millis(250);
+
 impl<'a> Request<'a> {
     /// A one-shot job, the first request of its VM.
     pub fn one_shot(job: &'a Job) -> Self {
@@ -62,7 +68,7 @@ impl<'a> Request<'a> {
             job,
             kind: Kind::Job,
             sequence: 1,
-            interrupt_grace: None,
+            interrupt_grace: Some(ONE_SHOT_GRACE),
         }
     }
 }
@@ -106,6 +112,11 @@ pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<()
     put32(job::ENVC, j.env.len())?;
     put32(job::ENV_LEN, env.len())?;
     mb.write(ram, job::WALL_CLOCK_NS as u64, &wall_ns.to_le_bytes())?;
+    mb.write(
+        ram,
+        job::OUTPUT_LIMIT as u64,
+        &(j.output_limit as u64).to_le_bytes(),
+    )?;
     mb.write(ram, job::SEED as u64, &seed)?;
     put32(result::STDOUT_LEN, 0)?;
     put32(result::STDERR_LEN, 0)?;
@@ -284,7 +295,14 @@ pub fn run(
     on_output: &mut dyn FnMut(Stream, &[u8]),
 ) -> Result<(JobResult, Ending), JobError> {
     give_identity(m, s)?;
-    run_request(m, s, &Request::one_shot(j), on_output)
+    let (result, ending) = run_request(m, s, &Request::one_shot(j), on_output)?;
+    // A one-shot job the host had to interrupt (even one that then ended at DONE) leaves a
+    // VM that is never reused: only a job that ended by itself is.
+    let ending = match result.status {
+        Status::Timeout | Status::OutputLimit | Status::Cancelled => Ending::Abnormal,
+        _ => ending,
+    };
+    Ok((result, ending))
 }
 
 /// Sends the interrupt of request `sequence`: names it in the mailbox, then puts the
