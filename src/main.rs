@@ -222,6 +222,13 @@ struct ServeArgs {
     /// cancelled (their clients get `cancelled`).
     #[arg(long, default_value_t = bud_server::Config::default().shutdown_grace_s)]
     shutdown_grace_s: u64,
+    /// Once the templates are prepared, put every thread under a seccomp filter (job threads
+    /// under a narrower one); a system call outside it kills the server.
+    #[arg(long)]
+    jail: bool,
+    /// Once the templates are prepared, drop to this user and its group (implies --jail).
+    #[arg(long)]
+    user: Option<String>,
     /// Append one JSON line per job and session cell to this file (`bud audit` reads it).
     #[arg(long)]
     audit_log: Option<std::path::PathBuf>,
@@ -559,6 +566,10 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         templates: args.templates.clone(),
         key_max_jobs: args.key_max_jobs,
         shutdown_grace_s: args.shutdown_grace_s,
+        jail: bud_server::jail::JailConfig {
+            seccomp: args.jail || args.user.is_some(),
+            user: args.user.clone(),
+        },
         audit: args
             .audit_log
             .clone()

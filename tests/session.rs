@@ -222,16 +222,17 @@ fn fd_level_output_of_many_cells_adds_up_past_the_capture_bound() {
     let mut lengths = Vec::new();
     for _ in 0..4 {
         // 3 MiB each: 12 MiB in all, over the 8 MiB + 64 KiB capture file system.
-        let r = cell(
-            &mut s,
-            &ex,
-            "import os\nfor _ in range(48): os.write(1, b'q' * 65536)",
-        );
-        assert_eq!(r.status, Status::Ok, "{r:?}");
+        let mut j = Job::python("import os\nfor _ in range(48): os.write(1, b'q' * 65536)");
+        j.timeout = Duration::from_secs(60);
+        let r = s
+            .exec(&ex, &j, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(r.status, Status::Ok, "{}", text(&r.stderr));
         lengths.push(r.stdout.len());
     }
     let mut small = Job::python("import os\nwhile True: os.write(1, b'w' * 4096)");
     small.output_limit = 20_000;
+    small.timeout = Duration::from_secs(60);
     let flood = s
         .exec(&ex, &small, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
         .unwrap();

@@ -208,6 +208,9 @@ pub struct Health {
     /// The audit log's state, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<AuditHealth>,
+    /// The jail (`--jail`, `--user`) is closed: seccomp filters on, privileges dropped.
+    #[serde(default)]
+    pub jailed: bool,
 }
 
 /// The audit log in `GET /v1/health`.

@@ -113,6 +113,8 @@ pub struct Config {
     pub retry_after_s: u64,
     /// How long a shutdown lets running and queued jobs finish before it cancels them.
     pub shutdown_grace_s: u64,
+    /// The jail closed once the templates are prepared (`--jail`, `--user`).
+    pub jail: crate::jail::JailConfig,
     pub limits: Limits,
     pub sessions: SessionLimits,
     /// The templates served, prepared in this order. A request without `template` gets
@@ -140,6 +142,7 @@ impl Default for Config {
             verify_resets: false,
             retry_after_s: 1,
             shutdown_grace_s: 10,
+            jail: crate::jail::JailConfig::default(),
             limits: Limits::default(),
             sessions: SessionLimits::default(),
             templates: vec![DEFAULT_TEMPLATE.to_owned()],

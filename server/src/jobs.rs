@@ -35,6 +35,9 @@ struct Shared {
     admitted: AtomicUsize,
     state: Mutex<Queues>,
     ready: Condvar,
+    /// The seccomp filter of the job threads, once the jail is closed ([`crate::jail`]):
+    /// each installs it before its next job.
+    job_filter: std::sync::OnceLock<seccompiler::BpfProgram>,
 }
 
 /// Admitted counts and waiting work, by client.
@@ -278,6 +281,16 @@ impl JobThreads {
         all.len()
     }
 
+    /// The jail is closed: from their next job on, the job threads run under `filter`.
+    pub fn set_job_filter(&self, filter: seccompiler::BpfProgram) {
+        let _ = self.shared.job_filter.set(filter);
+    }
+
+    /// Whether the job threads have a filter to run under.
+    pub fn jailed(&self) -> bool {
+        self.shared.job_filter.get().is_some()
+    }
+
     /// Most jobs admitted at once.
     pub fn capacity(&self) -> usize {
         self.capacity
@@ -330,6 +343,7 @@ impl Drop for JobThreads {
 }
 
 fn job_thread(shared: &Shared) {
+    let mut filtered = false;
     loop {
         let mut q = lock(&shared.state);
         let (slot, work) = loop {
@@ -343,6 +357,14 @@ fn job_thread(shared: &Shared) {
         };
         shared.running.fetch_add(1, Ordering::AcqRel);
         drop(q);
+        if !filtered && let Some(filter) = shared.job_filter.get() {
+            if let Err(e) = crate::jail::apply_here(filter) {
+                // Asked to be jailed and cannot be: never run a job outside the jail.
+                tracing::error!("job thread cannot enter the jail: {e}");
+                std::process::abort();
+            }
+            filtered = true;
+        }
         // A panicking job drops its reply channel (the request gets a 500); the thread lives.
         let _ = catch_unwind(AssertUnwindSafe(work));
         shared.running.fetch_sub(1, Ordering::AcqRel);

@@ -18,6 +18,7 @@ pub mod compat;
 pub mod config;
 pub mod conn;
 pub mod error;
+pub mod jail;
 pub mod jobs;
 pub mod keys;
 pub mod metrics;

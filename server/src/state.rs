@@ -383,6 +383,7 @@ impl AppState {
                 failing: a.state.failing(),
                 error: a.state.last_error(),
             }),
+            jailed: self.0.jobs.jailed(),
         }
     }
 }

@@ -59,7 +59,7 @@ pub struct Request<'a> {
 /// long enough for the worker to collect what the job wrote below Python's level (shell
 /// jobs, child processes), which it does as the interrupt ends the job; a job that ignores
 /// the interrupt is stopped after it as before.
-pub const ONE_SHOT_GRACE: Duration = Duration::from_millis(250);
+pub const ONE_SHOT_GRACE: Duration = Duration::from_secs(1);
 
 impl<'a> Request<'a> {
     /// A one-shot job, the first request of its VM.
@@ -443,9 +443,10 @@ pub fn run_request(
                 _ => {
                     // Keep what the job wrote before the deadline. The guest updates a length
                     // only after copying the bytes it counts, so the areas are consistent at
-                    // any stop.
+                    // any stop. A job interrupted for its output cap that outlived the grace
+                    // still ends as what it was interrupted for.
                     out.drain(&m.ram, mb, false)?;
-                    break End::with(Status::Timeout);
+                    break End::with(interrupted.unwrap_or(Status::Timeout));
                 }
             },
             other => break End::crashed(format!("guest stopped: {other:?}")),

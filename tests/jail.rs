@@ -1,0 +1,145 @@
+//! `bud serve --user nobody` for real: the binary prepares its template, drops to `nobody`
+//! with every thread under seccomp, and still runs jobs, resets and reuses its VMs (the
+//! reset reads /proc/self/pagemap, which a uid change would otherwise hand to root), and
+//! serves sessions. The server is stopped by pid. Needs /dev/kvm, root, and a user `nobody`.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// The server process; SIGTERM and wait on drop.
+struct Served {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        // SAFETY: kill on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(args: &[&str]) -> Served {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let child = Command::new(env!("CARGO_BIN_EXE_bud"))
+        .args(["serve", "--port", &port.to_string(), "--workers", "2"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut s = Served {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+    };
+    // Keep the log flowing (and visible on failure) without blocking the server.
+    let log = s.child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(log).lines().map_while(Result::ok) {
+            eprintln!("[bud serve] {line}");
+        }
+    });
+    s
+}
+
+fn health(s: &Served) -> Option<Value> {
+    ureq::get(&format!("{}/v1/health", s.base))
+        .call()
+        .ok()?
+        .into_json()
+        .ok()
+}
+
+fn post(s: &Served, path: &str, body: Value) -> Value {
+    ureq::post(&format!("{}{path}", s.base))
+        .timeout(Duration::from_secs(120))
+        .send_json(body)
+        .unwrap()
+        .into_json()
+        .unwrap()
+}
+
+fn status_line(pid: u32, key: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with(key))
+        .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
+        .split_whitespace()
+        .skip(1)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn a_server_jailed_as_nobody_runs_jobs_resets_vms_and_serves_sessions() {
+    common::require_kvm();
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "this test drops from root: run it as root");
+    let mut s = serve(&["--user", "nobody"]);
+
+    // First use may build and boot the template: minutes.
+    let until = Instant::now() + Duration::from_secs(1800);
+    while health(&s).is_none_or(|h| h["jailed"] != json!(true)) {
+        assert!(Instant::now() < until, "never jailed: {:?}", health(&s));
+        if let Ok(Some(status)) = s.child.try_wait() {
+            panic!("bud serve exited: {status}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let pid = s.child.id();
+    let jobs: Vec<Value> = (0..6)
+        .map(|i| post(&s, "/v1/exec", json!({"code": format!("print({i} * 7)")})))
+        .collect();
+    let session = post(&s, "/v1/sessions", json!({}));
+    let id = session["id"].as_str().unwrap().to_owned();
+    post(
+        &s,
+        &format!("/v1/sessions/{id}/exec"),
+        json!({"code": "x = 6"}),
+    );
+    let cell = post(
+        &s,
+        &format!("/v1/sessions/{id}/exec"),
+        json!({"code": "x * 7"}),
+    );
+    let metrics = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+
+    assert_eq!(status_line(pid, "Uid:"), "65534 65534 65534 65534");
+    assert_eq!(status_line(pid, "Gid:"), "65534 65534 65534 65534");
+    assert_eq!(status_line(pid, "Seccomp:"), "2");
+    assert_eq!(status_line(pid, "NoNewPrivs:"), "1");
+    for (i, r) in jobs.iter().enumerate() {
+        assert_eq!(r["status"], "ok", "{r}");
+        assert_eq!(r["stdout"], format!("{}\n", i * 7));
+    }
+    assert_eq!(cell["status"], "ok", "{cell}");
+    assert_eq!(cell["result"]["text/plain"], "42");
+    // Six jobs on two job threads: VMs were reset and reused, none failed to reset.
+    let counter = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in metrics"))
+    };
+    assert!(counter("bud_resets_total ") >= 1, "{metrics}");
+    assert_eq!(
+        counter("bud_vms_replaced_total{reason=\"reset_failed\"} "),
+        0
+    );
+}
