@@ -532,14 +532,15 @@ class JobRunner:
         except KeyboardInterrupt:
             # The host's interrupt (past the timeout, or over the output cap): keep what the
             # shell wrote first (into the areas, which the host takes even if the grace runs
-            # out), then stop it (its exit costs ~0.1-0.2 s of guest kernel); the host gives
-            # the status.
+            # out), then, in a session, stop it (its exit costs ~0.1-0.3 s of guest kernel);
+            # the host gives the status.
             self.areas.streaming = False
             self.capture.sync_all(self.areas)
-            if waiter is None:
-                self.shell.retire()
-            else:
-                bud_shell.kill(waiter)
+            if request.mode == _bud.MODE_CELL:  # a one-shot job's VM is thrown away
+                if waiter is None:
+                    self.shell.retire()
+                else:
+                    bud_shell.kill(waiter)
             return _bud.OUTCOME_SIGNALED, signal.SIGINT
         self.areas.streaming = False
         self.capture.sync_all(self.areas)

@@ -128,7 +128,16 @@ fn a_fork_bomb_ends_in_its_own_clone() {
     }));
 
     assert_eq!(status, 200, "{r}");
-    assert_ne!(r["status"], "ok", "{r}");
+    // Under kvm_pvm a fork costs ~0.5 s of guest kernel, so the bomb is still small at its
+    // 1 s timeout; on hardware it may fill the guest's RAM first.
+    let possible: &[&str] = match vmm::HostKind::detect() {
+        vmm::HostKind::Pvm => &["timeout"],
+        vmm::HostKind::Hardware => &["timeout", "memory_limit"],
+    };
+    assert!(
+        possible.contains(&r["status"].as_str().unwrap_or("")),
+        "{r}"
+    );
     s.assert_still_serving();
 }
 

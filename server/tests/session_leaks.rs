@@ -19,6 +19,17 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// Polls (at most 30 s) until no session is left and no job runs or waits: every VM the
+/// sessions held has been ended and handed back.
+fn settle(s: &TestServer) {
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while s.state.sessions().count() != 0 || s.state.jobs().running() + s.state.jobs().queued() != 0
+    {
+        assert!(std::time::Instant::now() < until, "sessions never settled");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn a_hundred_sessions_created_and_deleted_leave_nothing_behind() {
     let s = TestServer::start();
@@ -40,13 +51,13 @@ fn a_hundred_sessions_created_and_deleted_leave_nothing_behind() {
     for _ in 0..10 {
         cycle();
     }
-    std::thread::sleep(Duration::from_millis(500));
+    settle(&s);
     let (rss, threads, fds) = (proc_status("VmRSS:"), proc_status("Threads:"), open_fds());
 
     for _ in 0..100 {
         cycle();
     }
-    std::thread::sleep(Duration::from_millis(500));
+    settle(&s);
     let (rss2, threads2, fds2) = (proc_status("VmRSS:"), proc_status("Threads:"), open_fds());
 
     assert_eq!(s.state.sessions().count(), 0);

@@ -209,7 +209,15 @@ fn a_second_concurrent_cell_gets_409() {
             .json::<Value>()
             .unwrap()
     });
-    std::thread::sleep(Duration::from_millis(800));
+    // Until the slow cell runs on its job thread (polled, not slept).
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while s.state.jobs().running() == 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the slow cell never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let (status, busy) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": "1"}));
     let first = slow.join().unwrap();
 
@@ -428,8 +436,15 @@ fn idle_sessions_expire_with_410() {
     let id = create(&s, json!({"idle_timeout_s": 1}));
     cell(&s, &id, "1");
 
-    std::thread::sleep(Duration::from_millis(3000));
-    let (status, r) = get_json(&s, &format!("/v1/sessions/{id}"));
+    // Polled until the reaper ends it (1 s idle; it looks every few hundred ms).
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    let (status, r) = loop {
+        let (status, r) = get_json(&s, &format!("/v1/sessions/{id}"));
+        if status != 200 || std::time::Instant::now() > until {
+            break (status, r);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     let (bad, refused) = s.post("/v1/sessions", &json!({"idle_timeout_s": 0}));
 
     assert_eq!(status, 410, "{r}");
