@@ -68,6 +68,13 @@ impl Mailbox {
         Ok(mailbox)
     }
 
+    /// A mailbox at `gva` over the guest-physical `pages`, taken as they are (no header
+    /// check): for the fuzz targets (`fuzz/`), which put hostile bytes in it.
+    #[doc(hidden)]
+    pub fn over_pages(gva: u64, pages: Vec<u64>) -> Self {
+        Self { gva, pages }
+    }
+
     /// The guest-virtual address the worker uses.
     pub fn guest_virtual_address(&self) -> u64 {
         self.gva

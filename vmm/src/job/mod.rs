@@ -3,7 +3,9 @@
 
 mod run;
 
-pub use run::{INTERRUPT_BYTE, Kind, Request, give_identity, run, run_request, write_request};
+pub use run::{
+    INTERRUPT_BYTE, Kind, Request, decode_result, give_identity, run, run_request, write_request,
+};
 
 use std::time::Duration;
 

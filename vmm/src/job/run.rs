@@ -547,6 +547,44 @@ fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Shown, JobError> {
     Ok(serde_json::from_slice(&bytes).unwrap_or_default())
 }
 
+/// Everything the host decodes of what the guest wrote into the mailbox by the end of a
+/// request, run over `mb` as it is: both output areas with their counters (as at a FLUSH
+/// and at DONE), the outcome, the phase marks and the display JSON. For the fuzz target
+/// `result` (`fuzz/`): whatever the guest wrote, this returns, never panics.
+#[doc(hidden)]
+pub fn decode_result(ram: &GuestRam, mb: &Mailbox, limit: usize) -> Result<usize, JobError> {
+    let mut seen = 0usize;
+    let mut count = |_: Stream, b: &[u8]| seen += b.len();
+    let mut out = Collected {
+        stdout: Vec::new(),
+        stderr: Vec::new(),
+        limit,
+        over_limit: false,
+        on_output: &mut count,
+        taken: [0, 0],
+    };
+    out.drain(ram, mb, false)?;
+    out.drain(ram, mb, true)?;
+    out.drain(ram, mb, false)?;
+    let kept = out.stdout.len() + out.stderr.len();
+    let oc = mb.read_u32(ram, result::OUTCOME as u64)?;
+    let value = mb.read_u32(ram, result::EXIT_CODE as u64)? as i32;
+    let _ = end_from_outcome(oc, value);
+    let mark = |at: usize| -> Result<u64, MailboxError> {
+        let mut b = [0u8; 8];
+        mb.read(ram, at as u64, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    };
+    let _ = GuestPhases::from_marks(
+        mark(result::PHASE_READ_NS)?,
+        mark(result::PHASE_IDENTITY_NS)?,
+        mark(result::PHASE_COMPILED_NS)?,
+        mark(result::PHASE_FINISHED_NS)?,
+    );
+    let _ = read_display(ram, mb)?;
+    Ok(kept)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

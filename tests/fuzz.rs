@@ -1,0 +1,110 @@
+//! Runs every cargo-fuzz target of `fuzz/` (what a guest or a client controls: the mailbox
+//! announcement, the result decoder, request bodies and paths, the template state file)
+//! for a bounded time each (`BUD_FUZZ_SECONDS`, default 30), with libFuzzer's coverage
+//! guidance, on the machine's one (stable) toolchain (`--sanitizer none`: no `-Z` flags).
+//! cargo-fuzz is installed from crates.io into `build/tools` on first use; the corpus
+//! grows in `build/fuzz/corpus/TARGET` from run to run, and a crash leaves its input in
+//! `build/fuzz/artifacts/TARGET/` and fails this test with libFuzzer's report.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const TARGETS: [&str; 4] = ["mailbox", "result", "request", "template_state"];
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `build/tools/bin`, with cargo-fuzz in it (installed if missing).
+fn tools(root: &Path) -> PathBuf {
+    let bin = root.join("build/tools/bin");
+    if !bin.join("cargo-fuzz").is_file() {
+        eprintln!("[fuzz] installing cargo-fuzz {CARGO_FUZZ_VERSION} into build/tools");
+        let status = Command::new(env!("CARGO"))
+            .args([
+                "install",
+                "cargo-fuzz",
+                "--locked",
+                "--version",
+                CARGO_FUZZ_VERSION,
+            ])
+            .arg("--root")
+            .arg(root.join("build/tools"))
+            .status()
+            .expect("cannot run cargo install");
+        assert!(
+            status.success(),
+            "cargo install cargo-fuzz failed: {status}"
+        );
+    }
+    bin
+}
+
+/// Real state files of the templates built here (if any yet) as seeds: mutations of a
+/// valid state reach much deeper than random bytes past the magic and version.
+fn seed_with_templates(root: &Path, corpus: &Path) {
+    let Ok(dirs) = std::fs::read_dir(root.join("build/templates")) else {
+        return;
+    };
+    for dir in dirs.flatten() {
+        let state = dir.path().join("state");
+        if state.is_file() {
+            let name = format!("seed-{}", dir.file_name().to_string_lossy());
+            std::fs::copy(&state, corpus.join(name)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn every_fuzz_target_runs_clean_for_its_time() {
+    let root = root();
+    let bin = tools(&root);
+    let seconds: u64 = std::env::var("BUD_FUZZ_SECONDS")
+        .ok()
+        .map(|s| s.parse().expect("BUD_FUZZ_SECONDS: a number of seconds"))
+        .unwrap_or(30);
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    for target in TARGETS {
+        let corpus = root.join("build/fuzz/corpus").join(target);
+        let artifacts = root.join("build/fuzz/artifacts").join(target);
+        std::fs::create_dir_all(&corpus).unwrap();
+        std::fs::create_dir_all(&artifacts).unwrap();
+        if target == "template_state" {
+            seed_with_templates(&root, &corpus);
+        }
+        eprintln!("[fuzz] {target}: {seconds} s");
+        let out = Command::new(env!("CARGO"))
+            .current_dir(&root)
+            .env("PATH", &path)
+            .args(["fuzz", "run", "--sanitizer", "none", "--target-dir"])
+            .arg(root.join("build/fuzz/target"))
+            .arg(target)
+            .arg(&corpus)
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .arg(format!("-artifact_prefix={}/", artifacts.display()))
+            .arg("-print_final_stats=1")
+            .output()
+            .expect("cannot run cargo fuzz");
+        let report = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = report.lines().rev().take(40).collect();
+        assert!(
+            out.status.success(),
+            "fuzz target {target} failed ({}):\n{}",
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+        let runs = report
+            .lines()
+            .find_map(|l| l.strip_prefix("stat::number_of_executed_units:"))
+            .map(|n| n.trim().parse::<u64>().unwrap())
+            .unwrap_or_else(|| panic!("{target}: no final stats in libFuzzer's report"));
+        eprintln!("[fuzz] {target}: {runs} inputs, no failure");
+        assert!(runs > 0, "{target} ran no input");
+    }
+}
