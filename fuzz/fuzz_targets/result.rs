@@ -14,7 +14,10 @@ const PAGES: usize = MAILBOX_DEFAULT_SIZE / 4096;
 fuzz_target!(|data: &[u8]| {
     let ram = GuestRam::anonymous((2 * MAILBOX_DEFAULT_SIZE) as u64).unwrap();
     // Every other page of RAM, backwards: a mailbox is not contiguous in guest memory.
-    let pages: Vec<u64> = (0..PAGES).rev().map(|i| (2 * i as u64 + 1) * 4096).collect();
+    let pages: Vec<u64> = (0..PAGES)
+        .rev()
+        .map(|i| (2 * i as u64 + 1) * 4096)
+        .collect();
     let mb = Mailbox::over_pages(0x7f00_0000_0000, pages);
     let n = data.len().min(MAILBOX_DEFAULT_SIZE);
     mb.write(&ram, 0, &data[..n]).unwrap();
