@@ -198,7 +198,13 @@ fn a_shell_flood_ends_at_the_cap_with_output_limit_not_at_the_timeout() {
 
         let r = run(&j);
 
-        assert_eq!(r.status, Status::OutputLimit, "{code}: {r:?}");
+        assert_eq!(
+            r.status,
+            Status::OutputLimit,
+            "{code}: {} + {} bytes",
+            r.stdout.len(),
+            r.stderr.len()
+        );
         assert_eq!(r.stdout.len() + r.stderr.len(), 64 << 10, "{code}");
         let byte = if code == "yes" {
             b"y\n" as &[u8]
@@ -217,19 +223,28 @@ fn an_fd_level_flood_from_python_ends_at_the_cap() {
 
     let r = run(&j);
 
-    assert_eq!(r.status, Status::OutputLimit, "{r:?}");
+    assert_eq!(r.status, Status::OutputLimit, "{}", text(&r.stderr));
     assert_eq!(r.stdout.len() + r.stderr.len(), 100_000);
     assert!(r.stdout.iter().all(|&b| b == b'z'));
 }
 
 #[test]
 fn output_below_the_cap_at_fd_level_is_not_cut() {
-    // 3 MiB through a child process with the default cap: the capture holds it all.
-    let r =
-        python("import subprocess\nsubprocess.run(['/bin/sh', '-c', 'head -c 3145728 /dev/zero'])");
+    // 1 MiB through a child process, under a cap of 1 MiB + 1 and over one of 1 MiB - 1:
+    // the capture's bound (cap + slack) never cuts what the cap allows.
+    let code = "import subprocess\nsubprocess.run(['/bin/sh', '-c', 'head -c 1048576 /dev/zero'])";
+    let mut under = Job::python(code);
+    under.output_limit = (1 << 20) + 1;
+    under.timeout = Duration::from_secs(60);
+    let mut over = under.clone();
+    over.output_limit = (1 << 20) - 1;
 
-    assert_eq!(r.status, Status::Ok, "{r:?}");
-    assert_eq!(r.stdout.len(), 3 << 20);
+    let (under, over) = (run(&under), run(&over));
+
+    assert_eq!(under.status, Status::Ok, "{}", text(&under.stderr));
+    assert_eq!(under.stdout.len(), 1 << 20);
+    assert_eq!(over.status, Status::OutputLimit, "{}", text(&over.stderr));
+    assert_eq!(over.stdout.len() + over.stderr.len(), (1 << 20) - 1);
 }
 
 #[test]
@@ -252,7 +267,11 @@ fn a_job_that_reboots_the_guest_is_crashed_and_the_next_clone_is_fine() {
 
 #[test]
 fn a_job_that_corrupts_its_interpreter_dies_alone() {
-    let r = python("import ctypes; ctypes.memset(id(print), 0xff, 64); print('unreachable')");
+    let mut j =
+        Job::python("import ctypes; ctypes.memset(id(print), 0xff, 64); print('unreachable')");
+    // The crash dump and the worker's death take seconds of guest kernel under kvm_pvm.
+    j.timeout = Duration::from_secs(60);
+    let r = run(&j);
     let next = python("print(sum(range(10)))");
 
     // The object header of `print` is garbage: the interpreter (the job's worker) dies of
