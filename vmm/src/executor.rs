@@ -17,17 +17,22 @@
 //!   [`Reuse::Warm`] the filler runs an empty job on each new clone and resets it before
 //!   pooling it, so even the first job on a VM finds its mappings in place.
 //! - The **reaper** thread closes discarded VMs: closing a VM with an in-kernel irqchip takes
-//!   milliseconds of wall time, which a job's caller should not wait for.
+//!   milliseconds of wall time, which a job's caller should not wait for. Its backlog is
+//!   bounded ([`REAPER_BACKLOG`]): past it, the caller closes the VM itself.
 //!
 //! [`Executor::run`] is safe to call from many threads at once; each call runs one VM's vCPU
 //! on the calling thread (so never call it from an async executor's worker threads).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// Discarded VMs that may wait for the reaper; past it, [`Executor::discard`] closes the VM
+/// on the calling thread.
+pub const REAPER_BACKLOG: usize = 4;
 
 use kvm_ioctls::Kvm;
 
@@ -273,7 +278,7 @@ impl std::ops::AddAssign for ExecutorStats {
 pub struct Executor {
     shared: Arc<Shared>,
     filler: Option<JoinHandle<()>>,
-    reaper: Option<(Sender<Machine>, JoinHandle<()>)>,
+    reaper: Option<(SyncSender<Machine>, JoinHandle<()>)>,
 }
 
 impl Executor {
@@ -301,7 +306,7 @@ impl Executor {
         } else {
             None
         };
-        let (tx, rx) = mpsc::channel::<Machine>();
+        let (tx, rx) = mpsc::sync_channel::<Machine>(REAPER_BACKLOG);
         let s = shared.clone();
         let reaper = std::thread::Builder::new()
             .name("bud-reaper".into())
@@ -426,12 +431,13 @@ impl Executor {
         m
     }
 
-    /// Hands a VM to the reaper.
+    /// Hands a VM to the reaper; closes it here if [`REAPER_BACKLOG`] VMs already wait (so
+    /// discarded VMs, each holding its private pages, never pile up faster than they close).
     pub fn discard(&self, m: Machine) {
         let m = match &self.reaper {
-            Some((tx, _)) => match tx.send(m) {
+            Some((tx, _)) => match tx.try_send(m) {
                 Ok(()) => return,
-                Err(back) => back.0,
+                Err(TrySendError::Full(back) | TrySendError::Disconnected(back)) => back,
             },
             None => m,
         };
