@@ -222,6 +222,10 @@ struct ServeArgs {
     /// cancelled (their clients get `cancelled`).
     #[arg(long, default_value_t = bud_server::Config::default().shutdown_grace_s)]
     shutdown_grace_s: u64,
+    /// Refuse jobs, cells and new sessions (503 memory_budget, Retry-After) while the
+    /// server's private memory (its VMs' private pages, sessions, buffers) is over this.
+    #[arg(long)]
+    memory_budget_mib: Option<u64>,
     /// Once the templates are prepared, put every thread under a seccomp filter (job threads
     /// under a narrower one); a system call outside it kills the server.
     #[arg(long)]
@@ -566,6 +570,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         templates: args.templates.clone(),
         key_max_jobs: args.key_max_jobs,
         shutdown_grace_s: args.shutdown_grace_s,
+        memory_budget_bytes: args.memory_budget_mib.map(|m| m << 20),
         jail: bud_server::jail::JailConfig {
             seccomp: args.jail || args.user.is_some(),
             user: args.user.clone(),

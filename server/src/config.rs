@@ -113,6 +113,9 @@ pub struct Config {
     pub retry_after_s: u64,
     /// How long a shutdown lets running and queued jobs finish before it cancels them.
     pub shutdown_grace_s: u64,
+    /// Private memory (RssAnon) past which jobs, cells and new sessions get 503
+    /// `memory_budget` (`--memory-budget-mib`); None: no budget.
+    pub memory_budget_bytes: Option<u64>,
     /// The jail closed once the templates are prepared (`--jail`, `--user`).
     pub jail: crate::jail::JailConfig,
     pub limits: Limits,
@@ -142,6 +145,7 @@ impl Default for Config {
             verify_resets: false,
             retry_after_s: 1,
             shutdown_grace_s: 10,
+            memory_budget_bytes: None,
             jail: crate::jail::JailConfig::default(),
             limits: Limits::default(),
             sessions: SessionLimits::default(),

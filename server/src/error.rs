@@ -65,6 +65,15 @@ pub enum ApiError {
         quota: usize,
         retry_after: Duration,
     },
+    /// The server's private memory is over `--memory-budget-mib` (503, `Retry-After`).
+    #[error(
+        "the server holds {used} bytes of private memory, over its budget of {budget} (--memory-budget-mib); retry later"
+    )]
+    MemoryBudget {
+        used: u64,
+        budget: u64,
+        retry_after: Duration,
+    },
     /// The template is still being built or loaded (503, `Retry-After`).
     #[error("template `{template}` is not ready yet (it is being built or loaded)")]
     NotReady {
@@ -194,6 +203,7 @@ impl ApiError {
                 StatusCode::TOO_MANY_REQUESTS
             }
             ApiError::NotReady { .. }
+            | ApiError::MemoryBudget { .. }
             | ApiError::ShuttingDown
             | ApiError::TemplateFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::UnknownTemplate { .. } => StatusCode::BAD_REQUEST,
@@ -225,6 +235,7 @@ impl ApiError {
             ApiError::ContentType => "unsupported_media_type",
             ApiError::Overloaded { .. } => "overloaded",
             ApiError::KeyQuota { .. } => "key_quota",
+            ApiError::MemoryBudget { .. } => "memory_budget",
             ApiError::NotReady { .. } => "not_ready",
             ApiError::UnknownTemplate { .. } => "unknown_template",
             ApiError::TemplateFailed { .. } => "template_failed",
@@ -261,6 +272,7 @@ impl ApiError {
         match self {
             ApiError::Overloaded { retry_after, .. }
             | ApiError::KeyQuota { retry_after, .. }
+            | ApiError::MemoryBudget { retry_after, .. }
             | ApiError::NotReady { retry_after, .. }
             | ApiError::TooManySessions { retry_after, .. } => Some(*retry_after),
             _ => None,

@@ -51,13 +51,15 @@ const STATUSES: [(Status, &str); 7] = [
 pub enum Rejection {
     Overloaded,
     KeyQuota,
+    MemoryBudget,
     NotReady,
     ShuttingDown,
 }
 
-const REJECTIONS: [(Rejection, &str); 4] = [
+const REJECTIONS: [(Rejection, &str); 5] = [
     (Rejection::Overloaded, "overloaded"),
     (Rejection::KeyQuota, "key_quota"),
+    (Rejection::MemoryBudget, "memory_budget"),
     (Rejection::NotReady, "not_ready"),
     (Rejection::ShuttingDown, "shutting_down"),
 ];
@@ -436,11 +438,22 @@ fn sample(out: &mut String, name: &str, kind: &str, help: &str, value: impl std:
 
 /// VmRSS of this process, from /proc/self/status.
 pub fn resident_bytes() -> u64 {
+    status_bytes("VmRSS:")
+}
+
+/// RssAnon of this process: its private memory, which is what its VMs' private pages, its
+/// sessions and its own buffers take from the host (the templates' memory files are
+/// shared page cache and not in it).
+pub fn private_bytes() -> u64 {
+    status_bytes("RssAnon:")
+}
+
+fn status_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.split_whitespace().next())
                 .and_then(|v| v.parse::<u64>().ok())
         })

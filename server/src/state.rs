@@ -273,6 +273,17 @@ impl AppState {
                     .unwrap_or_default(),
             ));
         }
+        if let Some(budget) = self.config().memory_budget_bytes {
+            let used = crate::metrics::private_bytes();
+            if used > budget {
+                self.metrics().rejected(Rejection::MemoryBudget);
+                return Err(ApiError::MemoryBudget {
+                    used,
+                    budget,
+                    retry_after: self.config().retry_after(),
+                });
+            }
+        }
         let client = crate::audit::current_key().map(std::sync::Arc::from);
         self.0
             .jobs

@@ -330,3 +330,43 @@ fn headers_trickled_past_the_time_limit_are_408_and_an_idle_connection_is_closed
     assert_eq!(idle.read_to_end(&mut nothing).unwrap(), 0);
     s.assert_still_serving();
 }
+
+#[test]
+fn over_the_memory_budget_jobs_get_503_with_retry_after_and_under_it_they_run() {
+    let mut tight = test_config();
+    // Less than any process holds: every admission is over it.
+    tight.memory_budget_bytes = Some(1 << 20);
+    let s = TestServer::with_config(tight);
+    let r = client()
+        .post(s.url("/v1/exec"))
+        .json(&serde_json::json!({"code": "print(1)"}))
+        .send()
+        .unwrap();
+    let status = r.status().as_u16();
+    let retry = r.headers()["retry-after"].to_str().unwrap().to_owned();
+    let body: serde_json::Value = r.json().unwrap();
+    let (session_status, session) = s.post("/v1/sessions", &serde_json::json!({}));
+    let metrics = s.get("/metrics").text().unwrap();
+    drop(s);
+
+    let mut roomy = test_config();
+    roomy.memory_budget_bytes = Some(1 << 40);
+    let s = TestServer::with_config(roomy);
+    let (ok_status, ok) = s.exec(serde_json::json!({"code": "print(1)"}));
+
+    assert_eq!((status, retry.as_str()), (503, "1"), "{body}");
+    assert_eq!(body["error"]["code"], "memory_budget", "{body}");
+    assert_eq!(
+        (session_status, &session["error"]["code"]),
+        (503, &serde_json::json!("memory_budget"))
+    );
+    assert!(
+        metrics.contains("bud_rejected_total{reason=\"memory_budget\"} 2\n"),
+        "{metrics}"
+    );
+    assert_eq!(
+        (ok_status, &ok["status"]),
+        (200, &serde_json::json!("ok")),
+        "{ok}"
+    );
+}
