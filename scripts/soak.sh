@@ -10,7 +10,7 @@
 #
 # The mix (round robin): print(1); a shell pipeline; an exit code; an uncaught exception;
 # 1 MiB of output; output over a 64 KiB cap (Python and shell, at fd level); a timeout
-# (300 ms); an impossible allocation; a 4 MiB stdin echoed; a 4-job batch; a request that
+# (300 ms); an impossible allocation; a 768 KiB stdin echoed; a 4-job batch; a request that
 # is refused (400). Slow kinds are rarer: every kind's share is in KINDS below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ import base64, collections, json, os, re, sys, threading, urllib.error, urllib.r
 
 jobs, port, concurrency, pid = (int(a) for a in sys.argv[1:5])
 base = f"http://127.0.0.1:{port}"
-big_stdin = base64.b64encode(os.urandom(4 << 20)).decode()
+big_stdin = base64.b64encode(os.urandom(768 << 10)).decode()  # under the 1 MiB stdin limit
 
 # kind: (weight, path, body, check(http status, answer) -> None or what was wrong)
 def status_is(want, code=None):
@@ -114,6 +114,8 @@ def worker():
                 checkpoints.append((done[0], rss, threads, fds))
                 print(f"[soak] {done[0]:6} jobs: server RSS {rss} MiB, {threads} threads, {fds} fds; "
                       f"wrong so far {len(wrong)}", flush=True)
+                for kind, problem in wrong[-3:]:
+                    print(f"[soak]   e.g. {kind}: {problem}", flush=True)
 
 rss0, threads0, fds0 = proc()
 print(f"[soak] start: server RSS {rss0} MiB, {threads0} threads, {fds0} fds; "
