@@ -43,9 +43,8 @@ Known differences from a real ``sh -c``:
 
 The job's stdin is the worker's stdin file (fd 0, written on demand, see ``bud_io``); its
 stdout and stderr are the capture files, which the worker copies into the mailbox areas
-at the end (and while it waits, every ``STREAM_INTERVAL`` with FLUSH, once
-:data:`STREAM_SHELL_OUTPUT` can be turned on: see there for the guest bug that keeps it
-off).
+at the end and, while it waits, every ``STREAM_INTERVAL`` with FLUSH
+(:data:`STREAM_SHELL_OUTPUT`).
 
 The parked shell is a child of the worker, so a Python job's "wait for any child" calls
 (``os.wait()``, ``os.waitpid(-1, ...)``...) would see it: ``bud_io`` wraps those, and the
@@ -92,13 +91,12 @@ EXIT_TRAP = (
 )
 
 # Whether the worker wakes every STREAM_INTERVAL while a shell job runs, to stream its
-# output. Off: under kvm_pvm with bud's current guest kernel, a worker that runs (makes
-# syscalls) while busybox sh and its children run makes those processes die of SIGSEGV
-# now and then (measured: `sh -c 'cat; ...'` started by a Python job that polls with
-# fstat+sleep: 2 of 10 runs, ~45% with 4 VMs busy; with the worker blocked: 0 of 60). So
-# the worker blocks until the job ends and its output arrives then. Turn on once the guest
-# is fixed.
-STREAM_SHELL_OUTPUT = False
+# output. It was off while processes of the guest died of SIGSEGV whenever the worker ran
+# (made system calls) beside busybox sh and its children: the cause was the AVX register
+# state, which the guest kernel does not save under kvm_pvm (no XSAVE) while glibc used it
+# (see `kernel_saves_avx` in guest/agent/src/worker.rs); the agent now starts the worker
+# with glibc kept off those registers, so every process's vector state is saved again.
+STREAM_SHELL_OUTPUT = True
 
 # Signals Python ignores (SIGPIPE, SIGXFSZ) must be default again in a shell, as
 # subprocess's restore_signals does.

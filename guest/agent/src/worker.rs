@@ -50,6 +50,32 @@ pub const ENV: [(&str, &str); 10] = [
     ("PYTHONPATH", "/usr/lib/bud"),
 ];
 
+/// The glibc tunable that keeps glibc's string and memory functions (and so nearly all code
+/// of every guest process) off AVX, AVX2 and AVX-512 registers: see [`kernel_saves_avx`].
+pub const NO_AVX: (&str, &str) = (
+    "GLIBC_TUNABLES",
+    "glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD,\
+     -AVX_Fast_Unaligned_Load",
+);
+
+/// Whether the guest kernel saves and restores the AVX register state between processes:
+/// only with XSAVE (`xsave` among the kernel's CPU flags). Under kvm_pvm the guest kernel
+/// runs without it (`noxsave`: the hypervisor's instruction emulator lacks the xsave
+/// family), but guest user code runs natively on the host CPU, where `cpuid` and `xgetbv`
+/// still report AVX-512 as usable, so glibc picks its AVX2/AVX-512 `memcpy`, `strlen`...
+/// and one process's vector registers (their upper halves, zmm16-31, the mask registers)
+/// are clobbered by another's at every context switch: measured, a 1 MiB `bytearray`
+/// copy in a child lost its first 128 bytes whenever the parent made system calls
+/// meanwhile, and a starting busybox read glibc's TLS locale pointer as 0 and died of
+/// SIGSEGV (issue 11, item 6). Without the tunable glibc never touches those registers.
+pub fn kernel_saves_avx() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines()
+            .find(|l| l.starts_with("flags"))
+            .is_some_and(|l| l.split_whitespace().any(|f| f == "xsave"))
+    })
+}
+
 /// Starts the worker and returns its pid.
 ///
 /// stdin is /dev/null (a job never reads the console by accident); stdout and stderr stay on
@@ -57,13 +83,12 @@ pub const ENV: [(&str, &str); 10] = [
 /// (a vfork-style clone), which is far cheaper than fork+exec when every page-table copy is
 /// emulated.
 pub fn spawn() -> io::Result<libc::pid_t> {
-    let child = Command::new(PYTHON)
-        .args(ARGS)
-        .env_clear()
-        .envs(ENV)
-        .current_dir(WORKDIR)
-        .stdin(Stdio::null())
-        .spawn()?;
+    let mut cmd = Command::new(PYTHON);
+    cmd.args(ARGS).env_clear().envs(ENV);
+    if !kernel_saves_avx() {
+        cmd.env(NO_AVX.0, NO_AVX.1);
+    }
+    let child = cmd.current_dir(WORKDIR).stdin(Stdio::null()).spawn()?;
     libc::pid_t::try_from(child.id()).map_err(io::Error::other)
 }
 
