@@ -39,7 +39,7 @@ fn a_thousand_jobs_whose_parents_make_syscalls_beside_their_children_never_crash
                     let (mut job, want) = if i % 2 == 0 {
                         (Job::python(PYTHON), "child\nexit 0\n")
                     } else {
-                        (Job::shell(SHELL), "LINE 1\n")
+                        (Job::shell(SHELL), "LINE 1\nLINE 2\nLINE 3\n")
                     };
                     job.timeout = Duration::from_secs(60);
                     let r = exec.run(&job).expect("bud could not run the job");
