@@ -51,6 +51,20 @@ fn wait_cancelled(s: &TestServer, n: u64) {
     }
 }
 
+/// Polls (at most 10 s) until one job runs (the metrics' running gauge).
+fn wait_running(s: &TestServer) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !s
+        .get("/metrics")
+        .text()
+        .unwrap()
+        .contains("bud_jobs_running 1\n")
+    {
+        assert!(Instant::now() < until, "the job never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Sends a raw HTTP/1.1 POST of `body` to `path` on a fresh connection.
 fn raw_post(s: &TestServer, path: &str, body: &serde_json::Value) -> TcpStream {
     let mut c = TcpStream::connect(s.addr).unwrap();
@@ -95,17 +109,8 @@ fn a_streaming_client_that_leaves_after_the_first_chunk_cancels_its_job() {
 fn a_client_that_disconnects_from_a_plain_job_cancels_it() {
     let s = one_worker();
     let c = raw_post(&s, "/v1/exec", &json!({"code": LONG, "timeout_ms": 30_000}));
-    // Wait until the job runs (the metrics' running gauge), then leave.
-    let until = Instant::now() + Duration::from_secs(10);
-    while !s
-        .get("/metrics")
-        .text()
-        .unwrap()
-        .contains("bud_jobs_running 1\n")
-    {
-        assert!(Instant::now() < until, "the job never started");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    // Wait until the job runs, then leave.
+    wait_running(&s);
     c.shutdown(std::net::Shutdown::Both).unwrap();
     drop(c);
 
@@ -150,16 +155,7 @@ fn a_shutdown_cancels_what_still_runs_after_its_grace_period() {
     config.shutdown_grace_s = 1;
     let mut s = TestServer::with_config(config);
     let c = raw_post(&s, "/v1/exec", &json!({"code": LONG, "timeout_ms": 30_000}));
-    let until = Instant::now() + Duration::from_secs(10);
-    while !s
-        .get("/metrics")
-        .text()
-        .unwrap()
-        .contains("bud_jobs_running 1\n")
-    {
-        assert!(Instant::now() < until, "the job never started");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_running(&s);
 
     // The shutdown waits for the request, the grace period passes, the job is cancelled:
     // its client (still there) gets the job's answer with that status, not a timeout.
