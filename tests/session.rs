@@ -212,6 +212,48 @@ fn a_cell_over_the_output_cap_is_interrupted_and_the_session_goes_on() {
     s.end(&ex);
 }
 
+/// The host's interrupt of a cell that then ends by itself before taking the signal must
+/// not reach the next cell. In practice a race (the guest's watcher checks which request
+/// runs, then signals; the cell may end in between); here made certain: the cell blocks
+/// SIGINT past its time, so the signal waits until the next cell unblocks it.
+#[test]
+fn a_late_interrupt_never_reaches_the_next_cell() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let mut late = Job::python(
+        "import signal, time\n\
+         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n\
+         time.sleep(1.5)\n\
+         print('ended by itself')",
+    );
+    late.timeout = Duration::from_millis(500);
+    let grace = Duration::from_secs(10);
+    let r = s.exec(&ex, &late, grace, &mut |_, _| {}).unwrap();
+    let next = cell(
+        &mut s,
+        &ex,
+        "import signal\nsignal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n\
+         print('next')",
+    );
+    let mut spin = Job::python("while True: pass");
+    spin.timeout = Duration::from_millis(300);
+    let spun = s.exec(&ex, &spin, grace, &mut |_, _| {}).unwrap();
+
+    assert_eq!(r.status, Status::Timeout, "{}", text(&r.stderr));
+    assert_eq!(text(&r.stdout), "ended by itself\n");
+    assert_eq!(next.status, Status::Ok, "{}", text(&next.stderr));
+    assert_eq!(text(&next.stdout), "next\n");
+    // Interrupts still work after a dropped one.
+    assert_eq!(spun.status, Status::Timeout);
+    assert!(
+        text(&spun.stderr).contains("KeyboardInterrupt"),
+        "{}",
+        text(&spun.stderr)
+    );
+    assert!(s.usable());
+    s.end(&ex);
+}
+
 /// A session's cells keep appending to the same capture files: what was copied out is
 /// freed, so fd-level output adding up past the capture's bound (default cap + slack) in
 /// several cells is never cut, and a cell with a smaller cap still gets its own bound.
@@ -241,6 +283,7 @@ fn fd_level_output_of_many_cells_adds_up_past_the_capture_bound() {
     assert_eq!(lengths, [3 << 20; 4]);
     assert_eq!(flood.status, Status::OutputLimit);
     assert_eq!(flood.stdout.len() + flood.stderr.len(), 20_000);
+    assert_eq!(after.status, Status::Ok, "{}", text(&after.stderr));
     assert_eq!(after.stdout, b"still here\n");
     assert!(s.usable());
     s.end(&ex);

@@ -576,6 +576,18 @@ class JobRunner:
         if not self.areas.forked:
             self.shell.retire()
 
+    def on_sigint(self, signum, frame):
+        """The worker's SIGINT handler while the interrupt watcher runs: ``KeyboardInterrupt``,
+        unless the signal is the watcher's for a request that has ended since (the host
+        already runs the next one): that one is dropped, so a late interrupt never hits the
+        next cell (see ``interrupt.rs``). A SIGINT from anyone else raises as usual."""
+        del signum, frame
+        sent = _bud.take_interrupt()
+        if (sent and not self.areas.forked
+                and _SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sent):
+            return
+        raise KeyboardInterrupt
+
     def _after_fork_in_child(self):
         self.areas.after_fork_in_child()
         if self._current is not None:

@@ -49,6 +49,7 @@ import gc
 import os
 import posix
 import resource
+import signal
 import sys
 import time
 
@@ -311,6 +312,8 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell,
                                 capture_dir=capture_dir)
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err
+    if doorbell and not interrupts:
+        signal.signal(signal.SIGINT, runner.on_sigint)
     job_problems = runner.prepare()
     if interrupts:
         job_problems.append(interrupts)

@@ -7,8 +7,16 @@
 //! turns the byte into a signal for some process group) and leaves a small thread blocked in
 //! `read` on it. For every [`INTERRUPT_BYTE`] it reads, if the mailbox's `job::INTERRUPT`
 //! names the request now running (`job::SEQUENCE`), it sends `SIGINT` to the worker's main
-//! thread (a byte that arrives late, after its request ended, interrupts nothing): Python's handler raises `KeyboardInterrupt` in the cell at its next bytecode, and
-//! a blocking call (a `sleep`, a wait for a child) returns early with `EINTR` first.
+//! thread (a byte that arrives late, after its request ended, interrupts nothing), and a
+//! blocking call (a `sleep`, a wait for a child) returns early with `EINTR`.
+//!
+//! The check and the signal are two steps, and the signal is taken later still (when the
+//! main thread unblocks it and Python's eval loop runs the handler): in between, the
+//! request may end by itself and the host start the next one. So the watcher records which
+//! request it signalled for ([`take_sent`]), and the worker's SIGINT handler
+//! (`bud_jobs.JobRunner.on_sigint`) raises `KeyboardInterrupt` only if that request is still
+//! the host's current one: a late signal must never interrupt the next cell. A SIGINT the
+//! watcher did not send (a job's own `os.kill`) records nothing and raises as usual.
 //!
 //! The thread is plain Rust, not Python: it never needs the GIL, so a cell that holds the
 //! GIL in a long C call is still signalled (Python raises once the call returns). It costs
@@ -18,12 +26,22 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::mailbox::Mailbox;
 use crate::protocol::job;
 
 /// The byte that means "interrupt" (ETX, what a terminal's Ctrl-C sends).
 pub const INTERRUPT_BYTE: u8 = 0x03;
+
+/// The request the watcher last sent SIGINT for (0: none since the last [`take_sent`]).
+static SENT: AtomicU32 = AtomicU32::new(0);
+
+/// The request the watcher's last SIGINT was for, and forget it (0: the watcher sent none
+/// since the last call, so a SIGINT came from elsewhere).
+pub fn take_sent() -> u32 {
+    SENT.swap(0, Ordering::SeqCst)
+}
 
 /// Stack of the watcher thread: it only loops over `read`.
 const STACK_SIZE: usize = 64 << 10;
@@ -96,9 +114,12 @@ fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox) {
         if n == 0 {
             return;
         }
+        let sequence = field(mailbox, job::SEQUENCE);
         if buf[..n as usize].contains(&INTERRUPT_BYTE)
-            && field(mailbox, job::INTERRUPT) == field(mailbox, job::SEQUENCE)
+            && sequence != 0
+            && field(mailbox, job::INTERRUPT) == sequence
         {
+            SENT.store(sequence, Ordering::SeqCst);
             // SAFETY: `main` is the worker's main thread, which lives as long as the process.
             unsafe { libc::pthread_kill(main, libc::SIGINT) };
         }

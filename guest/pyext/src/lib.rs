@@ -305,6 +305,13 @@ fn start_interrupt_watcher(tty: &str) -> PyResult<()> {
     interrupt::start(tty, mailbox).map_err(|e| os_error("interrupt watcher", &e))
 }
 
+/// The request the interrupt watcher last sent SIGINT for, forgotten by this call (0: none;
+/// see `interrupt.rs`).
+#[pyfunction]
+fn take_interrupt() -> u32 {
+    interrupt::take_sent()
+}
+
 /// mlockall(MCL_CURRENT): every page mapped now becomes resident and present.
 #[pyfunction]
 fn lock_memory() -> PyResult<()> {
@@ -338,6 +345,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
+    m.add_function(wrap_pyfunction!(take_interrupt, m)?)?;
     m.add_function(wrap_pyfunction!(punch_hole, m)?)?;
     m.add_function(wrap_pyfunction!(resize_tmpfs, m)?)?;
     m.add("INTERRUPT_BYTE", interrupt::INTERRUPT_BYTE)?;
