@@ -14,6 +14,7 @@
 pub mod api;
 pub mod audit;
 pub mod body;
+pub mod cell_task;
 pub mod compat;
 pub mod config;
 pub mod conn;

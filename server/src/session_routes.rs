@@ -19,6 +19,7 @@ use vmm::{Executor, JobResult, Language, Status};
 use crate::api::{ExecRequest, ExecResponse};
 use crate::body::JsonBody;
 use crate::error::ApiError;
+use crate::jobs::CancelOnDrop;
 use crate::sessions::{Busy, Ended, Entry, NewSession, Unavailable, epoch_s};
 use crate::state::AppState;
 
@@ -372,8 +373,10 @@ pub async fn run_cell(
         .acquire(id)
         .map_err(|u| unavailable(id, u))?;
     let (mut job, b64) = cell_job(state, busy.entry(), req)?;
-    // Known to the job threads while it runs: a shutdown past its grace cancels it.
-    let tracked = state.jobs().track(&mut job);
+    // Held by this future: a client that goes away drops it, which cancels the cell (it is
+    // interrupted; see `vmm::Cancel`). Known to the job threads while it runs, too: a
+    // shutdown past its grace cancels it.
+    let mut cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
     let origin = crate::audit::Origin::here(route, &busy.entry().template, Some(id));
     let st = state.clone();
     let queued = Instant::now();
@@ -396,10 +399,11 @@ pub async fn run_cell(
         // that grew must meet the memory cap with that growth counted. Freed before the
         // answer too, so its next cell never finds it busy.
         busy.entry().account();
-        drop((busy, tracked));
+        drop(busy);
         (ran, waited)
     })
     .await?;
+    cancel.disarm();
     let (r, count) = ran.map_err(internal)?;
     let result = (!r.display.is_empty()).then(|| {
         r.display

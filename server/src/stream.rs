@@ -28,10 +28,11 @@ use vmm::{ExecError, JobResult};
 
 use crate::api::{ExecRequest, ExecResponse, text_and_b64};
 use crate::body::JsonBody;
+use crate::cell_task;
 use crate::error::ApiError;
 use crate::jobs::CancelOnDrop;
 use crate::routes::record;
-use crate::session_routes::{self, CellResponse};
+use crate::session_routes::CellResponse;
 use crate::state::AppState;
 
 /// What the job thread sends to the response body.
@@ -226,28 +227,15 @@ pub async fn session_stream(
 ) -> Result<Response, ApiError> {
     let output_b64 = req.output_b64;
     req.stream = true;
-    let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
-    let out = tx.clone();
+    let route = "/v1/sessions/{id}/exec/stream";
     let key = crate::audit::current_key();
-    tokio::spawn(crate::audit::KEY.scope(key, async move {
-        let forward = move |s: Stream, bytes: &[u8]| {
-            let _ = out.send(Event::Output(s, bytes.to_vec()));
-        };
-        let route = "/v1/sessions/{id}/exec/stream";
-        let r = session_routes::run_cell(&state, &id, req, route, forward).await;
-        let _ = tx.send(Event::Cell(Box::new(r.map(|(cell, _)| cell))));
-    }));
-    let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
-        field: None,
-        message: "the cell's task ended without an answer".into(),
-    })?;
-    let first = match first {
-        Event::Cell(r) => match *r {
-            Err(e) => return Err(e),
-            ok => Event::Cell(Box::new(ok)),
-        },
-        ev => ev,
-    };
+    let end = |r| Event::Cell(Box::new(r));
+    let mut rx = cell_task::spawn(state, id, req, route, key, Event::Output, end);
+    let first = cell_task::first(&mut rx, |ev| match ev {
+        Event::Cell(r) => (*r).map(|ok| Event::Cell(Box::new(Ok(ok)))),
+        ev => Ok(ev),
+    })
+    .await?;
     Ok(respond(first, rx, output_b64, None))
 }
 

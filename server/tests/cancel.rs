@@ -1,6 +1,6 @@
 //! A client that goes away cancels its job: the vCPU is kicked, the job ends `cancelled`
 //! (counted in the metrics), and its job thread is free for the next job long before the
-//! job's own end. Real server on loopback, real guest; needs /dev/kvm.
+//! job's own end. A session cell is interrupted instead, and its session goes on. Real server on loopback, real guest; needs /dev/kvm.
 
 mod common;
 
@@ -87,17 +87,7 @@ fn a_streaming_client_that_leaves_after_the_first_chunk_cancels_its_job() {
         "/v1/exec/stream",
         &json!({"code": LONG, "timeout_ms": 30_000}),
     );
-    let mut lines = BufReader::new(c);
-    let mut seen = String::new();
-    while !seen.contains("started") {
-        let mut line = String::new();
-        assert!(
-            lines.read_line(&mut line).unwrap() > 0,
-            "stream ended: {seen}"
-        );
-        seen.push_str(&line);
-    }
-    drop(lines); // the client goes away
+    read_until(c, "started"); // then the client goes away
 
     wait_cancelled(&s, 1);
     // The only job thread is free again (wait_cancelled saw it idle): a job runs now.
@@ -172,4 +162,47 @@ fn a_shutdown_cancels_what_still_runs_after_its_grace_period() {
     assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
     assert!(answer.contains("\"status\":\"cancelled\""), "{answer}");
     assert!(answer.contains("\"stdout\":\"started\\n\""), "{answer}");
+}
+
+/// Reads `c`'s response lines until one contains `what`.
+fn read_until(c: TcpStream, what: &str) {
+    let mut lines = BufReader::new(c);
+    let mut seen = String::new();
+    while !seen.contains(what) {
+        let mut line = String::new();
+        assert!(
+            lines.read_line(&mut line).unwrap() > 0,
+            "stream ended: {seen}"
+        );
+        seen.push_str(&line);
+    }
+}
+
+/// A session cell whose client goes away (a stream after its first chunk, a plain request
+/// while it runs) is cancelled as a timeout is handled: interrupted, counted `cancelled`,
+/// its job thread freed, and the session goes on with its state.
+#[test]
+fn a_session_cell_whose_client_leaves_is_interrupted_and_the_session_goes_on() {
+    let s = one_worker();
+    let (status, r) = s.post("/v1/sessions", &json!({}));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+    let exec = format!("/v1/sessions/{id}/exec");
+    let (status, r) = s.post(&exec, &json!({"code": "x = 41"}));
+    assert_eq!((status, &r["status"]), (200, &json!("ok")), "{r}");
+
+    let long = json!({"code": LONG, "timeout_ms": 30_000});
+    let streamed = raw_post(&s, &format!("/v1/sessions/{id}/exec/stream"), &long);
+    read_until(streamed, "started");
+    wait_cancelled(&s, 1);
+
+    let plain = raw_post(&s, &exec, &long);
+    wait_running(&s);
+    plain.shutdown(std::net::Shutdown::Both).unwrap();
+    drop(plain);
+    wait_cancelled(&s, 2);
+
+    let (status, r) = s.post(&exec, &json!({"code": "print(x + 1)"}));
+    assert_eq!((status, &r["status"]), (200, &json!("ok")), "{r}");
+    assert_eq!(r["stdout"], json!("42\n"), "{r}");
 }

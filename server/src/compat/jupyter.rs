@@ -29,12 +29,12 @@ use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::mpsc;
 use vmm::job::Stream;
 use vmm::{CellOptions, Language, Status};
 
 use super::e2b::{Context, e2b_error, sandbox_of};
 use crate::api::ExecRequest;
+use crate::cell_task;
 use crate::error::ApiError;
 use crate::session_routes::{self, CellResponse};
 use crate::state::AppState;
@@ -246,29 +246,24 @@ async fn start_execute(
         stream: true,
         ..ExecRequest::default()
     };
-    let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
-    let out = tx.clone();
-    let id = e.id.clone();
     // The audit trail names the key that made the sandbox (its routes carry no API key).
-    tokio::spawn(crate::audit::KEY.scope(s.key.clone(), async move {
-        let forward = move |st: Stream, bytes: &[u8]| {
-            let _ = out.send(Event::Output(st, bytes.to_vec()));
-        };
-        let r = session_routes::run_cell(&state, &id, native, "/execute", forward).await;
-        let _ = tx.send(Event::End(Box::new(r.map(|(cell, _)| cell)), language));
-    }));
+    let key = s.key.clone();
+    let end = move |r| Event::End(Box::new(r), language);
+    let mut rx = cell_task::spawn(
+        state,
+        e.id.clone(),
+        native,
+        "/execute",
+        key,
+        Event::Output,
+        end,
+    );
     // The first event decides the status: a cell that could not run is an HTTP error.
-    let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
-        field: None,
-        message: "the cell's task ended without an answer".into(),
-    })?;
-    let first = match first {
-        Event::End(r, l) => match *r {
-            Err(e) => return Err(e),
-            ok => Event::End(Box::new(ok), l),
-        },
-        ev => ev,
-    };
+    let first = cell_task::first(&mut rx, |ev| match ev {
+        Event::End(r, l) => (*r).map(|ok| Event::End(Box::new(Ok(ok)), l)),
+        ev => Ok(ev),
+    })
+    .await?;
     let lines = stream::unfold(
         (Some(first), rx, Lines::default()),
         |(pending, mut rx, mut enc)| async move {

@@ -158,7 +158,9 @@ pub enum Status {
 
 /// Cancels a job from another thread: the job's vCPU is kicked and the job ends as
 /// [`Status::Cancelled`] with the output it had written, its VM thrown away (never reused).
-/// Cancelling before the job starts makes it end at once when it does.
+/// Cancelling before the job starts makes it end at once when it does. A session cell is
+/// interrupted instead, as at its timeout: one that stops within the grace leaves its
+/// session usable; one cancelled before it started never runs.
 #[derive(Debug, Clone, Default)]
 pub struct Cancel(std::sync::Arc<CancelState>);
 
@@ -283,6 +285,25 @@ pub struct JobResult {
     /// A cell's uncaught exception, when it ran with [`CellOptions::error_in_display`].
     pub error: Option<CellError>,
     pub timings: JobTimings,
+}
+
+impl JobResult {
+    /// The result of a job that ended as `status` before it started: no output, no time.
+    pub fn never_ran(status: Status) -> Self {
+        Self {
+            status,
+            exit_code: None,
+            signal: None,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            crash: None,
+            console_tail: Vec::new(),
+            display: Vec::new(),
+            figures: Vec::new(),
+            error: None,
+            timings: JobTimings::default(),
+        }
+    }
 }
 
 /// An uncaught exception of a cell, as Jupyter reports it: the exception's class name, its

@@ -328,6 +328,13 @@ pub fn run_request(
 ) -> Result<(JobResult, Ending), JobError> {
     let mb = &s.mailbox;
     let j = r.job;
+    if matches!(r.kind, Kind::Cell { .. })
+        && j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled)
+    {
+        // Cancelled while it waited: the session's VM never sees it (an interrupt sent now
+        // could reach the guest before it starts the cell, where it cannot be taken).
+        return Ok((JobResult::never_ran(Status::Cancelled), Ending::Done));
+    }
     write_request(&m.ram, mb, r)?;
     let started = Instant::now();
     let deadline = started + j.timeout;
@@ -428,10 +435,31 @@ pub fn run_request(
             VcpuStop::Doorbell(other) => {
                 break End::crashed(format!("guest rang unknown doorbell {other:#x}"));
             }
-            VcpuStop::Kicked if cancelled() => {
-                out.drain(&m.ram, mb, false)?;
-                break End::with(Status::Cancelled);
-            }
+            // A session cell is cancelled as it is timed out: interrupted, so that a cell
+            // that stops within the grace leaves its session usable; a one-shot job's VM
+            // is thrown away, so it stops at once.
+            VcpuStop::Kicked if cancelled() => match r.interrupt_grace {
+                Some(grace) if matches!(r.kind, Kind::Cell { .. }) && interrupted.is_none() => {
+                    interrupted = Some(Status::Cancelled);
+                    m.kicker.reset();
+                    interrupt(m, mb, r.sequence)?;
+                    kick_at = Instant::now() + grace;
+                    timer = timer::arm(kick_at, m.kicker.clone());
+                }
+                Some(_) if matches!(r.kind, Kind::Cell { .. }) && Instant::now() < kick_at => {
+                    // Within an interrupt's grace: a stream tick, a second cancel, or a
+                    // cancel of a cell already interrupted for its time or its cap (then
+                    // the client is gone: cancelled is what it ends as).
+                    interrupted = Some(Status::Cancelled);
+                    m.kicker.reset();
+                    out.drain(&m.ram, mb, false)?;
+                    tick = arm_tick(&m.kicker);
+                }
+                _ => {
+                    out.drain(&m.ram, mb, false)?;
+                    break End::with(Status::Cancelled);
+                }
+            },
             VcpuStop::Kicked => match r.interrupt_grace {
                 Some(grace) if interrupted.is_none() => {
                     interrupted = Some(Status::Timeout);

@@ -11,15 +11,14 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 use vmm::job::Stream;
 use vmm::{Language, Status};
 
 use super::{connect_code, connect_error, from_api};
 use crate::api::ExecRequest;
+use crate::cell_task;
 use crate::compat::e2b::sandbox_of;
 use crate::error::ApiError;
-use crate::session_routes;
 use crate::state::AppState;
 
 /// Pid numbers of started commands (per server, for the `start` event).
@@ -143,28 +142,15 @@ async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Respo
         stream: true,
         ..ExecRequest::default()
     };
-    let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
-    let out = tx.clone();
-    let id = e.id.clone();
     let route = "/process.Process/Start";
-    tokio::spawn(crate::audit::KEY.scope(sandbox.key.clone(), async move {
-        let forward = move |s: Stream, bytes: &[u8]| {
-            let _ = out.send(Event::Output(s, bytes.to_vec()));
-        };
-        let r = session_routes::run_cell(&state, &id, native, route, forward).await;
-        let _ = tx.send(Event::End(Box::new(r.map(|(cell, _)| cell))));
-    }));
-    let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
-        field: None,
-        message: "the command's task ended without an answer".into(),
-    })?;
-    let first = match first {
-        Event::End(r) => match *r {
-            Err(e) => return Err(e),
-            ok => Event::End(Box::new(ok)),
-        },
-        ev => ev,
-    };
+    let key = sandbox.key.clone();
+    let end = |r| Event::End(Box::new(r));
+    let mut rx = cell_task::spawn(state, e.id.clone(), native, route, key, Event::Output, end);
+    let first = cell_task::first(&mut rx, |ev| match ev {
+        Event::End(r) => (*r).map(|ok| Event::End(Box::new(Ok(ok)))),
+        ev => Ok(ev),
+    })
+    .await?;
     let pid = NEXT_PID.fetch_add(1, Ordering::Relaxed);
     let started = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
     let events = stream::unfold(Some((Some(first), rx)), |st| async move {
