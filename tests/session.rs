@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use vmm::protocol::{file_op, file_status};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
-use vmm::{Executor, ExecutorOptions, Job, JobResult, Language, Status};
+use vmm::{Cancel, Executor, ExecutorOptions, Job, JobResult, Language, Status};
 
 fn executor() -> Executor {
     let opts = ExecutorOptions {
@@ -209,6 +209,50 @@ fn a_cell_over_the_output_cap_is_interrupted_and_the_session_goes_on() {
     assert_eq!(r.stdout.len() + r.stderr.len(), 256 << 10);
     assert!(s.usable());
     assert_eq!(plain(&after), Some("True"));
+    s.end(&ex);
+}
+
+/// A cancelled cell (its client left) is interrupted like one past its time, so the session
+/// goes on; a cell cancelled before it starts never runs.
+#[test]
+fn a_cancelled_cell_is_interrupted_and_one_cancelled_before_it_starts_never_runs() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    cell(&mut s, &ex, "n = 0");
+    let mut long = Job::python("print('started', flush=True)\nwhile True:\n    n += 1");
+    long.timeout = Duration::from_secs(60);
+    long.stream_output = true;
+    let cancel = Cancel::new();
+    long.cancel = Some(cancel.clone());
+    let mut started = false;
+    let r = s
+        .exec(&ex, &long, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {
+            // The first output: the cell runs; its client "leaves".
+            if !started {
+                started = true;
+                cancel.cancel();
+            }
+        })
+        .unwrap();
+    let mut never = Job::python("n = -1");
+    let gone = Cancel::new();
+    gone.cancel();
+    never.cancel = Some(gone);
+    let skipped = s
+        .exec(&ex, &never, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    let after = cell(&mut s, &ex, "n > 0");
+
+    assert_eq!(r.status, Status::Cancelled, "{}", text(&r.stderr));
+    assert_eq!(text(&r.stdout), "started\n");
+    assert!(
+        text(&r.stderr).contains("KeyboardInterrupt"),
+        "{}",
+        text(&r.stderr)
+    );
+    assert_eq!(skipped.status, Status::Cancelled);
+    assert_eq!(plain(&after), Some("True"));
+    assert!(s.usable());
     s.end(&ex);
 }
 
