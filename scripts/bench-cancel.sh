@@ -4,7 +4,9 @@
 # (30 s) is started on a server with one job thread; the client reads the first line and
 # closes its connection; the time from the close until the job is counted `cancelled` in
 # /metrics, and until its job thread is free again (health: nothing running or queued; the
-# cancelled VM is discarded first), is measured. Medians.
+# cancelled VM is discarded first), is measured. Then the same for a session's streamed
+# cell, which is interrupted rather than stopped: the session must answer its next cell.
+# Medians.
 #
 # Usage: scripts/bench-cancel.sh [ROUNDS]   (default 10)
 set -euo pipefail
@@ -33,28 +35,40 @@ def cancelled():
     return int(next(l.split()[-1] for l in m.splitlines()
                     if l.startswith('bud_jobs_total{status="cancelled"}')))
 
-to_cancel, to_next = [], []
-for _ in range(rounds):
-    before = cancelled()
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/exec/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"content-length: %d\r\n\r\n" % len(job) + job)
-    seen = b""
-    while b"started" not in seen:
-        seen += s.recv(4096)
-    t = time.perf_counter()
-    s.close()
-    while cancelled() == before:
-        time.sleep(0.001)
-    to_cancel.append(time.perf_counter() - t)
-    while not idle():
-        time.sleep(0.001)
-    to_next.append(time.perf_counter() - t)
-    req = urllib.request.Request(base + "/v1/exec", json.dumps({"code": "print(1)"}).encode(),
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(),
                                  {"content-type": "application/json"})
-    r = json.load(urllib.request.urlopen(req))
-    assert r["stdout"] == "1\n", r
+    return json.load(urllib.request.urlopen(req))
+
+def measure(stream_path, next_path):
+    to_cancel, to_next = [], []
+    for _ in range(rounds):
+        before = cancelled()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST " + stream_path.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+                  b"content-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(job) + job)
+        seen = b""
+        while b"started" not in seen:
+            seen += s.recv(4096)
+        t = time.perf_counter()
+        s.close()
+        while cancelled() == before:
+            time.sleep(0.001)
+        to_cancel.append(time.perf_counter() - t)
+        while not idle():
+            time.sleep(0.001)
+        to_next.append(time.perf_counter() - t)
+        r = post(next_path, {"code": "print(1)"})
+        assert r["stdout"] == "1\n", r
+    return to_cancel, to_next
+
 ms = lambda v: f"{statistics.median(v) * 1e3:.1f} ms (max {max(v) * 1e3:.1f})"
-print(f"{rounds} rounds: client gone -> job cancelled {ms(to_cancel)}; "
+to_cancel, to_next = measure("/v1/exec/stream", "/v1/exec")
+print(f"{rounds} jobs: client gone -> job cancelled {ms(to_cancel)}; "
       f"-> its job thread free again {ms(to_next)}")
+sid = post("/v1/sessions", {})["id"]
+to_cancel, to_next = measure(f"/v1/sessions/{sid}/exec/stream", f"/v1/sessions/{sid}/exec")
+print(f"{rounds} session cells: client gone -> cell cancelled {ms(to_cancel)}; "
+      f"-> its job thread free again {ms(to_next)} (the session answered every next cell)")
 PY

@@ -50,13 +50,32 @@ pub const ENV: [(&str, &str); 10] = [
     ("PYTHONPATH", "/usr/lib/bud"),
 ];
 
-/// The glibc tunable that keeps glibc's string and memory functions (and so nearly all code
-/// of every guest process) off AVX, AVX2 and AVX-512 registers: see [`kernel_saves_avx`].
-pub const NO_AVX: (&str, &str) = (
-    "GLIBC_TUNABLES",
-    "glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD,\
-     -AVX_Fast_Unaligned_Load",
-);
+/// What keeps the guest's libraries (and so nearly all code of every guest process) off the
+/// AVX, AVX2 and AVX-512 registers where the kernel does not save them (see
+/// [`kernel_saves_avx`]): each library picks its vector code from `cpuid` when it loads, and
+/// each has its own switch. The worker gets them when it starts, so they hold for everything
+/// the template loads before its snapshot (numpy is imported there) and every process a job
+/// starts. A job can still run AVX code of its own (or clear these variables); that harms
+/// only its own processes.
+pub const NO_AVX: [(&str, &str); 4] = [
+    // glibc: memcpy, strlen... and libm.
+    (
+        "GLIBC_TUNABLES",
+        "glibc.cpu.hwcaps=-AVX,-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD,\
+         -AVX_Fast_Unaligned_Load",
+    ),
+    // numpy's dispatched loops (the names of numpy 1.24, the datascience image's: names a
+    // build does not dispatch only warn, and disabling what the CPU lacks is allowed).
+    (
+        "NPY_DISABLE_CPU_FEATURES",
+        "AVX F16C FMA3 AVX2 AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL",
+    ),
+    // OpenSSL (hashlib, ssl): clears AVX and OSXSAVE in the first capability word, and
+    // AVX2, AVX512F/DQ/IFMA/BW/VL, VAES and VPCLMULQDQ in the second (OPENSSL_ia32cap(3)).
+    ("OPENSSL_ia32cap", "~0x1800000000000000:~0x600c0230020"),
+    // libjpeg-turbo (Pillow, matplotlib): its SSE2 code instead of AVX2.
+    ("JSIMD_FORCESSE2", "1"),
+];
 
 /// Whether the guest kernel saves and restores the AVX register state between processes:
 /// only with XSAVE (`xsave` among the kernel's CPU flags). Under kvm_pvm the guest kernel
@@ -67,7 +86,7 @@ pub const NO_AVX: (&str, &str) = (
 /// are clobbered by another's at every context switch: measured, a 1 MiB `bytearray`
 /// copy in a child lost its first 128 bytes whenever the parent made system calls
 /// meanwhile, and a starting busybox read glibc's TLS locale pointer as 0 and died of
-/// SIGSEGV (issue 11, item 6). Without the tunable glibc never touches those registers.
+/// SIGSEGV (issue 11, item 6). With [`NO_AVX`] the libraries leave those registers alone.
 pub fn kernel_saves_avx() -> bool {
     std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
         info.lines()
@@ -86,7 +105,7 @@ pub fn spawn() -> io::Result<libc::pid_t> {
     let mut cmd = Command::new(PYTHON);
     cmd.args(ARGS).env_clear().envs(ENV);
     if !kernel_saves_avx() {
-        cmd.env(NO_AVX.0, NO_AVX.1);
+        cmd.envs(NO_AVX);
     }
     let child = cmd.current_dir(WORKDIR).stdin(Stdio::null()).spawn()?;
     libc::pid_t::try_from(child.id()).map_err(io::Error::other)
