@@ -11,8 +11,9 @@
 //!   runs as its quoted argv. `envs` and `cwd` apply; the timeout is `Connect-Timeout-Ms`
 //!   up to the server's `max_timeout_ms`. Events: `start` (a per-server pid number, not a
 //!   guest pid), `data` (stdout / stderr as they come, base64 as proto JSON has bytes),
-//!   `end` (`exitCode`, `exited`, `status`). Background processes, stdin, signals, PTYs and
-//!   `List`/`Connect` are not implemented (`unimplemented`).
+//!   `end` (`exitCode`, `exited`, `status`). A client that closes the stream before `end`
+//!   stops the command (interrupted, as at its timeout). Background processes, stdin,
+//!   signals, PTYs and `List`/`Connect` are not implemented (`unimplemented`).
 //! - `filesystem.Filesystem`: `Stat`, `ListDir` (depth >= 1), `MakeDir`
 //!   (`already_exists` when it does), `Remove`, `Move`; watchers are not implemented.
 //! - `GET /files?path=` reads a file; `POST /files` writes files from a multipart form
