@@ -1,11 +1,11 @@
 //! Jobs: what a user asks to run ([`Job`]) and what comes back ([`JobResult`], with its
 //! [`Status`] and [`JobTimings`]). Running one in a VM is [`run`] (module `run`).
 
+mod decode;
 mod run;
 
-pub use run::{
-    INTERRUPT_BYTE, Kind, Request, decode_result, give_identity, run, run_request, write_request,
-};
+pub use decode::decode_result;
+pub use run::{INTERRUPT_BYTE, Kind, Request, give_identity, run, run_request, write_request};
 
 use std::time::Duration;
 

@@ -7,20 +7,20 @@
 //! guest wrote is hostile input: lengths are bounds-checked against the areas, unknown codes
 //! end the job as crashed. A job that runs past its deadline is kicked off the vCPU by the
 //! timer thread. Afterwards the VM is reset or thrown away ([`crate::executor`]), so nothing
-//! a job does reaches another job.
+//! a job does reaches another job. What the guest wrote is read by [`super::decode`].
 
 use std::time::{Duration, Instant};
 
+use super::decode::{
+    Collected, End, Shown, end_from_outcome, end_from_wait_status, read_display, read_phases,
+};
 use super::{
-    CRASH_TAIL_LINES, CellError, Display, Ending, GuestPhases, Job, JobError, JobResult,
-    JobTimings, STREAM_TICK, Status, Stream,
+    CRASH_TAIL_LINES, Ending, Job, JobError, JobResult, JobTimings, STREAM_TICK, Status, Stream,
 };
 use crate::identity;
-use crate::mailbox::{Mailbox, MailboxError};
+use crate::mailbox::Mailbox;
 use crate::memory::GuestRam;
-use crate::protocol::{
-    code, failure, guest_flags, job, job_flags, language, mode, outcome, result,
-};
+use crate::protocol::{code, failure, job, job_flags, language, mode, result};
 use crate::snapshot::{self, SnapshotState};
 use crate::timer;
 use crate::vcpu::{VcpuError, VcpuStop};
@@ -127,152 +127,6 @@ pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<()
         at += part.len() as u64;
     }
     Ok(())
-}
-
-/// Output gathered so far, with the cap applied.
-struct Collected<'a> {
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-    limit: usize,
-    over_limit: bool,
-    on_output: &'a mut dyn FnMut(Stream, &[u8]),
-    /// Bytes of each area already taken since the guest's counters were last zeroed.
-    taken: [usize; 2],
-}
-
-impl Collected<'_> {
-    /// Takes what each area holds past what was already taken. `reset` zeroes the guest's
-    /// fill counters (after a FLUSH, the guest waiting at the doorbell). Without it the
-    /// guest may be stopped anywhere, even mid-write: the guest counts bytes only after
-    /// copying them, so the areas up to their counters are always whole, and the counters
-    /// only grow until a FLUSH; so this may run at any stop, and takes each byte once.
-    fn drain(&mut self, ram: &GuestRam, mb: &Mailbox, reset: bool) -> Result<(), MailboxError> {
-        for (stream, len_at, area, end) in [
-            (
-                Stream::Stdout,
-                result::STDOUT_LEN,
-                result::STDOUT_AREA,
-                result::STDOUT_AREA_END,
-            ),
-            (
-                Stream::Stderr,
-                result::STDERR_LEN,
-                result::STDERR_AREA,
-                result::STDERR_AREA_END,
-            ),
-        ] {
-            // Hostile: clamp the guest's length to its area (and never below what was taken).
-            let len = (mb.read_u32(ram, len_at as u64)? as usize).min(end - area);
-            let from = self.taken[stream as usize].min(len);
-            let room = self
-                .limit
-                .saturating_sub(self.stdout.len() + self.stderr.len());
-            let take = (len - from).min(room);
-            if len - from > room {
-                self.over_limit = true;
-            }
-            let mut chunk = vec![0u8; take];
-            mb.read(ram, (area + from) as u64, &mut chunk)?;
-            self.taken[stream as usize] = if reset { 0 } else { from + take };
-            if !chunk.is_empty() {
-                (self.on_output)(stream, &chunk);
-            }
-            match stream {
-                Stream::Stdout => self.stdout.extend_from_slice(&chunk),
-                Stream::Stderr => self.stderr.extend_from_slice(&chunk),
-            }
-            if reset {
-                mb.write(ram, len_at as u64, &0u32.to_le_bytes())?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The result fields of a job that ended, before output and timings are attached.
-struct End {
-    status: Status,
-    exit_code: Option<i32>,
-    signal: Option<i32>,
-    crash: Option<String>,
-}
-
-impl End {
-    fn exited(code: i32) -> Self {
-        let status = if code == 0 { Status::Ok } else { Status::Error };
-        Self {
-            status,
-            exit_code: Some(code),
-            signal: None,
-            crash: None,
-        }
-    }
-    fn crashed(why: String) -> Self {
-        Self {
-            status: Status::Crashed,
-            exit_code: None,
-            signal: None,
-            crash: Some(why),
-        }
-    }
-    fn with(status: Status) -> Self {
-        Self {
-            status,
-            exit_code: None,
-            signal: None,
-            crash: None,
-        }
-    }
-}
-
-const SIGKILL: i32 = 9;
-
-/// Maps a wait status of the worker process (from a FAILED / WORKER_EXITED doorbell).
-/// The end of a job from the outcome and value the guest reported at DONE. Hostile input:
-/// an exit status outside 0..=255, a signal outside 1..=64 or an unknown outcome is a
-/// crash (the guest broke the protocol), never a status a job could not have had.
-fn end_from_outcome(outcome: u32, value: i32) -> End {
-    match outcome {
-        outcome::EXITED if (0..=255).contains(&value) => End::exited(value),
-        outcome::SIGNALED if (1..=64).contains(&value) => End {
-            status: Status::Error,
-            exit_code: None,
-            signal: Some(value),
-            crash: None,
-        },
-        outcome::OUT_OF_MEMORY if (0..=255).contains(&value) => End {
-            status: Status::MemoryLimit,
-            exit_code: Some(value),
-            signal: None,
-            crash: None,
-        },
-        outcome::EXITED | outcome::SIGNALED | outcome::OUT_OF_MEMORY => End::crashed(format!(
-            "guest reported outcome {outcome} with value {value}, out of range"
-        )),
-        other => End::crashed(format!("guest reported unknown outcome {other}")),
-    }
-}
-
-fn end_from_wait_status(status: u64, console_says_oom: bool) -> End {
-    let status = status as i32;
-    let signal = status & 0x7f;
-    if signal == 0 {
-        return End::exited((status >> 8) & 0xff);
-    }
-    if signal == SIGKILL && console_says_oom {
-        return End {
-            status: Status::MemoryLimit,
-            exit_code: None,
-            signal: Some(signal),
-            crash: None,
-        };
-    }
-    End {
-        status: Status::Error,
-        exit_code: None,
-        signal: Some(signal),
-        crash: None,
-    }
 }
 
 /// Gives a clone at READY its own identity, right before it resumes: its kvm-clock pinned to
@@ -498,22 +352,7 @@ pub fn run_request(
         .map(|s| s.read().since(&kvm_before))
         .unwrap_or_default();
     let guest = if ending == Ending::Done {
-        let mark = |at: usize| -> Result<u64, MailboxError> {
-            let mut b = [0u8; 8];
-            mb.read(&m.ram, at as u64, &mut b)?;
-            Ok(u64::from_le_bytes(b))
-        };
-        let flags = mb.read_u32(&m.ram, result::GUEST_FLAGS as u64)?;
-        GuestPhases::from_marks(
-            mark(result::PHASE_READ_NS)?,
-            mark(result::PHASE_IDENTITY_NS)?,
-            mark(result::PHASE_COMPILED_NS)?,
-            mark(result::PHASE_FINISHED_NS)?,
-        )
-        .map(|p| GuestPhases {
-            clock_set: flags & guest_flags::CLOCK_SET != 0,
-            ..p
-        })
+        read_phases(&m.ram, mb)?
     } else {
         None
     };
@@ -548,100 +387,4 @@ pub fn run_request(
         },
     };
     Ok((result, ending))
-}
-
-/// What a request displayed (`result::DISPLAY_LEN`): `{"value": [...], "figures": [...]}`,
-/// each a list of `{type, data}`.
-#[derive(Debug, Default, serde::Deserialize)]
-struct Shown {
-    #[serde(default)]
-    value: Vec<Display>,
-    #[serde(default)]
-    figures: Vec<Display>,
-    #[serde(default)]
-    error: Option<CellError>,
-}
-
-/// The display data of a request. Hostile: the length is clamped to the area, and anything
-/// but the JSON of [`Shown`] is dropped whole.
-fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Shown, JobError> {
-    let len =
-        (mb.read_u32(ram, result::DISPLAY_LEN as u64)? as usize).min(job::DATA_END - job::DATA);
-    if len == 0 {
-        return Ok(Shown::default());
-    }
-    let mut bytes = vec![0u8; len];
-    mb.read(ram, job::DATA as u64, &mut bytes)?;
-    Ok(serde_json::from_slice(&bytes).unwrap_or_default())
-}
-
-/// Everything the host decodes of what the guest wrote into the mailbox by the end of a
-/// request, run over `mb` as it is: both output areas with their counters (as at a FLUSH
-/// and at DONE), the outcome, the phase marks and the display JSON. For the fuzz target
-/// `result` (`fuzz/`): whatever the guest wrote, this returns, never panics.
-#[doc(hidden)]
-pub fn decode_result(ram: &GuestRam, mb: &Mailbox, limit: usize) -> Result<usize, JobError> {
-    let mut seen = 0usize;
-    let mut count = |_: Stream, b: &[u8]| seen += b.len();
-    let mut out = Collected {
-        stdout: Vec::new(),
-        stderr: Vec::new(),
-        limit,
-        over_limit: false,
-        on_output: &mut count,
-        taken: [0, 0],
-    };
-    out.drain(ram, mb, false)?;
-    out.drain(ram, mb, true)?;
-    out.drain(ram, mb, false)?;
-    let kept = out.stdout.len() + out.stderr.len();
-    let oc = mb.read_u32(ram, result::OUTCOME as u64)?;
-    let value = mb.read_u32(ram, result::EXIT_CODE as u64)? as i32;
-    let _ = end_from_outcome(oc, value);
-    let mark = |at: usize| -> Result<u64, MailboxError> {
-        let mut b = [0u8; 8];
-        mb.read(ram, at as u64, &mut b)?;
-        Ok(u64::from_le_bytes(b))
-    };
-    let _ = GuestPhases::from_marks(
-        mark(result::PHASE_READ_NS)?,
-        mark(result::PHASE_IDENTITY_NS)?,
-        mark(result::PHASE_COMPILED_NS)?,
-        mark(result::PHASE_FINISHED_NS)?,
-    );
-    let _ = read_display(ram, mb)?;
-    Ok(kept)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn guest_outcomes_out_of_range_are_crashes() {
-        assert_eq!(end_from_outcome(outcome::EXITED, 3).exit_code, Some(3));
-        assert_eq!(end_from_outcome(outcome::SIGNALED, 9).signal, Some(9));
-        assert_eq!(end_from_outcome(outcome::SIGNALED, 64).signal, Some(64));
-        for (oc, v) in [
-            (outcome::EXITED, 256),
-            (outcome::EXITED, -1),
-            (outcome::SIGNALED, 0),
-            (outcome::SIGNALED, 65),
-            (outcome::SIGNALED, i32::MIN),
-            (outcome::OUT_OF_MEMORY, 1000),
-            (77, 0),
-        ] {
-            assert_eq!(end_from_outcome(oc, v).status, Status::Crashed, "{oc} {v}");
-        }
-    }
-
-    #[test]
-    fn wait_status_exit_code_and_signals_map_to_statuses() {
-        assert_eq!(end_from_wait_status(0, false).status, Status::Ok);
-        assert_eq!(end_from_wait_status(3 << 8, false).exit_code, Some(3));
-        assert_eq!(end_from_wait_status(3 << 8, false).status, Status::Error);
-        assert_eq!(end_from_wait_status(9, true).status, Status::MemoryLimit);
-        assert_eq!(end_from_wait_status(9, false).status, Status::Error);
-        assert_eq!(end_from_wait_status(11, false).signal, Some(11));
-    }
 }
