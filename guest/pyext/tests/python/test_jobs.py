@@ -86,6 +86,18 @@ class PythonJobs(unittest.TestCase):
         self.assertEqual((result.outcome, result.exit_code), (_bud.OUTCOME_EXITED, 0))
         self.assertEqual((result.flushes, result.problems, result.warnings), (0, [], []))
 
+    def test_a_huge_str_written_at_once_is_written_whole_and_in_order(self):
+        # Longer than bud_io.WRITE_PIECE, so written in pieces; multibyte characters and a
+        # lone surrogate (escaped on stdout, backslashed on stderr) cross the pieces' seams.
+        code = (b"import sys\ns = ('\\u00e9a\\udcff\\n' * 700001)\n"
+                b"sys.stdout.write(s); print('end')\nsys.stderr.write(s[:3000000])")
+
+        result = run_job("python", code)
+        real = python3_c(code)
+
+        self.assertEqual(len(result.stdout), len(real.stdout))
+        self.assertEqual((result.stdout, result.stderr), (real.stdout, real.stderr))
+
     def test_stdin_is_read_byte_exact(self):
         data = bytes(range(256)) * 40 + b"\r\n\xff"
 
