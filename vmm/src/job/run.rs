@@ -159,14 +159,21 @@ pub fn run(
     Ok((result, ending))
 }
 
-/// Sends the interrupt of request `sequence`: names it in the mailbox, then puts the
-/// interrupt byte on the console (the guest's watcher turns it into SIGINT).
-fn interrupt(m: &mut Machine, mb: &Mailbox, sequence: u32) -> Result<(), JobError> {
+/// Sends the interrupt of request `sequence` (names it in the mailbox, then puts the
+/// interrupt byte on the console: the guest's watcher turns it into SIGINT) and arms the end
+/// of its `grace`: returns that instant and the timer that kicks the vCPU then.
+fn interrupt(
+    m: &mut Machine,
+    mb: &Mailbox,
+    sequence: u32,
+    grace: Duration,
+) -> Result<(Instant, timer::Armed), JobError> {
     mb.write(&m.ram, job::INTERRUPT as u64, &sequence.to_le_bytes())?;
     m.bus
         .send_to_guest(&[INTERRUPT_BYTE])
         .map_err(|e| JobError::Interrupt(e.to_string()))?;
-    Ok(())
+    let until = Instant::now() + grace;
+    Ok((until, timer::arm(until, m.kicker.clone())))
 }
 
 /// The byte the guest's watcher takes as "interrupt" (ETX, a terminal's Ctrl-C).
@@ -182,9 +189,10 @@ pub fn run_request(
 ) -> Result<(JobResult, Ending), JobError> {
     let mb = &s.mailbox;
     let j = r.job;
-    if matches!(r.kind, Kind::Cell { .. })
-        && j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled)
-    {
+    let cancelled = || j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled);
+    // A session cell is cancelled as it is timed out (see the loop).
+    let cell = matches!(r.kind, Kind::Cell { .. });
+    if cell && cancelled() {
         // Cancelled while it waited: the session's VM never sees it (an interrupt sent now
         // could reach the guest before it starts the cell, where it cannot be taken).
         return Ok((JobResult::never_ran(Status::Cancelled), Ending::Done));
@@ -196,7 +204,6 @@ pub fn run_request(
     if let Some(c) = &j.cancel {
         c.attach(&m.kicker);
     }
-    let cancelled = || j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled);
     // Why the host interrupted the request (with `interrupt_grace`): a timeout or the cap.
     let mut interrupted: Option<Status> = None;
     let mut out = Collected {
@@ -238,9 +245,7 @@ pub fn run_request(
                     Some(_) if interrupted.is_some() => {}
                     Some(grace) => {
                         interrupted = Some(Status::OutputLimit);
-                        interrupt(m, mb, r.sequence)?;
-                        kick_at = Instant::now() + grace;
-                        timer = timer::arm(kick_at, m.kicker.clone());
+                        (kick_at, timer) = interrupt(m, mb, r.sequence, grace)?;
                     }
                     None => break End::with(Status::OutputLimit),
                 }
@@ -293,14 +298,12 @@ pub fn run_request(
             // that stops within the grace leaves its session usable; a one-shot job's VM
             // is thrown away, so it stops at once.
             VcpuStop::Kicked if cancelled() => match r.interrupt_grace {
-                Some(grace) if matches!(r.kind, Kind::Cell { .. }) && interrupted.is_none() => {
+                Some(grace) if cell && interrupted.is_none() => {
                     interrupted = Some(Status::Cancelled);
                     m.kicker.reset();
-                    interrupt(m, mb, r.sequence)?;
-                    kick_at = Instant::now() + grace;
-                    timer = timer::arm(kick_at, m.kicker.clone());
+                    (kick_at, timer) = interrupt(m, mb, r.sequence, grace)?;
                 }
-                Some(_) if matches!(r.kind, Kind::Cell { .. }) && Instant::now() < kick_at => {
+                Some(_) if cell && Instant::now() < kick_at => {
                     // Within an interrupt's grace: a stream tick, a second cancel, or a
                     // cancel of a cell already interrupted for its time or its cap (then
                     // the client is gone: cancelled is what it ends as).
@@ -318,9 +321,7 @@ pub fn run_request(
                 Some(grace) if interrupted.is_none() => {
                     interrupted = Some(Status::Timeout);
                     m.kicker.reset();
-                    interrupt(m, mb, r.sequence)?;
-                    kick_at = Instant::now() + grace;
-                    timer = timer::arm(kick_at, m.kicker.clone());
+                    (kick_at, timer) = interrupt(m, mb, r.sequence, grace)?;
                 }
                 _ => {
                     // Keep what the job wrote before the deadline. The guest updates a length
