@@ -41,6 +41,15 @@ fn cell(s: &mut Session, ex: &Executor, code: &str) -> JobResult {
     r
 }
 
+/// `r`'s stderr shows the `KeyboardInterrupt` that the host's interrupt raised.
+fn assert_keyboard_interrupt(r: &JobResult) {
+    assert!(
+        text(&r.stderr).contains("KeyboardInterrupt"),
+        "{}",
+        text(&r.stderr)
+    );
+}
+
 fn plain(r: &JobResult) -> Option<&str> {
     r.display
         .iter()
@@ -176,17 +185,9 @@ fn a_cell_past_its_time_is_interrupted_and_the_session_goes_on() {
 
     assert_eq!(r.status, Status::Timeout);
     assert_eq!(text(&r.stdout), "started\n");
-    assert!(
-        text(&r.stderr).contains("KeyboardInterrupt"),
-        "{}",
-        text(&r.stderr)
-    );
+    assert_keyboard_interrupt(&r);
     assert_eq!(slept.status, Status::Timeout);
-    assert!(
-        text(&slept.stderr).contains("KeyboardInterrupt"),
-        "{}",
-        text(&slept.stderr)
-    );
+    assert_keyboard_interrupt(&slept);
     assert_eq!(plain(&after), Some("True"));
     assert!(s.usable());
     s.end(&ex);
@@ -245,11 +246,7 @@ fn a_cancelled_cell_is_interrupted_and_one_cancelled_before_it_starts_never_runs
 
     assert_eq!(r.status, Status::Cancelled, "{}", text(&r.stderr));
     assert_eq!(text(&r.stdout), "started\n");
-    assert!(
-        text(&r.stderr).contains("KeyboardInterrupt"),
-        "{}",
-        text(&r.stderr)
-    );
+    assert_keyboard_interrupt(&r);
     assert_eq!(skipped.status, Status::Cancelled);
     assert_eq!(plain(&after), Some("True"));
     assert!(s.usable());
@@ -289,11 +286,7 @@ fn a_late_interrupt_never_reaches_the_next_cell() {
     assert_eq!(text(&next.stdout), "next\n");
     // Interrupts still work after a dropped one.
     assert_eq!(spun.status, Status::Timeout);
-    assert!(
-        text(&spun.stderr).contains("KeyboardInterrupt"),
-        "{}",
-        text(&spun.stderr)
-    );
+    assert_keyboard_interrupt(&spun);
     assert!(s.usable());
     s.end(&ex);
 }
