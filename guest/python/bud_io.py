@@ -412,17 +412,22 @@ class Streams:
 WRITE_PIECE = 1 << 20
 
 
+# TextIOWrapper's own write, called directly: every print goes through TextStream.write
+# (twice), and a zero-argument super() there cost ~0.35 us more per print than this (1e6
+# prints on the host: 0.40 s plain, 0.53 s this way, 0.88 s with super()).
+_TEXT_WRITE = io.TextIOWrapper.write
+
+
 class TextStream(io.TextIOWrapper):
     """The job's ``sys.stdout`` / ``sys.stderr``: a ``TextIOWrapper`` that writes a huge
     str in pieces (:data:`WRITE_PIECE`); the same bytes in the same order."""
 
     def write(self, s):
-        if type(s) is not str or len(s) <= WRITE_PIECE:
-            return super().write(s)
-        write = super().write
-        for at in range(0, len(s), WRITE_PIECE):
-            write(s[at : at + WRITE_PIECE])
-        return len(s)
+        if type(s) is str and len(s) > WRITE_PIECE:
+            for at in range(0, len(s), WRITE_PIECE):
+                _TEXT_WRITE(self, s[at : at + WRITE_PIECE])
+            return len(s)
+        return _TEXT_WRITE(self, s)
 
 
 def make_streams(areas, text_settings):
