@@ -71,8 +71,22 @@ install_deps() {
   [[ $EUID -eq 0 ]] || die "missing packages (${missing[*]}); run as root or install them"
   step "installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q </dev/null || die "apt-get update failed"
-  apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null ||
+  # bud's own builds take turns under build/build.lock; an apt run outside bud is waited
+  # for: install through DPkg::Lock::Timeout, update (whose lists lock ignores that option
+  # in Debian 12's apt) by retrying while apt reports a held lock.
+  local waited=0 log
+  log=$(mktemp)
+  until apt-get update -q </dev/null 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; do
+    grep -q "Could not get lock" "$log" && ((waited < 600)) || {
+      rm -f "$log"
+      die "apt-get update failed"
+    }
+    step "another apt run holds apt's lock; waiting for it"
+    sleep 2
+    waited=$((waited + 2))
+  done
+  rm -f "$log"
+  apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=600 "${missing[@]}" </dev/null ||
     die "apt-get install ${missing[*]} failed"
 }
 
@@ -271,4 +285,6 @@ main() {
   step "done: $out/vmlinux ($(stat -c %s "$out/vmlinux") bytes, key ${key:0:12})"
 }
 
-main
+# On one line: bash reads a script as it runs, so an edit of this file during a build must
+# not make it run what follows main.
+main; exit

@@ -1,7 +1,8 @@
 //! Runs every cargo-fuzz target of `fuzz/` (what a guest or a client controls: the mailbox
 //! announcement, the result decoder, request bodies and paths, the template state file)
-//! for a bounded time each (`BUD_FUZZ_SECONDS`, default 30), with libFuzzer's coverage
-//! guidance, on the machine's one (stable) toolchain (`--sanitizer none`: no `-Z` flags).
+//! for a bounded time each (`BUD_FUZZ_SECONDS`: CI 5; `scripts/fuzz.sh 300` for minutes),
+//! with libFuzzer's coverage guidance, on the machine's one (stable) toolchain
+//! (`--sanitizer none`: no `-Z` flags).
 //! cargo-fuzz is installed from crates.io into `build/tools` on first use; the corpus
 //! grows in `build/fuzz/corpus/TARGET` from run to run, and a crash leaves its input in
 //! `build/fuzz/artifacts/TARGET/` and fails this test with libFuzzer's report.
@@ -16,9 +17,14 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `build/tools/bin`, with cargo-fuzz in it (installed if missing).
+/// `build/tools/bin`, with cargo-fuzz in it (installed if missing, under the build lock).
 fn tools(root: &Path) -> PathBuf {
     let bin = root.join("build/tools/bin");
+    let _lock =
+        bud_guest::BuildLock::acquire(&root.join("build"), "the cargo-fuzz install", &mut |l| {
+            eprintln!("[fuzz] {l}")
+        })
+        .expect("taking the build lock");
     if !bin.join("cargo-fuzz").is_file() {
         eprintln!("[fuzz] installing cargo-fuzz {CARGO_FUZZ_VERSION} into build/tools");
         let status = Command::new(env!("CARGO"))
@@ -63,7 +69,7 @@ fn every_fuzz_target_runs_clean_for_its_time() {
     let seconds: u64 = std::env::var("BUD_FUZZ_SECONDS")
         .ok()
         .map(|s| s.parse().expect("BUD_FUZZ_SECONDS: a number of seconds"))
-        .unwrap_or(30);
+        .unwrap_or(5);
     let path = format!(
         "{}:{}",
         bin.display(),

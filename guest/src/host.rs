@@ -4,11 +4,20 @@
 //! `apt-get update` runs at most once per [`Apt`] and only after a plain attempt failed, so a
 //! machine whose package lists are fresh never touches the network for it. This module never
 //! installs anything the caller did not name.
+//!
+//! bud's own apt runs are serialized by the build lock ([`crate::lock`]); an apt run outside
+//! bud (another shell, unattended upgrades) is waited for: installs and downloads through
+//! apt's `DPkg::Lock::Timeout`, and `update`, which in Debian 12's apt (2.6) ignores that
+//! option for the lists lock (measured: it fails at once), by retrying while apt says a lock
+//! is held.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::run::{self, RunError};
+
+/// How long an apt run waits for another apt run's locks.
+const APT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Programs the image build and its tests run, with the Debian package that provides each.
 pub const REQUIRED_TOOLS: &[(&str, &str)] = &[
@@ -66,13 +75,28 @@ impl Apt {
 
     fn command(args: &[&str]) -> Command {
         let mut cmd = Command::new("apt-get");
-        cmd.env("DEBIAN_FRONTEND", "noninteractive").args(args);
+        cmd.env("DEBIAN_FRONTEND", "noninteractive")
+            .arg("-o")
+            .arg(format!("DPkg::Lock::Timeout={}", APT_LOCK_WAIT.as_secs()))
+            .args(args);
         cmd
     }
 
     fn update(&mut self, progress: &mut dyn FnMut(&str)) -> Result<(), HostError> {
-        run::run(&mut Self::command(&["update", "-q"]), false, progress)
-            .map_err(HostError::Update)?;
+        let deadline = std::time::Instant::now() + APT_LOCK_WAIT;
+        loop {
+            match run::run(&mut Self::command(&["update", "-q"]), false, progress) {
+                Ok(_) => break,
+                Err(RunError::Failed { ref tail, .. })
+                    if tail.contains("Could not get lock")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    progress("another apt run holds apt's lock; waiting for it");
+                    std::thread::sleep(std::time::Duration::from_secs(2));
+                }
+                Err(e) => return Err(HostError::Update(e)),
+            }
+        }
         self.updated = true;
         Ok(())
     }

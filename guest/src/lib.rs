@@ -12,6 +12,7 @@ pub mod hashes;
 pub mod host;
 pub mod image;
 pub mod libs;
+pub mod lock;
 pub mod pipeline;
 pub mod python;
 pub mod recipe;
@@ -21,6 +22,7 @@ pub mod stage;
 pub mod template;
 pub mod zip;
 
+pub use lock::BuildLock;
 pub use pipeline::{
     BuildError, BuildOptions, GuestArtifacts, artifact_paths, built_or_ensure, ensure,
 };

@@ -15,6 +15,7 @@ use crate::debs::{self, DebError, Package};
 use crate::hashes::{HashCache, HashError};
 use crate::host::{self, Apt, HostError};
 use crate::image::{self, Image, ImageError, ImageInputs, ImageReport};
+use crate::lock::{BuildLock, LockError};
 use crate::recipe::{Recipe, RecipeError};
 use crate::run::{self, RunError};
 
@@ -34,9 +35,6 @@ const AGENT_BINARY: &str = "release/bud-agent";
 const EXTENSION_LIBRARY: &str = "release/lib_bud.so";
 /// Remembered sha256 of the inputs, inside the build directory (see `hashes.rs`).
 const HASH_CACHE: &str = "sha256-cache.tsv";
-/// Serializes the image step of concurrent builds (test binaries, a CLI run) of one build
-/// directory; the kernel script and cargo have locks of their own.
-const IMAGE_LOCK: &str = "image.lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -58,12 +56,8 @@ pub enum BuildError {
     Packages(#[source] DebError),
     #[error("image step")]
     Image(#[source] ImageError),
-    #[error("image step: lock {path}")]
-    Lock {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("waiting for the build directory")]
+    Lock(#[source] LockError),
     #[error("artifact key")]
     Hash(#[source] HashError),
 }
@@ -130,7 +124,9 @@ impl Progress<'_> {
 }
 
 /// Builds (or finds current) everything a guest needs: the kernel, the agent and extension,
-/// and the initramfs. Progress lines go to `progress`.
+/// and the initramfs. Progress lines go to `progress`. Every step runs under the build
+/// directory's [`BuildLock`]: concurrent callers (test threads, test binaries, a CLI run)
+/// take turns, and the later ones find the work done.
 pub fn ensure(
     opts: &BuildOptions,
     progress: &mut dyn FnMut(&str),
@@ -139,6 +135,9 @@ pub fn ensure(
         start: Instant::now(),
         sink: progress,
     };
+    let what = format!("the guest build of template {}", opts.template);
+    let _lock = BuildLock::acquire(&opts.build_dir, &what, &mut p.stream("lock"))
+        .map_err(BuildError::Lock)?;
     let kernel = build_kernel(opts, &mut p.stream("kernel"))?;
     let (agent, extension) = build_guest_binaries(opts, &mut p.stream("guest binaries"))?;
     let mut apt = Apt::new();
@@ -258,7 +257,7 @@ pub fn build_guest_binaries(
     Ok((agent, extension))
 }
 
-/// Step 4: fetches the packages (cached) and returns the image, rebuilt only when an input
+/// Step 4 (under the caller's [`BuildLock`]): fetches the packages (cached) and returns the image, rebuilt only when an input
 /// changed, with the packages it is made of. The agent and extension are the files to place
 /// at `/init` and [`image::EXTENSION_PATH`].
 pub fn build_image(
@@ -268,7 +267,6 @@ pub fn build_image(
     apt: &mut Apt,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Image, Vec<Package>), BuildError> {
-    let _lock = lock(&opts.build_dir.join(IMAGE_LOCK), progress)?;
     let recipe_dir = opts.source_dir.join(RECIPE_DIR);
     let recipe = Recipe::load(&recipe_dir).map_err(BuildError::Recipe)?;
     let site = crate::recipe::load_site(&recipe_dir, &opts.template).map_err(BuildError::Recipe)?;
@@ -325,30 +323,6 @@ pub fn build_image(
         progress(&format!("up to date ({})", megabytes(image.size)));
     }
     Ok((image, all))
-}
-
-/// Takes an exclusive `flock` on `path` (created if needed), waiting for another holder; the
-/// lock goes with the returned file.
-fn lock(path: &Path, progress: &mut dyn FnMut(&str)) -> Result<std::fs::File, BuildError> {
-    use rustix::fs::{FlockOperation, flock};
-    let lock_err = |source| BuildError::Lock {
-        path: path.to_owned(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(lock_err)?;
-    }
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .map_err(lock_err)?;
-    if flock(&file, FlockOperation::NonBlockingLockExclusive).is_err() {
-        progress("waiting for another build of this build directory");
-        flock(&file, FlockOperation::LockExclusive).map_err(|e| lock_err(e.into()))?;
-    }
-    Ok(file)
 }
 
 /// sha256 over the kernel's and the image's sha256.

@@ -15,37 +15,49 @@ use bud_server::keys::ApiKeys;
 use common::*;
 use serde_json::{Value, json};
 
-/// The venv with the pinned clients (made once; a failure to make it fails the test).
+/// The venv with the pinned clients, made once under the build lock (another test binary
+/// or process making it is waited for); a failure fails every test that needs it with its
+/// cause, once made.
 fn venv_python() -> PathBuf {
-    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
-    PYTHON
-        .get_or_init(|| {
-            let venv = repo_dir().join("build/compat-venv");
-            let python = venv.join("bin/python");
-            let reqs = repo_dir().join("server/tests/compat/requirements.txt");
-            let stamp = venv.join("requirements.txt");
-            let wanted = std::fs::read(&reqs).expect("reading the requirements");
-            if std::fs::read(&stamp).ok().as_deref() == Some(&wanted[..]) && python.exists() {
-                return python;
-            }
-            let run = |cmd: &mut Command| {
-                let out = cmd.output().expect("starting python3");
-                assert!(
-                    out.status.success(),
-                    "making the client venv failed: {}\n{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            };
-            let _ = std::fs::remove_dir_all(&venv);
-            run(Command::new("python3").arg("-m").arg("venv").arg(&venv));
-            run(Command::new(&python)
-                .args(["-m", "pip", "install", "-q", "-r"])
-                .arg(&reqs));
-            std::fs::write(&stamp, &wanted).expect("writing the venv stamp");
-            python
-        })
-        .clone()
+    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match PYTHON.get_or_init(make_venv) {
+        Ok(python) => python.clone(),
+        Err(e) => panic!("making the client venv failed: {e}"),
+    }
+}
+
+fn make_venv() -> Result<PathBuf, String> {
+    let build = repo_dir().join("build");
+    let _lock = bud_guest::BuildLock::acquire(&build, "the compat client venv", &mut |l| {
+        eprintln!("[compat venv] {l}")
+    })
+    .map_err(|e| error_chain(&e))?;
+    let venv = build.join("compat-venv");
+    let python = venv.join("bin/python");
+    let reqs = repo_dir().join("server/tests/compat/requirements.txt");
+    let stamp = venv.join("requirements.txt");
+    let wanted = std::fs::read(&reqs).map_err(|e| format!("reading {}: {e}", reqs.display()))?;
+    if std::fs::read(&stamp).ok().as_deref() == Some(&wanted[..]) && python.exists() {
+        return Ok(python);
+    }
+    let run = |cmd: &mut Command| {
+        let out = cmd.output().map_err(|e| format!("starting python3: {e}"))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    };
+    let _ = std::fs::remove_dir_all(&venv);
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    run(Command::new(&python)
+        .args(["-m", "pip", "install", "-q", "-r"])
+        .arg(&reqs))?;
+    std::fs::write(&stamp, &wanted).map_err(|e| format!("writing the venv stamp: {e}"))?;
+    Ok(python)
 }
 
 /// Runs client script `name` with `env`; its stdout's JSON.

@@ -15,6 +15,19 @@ pub fn source_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// A test's size from environment variable `var` (a positive count), or `ci` when unset:
+/// CI runs every long test at a small size that still covers every kind of job; the named
+/// scripts (`scripts/stress.sh`, `scripts/reset-exactness.sh`) run them at full size.
+pub fn size(var: &str, ci: usize) -> usize {
+    match std::env::var(var) {
+        Err(_) => ci,
+        Ok(v) => match v.parse() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("{var}={v:?}: want a positive number"),
+        },
+    }
+}
+
 pub fn require_kvm() {
     assert!(
         std::path::Path::new("/dev/kvm").exists(),
@@ -22,15 +35,33 @@ pub fn require_kvm() {
     );
 }
 
-/// The guest kernel and image, built on first use (minutes), reused after.
+/// The guest kernel and image, built on first use (minutes), reused after. Built once per
+/// test binary (other binaries and processes wait on the build lock and find it done); a
+/// failed build is remembered, so every test that needs it fails with its real cause rather
+/// than building again.
 pub fn guest() -> &'static GuestArtifacts {
-    static GUEST: OnceLock<GuestArtifacts> = OnceLock::new();
-    GUEST.get_or_init(|| {
+    static GUEST: OnceLock<Result<GuestArtifacts, String>> = OnceLock::new();
+    let built = GUEST.get_or_init(|| {
         require_kvm();
         let opts = BuildOptions::new(source_dir());
         bud_guest::ensure(&opts, &mut |line: &str| eprintln!("[guest build] {line}"))
-            .expect("building the guest (kernel + image) failed")
-    })
+            .map_err(|e| error_chain(&e))
+    });
+    match built {
+        Ok(g) => g,
+        Err(e) => panic!("building the guest (kernel + image) failed: {e}"),
+    }
+}
+
+/// An error with its chain of causes, one per line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 pub fn boot_config() -> BootConfig {
@@ -43,18 +74,32 @@ pub fn template_root() -> PathBuf {
     source_dir().join("build").join("templates")
 }
 
-/// The default template, the one way every caller gets it ([`bud_guest::template`]), with
-/// the guest brought up to date with its inputs first.
+/// The default template, the one way every caller gets it ([`bud_guest::template`]), over
+/// the guest of [`guest`] (brought up to date with its inputs once per binary). The first
+/// call boots and saves it or loads it; later calls load it from disk; a failure is
+/// remembered like [`guest`]'s.
 pub fn template() -> Template {
-    require_kvm();
-    let mut opts = bud_guest::TemplateOptions::new(source_dir());
-    opts.guest = bud_guest::GuestBuild::Current;
-    bud_guest::template(
-        &opts,
-        &mut |line: &str| eprintln!("[guest build] {line}"),
-        None,
-    )
-    .expect("building the guest or its template failed")
+    static READY: OnceLock<Result<(), String>> = OnceLock::new();
+    let load = || {
+        let opts = bud_guest::TemplateOptions::new(source_dir());
+        bud_guest::template(
+            &opts,
+            &mut |line: &str| eprintln!("[guest build] {line}"),
+            None,
+        )
+        .map_err(|e| error_chain(&e))
+    };
+    let mut first = None;
+    let ready = READY.get_or_init(|| {
+        guest();
+        first = Some(load()?);
+        Ok(())
+    });
+    match (ready, first) {
+        (Err(e), _) => panic!("preparing the template failed: {e}"),
+        (Ok(()), Some(t)) => t,
+        (Ok(()), None) => load().unwrap_or_else(|e| panic!("loading the template failed: {e}")),
+    }
 }
 
 /// One executor over the default template for this test binary, with a small pool.

@@ -39,29 +39,44 @@ pub fn template_options(name: &str) -> bud_guest::TemplateOptions {
 }
 
 /// One executor over template `name` for this test binary (built or loaded on first use;
-/// the first build of the datascience template boots its guest: minutes).
+/// the first build of the datascience template boots its guest: minutes). Made once per
+/// binary: a failure is remembered, and every later test that needs the template fails
+/// with that first cause instead of building again.
 pub fn executor_of(name: &str) -> Arc<Executor> {
-    static EXECS: OnceLock<Mutex<BTreeMap<String, Arc<Executor>>>> = OnceLock::new();
+    /// Each template's executor, or why it could not be made.
+    type Made = BTreeMap<String, Result<Arc<Executor>, String>>;
+    static EXECS: OnceLock<Mutex<Made>> = OnceLock::new();
     let mut all = EXECS
         .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if let Some(e) = all.get(name) {
-        return e.clone();
-    }
-    require_kvm();
-    let template = bud_guest::template(
-        &template_options(name),
-        &mut |line: &str| eprintln!("[guest build {name}] {line}"),
-        None,
-    )
-    .unwrap_or_else(|e| panic!("building the guest or template {name} failed: {e}"));
-    let e = Arc::new(
+    let made = all.entry(name.to_owned()).or_insert_with(|| {
+        require_kvm();
+        let template = bud_guest::template(
+            &template_options(name),
+            &mut |line: &str| eprintln!("[guest build {name}] {line}"),
+            None,
+        )
+        .map_err(|e| format!("building the guest or template {name}: {}", error_chain(&e)))?;
         Executor::new(template, vmm::ExecutorOptions::default())
-            .expect("starting the executor failed"),
-    );
-    all.insert(name.to_owned(), e.clone());
-    e
+            .map(Arc::new)
+            .map_err(|e| format!("starting the executor of {name}: {}", error_chain(&e)))
+    });
+    match made {
+        Ok(e) => e.clone(),
+        Err(e) => panic!("{e} (failed once for this test binary; not retried)"),
+    }
+}
+
+/// An error with its chain of causes.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    text
 }
 
 /// One executor over the default template for this test binary.
