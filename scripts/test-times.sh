@@ -2,7 +2,8 @@
 # Times the whole test suite the way CI runs it (`cargo test --workspace`, the README's test
 # command), per test binary and per test: builds first (timed on its own), then runs every
 # binary with libtest's JSON events (`--report-time`; a stable toolchain allows the unstable
-# harness flag through RUSTC_BOOTSTRAP=1, which changes nothing else) and prints a Markdown
+# harness flag through RUSTC_BOOTSTRAP=1; the guest build drops it, so the image and templates
+# are the ones CI builds) and prints a Markdown
 # table: each binary's time and its slowest tests. docs/testing.md keeps the latest table.
 #
 # Usage: scripts/test-times.sh [SLOWEST]     (tests listed per binary, default 3)
@@ -19,7 +20,7 @@ built=$(date +%s.%N)
 set +e
 RUSTC_BOOTSTRAP=1 cargo test --workspace --no-fail-fast -- \
   -Z unstable-options --format json --report-time 2>&1 | tee "$out" |
-  grep --line-buffered -E '^ +Running |"event": "(failed|ok)", "passed|"event": "failed"'
+  grep --line-buffered -E '^ +(Running|Doc-tests) |"event": "(failed|ok)", "passed|"event": "failed"'
 status=${PIPESTATUS[0]}
 set -e
 ended=$(date +%s.%N)
@@ -30,9 +31,10 @@ path, slowest, start, built, ended, status = sys.argv[1:]
 slowest, start, built, ended = int(slowest), float(start), float(built), float(ended)
 binaries, current = [], None
 for line in open(path, errors="replace"):
-    m = re.match(r"\s+Running (.+?) \(", line)
+    m = re.match(r"\s+(?:Running (.+?) \(|Doc-tests (\S+))", line)
     if m:
-        current = {"name": m.group(1), "tests": [], "time": 0.0, "result": "?"}
+        name = m.group(1) or f"doc tests of {m.group(2)}"
+        current = {"name": name, "tests": [], "time": 0.0, "result": "?"}
         binaries.append(current)
         continue
     if current is None or not line.startswith("{"):

@@ -244,7 +244,11 @@ pub fn build_guest_binaries(
     }
     cmd.arg("--target-dir")
         .arg(&target_dir)
-        .current_dir(&opts.source_dir);
+        .current_dir(&opts.source_dir)
+        // Build scripts of the guest crates (libc's, pyo3's) rerun when this changes and may
+        // build other code: a caller's RUSTC_BOOTSTRAP (scripts/test-times.sh sets it for
+        // libtest's timing flags) must not give the image, and so the template, new bytes.
+        .env_remove("RUSTC_BOOTSTRAP");
     progress(&run::describe(&cmd));
     run::run(&mut cmd, false, progress).map_err(BuildError::GuestBinaries)?;
     let agent = target_dir.join(AGENT_BINARY);

@@ -107,25 +107,35 @@ fn bad(message: impl Into<String>) -> ApiError {
 const PYTHON_NAMES: [&str; 5] = ["python", "py", "py3", "python3", "python3.11"];
 const SHELL_NAMES: [&str; 2] = ["bash", "sh"];
 
+/// Prints the guest's Python version, then the first line of busybox's banner.
+const VERSIONS_PROBE: &str = "import platform, subprocess\n\
+print(platform.python_version())\n\
+print(subprocess.run(['busybox'], capture_output=True, text=True).stdout.splitlines()[0])";
+/// The probe's limit: generous, it runs once per server.
+const VERSIONS_PROBE_TIMEOUT_MS: u64 = 60_000;
+
 /// Reads the versions off the guest (once per server).
 async fn versions(state: &AppState) -> Result<Versions, ApiError> {
     state
         .compat()
         .piston_versions
         .get_or_try_init(|| async {
+            // The worker's own interpreter is the one jobs get: no second interpreter is
+            // started (a `python3 -c` in the guest costs seconds of emulated kernel work
+            // under kvm_pvm, and ran past the default timeout on a loaded machine).
             let req = ExecRequest {
-                language: Some(Language::Shell),
-                code: Some(
-                    "python3 -c 'import platform; print(platform.python_version())'\n\
-                     busybox | head -n 1"
-                        .into(),
-                ),
+                language: Some(Language::Python),
+                code: Some(VERSIONS_PROBE.into()),
+                timeout_ms: Some(VERSIONS_PROBE_TIMEOUT_MS),
                 ..ExecRequest::default()
             };
             let r = crate::routes::run_exec(state, req, "/api/v2/runtimes").await?;
             parse_versions(&r.stdout).ok_or_else(|| ApiError::Internal {
                 field: None,
-                message: format!("could not read the runtime versions: {:?}", r.stdout),
+                message: format!(
+                    "could not read the runtime versions (the probe ended {:?}): {:?} {:?}",
+                    r.status, r.stdout, r.stderr
+                ),
             })
         })
         .await
