@@ -169,6 +169,29 @@ fn every_reset_is_exact_after_jobs_of_every_kind() {
     );
 }
 
+/// Python for the leak searchers: `scan_own_memory(scan, wanted)` passes the resident parts
+/// of every writable mapping of this process that `wanted(maps_fields)` accepts to
+/// `scan(bytes, 'memory')`. Residency comes from mincore(2): pymalloc's arena region is
+/// gigabytes of address space (`guest/pyext/src/arenas.rs`), of which only what was touched
+/// holds anything, and reading all of it would need as much memory.
+const SCAN_OWN_MEMORY: &str = "import ctypes, re\n\
+def scan_own_memory(scan, wanted):\n\
+\x20   libc = ctypes.CDLL(None, use_errno=True)\n\
+\x20   libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]\n\
+\x20   mem = open('/proc/self/mem', 'rb')\n\
+\x20   for line in open('/proc/self/maps').read().splitlines():\n\
+\x20       parts = line.split()\n\
+\x20       if not (parts[1].startswith('rw') and wanted(parts)): continue\n\
+\x20       lo, hi = (int(x, 16) for x in parts[0].split('-'))\n\
+\x20       vec = ctypes.create_string_buffer((hi - lo) // 4096)\n\
+\x20       runs = [(lo, hi)]\n\
+\x20       if libc.mincore(lo, hi - lo, vec) == 0:\n\
+\x20           runs = [(lo + m.start() * 4096, lo + m.end() * 4096) for m in re.finditer(rb'[^\\x00]+', vec.raw)]\n\
+\x20       for a, b in runs:\n\
+\x20           try:\n\
+\x20               mem.seek(a); scan(mem.read(b - a), 'memory')\n\
+\x20           except (OSError, ValueError, OverflowError): pass\n";
+
 #[test]
 fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
     let exec = executor(Reuse::Warm, false);
@@ -196,7 +219,7 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
     // The searcher prints every string it can find that follows the marker; the test checks
     // the secret is not among them. It never holds the secret itself.
     let mut search = Job::python(
-        "import os, socket, builtins, sys, gc\n\
+        [SCAN_OWN_MEMORY, "import os, socket, builtins, sys, gc\n\
          marker = b'BUDL' + b'EAK-'\n\
          found = set()\n\
          def scan(data, where):\n\
@@ -221,16 +244,10 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
          scan(repr(dir(builtins)).encode() + repr(list(sys.modules)).encode(), 'modules')\n\
          for o in gc.get_objects():\n\
          \x20   if isinstance(o, (str, bytes)): scan(o.encode('latin-1', 'replace') if isinstance(o, str) else o, 'object')\n\
-         mem = open('/proc/self/mem', 'rb')\n\
-         for line in open('/proc/self/maps'):\n\
-         \x20   parts = line.split()\n\
-         \x20   if parts[1].startswith('rw') and (len(parts) < 6 or parts[5] in ('[heap]', '[stack]')):\n\
-         \x20       lo, hi = (int(x, 16) for x in parts[0].split('-'))\n\
-         \x20       try:\n\
-         \x20           mem.seek(lo); scan(mem.read(hi - lo), 'memory')\n\
-         \x20       except (OSError, ValueError, OverflowError): pass\n\
+         scan_own_memory(scan, lambda p: len(p) < 6 or p[5] in ('[heap]', '[stack]'))\n\
          for where, tail in sorted(found): print(where, tail)\n\
-         print('searched', len(found))",
+         print('searched', len(found))"]
+        .concat(),
     );
     search.timeout = Duration::from_secs(60);
 
@@ -252,6 +269,99 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
         "both jobs ran on one VM, reset after each: {stats:?}"
     );
     assert_eq!(stats.live, 1, "{stats:?}");
+}
+
+#[test]
+fn large_fresh_allocations_files_and_pipes_of_one_job_never_reach_the_next() {
+    // Fresh memory comes in 2 MiB huge pages now (guest/agent/src/hugepages.rs): a job fills
+    // huge-page-backed memory (an anonymous mapping and the malloc heap), a file and a pipe
+    // with a secret, and leaves a child holding it; later jobs on the same warm VM and on a
+    // fresh clone take memory of the same sizes without zeroing it (malloc, and mmap, which
+    // the kernel must zero) and search it, every writable mapping of their own, and the
+    // files. The reset (or the new clone) must leave none of it.
+    let mut raw = [0u8; 16];
+    vmm::identity::host_random(&mut raw).unwrap();
+    let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let mut plant = Job::python(format!(
+        "import ctypes, mmap, os, subprocess\n\
+         s = ('BUDLEAK-' + {secret:?}).encode()\n\
+         fill = lambda n: (s * (n // len(s) + 1))[:n]\n\
+         m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)\n\
+         m[:] = fill(8 << 20)\n\
+         libc = ctypes.CDLL(None)\n\
+         libc.malloc.restype = ctypes.c_void_p\n\
+         p = libc.malloc(6 << 20)\n\
+         ctypes.memmove(p, fill(6 << 20), 6 << 20)\n\
+         libc.free(ctypes.c_void_p(p))\n\
+         open('/tmp/big', 'wb').write(fill(1 << 20))\n\
+         r, w = os.pipe()\n\
+         os.write(w, fill(60000))\n\
+         subprocess.Popen(['sh', '-c', 'x=' + s.decode() + '; sleep 1000'])\n\
+         huge = [l for l in open('/proc/meminfo') if l.startswith('AnonHugePages:')][0].split()[1]\n\
+         print('planted', int(huge) >= 4 << 10)"
+    ));
+    plant.timeout = Duration::from_secs(120);
+    let mut search = Job::python(
+        [
+            SCAN_OWN_MEMORY,
+            "import ctypes, mmap, os\n\
+         marker = b'BUDL' + b'EAK-'\n\
+         found = set()\n\
+         def scan(data, where):\n\
+         \x20   at = data.find(marker)\n\
+         \x20   while at >= 0:\n\
+         \x20       found.add((where, data[at + 8:at + 40].decode('latin-1')))\n\
+         \x20       at = data.find(marker, at + 1)\n\
+         libc = ctypes.CDLL(None)\n\
+         libc.malloc.restype = ctypes.c_void_p\n\
+         for n in (6 << 20, 8 << 20, 1 << 20):\n\
+         \x20   p = libc.malloc(n)\n\
+         \x20   scan(ctypes.string_at(p, n), f'malloc {n}')\n\
+         m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)\n\
+         scan(m[:], 'mmap')\n\
+         for root in ('/tmp', '/dev/shm'):\n\
+         \x20   for name in os.listdir(root):\n\
+         \x20       p = os.path.join(root, name)\n\
+         \x20       if os.path.isfile(p): scan(open(p, 'rb').read(), p)\n\
+         for pid in os.listdir('/proc'):\n\
+         \x20   if pid.isdigit():\n\
+         \x20       try: scan(open(f'/proc/{pid}/cmdline', 'rb').read(), 'cmdline')\n\
+         \x20       except OSError: pass\n\
+         scan_own_memory(scan, lambda p: len(p) < 6 or p[5] in ('[heap]', '[stack]'))\n\
+         for where, tail in sorted(found): print(where, tail)\n\
+         print('searched', len(found))",
+        ]
+        .concat(),
+    );
+    search.timeout = Duration::from_secs(120);
+
+    for reuse in [Reuse::Warm, Reuse::Fresh] {
+        let exec = executor(reuse, true);
+        let planted = exec.run(&plant).expect("plant");
+        let searched = exec.run(&search).expect("search");
+        let errors = exec.take_reset_errors();
+
+        assert_eq!(planted.status, Status::Ok, "{reuse:?}: {planted:?}");
+        assert_eq!(
+            text(&planted.stdout),
+            "planted True\n",
+            "{reuse:?}: fresh memory came in huge pages: {planted:?}"
+        );
+        assert_eq!(searched.status, Status::Ok, "{reuse:?}: {searched:?}");
+        // The searcher's own marker is in its memory; only the secret must be absent.
+        assert!(text(&searched.stdout).contains("searched"), "{searched:?}");
+        assert!(
+            !text(&searched.stdout).contains(&secret),
+            "{reuse:?}: the second job found the first job's secret:\n{}",
+            text(&searched.stdout)
+        );
+        assert!(errors.is_empty(), "{reuse:?}: {errors:?}");
+        if reuse == Reuse::Warm {
+            let stats = exec.stats();
+            assert_eq!(stats.resets, 2, "both jobs on one VM: {stats:?}");
+            assert_eq!(stats.live, 1, "{stats:?}");
+        }
+    }
 }
 
 #[test]

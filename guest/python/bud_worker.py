@@ -142,13 +142,21 @@ SMALL_OBJECT = 512  # the largest pymalloc size class: fewest objects for the sa
 # and trims the heap top on free: every big allocation in a job would be fresh pages. So:
 # one arena for all threads (the GIL serialises them anyway, and it is the arena with the
 # reserve), blocks up to 32 MiB (glibc's maximum) from the heap, never trim, and grow the heap
-# by MALLOC_RESERVE now, left free for jobs.
+# by MALLOC_RESERVE now, left free for jobs. The heap grows M_TOP_PAD past each request:
+# a fresh 2 MiB-aligned range inside it is one huge-page fault in the guest (see
+# guest/agent/src/hugepages.rs), where growth by the default 128 KiB gets 4 KiB pages.
 MALLOC_RESERVE = 8 << 20
 MALLOC_SETTINGS = (
     ("M_ARENA_MAX", 1),
     ("M_MMAP_THRESHOLD", 32 << 20),
     ("M_TRIM_THRESHOLD", 2**31 - 1),
+    ("M_TOP_PAD", 4 << 20),
 )
+
+# pymalloc's arenas come from one region of this much address space (no memory until used),
+# aligned to 2 MiB, so that fresh small objects fill huge pages and freed arenas are reused
+# (see guest/pyext/src/arenas.rs). Reserved after the memory lock, which would populate it.
+ARENA_REGION = 8 << 30
 
 # The template manifest the image builder writes (guest/src/site.rs): the template's name,
 # the modules to import before READY, its warm-up code and its packages.
@@ -324,6 +332,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     gc.freeze()
     rss_before = rss_mib()
     _bud.lock_memory()
+    _bud.use_arena_region(ARENA_REGION)
     mark("lock")
     facts = {
         "template": template,

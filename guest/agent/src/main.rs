@@ -5,7 +5,7 @@
 //! Two processes, each doing one thing:
 //!
 //! - **bud-agent (PID 1)** is a tiny supervisor. It mounts /proc, /sys, /dev, /dev/shm and
-//!   /tmp, takes ioperm for the doorbell, rings AGENT_STARTED, starts the worker with
+//!   /tmp, turns on transparent huge pages (`hugepages.rs`), takes ioperm for the doorbell, rings AGENT_STARTED, starts the worker with
 //!   `posix_spawn`, and then sleeps in `waitpid` for the rest of the VM's life: it reaps
 //!   orphans, and if the worker ever exits it writes a line and rings
 //!   FAILED(WORKER_EXITED, wait status). Before READY that means the template failed; in a
@@ -45,6 +45,7 @@ mod protocol;
 mod console;
 mod doorbell;
 mod error;
+mod hugepages;
 mod mounts;
 mod worker;
 
@@ -89,6 +90,7 @@ fn run() -> ! {
     if let Err(e) = mounts::mount_all(|warning| say!("{warning} (continuing)")) {
         fail(&doorbell, &e);
     }
+    hugepages::enable(|path, e| say!("{path}: {e} (continuing with 4 KiB pages)"));
     let worker = match worker::spawn() {
         Ok(pid) => pid,
         Err(e) => fail(&doorbell, &Error::Spawn(e)),

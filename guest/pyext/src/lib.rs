@@ -8,7 +8,8 @@
 //! - **the doorbell**: `ring(code, a, b)` and `ready()`, one `out` instruction each (see
 //!   `guest/agent/src/doorbell.rs`, shared with the agent);
 //! - **memory warm-up** ([`memory`]): `mallopt`, `reserve_heap`, `prefault_stack`,
-//!   `lock_memory`;
+//!   `lock_memory`; and pymalloc's arenas from one huge-page-friendly region ([`arenas`]:
+//!   `use_arena_region`, `arena_stats`);
 //! - **`Hooked`** ([`hooked`]): a frame-less stand-in for an `os` function that runs a hook
 //!   first (how the job runner notices fd-level output without showing up in tracebacks).
 //!
@@ -22,6 +23,7 @@
 #[allow(dead_code)] // shared verbatim with the host; the extension uses only some of it
 mod protocol;
 
+mod arenas;
 mod capture;
 #[path = "../../agent/src/doorbell.rs"]
 mod doorbell;
@@ -318,6 +320,19 @@ fn lock_memory() -> PyResult<()> {
     memory::lock_all().map_err(|e| os_error("mlockall", &e))
 }
 
+/// Makes pymalloc take its arenas from one reserved region of `bytes` (see `arenas.rs`).
+/// Call after `lock_memory` (which would make the whole region resident) and once.
+#[pyfunction]
+fn use_arena_region(bytes: usize) -> PyResult<()> {
+    arenas::install(bytes).map_err(|e| os_error("arena region", &e))
+}
+
+/// `(region bytes, bytes handed out at least once, arenas on the free list)`, or None.
+#[pyfunction]
+fn arena_stats() -> Option<(usize, usize, usize)> {
+    arenas::stats()
+}
+
 /// Frees the first `length` bytes of file `fd` (see `capture.rs`).
 #[pyfunction]
 fn punch_hole(fd: i32, length: u64) -> PyResult<()> {
@@ -344,6 +359,8 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(use_arena_region, m)?)?;
+    m.add_function(wrap_pyfunction!(arena_stats, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
     m.add_function(wrap_pyfunction!(take_interrupt, m)?)?;
     m.add_function(wrap_pyfunction!(punch_hole, m)?)?;
