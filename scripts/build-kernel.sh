@@ -74,18 +74,18 @@ install_deps() {
   # bud's own builds take turns under build/build.lock; an apt run outside bud is waited
   # for: install through DPkg::Lock::Timeout, update (whose lists lock ignores that option
   # in Debian 12's apt) by retrying while apt reports a held lock.
-  local waited=0 log
-  log=$(mktemp)
-  until apt-get update -q </dev/null 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; do
-    grep -q "Could not get lock" "$log" && ((waited < 600)) || {
-      rm -f "$log"
+  local waited=0 apt_log
+  apt_log=$(mktemp)
+  until apt-get update -q </dev/null 2>&1 | tee "$apt_log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; do
+    grep -q "Could not get lock" "$apt_log" && ((waited < 600)) || {
+      rm -f "$apt_log"
       die "apt-get update failed"
     }
     step "another apt run holds apt's lock; waiting for it"
     sleep 2
     waited=$((waited + 2))
   done
-  rm -f "$log"
+  rm -f "$apt_log"
   apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=600 "${missing[@]}" </dev/null ||
     die "apt-get install ${missing[*]} failed"
 }
