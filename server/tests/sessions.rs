@@ -209,12 +209,18 @@ fn a_second_concurrent_cell_gets_409() {
             .json::<Value>()
             .unwrap()
     });
-    // Until the slow cell runs on its job thread (polled, not slept).
+    // Until the slow cell holds the session (polled, not slept). Not the job threads'
+    // running count: it rose before the cell had claimed the session once (a CI run saw
+    // the second cell answered first, with 200).
     let until = std::time::Instant::now() + Duration::from_secs(30);
-    while s.state.jobs().running() == 0 {
+    loop {
+        let info: Value = s.get(&format!("/v1/sessions/{id}")).json().unwrap();
+        if info["busy"] == json!(true) {
+            break;
+        }
         assert!(
             std::time::Instant::now() < until,
-            "the slow cell never started"
+            "the slow cell never started: {info}"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
