@@ -169,12 +169,21 @@ fn every_reset_is_exact_after_jobs_of_every_kind() {
     );
 }
 
-/// Python for the leak searchers: `scan_own_memory(scan, wanted)` passes the resident parts
+/// Python for the leak searchers: `scan(data, where)` records in `found` every string that
+/// follows the marker (the searcher never holds the secret itself, only the marker), and
+/// `scan_own_memory(scan, wanted)` passes the resident parts
 /// of every writable mapping of this process that `wanted(maps_fields)` accepts to
 /// `scan(bytes, 'memory')`. Residency comes from mincore(2): pymalloc's arena region is
 /// gigabytes of address space (`guest/pyext/src/arenas.rs`), of which only what was touched
 /// holds anything, and reading all of it would need as much memory.
 const SCAN_OWN_MEMORY: &str = "import ctypes, re\n\
+marker = b'BUDL' + b'EAK-'\n\
+found = set()\n\
+def scan(data, where):\n\
+\x20   at = data.find(marker)\n\
+\x20   while at >= 0:\n\
+\x20       found.add((where, data[at + 8:at + 40].decode('latin-1')))\n\
+\x20       at = data.find(marker, at + 1)\n\
 def scan_own_memory(scan, wanted):\n\
 \x20   libc = ctypes.CDLL(None, use_errno=True)\n\
 \x20   libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]\n\
@@ -220,13 +229,6 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
     // the secret is not among them. It never holds the secret itself.
     let mut search = Job::python(
         [SCAN_OWN_MEMORY, "import os, socket, builtins, sys, gc\n\
-         marker = b'BUDL' + b'EAK-'\n\
-         found = set()\n\
-         def scan(data, where):\n\
-         \x20   at = data.find(marker)\n\
-         \x20   while at >= 0:\n\
-         \x20       found.add((where, data[at + 8:at + 40].decode('latin-1')))\n\
-         \x20       at = data.find(marker, at + 1)\n\
          for root in ('/tmp', '/dev/shm', '/', '/root', os.getcwd()):\n\
          \x20   for name in os.listdir(root):\n\
          \x20       p = os.path.join(root, name)\n\
@@ -249,7 +251,8 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
          print('searched', len(found))"]
         .concat(),
     );
-    search.timeout = Duration::from_secs(60);
+    // Generous: it reads every object and anonymous page it has, slow on a loaded machine.
+    search.timeout = Duration::from_secs(180);
 
     let planted = exec.run(&plant).expect("plant");
     let searched = exec.run(&search).expect("search");
@@ -305,13 +308,6 @@ fn large_fresh_allocations_files_and_pipes_of_one_job_never_reach_the_next() {
         [
             SCAN_OWN_MEMORY,
             "import ctypes, mmap, os\n\
-         marker = b'BUDL' + b'EAK-'\n\
-         found = set()\n\
-         def scan(data, where):\n\
-         \x20   at = data.find(marker)\n\
-         \x20   while at >= 0:\n\
-         \x20       found.add((where, data[at + 8:at + 40].decode('latin-1')))\n\
-         \x20       at = data.find(marker, at + 1)\n\
          libc = ctypes.CDLL(None)\n\
          libc.malloc.restype = ctypes.c_void_p\n\
          for n in (6 << 20, 8 << 20, 1 << 20):\n\

@@ -45,23 +45,12 @@ pub fn guest() -> &'static GuestArtifacts {
         require_kvm();
         let opts = BuildOptions::new(source_dir());
         bud_guest::ensure(&opts, &mut |line: &str| eprintln!("[guest build] {line}"))
-            .map_err(|e| error_chain(&e))
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))
     });
     match built {
         Ok(g) => g,
         Err(e) => panic!("building the guest (kernel + image) failed: {e}"),
     }
-}
-
-/// An error with its chain of causes, one per line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(&format!(": {cause}"));
-        source = cause.source();
-    }
-    text
 }
 
 pub fn boot_config() -> BootConfig {
@@ -87,7 +76,7 @@ pub fn template() -> Template {
             &mut |line: &str| eprintln!("[guest build] {line}"),
             None,
         )
-        .map_err(|e| error_chain(&e))
+        .map_err(|e| format!("{:#}", anyhow::Error::new(e)))
     };
     let mut first = None;
     let ready = READY.get_or_init(|| {
