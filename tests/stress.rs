@@ -51,9 +51,10 @@ fn jobs_whose_parents_make_syscalls_beside_their_children_never_crash() {
                     let r = exec.run(&job).expect("bud could not run the job");
                     if (i + 1) % 100 == 0 {
                         eprintln!(
-                            "[stress] job {} of {jobs} done after {:.0} s",
+                            "[stress] job {} of {jobs} done after {:.0} s, {} wrong so far",
                             i + 1,
-                            start.elapsed().as_secs_f64()
+                            start.elapsed().as_secs_f64(),
+                            wrong.lock().unwrap().len()
                         );
                     }
                     let out = String::from_utf8_lossy(&r.stdout);
