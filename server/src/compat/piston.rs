@@ -111,8 +111,6 @@ const SHELL_NAMES: [&str; 2] = ["bash", "sh"];
 const VERSIONS_PROBE: &str = "import platform, subprocess\n\
 print(platform.python_version())\n\
 print(subprocess.run(['busybox'], capture_output=True, text=True).stdout.splitlines()[0])";
-/// The probe's limit: generous, it runs once per server.
-const VERSIONS_PROBE_TIMEOUT_MS: u64 = 60_000;
 
 /// Reads the versions off the guest (once per server).
 async fn versions(state: &AppState) -> Result<Versions, ApiError> {
@@ -126,7 +124,9 @@ async fn versions(state: &AppState) -> Result<Versions, ApiError> {
             let req = ExecRequest {
                 language: Some(Language::Python),
                 code: Some(VERSIONS_PROBE.into()),
-                timeout_ms: Some(VERSIONS_PROBE_TIMEOUT_MS),
+                // The server's largest: the probe runs once per server, and a limit above
+                // it would be refused like any job's.
+                timeout_ms: Some(state.config().limits.max_timeout_ms),
                 ..ExecRequest::default()
             };
             let r = crate::routes::run_exec(state, req, "/api/v2/runtimes").await?;
