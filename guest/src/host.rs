@@ -13,11 +13,12 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use crate::run::{self, RunError};
 
 /// How long an apt run waits for another apt run's locks.
-const APT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+const APT_LOCK_WAIT: Duration = Duration::from_secs(600);
 
 /// Programs the image build and its tests run, with the Debian package that provides each.
 pub const REQUIRED_TOOLS: &[(&str, &str)] = &[
@@ -83,16 +84,15 @@ impl Apt {
     }
 
     fn update(&mut self, progress: &mut dyn FnMut(&str)) -> Result<(), HostError> {
-        let deadline = std::time::Instant::now() + APT_LOCK_WAIT;
+        let deadline = Instant::now() + APT_LOCK_WAIT;
         loop {
             match run::run(&mut Self::command(&["update", "-q"]), false, progress) {
                 Ok(_) => break,
                 Err(RunError::Failed { ref tail, .. })
-                    if tail.contains("Could not get lock")
-                        && std::time::Instant::now() < deadline =>
+                    if tail.contains("Could not get lock") && Instant::now() < deadline =>
                 {
                     progress("another apt run holds apt's lock; waiting for it");
-                    std::thread::sleep(std::time::Duration::from_secs(2));
+                    std::thread::sleep(Duration::from_secs(2));
                 }
                 Err(e) => return Err(HostError::Update(e)),
             }

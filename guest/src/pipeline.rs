@@ -261,8 +261,8 @@ pub fn build_guest_binaries(
     Ok((agent, extension))
 }
 
-/// Step 4 (under the caller's [`BuildLock`]): fetches the packages (cached) and returns the image, rebuilt only when an input
-/// changed, with the packages it is made of. The agent and extension are the files to place
+/// Step 4 (under the caller's [`BuildLock`]): fetches the packages (cached) and returns the
+/// image, rebuilt only when an input changed, with the packages it is made of. The agent and extension are the files to place
 /// at `/init` and [`image::EXTENSION_PATH`].
 pub fn build_image(
     opts: &BuildOptions,

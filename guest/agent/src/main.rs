@@ -5,9 +5,10 @@
 //! Two processes, each doing one thing:
 //!
 //! - **bud-agent (PID 1)** is a tiny supervisor. It mounts /proc, /sys, /dev, /dev/shm and
-//!   /tmp, turns on transparent huge pages (`hugepages.rs`), takes ioperm for the doorbell, rings AGENT_STARTED, starts the worker with
-//!   `posix_spawn`, and then sleeps in `waitpid` for the rest of the VM's life: it reaps
-//!   orphans, and if the worker ever exits it writes a line and rings
+//!   /tmp, turns on transparent huge pages (`hugepages.rs`), takes ioperm for the doorbell,
+//!   rings AGENT_STARTED, starts the worker with `posix_spawn`, and then sleeps in
+//!   `waitpid` for the rest of the VM's life: it reaps orphans, and if the worker ever
+//!   exits it writes a line and rings
 //!   FAILED(WORKER_EXITED, wait status). Before READY that means the template failed; in a
 //!   clone it means the job took the worker down.
 //! - **The warm Python worker** (`python3.11 -m bud_worker --guest`, `guest/python/`) imports the

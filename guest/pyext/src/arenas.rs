@@ -114,13 +114,6 @@ pub fn install(bytes: usize) -> io::Result<()> {
     Ok(())
 }
 
-/// `(region bytes, bytes handed out at least once, arenas on the free list)`, or `None`
-/// before [`install`].
-pub fn stats() -> Option<(usize, usize, usize)> {
-    let slot = REGION.lock().unwrap_or_else(|e| e.into_inner());
-    slot.as_ref().map(|r| (r.len, r.next, r.free.len()))
-}
-
 unsafe extern "C" fn arena_alloc(_ctx: *mut c_void, size: usize) -> *mut c_void {
     let previous = {
         let mut slot = REGION.lock().unwrap_or_else(|e| e.into_inner());

@@ -9,7 +9,7 @@
 //!   `guest/agent/src/doorbell.rs`, shared with the agent);
 //! - **memory warm-up** ([`memory`]): `mallopt`, `reserve_heap`, `prefault_stack`,
 //!   `lock_memory`; and pymalloc's arenas from one huge-page-friendly region ([`arenas`]:
-//!   `use_arena_region`, `arena_stats`);
+//!   `use_arena_region`);
 //! - **`Hooked`** ([`hooked`]): a frame-less stand-in for an `os` function that runs a hook
 //!   first (how the job runner notices fd-level output without showing up in tracebacks).
 //!
@@ -327,12 +327,6 @@ fn use_arena_region(bytes: usize) -> PyResult<()> {
     arenas::install(bytes).map_err(|e| os_error("arena region", &e))
 }
 
-/// `(region bytes, bytes handed out at least once, arenas on the free list)`, or None.
-#[pyfunction]
-fn arena_stats() -> Option<(usize, usize, usize)> {
-    arenas::stats()
-}
-
 /// Frees the first `length` bytes of file `fd` (see `capture.rs`).
 #[pyfunction]
 fn punch_hole(fd: i32, length: u64) -> PyResult<()> {
@@ -360,7 +354,6 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
     m.add_function(wrap_pyfunction!(use_arena_region, m)?)?;
-    m.add_function(wrap_pyfunction!(arena_stats, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
     m.add_function(wrap_pyfunction!(take_interrupt, m)?)?;
     m.add_function(wrap_pyfunction!(punch_hole, m)?)?;
