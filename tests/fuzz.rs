@@ -7,6 +7,8 @@
 //! grows in `build/fuzz/corpus/TARGET` from run to run, and a crash leaves its input in
 //! `build/fuzz/artifacts/TARGET/` and fails this test with libFuzzer's report.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -66,10 +68,8 @@ fn seed_with_templates(root: &Path, corpus: &Path) {
 fn every_fuzz_target_runs_clean_for_its_time() {
     let root = root();
     let bin = tools(&root);
-    let seconds: u64 = std::env::var("BUD_FUZZ_SECONDS")
-        .ok()
-        .map(|s| s.parse().expect("BUD_FUZZ_SECONDS: a number of seconds"))
-        .unwrap_or(5);
+    // Positive: libFuzzer reads a total time of 0 as "no limit".
+    let seconds = common::size("BUD_FUZZ_SECONDS", 5);
     let path = format!(
         "{}:{}",
         bin.display(),

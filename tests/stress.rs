@@ -49,14 +49,6 @@ fn jobs_whose_parents_make_syscalls_beside_their_children_never_crash() {
                     };
                     job.timeout = Duration::from_secs(60);
                     let r = exec.run(&job).expect("bud could not run the job");
-                    if (i + 1) % 100 == 0 {
-                        eprintln!(
-                            "[stress] job {} of {jobs} done after {:.0} s, {} wrong so far",
-                            i + 1,
-                            start.elapsed().as_secs_f64(),
-                            wrong.lock().unwrap().len()
-                        );
-                    }
                     let out = String::from_utf8_lossy(&r.stdout);
                     if r.status != Status::Ok || out != want {
                         wrong.lock().unwrap().push(format!(
@@ -65,6 +57,14 @@ fn jobs_whose_parents_make_syscalls_beside_their_children_never_crash() {
                             r.signal,
                             String::from_utf8_lossy(&r.stderr)
                         ));
+                    }
+                    if (i + 1) % 100 == 0 {
+                        eprintln!(
+                            "[stress] job {} of {jobs} done after {:.0} s, {} wrong so far",
+                            i + 1,
+                            start.elapsed().as_secs_f64(),
+                            wrong.lock().unwrap().len()
+                        );
                     }
                 }
             });

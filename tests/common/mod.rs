@@ -17,7 +17,8 @@ pub fn source_dir() -> PathBuf {
 
 /// A test's size from environment variable `var` (a positive count), or `ci` when unset:
 /// CI runs every long test at a small size that still covers every kind of job; the named
-/// scripts (`scripts/stress.sh`, `scripts/reset-exactness.sh`) run them at full size.
+/// scripts (`scripts/stress.sh`, `scripts/reset-exactness.sh`, `scripts/fuzz.sh`) run them
+/// at full size.
 pub fn size(var: &str, ci: usize) -> usize {
     match std::env::var(var) {
         Err(_) => ci,
