@@ -248,6 +248,27 @@ fn output_below_the_cap_at_fd_level_is_not_cut() {
 }
 
 #[test]
+fn fresh_memory_reads_as_zeros_after_dirty_memory_was_freed() {
+    // 48 MiB filled with 0xff and unmapped (twice), then 48 MiB mapped again: the last
+    // mapping gets the same guest pages back (huge and 4 KiB ones), which the guest kernel
+    // must hand out zeroed (on kvm_pvm the host zeroes them, see vmm::devices::host_zero).
+    // One byte per 4 KiB is then written, so every page is faulted in by a write.
+    const N: usize = 48 << 20;
+    let mut j = Job::python(format!(
+        "import mmap\nn = {N}\n\
+         for _ in range(2):\n    \
+             m = mmap.mmap(-1, n, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\n    m.write(b'\\xff' * n)\n    m.close()\n\
+         m = mmap.mmap(-1, n, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)\nfor off in range(0, n, 4096): m[off] = 1\n\
+         data = m[:]\nprint(data.count(0), data.count(1))"
+    ));
+    j.timeout = Duration::from_secs(120);
+    let r = run(&j);
+
+    assert_eq!(r.status, Status::Ok, "{}", text(&r.stderr));
+    assert_eq!(text(&r.stdout), format!("{} {}\n", N - N / 4096, N / 4096));
+}
+
+#[test]
 fn an_impossible_allocation_is_a_memory_limit() {
     let r = python("x = bytearray(1 << 40)");
 

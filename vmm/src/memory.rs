@@ -186,6 +186,27 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Zeroes guest-physical `addr..addr + len` (the host-zero port, see
+    /// [`crate::devices::host_zero`]). Pages of a clone that still share the template's file
+    /// become private copies, as they would on a guest write, so resets see them.
+    pub fn zero(&self, addr: u64, len: u64) -> Result<(), MemoryError> {
+        if !self.writable {
+            return Err(MemoryError::ReadOnly);
+        }
+        let too_big = || MemoryError::OutOfRange {
+            addr,
+            len,
+            size: self.len,
+        };
+        let len = usize::try_from(len).map_err(|_| too_big())?;
+        let offset = self.check_range(addr, len)?;
+        // SAFETY: `offset + len <= self.len` (checked), so the range lies inside our mapping;
+        // guest RAM is plain shared memory, so a byte store is valid whatever the guest does
+        // concurrently (the only vCPU is stopped in this `out` meanwhile).
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
+        Ok(())
+    }
+
     /// Copies guest memory at guest-physical `addr` into `buf`.
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
         let offset = self.check_range(addr, buf.len())?;
@@ -554,6 +575,33 @@ mod tests {
         let err = ram.write(PAGE_SIZE - 4, &[0; 8]).unwrap_err();
 
         assert!(matches!(err, MemoryError::OutOfRange { .. }));
+    }
+
+    #[test]
+    fn zeroing_a_clone_range_makes_those_pages_private_zeros_and_leaves_the_rest() {
+        let path = std::env::temp_dir().join(format!("bud-zero-{}", std::process::id()));
+        std::fs::write(&path, vec![7u8; 4 * PAGE_SIZE as usize]).unwrap();
+        let ram = GuestRam::private_file(&path, 4 * PAGE_SIZE).unwrap();
+        std::fs::remove_file(&path).unwrap();
+
+        ram.zero(PAGE_SIZE, 2 * PAGE_SIZE).unwrap();
+        let mut all = vec![0u8; 4 * PAGE_SIZE as usize];
+        ram.read(0, &mut all).unwrap();
+        let past_end = ram.zero(3 * PAGE_SIZE, 2 * PAGE_SIZE).unwrap_err();
+
+        let page = PAGE_SIZE as usize;
+        assert!(all[..page].iter().all(|&b| b == 7));
+        assert!(all[page..3 * page].iter().all(|&b| b == 0));
+        assert!(
+            all[3 * page..].iter().all(|&b| b == 7),
+            "a refused request zeroes nothing"
+        );
+        assert_eq!(
+            ram.private_pages().unwrap(),
+            vec![0b110],
+            "pages 1 and 2 are private"
+        );
+        assert!(matches!(past_end, MemoryError::OutOfRange { .. }));
     }
 
     #[test]

@@ -17,6 +17,7 @@ use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::devices::{PortBus, PortEvent};
+use crate::memory::GuestRam;
 
 /// Why the run loop stopped.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +26,9 @@ pub enum VcpuStop {
     Doorbell(u32),
     /// The guest pulsed the i8042 reset line (reboot, or panic with `panic=-1`).
     Reset,
+    /// The guest kernel reported that the worker process is exiting, with its wait status
+    /// ([`crate::devices::exit_report`]). The guest is in the middle of that exit.
+    WorkerExited(u32),
     /// Triple fault (or another shutdown condition).
     Shutdown,
     /// A `hlt` reached user space (with the in-kernel irqchip this means "halted for good").
@@ -55,8 +59,9 @@ pub enum VcpuError {
     SignalHandler(std::io::Error),
 }
 
-/// Turns one exit into an action, doing the device access it asks for.
-pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus) -> ExitAction {
+/// Turns one exit into an action, doing the device access it asks for (a host-zero request
+/// writes `ram`).
+pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam) -> ExitAction {
     bus.note_exit();
     let event = match exit {
         VcpuExit::IoOut(port, data) => bus.write(port, data),
@@ -84,6 +89,13 @@ pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus) -> ExitAction {
         PortEvent::Handled => ExitAction::Continue,
         PortEvent::Doorbell(code) => ExitAction::Stop(VcpuStop::Doorbell(code)),
         PortEvent::Reset => ExitAction::Stop(VcpuStop::Reset),
+        PortEvent::WorkerExit(status) => ExitAction::Stop(VcpuStop::WorkerExited(status)),
+        PortEvent::Zero { addr, len } => match ram.zero(addr, len) {
+            Ok(()) => ExitAction::Continue,
+            Err(e) => ExitAction::Stop(VcpuStop::Unexpected(format!(
+                "the guest asked the host to zero memory it does not have: {e}"
+            ))),
+        },
     }
 }
 
@@ -203,7 +215,12 @@ impl Drop for KickGuard<'_> {
 }
 
 /// Runs the vCPU until an exit stops it or `kicker` kicks it.
-pub fn run(vcpu: &mut VcpuFd, bus: &mut PortBus, kicker: &Kicker) -> Result<VcpuStop, VcpuError> {
+pub fn run(
+    vcpu: &mut VcpuFd,
+    bus: &mut PortBus,
+    ram: &GuestRam,
+    kicker: &Kicker,
+) -> Result<VcpuStop, VcpuError> {
     install_kick_handler()?;
     let run_ptr: *mut kvm_run = vcpu.get_kvm_run();
     let _guard = KickGuard::enter(kicker, run_ptr);
@@ -218,7 +235,7 @@ pub fn run(vcpu: &mut VcpuFd, bus: &mut PortBus, kicker: &Kicker) -> Result<Vcpu
                     data: internal_error_data(vcpu),
                 });
             }
-            Ok(exit) => match handle_exit(exit, bus) {
+            Ok(exit) => match handle_exit(exit, bus, ram) {
                 ExitAction::Continue => {}
                 ExitAction::Stop(stop) => return Ok(stop),
             },
@@ -256,6 +273,10 @@ mod tests {
         )
     }
 
+    fn ram() -> GuestRam {
+        GuestRam::anonymous(4 << 20).unwrap()
+    }
+
     #[test]
     fn doorbell_out_stops_with_its_code() {
         let mut bus = bus();
@@ -264,6 +285,7 @@ mod tests {
         let action = handle_exit(
             VcpuExit::IoOut(crate::protocol::DOORBELL_PORT, &data),
             &mut bus,
+            &ram(),
         );
 
         assert_eq!(action, ExitAction::Stop(VcpuStop::Doorbell(0x1234)));
@@ -272,25 +294,65 @@ mod tests {
     #[test]
     fn serial_out_continues_and_reset_stops() {
         let mut bus = bus();
+        let ram = ram();
 
-        let serial = handle_exit(VcpuExit::IoOut(0x3f8, b"x"), &mut bus);
-        let reset = handle_exit(VcpuExit::IoOut(0x64, &[0xfe]), &mut bus);
+        let serial = handle_exit(VcpuExit::IoOut(0x3f8, b"x"), &mut bus, &ram);
+        let reset = handle_exit(VcpuExit::IoOut(0x64, &[0xfe]), &mut bus, &ram);
+        let exit = handle_exit(
+            VcpuExit::IoOut(crate::devices::exit_report::PORT, &0x700u32.to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
 
         assert_eq!(serial, ExitAction::Continue);
         assert_eq!(reset, ExitAction::Stop(VcpuStop::Reset));
+        assert_eq!(exit, ExitAction::Stop(VcpuStop::WorkerExited(0x700)));
     }
 
     #[test]
     fn mmio_reads_see_all_ones_and_shutdown_stops() {
         let mut bus = bus();
+        let ram = ram();
         let mut data = [0u8; 4];
 
-        let read = handle_exit(VcpuExit::MmioRead(0xd000_0000, &mut data), &mut bus);
-        let shutdown = handle_exit(VcpuExit::Shutdown, &mut bus);
+        let read = handle_exit(VcpuExit::MmioRead(0xd000_0000, &mut data), &mut bus, &ram);
+        let shutdown = handle_exit(VcpuExit::Shutdown, &mut bus, &ram);
 
         assert_eq!(read, ExitAction::Continue);
         assert_eq!(data, [0xff; 4]);
         assert_eq!(shutdown, ExitAction::Stop(VcpuStop::Shutdown));
+    }
+
+    #[test]
+    fn a_host_zero_request_zeroes_guest_ram_and_one_past_its_end_stops_the_vm() {
+        let mut bus = bus();
+        let ram = ram();
+        ram.write(0x20_0000, &[0xaa; 4096]).unwrap();
+        ram.write(0x40_0000 - 8, &[0xbb; 8]).unwrap();
+        let huge_at_2m = (0x200u32 | (9 << crate::devices::host_zero::PFN_BITS)).to_le_bytes();
+        let huge_at_4m = (0x400u32 | (9 << crate::devices::host_zero::PFN_BITS)).to_le_bytes();
+
+        let zeroed = handle_exit(
+            VcpuExit::IoOut(crate::devices::host_zero::PORT, &huge_at_2m),
+            &mut bus,
+            &ram,
+        );
+        let outside = handle_exit(
+            VcpuExit::IoOut(crate::devices::host_zero::PORT, &huge_at_4m),
+            &mut bus,
+            &ram,
+        );
+        let mut back = [1u8; 4096];
+        ram.read(0x20_0000, &mut back).unwrap();
+        let mut last = [1u8; 8];
+        ram.read(0x40_0000 - 8, &mut last).unwrap();
+
+        assert_eq!(zeroed, ExitAction::Continue);
+        assert_eq!(back, [0u8; 4096]);
+        assert_eq!(last, [0u8; 8]);
+        assert!(
+            matches!(outside, ExitAction::Stop(VcpuStop::Unexpected(ref why)) if why.contains("outside guest RAM"))
+        );
     }
 
     #[test]

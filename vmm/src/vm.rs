@@ -170,6 +170,6 @@ impl Machine {
     /// Runs the vCPU until it stops, or until `timeout` passes (then [`VcpuStop::Kicked`]).
     pub fn run_for(&mut self, timeout: Duration) -> Result<VcpuStop, VcpuError> {
         let _deadline = crate::timer::arm(std::time::Instant::now() + timeout, self.kicker.clone());
-        vcpu::run(&mut self.vcpu, &mut self.bus, &self.kicker)
+        vcpu::run(&mut self.vcpu, &mut self.bus, &self.ram, &self.kicker)
     }
 }

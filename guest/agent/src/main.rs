@@ -6,9 +6,11 @@
 //!
 //! - **bud-agent (PID 1)** is a tiny supervisor. It mounts /proc, /sys, /dev, /dev/shm and
 //!   /tmp, turns on transparent huge pages (`hugepages.rs`), takes ioperm for the doorbell,
-//!   rings AGENT_STARTED, starts the worker with `posix_spawn`, and then sleeps in
-//!   `waitpid` for the rest of the VM's life: it reaps orphans, and if the worker ever
-//!   exits it writes a line and rings
+//!   rings AGENT_STARTED, starts the worker with `posix_spawn`, names it to the guest
+//!   kernel's exit report (`worker::watch_exit`: the kernel tells the VMM the worker's wait
+//!   status as soon as it starts to exit, before the seconds of emulated teardown), and then
+//!   sleeps in `waitpid` for the rest of the VM's life: it reaps orphans, and if the worker
+//!   ever exits (and the VMM let the guest run on) it writes a line and rings
 //!   FAILED(WORKER_EXITED, wait status). Before READY that means the template failed; in a
 //!   clone it means the job took the worker down.
 //! - **The warm Python worker** (`python3.11 -m bud_worker --guest`, `guest/python/`) imports the
@@ -96,6 +98,12 @@ fn run() -> ! {
         Ok(pid) => pid,
         Err(e) => fail(&doorbell, &Error::Spawn(e)),
     };
+    if let Err(e) = worker::watch_exit(worker) {
+        say!(
+            "{}: {e} (continuing: a worker exit is reported when it is reaped)",
+            worker::EXIT_WATCH
+        );
+    }
     say!(
         "up at {:.3} s, worker pid {worker}",
         console::uptime().as_secs_f64()

@@ -111,6 +111,16 @@ pub fn spawn() -> io::Result<libc::pid_t> {
     libc::pid_t::try_from(child.id()).map_err(io::Error::other)
 }
 
+/// Where the guest kernel takes the pid whose exit it reports to the VMM before tearing the
+/// process down (bud's kernel patch 0010, `vmm::devices::exit_report`).
+pub const EXIT_WATCH: &str = "/sys/module/kernel/parameters/bud_exit_watch";
+
+/// Names `pid` (the worker) to the guest kernel's exit report. Without it (a kernel without
+/// the patch) the agent's own report when it reaps the worker still ends the job, later.
+pub fn watch_exit(pid: libc::pid_t) -> io::Result<()> {
+    std::fs::write(EXIT_WATCH, pid.to_string())
+}
+
 /// A `waitpid` status, displayed for people.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WaitStatus(pub libc::c_int);

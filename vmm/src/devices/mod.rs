@@ -1,5 +1,6 @@
 //! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
-//! serial console (vm-superio), the i8042 reset line, and the doorbell port.
+//! serial console (vm-superio), the i8042 reset line, the doorbell port, and the two ports of
+//! bud's guest kernel patches ([`host_zero`], [`exit_report`]).
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
 //! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
@@ -8,6 +9,8 @@
 //! swallow writes, wrong access sizes are ignored, nothing panics.
 
 pub mod console;
+pub mod exit_report;
+pub mod host_zero;
 pub mod i8042;
 
 use std::io;
@@ -44,6 +47,12 @@ pub enum PortEvent {
     Doorbell(u32),
     /// The guest pulsed the i8042 reset line.
     Reset,
+    /// The guest kernel asks for guest-physical `addr..addr + len` to be zeroed
+    /// ([`host_zero`]); not yet checked against guest RAM.
+    Zero { addr: u64, len: u64 },
+    /// The guest kernel reports that the worker process is exiting with this wait status
+    /// ([`exit_report`]).
+    WorkerExit(u32),
 }
 
 /// Errors of device setup.
@@ -173,6 +182,27 @@ impl PortBus {
 
     /// A guest `out` of `data` (1, 2 or 4 bytes).
     pub fn write(&mut self, port: u16, data: &[u8]) -> PortEvent {
+        if port == host_zero::PORT {
+            let request = <[u8; 4]>::try_from(data)
+                .ok()
+                .and_then(|b| host_zero::decode(u32::from_le_bytes(b)));
+            return match request {
+                Some((addr, len)) => PortEvent::Zero { addr, len },
+                None => {
+                    self.stray_accesses += 1;
+                    PortEvent::Handled
+                }
+            };
+        }
+        if port == exit_report::PORT {
+            return match <[u8; 4]>::try_from(data) {
+                Ok(bytes) => PortEvent::WorkerExit(u32::from_le_bytes(bytes)),
+                Err(_) => {
+                    self.stray_accesses += 1;
+                    PortEvent::Handled
+                }
+            };
+        }
         if port == DOORBELL_PORT {
             return match <[u8; 4]>::try_from(data) {
                 Ok(bytes) => PortEvent::Doorbell(u32::from_le_bytes(bytes)),
@@ -233,6 +263,42 @@ mod tests {
         let byte = bus.write(DOORBELL_PORT, &[2]);
 
         assert_eq!(rung, PortEvent::Doorbell(2));
+        assert_eq!(byte, PortEvent::Handled);
+        assert_eq!(bus.stray_accesses(), 1);
+    }
+
+    #[test]
+    fn a_32_bit_host_zero_write_names_a_range_and_malformed_ones_are_stray() {
+        let mut bus = bus();
+        let huge = 0x200u32 | (9 << host_zero::PFN_BITS);
+
+        let zero = bus.write(host_zero::PORT, &huge.to_le_bytes());
+        let byte = bus.write(host_zero::PORT, &[1]);
+        let too_big = bus.write(
+            host_zero::PORT,
+            &(31u32 << host_zero::PFN_BITS).to_le_bytes(),
+        );
+
+        assert_eq!(
+            zero,
+            PortEvent::Zero {
+                addr: 0x20_0000,
+                len: 2 << 20
+            }
+        );
+        assert_eq!(byte, PortEvent::Handled);
+        assert_eq!(too_big, PortEvent::Handled);
+        assert_eq!(bus.stray_accesses(), 2);
+    }
+
+    #[test]
+    fn a_32_bit_exit_report_carries_the_wait_status_and_other_sizes_are_stray() {
+        let mut bus = bus();
+
+        let killed = bus.write(exit_report::PORT, &9u32.to_le_bytes());
+        let byte = bus.write(exit_report::PORT, &[9]);
+
+        assert_eq!(killed, PortEvent::WorkerExit(9));
         assert_eq!(byte, PortEvent::Handled);
         assert_eq!(bus.stray_accesses(), 1);
     }

@@ -227,7 +227,7 @@ pub fn run_request(
     let exits_before = m.bus.exits();
     let kvm_before = m.stats.as_ref().map(|s| s.read()).unwrap_or_default();
     let end = loop {
-        let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.kicker)?;
+        let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.ram, &m.kicker)?;
         let take = match stop {
             VcpuStop::Doorbell(code::FLUSH) => Some(true),
             VcpuStop::Kicked if tick.is_some() && !cancelled() && Instant::now() < kick_at => {
@@ -271,25 +271,41 @@ pub fn run_request(
                 };
                 break end;
             }
-            VcpuStop::Doorbell(code::FAILED) => {
-                let regs = m.vcpu.get_regs().map_err(VcpuError::Run)?;
+            VcpuStop::Doorbell(code::FAILED) | VcpuStop::WorkerExited(_) => {
+                // The worker's wait status: from the guest kernel as the worker starts to
+                // exit, or from the agent once it reaped it (a FAILED / WORKER_EXITED
+                // doorbell); another FAILED is the agent's own failure.
+                let status = match stop {
+                    VcpuStop::WorkerExited(status) => Ok(u64::from(status)),
+                    _ => {
+                        let regs = m.vcpu.get_regs().map_err(VcpuError::Run)?;
+                        if regs.rdi == failure::WORKER_EXITED {
+                            Ok(regs.rsi)
+                        } else {
+                            Err((regs.rdi, regs.rsi))
+                        }
+                    }
+                };
                 out.drain(&m.ram, mb, false)?;
                 if out.over_limit {
                     break End::with(Status::OutputLimit);
                 }
-                if regs.rdi == failure::WORKER_EXITED {
-                    let oom = m
-                        .bus
-                        .console()
-                        .tail(CRASH_TAIL_LINES)
-                        .iter()
-                        .any(|l| l.contains("Out of memory"));
-                    break end_from_wait_status(regs.rsi, oom);
+                match status {
+                    Ok(status) => {
+                        let oom = m
+                            .bus
+                            .console()
+                            .tail(CRASH_TAIL_LINES)
+                            .iter()
+                            .any(|l| l.contains("Out of memory"));
+                        break end_from_wait_status(status, oom);
+                    }
+                    Err((what, detail)) => {
+                        break End::crashed(format!(
+                            "guest agent failure {what} (detail {detail:#x})"
+                        ));
+                    }
                 }
-                break End::crashed(format!(
-                    "guest agent failure {} (detail {:#x})",
-                    regs.rdi, regs.rsi
-                ));
             }
             VcpuStop::Doorbell(other) => {
                 break End::crashed(format!("guest rang unknown doorbell {other:#x}"));
