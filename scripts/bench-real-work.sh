@@ -18,7 +18,7 @@ cargo build --release -q
 . scripts/serve-lib.sh
 start_bud_serve real-work "$port" "$log" --max-timeout-ms 600000 --max-output-bytes 67108864
 python3 - "$reps" "$port" "${CASES:-}" <<'PY'
-import json, statistics, subprocess, sys, time, urllib.request
+import json, resource, statistics, subprocess, sys, time, urllib.request
 
 reps, port, only = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 MiB = 1 << 20
@@ -27,11 +27,16 @@ MiB = 1 << 20
 CASES = {
     "memory": ("python", "b = bytearray(50 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1",
                (50, "MiB"), "ok"),
+    "shared-memory": ("python", "import mmap\nm = mmap.mmap(-1, 50 << 20)\nfor i in range(0, len(m), 4096): m[i] = 1",
+                      (50, "MiB"), "ok"),
     "list": ("python", "x = list(range(10**6))\nprint(len(x))", None, "ok"),
     "json": ("python", "import json\nd = [{'id': i, 'name': 'item%d' % i, 'v': [i, i * 2.5]} for i in range(80000)]\n"
              "s = json.dumps(d)\nassert json.loads(s) == d\nprint(len(s))", None, "ok"),
     "regex": ("python", "import re\ns = ('abc123 def456 ' * 750000)[:10 << 20]\n"
               "print(len(re.findall(r'[a-z]+(\\d+)', s)))", None, "ok"),
+    "csv": ("python", "import csv, io\nrows = [[i, 'name%d' % i, i * 0.5, 'x' * 20] for i in range(100000)]\n"
+            "f = io.StringIO()\ncsv.writer(f).writerows(rows)\ns = f.getvalue()\n"
+            "back = list(csv.reader(io.StringIO(s)))\nassert len(back) == len(rows)\nprint(len(s))", None, "ok"),
     "files": ("python", "import os\nd = '/tmp/bench'\nos.makedirs(d, exist_ok=True)\nblob = os.urandom(100 << 10)\n"
               "for i in range(100):\n    open(f'{d}/f{i}', 'wb').write(blob)\n"
               "n = sum(len(open(f'{d}/f{i}', 'rb').read()) for i in range(100))\nprint(n)",
@@ -44,6 +49,8 @@ CASES = {
     "python-c": ("python", "import subprocess\nsubprocess.run(['python3', '-c', 'pass'], check=True)", (1, "process"), "ok"),
     "exit": ("python", "import os\nos._exit(7)", None, "error"),
     "abort": ("python", "import os\nos.abort()", None, "error"),
+    "memory-bomb": ("python", "chunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))", None,
+                    "memory_limit"),
 }
 
 def bud(lang, code):
@@ -56,10 +63,13 @@ def bud(lang, code):
     kvm = t.get("kvm") or {}
     return t["total_ms"] / 1000, kvm.get("emulated_instructions"), a["status"]
 
-def host(lang, code):
+def host(lang, code, limit_memory):
     argv = ["python3", "-c", code] if lang == "python" else ["sh", "-c", code]
+    # A memory bomb on the host gets an address-space limit the size of the guest's RAM
+    # (256 MiB), so that it ends as the guest's does instead of eating the host.
+    cap = (lambda: resource.setrlimit(resource.RLIMIT_AS, (256 << 20,) * 2)) if limit_memory else None
     t = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=cap)
     return time.perf_counter() - t
 
 print(f"{'case':12} {'bud s':>9} {'host s':>8} {'ratio':>8} {'emulated insns':>15}  throughput (bud / host)")
@@ -70,7 +80,7 @@ for name, (lang, code, unit, want) in CASES.items():
     for _ in range(reps):
         s, n, status = bud(lang, code)
         b.append(s); ins.append(n or 0); statuses.add(status)
-        h.append(host(lang, code))
+        h.append(host(lang, code, want == "memory_limit"))
     mb, mh = statistics.median(b), statistics.median(h)
     rate = ""
     if unit:
