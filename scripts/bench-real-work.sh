@@ -37,10 +37,12 @@ CASES = {
     "csv": ("python", "import csv, io\nrows = [[i, 'name%d' % i, i * 0.5, 'x' * 20] for i in range(100000)]\n"
             "f = io.StringIO()\ncsv.writer(f).writerows(rows)\ns = f.getvalue()\n"
             "back = list(csv.reader(io.StringIO(s)))\nassert len(back) == len(rows)\nprint(len(s))", None, "ok"),
-    "files": ("python", "import os\nd = '/tmp/bench'\nos.makedirs(d, exist_ok=True)\nblob = os.urandom(100 << 10)\n"
+    "files": ("python", "import os\nd = '/tmp/bench'\nos.makedirs(d, exist_ok=True)\nblob = bytes(range(256)) * 400\n"
               "for i in range(100):\n    open(f'{d}/f{i}', 'wb').write(blob)\n"
               "n = sum(len(open(f'{d}/f{i}', 'rb').read()) for i in range(100))\nprint(n)",
               (100 * 100 / 1024, "MiB"), "ok"),
+    "big-file": ("python", "blob = bytes(range(256)) * (40 << 10)\nwith open('/tmp/big', 'wb') as f: f.write(blob)\n"
+                 "with open('/tmp/big', 'rb') as f: assert f.read() == blob\nprint(len(blob))", (10, "MiB"), "ok"),
     "output": ("python", "import os\nb = b'x' * (1 << 20)\nfor _ in range(20): os.write(1, b)",
                (20, "MiB"), "ok"),
     "subprocess": ("python", "import subprocess\nfor i in range(10): subprocess.run(['echo', str(i)], capture_output=True)",

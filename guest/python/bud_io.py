@@ -25,7 +25,7 @@ What this module owns
   floods fd 1 or 2 gets ``ENOSPC`` once the cap is passed, the job ends, and the host, seeing
   more than the cap, says ``output_limit`` (a shell's ``head -c 100000000 /dev/zero`` used to
   fill the guest's RAM page by page until its timeout). What was copied out is freed
-  (``punch_hole``, once :data:`PUNCH_EVERY` bytes were copied), so a session's files never
+  (``punch_hole``, in whole multiples of :data:`PUNCH_EVERY`), so a session's files never
   fill that file system with output already delivered. The job's stdin is written to the stdin file (one ``pwrite``
   from the mailbox) only when something below Python's level may read fd 0.
 
@@ -77,10 +77,11 @@ import _bud
 STREAM_INTERVAL = 0.05
 
 # Where the capture files live in a guest: a tmpfs of its own, mounted by the agent
-# (guest/agent/src/mounts.rs) at the default cap plus the slack.
+# (guest/agent/src/mounts.rs) at the default cap plus the slack, with 2 MiB folios.
 CAPTURE_DIR = "/run/bud-output"
-# Bytes copied out of a capture file before the copied part is freed.
-PUNCH_EVERY = 1 << 20
+# The copied part of a capture file is freed in whole multiples of this (the file system's
+# huge folio size): a hole that ended inside a 2 MiB folio would split it into 512 pages.
+PUNCH_EVERY = 2 << 20
 _PAGE = 4096
 
 STDOUT, STDERR = 0, 1
@@ -584,8 +585,9 @@ class FdCapture:
                 stream, fd, self._consumed[stream], count
             )
             if self._consumed[stream] - self._punched[stream] >= PUNCH_EVERY:
-                _bud.punch_hole(fd, self._consumed[stream])
-                self._punched[stream] = self._consumed[stream]
+                end = self._consumed[stream] // PUNCH_EVERY * PUNCH_EVERY
+                _bud.punch_hole(fd, end)
+                self._punched[stream] = end
 
     def sync_all(self, areas):
         """Both streams, if there may be anything (the job's end, os._exit)."""

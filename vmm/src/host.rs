@@ -26,11 +26,12 @@ pub enum HostKind {
 
 /// Kernel command-line options that keep a guest kernel away from the CPU features the kvm_pvm
 /// instruction emulator cannot run (CPUID masking alone is not enough there, see module doc),
-/// and `bud.host_zero`: the guest kernel asks the VMM to zero fresh user memory, which the
-/// emulator would clear 8 bytes per emulated iteration (see [`crate::devices::host_zero`]).
+/// and `bud.host_zero` and `bud.host_copy`: the guest kernel asks the VMM to zero fresh user
+/// memory and to copy between user and kernel memory, which the emulator would do 8 bytes per
+/// emulated iteration (see [`crate::devices::host_zero`] and [`crate::devices::host_copy`]).
 pub const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
 clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
-clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe bud.host_zero";
+clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe bud.host_zero bud.host_copy";
 
 impl HostKind {
     /// Detects the kind of this host from `/sys/module`.

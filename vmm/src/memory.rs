@@ -207,6 +207,26 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Copies `len` bytes from guest-physical `src` to guest-physical `dst` (the ranges may
+    /// overlap; the host-copy port, see [`crate::devices::host_copy`]).
+    pub fn copy_within(&self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
+        if !self.writable {
+            return Err(MemoryError::ReadOnly);
+        }
+        let too_big = |addr| MemoryError::OutOfRange {
+            addr,
+            len,
+            size: self.len,
+        };
+        let n = usize::try_from(len).map_err(|_| too_big(src))?;
+        let from = self.check_range(src, n)?;
+        let to = self.check_range(dst, n)?;
+        // SAFETY: both ranges lie inside our mapping (checked); `ptr::copy` allows overlap;
+        // guest RAM is plain shared memory (the only vCPU is stopped in the `out` meanwhile).
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(from), self.ptr.as_ptr().add(to), n) };
+        Ok(())
+    }
+
     /// Copies guest memory at guest-physical `addr` into `buf`.
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
         let offset = self.check_range(addr, buf.len())?;

@@ -49,6 +49,61 @@ pub fn translate(ram: &GuestRam, cr3: u64, cr4: u64, gva: u64) -> Result<u64, Pa
     Ok(table | (gva & (PAGE_SIZE - 1)))
 }
 
+const PTE_WRITABLE: u64 = 1 << 1;
+const PTE_USER: u64 = 1 << 2;
+const PTE_DIRTY: u64 = 1 << 6;
+/// Virtual addresses below this are the user half of a 4-level address space.
+const USER_HALF_END: u64 = 1 << 47;
+
+/// How the host means to touch a guest-virtual address on the guest's behalf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
+
+/// Translates `gva` as the CPU would for a kernel-mode access of kind `access` that must not
+/// fault or change the tables: every level present; for a write, writable at every level and
+/// already dirty in the last one (the host never sets accessed or dirty bits: that would be a
+/// write into a page-table page behind the back of KVM's shadow MMU); for a user-half
+/// address, user-accessible at every level. Returns the guest-physical address and the bytes
+/// left in its page (4 KiB, 2 MiB or 1 GiB), or `None` where the CPU would fault or would set
+/// a bit (the caller then leaves that part to the guest). 4-level paging only (bud's guests).
+pub fn translate_access(
+    ram: &GuestRam,
+    cr3: u64,
+    gva: u64,
+    access: Access,
+) -> Result<Option<(u64, u64)>, PagingError> {
+    let user = gva < USER_HALF_END;
+    let mut table = cr3 & PTE_ADDR_MASK;
+    for level in (1..=4u32).rev() {
+        let shift = 12 + 9 * (level - 1);
+        let entry = ram.read_u64(table + ((gva >> shift) & 0x1ff) * 8)?;
+        let needed = PTE_PRESENT
+            | if access == Access::Write {
+                PTE_WRITABLE
+            } else {
+                0
+            }
+            | if user { PTE_USER } else { 0 };
+        if entry & needed != needed {
+            return Ok(None);
+        }
+        let last = level == 1 || ((level == 2 || level == 3) && entry & PTE_PAGE_SIZE != 0);
+        if last {
+            if access == Access::Write && entry & PTE_DIRTY == 0 {
+                return Ok(None);
+            }
+            let page_mask = (1u64 << shift) - 1;
+            let gpa = (entry & PTE_ADDR_MASK & !page_mask) | (gva & page_mask);
+            return Ok(Some((gpa, (page_mask + 1) - (gva & page_mask))));
+        }
+        table = entry & PTE_ADDR_MASK;
+    }
+    unreachable!("the level-1 entry ends every walk")
+}
+
 /// Every page-table page reachable from the kernel's own PGD (`init_top_pgt`), from the PGD of
 /// every mm on the kernel's `pgd_list`, and from `extra_roots`, as a bitmap over the pages of
 /// `ram` (bit `n % 64` of word `n / 64` is page `n`).
@@ -234,6 +289,50 @@ mod tests {
 
         assert!(matches!(unmapped, PagingError::NotMapped(0x1000)));
         assert!(matches!(bogus_root, PagingError::Memory(_)));
+    }
+
+    #[test]
+    fn an_access_needs_present_user_and_for_writes_writable_dirty_entries() {
+        let ram = GuestRam::anonymous(1 << 20).unwrap();
+        let gva = 0x7f12_3456_7000;
+        let cr3 = tables(&ram, gva, 0x8_0000); // every level: present, writable, user
+        let pte = 0x4000 + ((gva >> 12) & 0x1ff) * 8;
+
+        let read = translate_access(&ram, cr3, gva + 0x10, Access::Read).unwrap();
+        let clean_write = translate_access(&ram, cr3, gva, Access::Write).unwrap();
+        ram.write_u64(pte, 0x8_0000 | 7 | PTE_DIRTY).unwrap();
+        let dirty_write = translate_access(&ram, cr3, gva, Access::Write).unwrap();
+        ram.write_u64(pte, 0x8_0000 | 5 | PTE_DIRTY).unwrap(); // read-only (copy on write)
+        let read_only_write = translate_access(&ram, cr3, gva, Access::Write).unwrap();
+        ram.write_u64(pte, 0x8_0000 | 3 | PTE_DIRTY).unwrap(); // kernel-only page
+        let kernel_page_read = translate_access(&ram, cr3, gva, Access::Read).unwrap();
+        let unmapped = translate_access(&ram, cr3, gva + (1 << 30), Access::Read).unwrap();
+
+        assert_eq!(read, Some((0x8_0010, 0xff0)));
+        assert_eq!(clean_write, None, "the CPU would set the dirty bit");
+        assert_eq!(dirty_write, Some((0x8_0000, 0x1000)));
+        assert_eq!(read_only_write, None);
+        assert_eq!(
+            kernel_page_read, None,
+            "a user-half address must be user-accessible"
+        );
+        assert_eq!(unmapped, None);
+    }
+
+    #[test]
+    fn a_kernel_half_2m_page_needs_no_user_bit_and_reports_the_room_to_its_end() {
+        let ram = GuestRam::anonymous(1 << 20).unwrap();
+        let gva = 0xffff_8880_0020_0000u64;
+        let (pml4, pdpt, pd) = (0x1000u64, 0x2000u64, 0x3000u64);
+        let idx = |level: u32| (gva >> (12 + 9 * (level - 1))) & 0x1ff;
+        ram.write_u64(pml4 + idx(4) * 8, pdpt | 3).unwrap();
+        ram.write_u64(pdpt + idx(3) * 8, pd | 3).unwrap();
+        ram.write_u64(pd + idx(2) * 8, 0x20_0000 | 3 | PTE_DIRTY | PTE_PAGE_SIZE)
+            .unwrap();
+
+        let at = translate_access(&ram, pml4, gva + 0x1_2345, Access::Write).unwrap();
+
+        assert_eq!(at, Some((0x21_2345, (2 << 20) - 0x1_2345)));
     }
 
     #[test]

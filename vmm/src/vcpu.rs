@@ -90,6 +90,12 @@ pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam) -> Exi
         PortEvent::Doorbell(code) => ExitAction::Stop(VcpuStop::Doorbell(code)),
         PortEvent::Reset => ExitAction::Stop(VcpuStop::Reset),
         PortEvent::WorkerExit(status) => ExitAction::Stop(VcpuStop::WorkerExited(status)),
+        PortEvent::Copy(block) => match crate::devices::host_copy::serve(ram, block) {
+            Ok(_) => ExitAction::Continue,
+            Err(e) => ExitAction::Stop(VcpuStop::Unexpected(format!(
+                "the guest sent a host-copy request the host cannot serve: {e}"
+            ))),
+        },
         PortEvent::Zero { addr, len } => match ram.zero(addr, len) {
             Ok(()) => ExitAction::Continue,
             Err(e) => ExitAction::Stop(VcpuStop::Unexpected(format!(
@@ -350,9 +356,10 @@ mod tests {
         assert_eq!(zeroed, ExitAction::Continue);
         assert_eq!(back, [0u8; 4096]);
         assert_eq!(last, [0u8; 8]);
-        assert!(
-            matches!(outside, ExitAction::Stop(VcpuStop::Unexpected(ref why)) if why.contains("outside guest RAM"))
-        );
+        let ExitAction::Stop(VcpuStop::Unexpected(why)) = outside else {
+            panic!("{outside:?}");
+        };
+        assert!(why.contains("outside guest RAM"), "{why}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
 //! serial console (vm-superio), the i8042 reset line, the doorbell port, and the two ports of
-//! bud's guest kernel patches ([`host_zero`], [`exit_report`]).
+//! bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`]).
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
 //! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
@@ -10,6 +10,7 @@
 
 pub mod console;
 pub mod exit_report;
+pub mod host_copy;
 pub mod host_zero;
 pub mod i8042;
 
@@ -53,6 +54,9 @@ pub enum PortEvent {
     /// The guest kernel reports that the worker process is exiting with this wait status
     /// ([`exit_report`]).
     WorkerExit(u32),
+    /// The guest kernel asks for the copy described by the block at this guest-physical
+    /// address ([`host_copy`]).
+    Copy(u64),
 }
 
 /// Errors of device setup.
@@ -189,6 +193,15 @@ impl PortBus {
             return match request {
                 Some((addr, len)) => PortEvent::Zero { addr, len },
                 None => {
+                    self.stray_accesses += 1;
+                    PortEvent::Handled
+                }
+            };
+        }
+        if port == host_copy::PORT {
+            return match <[u8; 4]>::try_from(data) {
+                Ok(bytes) => PortEvent::Copy(u64::from(u32::from_le_bytes(bytes))),
+                Err(_) => {
                     self.stray_accesses += 1;
                     PortEvent::Handled
                 }
