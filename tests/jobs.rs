@@ -210,7 +210,10 @@ print('short')
     let r = run(&j);
 
     assert_eq!(r.status, Status::Ok, "{}", text(&r.stderr));
-    assert_eq!(text(&r.stdout), "fresh\nread-only\ncopy-on-write\npipe\nshort\n");
+    assert_eq!(
+        text(&r.stdout),
+        "fresh\nread-only\ncopy-on-write\npipe\nshort\n"
+    );
 }
 
 #[test]
