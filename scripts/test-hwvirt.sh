@@ -18,6 +18,7 @@
 #   BUD=PATH          the bud binary to test (default: `cargo build --release`, target/release/bud)
 #   HWVIRT_DIR=DIR    cache of QEMU's inputs (default: build/hwvirt)
 #   HWVIRT_TIMEOUT_S  give up on L1 after this long (default: 1200 short, 7200 full)
+#   HWVIRT_TSS_QUIRK=0  run without BUD_TCG_TSS_QUIRK, to see the QEMU defect (jobs crash)
 #
 # What it prepares, once, cached under HWVIRT_DIR (build/ is ignored by git): the package
 # qemu-system-x86 (installed with apt-get, as root), the Debian kernel package that
@@ -325,7 +326,7 @@ envfile=$cache/env
   done
 } >"$envfile"
 cmdline="console=ttyS0 quiet panic=-1 hwvirt.mode=$mode hwvirt.repo=$repo hwvirt.bud=$BUD"
-cmdline+=" hwvirt.jobs=$jobs hwvirt.tcg=1 hwvirt.env=$envfile"
+cmdline+=" hwvirt.jobs=$jobs hwvirt.tcg=1 hwvirt.quirk=${HWVIRT_TSS_QUIRK:-1} hwvirt.env=$envfile"
 qemu=(qemu-system-x86_64 -machine q35,accel=tcg -cpu EPYC,+svm,+npt -smp 1 -m 4G
   -nographic -no-reboot -nic none -monitor none -serial stdio
   -kernel "$vmlinuz" -initrd "$cache/initramfs.cpio" -append "$cmdline"

@@ -1,6 +1,7 @@
 """Drives a `bud serve --verify-resets` for scripts/hwvirt/stage2.sh and checks every answer.
 
 Usage: python3 drive.py URL JOBS
+       python3 drive.py URL --latency N   (only N trivial jobs in a row: the warm-job figure)
 
 Waits for the server's template, then sends JOBS one-shot jobs in a fixed round robin of
 kinds (Python and shell output, exit codes, stdin/args/env, an exception, a fork, files in
@@ -254,12 +255,30 @@ def metrics(d):
     return status, values
 
 
+def latency_only(d, n):
+    wall, total, run = warm_latency(d, n)
+    if total:
+        print(f"{PREFIX} FIGURE warm job print(1) without --verify-resets, {len(wall)} in a row: "
+              f"round trip p50 {statistics.median(wall):.1f} ms (p90 {quantile(wall, 0.9):.1f}); "
+              f"server total_ms p50 {statistics.median(total):.2f}, run_ms p50 "
+              f"{statistics.median(run):.2f}", flush=True)
+    return 1 if d.failures else 0
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def main():
-    url, n = sys.argv[1], int(sys.argv[2])
+    url = sys.argv[1]
     d = Driver(url)
     t0 = time.monotonic()
     if not d.wait_ready():
         return 1
+    if sys.argv[2] == "--latency":
+        return latency_only(d, int(sys.argv[3]))
+    n = int(sys.argv[2])
     print(f"{PREFIX} NOTE the server's template was ready {time.monotonic() - t0:.1f} s after its start",
           flush=True)
     t = time.monotonic()
@@ -275,7 +294,7 @@ def main():
     print(f"{PREFIX} NOTE session scenarios passed: {good}/{rounds} ({time.monotonic() - t:.1f} s)", flush=True)
     wall, total, run = warm_latency(d)
     if total:
-        print(f"{PREFIX} FIGURE warm job print(1), {len(wall)} in a row: round trip p50 "
+        print(f"{PREFIX} FIGURE warm job print(1) with --verify-resets, {len(wall)} in a row: round trip p50 "
               f"{statistics.median(wall):.1f} ms (max {max(wall):.1f}); server total_ms p50 "
               f"{statistics.median(total):.2f}, run_ms p50 {statistics.median(run):.2f} "
               f"(each reset verified by value)", flush=True)
