@@ -137,6 +137,13 @@ apt_retry() {
   apt_get "$@"
 }
 
+# Installs package $2 when program $1 is missing.
+need_tool() {
+  command -v "$1" >/dev/null && return 0
+  step "installing $2 (for $1)"
+  apt_retry install -y --no-install-recommends "$2" || die "apt-get install $2 failed"
+}
+
 install_qemu() {
   command -v qemu-system-x86_64 >/dev/null && return 0
   step "installing qemu-system-x86 (apt-get)"
@@ -238,9 +245,8 @@ build_initramfs() {
     return 0
   fi
   step "building the L1 initramfs"
-  command -v cpio >/dev/null || {
-    apt_retry install -y --no-install-recommends cpio || die "apt-get install cpio failed"
-  }
+  need_tool cpio cpio
+  need_tool objcopy binutils
   root=$(mktemp -d "$cache/initramfs.XXXXXX")
   mkdir -p "$root"/{bin,dev,proc,sys,lower,rw,newroot,modules}
   cp "$bbdir/bin/busybox" "$root/bin/busybox"

@@ -184,6 +184,8 @@ if [[ $mode == full ]]; then
   failed=$(grep -E '^test result:' "$work/suite.log" | awk '{s += $6} END {print s + 0}')
   ignored=$(grep -E '^test result:' "$work/suite.log" | awk '{s += $8} END {print s + 0}')
   filtered=$(grep -E '^test result:' "$work/suite.log" | awk '{s += $12} END {print s + 0}')
+  # One line per test binary: what it is and its result (the log stays in L1).
+  awk '/^ *Running / { bin = $2 } /^test result:/ { sub(/^test result: /, ""); print "hwvirt-stage2: NOTE " bin ": " $0 }' "$work/suite.log"
   grep -E '^test .* \.\.\. FAILED$' "$work/suite.log" | sed 's/^/hwvirt-stage2: FAIL suite: /'
   say "FIGURE workspace suite: $passed passed, $failed failed, $ignored ignored, $filtered filtered out, $(since "$t") s"
   if ((suite_rc == 0 && failed == 0)); then
