@@ -296,6 +296,10 @@ if [[ -z ${BUD:-} ]]; then
 fi
 BUD=$(realpath "$BUD")
 [[ -x $BUD ]] || die "BUD=$BUD is not an executable"
+case $BUD in
+  /tmp/* | /run/* | /dev/* | /proc/* | /sys/*)
+    die "BUD=$BUD: L1 mounts its own /tmp, /run, /dev, /proc and /sys; put bud elsewhere" ;;
+esac
 step "bringing the guest up to date on this host ($BUD guest build)"
 "$BUD" --source-dir "$repo" guest build >"$cache/guest-build.log" 2>&1 ||
   die "bud guest build failed: $(tail -5 "$cache/guest-build.log")"

@@ -1,7 +1,9 @@
 """Drives a `bud serve --verify-resets` for scripts/hwvirt/stage2.sh and checks every answer.
 
-Usage: python3 drive.py URL JOBS
-       python3 drive.py URL --latency N   (only N trivial jobs in a row: the warm-job figure)
+Usage: python3 drive.py URL JOBS [--server-pid PID]
+       python3 drive.py URL --latency N [--server-pid PID]
+         (only N trivial jobs in a row: the warm-job figure)
+With --server-pid, waiting for the template stops as soon as that process has exited.
 
 Waits for the server's template, then sends JOBS one-shot jobs in a fixed round robin of
 kinds (Python and shell output, exit codes, stdin/args/env, an exception, a fork, files in
@@ -15,6 +17,7 @@ Standard library only (it runs with the host's python3, inside the test VM).
 """
 
 import base64
+import os
 import http.client
 import json
 import re
@@ -76,10 +79,14 @@ class Driver:
             print(f"{PREFIX} FAIL {what}: {detail}"[:2000], flush=True)
         return False
 
-    def wait_ready(self, limit_s=600):
+    def wait_ready(self, server_pid=None, limit_s=600):
         deadline = time.monotonic() + limit_s
         last = None
         while time.monotonic() < deadline:
+            if server_pid is not None and not os.path.exists(f"/proc/{server_pid}"):
+                self.check("the server's template became ready", False,
+                           f"the server (pid {server_pid}) exited; last answer: {last}")
+                return False
             try:
                 status, h = self.request("GET", "/v1/health", timeout=10)
                 last = (status, h)
@@ -271,14 +278,19 @@ def quantile(xs, q):
 
 
 def main():
-    url = sys.argv[1]
+    args = sys.argv[1:]
+    server_pid = None
+    if len(args) >= 2 and args[-2] == "--server-pid":
+        server_pid = int(args[-1])
+        args = args[:-2]
+    url = args[0]
     d = Driver(url)
     t0 = time.monotonic()
-    if not d.wait_ready():
+    if not d.wait_ready(server_pid):
         return 1
-    if sys.argv[2] == "--latency":
-        return latency_only(d, int(sys.argv[3]))
-    n = int(sys.argv[2])
+    if args[1] == "--latency":
+        return latency_only(d, int(args[2]))
+    n = int(args[1])
     print(f"{PREFIX} NOTE the server's template was ready {time.monotonic() - t0:.1f} s after its start",
           flush=True)
     t = time.monotonic()

@@ -134,7 +134,7 @@ port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 say "RAN bud serve --verify-resets --port $port, $jobs jobs (scripts/hwvirt/drive.py)"
 "$bud" --source-dir "$repo" serve --port "$port" --verify-resets >"$work/serve.log" 2>&1 &
 serve_pid=$!
-python3 "$repo/scripts/hwvirt/drive.py" "http://127.0.0.1:$port" "$jobs"
+python3 "$repo/scripts/hwvirt/drive.py" "http://127.0.0.1:$port" "$jobs" --server-pid "$serve_pid"
 drive_rc=$?
 kill -TERM "$serve_pid" 2>/dev/null
 wait "$serve_pid"
@@ -156,7 +156,7 @@ port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 say "RAN bud serve --port $port (no verification), 100 trivial jobs in a row"
 "$bud" --source-dir "$repo" serve --port "$port" >"$work/serve2.log" 2>&1 &
 serve_pid=$!
-python3 "$repo/scripts/hwvirt/drive.py" "http://127.0.0.1:$port" --latency 100
+python3 "$repo/scripts/hwvirt/drive.py" "http://127.0.0.1:$port" --latency 100 --server-pid "$serve_pid"
 drive_rc=$?
 kill -TERM "$serve_pid" 2>/dev/null
 wait "$serve_pid"
