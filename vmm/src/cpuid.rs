@@ -3,9 +3,16 @@
 //! Starts from `KVM_GET_SUPPORTED_CPUID` (fetched once per process: the ioctl costs ~0.5 ms)
 //! and applies bud's policy: one logical CPU, the hypervisor bit set, no machine-check or
 //! performance-monitoring features (bud emulates neither), only the KVM paravirtual features a
-//! single-vCPU throwaway guest needs (kvm-clock and PV EOI). On kvm_pvm it also clears what the
-//! guest kernel's emulated mode cannot execute; kvm_pvm ignores part of that (see
-//! [`crate::host`]), so the kernel command line carries the same policy.
+//! single-vCPU throwaway guest needs (kvm-clock and PV EOI), and no interface through which
+//! guest code could drive a hypervisor of its own: VMX, SMX and SVM are cleared with SVM's
+//! feature leaf 0x8000_000A, and so are the memory-encryption leaf 0x8000_001F (SME/SEV, for
+//! a host launching encrypted guests) and SKINIT. KVM makes nested virtualization depend on
+//! these bits (`kvm_intel`'s VMX MSRs and VMXON, `kvm_amd`'s EFER.SVME and VMRUN refuse a
+//! guest whose CPUID lacks them), and `kvm_amd` offers nested SVM by default; so hiding them
+//! both hides the interface and turns it off. The same policy applies on both host kinds.
+//! On kvm_pvm it also clears what the guest kernel's emulated mode cannot execute; kvm_pvm
+//! ignores part of that (see [`crate::host`]), so the kernel command line carries the same
+//! policy.
 
 use std::sync::OnceLock;
 
@@ -22,6 +29,8 @@ pub enum CpuidError {
 }
 
 // Leaf 1 ECX bits.
+const L1_ECX_VMX: u32 = 1 << 5;
+const L1_ECX_SMX: u32 = 1 << 6;
 const L1_ECX_CX16: u32 = 1 << 13;
 const L1_ECX_POPCNT: u32 = 1 << 23;
 const L1_ECX_XSAVE: u32 = 1 << 26;
@@ -40,8 +49,10 @@ const L7_EDX_AMX_INT8: u32 = 1 << 25;
 const XCR0_TILECFG: u32 = 1 << 17;
 const XCR0_TILEDATA: u32 = 1 << 18;
 // Leaf 0x8000_0001 bits.
+const EXT_ECX_SVM: u32 = 1 << 2;
 const EXT_ECX_LZCNT: u32 = 1 << 5;
 const EXT_ECX_PREFETCHW: u32 = 1 << 8;
+const EXT_ECX_SKINIT: u32 = 1 << 12;
 const EXT_EDX_PAGE1GB: u32 = 1 << 26;
 const EXT_EDX_RDTSCP: u32 = 1 << 27;
 /// KVM paravirtual features kept (leaf 0x4000_0001 EAX): CLOCKSOURCE (0), NOP_IO_DELAY (1),
@@ -87,6 +98,7 @@ pub fn apply_policy(e: &mut kvm_cpuid_entry2, kind: HostKind) {
             e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
             e.ecx |= L1_ECX_HYPERVISOR;
             e.ecx &= !L1_ECX_OSXSAVE; // reflects CR4.OSXSAVE; the guest kernel sets it
+            e.ecx &= !(L1_ECX_VMX | L1_ECX_SMX);
             e.edx &= !(L1_EDX_MCE | L1_EDX_MCA | L1_EDX_HTT);
             if pvm {
                 e.ecx &= !(L1_ECX_CX16 | L1_ECX_POPCNT | L1_ECX_XSAVE | L1_ECX_AVX | L1_ECX_RDRAND);
@@ -103,10 +115,15 @@ pub fn apply_policy(e: &mut kvm_cpuid_entry2, kind: HostKind) {
         0x12 | 0x14 => zero(e),
         // x2APIC topology: we are x2APIC id 0.
         0xb | 0x1f => e.edx = 0,
-        0x8000_0001 if pvm => {
-            e.ecx &= !(EXT_ECX_LZCNT | EXT_ECX_PREFETCHW);
-            e.edx &= !(EXT_EDX_PAGE1GB | EXT_EDX_RDTSCP);
+        0x8000_0001 => {
+            e.ecx &= !(EXT_ECX_SVM | EXT_ECX_SKINIT);
+            if pvm {
+                e.ecx &= !(EXT_ECX_LZCNT | EXT_ECX_PREFETCHW);
+                e.edx &= !(EXT_EDX_PAGE1GB | EXT_EDX_RDTSCP);
+            }
         }
+        // SVM's features (revision, ASIDs, nested paging, ...) and SME/SEV's.
+        0x8000_000a | 0x8000_001f => zero(e),
         // AMX tile state does not fit the 4 KiB `kvm_xsave` area snapshots carry.
         7 if e.index == 0 => e.edx &= !(L7_EDX_AMX_BF16 | L7_EDX_AMX_TILE | L7_EDX_AMX_INT8),
         0xd if e.index == 0 => e.eax &= !(XCR0_TILECFG | XCR0_TILEDATA),
@@ -162,6 +179,39 @@ mod tests {
         );
         assert_eq!(hw7.ebx, u32::MAX);
         assert_eq!((pvm7.eax, pvm7.ebx, pvm7.ecx, pvm7.edx), (0, 0, 0, 0));
+    }
+
+    /// Neither kind of host offers the guest a virtualization interface (VMX, SMX, SVM with
+    /// its feature leaf, SKINIT, SME/SEV), whatever KVM reports as supported.
+    #[test]
+    fn no_host_kind_offers_a_virtualization_interface() {
+        for kind in [HostKind::Hardware, HostKind::Pvm] {
+            let mut l1 = entry(1, 0);
+            let mut ext = entry(0x8000_0001, 0);
+            let mut svm = entry(0x8000_000a, 0);
+            let mut sev = entry(0x8000_001f, 0);
+
+            apply_policy(&mut l1, kind);
+            apply_policy(&mut ext, kind);
+            apply_policy(&mut svm, kind);
+            apply_policy(&mut sev, kind);
+
+            assert_eq!(l1.ecx & (L1_ECX_VMX | L1_ECX_SMX), 0, "{kind}: VMX/SMX");
+            assert_eq!(ext.ecx & (EXT_ECX_SVM | EXT_ECX_SKINIT), 0, "{kind}: SVM");
+            assert_eq!((svm.eax, svm.ebx, svm.ecx, svm.edx), (0, 0, 0, 0), "{kind}");
+            assert_eq!((sev.eax, sev.ebx, sev.ecx, sev.edx), (0, 0, 0, 0), "{kind}");
+        }
+    }
+
+    /// Hiding SVM does not take the other extended features with it on hardware.
+    #[test]
+    fn hardware_keeps_the_other_extended_features() {
+        let mut ext = entry(0x8000_0001, 0);
+
+        apply_policy(&mut ext, HostKind::Hardware);
+
+        assert_eq!(ext.ecx, !(EXT_ECX_SVM | EXT_ECX_SKINIT));
+        assert_eq!(ext.edx, u32::MAX);
     }
 
     #[test]

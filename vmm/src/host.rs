@@ -10,7 +10,9 @@
 //!   command line not to use those features.
 //!
 //! The kind is detected, never assumed: a loaded `kvm_pvm` module means PVM. The PVM-only knobs
-//! are applied only there, and the kind is part of every template's identity.
+//! are applied only there, and the kind is part of every template's identity. Everything that
+//! differs between the two kinds (command line, CPUID, MSRs, FPU state, paging) and how the
+//! hardware path is tested on a machine without it: docs/platform.md.
 
 use std::fmt;
 use std::path::Path;

@@ -28,8 +28,10 @@ use crate::mailbox::Mailbox;
 
 /// First bytes of a snapshot state file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
-/// Version of the state file format; bumped on any change to [`SnapshotState`].
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 4;
+/// Version of the state file format; bumped on any change to [`SnapshotState`] or to what
+/// it holds (5: the CPUID policy hides VMX/SVM, so a template captured before must not be
+/// reused; the MSRs captured leave out the Hyper-V range).
+pub const SNAPSHOT_FORMAT_VERSION: u32 = 5;
 
 const MSR_IA32_TSC: u32 = 0x10;
 
@@ -241,15 +243,45 @@ fn use_xsave(kvm: &Kvm, kind: HostKind) -> bool {
 
 static MSR_INDICES: OnceLock<Vec<u32>> = OnceLock::new();
 
-/// MSRs this host's vCPUs both report and accept, found once per process by reading and
-/// writing back each index KVM lists. TSC first.
+/// KVM's Hyper-V synthetic MSRs (`HV_X64_MSR_*`: 0x4000_0000 to 0x4000_0118 today, the
+/// range Hyper-V's TLFS reserves for them).
+const HYPERV_MSRS: std::ops::RangeInclusive<u32> = 0x4000_0000..=0x4000_01ff;
+
+/// Which of the MSRs KVM lists (`KVM_GET_MSR_INDEX_LIST`) bud captures, on purpose: every
+/// one, TSC first, except the MSRs of an interface bud's guest does not have.
+///
+/// That is the Hyper-V range. Hardware KVM lists its Hyper-V emulation's MSRs; kvm_pvm
+/// does not. A guest reaches them only when its CPUID carries Hyper-V's signature, and
+/// bud's carries KVM's ([`crate::cpuid`]), so KVM refuses the guest every access (#GP) and
+/// they are never guest state. Read by the host they are not even constant: two of them
+/// count time (`HV_X64_MSR_VP_RUNTIME` 0x4000_0010, the thread's run time, and
+/// `HV_X64_MSR_TIME_REF_COUNT` 0x4000_0020, the VM's reference counter), so a capture of a
+/// correctly reset VM would differ from its template's. Capturing them bought nothing and
+/// made every reset verification fail on hardware hosts.
+///
+/// MSRs KVM lists but the vCPU refuses to read or write back (VMX capability MSRs when
+/// CPUID hides VMX, features the CPU lacks) are dropped after this, by probing
+/// ([`saveable_msrs`]).
+pub fn msr_candidates(listed: &[u32]) -> Vec<u32> {
+    let mut wanted: Vec<u32> = listed
+        .iter()
+        .copied()
+        .filter(|i| !HYPERV_MSRS.contains(i))
+        .collect();
+    wanted.sort_by_key(|&i| (i != MSR_IA32_TSC, i));
+    wanted.dedup();
+    wanted
+}
+
+/// MSRs this host's vCPUs both report and accept among [`msr_candidates`], found once per
+/// process by reading and writing back each one. TSC first.
 fn saveable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<&'static [u32], SnapshotError> {
     if let Some(v) = MSR_INDICES.get() {
         return Ok(v);
     }
     let listed = cap("KVM_GET_MSR_INDEX_LIST", kvm.get_msr_index_list())?;
     let mut ok = Vec::new();
-    for &index in listed.as_slice() {
+    for index in msr_candidates(listed.as_slice()) {
         let mut one = Msrs::from_entries(&[kvm_msr_entry {
             index,
             ..Default::default()
@@ -262,7 +294,6 @@ fn saveable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<&'static [u32], SnapshotErr
             ok.push(index);
         }
     }
-    ok.sort_by_key(|&i| (i != MSR_IA32_TSC, i));
     Ok(MSR_INDICES.get_or_init(|| ok))
 }
 
@@ -389,6 +420,50 @@ pub fn capture(
     })
 }
 
+/// The environment variable that turns on the TSS restore quirk for QEMU's TCG (`1`: on;
+/// anything else or unset: off, the default). Only for a test platform: see
+/// [`sregs_to_restore`] and docs/platform.md.
+pub const TCG_TSS_QUIRK_ENV: &str = "BUD_TCG_TSS_QUIRK";
+
+/// Whether [`TCG_TSS_QUIRK_ENV`] is `1` (read once per process).
+fn tcg_tss_quirk() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os(TCG_TSS_QUIRK_ENV).is_some_and(|v| v == "1"))
+}
+
+/// TSS descriptor types: 64-bit TSS, available and busy.
+const TSS_AVAILABLE: u8 = 9;
+const TSS_BUSY: u8 = 11;
+
+/// Whether a CPUID table's vendor (leaf 0) is AMD's or Hygon's (SVM).
+fn svm_vendor(cpuid: &[kvm_cpuid_entry2]) -> bool {
+    const AMD: [u32; 3] = [0x6874_7541, 0x6974_6e65, 0x444d_4163]; // "Auth" "enti" "cAMD"
+    const HYGON: [u32; 3] = [0x6f67_7948, 0x6e65_476e, 0x656e_6975]; // "Hygo" "nGen" "uine"
+    cpuid
+        .iter()
+        .find(|e| e.function == 0)
+        .is_some_and(|e| [AMD, HYGON].contains(&[e.ebx, e.edx, e.ecx]))
+}
+
+/// The special registers to restore: `sregs` as captured, except with `quirk` on an AMD
+/// (SVM) CPUID, where a busy TR (type 11) is restored as available (type 9).
+///
+/// Why: `kvm_amd` always reports TR as busy (the VMCB does not keep the bit; KVM sets it
+/// on every read), and hardware SVM does not care which of the two it is given. QEMU's TCG,
+/// emulating SVM for a nested test (scripts/test-hwvirt.sh), refuses every I/O-permission
+/// check (user-mode `in`/`out` under `ioperm`) unless TR's cached type is 9: a QEMU defect,
+/// the architecture checks only the TSS limit and I/O bitmap. Without the quirk every job in
+/// a restored clone dies at its first doorbell there. Never on Intel: VM entry with VMX
+/// requires a busy TSS, so the quirk is ignored unless the CPUID is AMD's. A verify reads
+/// TR back as busy from `kvm_amd`, so a reset still compares equal to its template.
+fn sregs_to_restore(sregs: &kvm_sregs, cpuid: &[kvm_cpuid_entry2], quirk: bool) -> kvm_sregs {
+    let mut out = *sregs;
+    if quirk && out.tr.type_ == TSS_BUSY && svm_vendor(cpuid) {
+        out.tr.type_ = TSS_AVAILABLE;
+    }
+    out
+}
+
 /// What [`restore`] restores into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
@@ -408,7 +483,7 @@ pub enum Target {
 /// 2. CPUID first on the vCPU: KVM derives other vCPU properties (XSAVE size, MSR
 ///    availability) from it.
 /// 3. MP state, general registers, special registers (sets the APIC base the LAPIC restore
-///    relies on), FPU or XSAVE + XCRs, debug registers, LAPIC.
+///    relies on; TR as captured unless the test-only quirk of [`sregs_to_restore`] is on), FPU or XSAVE + XCRs, debug registers, LAPIC.
 /// 4. MSRs, TSC first so TSC_DEADLINE is read against the restored TSC; all or nothing.
 /// 5. vCPU events last: pending exceptions and interrupts refer to the state above.
 ///
@@ -432,7 +507,8 @@ pub fn restore(
     }
     res("KVM_SET_MP_STATE", vcpu.set_mp_state(s.mp_state))?;
     res("KVM_SET_REGS", vcpu.set_regs(&s.regs))?;
-    res("KVM_SET_SREGS", vcpu.set_sregs(&s.sregs))?;
+    let sregs = sregs_to_restore(&s.sregs, &s.cpuid, tcg_tss_quirk());
+    res("KVM_SET_SREGS", vcpu.set_sregs(&sregs))?;
     match (&s.xsave, &s.xcrs) {
         (Some(xsave), Some(xcrs)) => {
             // SAFETY: `xsave` was read by KVM_GET_XSAVE (a full 4 KiB `kvm_xsave`) on a vCPU
@@ -477,4 +553,107 @@ pub fn pin_clock(vm: &VmFd, clock: &kvm_clock_data) -> Result<(), SnapshotError>
 /// The VM's kvm-clock now.
 pub fn read_clock(vm: &VmFd) -> Result<kvm_clock_data, SnapshotError> {
     cap("KVM_GET_CLOCK", vm.get_clock())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Part of the index list Debian 12's 6.1 `kvm_amd` reports (97 MSRs, 27 of them Hyper-V;
+    /// read inside scripts/test-hwvirt.sh's emulated EPYC): architectural MSRs, the TSC among
+    /// them, KVM's paravirtual MSRs, and Hyper-V MSRs, of which 0x4000_0010 and 0x4000_0020
+    /// count time.
+    const HARDWARE_LIST: [u32; 14] = [
+        0x174,       // SYSENTER_CS
+        0xc000_0081, // STAR
+        0x10,        // TSC
+        0x4000_0000, // HV_X64_MSR_GUEST_OS_ID
+        0x4000_0001, // HV_X64_MSR_HYPERCALL
+        0x4000_0010, // HV_X64_MSR_VP_RUNTIME
+        0x4000_0020, // HV_X64_MSR_TIME_REF_COUNT
+        0x4000_0021, // HV_X64_MSR_REFERENCE_TSC
+        0x4000_0100, // HV_X64_MSR_CRASH_P0
+        0x4000_0108, // HV_X64_MSR_TSC_EMULATION_STATUS
+        0x4b56_4d01, // MSR_KVM_SYSTEM_TIME_NEW
+        0x4b56_4d04, // MSR_KVM_PV_EOI_EN
+        0x6e0,       // TSC_DEADLINE
+        0x12,        // MSR_KVM_SYSTEM_TIME (KVM's old range stays)
+    ];
+
+    #[test]
+    fn hyperv_msrs_are_not_captured_and_the_tsc_comes_first() {
+        let wanted = msr_candidates(&HARDWARE_LIST);
+
+        assert_eq!(
+            wanted,
+            [
+                0x10,
+                0x12,
+                0x174,
+                0x6e0,
+                0x4b56_4d01,
+                0x4b56_4d04,
+                0xc000_0081
+            ]
+        );
+    }
+
+    fn vendor(ebx: u32, edx: u32, ecx: u32) -> Vec<kvm_cpuid_entry2> {
+        vec![kvm_cpuid_entry2 {
+            function: 0,
+            eax: 0x10,
+            ebx,
+            ecx,
+            edx,
+            ..Default::default()
+        }]
+    }
+
+    fn busy_tr() -> kvm_sregs {
+        let mut s = kvm_sregs::default();
+        s.tr.type_ = TSS_BUSY;
+        s.tr.selector = 0x40;
+        s.tr.limit = 0x4087;
+        s.tr.present = 1;
+        s
+    }
+
+    #[test]
+    fn the_tss_quirk_restores_an_available_tss_on_amd_only_when_asked() {
+        let amd = vendor(0x6874_7541, 0x6974_6e65, 0x444d_4163);
+        let hygon = vendor(0x6f67_7948, 0x6e65_476e, 0x656e_6975);
+        let intel = vendor(0x756e_6547, 0x4965_6e69, 0x6c65_746e); // "GenuineIntel"
+        let captured = busy_tr();
+
+        let off = sregs_to_restore(&captured, &amd, false);
+        let on = sregs_to_restore(&captured, &amd, true);
+        let on_hygon = sregs_to_restore(&captured, &hygon, true);
+        let on_intel = sregs_to_restore(&captured, &intel, true);
+        let on_unknown = sregs_to_restore(&captured, &[], true);
+
+        assert_eq!(off, captured);
+        assert_eq!(on.tr.type_, TSS_AVAILABLE);
+        assert_eq!(on_hygon.tr.type_, TSS_AVAILABLE);
+        assert_eq!(
+            kvm_sregs {
+                tr: captured.tr,
+                ..on
+            },
+            captured,
+            "only TR's type changes"
+        );
+        assert_eq!(on_intel, captured);
+        assert_eq!(on_unknown, captured);
+    }
+
+    #[test]
+    fn a_list_without_hyperv_msrs_is_kept_whole() {
+        // kvm_pvm's list has no Hyper-V MSRs: nothing is dropped there.
+        let pvm = [0xc000_0100, 0x10, 0x4b56_4d00, 0x277, 0x10];
+
+        assert_eq!(
+            msr_candidates(&pvm),
+            [0x10, 0x277, 0x4b56_4d00, 0xc000_0100]
+        );
+    }
 }
