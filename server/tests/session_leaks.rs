@@ -58,10 +58,20 @@ fn a_hundred_sessions_created_and_deleted_leave_nothing_behind() {
         cycle();
     }
     settle(&s);
+    // tokio keeps an idle blocking-pool thread for 10 s, and how many the pool started depends
+    // on how the cycles overlapped (on a slow machine two can, and one more thread appears):
+    // a thread still there after 15 s is a leak, one that leaves was the pool's.
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while proc_status("Threads:") > threads && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let (rss2, threads2, fds2) = (proc_status("VmRSS:"), proc_status("Threads:"), open_fds());
 
     assert_eq!(s.state.sessions().count(), 0);
-    assert_eq!(threads2, threads, "threads grew");
+    assert!(
+        threads2 <= threads,
+        "threads grew from {threads} to {threads2}"
+    );
     assert!(fds2 <= fds + 2, "fds grew from {fds} to {fds2}");
     assert!(
         rss2 <= rss + 16 * 1024,
