@@ -27,13 +27,17 @@ pub enum HostKind {
 }
 
 /// Kernel command-line options that keep a guest kernel away from the CPU features the kvm_pvm
-/// instruction emulator cannot run (CPUID masking alone is not enough there, see module doc),
-/// and `bud.host_zero` and `bud.host_copy`: the guest kernel asks the VMM to zero fresh user
-/// memory and to copy between user and kernel memory, which the emulator would do 8 bytes per
-/// emulated iteration (see [`crate::devices::host_zero`] and [`crate::devices::host_copy`]).
+/// instruction emulator cannot run (CPUID masking alone is not enough there, see module doc).
+///
+/// Not here yet: `bud.host_zero` and `bud.host_copy`, the switches of guest kernel patches 0009
+/// and 0013 (the VMM zeroes fresh memory and does user<->kernel copies, see
+/// [`crate::devices::host_zero`] and [`crate::devices::host_copy`]). They made real work many
+/// times faster on kvm_pvm, but with either on, a job the host interrupts at its timeout
+/// stalls until its grace runs out (host zeroing) or past it (host copies); until that is
+/// understood they stay off, and the patched paths are never taken.
 pub const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
 clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
-clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe bud.host_zero bud.host_copy";
+clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe";
 
 impl HostKind {
     /// Detects the kind of this host from `/sys/module`.
