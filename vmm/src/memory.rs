@@ -171,6 +171,17 @@ impl GuestRam {
         }
     }
 
+    /// [`Self::check_range`] for a length the guest chose (a `u64`): the offset into the
+    /// mapping and the length, both inside it.
+    fn check_guest_range(&self, addr: u64, len: u64) -> Result<(usize, usize), MemoryError> {
+        let n = usize::try_from(len).map_err(|_| MemoryError::OutOfRange {
+            addr,
+            len,
+            size: self.len,
+        })?;
+        Ok((self.check_range(addr, n)?, n))
+    }
+
     /// Copies `data` into guest memory at guest-physical `addr`.
     pub fn write(&self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
         if !self.writable {
@@ -193,13 +204,7 @@ impl GuestRam {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
-        let too_big = || MemoryError::OutOfRange {
-            addr,
-            len,
-            size: self.len,
-        };
-        let len = usize::try_from(len).map_err(|_| too_big())?;
-        let offset = self.check_range(addr, len)?;
+        let (offset, len) = self.check_guest_range(addr, len)?;
         // SAFETY: `offset + len <= self.len` (checked), so the range lies inside our mapping;
         // guest RAM is plain shared memory, so a byte store is valid whatever the guest does
         // concurrently (the only vCPU is stopped in this `out` meanwhile).
@@ -213,14 +218,8 @@ impl GuestRam {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
-        let too_big = |addr| MemoryError::OutOfRange {
-            addr,
-            len,
-            size: self.len,
-        };
-        let n = usize::try_from(len).map_err(|_| too_big(src))?;
-        let from = self.check_range(src, n)?;
-        let to = self.check_range(dst, n)?;
+        let (from, n) = self.check_guest_range(src, len)?;
+        let (to, _) = self.check_guest_range(dst, len)?;
         // SAFETY: both ranges lie inside our mapping (checked); `ptr::copy` allows overlap;
         // guest RAM is plain shared memory (the only vCPU is stopped in the `out` meanwhile).
         unsafe { std::ptr::copy(self.ptr.as_ptr().add(from), self.ptr.as_ptr().add(to), n) };

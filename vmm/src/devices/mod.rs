@@ -1,6 +1,6 @@
 //! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
-//! serial console (vm-superio), the i8042 reset line, the doorbell port, and the two ports of
-//! bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`]).
+//! serial console (vm-superio), the i8042 reset line, the doorbell port, and the three ports
+//! of bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`]).
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
 //! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
@@ -186,45 +186,31 @@ impl PortBus {
 
     /// A guest `out` of `data` (1, 2 or 4 bytes).
     pub fn write(&mut self, port: u16, data: &[u8]) -> PortEvent {
-        if port == host_zero::PORT {
-            let request = <[u8; 4]>::try_from(data)
-                .ok()
-                .and_then(|b| host_zero::decode(u32::from_le_bytes(b)));
-            return match request {
-                Some((addr, len)) => PortEvent::Zero { addr, len },
-                None => {
-                    self.stray_accesses += 1;
-                    PortEvent::Handled
-                }
-            };
+        let event = match port {
+            DOORBELL_PORT => |v| Some(PortEvent::Doorbell(v)),
+            host_zero::PORT => {
+                |v| host_zero::decode(v).map(|(addr, len)| PortEvent::Zero { addr, len })
+            }
+            host_copy::PORT => |v| Some(PortEvent::Copy(u64::from(v))),
+            exit_report::PORT => |v| Some(PortEvent::WorkerExit(v)),
+            _ => return self.write_byte_port(port, data),
+        };
+        // The 32-bit ports: a value that is not 4 bytes wide, or that means nothing, is stray.
+        match <[u8; 4]>::try_from(data)
+            .ok()
+            .map(u32::from_le_bytes)
+            .and_then(event)
+        {
+            Some(event) => event,
+            None => {
+                self.stray_accesses += 1;
+                PortEvent::Handled
+            }
         }
-        if port == host_copy::PORT {
-            return match <[u8; 4]>::try_from(data) {
-                Ok(bytes) => PortEvent::Copy(u64::from(u32::from_le_bytes(bytes))),
-                Err(_) => {
-                    self.stray_accesses += 1;
-                    PortEvent::Handled
-                }
-            };
-        }
-        if port == exit_report::PORT {
-            return match <[u8; 4]>::try_from(data) {
-                Ok(bytes) => PortEvent::WorkerExit(u32::from_le_bytes(bytes)),
-                Err(_) => {
-                    self.stray_accesses += 1;
-                    PortEvent::Handled
-                }
-            };
-        }
-        if port == DOORBELL_PORT {
-            return match <[u8; 4]>::try_from(data) {
-                Ok(bytes) => PortEvent::Doorbell(u32::from_le_bytes(bytes)),
-                Err(_) => {
-                    self.stray_accesses += 1;
-                    PortEvent::Handled
-                }
-            };
-        }
+    }
+
+    /// A guest `out` to one of the byte-wide devices (serial, i8042) or to no device.
+    fn write_byte_port(&mut self, port: u16, data: &[u8]) -> PortEvent {
         match (Self::serial_offset(port), data) {
             (Some(offset), [value]) => {
                 // The only error is a failed IRQ eventfd write; the guest then misses one
