@@ -37,8 +37,8 @@ pub const SETTINGS: [(&str, &str); 7] = [
     // SysV shm live on the kernel's internal shmem mount, which uses 4 KiB folios unless
     // told otherwise: measured 2.8 ms per fresh page of `mmap.mmap(-1, n)` under kvm_pvm.
     // `within_size`: huge folios only where the file (the mapping) covers all 2 MiB of one,
-    // so a small memfd does not take a huge page. tmpfs mounts (/tmp, /dev/shm) keep their
-    // own `huge=` option (never).
+    // so a small memfd does not take a huge page. tmpfs mounts (/tmp, /dev/shm, the output
+    // capture) have their own `huge=` options (`mounts.rs`).
     (
         "/sys/kernel/mm/transparent_hugepage/shmem_enabled",
         "within_size",
