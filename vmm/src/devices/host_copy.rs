@@ -5,7 +5,7 @@
 //! of `copy_user_generic`'s `rep movsq` on its own, with a guest page-table walk each: ~0.5 us
 //! per 8 bytes, ~16 MB/s, for every `read`, `write`, pipe and file copy. bud's guest kernel
 //! patch `guest/kernel/patches/0013-bud-host-copy.patch` (active only with `bud.host_copy` on
-//! the command line, which bud adds only on kvm_pvm, see [`crate::host`]) instead writes a
+//! the command line, meant for kvm_pvm and off for now, see [`crate::host`]) instead writes a
 //! [`request`] block in its own memory and sends the block's guest-physical address with one
 //! 32-bit `out` to [`PORT`]: the VMM translates both ranges through the guest's page tables
 //! as the CPU would ([`crate::paging::translate_access`]), copies, and writes how many bytes

@@ -4,7 +4,7 @@
 //! of `clear_page`'s `rep stosq` on its own: ~136 ms per 2 MiB huge page, ~0.25 ms per 4 KiB
 //! page, most of the cost of fresh memory. bud's guest kernel patch
 //! `guest/kernel/patches/0009-bud-host-zero.patch` (active only with `bud.host_zero` on the
-//! command line, which bud adds only on kvm_pvm: see [`crate::host`]) instead zeroes a fresh
+//! command line, meant for kvm_pvm and off for now: see [`crate::host`]) instead zeroes a fresh
 //! user folio with one 32-bit `out` to [`PORT`]: bits `0..PFN_BITS` hold its first page frame
 //! number, the bits above its order. The VMM zeroes that range of guest RAM before the `out`
 //! returns. The patch repeats these numbers in C.
