@@ -259,6 +259,38 @@ fn fd_level_output_before_a_timeout_comes_back_with_it() {
     );
 }
 
+/// A thread that sleeps gets the CPU back from a main thread that spins. A task the
+/// template left on the guest's run queue (khugepaged, far ahead in the scheduler's virtual
+/// time) once made every wakeup in a clone wait ~1 s behind a busy thread: this sleeper woke
+/// once in a second, and the interrupt at a timeout came 1 s late (see
+/// `bud_worker.settle_run_queue`).
+#[test]
+fn a_sleeping_thread_wakes_while_the_main_thread_spins() {
+    let j = Job::python(
+        "import threading, time\n\
+         wakeups = []\n\
+         def sleeper():\n\
+         \x20   while True:\n\
+         \x20       time.sleep(0.01)\n\
+         \x20       wakeups.append(1)\n\
+         threading.Thread(target=sleeper, daemon=True).start()\n\
+         end = time.monotonic() + 1.0\n\
+         while time.monotonic() < end: pass\n\
+         print(len(wakeups))",
+    );
+
+    let r = run(&j);
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let wakeups: u32 = text(&r.stdout).trim().parse().expect("a count");
+    // Up to 100 wakeups of 10 ms fit in the second; each also waits for the GIL (Python's
+    // 5 ms switch interval) and a context switch. Starved, it woke at most once.
+    assert!(
+        wakeups >= 5,
+        "the sleeper woke {wakeups} times in 1 s of spinning"
+    );
+}
+
 #[test]
 fn output_past_the_cap_stops_the_job_with_output_limit() {
     let mut j = Job::python("while True: print('x' * 1000)");

@@ -168,6 +168,9 @@ TEMPLATE_ENV = (("MPLBACKEND", "Agg"), ("MPLCONFIGDIR", "/var/cache/matplotlib")
 
 # The idle moment right before READY (see main).
 READY_IDLE_S = 0.002
+# How long the worker waits, before READY, for the guest's other tasks to stop being
+# runnable (see settle_run_queue).
+READY_SETTLE_LIMIT_S = 10.0
 
 # C stack touched below the worker's frame, for deep C recursion in jobs.
 STACK_RESERVE = 512 << 10
@@ -371,6 +374,49 @@ def describe(steps, facts):
     return text
 
 
+def runnable_others():
+    """The other tasks the guest kernel has on its run queue now (``/proc/loadavg`` counts
+    the caller too), named from ``/proc`` when there are any."""
+    with open("/proc/loadavg", "rb") as f:
+        running = int(f.read().split()[3].split(b"/")[0])
+    if running <= 1:
+        return []
+    me = os.getpid()
+    names = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        name = stat[stat.index(b"(") + 1:stat.rindex(b")")]
+        if stat[stat.rindex(b")") + 2:][:1] == b"R":
+            names.append(f"{name.decode(errors='replace')} ({entry})")
+    return names or [f"{running - 1} unnamed"]
+
+
+def settle_run_queue(limit_s=None):
+    """Idles (``READY_IDLE_S`` at a time) until no other task is runnable, at most
+    ``limit_s``; returns what is still runnable then (empty when settled).
+
+    Every clone starts with the template's run queue. A task left on it at the snapshot
+    keeps its place in the scheduler's virtual time, and EEVDF (Linux 6.6+) places every
+    task that wakes at the weighted average of the queue's virtual times, so a task far
+    ahead (khugepaged at nice 19 had used 1.3 s of CPU, 87 s of its virtual time) pulls
+    every wakeup as far behind a busy thread: measured, a job's thread that woke from a
+    10 ms sleep, and the interrupt watcher at a timeout, waited ~1 s while the job's main
+    thread spun. Idle moments let such a task finish its work and leave the queue."""
+    limit_s = READY_SETTLE_LIMIT_S if limit_s is None else limit_s
+    deadline = time.monotonic() + limit_s
+    while True:
+        time.sleep(READY_IDLE_S)
+        waiting = runnable_others()
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
+
+
 def main(argv):
     """``--guest``: warm up, ring READY, serve (what the agent runs; rings bud's doorbell, so
     inside a bud guest only). ``--dry-run``: warm up and report, no doorbell."""
@@ -391,8 +437,11 @@ def main(argv):
     # Ring READY just after a timer tick, not with one overdue: the warm-up keeps the vCPU
     # busy, so by now the next tick is due and would be the first thing every clone does
     # (about 1 800 emulated guest-kernel instructions, ~0.5 ms under kvm_pvm). A short sleep
-    # idles the CPU; waking from it restarts the tick a full period ahead.
-    time.sleep(READY_IDLE_S)
+    # idles the CPU; waking from it restarts the tick a full period ahead. The last such
+    # sleep is the one settle_run_queue returns from.
+    waiting = settle_run_queue()
+    if waiting:
+        log(f"still runnable at READY after {READY_SETTLE_LIMIT_S:.0f} s: {', '.join(waiting)}")
     _bud.ready()
     # ---- A clone resumes here, and serve() never returns (DONE, then DONE again).
     runner.serve()
