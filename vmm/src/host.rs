@@ -26,18 +26,20 @@ pub enum HostKind {
     Pvm,
 }
 
-/// Kernel command-line options that keep a guest kernel away from the CPU features the kvm_pvm
-/// instruction emulator cannot run (CPUID masking alone is not enough there, see module doc).
+/// Kernel command-line options for a guest on kvm_pvm.
 ///
-/// Not here yet: `bud.host_zero` and `bud.host_copy`, the switches of guest kernel patches 0009
-/// and 0013 (the VMM zeroes fresh memory and does user<->kernel copies, see
-/// [`crate::devices::host_zero`] and [`crate::devices::host_copy`]). They made real work many
-/// times faster on kvm_pvm, but with either on, a job the host interrupts at its timeout
-/// stalls until its grace runs out (host zeroing) or past it (host copies); until that is
-/// understood they stay off, and the patched paths are never taken.
+/// The first ones keep the guest kernel away from the CPU features the kvm_pvm instruction
+/// emulator cannot run (CPUID masking alone is not enough there, see module doc). The last
+/// two, `bud.host_zero` and `bud.host_copy`, switch on guest kernel patches 0009 and 0013:
+/// the VMM zeroes fresh memory and does user<->kernel copies of 512 bytes and more (see
+/// [`crate::devices::host_zero`] and [`crate::devices::host_copy`]), work that kvm_pvm
+/// otherwise emulates one `rep stos`/`rep movs` iteration at a time. On hardware
+/// virtualization the guest does both natively, faster than an exit to the VMM, so they are
+/// kvm_pvm's only.
 pub const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
 clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
-clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe";
+clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe \
+bud.host_zero bud.host_copy";
 
 impl HostKind {
     /// Detects the kind of this host from `/sys/module`.

@@ -94,7 +94,7 @@ pub const MOUNTS: [Mount; 7] = [
         // folio costs ~3 900 emulated instructions on the write path under kvm_pvm
         // (allocation, page cache, LRU, accounting, then the punch that frees it), so fd
         // output ran at ~1 MiB/s; the part of a new huge folio a write leaves is cleared by the
-        // guest (or by the host with `bud.host_zero`, kernel patch 0009, off for now) and the
+        // guest (or by the host with `bud.host_zero`, kernel patch 0009, on kvm_pvm) and the
         // worker frees copied output in whole 2 MiB (`bud_io.PUNCH_EVERY`). Near the
         // size limit shmem falls back to 4 KiB folios, so the bound stays exact.
         data: c"mode=0700,size=8454144,huge=always",
