@@ -100,3 +100,97 @@ pub fn executor() -> &'static Executor {
             .expect("starting the executor failed")
     })
 }
+
+/// Python for the leak searchers: `scan(data, where)` records in `found` every string that
+/// follows the marker (the searcher never holds the secret itself, only the marker), and
+/// `scan_own_memory(scan, wanted)` passes the resident parts
+/// of every writable mapping of this process that `wanted(maps_fields)` accepts to
+/// `scan(bytes, 'memory')`. Residency comes from mincore(2): pymalloc's arena region is
+/// gigabytes of address space (`guest/pyext/src/arenas.rs`), of which only what was touched
+/// holds anything, and reading all of it would need as much memory.
+pub const SCAN_OWN_MEMORY: &str = "import ctypes, re\n\
+marker = b'BUDL' + b'EAK-'\n\
+found = set()\n\
+def scan(data, where):\n\
+\x20   at = data.find(marker)\n\
+\x20   while at >= 0:\n\
+\x20       found.add((where, data[at + 8:at + 40].decode('latin-1')))\n\
+\x20       at = data.find(marker, at + 1)\n\
+def scan_own_memory(scan, wanted):\n\
+\x20   libc = ctypes.CDLL(None, use_errno=True)\n\
+\x20   libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]\n\
+\x20   mem = open('/proc/self/mem', 'rb')\n\
+\x20   for line in open('/proc/self/maps').read().splitlines():\n\
+\x20       parts = line.split()\n\
+\x20       if not (parts[1].startswith('rw') and wanted(parts)): continue\n\
+\x20       lo, hi = (int(x, 16) for x in parts[0].split('-'))\n\
+\x20       vec = ctypes.create_string_buffer((hi - lo) // 4096)\n\
+\x20       runs = [(lo, hi)]\n\
+\x20       if libc.mincore(lo, hi - lo, vec) == 0:\n\
+\x20           runs = [(lo + m.start() * 4096, lo + m.end() * 4096) for m in re.finditer(rb'[^\\x00]+', vec.raw)]\n\
+\x20       for a, b in runs:\n\
+\x20           try:\n\
+\x20               mem.seek(a); scan(mem.read(b - a), 'memory')\n\
+\x20           except (OSError, ValueError, OverflowError): pass\n";
+
+/// Python that plants `secret` (behind the leak marker) where a later job could find it if
+/// isolation failed: 8 MiB of fresh anonymous memory (huge pages), 6 MiB of malloc heap it
+/// frees again, a 1 MiB file in /tmp, 60 000 bytes left in a pipe, and a child whose command
+/// line holds it. Prints `planted True` when fresh memory did come in huge pages.
+pub fn leak_plant(secret: &str) -> String {
+    format!(
+        "import ctypes, mmap, os, subprocess\n\
+         s = ('BUDLEAK-' + {secret:?}).encode()\n\
+         fill = lambda n: (s * (n // len(s) + 1))[:n]\n\
+         m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)\n\
+         m[:] = fill(8 << 20)\n\
+         libc = ctypes.CDLL(None)\n\
+         libc.malloc.restype = ctypes.c_void_p\n\
+         p = libc.malloc(6 << 20)\n\
+         ctypes.memmove(p, fill(6 << 20), 6 << 20)\n\
+         libc.free(ctypes.c_void_p(p))\n\
+         open('/tmp/big', 'wb').write(fill(1 << 20))\n\
+         r, w = os.pipe()\n\
+         os.write(w, fill(60000))\n\
+         subprocess.Popen(['sh', '-c', 'x=' + s.decode() + '; sleep 1000'])\n\
+         huge = [l for l in open('/proc/meminfo') if l.startswith('AnonHugePages:')][0].split()[1]\n\
+         print('planted', int(huge) >= 4 << 10)"
+    )
+}
+
+/// Python that takes memory of [`leak_plant`]'s sizes without zeroing it (malloc, and mmap,
+/// which the kernel must zero) and searches it, the files in /tmp and /dev/shm, every
+/// process's command line and every writable mapping of its own for the leak marker; prints
+/// what follows each find, then `searched N`. It never holds a secret, only the marker.
+pub fn leak_search() -> String {
+    [
+        SCAN_OWN_MEMORY,
+        "import ctypes, mmap, os\n\
+         libc = ctypes.CDLL(None)\n\
+         libc.malloc.restype = ctypes.c_void_p\n\
+         for n in (6 << 20, 8 << 20, 1 << 20):\n\
+         \x20   p = libc.malloc(n)\n\
+         \x20   scan(ctypes.string_at(p, n), f'malloc {n}')\n\
+         m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)\n\
+         scan(m[:], 'mmap')\n\
+         for root in ('/tmp', '/dev/shm'):\n\
+         \x20   for name in os.listdir(root):\n\
+         \x20       p = os.path.join(root, name)\n\
+         \x20       if os.path.isfile(p): scan(open(p, 'rb').read(), p)\n\
+         for pid in os.listdir('/proc'):\n\
+         \x20   if pid.isdigit():\n\
+         \x20       try: scan(open(f'/proc/{pid}/cmdline', 'rb').read(), 'cmdline')\n\
+         \x20       except OSError: pass\n\
+         scan_own_memory(scan, lambda p: len(p) < 6 or p[5] in ('[heap]', '[stack]'))\n\
+         for where, tail in sorted(found): print(where, tail)\n\
+         print('searched', len(found))",
+    ]
+    .concat()
+}
+
+/// A fresh 32-hex-digit secret from the host's random source.
+pub fn new_secret() -> String {
+    let mut raw = [0u8; 16];
+    vmm::identity::host_random(&mut raw).unwrap();
+    raw.iter().map(|b| format!("{b:02x}")).collect()
+}
