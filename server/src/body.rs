@@ -95,18 +95,36 @@ async fn read_all(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
 /// Deserializes `bytes`, naming the field at fault in errors.
 pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    let value: T = serde_path_to_error::deserialize(de).map_err(|e| {
+    let value: T = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         let message = inner.to_string();
         let field = field_of(&path, &message);
         if inner.is_data() {
             ApiError::Invalid { field, message }
+        } else if is_one_json_document(bytes) {
+            // serde_json reports some wrong types as syntax (an integer where an enum's
+            // string goes is "expected value"): the body is JSON, the field is wrong.
+            ApiError::Invalid {
+                field,
+                message: "wrong type or value for this field".into(),
+            }
         } else {
             ApiError::Json { field, message }
         }
     })?;
+    // Anything but whitespace after the value (trailing garbage, a second object) makes
+    // the body not one JSON document.
+    de.end().map_err(|e| ApiError::Json {
+        field: None,
+        message: e.to_string(),
+    })?;
     Ok(value)
+}
+
+/// Whether `bytes` is exactly one JSON value (whatever its shape).
+fn is_one_json_document(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(bytes).is_ok()
 }
 
 /// The field an error is about: its path, extended by the name serde quotes for unknown and
@@ -172,6 +190,35 @@ mod tests {
 
         assert_eq!(e.code(), "invalid_json");
         assert_eq!(bad_utf8.code(), "invalid_json");
+    }
+
+    #[test]
+    fn trailing_garbage_or_a_second_object_is_invalid_json() {
+        let garbage = parse::<ExecRequest>(br#"{"code": "x"} garbage"#).unwrap_err();
+        let two = parse::<ExecRequest>(br#"{"code": "x"}{"code": "y"}"#).unwrap_err();
+        let spaces = parse::<ExecRequest>(b"{\"code\": \"x\"} \n\t ");
+
+        assert_eq!(garbage.code(), "invalid_json");
+        assert_eq!(two.code(), "invalid_json");
+        assert!(spaces.is_ok(), "{spaces:?}");
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_invalid_request_naming_it() {
+        for body in [
+            &br#"{"code": "x", "language": 1}"#[..],
+            br#"{"code": 1}"#,
+            br#"{"code": "x", "stdin": []}"#,
+            br#"{"code": "x", "timeout_ms": "1"}"#,
+        ] {
+            let e = parse::<ExecRequest>(body).unwrap_err();
+            let field = std::str::from_utf8(body).unwrap();
+            assert_eq!(e.code(), "invalid_request", "{field}: {e:?}");
+            assert!(
+                e.field().is_some_and(|f| field.contains(f)),
+                "{field}: {e:?}"
+            );
+        }
     }
 
     #[tokio::test]

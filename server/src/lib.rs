@@ -229,6 +229,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn trailing_garbage_is_invalid_json_and_a_wrong_type_names_its_field() {
+        let (garbage, g) = post("/v1/exec", r#"{"code": "print(1)"} {"code": "2"}"#).await;
+        let (wrong, w) = post("/v1/exec", r#"{"code": "print(1)", "language": 1}"#).await;
+
+        assert_eq!(garbage, StatusCode::BAD_REQUEST);
+        assert_eq!(g["error"]["code"], "invalid_json");
+        assert_eq!(wrong, StatusCode::BAD_REQUEST);
+        assert_eq!(w["error"]["code"], "invalid_request");
+        assert_eq!(w["error"]["field"], "language", "{w}");
+    }
+
+    #[tokio::test]
     async fn a_body_over_the_limit_is_413() {
         let big = format!("{{\"code\": \"{}\"}}", "x".repeat(2000));
 
