@@ -111,6 +111,20 @@ fn shell_job_gets_args_stdin_and_exit_status() {
     assert_eq!((r.status, r.exit_code), (Status::Error, Some(4)));
 }
 
+/// The guest names itself the same way everywhere a program looks.
+#[test]
+fn the_guest_has_one_hostname_in_the_kernel_and_in_etc() {
+    let r = shell("cat /etc/hostname; hostname; grep -w \"$(hostname)\" /etc/hosts | cut -f1");
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(
+        text(&r.stdout),
+        "bud\nbud\n127.0.1.1\n",
+        "{}",
+        text(&r.stderr)
+    );
+}
+
 #[test]
 fn shell_echo_is_ok() {
     let r = shell("echo hi");
@@ -256,6 +270,54 @@ fn fd_level_output_before_a_timeout_comes_back_with_it() {
         text(&py.stderr).ends_with("KeyboardInterrupt\n"),
         "{}",
         text(&py.stderr)
+    );
+}
+
+/// A file of 100 KiB written to /tmp in one write takes a 64 KiB and a 32 KiB folio (guest
+/// kernel patch 0014: tmpfs `huge=within_size` below 2 MiB), and behaves as a file of pages:
+/// read back, changed through a shared mapping, punched, truncated into a folio and
+/// extended again, every byte is what POSIX says.
+#[test]
+fn a_tmp_file_in_large_folios_reads_maps_punches_and_truncates_exactly() {
+    let j = Job::python(
+        "import ctypes, glob, mmap, os\n\
+         def allocs():\n\
+         \x20   return {p.split('/')[5]: int(open(p).read()) for p in\n\
+         \x20           glob.glob('/sys/kernel/mm/transparent_hugepage/hugepages-*kB/stats/shmem_alloc')}\n\
+         blob = bytes(range(256)) * 400\n\
+         before = allocs()\n\
+         with open('/tmp/f', 'wb') as f: f.write(blob)\n\
+         after = allocs()\n\
+         print(sorted((k, after[k] - before[k]) for k in after if after[k] != before[k]))\n\
+         want = bytearray(blob)\n\
+         checks = [open('/tmp/f', 'rb').read() == want]\n\
+         with open('/tmp/f', 'r+b') as f:\n\
+         \x20   m = mmap.mmap(f.fileno(), 0)\n\
+         \x20   m[70000:70004] = b'XYZW'\n\
+         \x20   m.close()\n\
+         want[70000:70004] = b'XYZW'\n\
+         checks.append(open('/tmp/f', 'rb').read() == want)\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         fd = os.open('/tmp/f', os.O_RDWR)\n\
+         punch = libc.fallocate(fd, 3, ctypes.c_long(30000), ctypes.c_long(10000))\n\
+         os.close(fd)\n\
+         want[30000:40000] = bytes(10000)\n\
+         checks.append(punch == 0 and open('/tmp/f', 'rb').read() == want)\n\
+         os.truncate('/tmp/f', 50000)\n\
+         os.truncate('/tmp/f', 102400)\n\
+         want[50000:] = bytes(102400 - 50000)\n\
+         checks.append(open('/tmp/f', 'rb').read() == want)\n\
+         print(checks)",
+    );
+
+    let r = run(&j);
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(
+        text(&r.stdout),
+        "[('hugepages-32kB', 1), ('hugepages-64kB', 1)]\n[True, True, True, True]\n",
+        "{}",
+        text(&r.stderr)
     );
 }
 
