@@ -3,6 +3,7 @@
 
 mod decode;
 mod run;
+mod supervise;
 
 pub use decode::decode_result;
 pub use run::{INTERRUPT_BYTE, Kind, Request, give_identity, run, run_request, write_request};

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use super::decode::{
     Collected, End, Shown, end_from_outcome, end_from_wait_status, read_display, read_phases,
 };
+use super::supervise::{Event, Facts, Finish, Next, Supervisor};
 use super::{
     CRASH_TAIL_LINES, Ending, Job, JobError, JobResult, JobTimings, STREAM_TICK, Status, Stream,
 };
@@ -160,20 +161,45 @@ pub fn run(
 }
 
 /// Sends the interrupt of request `sequence` (names it in the mailbox, then puts the
-/// interrupt byte on the console: the guest's watcher turns it into SIGINT) and arms the end
-/// of its `grace`: returns that instant and the timer that kicks the vCPU then.
+/// interrupt byte on the console: the guest's watcher turns it into SIGINT) and arms the
+/// timer that kicks the vCPU at `until`, the end of its grace.
 fn interrupt(
     m: &mut Machine,
     mb: &Mailbox,
     sequence: u32,
-    grace: Duration,
-) -> Result<(Instant, timer::Armed), JobError> {
+    until: Instant,
+) -> Result<timer::Armed, JobError> {
     mb.write(&m.ram, job::INTERRUPT as u64, &sequence.to_le_bytes())?;
     m.bus
         .send_to_guest(&[INTERRUPT_BYTE])
         .map_err(|e| JobError::Interrupt(e.to_string()))?;
-    let until = Instant::now() + grace;
-    Ok((until, timer::arm(until, m.kicker.clone())))
+    Ok(timer::arm(until, m.kicker.clone()))
+}
+
+/// What the supervisor needs to know of how the vCPU stopped. A FAILED doorbell carries
+/// its failure in the vCPU's registers: the worker's wait status (WORKER_EXITED, from the
+/// agent once it reaped the worker) or the agent's own failure.
+fn event_of(stop: VcpuStop, vcpu: &kvm_ioctls::VcpuFd) -> Result<Event, JobError> {
+    Ok(match stop {
+        VcpuStop::Doorbell(code::FLUSH) => Event::Flush,
+        VcpuStop::Doorbell(code::DONE) => Event::Done,
+        VcpuStop::Doorbell(code::FAILED) => {
+            let regs = vcpu.get_regs().map_err(VcpuError::Run)?;
+            if regs.rdi == failure::WORKER_EXITED {
+                Event::WorkerExited(regs.rsi)
+            } else {
+                Event::AgentFailed {
+                    what: regs.rdi,
+                    detail: regs.rsi,
+                }
+            }
+        }
+        VcpuStop::Doorbell(other) => Event::UnknownDoorbell(other),
+        // From the guest kernel as the worker starts to exit.
+        VcpuStop::WorkerExited(status) => Event::WorkerExited(u64::from(status)),
+        VcpuStop::Kicked => Event::Kicked,
+        other => Event::Stopped(format!("{other:?}")),
+    })
 }
 
 /// The byte the guest's watcher takes as "interrupt" (ETX, a terminal's Ctrl-C).
@@ -204,8 +230,6 @@ pub fn run_request(
     if let Some(c) = &j.cancel {
         c.attach(&m.kicker);
     }
-    // Why the host interrupted the request (with `interrupt_grace`): a timeout or the cap.
-    let mut interrupted: Option<Status> = None;
     let mut out = Collected {
         stdout: Vec::new(),
         stderr: Vec::new(),
@@ -217,138 +241,44 @@ pub fn run_request(
     // A streamed job's output is also taken every STREAM_TICK while it runs: the guest
     // FLUSHes only when it writes again, so a job that goes quiet after a line would hold
     // it back until it writes or ends.
-    let mut kick_at = deadline;
     let arm_tick = |k: &crate::vcpu::Kicker| {
         j.stream_output
             .then(|| timer::arm(Instant::now() + STREAM_TICK, k.clone()))
     };
     let mut tick = arm_tick(&m.kicker);
-    let mut ending = Ending::Abnormal;
+    let mut sup = Supervisor::new(deadline, r.interrupt_grace, cell, j.stream_output);
     let exits_before = m.bus.exits();
     let kvm_before = m.stats.as_ref().map(|s| s.read()).unwrap_or_default();
-    let end = loop {
+    let finish = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.ram, &m.kicker)?;
-        let take = match stop {
-            VcpuStop::Doorbell(code::FLUSH) => Some(true),
-            VcpuStop::Kicked if tick.is_some() && !cancelled() && Instant::now() < kick_at => {
-                m.kicker.reset();
-                tick = arm_tick(&m.kicker);
-                Some(false)
-            }
-            _ => None,
-        };
-        if let Some(reset) = take {
-            out.drain(&m.ram, mb, reset)?;
-            if out.over_limit {
-                match r.interrupt_grace {
-                    // Interrupted once; what it still writes is dropped.
-                    Some(_) if interrupted.is_some() => {}
-                    Some(grace) => {
-                        interrupted = Some(Status::OutputLimit);
-                        (kick_at, timer) = interrupt(m, mb, r.sequence, grace)?;
-                    }
-                    None => break End::with(Status::OutputLimit),
-                }
-            }
-            continue;
+        let event = event_of(stop, &m.vcpu)?;
+        let kicked = event == Event::Kicked;
+        if kicked {
+            m.kicker.reset();
         }
-        match stop {
-            VcpuStop::Doorbell(code::DONE) => {
-                out.drain(&m.ram, mb, false)?;
-                if out.over_limit && r.interrupt_grace.is_none() {
-                    break End::with(Status::OutputLimit);
-                }
-                if out.over_limit && interrupted.is_none() {
-                    interrupted = Some(Status::OutputLimit);
-                }
-                let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
-                let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
-                let end = end_from_outcome(oc, value);
-                ending = if end.status == Status::Crashed {
-                    Ending::Abnormal
-                } else {
-                    Ending::Done
-                };
-                break end;
+        if event.takes_output() {
+            out.drain(&m.ram, mb, event == Event::Flush)?;
+        }
+        let facts = Facts {
+            now: Instant::now(),
+            cancelled: cancelled(),
+            over_limit: out.over_limit,
+        };
+        let rearm = match sup.next(event, facts) {
+            Next::Finish(finish) => break finish,
+            Next::Resume { tick } => tick,
+            Next::Interrupt { until, tick } => {
+                timer = interrupt(m, mb, r.sequence, until)?;
+                tick
             }
-            VcpuStop::Doorbell(code::FAILED) | VcpuStop::WorkerExited(_) => {
-                // The worker's wait status: from the guest kernel as the worker starts to
-                // exit, or from the agent once it reaped it (a FAILED / WORKER_EXITED
-                // doorbell); another FAILED is the agent's own failure.
-                let status = match stop {
-                    VcpuStop::WorkerExited(status) => Ok(u64::from(status)),
-                    _ => {
-                        let regs = m.vcpu.get_regs().map_err(VcpuError::Run)?;
-                        if regs.rdi == failure::WORKER_EXITED {
-                            Ok(regs.rsi)
-                        } else {
-                            Err((regs.rdi, regs.rsi))
-                        }
-                    }
-                };
-                out.drain(&m.ram, mb, false)?;
-                if out.over_limit {
-                    break End::with(Status::OutputLimit);
-                }
-                match status {
-                    Ok(status) => {
-                        let oom = m
-                            .bus
-                            .console()
-                            .tail(CRASH_TAIL_LINES)
-                            .iter()
-                            .any(|l| l.contains("Out of memory"));
-                        break end_from_wait_status(status, oom);
-                    }
-                    Err((what, detail)) => {
-                        break End::crashed(format!(
-                            "guest agent failure {what} (detail {detail:#x})"
-                        ));
-                    }
-                }
-            }
-            VcpuStop::Doorbell(other) => {
-                break End::crashed(format!("guest rang unknown doorbell {other:#x}"));
-            }
-            // A session cell is cancelled as it is timed out: interrupted, so that a cell
-            // that stops within the grace leaves its session usable; a one-shot job's VM
-            // is thrown away, so it stops at once.
-            VcpuStop::Kicked if cancelled() => match r.interrupt_grace {
-                Some(grace) if cell && interrupted.is_none() => {
-                    interrupted = Some(Status::Cancelled);
-                    m.kicker.reset();
-                    (kick_at, timer) = interrupt(m, mb, r.sequence, grace)?;
-                }
-                Some(_) if cell && Instant::now() < kick_at => {
-                    // Within an interrupt's grace: a stream tick, a second cancel, or a
-                    // cancel of a cell already interrupted for its time or its cap (then
-                    // the client is gone: cancelled is what it ends as).
-                    interrupted = Some(Status::Cancelled);
-                    m.kicker.reset();
-                    out.drain(&m.ram, mb, false)?;
-                    tick = arm_tick(&m.kicker);
-                }
-                _ => {
-                    out.drain(&m.ram, mb, false)?;
-                    break End::with(Status::Cancelled);
-                }
-            },
-            VcpuStop::Kicked => match r.interrupt_grace {
-                Some(grace) if interrupted.is_none() => {
-                    interrupted = Some(Status::Timeout);
-                    m.kicker.reset();
-                    (kick_at, timer) = interrupt(m, mb, r.sequence, grace)?;
-                }
-                _ => {
-                    // Keep what the job wrote before the deadline. The guest updates a length
-                    // only after copying the bytes it counts, so the areas are consistent at
-                    // any stop. A job interrupted for its output cap that outlived the grace
-                    // still ends as what it was interrupted for.
-                    out.drain(&m.ram, mb, false)?;
-                    break End::with(interrupted.unwrap_or(Status::Timeout));
-                }
-            },
-            other => break End::crashed(format!("guest stopped: {other:?}")),
+        };
+        if rearm {
+            tick = arm_tick(&m.kicker);
+        }
+        // A timer that fired between the stop and the reset above was cleared with it: a
+        // passed deadline (or end of grace) kicks again, so it is never lost.
+        if kicked && Instant::now() >= sup.kick_at() {
+            m.kicker.kick();
         }
     };
     drop(timer);
@@ -356,12 +286,31 @@ pub fn run_request(
     if let Some(c) = &j.cancel {
         c.detach();
     }
-    let mut end = end;
-    if let (Some(why), Ending::Done) = (interrupted, ending) {
-        // The cell ended because the host interrupted it (or, for the cap, because it ran
-        // over it): the host's word, not the guest's.
-        end = End::with(why);
-    }
+    let (end, ending) = match finish {
+        Finish::Outcome => {
+            let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
+            let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
+            let end = end_from_outcome(oc, value);
+            match (end.status, sup.host_reason()) {
+                (Status::Crashed, _) => (end, Ending::Abnormal),
+                // The request ended because the host interrupted it (or, for the cap,
+                // because it ran over it): the host's word, not the guest's.
+                (_, Some(why)) => (End::with(why), Ending::Done),
+                _ => (end, Ending::Done),
+            }
+        }
+        Finish::WaitStatus(status) => {
+            let oom = m
+                .bus
+                .console()
+                .tail(CRASH_TAIL_LINES)
+                .iter()
+                .any(|l| l.contains("Out of memory"));
+            (end_from_wait_status(status, oom), Ending::Abnormal)
+        }
+        Finish::Host(status) => (End::with(status), Ending::Abnormal),
+        Finish::Crashed(why) => (End::crashed(why), Ending::Abnormal),
+    };
     let run = started.elapsed();
     let kvm = m
         .stats
