@@ -365,8 +365,16 @@ fn job_thread(shared: &Shared) {
             }
             filtered = true;
         }
-        // A panicking job drops its reply channel (the request gets a 500); the thread lives.
-        let _ = catch_unwind(AssertUnwindSafe(work));
+        // A panicking job drops its reply channel (the request gets a 500); the thread lives,
+        // and the panic is logged (a bug of ours: it must not pass unseen).
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(work)) {
+            let what = panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(a panic without a message)");
+            tracing::error!("a job panicked on its job thread: {what}");
+        }
         shared.running.fetch_sub(1, Ordering::AcqRel);
         drop(slot);
     }
