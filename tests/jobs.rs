@@ -321,6 +321,34 @@ fn a_tmp_file_in_large_folios_reads_maps_punches_and_truncates_exactly() {
     );
 }
 
+/// An anonymous mapping of 2 MiB or more starts on a 2 MiB boundary whatever its length
+/// (guest kernel patch 0015), so large blocks malloc maps (their size plus a header) are huge
+/// pages from their first byte.
+#[test]
+fn large_anonymous_mappings_of_any_length_start_on_a_huge_page_boundary() {
+    let j = Job::python(
+        "import ctypes, mmap\n\
+         def start(n):\n\
+         \x20   m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)\n\
+         \x20   return ctypes.addressof(ctypes.c_char.from_buffer(m)), m\n\
+         kept = []\n\
+         for n in ((10 << 20) + 4096, (4 << 20) + 12345, 2 << 20):\n\
+         \x20   at, m = start(n)\n\
+         \x20   kept.append(m)\n\
+         \x20   print(n, at % (2 << 20))",
+    );
+
+    let r = run(&j);
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(
+        text(&r.stdout),
+        "10489856 0\n4206649 0\n2097152 0\n",
+        "{}",
+        text(&r.stderr)
+    );
+}
+
 /// A thread that sleeps gets the CPU back from a main thread that spins. A task the
 /// template left on the guest's run queue (khugepaged, far ahead in the scheduler's virtual
 /// time) once made every wakeup in a clone wait ~1 s behind a busy thread: this sleeper woke
