@@ -376,7 +376,16 @@ fn a_cell_that_ignores_the_interrupt_ends_the_session() {
 
     assert_eq!(r.status, Status::Timeout);
     assert!(!s.usable());
-    assert!(matches!(next, Err(vmm::session::SessionError::Unusable)));
+    assert_eq!(
+        s.health(),
+        &vmm::Health::Discard(vmm::Unusable::Stopped(Status::Timeout))
+    );
+    assert!(matches!(
+        next,
+        Err(vmm::session::SessionError::Unusable(
+            vmm::Unusable::Stopped(Status::Timeout)
+        ))
+    ));
     s.end(&ex);
 }
 

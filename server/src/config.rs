@@ -1,6 +1,7 @@
 //! The server's knobs: how many job threads, how deep the admission queue, how many ready
-//! clones, and the limits every request is checked against. Defaults are documented here and
-//! in the README; `bud serve --help` shows the same numbers.
+//! clones, and the limits every request is checked against. Defaults are documented here,
+//! in docs/api.md (limits) and docs/sessions.md (session caps); `bud serve --help` shows the
+//! same numbers.
 
 use std::time::Duration;
 

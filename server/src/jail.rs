@@ -25,7 +25,7 @@
 //! `jailed` once it is closed. `ioctl` is checked by request: job threads may make KVM's
 //! only (any of them: the request's type byte, not each number), the other threads also
 //! the few socket and terminal ones measured. Not covered: no namespaces, chroot or cgroups
-//! (see the README's threat model, beside Firecracker's jailer).
+//! (see the threat model in docs/security.md, beside Firecracker's jailer).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;

@@ -62,9 +62,9 @@ pub async fn file_request(
                     s.file_op(ex, op, &path, data, timeout, limit)
                 }
             })
-            .unwrap_or(Err(SessionError::Unusable));
+            .unwrap_or(Err(SessionError::Gone));
         busy.entry().account();
-        end_if_unusable(&st, &busy, ran.as_ref().ok());
+        end_if_unusable(&st, &busy);
         ran
     })
     .await?

@@ -14,7 +14,7 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session, SessionError};
-use vmm::{Executor, JobResult, Language, Status};
+use vmm::{Executor, Health, Language, Status, Unusable};
 
 use crate::api::{ExecRequest, ExecResponse};
 use crate::body::JsonBody;
@@ -185,28 +185,29 @@ pub(crate) async fn on_job_thread<R: Send + 'static>(
         .map_err(|_| internal("the job thread lost the request"))
 }
 
-/// Ends the session of `busy` if its VM is no longer usable after a request, with why.
-pub(crate) fn end_if_unusable(state: &AppState, busy: &Busy, r: Option<&JobResult>) {
+/// Ends the session of `busy` if its VM is no longer usable after a request, with why (the
+/// VM's own [`Health`]: the one answer the executor and sessions read).
+pub(crate) fn end_if_unusable(state: &AppState, busy: &Busy) {
     let e = busy.entry();
-    let usable = e.with_vm(|s| s.usable()).unwrap_or(false);
-    if usable {
+    let health = e
+        .with_vm(|s| s.health().clone())
+        .unwrap_or(Health::Discard(Unusable::Failed(
+            "the session's VM is gone".into(),
+        )));
+    let Health::Discard(why) = health else {
         return;
-    }
-    let (reason, detail) = match r {
-        Some(r) if r.status == Status::Timeout => (
-            "timeout",
-            "the cell did not stop within the grace period after its interrupt".to_owned(),
-        ),
-        Some(r) => (
-            "crashed",
-            r.crash.clone().unwrap_or_else(|| {
-                format!(
-                    "the worker process is gone (status {:?}, exit code {:?}, signal {:?})",
-                    r.status, r.exit_code, r.signal
-                )
-            }),
-        ),
-        None => ("crashed", "the VMM could not run the request".to_owned()),
+    };
+    let stopped = |reason, after| {
+        let detail = format!("the cell did not stop within the grace period after {after}");
+        (reason, detail)
+    };
+    let (reason, detail) = match &why {
+        Unusable::Stopped(Status::Timeout) => stopped("timeout", "its interrupt"),
+        Unusable::Stopped(Status::Cancelled) => stopped("cancelled", "it was cancelled"),
+        Unusable::Stopped(Status::OutputLimit) => {
+            stopped("output_limit", "its output reached the cap")
+        }
+        _ => ("crashed", why.to_string()),
     };
     // The 410s that follow carry the last console lines too.
     let last = e.with_vm(|s| s.console_tail(5)).unwrap_or_default();
@@ -389,12 +390,12 @@ pub async fn run_cell(
                 s.exec(ex, &job, DEFAULT_INTERRUPT_GRACE, &mut on_output)
                     .map(|r| (r, s.executions()))
             })
-            .unwrap_or(Err(SessionError::Unusable));
+            .unwrap_or(Err(SessionError::Gone));
         if let Ok((r, _)) = &ran {
             st.metrics().job(r.status, waited, &r.timings);
             st.audit_job(&origin, "cell", &job, r, waited);
         }
-        end_if_unusable(&st, &busy, ran.as_ref().ok().map(|(r, _)| r));
+        end_if_unusable(&st, &busy);
         // Accounted before the answer: a client that creates or forks right after a cell
         // that grew must meet the memory cap with that growth counted. Freed before the
         // answer too, so its next cell never finds it busy.
@@ -460,7 +461,7 @@ pub async fn fork(
         let e = busy.entry().clone();
         let forked = e
             .with_vm(|s| s.fork(ex, count))
-            .unwrap_or(Err(SessionError::Unusable));
+            .unwrap_or(Err(SessionError::Gone));
         let (children, stats) = forked.map_err(internal)?;
         let mut ids = Vec::with_capacity(children.len());
         for child in children {

@@ -182,11 +182,9 @@ fn a_cell_that_kills_the_worker_ends_the_session_with_410() {
         (410, &json!("session_gone")),
         "{gone}"
     );
+    let message = gone["error"]["message"].as_str().unwrap();
     assert!(
-        gone["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("crashed"),
+        message.contains("crashed") && message.contains("the worker process is gone (exit code 7)"),
         "{gone}"
     );
     assert_eq!(show, 410, "{shown_gone}");

@@ -36,7 +36,7 @@ pub const REAPER_BACKLOG: usize = 4;
 
 use kvm_ioctls::Kvm;
 
-use crate::job::{self, Ending, Job, JobError, JobResult, Stream};
+use crate::job::{self, Health, Job, JobError, JobResult, Stream, Unusable};
 use crate::reset::{self, ResetError};
 use crate::template::{Template, TemplateError};
 use crate::vm::{Machine, VmError};
@@ -186,7 +186,7 @@ impl Shared {
     fn warm_up(&self, mut m: Machine) -> Option<Machine> {
         let warm_up = Job::python(WARM_UP_JOB);
         let ran = job::run(&mut m, self.template.state(), &warm_up, &mut |_, _| {});
-        let ok = matches!(ran, Ok((_, Ending::Done))) && self.reset(&mut m).is_ok();
+        let ok = matches!(ran, Ok((_, Health::Ready))) && self.reset(&mut m).is_ok();
         if ok {
             if self.working_set.get().is_none()
                 && let Ok(pages) = m.ram.private_pages()
@@ -421,7 +421,7 @@ impl Executor {
     /// and kept like a job's VM (module docs), or replaced if the reset fails or it holds
     /// too many private pages.
     pub fn give_back(&self, m: Machine) {
-        self.recycle(m, Ending::Done);
+        self.recycle(m, Health::Ready);
     }
 
     /// Counts a VM made outside the executor (a session's fork child) among its live VMs;
@@ -476,38 +476,39 @@ impl Executor {
             Err(e) => return deliver(Err(e)),
         };
         match job::run(&mut m, self.shared.template.state(), j, on_output) {
-            Ok((mut result, ending)) => {
+            Ok((mut result, health)) => {
                 result.timings.clone = clone_time;
                 result.timings.total = started.elapsed();
                 deliver(Ok(result));
-                self.recycle(m, ending);
+                self.recycle(m, health);
             }
             Err(e) => {
+                let why = Unusable::Failed(e.to_string());
                 deliver(Err(e.into()));
-                self.recycle(m, Ending::Abnormal);
+                self.recycle(m, Health::Discard(why));
             }
         }
     }
 
     /// After a job: reset the VM and keep it, or throw it away (module docs).
-    fn recycle(&self, mut m: Machine, ending: Ending) {
+    fn recycle(&self, mut m: Machine, health: Health) {
         let opts = self.shared.opts;
         if opts.reuse == Reuse::Fresh && !opts.verify {
             return self.discard(m);
         }
         let c = &self.shared.counters;
         // The counter of why a warm VM is replaced; None for a VM that is simply done.
-        let replaced = match (self.shared.reset(&mut m), ending) {
+        let replaced = match (self.shared.reset(&mut m), health) {
             (Err(_), _) => Some(&c.replaced_reset_failed),
-            (Ok(_), Ending::Abnormal) => Some(&c.replaced_abnormal),
-            (Ok(pages), Ending::Done) if pages > opts.max_private_pages => {
+            (Ok(_), Health::Discard(_)) => Some(&c.replaced_abnormal),
+            (Ok(pages), Health::Ready) if pages > opts.max_private_pages => {
                 Some(&c.replaced_too_dirty)
             }
-            (Ok(_), Ending::Done) if opts.reuse == Reuse::Warm => {
+            (Ok(_), Health::Ready) if opts.reuse == Reuse::Warm => {
                 self.shared.idle().warm.push(m);
                 return;
             }
-            (Ok(_), Ending::Done) => None,
+            (Ok(_), Health::Ready) => None,
         };
         if let (Some(counter), Reuse::Warm) = (replaced, opts.reuse) {
             counter.fetch_add(1, Ordering::Relaxed);

@@ -51,5 +51,5 @@ pub mod vm;
 pub use boot::{BootConfig, BootError, ReadyGuest, boot};
 pub use executor::{ExecError, Executor, ExecutorOptions, Reuse};
 pub use host::HostKind;
-pub use job::{Cancel, CellError, CellOptions, Job, JobResult, Language, Status};
+pub use job::{Cancel, CellError, CellOptions, Health, Job, JobResult, Language, Status, Unusable};
 pub use template::{Template, TemplateSpec};

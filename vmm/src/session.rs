@@ -34,7 +34,7 @@ use kvm_bindings::kvm_clock_data;
 use crate::devices::console::ConsoleLog;
 use crate::executor::{ExecError, Executor};
 use crate::identity::{self, IdentityError};
-use crate::job::{self, Ending, Job, JobError, JobResult, Kind, Request, Stream};
+use crate::job::{self, Health, Job, JobError, JobResult, Kind, Request, Stream, Unusable};
 use crate::layer::{Layer, LayerError};
 use crate::memory::PAGE_SIZE;
 use crate::snapshot::{self, MsrList, SnapshotError};
@@ -60,8 +60,11 @@ pub enum SessionError {
     Vm(#[from] VmError),
     #[error("reading the session's memory map: {0}")]
     Pagemap(std::io::Error),
-    #[error("the session's VM is no longer usable (its last request did not end at DONE)")]
-    Unusable,
+    #[error("the session's VM is no longer usable: {0}")]
+    Unusable(Unusable),
+    /// The session's VM was already taken away (the session ended meanwhile).
+    #[error("the session's VM is gone")]
+    Gone,
 }
 
 /// Bytes of file data per request of [`Session::write_file`].
@@ -86,8 +89,9 @@ pub struct Session {
     reseed: bool,
     /// Layers mapped over the template in this VM's RAM, oldest first.
     layers: Vec<Arc<Layer>>,
-    /// False once a request ended other than at DONE: the VM is stopped mid-request.
-    usable: bool,
+    /// Not ready once a request ended other than at DONE (the VM is stopped mid-request),
+    /// with why.
+    health: Health,
 }
 
 /// What a fork child is made from.
@@ -164,7 +168,7 @@ impl Session {
             parked_wall_ns: identity::host_wall_ns(),
             reseed: true,
             layers: Vec::new(),
-            usable: true,
+            health: Health::Ready,
         })
     }
 
@@ -175,7 +179,20 @@ impl Session {
 
     /// Whether the VM can take another request.
     pub fn usable(&self) -> bool {
-        self.usable
+        self.health.is_ready()
+    }
+
+    /// Whether the VM can take another request, and if not, why.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// The error for a request to a VM that cannot take it (None while it can).
+    fn refuse(&self) -> Result<(), SessionError> {
+        match &self.health {
+            Health::Ready => Ok(()),
+            Health::Discard(why) => Err(SessionError::Unusable(why.clone())),
+        }
     }
 
     /// Host memory held by this session alone: its private pages, in bytes (layers it shares
@@ -282,9 +299,7 @@ impl Session {
         grace: Option<Duration>,
         on_output: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<JobResult, SessionError> {
-        if !self.usable {
-            return Err(SessionError::Unusable);
-        }
+        self.refuse()?;
         let s = ex.template().state();
         self.resume_clock(s)?;
         self.sequence = self.sequence.wrapping_add(1).max(1);
@@ -295,17 +310,16 @@ impl Session {
             interrupt_grace: grace,
         };
         let ran = job::run_request(&mut self.m, s, &r, on_output);
-        let (result, ending) = match ran {
+        let (result, health) = match ran {
             Ok(done) => done,
             Err(e) => {
-                self.usable = false;
+                self.health = Health::Discard(Unusable::Failed(e.to_string()));
                 return Err(e.into());
             }
         };
-        if ending == Ending::Done {
+        self.health = health;
+        if self.health.is_ready() {
             self.park()?;
-        } else {
-            self.usable = false;
         }
         Ok(result)
     }
@@ -334,9 +348,7 @@ impl Session {
         ex: &Executor,
         count: usize,
     ) -> Result<(Vec<Session>, ForkStats), SessionError> {
-        if !self.usable {
-            return Err(SessionError::Unusable);
-        }
+        self.refuse()?;
         let t = ex.template();
         let started = Instant::now();
         let serial = self.m.bus.serial_state();
@@ -396,7 +408,7 @@ impl Session {
                 parked_wall_ns: self.parked_wall_ns,
                 reseed: true,
                 layers: self.layers.clone(),
-                usable: true,
+                health: Health::Ready,
             })
             .collect();
         let per_child = children_started
@@ -417,7 +429,7 @@ impl Session {
     /// Ends the session: a VM on the plain template mapping that stopped at DONE is reset
     /// and reused; any other is closed by the reaper.
     pub fn end(self, ex: &Executor) {
-        if self.usable && self.layers.is_empty() {
+        if self.health.is_ready() && self.layers.is_empty() {
             ex.give_back(self.m);
         } else {
             ex.discard(self.m);

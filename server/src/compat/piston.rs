@@ -3,7 +3,7 @@
 //!
 //! A Piston request becomes a native [`ExecRequest`] and runs through
 //! [`crate::routes::run_exec`]: the same limits, admission and template as `POST /v1/exec`.
-//! Mapping (the README has the table):
+//! Mapping (docs/compat.md has the table):
 //! - `language`: `python` (aliases `py`, `py3`, `python3`, `python3.11`) runs as a Python job;
 //!   `bash` (alias `sh`) as a shell job — bud's shell is busybox `ash`, and the runtime list
 //!   says so (`runtime: "busybox"`, busybox's version).
@@ -14,7 +14,7 @@
 //!   file's `encoding` is `utf8` (default), `base64` or `hex`.
 //! - `run_timeout` (ms) is the job's timeout (at most the server's `max_timeout_ms`, else
 //!   400 as Piston answers a timeout over its limit); `run_memory_limit` is checked (-1 or a
-//!   positive number of bytes) but not enforced below the VM's own RAM (README).
+//!   positive number of bytes) but not enforced below the VM's own RAM (docs/compat.md).
 //! - The answer's `run.status` is Piston's: `RE` (non-zero exit), `SG` (signal), `TO`
 //!   (timeout), `OL` (output limit), `XX` (crash); a memory error is `SG` with `SIGKILL`
 //!   as Piston reports its own OOM kills. `output` is stdout followed by stderr (bud keeps

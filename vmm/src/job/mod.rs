@@ -325,13 +325,44 @@ pub struct Display {
     pub data: String,
 }
 
-/// How the guest left a job: at the DONE doorbell with its worker intact, or any other way
-/// (a timeout kick, an output cap, a worker that died, a crash). Only a VM whose job ended
-/// [`Ending::Done`] is reset and reused; any other is replaced by a fresh clone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ending {
-    Done,
-    Abnormal,
+/// Whether a VM may take another request after one: the one answer the executor (reset and
+/// reuse, or replace), sessions (go on, or end) and their metrics read. Only a request that
+/// ended at the DONE doorbell with its worker intact leaves the VM [`Health::Ready`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    /// Its worker waits for the next request (a one-shot job's VM is reset first).
+    Ready,
+    /// It must be thrown away, for this reason.
+    Discard(Unusable),
+}
+
+impl Health {
+    pub fn is_ready(&self) -> bool {
+        matches!(self, Health::Ready)
+    }
+}
+
+/// Why a VM cannot take another request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unusable {
+    /// The host stopped the request where the vCPU was: at its deadline or output cap with
+    /// no grace, or past the grace after its interrupt ([`Status::Timeout`],
+    /// [`Status::OutputLimit`]), or at a cancel ([`Status::Cancelled`]).
+    #[error("the request was stopped where it ran ({0:?})")]
+    Stopped(Status),
+    /// A one-shot job the host interrupted (at its timeout, its cap or a cancel) and that then
+    /// ended at DONE: its VM is still never reused, only one whose job ended by itself is.
+    #[error("the job was interrupted ({0:?})")]
+    Interrupted(Status),
+    /// The worker process ended: its own exit, a signal, the OOM killer.
+    #[error("the worker process is gone ({0})")]
+    WorkerGone(String),
+    /// The guest crashed or broke the protocol.
+    #[error("the guest crashed: {0}")]
+    Crashed(String),
+    /// bud could not run the request.
+    #[error("the VMM could not run the request: {0}")]
+    Failed(String),
 }
 
 /// Output streams.

@@ -16,7 +16,8 @@ use super::decode::{
 };
 use super::supervise::{Event, Facts, Finish, Next, Supervisor};
 use super::{
-    CRASH_TAIL_LINES, Ending, Job, JobError, JobResult, JobTimings, STREAM_TICK, Status, Stream,
+    CRASH_TAIL_LINES, Health, Job, JobError, JobResult, JobTimings, STREAM_TICK, Status, Stream,
+    Unusable,
 };
 use crate::identity;
 use crate::mailbox::Mailbox;
@@ -148,16 +149,18 @@ pub fn run(
     s: &SnapshotState,
     j: &Job,
     on_output: &mut dyn FnMut(Stream, &[u8]),
-) -> Result<(JobResult, Ending), JobError> {
+) -> Result<(JobResult, Health), JobError> {
     give_identity(m, s)?;
-    let (result, ending) = run_request(m, s, &Request::one_shot(j), on_output)?;
+    let (result, health) = run_request(m, s, &Request::one_shot(j), on_output)?;
     // A one-shot job the host had to interrupt (even one that then ended at DONE) leaves a
     // VM that is never reused: only a job that ended by itself is.
-    let ending = match result.status {
-        Status::Timeout | Status::OutputLimit | Status::Cancelled => Ending::Abnormal,
-        _ => ending,
+    let health = match (health, result.status) {
+        (Health::Ready, why @ (Status::Timeout | Status::OutputLimit | Status::Cancelled)) => {
+            Health::Discard(Unusable::Interrupted(why))
+        }
+        (health, _) => health,
     };
-    Ok((result, ending))
+    Ok((result, health))
 }
 
 /// Sends the interrupt of request `sequence` (names it in the mailbox, then puts the
@@ -212,7 +215,7 @@ pub fn run_request(
     s: &SnapshotState,
     r: &Request<'_>,
     on_output: &mut dyn FnMut(Stream, &[u8]),
-) -> Result<(JobResult, Ending), JobError> {
+) -> Result<(JobResult, Health), JobError> {
     let mb = &s.mailbox;
     let j = r.job;
     let cancelled = || j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled);
@@ -221,7 +224,7 @@ pub fn run_request(
     if cell && cancelled() {
         // Cancelled while it waited: the session's VM never sees it (an interrupt sent now
         // could reach the guest before it starts the cell, where it cannot be taken).
-        return Ok((JobResult::never_ran(Status::Cancelled), Ending::Done));
+        return Ok((JobResult::never_ran(Status::Cancelled), Health::Ready));
     }
     write_request(&m.ram, mb, r)?;
     let started = Instant::now();
@@ -286,17 +289,20 @@ pub fn run_request(
     if let Some(c) = &j.cancel {
         c.detach();
     }
-    let (end, ending) = match finish {
+    let (end, health) = match finish {
         Finish::Outcome => {
             let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
             let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
             let end = end_from_outcome(oc, value);
             match (end.status, sup.host_reason()) {
-                (Status::Crashed, _) => (end, Ending::Abnormal),
+                (Status::Crashed, _) => {
+                    let why = end.crash.clone().unwrap_or_default();
+                    (end, Health::Discard(Unusable::Crashed(why)))
+                }
                 // The request ended because the host interrupted it (or, for the cap,
                 // because it ran over it): the host's word, not the guest's.
-                (_, Some(why)) => (End::with(why), Ending::Done),
-                _ => (end, Ending::Done),
+                (_, Some(why)) => (End::with(why), Health::Ready),
+                _ => (end, Health::Ready),
             }
         }
         Finish::WaitStatus(status) => {
@@ -306,10 +312,22 @@ pub fn run_request(
                 .tail(CRASH_TAIL_LINES)
                 .iter()
                 .any(|l| l.contains("Out of memory"));
-            (end_from_wait_status(status, oom), Ending::Abnormal)
+            let end = end_from_wait_status(status, oom);
+            let how = match (end.exit_code, end.signal) {
+                (Some(code), _) => format!("exit code {code}"),
+                (_, Some(signal)) => format!("signal {signal}"),
+                _ => format!("{:?}", end.status),
+            };
+            (end, Health::Discard(Unusable::WorkerGone(how)))
         }
-        Finish::Host(status) => (End::with(status), Ending::Abnormal),
-        Finish::Crashed(why) => (End::crashed(why), Ending::Abnormal),
+        Finish::Host(status) => (
+            End::with(status),
+            Health::Discard(Unusable::Stopped(status)),
+        ),
+        Finish::Crashed(why) => (
+            End::crashed(why.clone()),
+            Health::Discard(Unusable::Crashed(why)),
+        ),
     };
     let run = started.elapsed();
     let kvm = m
@@ -317,7 +335,7 @@ pub fn run_request(
         .as_ref()
         .map(|s| s.read().since(&kvm_before))
         .unwrap_or_default();
-    let guest = if ending == Ending::Done {
+    let guest = if health.is_ready() {
         read_phases(&m.ram, mb)?
     } else {
         None
@@ -327,7 +345,7 @@ pub fn run_request(
     } else {
         Vec::new()
     };
-    let shown = if ending == Ending::Done && !matches!(r.kind, Kind::File(_)) {
+    let shown = if health.is_ready() && !matches!(r.kind, Kind::File(_)) {
         read_display(&m.ram, mb)?
     } else {
         Shown::default()
@@ -352,5 +370,5 @@ pub fn run_request(
             kvm,
         },
     };
-    Ok((result, ending))
+    Ok((result, health))
 }
