@@ -191,6 +191,10 @@ struct ServeArgs {
     /// Most jobs in one batch.
     #[arg(long, default_value_t = bud_server::Limits::default().max_batch_jobs)]
     max_batch_jobs: usize,
+    /// Stdout + stderr bytes all the jobs of one batch keep together (each keeps at most
+    /// its share).
+    #[arg(long, default_value_t = bud_server::Limits::default().max_batch_output_bytes)]
+    max_batch_output_bytes: usize,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = bud_server::Limits::default().max_body_bytes)]
     max_body_bytes: usize,
@@ -553,6 +557,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             max_timeout_ms: args.max_timeout_ms,
             max_output_bytes: args.max_output_bytes,
             max_batch_jobs: args.max_batch_jobs,
+            max_batch_output_bytes: args.max_batch_output_bytes,
             max_body_bytes: args.max_body_bytes,
             body_timeout_ms: args.body_timeout_ms,
             header_timeout_ms: args.header_timeout_ms,

@@ -26,6 +26,11 @@ pub struct Limits {
     pub max_output_bytes: usize,
     /// Jobs in one `POST /v1/exec/batch`.
     pub max_batch_jobs: usize,
+    /// Bytes of stdout + stderr the jobs of one batch keep together: each keeps at most its
+    /// share (this divided by the batch's jobs) or its own `output_limit`, whichever is
+    /// smaller, and past it ends `output_limit`. Bounds a batch's response and the memory
+    /// the server holds for it (16 jobs each at the per-job cap made an 805 MB response).
+    pub max_batch_output_bytes: usize,
     /// Bytes of one request body.
     pub max_body_bytes: usize,
     /// Time a request body may take to arrive, milliseconds (then 408).
@@ -55,6 +60,7 @@ impl Default for Limits {
             max_timeout_ms: 60_000,
             max_output_bytes: vmm::job::DEFAULT_OUTPUT_LIMIT,
             max_batch_jobs: 16,
+            max_batch_output_bytes: vmm::job::DEFAULT_OUTPUT_LIMIT,
             max_body_bytes: 16 << 20,
             body_timeout_ms: 30_000,
             header_timeout_ms: 10_000,
@@ -193,7 +199,9 @@ pub enum ConfigError {
     },
     #[error("the header and body timeouts must be at least 1 ms")]
     RequestTimes,
-    #[error("max_output_bytes must be at least 1")]
+    #[error(
+        "max_output_bytes must be at least 1, and max_batch_output_bytes at least max_batch_jobs (one byte per job)"
+    )]
     Output,
     #[error("at least one template must be served")]
     NoTemplates,
@@ -277,7 +285,7 @@ impl Config {
                 capacity: self.capacity(),
             });
         }
-        if l.max_output_bytes == 0 {
+        if l.max_output_bytes == 0 || l.max_batch_output_bytes < l.max_batch_jobs {
             return Err(ConfigError::Output);
         }
         if l.header_timeout_ms == 0 || l.body_timeout_ms == 0 {

@@ -164,11 +164,14 @@ pub async fn batch(
             limit: limits.max_batch_jobs,
         });
     }
+    // The jobs share the batch's output budget (`Limits::max_batch_output_bytes`).
+    let share = (limits.max_batch_output_bytes / n).max(1);
     let mut jobs = Vec::with_capacity(n);
     for (i, r) in req.jobs.into_iter().enumerate() {
         let b64 = r.output_b64;
         let template = r.template.clone();
-        let job = r.into_job(limits, &format!("jobs[{i}]."))?;
+        let mut job = r.into_job(limits, &format!("jobs[{i}]."))?;
+        job.output_limit = job.output_limit.min(share);
         jobs.push((job, b64, template));
     }
     let mut ready = Vec::with_capacity(n);

@@ -183,6 +183,32 @@ fn an_output_flood_stops_at_the_output_limit() {
     s.assert_still_serving();
 }
 
+/// A batch whose every job floods its output shares one output budget: the answer (and
+/// what the server holds for it) stays bounded, each job ending `output_limit` at its share.
+/// The hostile battery's 16 jobs printing 8 MiB each made an 805 MB response.
+#[test]
+fn a_batch_of_floods_shares_one_output_budget() {
+    let s = TestServer::start();
+    let flood = json!({"code": "import sys\nsys.stdout.write('x' * (8 << 20))"});
+    let jobs: Vec<Value> = (0..16).map(|_| flood.clone()).collect();
+    let budget = Limits::default().max_batch_output_bytes;
+
+    let (status, r) = s.post("/v1/exec/batch", &json!({ "jobs": jobs }));
+
+    assert_eq!(status, 200, "{r}");
+    let results = r["results"].as_array().unwrap();
+    assert_eq!(results.len(), 16);
+    let mut total = 0;
+    for (i, job) in results.iter().enumerate() {
+        assert_eq!(job["status"], json!("output_limit"), "job {i}: {job}");
+        let kept = job["stdout"].as_str().unwrap().len();
+        assert!(kept <= budget / 16, "job {i} kept {kept} bytes");
+        total += kept;
+    }
+    assert!(total <= budget, "{total} bytes kept");
+    s.assert_still_serving();
+}
+
 #[test]
 fn an_infinite_loop_times_out() {
     let s = TestServer::start();
