@@ -170,41 +170,6 @@ struct ServeArgs {
     /// Verify every reset by value against the template (reads all of guest RAM per job).
     #[arg(long)]
     verify_resets: bool,
-    /// Largest code, in bytes.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_code_bytes)]
-    max_code_bytes: usize,
-    /// Largest stdin, in bytes.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_stdin_bytes)]
-    max_stdin_bytes: usize,
-    /// Largest args + env, in bytes.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_args_env_bytes)]
-    max_args_env_bytes: usize,
-    /// Timeout of a job that asks for none, in milliseconds.
-    #[arg(long, default_value_t = bud_server::Limits::default().default_timeout_ms)]
-    default_timeout_ms: u64,
-    /// Largest timeout a job may ask for, in milliseconds.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_timeout_ms)]
-    max_timeout_ms: u64,
-    /// Largest (and default) cap on a job's stdout + stderr, in bytes.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_output_bytes)]
-    max_output_bytes: usize,
-    /// Most jobs in one batch.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_batch_jobs)]
-    max_batch_jobs: usize,
-    /// Stdout + stderr bytes all the jobs of one batch keep together (each keeps at most
-    /// its share).
-    #[arg(long, default_value_t = bud_server::Limits::default().max_batch_output_bytes)]
-    max_batch_output_bytes: usize,
-    /// Largest request body, in bytes.
-    #[arg(long, default_value_t = bud_server::Limits::default().max_body_bytes)]
-    max_body_bytes: usize,
-    /// Time a request body may take to arrive, in milliseconds (then 408).
-    #[arg(long, default_value_t = bud_server::Limits::default().body_timeout_ms)]
-    body_timeout_ms: u64,
-    /// Time a request's line and headers may take to arrive, in milliseconds (then 408; a
-    /// keep-alive connection idle that long is closed).
-    #[arg(long, default_value_t = bud_server::Limits::default().header_timeout_ms)]
-    header_timeout_ms: u64,
     /// The templates to serve, comma-separated, prepared in this order at start (`python`,
     /// `datascience`: guest/image/templates/). Jobs and sessions choose one with
     /// `template`; without it they get `python` if served, else the first.
@@ -269,6 +234,9 @@ struct ServeArgs {
     /// Largest file uploaded into a session, in bytes.
     #[arg(long, default_value_t = bud_server::config::SessionLimits::default().max_file_bytes)]
     max_file_bytes: usize,
+    /// Limits on one request.
+    #[command(flatten)]
+    limits: bud_server::Limits,
 }
 
 impl Cli {
@@ -549,19 +517,7 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             vmm::Reuse::Warm
         },
         verify_resets: args.verify_resets,
-        limits: bud_server::Limits {
-            max_code_bytes: args.max_code_bytes,
-            max_stdin_bytes: args.max_stdin_bytes,
-            max_args_env_bytes: args.max_args_env_bytes,
-            default_timeout_ms: args.default_timeout_ms,
-            max_timeout_ms: args.max_timeout_ms,
-            max_output_bytes: args.max_output_bytes,
-            max_batch_jobs: args.max_batch_jobs,
-            max_batch_output_bytes: args.max_batch_output_bytes,
-            max_body_bytes: args.max_body_bytes,
-            body_timeout_ms: args.body_timeout_ms,
-            header_timeout_ms: args.header_timeout_ms,
-        },
+        limits: args.limits.clone(),
         sessions: bud_server::config::SessionLimits {
             max_sessions: args.max_sessions,
             max_memory_bytes: args.sessions_memory_mib << 20,

@@ -9,34 +9,47 @@ use vmm::protocol::job;
 
 /// Limits on one request. Every limit is checked before a job is admitted, and a request over
 /// one is answered 400 or 413 with the offending field named.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `bud serve` takes every field as an option of the same name (`--max-code-bytes`...),
+/// with [`Limits::default`]'s value as its default.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct Limits {
     /// Bytes of code (after base64 decoding).
+    #[arg(long, default_value_t = Limits::default().max_code_bytes)]
     pub max_code_bytes: usize,
     /// Bytes of stdin (after base64 decoding).
+    #[arg(long, default_value_t = Limits::default().max_stdin_bytes)]
     pub max_stdin_bytes: usize,
     /// Bytes of args + env as the guest gets them (each entry NUL-terminated, `K=V` for env).
+    #[arg(long, default_value_t = Limits::default().max_args_env_bytes)]
     pub max_args_env_bytes: usize,
     /// Timeout used when a request gives none.
+    #[arg(long, default_value_t = Limits::default().default_timeout_ms)]
     pub default_timeout_ms: u64,
     /// Largest `timeout_ms` a request may ask for (the smallest is 1).
+    #[arg(long, default_value_t = Limits::default().max_timeout_ms)]
     pub max_timeout_ms: u64,
     /// Largest `output_limit` (stdout + stderr bytes kept) a request may ask for; also the
     /// default.
+    #[arg(long, default_value_t = Limits::default().max_output_bytes)]
     pub max_output_bytes: usize,
     /// Jobs in one `POST /v1/exec/batch`.
+    #[arg(long, default_value_t = Limits::default().max_batch_jobs)]
     pub max_batch_jobs: usize,
     /// Bytes of stdout + stderr the jobs of one batch keep together: each keeps at most its
     /// share (this divided by the batch's jobs) or its own `output_limit`, whichever is
     /// smaller, and past it ends `output_limit`. Bounds a batch's response and the memory
     /// the server holds for it (16 jobs each at the per-job cap made an 805 MB response).
+    #[arg(long, default_value_t = Limits::default().max_batch_output_bytes)]
     pub max_batch_output_bytes: usize,
     /// Bytes of one request body.
+    #[arg(long, default_value_t = Limits::default().max_body_bytes)]
     pub max_body_bytes: usize,
     /// Time a request body may take to arrive, milliseconds (then 408).
+    #[arg(long, default_value_t = Limits::default().body_timeout_ms)]
     pub body_timeout_ms: u64,
     /// Time a request's head (request line and headers) may take to arrive, milliseconds
     /// (then 408; a connection idle that long between requests is closed).
+    #[arg(long, default_value_t = Limits::default().header_timeout_ms)]
     pub header_timeout_ms: u64,
 }
 
