@@ -227,6 +227,12 @@ pub fn run_request(
         return Ok((JobResult::never_ran(Status::Cancelled), Health::Ready));
     }
     write_request(&m.ram, mb, r)?;
+    // A kick still pending here is the last request's: a timer (a stream tick, the grace)
+    // that fired as that request ended, after its run loop. Left set, it stopped this one at
+    // its first KVM_RUN, which the supervisor took for a timeout: a session cell was
+    // interrupted before it started (so the interrupt was lost) and a later cancel ended
+    // the session when that grace ran out. A warm one-shot VM gets the same from its reset.
+    m.kicker.reset();
     let started = Instant::now();
     let deadline = started + j.timeout;
     let mut timer = timer::arm(deadline, m.kicker.clone());
