@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::*;
-use vmm::{Job, JobResult, Status};
+use vmm::{Job, JobResult, Language, Status};
 
 fn run(job: &Job) -> JobResult {
     executor().run(job).expect("bud could not run the job")
@@ -246,6 +246,32 @@ fn an_infinite_loop_times_out_and_the_next_clone_is_fine() {
     );
     assert!(looped.timings.run >= Duration::from_millis(300));
     assert_eq!(text(&next.stdout), "alive\n");
+}
+
+/// A deadline that passes before the job has started (the host interrupts a clone that has
+/// not yet run a line of it) ends the job as a timeout, never as the worker dying of the
+/// interrupt's SIGINT (it was `error`, signal 2, for a 1 ms timeout; under nested
+/// virtualization for 500 ms).
+#[test]
+fn a_deadline_that_passes_before_the_job_starts_is_a_timeout() {
+    let ex = executor();
+    for (lang, code) in [
+        (Language::Python, "while True: pass"),
+        (Language::Shell, "while :; do :; done"),
+    ] {
+        for ms in [1, 1, 2, 3] {
+            let mut j = Job::new(lang, code);
+            j.timeout = Duration::from_millis(ms);
+
+            let r = ex.run(&j).expect("bud could not run the job");
+
+            assert_eq!(
+                (r.status, r.exit_code, r.signal, text(&r.stdout)),
+                (Status::Timeout, None, None, String::new()),
+                "{lang:?} with a {ms} ms timeout: {r:?}"
+            );
+        }
+    }
 }
 
 /// Output written below Python's level before a timeout comes back with the timeout: the

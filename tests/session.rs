@@ -193,6 +193,32 @@ fn a_cell_past_its_time_is_interrupted_and_the_session_goes_on() {
     s.end(&ex);
 }
 
+/// Cells with deadlines of 0-2 ms end as timeouts and the session goes on, whether the
+/// interrupt lands in the cell or before it (as the worker returns from the last cell's
+/// DONE: then the worker holds it for the cell it names, which ends before it runs; an
+/// interrupt lost there let the cell run past its grace and end the session).
+#[test]
+fn a_cell_whose_deadline_passes_before_it_starts_is_a_timeout_and_the_session_goes_on() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    cell(&mut s, &ex, "n = 0");
+
+    let mut results = Vec::new();
+    for ms in [0, 0, 1, 2] {
+        let mut spin = Job::python("n += 1\nwhile True: pass");
+        spin.timeout = Duration::from_millis(ms);
+        let r = s
+            .exec(&ex, &spin, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+            .unwrap();
+        results.push((r.status, r.exit_code, r.signal, s.usable()));
+    }
+    let after = cell(&mut s, &ex, "print(n <= 4)");
+
+    assert_eq!(results, vec![(Status::Timeout, None, None, true); 4]);
+    assert_eq!(text(&after.stdout), "True\n");
+    s.end(&ex);
+}
+
 #[test]
 fn a_cell_over_the_output_cap_is_interrupted_and_the_session_goes_on() {
     let ex = executor();

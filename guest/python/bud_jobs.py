@@ -264,6 +264,11 @@ class JobRunner:
         self.shell = bud_shell.ParkedShell(shell)
         self.shell_path = shell
         self.active = False
+        # The host's interrupt is raised as KeyboardInterrupt only while a request runs
+        # (``_interruptible``); one that lands before (the clone resumed past its deadline)
+        # or after (the job ended as its time ran out) is held for the request it names.
+        self._interruptible = False
+        self._held = 0
         self.warnings = []
         self._context = None
         self._current = None
@@ -334,29 +339,34 @@ class JobRunner:
         while True:
             MARKS.clear()  # the warm-up jobs' (or the last request's) marks
             MARKS["resumed"] = time.perf_counter()
+            request = failure = None
             try:
                 request = Request.read(self.view)
             except BaseException as error:  # noqa: BLE001 - see below
-                request = None
                 failure = f"{type(error).__name__}: {error}"
             if request is not None and request.sequence == done:
                 self._ring_done(done)
                 continue
-            if not first:
-                self.areas.reset()
-                self.capture.next_request()
-            first = False
-            MARKS["read"] = time.perf_counter()
+            if request is not None:
+                done = request.sequence
             try:
+                if not first:
+                    self.areas.reset()
+                    self.capture.next_request()
+                first = False
+                MARKS["read"] = time.perf_counter()
                 if request is None:
                     raise ProtocolError(failure)
-                done = request.sequence
                 failure = self.identity.apply(request, self.warn)
                 MARKS["identity"] = time.perf_counter()
                 if failure is None:
-                    outcome, code = self._run(request, self._context)
+                    outcome, code = self._run_interruptible(request)
                 else:
                     outcome, code = self._internal_failure(failure)
+            except KeyboardInterrupt:
+                # The host's interrupt, landed in bud's own code around the job: the job
+                # ends as interrupted (the host gives the status).
+                outcome, code = _bud.OUTCOME_SIGNALED, signal.SIGINT
             except BaseException as error:  # noqa: BLE001 - a bug of ours: report, never hang
                 outcome, code = self._internal_failure(f"{type(error).__name__}: {error}")
             MARKS["finished"] = time.perf_counter()
@@ -373,10 +383,22 @@ class JobRunner:
             self._error = None
             self._ring_done(done)
 
+    def _run_interruptible(self, request):
+        """Runs ``request`` with the host's interrupt armed; one held for it (sent before it
+        started) ends it before it runs anything."""
+        self._interruptible = True  # first: an interrupt from here on raises
+        try:
+            if self._held == request.sequence:
+                return _bud.OUTCOME_SIGNALED, signal.SIGINT
+            return self._run(request, self._context)
+        finally:
+            self._interruptible = False
+
     def _ring_done(self, sequence):
-        """DONE, even if the host's interrupt of the request just ended lands now (the
-        SIGINT's KeyboardInterrupt would otherwise escape serve and end the worker). If it
-        lands as ``ring`` returns, the host has resumed the VM with a new request: serve it."""
+        """DONE, even if a SIGINT that raises lands now (one not from the watcher: the
+        watcher's are held outside a run, see ``on_sigint``), whose KeyboardInterrupt would
+        otherwise escape serve and end the worker. If it lands as ``ring`` returns, the host
+        has resumed the VM with a new request: serve it."""
         while True:
             try:
                 self.ring(_bud.DONE, 0, 0)
@@ -580,12 +602,18 @@ class JobRunner:
         """The worker's SIGINT handler while the interrupt watcher runs: ``KeyboardInterrupt``,
         unless the signal is the watcher's for a request that has ended since (the host
         already runs the next one): that one is dropped, so a late interrupt never hits the
-        next cell (see ``interrupt.rs``). A SIGINT from anyone else raises as usual."""
+        next cell (see ``interrupt.rs``). One for the current request that lands outside its
+        run (a clone resumed past its deadline, at READY or DONE; a job that ended as its
+        time ran out) is held: the request, if it has not run yet, ends before it starts. A
+        SIGINT from anyone else raises as usual."""
         del signum, frame
         sent = _bud.take_interrupt()
-        if (sent and not self.areas.forked
-                and _SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sent):
-            return
+        if sent and not self.areas.forked:
+            if _SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sent:
+                return
+            if not self._interruptible:
+                self._held = sent
+                return
         raise KeyboardInterrupt
 
     def _after_fork_in_child(self):

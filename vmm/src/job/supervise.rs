@@ -15,8 +15,9 @@
 //!   where it was. A cancel interrupts session cells only: a one-shot job's VM is thrown
 //!   away, so it ends at once.
 //! - At DONE the guest's outcome decides, unless the host interrupted the request: then the
-//!   host's reason does. A worker that exited, or an agent that failed, ends the request as
-//!   what its wait status says (or crashed); over the cap, as the cap.
+//!   host's reason does. A worker that exited ends the request as what its wait status says,
+//!   unless the host had interrupted it (then, again, the host's reason); an agent that
+//!   failed, as crashed; over the cap, as the cap.
 
 use std::time::{Duration, Instant};
 
@@ -166,6 +167,11 @@ impl Supervisor {
             }
             Event::WorkerExited(_) | Event::AgentFailed { .. } if facts.over_limit => {
                 Next::Finish(Finish::Host(Status::OutputLimit))
+            }
+            // The host interrupted it and the worker then ended (by the interrupt, or by
+            // whatever the job did in its grace): the host's reason, as at DONE.
+            Event::WorkerExited(_) if self.interrupted.is_some() => {
+                Next::Finish(Finish::Host(self.interrupted.unwrap_or(Status::Timeout)))
             }
             Event::WorkerExited(status) => Next::Finish(Finish::WaitStatus(status)),
             Event::AgentFailed { what, detail } => Next::Finish(Finish::Crashed(format!(
@@ -456,6 +462,27 @@ mod tests {
         assert_eq!(
             capped.next(Event::WorkerExited(9), over(t0)),
             Next::Finish(Finish::Host(Status::OutputLimit))
+        );
+    }
+
+    #[test]
+    fn a_worker_that_exits_after_the_interrupt_ends_with_the_hosts_reason() {
+        let t0 = Instant::now();
+        let deadline = t0 + TIMEOUT;
+        let mut timed = sup(t0, Some(GRACE), false, false);
+        let mut cancelled = sup(t0, Some(GRACE), true, false);
+
+        timed.next(Event::Kicked, at(deadline));
+        cancelled.next(Event::Kicked, cancel(t0));
+
+        // 2: SIGINT, the interrupt's own signal, as a worker dies of it.
+        assert_eq!(
+            timed.next(Event::WorkerExited(2), at(deadline + GRACE / 2)),
+            Next::Finish(Finish::Host(Status::Timeout))
+        );
+        assert_eq!(
+            cancelled.next(Event::WorkerExited(0x0300), at(t0)),
+            Next::Finish(Finish::Host(Status::Cancelled))
         );
     }
 
