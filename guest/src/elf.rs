@@ -3,28 +3,46 @@
 //!
 //! Only 64-bit little-endian files (x86_64) are understood; anything else is an error rather
 //! than a guess. This module reads bytes; it never looks anything up on disk.
+//!
+//! The `object` crate does the parsing (as in `vmm::kernel_layout`). Its unified `Object` API
+//! has no view of the dynamic section's `DT_NEEDED`/`DT_RUNPATH` entries, so this module uses
+//! its ELF layer (`object::read::elf`): the file header, the program headers, `PT_INTERP`,
+//! `PT_DYNAMIC` and the string table that `DT_STRTAB` points at. It goes through the program
+//! headers only, as the dynamic loader does: section headers may be stripped, and are never
+//! read.
 
-const MAGIC: &[u8; 4] = b"\x7fELF";
-const ELFCLASS64: u8 = 2;
-const ELFDATA2LSB: u8 = 1;
-const PT_LOAD: u32 = 1;
-const PT_DYNAMIC: u32 = 2;
-const PT_INTERP: u32 = 3;
-const DT_NULL: u64 = 0;
-const DT_NEEDED: u64 = 1;
-const DT_STRTAB: u64 = 5;
-const DT_RPATH: u64 = 15;
-const DT_RUNPATH: u64 = 29;
-const EHDR_LEN: usize = 64;
-const PHDR_LEN: usize = 56;
-const DYN_LEN: usize = 16;
+use object::LittleEndian;
+use object::elf::{
+    DT_NEEDED, DT_NULL, DT_RPATH, DT_RUNPATH, DT_STRSZ, DT_STRTAB, ELFMAG, FileHeader64, PT_LOAD,
+    ProgramHeader64,
+};
+use object::read::StringTable;
+use object::read::elf::{Dyn, FileHeader, ProgramHeader};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ElfError {
     #[error("not a 64-bit little-endian ELF file")]
     Unsupported,
-    #[error("truncated or malformed ELF: {0}")]
-    Malformed(&'static str),
+    #[error("read the ELF header")]
+    Header(#[source] object::Error),
+    #[error("read the program headers")]
+    ProgramHeaders(#[source] object::Error),
+    #[error("read PT_INTERP")]
+    Interpreter(#[source] object::Error),
+    #[error("read PT_DYNAMIC")]
+    Dynamic(#[source] object::Error),
+    #[error("DT_STRTAB {0:#x} is outside the loaded segments")]
+    StringTableAddress(u64),
+    #[error("the string table at DT_STRTAB {0:#x} is past the end of the file")]
+    StringTableData(u64),
+    #[error("read the string of dynamic tag {tag}")]
+    String {
+        tag: u64,
+        #[source]
+        source: object::Error,
+    },
+    #[error("{0} is not UTF-8")]
+    NotUtf8(&'static str),
 }
 
 /// What the dynamic loader needs to run a file.
@@ -40,107 +58,93 @@ pub struct Dynamic {
 
 /// True when `bytes` starts with the ELF magic.
 pub fn is_elf(bytes: &[u8]) -> bool {
-    bytes.starts_with(MAGIC)
+    bytes.starts_with(&ELFMAG)
 }
 
-struct Segment {
-    kind: u32,
-    offset: u64,
-    vaddr: u64,
-    filesz: u64,
+type Header = FileHeader64<LittleEndian>;
+type Segment = ProgramHeader64<LittleEndian>;
+
+fn utf8(bytes: &[u8], what: &'static str) -> Result<String, ElfError> {
+    String::from_utf8(bytes.to_vec()).map_err(|_| ElfError::NotUtf8(what))
 }
 
-fn u16_at(b: &[u8], at: usize) -> Result<u16, ElfError> {
-    let s = b.get(at..at + 2).ok_or(ElfError::Malformed("short read"))?;
-    Ok(u16::from_le_bytes([s[0], s[1]]))
-}
-
-fn u32_at(b: &[u8], at: usize) -> Result<u32, ElfError> {
-    let s = b.get(at..at + 4).ok_or(ElfError::Malformed("short read"))?;
-    Ok(u32::from_le_bytes(s.try_into().unwrap_or_default()))
-}
-
-fn u64_at(b: &[u8], at: usize) -> Result<u64, ElfError> {
-    let s = b.get(at..at + 8).ok_or(ElfError::Malformed("short read"))?;
-    Ok(u64::from_le_bytes(s.try_into().unwrap_or_default()))
-}
-
-fn usize_of(v: u64) -> Result<usize, ElfError> {
-    usize::try_from(v).map_err(|_| ElfError::Malformed("offset overflow"))
-}
-
-fn c_str_at(b: &[u8], at: usize) -> Result<String, ElfError> {
-    let tail = b
-        .get(at..)
-        .ok_or(ElfError::Malformed("string out of bounds"))?;
-    let end = tail
+/// The string table at virtual address `address`, found through the `PT_LOAD` segment that
+/// holds it: `size` bytes (`DT_STRSZ`), or the rest of the segment when the file gives no size.
+fn string_table<'a>(
+    b: &'a [u8],
+    segments: &[Segment],
+    address: u64,
+    size: Option<u64>,
+) -> Result<StringTable<'a>, ElfError> {
+    let e = LittleEndian;
+    let segment = segments
         .iter()
-        .position(|&c| c == 0)
-        .ok_or(ElfError::Malformed("unterminated string"))?;
-    String::from_utf8(tail[..end].to_vec()).map_err(|_| ElfError::Malformed("non-UTF-8 string"))
-}
-
-fn segments(b: &[u8]) -> Result<Vec<Segment>, ElfError> {
-    let phoff = usize_of(u64_at(b, 0x20)?)?;
-    let phentsize = usize::from(u16_at(b, 0x36)?);
-    let phnum = usize::from(u16_at(b, 0x38)?);
-    if phnum > 0 && phentsize < PHDR_LEN {
-        return Err(ElfError::Malformed("program header entry too small"));
-    }
-    (0..phnum)
-        .map(|i| {
-            let at = phoff + i * phentsize;
-            Ok(Segment {
-                kind: u32_at(b, at)?,
-                offset: u64_at(b, at + 0x08)?,
-                vaddr: u64_at(b, at + 0x10)?,
-                filesz: u64_at(b, at + 0x20)?,
-            })
+        .find(|s| {
+            let (vaddr, filesz) = (s.p_vaddr(e), s.p_filesz(e));
+            s.p_type(e) == PT_LOAD && address >= vaddr && address - vaddr < filesz
         })
-        .collect()
-}
-
-/// Maps a virtual address to a file offset through the `PT_LOAD` segments.
-fn file_offset(segments: &[Segment], vaddr: u64) -> Result<usize, ElfError> {
-    segments
-        .iter()
-        .find(|s| s.kind == PT_LOAD && vaddr >= s.vaddr && vaddr < s.vaddr + s.filesz)
-        .ok_or(ElfError::Malformed("address outside loaded segments"))
-        .and_then(|s| usize_of(vaddr - s.vaddr + s.offset))
+        .ok_or(ElfError::StringTableAddress(address))?;
+    let size = size.unwrap_or(segment.p_vaddr(e) + segment.p_filesz(e) - address);
+    let bytes = segment
+        .data_range(e, b, address, size)
+        .ok()
+        .flatten()
+        .ok_or(ElfError::StringTableData(address))?;
+    Ok(StringTable::new(bytes, 0, bytes.len() as u64))
 }
 
 /// Reads the interpreter and needed libraries of an ELF file held in memory.
 pub fn parse(b: &[u8]) -> Result<Dynamic, ElfError> {
-    if !is_elf(b) || b.len() < EHDR_LEN || b[4] != ELFCLASS64 || b[5] != ELFDATA2LSB {
+    if object::FileKind::parse(b).ok() != Some(object::FileKind::Elf64) {
         return Err(ElfError::Unsupported);
     }
-    let segments = segments(b)?;
+    let header = Header::parse(b).map_err(ElfError::Header)?;
+    let e = header.endian().map_err(|_| ElfError::Unsupported)?;
+    let segments = header
+        .program_headers(e, b)
+        .map_err(ElfError::ProgramHeaders)?;
     let mut out = Dynamic::default();
-    if let Some(interp) = segments.iter().find(|s| s.kind == PT_INTERP) {
-        out.interpreter = Some(c_str_at(b, usize_of(interp.offset)?)?);
-    }
-    let Some(dynamic) = segments.iter().find(|s| s.kind == PT_DYNAMIC) else {
-        return Ok(out);
-    };
-    let (start, len) = (usize_of(dynamic.offset)?, usize_of(dynamic.filesz)?);
-    let mut entries = Vec::new();
-    for at in (start..start + len).step_by(DYN_LEN) {
-        let tag = u64_at(b, at)?;
-        if tag == DT_NULL {
+    for segment in segments {
+        if let Some(interp) = segment.interpreter(e, b).map_err(ElfError::Interpreter)? {
+            out.interpreter = Some(utf8(interp, "PT_INTERP")?);
             break;
         }
-        entries.push((tag, u64_at(b, at + 8)?));
     }
-    let Some(&(_, strtab)) = entries.iter().find(|(tag, _)| *tag == DT_STRTAB) else {
+    let mut dynamic = None;
+    for segment in segments {
+        dynamic = segment.dynamic(e, b).map_err(ElfError::Dynamic)?;
+        if dynamic.is_some() {
+            break;
+        }
+    }
+    let Some(dynamic) = dynamic else {
         return Ok(out);
     };
-    let strtab = file_offset(&segments, strtab)?;
-    for (tag, value) in entries {
-        let string = || c_str_at(b, strtab + usize_of(value)?);
-        match tag {
-            DT_NEEDED => out.needed.push(string()?),
-            DT_RUNPATH | DT_RPATH => out.runpath = Some(string()?),
-            _ => {}
+    let entries: Vec<_> = dynamic
+        .iter()
+        .take_while(|d| d.d_tag(e) != u64::from(DT_NULL))
+        .collect();
+    let value_of = |tag: u32| {
+        entries
+            .iter()
+            .find(|d| d.d_tag(e) == u64::from(tag))
+            .map(|d| d.d_val(e))
+    };
+    let Some(strtab) = value_of(DT_STRTAB) else {
+        return Ok(out);
+    };
+    let strings = string_table(b, segments, strtab, value_of(DT_STRSZ))?;
+    for entry in entries {
+        let tag = entry.d_tag(e);
+        let string = || {
+            entry
+                .string(e, strings)
+                .map_err(|source| ElfError::String { tag, source })
+        };
+        if tag == u64::from(DT_NEEDED) {
+            out.needed.push(utf8(string()?, "DT_NEEDED")?);
+        } else if tag == u64::from(DT_RUNPATH) || tag == u64::from(DT_RPATH) {
+            out.runpath = Some(utf8(string()?, "DT_RUNPATH")?);
         }
     }
     Ok(out)
@@ -148,78 +152,105 @@ pub fn parse(b: &[u8]) -> Result<Dynamic, ElfError> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+    use std::process::Command;
+
     use super::*;
 
-    /// A hand-made dynamic executable: ELF header, three program headers (INTERP, LOAD,
-    /// DYNAMIC), the interpreter string, a string table and a dynamic section.
-    fn tiny_elf() -> Vec<u8> {
-        let mut b = vec![0u8; 0x200];
-        b[..4].copy_from_slice(MAGIC);
-        b[4] = ELFCLASS64;
-        b[5] = ELFDATA2LSB;
-        b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes()); // e_phoff
-        b[0x36..0x38].copy_from_slice(&(PHDR_LEN as u16).to_le_bytes());
-        b[0x38..0x3a].copy_from_slice(&3u16.to_le_bytes());
-        let phdr = |b: &mut Vec<u8>, i: usize, kind: u32, off: u64, vaddr: u64, size: u64| {
-            let at = 64 + i * PHDR_LEN;
-            b[at..at + 4].copy_from_slice(&kind.to_le_bytes());
-            b[at + 8..at + 16].copy_from_slice(&off.to_le_bytes());
-            b[at + 0x10..at + 0x18].copy_from_slice(&vaddr.to_le_bytes());
-            b[at + 0x20..at + 0x28].copy_from_slice(&size.to_le_bytes());
-        };
-        phdr(&mut b, 0, PT_INTERP, 0x100, 0x400100, 0x10);
-        phdr(&mut b, 1, PT_LOAD, 0, 0x400000, 0x200);
-        phdr(&mut b, 2, PT_DYNAMIC, 0x180, 0x400180, 0x50);
-        b[0x100..0x10c].copy_from_slice(b"/lib/ld.so\0\0");
-        // String table at 0x140: "\0libc.so.6\0libm.so.6\0$ORIGIN\0"
-        let strtab = b"\0libc.so.6\0libm.so.6\0$ORIGIN\0";
-        b[0x140..0x140 + strtab.len()].copy_from_slice(strtab);
-        let dyns: [(u64, u64); 5] = [
-            (DT_NEEDED, 1),
-            (DT_STRTAB, 0x400140),
-            (DT_NEEDED, 11),
-            (DT_RUNPATH, 21),
-            (0, 0),
-        ];
-        for (i, (tag, val)) in dyns.iter().enumerate() {
-            let at = 0x180 + i * DYN_LEN;
-            b[at..at + 8].copy_from_slice(&tag.to_le_bytes());
-            b[at + 8..at + 16].copy_from_slice(&val.to_le_bytes());
-        }
-        b
+    const PROGRAM: &str = "int main(void) { return 0; }\n";
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("bud-elf-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Compiles [`PROGRAM`] with the host's C compiler (the one cargo links with) and `args`,
+    /// and returns the ELF file it wrote.
+    fn compile(name: &str, args: &[&str]) -> Vec<u8> {
+        let dir = scratch(name);
+        let (source, out) = (dir.join("main.c"), dir.join("out"));
+        std::fs::write(&source, PROGRAM).unwrap();
+        let status = Command::new("cc")
+            .arg(&source)
+            .arg("-o")
+            .arg(&out)
+            .args(args)
+            .status()
+            .expect("the tests compile ELF files with `cc`; install a C compiler");
+        assert!(status.success(), "cc {args:?}: {status}");
+        let bytes = std::fs::read(&out).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        bytes
+    }
+
+    /// Where the `PT_DYNAMIC` segment of `bytes` ends in the file.
+    fn dynamic_end(bytes: &[u8]) -> usize {
+        let header = Header::parse(bytes).unwrap();
+        let e = LittleEndian;
+        let segment = header
+            .program_headers(e, bytes)
+            .unwrap()
+            .iter()
+            .find(|s| s.p_type(e) == object::elf::PT_DYNAMIC)
+            .unwrap();
+        usize::try_from(segment.p_offset(e) + segment.p_filesz(e)).unwrap()
     }
 
     #[test]
-    fn reads_interpreter_needed_and_runpath() {
-        let bytes = tiny_elf();
+    fn reads_interpreter_needed_and_runpath_of_a_program() {
+        let bytes = compile(
+            "runpath",
+            &[
+                "-Wl,--no-as-needed",
+                "-lm",
+                "-Wl,-rpath,$ORIGIN/lib",
+                "-Wl,--enable-new-dtags",
+            ],
+        );
 
         let dynamic = parse(&bytes).unwrap();
 
-        assert_eq!(dynamic.interpreter.as_deref(), Some("/lib/ld.so"));
-        assert_eq!(dynamic.needed, ["libc.so.6", "libm.so.6"]);
-        assert_eq!(dynamic.runpath.as_deref(), Some("$ORIGIN"));
+        assert_eq!(
+            dynamic.interpreter.as_deref(),
+            Some("/lib64/ld-linux-x86-64.so.2")
+        );
+        assert_eq!(dynamic.needed, ["libm.so.6", "libc.so.6"]);
+        assert_eq!(dynamic.runpath.as_deref(), Some("$ORIGIN/lib"));
     }
 
     #[test]
-    fn rejects_non_elf_and_32_bit() {
-        let mut bytes = tiny_elf();
-        bytes[4] = 1;
+    fn old_style_rpath_is_reported_as_runpath() {
+        let bytes = compile("rpath", &["-Wl,-rpath,/opt/lib", "-Wl,--disable-new-dtags"]);
 
-        assert!(matches!(parse(b"#!/bin/sh\n"), Err(ElfError::Unsupported)));
-        assert!(matches!(parse(&bytes), Err(ElfError::Unsupported)));
+        let dynamic = parse(&bytes).unwrap();
+
+        assert_eq!(dynamic.runpath.as_deref(), Some("/opt/lib"));
     }
 
     #[test]
-    fn truncated_file_is_malformed_not_a_panic() {
-        let bytes = tiny_elf();
+    fn static_program_loads_nothing() {
+        let bytes = compile("static", &["-static"]);
 
-        for len in [64, 100, 0x150, 0x185] {
-            assert!(parse(&bytes[..len]).is_err(), "len {len}");
-        }
+        let dynamic = parse(&bytes).unwrap();
+
+        assert_eq!(dynamic, Dynamic::default());
     }
 
     #[test]
-    fn host_binary_needs_libc() {
+    fn shared_library_has_no_interpreter() {
+        let bytes = compile("shared", &["-shared", "-fPIC", "-Wl,--no-as-needed", "-lm"]);
+
+        let dynamic = parse(&bytes).unwrap();
+
+        assert_eq!(dynamic.interpreter, None);
+        assert_eq!(dynamic.needed, ["libm.so.6", "libc.so.6"]);
+        assert_eq!(dynamic.runpath, None);
+    }
+
+    #[test]
+    fn this_test_binary_needs_libc() {
         let bytes = std::fs::read(std::env::current_exe().unwrap()).unwrap();
 
         let dynamic = parse(&bytes).unwrap();
@@ -228,5 +259,32 @@ mod tests {
             dynamic.needed.iter().any(|n| n == "libc.so.6"),
             "{dynamic:?}"
         );
+    }
+
+    #[test]
+    fn rejects_non_elf_32_bit_and_big_endian() {
+        let script = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+        let program = compile("unsupported", &[]);
+        let mut elf32 = program.clone();
+        elf32[4] = object::elf::ELFCLASS32;
+        let mut big_endian = program.clone();
+        big_endian[5] = object::elf::ELFDATA2MSB;
+
+        let results = [parse(&script), parse(&elf32), parse(&big_endian)];
+
+        for result in results {
+            assert!(matches!(result, Err(ElfError::Unsupported)), "{result:?}");
+        }
+    }
+
+    #[test]
+    fn truncated_program_is_an_error_not_a_panic() {
+        let bytes = compile("truncated", &["-Wl,--no-as-needed", "-lm"]);
+        let end = dynamic_end(&bytes);
+
+        let results: Vec<_> = (0..end).map(|len| parse(&bytes[..len])).collect();
+
+        assert!(results.iter().all(Result::is_err));
+        assert_eq!(parse(&bytes).unwrap().needed, ["libm.so.6", "libc.so.6"]);
     }
 }
