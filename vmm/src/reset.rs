@@ -109,7 +109,7 @@ pub fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
     // kvm-clock wall-clock struct), and the memory restore must come after that.
     let s = &t.state().machine;
     snapshot::restore(&m.vm, &m.vcpu, s, snapshot::Target::SameVm)?;
-    m.bus.restore_serial(&(&s.serial).into())?;
+    m.bus.restore_serial(&s.serial)?;
     m.kicker.reset();
     let private = m.ram.private_pages().map_err(ResetError::Pagemap)?;
     let differ = m.ram.differing_in(t.pristine(), &private)?;

@@ -10,6 +10,15 @@
 //!
 //! Guest memory is not part of this struct: a template keeps it in its own file, which clones
 //! map copy-on-write (see [`crate::template`]).
+//!
+//! The serial console's state is vm-superio's own `SerialState` (from `Serial::state`, given
+//! back to `Serial::from_state`), held as is. vm-superio 0.8 derives no serde for it, and its
+//! companion crate vm-superio-ser, whose `SerialStateSer` does, cannot be used: its newest
+//! release (0.4.1) pins vm-superio `=0.8.1`, one release behind the 0.8.2 bud runs (whose
+//! IER fix signals input that arrived while the guest's 8250 driver had receive interrupts
+//! masked), and it brings in Firecracker's `versionize` for per-struct versions this format
+//! does not have. So `SerialStateDef` is the one mirror here: serde's remote derive over
+//! `SerialState`'s fields, which fails to compile if vm-superio adds or changes a field.
 
 use std::sync::OnceLock;
 
@@ -115,53 +124,24 @@ impl From<&FpuState> for kvm_fpu {
     }
 }
 
-/// The serial console's registers (mirror of vm-superio's `SerialState`, with serde).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SerialSnapshot {
-    pub baud_divisor_low: u8,
-    pub baud_divisor_high: u8,
-    pub interrupt_enable: u8,
-    pub interrupt_identification: u8,
-    pub line_control: u8,
-    pub line_status: u8,
-    pub modem_control: u8,
-    pub modem_status: u8,
-    pub scratch: u8,
-    pub in_buffer: Vec<u8>,
-}
-
-impl From<&SerialState> for SerialSnapshot {
-    fn from(s: &SerialState) -> Self {
-        Self {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        }
-    }
-}
-
-impl From<&SerialSnapshot> for SerialState {
-    fn from(s: &SerialSnapshot) -> Self {
-        SerialState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        }
-    }
+/// How serde writes vm-superio's `SerialState`: serde's remote derive over the same fields, the
+/// one mirror of device state in the snapshot (the module doc says why). [`MachineState`]
+/// holds vm-superio's own `SerialState`; deserializing builds it as a struct literal naming
+/// every field, so a field a later vm-superio adds fails the build instead of silently being
+/// left out of templates. Its encoding is [`SNAPSHOT_FORMAT_VERSION`]'s: a change here bumps it.
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "SerialState")]
+struct SerialStateDef {
+    baud_divisor_low: u8,
+    baud_divisor_high: u8,
+    interrupt_enable: u8,
+    interrupt_identification: u8,
+    line_control: u8,
+    line_status: u8,
+    modem_control: u8,
+    modem_status: u8,
+    scratch: u8,
+    in_buffer: Vec<u8>,
 }
 
 /// The CPU and device state of one machine.
@@ -185,7 +165,9 @@ pub struct MachineState {
     pub ioapic: kvm_irqchip,
     pub pit: kvm_pit_state2,
     pub clock: kvm_clock_data,
-    pub serial: SerialSnapshot,
+    /// The serial console, as vm-superio's `Serial::state` gives it.
+    #[serde(with = "SerialStateDef")]
+    pub serial: SerialState,
 }
 
 /// Everything a clone needs besides guest memory.
@@ -416,7 +398,7 @@ pub fn capture(
         ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
         pit: quiet_expired_pit(cap("KVM_GET_PIT2", vm.get_pit2())?),
         clock,
-        serial: SerialSnapshot::from(serial),
+        serial: serial.clone(),
     })
 }
 
@@ -655,5 +637,65 @@ mod tests {
             msr_candidates(&pvm),
             [0x10, 0x277, 0x4b56_4d00, 0xc000_0100]
         );
+    }
+
+    /// vm-superio's `SerialState` alone, encoded as [`MachineState`] encodes it.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Serial(#[serde(with = "SerialStateDef")] SerialState);
+
+    #[test]
+    fn serial_state_encoding_is_the_one_of_format_version_5() {
+        let state = SerialState {
+            baud_divisor_low: 1,
+            baud_divisor_high: 2,
+            interrupt_enable: 3,
+            interrupt_identification: 4,
+            line_control: 5,
+            line_status: 6,
+            modem_control: 7,
+            modem_status: 8,
+            scratch: 9,
+            in_buffer: vec![10, 11],
+        };
+
+        let bytes = bincode::serialize(&Serial(state)).unwrap();
+
+        // bincode 1: the nine registers in field order, then the receive buffer as a u64
+        // length and its bytes. A change here changes the template format: bump
+        // SNAPSHOT_FORMAT_VERSION, then this test.
+        assert_eq!(SNAPSHOT_FORMAT_VERSION, 5);
+        assert_eq!(
+            bytes,
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 0, 0, 0, 0, 0, 0, 0, 10, 11]
+        );
+    }
+
+    #[test]
+    fn serial_state_survives_encoding_then_mutation_then_restore() {
+        use crate::devices::PortBus;
+        use crate::devices::console::ConsoleLog;
+        use crate::layout::SERIAL_PORT_BASE as COM1;
+        let mut bus = PortBus::new(
+            vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            ConsoleLog::new(8),
+        );
+        bus.write(COM1 + 3, &[0x80]); // LCR: divisor latch on
+        bus.write(COM1, &[0x0c]); // divisor low: 9600 baud
+        bus.write(COM1 + 3, &[0x03]); // LCR: 8N1, divisor latch off
+        bus.write(COM1 + 1, &[0x01]); // IER: receive interrupts
+        bus.write(COM1 + 7, &[0x5a]); // scratch
+        bus.send_to_guest(b"hi").unwrap();
+        let saved = bus.serial_state();
+        let bytes = bincode::serialize(&Serial(saved.clone())).unwrap();
+        bus.write(COM1 + 7, &[0x00]);
+        bus.write(COM1 + 1, &[0x00]);
+        bus.send_to_guest(b" there").unwrap();
+        let mutated = bus.serial_state();
+
+        let Serial(decoded) = bincode::deserialize(&bytes).unwrap();
+        bus.restore_serial(&decoded).unwrap();
+
+        assert_ne!(mutated, saved);
+        assert_eq!(bus.serial_state(), saved);
     }
 }

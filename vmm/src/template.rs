@@ -392,12 +392,11 @@ impl Template {
     /// template's state restored (order in [`snapshot::restore`]). The clone has not run yet.
     pub fn clone_machine(&self, kvm: &Kvm) -> Result<Machine, TemplateError> {
         let ram = self.private_ram()?;
-        let serial = (&self.state.machine.serial).into();
         let machine = Machine::create(
             kvm,
             ram,
             ConsoleLog::default(),
-            SerialStart::Restore(&serial),
+            SerialStart::Restore(&self.state.machine.serial),
         )?;
         snapshot::restore(
             &machine.vm,

@@ -50,12 +50,11 @@ fn clone_of(original: &Machine, state: &MachineState, name: &str) -> Machine {
     let ram = GuestRam::private_file(&path, RAM_SIZE).unwrap();
     std::fs::remove_file(&path).unwrap();
     let kvm = vmm::vm::open_kvm().unwrap();
-    let serial = (&state.serial).into();
     let m = Machine::create(
         &kvm,
         ram,
         ConsoleLog::new(16),
-        SerialStart::Restore(&serial),
+        SerialStart::Restore(&state.serial),
     )
     .unwrap();
     snapshot::restore(&m.vm, &m.vcpu, state, snapshot::Target::NewVm).unwrap();
