@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use vmm::protocol::{file_op, file_status};
+use vmm::files::{FileError, FileKind};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
 use vmm::{Cancel, Executor, ExecutorOptions, Job, JobResult, Language, Status};
 
@@ -422,70 +422,63 @@ fn files_round_trip_and_paths_stay_inside_the_work_directory() {
     let t = Duration::from_secs(10);
     let data: Vec<u8> = (0..=255u8).cycle().take(3 << 20).collect();
 
-    let w = s.write_file(&ex, "in/data.bin", &data, t).unwrap();
-    let a = s
-        .file_op(
-            &ex,
-            file_op::APPEND,
-            "in/data.bin",
-            b"tail".to_vec(),
-            t,
-            1 << 20,
-        )
-        .unwrap();
+    let put = s.put_file(&ex, "in/data.bin", &data, t);
+    let appended = s.append_file(&ex, "in/data.bin", b"tail".to_vec(), t);
     let seen = cell(
         &mut s,
         &ex,
         "import hashlib\nhashlib.sha256(open('in/data.bin','rb').read()).hexdigest()",
     );
-    let read = s
-        .file_op(&ex, file_op::READ, "in/data.bin", Vec::new(), t, 8 << 20)
-        .unwrap();
-    let list = s
-        .file_op(&ex, file_op::LIST, "in", Vec::new(), t, 1 << 20)
-        .unwrap();
-    let escape = s
-        .file_op(&ex, file_op::READ, "../etc/passwd", Vec::new(), t, 1 << 20)
-        .unwrap();
+    let read = s.get_file(&ex, "in/data.bin", 8 << 20, t).unwrap();
+    let too_large = s.get_file(&ex, "in/data.bin", 1 << 20, t);
+    let listed = s.list_dir(&ex, "in", t).unwrap();
+    let escape = s.get_file(&ex, "../etc/passwd", 1 << 20, t);
     cell(&mut s, &ex, "import os\nos.symlink('/etc', 'out')");
-    let via_link = s
-        .file_op(&ex, file_op::READ, "out/passwd", Vec::new(), t, 1 << 20)
+    let via_link = s.get_file(&ex, "out/passwd", 1 << 20, t);
+    let link = s.stat(&ex, "out", t).unwrap();
+    let missing = s.get_file(&ex, "nope", 1 << 20, t);
+    let dir_as_file = s.get_file(&ex, "in", 1 << 20, t);
+    s.make_dir(&ex, "made/deep", t).unwrap();
+    s.rename(&ex, "in/data.bin", "made/deep/moved.bin", t)
         .unwrap();
-    let missing = s
-        .file_op(&ex, file_op::READ, "nope", Vec::new(), t, 1 << 20)
-        .unwrap();
-    let deleted = s
-        .file_op(&ex, file_op::DELETE, "in", Vec::new(), t, 1 << 20)
-        .unwrap();
+    let globbed = s.glob(&ex, "**/*.bin", t).unwrap();
+    s.remove(&ex, "in", t).unwrap();
     let gone = cell(&mut s, &ex, "import os\nos.path.exists('in')");
 
-    assert_eq!((w.exit_code, a.exit_code), (Some(0), Some(0)));
+    assert!(matches!((put, appended), (Ok(()), Ok(()))));
     let data = [&data[..], b"tail"].concat();
     let want = format!("{:?}", sha256_hex(&data));
     assert_eq!(plain(&seen), Some(want.replace('"', "'").as_str()));
-    assert_eq!(read.stdout, data);
-    let listed: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
-    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(read, data);
+    assert!(
+        matches!(too_large, Err(FileError::TooLarge { limit, .. }) if limit == 1 << 20),
+        "{too_large:?}"
+    );
+    assert_eq!(listed.len(), 1, "{listed:?}");
     let entry = &listed[0];
     assert_eq!(
-        (
-            &entry["name"],
-            &entry["type"],
-            &entry["size"],
-            &entry["mode"]
-        ),
-        (
-            &serde_json::json!("data.bin"),
-            &serde_json::json!("file"),
-            &serde_json::json!((3 << 20) + 4),
-            &serde_json::json!(0o100644)
-        )
+        (entry.name.as_str(), entry.kind, entry.size, entry.mode),
+        ("data.bin", FileKind::File, (3 << 20) + 4, 0o100644)
     );
-    assert!(entry["mtime_ns"].as_u64().unwrap() > 1_700_000_000_000_000_000);
-    assert_eq!(escape.exit_code, Some(file_status::BAD_PATH));
-    assert_eq!(via_link.exit_code, Some(file_status::BAD_PATH));
-    assert_eq!(missing.exit_code, Some(file_status::NOT_FOUND));
-    assert_eq!(deleted.exit_code, Some(0));
+    assert!(entry.mtime_ns > 1_700_000_000_000_000_000);
+    assert!(matches!(escape, Err(FileError::BadPath(_))), "{escape:?}");
+    assert!(
+        matches!(via_link, Err(FileError::BadPath(_))),
+        "{via_link:?}"
+    );
+    assert_eq!(
+        (link.kind, link.target.as_deref()),
+        (FileKind::Symlink, Some("/etc"))
+    );
+    assert!(
+        matches!(missing, Err(FileError::NotFound(_))),
+        "{missing:?}"
+    );
+    assert!(
+        matches!(dir_as_file, Err(FileError::WrongKind(_))),
+        "{dir_as_file:?}"
+    );
+    assert_eq!(globbed, vec!["made/deep/moved.bin".to_string()]);
     assert_eq!(plain(&gone), Some("False"));
     s.end(&ex);
 }

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -182,11 +182,7 @@ impl AuditLog {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let content = self.config.content;
         let record = Record {
-            time: crate::compat::e2b::rfc3339(
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64()),
-            ),
+            time: crate::clock::rfc3339(crate::clock::epoch_s(SystemTime::now())),
             key: origin.key.clone(),
             route: origin.route.clone(),
             kind: kind.to_owned(),

@@ -13,7 +13,7 @@ use axum::http::header;
 use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, Error};
 use crate::state::AppState;
 
 /// How far past the limit a body is drained before the 413.
@@ -101,14 +101,14 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         let message = inner.to_string();
         let field = field_of(&path, &message);
         if inner.is_data() {
-            ApiError::Invalid { field, message }
+            ApiError::Service(Error::Invalid { field, message })
         } else if is_one_json_document(bytes) {
             // serde_json reports some wrong types as syntax (an integer where an enum's
             // string goes is "expected value"): the body is JSON, the field is wrong.
-            ApiError::Invalid {
+            ApiError::Service(Error::Invalid {
                 field,
                 message: "wrong type or value for this field".into(),
-            }
+            })
         } else {
             ApiError::Json { field, message }
         }

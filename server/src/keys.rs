@@ -8,20 +8,14 @@
 //! in constant time, every configured key each time. Without keys the server is open, which
 //! `bud serve` allows only on a loopback address.
 //!
-//! E2B's in-sandbox routes (envd's and the code interpreter's, which name their sandbox with
-//! an `E2b-Sandbox-Id` header) carry no API key in E2B's SDK: they carry the sandbox's own
-//! access token (`X-Access-Token`), which bud gave the client that created the sandbox;
-//! [`crate::compat::e2b::sandbox_of`] checks it, and those routes do nothing without it.
+//! The check itself is the edge's (`crate::KeyGate`, `crate::require_key`). Routes the
+//! edge declares exempt need no key: `GET /v1/health`,
+//! and E2B's in-sandbox routes (envd's and the code interpreter's), which carry no API key
+//! in E2B's SDK but the sandbox's own access token, checked by the compat layer.
 
 use std::path::{Path, PathBuf};
 
-use axum::extract::{Request, State};
 use axum::http::HeaderMap;
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
-
-use crate::error::ApiError;
-use crate::state::AppState;
 
 /// The shortest key accepted.
 pub const MIN_KEY_LEN: usize = 16;
@@ -132,22 +126,6 @@ pub fn presented(headers: &HeaderMap) -> Option<&[u8]> {
     }
     let auth = headers.get(axum::http::header::AUTHORIZATION)?.as_bytes();
     Some(auth.strip_prefix(b"Bearer ").unwrap_or(auth))
-}
-
-/// The middleware: 401 unless the request presents a configured key (module docs).
-pub async fn require_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(keys) = state.config().api_keys.as_deref() else {
-        return crate::audit::KEY.scope(None, next.run(req)).await;
-    };
-    // In-sandbox routes check the sandbox's own token instead (crate::compat::e2b).
-    let path = req.uri().path();
-    let exempt = path == "/v1/health" || crate::compat::e2b::is_sandbox_route(path);
-    let name = presented(req.headers()).and_then(|k| keys.name_of(k).map(str::to_owned));
-    if exempt || name.is_some() {
-        // The key's name goes with the request, for the audit trail.
-        return crate::audit::KEY.scope(name, next.run(req)).await;
-    }
-    ApiError::Unauthorized.into_response()
 }
 
 #[cfg(test)]

@@ -1,20 +1,29 @@
 //! bud's HTTP API over the `vmm` library: `bud serve`.
 //!
-//! - [`app`] builds the axum [`Router`] over an [`AppState`] (tested without a socket through
-//!   `tower::ServiceExt::oneshot`); [`serve`] runs it on a listener until a shutdown future
-//!   resolves, then lets in-flight jobs finish; [`run`] is the whole `bud serve`.
-//! - One module per concern: [`conn`] (the accept loop, slow clients), [`config`] (knobs and limits), [`api`] (JSON shapes and request
-//!   checks), [`body`] (reading JSON bodies), [`error`] (status codes and error bodies),
-//!   [`jobs`] (admission and the job threads), [`routes`] and [`stream`] (handlers),
-//!   [`metrics`] (Prometheus text), [`openapi`] (the API document), [`state`], [`startup`].
+//! [`app`] builds the axum [`Router`] over an [`AppState`] (tested without a socket through
+//! `tower::ServiceExt::oneshot`); [`serve`] runs it on a listener until a shutdown future
+//! resolves, then lets in-flight jobs finish; [`run`] is the whole `bud serve`.
+//!
+//! Three layers, each using only those below it (a test checks that no module imports
+//! form a cycle, `tests/layers.rs`):
+//! - **edge**: the native routes ([`routes`], [`session_routes`], [`stream`]), the compat
+//!   dialects ([`compat`]: E2B, envd, Jupyter, Piston, with their own router state), the
+//!   request body ([`body`]), errors as HTTP ([`error`]), the API shapes ([`api`]), the
+//!   API-key gate ([`keys`]), the OpenAPI document ([`openapi`]), the accept loop
+//!   ([`conn`]), startup ([`startup`]);
+//! - **service** ([`service`]): what bud does, whoever asks: admission, jobs, sessions,
+//!   files, templates, with its own error type;
+//! - **core**: the data the service reads: [`state`] (configuration, templates,
+//!   executors), [`sessions`] (the registry), [`jobs`] (the job threads), [`metrics`],
+//!   [`audit`], [`config`], [`jail`], [`clock`]. The core names no dialect.
 //!
 //! KVM work never runs on the async runtime's threads: every job runs on a job thread
-//! ([`jobs`]) behind a bounded admission counter.
+//! ([`jobs`]) behind a bounded admission counter ([`service::admission`]).
 
 pub mod api;
 pub mod audit;
 pub mod body;
-pub mod cell_task;
+pub mod clock;
 pub mod compat;
 pub mod config;
 pub mod conn;
@@ -25,7 +34,7 @@ pub mod keys;
 pub mod metrics;
 pub mod openapi;
 pub mod routes;
-pub mod session_files;
+pub mod service;
 pub mod session_routes;
 pub mod sessions;
 pub mod startup;
@@ -37,7 +46,7 @@ use std::future::Future;
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 pub use config::{Config, Limits};
@@ -91,25 +100,51 @@ pub fn app(state: AppState) -> Router {
             post(stream::session_stream),
         )
         .route("/v1/sessions/{id}/fork", post(session_routes::fork))
-        .route("/v1/sessions/{id}/files", get(session_files::list_files))
+        .route("/v1/sessions/{id}/files", get(session_routes::list_files))
         .route(
             "/v1/sessions/{id}/files/{*path}",
-            get(session_files::get_file)
-                .put(session_files::put_file)
-                .delete(session_files::delete_file),
+            get(session_routes::get_file)
+                .put(session_routes::put_file)
+                .delete(session_routes::delete_file),
         )
-        .merge(compat::routes())
+        .merge(compat::routes(state.clone()))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(middleware::from_fn_with_state(
-            state.clone(),
-            keys::require_key,
+            KeyGate {
+                keys: state.config().api_keys.clone(),
+                exempt: |path| path == "/v1/health" || compat::exempt_from_keys(path),
+            },
+            require_key,
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_responses,
         ))
         .with_state(state)
+}
+
+/// What the key middleware checks: the keys (None: the server is open), and the routes
+/// that need none (the edge names them: health, and the compat dialects' routes that
+/// carry a credential of their own).
+#[derive(Debug, Clone)]
+pub struct KeyGate {
+    pub keys: Option<std::sync::Arc<keys::ApiKeys>>,
+    pub exempt: fn(&str) -> bool,
+}
+
+/// The key middleware: 401 unless the request presents a configured key ([`keys`]).
+pub async fn require_key(State(gate): State<KeyGate>, req: Request, next: Next) -> Response {
+    let Some(keys) = gate.keys.as_deref() else {
+        return crate::audit::KEY.scope(None, next.run(req)).await;
+    };
+    let exempt = (gate.exempt)(req.uri().path());
+    let name = keys::presented(req.headers()).and_then(|k| keys.name_of(k).map(str::to_owned));
+    if exempt || name.is_some() {
+        // The key's name goes with the request, for the audit trail.
+        return crate::audit::KEY.scope(name, next.run(req)).await;
+    }
+    ApiError::Unauthorized.into_response()
 }
 
 async fn count_responses(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -125,7 +160,7 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let reaper = tokio::spawn(session_routes::reaper(state.clone()));
+    let reaper = tokio::spawn(service::sessions::reaper(state.clone()));
     let header_timeout = state.config().limits.header_timeout();
     // Once the shutdown starts, running and queued jobs get the grace period to finish;
     // then whatever is left is cancelled, so their requests end and the server stops.

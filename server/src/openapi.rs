@@ -93,37 +93,82 @@ mod tests {
     fn every_error_code_is_documented() {
         let doc = document(&Limits::default());
         let codes = &doc["components"]["schemas"]["ErrorDetail"]["properties"]["code"]["enum"];
-        let errors = [
-            crate::ApiError::ContentType,
-            crate::ApiError::ShuttingDown,
-            crate::ApiError::MethodNotAllowed,
-            crate::ApiError::NotFound(String::new()),
-            crate::ApiError::BodyTooLarge { limit: 1 },
-            crate::ApiError::Body(String::new()),
-            crate::ApiError::invalid("f", "m"),
-            crate::ApiError::NoSession(String::new()),
-            crate::ApiError::SessionBusy(String::new()),
-            crate::ApiError::NoFile(String::new()),
-            crate::ApiError::OutOfMemory { used: 1, limit: 1 },
-            crate::ApiError::UnknownTemplate {
+        use crate::error::{ApiError, Error};
+        let d = std::time::Duration::from_secs(1);
+        let service = [
+            Error::invalid("f", "m"),
+            Error::TooLarge {
+                field: String::new(),
+                bytes: 1,
+                limit: 1,
+            },
+            Error::TooMany {
+                field: String::new(),
+                count: 1,
+                limit: 1,
+            },
+            Error::Overloaded {
+                capacity: 1,
+                retry_after: d,
+            },
+            Error::KeyQuota {
+                key: String::new(),
+                quota: 1,
+                retry_after: d,
+            },
+            Error::MemoryBudget {
+                used: 1,
+                budget: 1,
+                retry_after: d,
+            },
+            Error::NotReady {
+                template: String::new(),
+                retry_after: d,
+            },
+            Error::UnknownTemplate {
                 name: String::new(),
                 served: Vec::new(),
                 field: String::new(),
             },
-            crate::ApiError::TemplateFailed {
+            Error::TemplateFailed {
                 name: String::new(),
                 why: String::new(),
             },
-            crate::ApiError::TooManySessions {
-                limit: 1,
-                retry_after: std::time::Duration::from_secs(1),
-            },
-            crate::ApiError::SessionGone {
+            Error::ShuttingDown,
+            Error::NoSession(String::new()),
+            Error::SessionGone {
                 id: String::new(),
                 reason: String::new(),
                 detail: None,
             },
+            Error::SessionBusy(String::new()),
+            Error::TooManySessions {
+                limit: 1,
+                retry_after: d,
+            },
+            Error::OutOfMemory { used: 1, limit: 1 },
+            Error::NoFile(String::new()),
+            Error::AuditUnavailable(String::new()),
+            Error::internal("x"),
         ];
+        let edge = [
+            ApiError::Json {
+                field: None,
+                message: String::new(),
+            },
+            ApiError::BodyTooLarge { limit: 1 },
+            ApiError::Body(String::new()),
+            ApiError::ContentType,
+            ApiError::NotFound(String::new()),
+            ApiError::MethodNotAllowed,
+            ApiError::SandboxGone(String::new()),
+            ApiError::RequestTimeout {
+                part: "body",
+                after: d,
+            },
+            ApiError::Unauthorized,
+        ];
+        let errors = service.into_iter().map(ApiError::from).chain(edge);
 
         for e in errors {
             assert!(

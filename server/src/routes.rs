@@ -5,110 +5,53 @@
 //! field limits (400/413), template ready (503), admission (429). Only then does a job run, on
 //! a job thread; the handler awaits its reply.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
 use axum::Json;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use tokio::sync::oneshot;
-use vmm::{ExecError, Executor, Job, JobResult};
 
-use crate::api::{BatchRequest, BatchResponse, ExecRequest, ExecResponse};
-use crate::audit::Origin;
+use crate::api::{AuditHealth, BatchRequest, BatchResponse, ExecRequest, ExecResponse, Health};
 use crate::body::JsonBody;
 use crate::error::ApiError;
-use crate::jobs::{CancelOnDrop, Slot};
-use crate::metrics::Metrics;
+use crate::service::error::Error;
+use crate::service::jobs::{self, OneShot, Ran};
+use crate::service::task;
 use crate::state::AppState;
 
-/// A job's outcome and how long it waited for a job thread.
-pub type Outcome = (Result<JobResult, ExecError>, Duration);
-
-/// Records and logs a finished job (on the job thread, so it counts even if the client left).
-pub fn record(metrics: &Metrics, outcome: &Outcome) {
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    match &outcome.0 {
-        Ok(r) => {
-            metrics.job(r.status, outcome.1, &r.timings);
-            tracing::debug!(
-                status = ?r.status,
-                exit_code = r.exit_code,
-                queue_ms = ms(outcome.1),
-                clone_ms = ms(r.timings.clone),
-                run_ms = ms(r.timings.run),
-                total_ms = ms(r.timings.total),
-                "job finished"
-            );
-            if let Some(why) = &r.crash {
-                tracing::warn!(crash = %why, "job crashed its clone");
-            }
-        }
-        Err(e) => {
-            metrics.failure();
-            tracing::error!(error = %e, "job could not run");
-        }
-    }
-}
-
-/// Queues `job` on a job thread; the receiver gets its outcome. A job whose client has gone
-/// away before a thread picks it up is dropped unrun.
-fn start(
+/// The service's one-shot job of `req` (checked; its files taken if the route `takes_files`,
+/// else refused), asked on `route`; `prefix` names the request in error fields (`""`, or
+/// `"jobs[3]."` in a batch).
+pub fn one_shot(
     state: &AppState,
-    exec: Arc<Executor>,
-    slot: Slot,
-    mut job: Job,
-    origin: Origin,
-) -> Result<(oneshot::Receiver<Outcome>, CancelOnDrop), ApiError> {
-    let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
-    let (tx, rx) = oneshot::channel();
-    let metrics = state.metrics_handle();
-    let st = state.clone();
-    let queued_at = Instant::now();
-    state.spawn(slot, move || {
-        let waited = queued_at.elapsed();
-        if tx.is_closed() {
-            return;
-        }
-        // The result goes out before the VM is reset for its next job.
-        exec.run_then(&job, &mut |_, _| {}, |result| {
-            if let Ok(r) = &result {
-                st.audit_job(&origin, "job", &job, r, waited);
-            }
-            let outcome = (result, waited);
-            record(&metrics, &outcome);
-            let _ = tx.send(outcome);
-        });
-    })?;
-    Ok((rx, cancel))
+    mut req: ExecRequest,
+    route: &str,
+    prefix: &str,
+    takes_files: bool,
+) -> Result<OneShot, Error> {
+    let files = if takes_files {
+        req.take_files(&state.config().limits)?
+    } else {
+        Default::default()
+    };
+    let template = req.template.take();
+    Ok(OneShot {
+        job: req.into_job(&state.config().limits, prefix)?,
+        template,
+        files,
+        route: route.to_owned(),
+    })
 }
 
-async fn finish(rx: oneshot::Receiver<Outcome>) -> Result<(JobResult, Duration), NoResult> {
-    match rx.await {
-        Ok((Ok(r), waited)) => Ok((r, waited)),
-        Ok((Err(e), _)) => Err(NoResult::Exec(e)),
-        Err(_) => Err(NoResult::Lost),
-    }
-}
-
-/// Why a queued job produced no result.
-enum NoResult {
-    Exec(ExecError),
-    /// The job thread dropped the job (it panicked).
-    Lost,
-}
-
-impl NoResult {
-    fn into_api(self, field: Option<String>) -> ApiError {
-        match self {
-            NoResult::Exec(e) => ApiError::exec(e, field),
-            NoResult::Lost => ApiError::Internal {
-                field,
-                message: "the job thread lost the job".into(),
-            },
-        }
-    }
+/// The answer for a job that ran.
+pub fn response(ran: Ran, output_b64: bool) -> ExecResponse {
+    let mut resp = ExecResponse::new(ran.result, ran.waited, output_b64);
+    resp.files = ran.files.map(|files| {
+        files
+            .into_iter()
+            .map(|(name, bytes)| (name, crate::api::exec::b64(&bytes)))
+            .collect()
+    });
+    resp
 }
 
 /// `POST /v1/exec`.
@@ -116,94 +59,81 @@ pub async fn exec(
     State(state): State<AppState>,
     JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Json<ExecResponse>, ApiError> {
-    run_exec(&state, req, "/v1/exec").await.map(Json)
-}
-
-/// Checks and runs one job, with its files if it has any: `POST /v1/exec`, and the way
-/// compat layers run theirs (same limits, same admission).
-/// `route` names the route in the audit trail.
-pub async fn run_exec(
-    state: &AppState,
-    mut req: ExecRequest,
-    route: &str,
-) -> Result<ExecResponse, ApiError> {
-    let output_b64 = req.output_b64;
-    let files = req.take_files(&state.config().limits)?;
-    let template = req.template.take();
-    let job = req.into_job(&state.config().limits, "")?;
-    let exec = state.executor_for(template.as_deref())?;
-    let origin = Origin::here(route, state.template_name(template.as_deref()), None);
-    if !files.is_empty() {
-        return crate::session_files::exec_with_files(state, exec, job, files, output_b64, origin)
-            .await;
-    }
-    let slot = state.admit(1)?.remove(0);
-    // Dropped with this future if the client goes away: that cancels the job.
-    let (rx, mut cancel) = start(state, exec, slot, job, origin)?;
-    let done = finish(rx).await;
-    cancel.disarm();
-    let (r, waited) = done.map_err(|e| e.into_api(None))?;
-    Ok(ExecResponse::new(r, waited, output_b64))
+    let b64 = req.output_b64;
+    let one = one_shot(&state, req, "/v1/exec", "", true)?;
+    let ran = jobs::run(&state, one, task::no_sink()).await?;
+    Ok(Json(response(ran, b64)))
 }
 
 /// `POST /v1/exec/batch`: all jobs admitted at once or none, run in parallel on the job
-/// threads, results in request order. One job bud could not run fails the whole request.
+/// threads, results in request order.
 pub async fn batch(
     State(state): State<AppState>,
     JsonBody(req): JsonBody<BatchRequest>,
 ) -> Result<Json<BatchResponse>, ApiError> {
-    let limits = &state.config().limits;
-    let n = req.jobs.len();
-    if n == 0 {
-        return Err(ApiError::invalid("jobs", "jobs must hold at least one job"));
-    }
-    if n > limits.max_batch_jobs {
-        return Err(ApiError::TooMany {
-            field: "jobs".into(),
-            count: n,
-            limit: limits.max_batch_jobs,
-        });
-    }
-    // The jobs share the batch's output budget (`Limits::max_batch_output_bytes`).
-    let share = (limits.max_batch_output_bytes / n).max(1);
-    let mut jobs = Vec::with_capacity(n);
+    let mut b64 = Vec::with_capacity(req.jobs.len());
+    let mut all = Vec::with_capacity(req.jobs.len());
     for (i, r) in req.jobs.into_iter().enumerate() {
-        let b64 = r.output_b64;
-        let template = r.template.clone();
-        let mut job = r.into_job(limits, &format!("jobs[{i}]."))?;
-        job.output_limit = job.output_limit.min(share);
-        jobs.push((job, b64, template));
-    }
-    let mut ready = Vec::with_capacity(n);
-    for (i, (job, b64, template)) in jobs.into_iter().enumerate() {
-        let exec = state
-            .executor_for(template.as_deref())
-            .map_err(|e| e.in_field(&format!("jobs[{i}].template")))?;
-        let origin = Origin::here(
+        b64.push(r.output_b64);
+        all.push(one_shot(
+            &state,
+            r,
             "/v1/exec/batch",
-            state.template_name(template.as_deref()),
-            None,
-        );
-        ready.push((job, b64, exec, origin));
+            &format!("jobs[{i}]."),
+            false,
+        )?);
     }
-    let slots = state.admit(n)?;
-    let mut pending = Vec::with_capacity(n);
-    for (slot, (job, b64, exec, origin)) in slots.into_iter().zip(ready) {
-        pending.push((start(&state, exec, slot, job, origin)?, b64));
-    }
-    let mut results = Vec::with_capacity(n);
-    for (i, ((rx, mut cancel), b64)) in pending.into_iter().enumerate() {
-        let done = finish(rx).await;
-        cancel.disarm();
-        let (r, waited) = done.map_err(|e| e.into_api(Some(format!("jobs[{i}]"))))?;
-        results.push(ExecResponse::new(r, waited, b64));
-    }
+    let ran = jobs::batch(&state, all).await?;
+    let results = ran
+        .into_iter()
+        .zip(b64)
+        .map(|(r, b)| response(r, b))
+        .collect();
     Ok(Json(BatchResponse { results }))
+}
+
+/// What `GET /v1/health` shows.
+pub fn health_of(state: &AppState) -> Health {
+    let g = state.gauges();
+    let template = state.executor_if_ready().and_then(|e| {
+        e.template()
+            .dir()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+    });
+    let relaxed = std::sync::atomic::Ordering::Relaxed;
+    Health {
+        status: if g.template_ready { "ok" } else { "starting" }.into(),
+        template_ready: g.template_ready,
+        template,
+        version: env!("CARGO_PKG_VERSION").into(),
+        host_kind: vmm::HostKind::detect().name().into(),
+        workers: g.workers,
+        queue_capacity: g.queue_capacity,
+        jobs_running: g.jobs_running,
+        jobs_queued: g.jobs_queued,
+        pool_size: g.pool_size,
+        pool_ready: g.pool_ready,
+        live_clones: g.live_clones,
+        warm_vms: g.warm_vms,
+        reuse: match state.config().reuse {
+            vmm::Reuse::Warm => "warm",
+            vmm::Reuse::Fresh => "fresh",
+        }
+        .into(),
+        audit: state.audit().map(|a| AuditHealth {
+            written: a.state.written.load(relaxed),
+            dropped: a.state.dropped.load(relaxed),
+            failing: a.state.failing(),
+            error: a.state.last_error(),
+        }),
+        jailed: state.jobs().jailed(),
+    }
 }
 
 /// `GET /v1/health`: 200 once the template is ready, 503 (same body) before.
 pub async fn health(State(state): State<AppState>) -> Response {
-    let h = state.health();
+    let h = health_of(&state);
     let code = if h.template_ready {
         StatusCode::OK
     } else {
@@ -237,7 +167,7 @@ pub async fn openapi(State(state): State<AppState>) -> Json<serde_json::Value> {
 }
 
 pub async fn not_found(req: Request) -> ApiError {
-    ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
+    ApiError::no_route(req.method().as_str(), req.uri().path())
 }
 
 pub async fn method_not_allowed() -> ApiError {

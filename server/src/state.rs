@@ -4,17 +4,18 @@
 //! The server answers before its templates exist (health says `starting`, jobs get 503 with
 //! `Retry-After`); [`AppState::set_template`] makes one ready, [`AppState::template_failed`]
 //! records why one never will be.
+//!
+//! This is the core's data, read by the service ([`crate::service`]) and the edges; it
+//! decides nothing and names no API dialect.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
 use vmm::Executor;
 
-use crate::api::Health;
 use crate::config::{Config, ConfigError};
-use crate::error::ApiError;
-use crate::jobs::{AdmitError, JobThreads, Slot};
-use crate::metrics::{Gauges, Metrics, Rejection};
+use crate::jobs::JobThreads;
+use crate::metrics::{Gauges, Metrics};
 
 /// What `GET /v1/templates` tells about a template besides its state: from its image.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -23,6 +24,14 @@ pub struct TemplateInfo {
     pub image_bytes: u64,
     /// Debian packages of Python the template offers, name to version.
     pub packages: BTreeMap<String, String>,
+}
+
+/// Where a served template is.
+#[derive(Debug, Clone)]
+pub enum TemplateState {
+    Building,
+    Ready(Arc<Executor>),
+    Failed(String),
 }
 
 /// One served template.
@@ -58,7 +67,6 @@ struct Shared {
     jobs: JobThreads,
     metrics: Arc<Metrics>,
     sessions: Arc<crate::sessions::Sessions>,
-    compat: crate::compat::CompatState,
     audit: Option<crate::audit::AuditLog>,
 }
 
@@ -111,7 +119,6 @@ impl AppState {
             jobs,
             metrics: Arc::default(),
             sessions: Arc::default(),
-            compat: Default::default(),
             audit,
         })))
     }
@@ -153,11 +160,6 @@ impl AppState {
         }
     }
 
-    /// What the compat layers (E2B, Piston) keep.
-    pub fn compat(&self) -> &crate::compat::CompatState {
-        &self.0.compat
-    }
-
     pub fn jobs(&self) -> &JobThreads {
         &self.0.jobs
     }
@@ -188,36 +190,14 @@ impl AppState {
         asked.unwrap_or_else(|| self.config().default_template())
     }
 
-    /// The executor of template `asked` (`None`: the default one): 400 if it is not served,
-    /// 503 while it is not ready (with `Retry-After`) or if it failed.
-    pub fn executor_for(&self, asked: Option<&str>) -> Result<Arc<Executor>, ApiError> {
-        let name = self.template_name(asked);
-        let Some(t) = self.served(name) else {
-            return Err(ApiError::UnknownTemplate {
-                name: name.to_owned(),
-                served: self.config().templates.clone(),
-                field: "template".into(),
-            });
-        };
-        if let Some(e) = t.executor.get() {
-            return Ok(e.clone());
-        }
-        self.metrics().rejected(Rejection::NotReady);
-        Err(match t.failed.get() {
-            Some(why) => ApiError::TemplateFailed {
-                name: name.to_owned(),
-                why: why.clone(),
-            },
-            None => ApiError::NotReady {
-                template: name.to_owned(),
-                retry_after: self.config().retry_after(),
-            },
+    /// The state of template `name`, or None if it is not served.
+    pub fn template_state(&self, name: &str) -> Option<TemplateState> {
+        let t = self.served(name)?;
+        Some(match (t.executor.get(), t.failed.get()) {
+            (Some(e), _) => TemplateState::Ready(e.clone()),
+            (None, Some(why)) => TemplateState::Failed(why.clone()),
+            (None, None) => TemplateState::Building,
         })
-    }
-
-    /// The default template's executor, or 503 while it is not ready.
-    pub fn executor(&self) -> Result<Arc<Executor>, ApiError> {
-        self.executor_for(None)
     }
 
     /// The default template's executor if it is ready (no rejection counted).
@@ -260,69 +240,6 @@ impl AppState {
             .collect()
     }
 
-    /// `n` admission slots for the current request's key, or 429 (full, or the key's
-    /// quota) / 503 (shutting down).
-    pub fn admit(&self, n: usize) -> Result<Vec<Slot>, ApiError> {
-        if self
-            .audit()
-            .is_some_and(crate::audit::AuditLog::refuses_jobs)
-        {
-            return Err(ApiError::AuditUnavailable(
-                self.audit()
-                    .and_then(|a| a.state.last_error())
-                    .unwrap_or_default(),
-            ));
-        }
-        if let Some(budget) = self.config().memory_budget_bytes {
-            let used = crate::metrics::private_bytes();
-            if used > budget {
-                self.metrics().rejected(Rejection::MemoryBudget);
-                return Err(ApiError::MemoryBudget {
-                    used,
-                    budget,
-                    retry_after: self.config().retry_after(),
-                });
-            }
-        }
-        let client = crate::audit::current_key().map(std::sync::Arc::from);
-        self.0
-            .jobs
-            .admit(client, n)
-            .map_err(|e| self.admit_error(e))
-    }
-
-    /// Runs `work` on a job thread in `slot`.
-    pub fn spawn(&self, slot: Slot, work: impl FnOnce() + Send + 'static) -> Result<(), ApiError> {
-        self.0
-            .jobs
-            .spawn(slot, work)
-            .map_err(|e| self.admit_error(e))
-    }
-
-    fn admit_error(&self, e: AdmitError) -> ApiError {
-        match e {
-            AdmitError::Full(capacity) => {
-                self.metrics().rejected(Rejection::Overloaded);
-                ApiError::Overloaded {
-                    capacity,
-                    retry_after: self.config().retry_after(),
-                }
-            }
-            AdmitError::Quota { key, quota } => {
-                self.metrics().rejected(Rejection::KeyQuota);
-                ApiError::KeyQuota {
-                    key,
-                    quota,
-                    retry_after: self.config().retry_after(),
-                }
-            }
-            AdmitError::Closed => {
-                self.metrics().rejected(Rejection::ShuttingDown);
-                ApiError::ShuttingDown
-            }
-        }
-    }
-
     /// Stops admitting jobs and waits for the job threads to finish what they hold.
     pub fn drain(&self) {
         self.0.jobs.join();
@@ -358,43 +275,6 @@ impl AppState {
                     s.failing(),
                 )
             }),
-        }
-    }
-
-    pub fn health(&self) -> Health {
-        let g = self.gauges();
-        let template = self.executor_if_ready().and_then(|e| {
-            e.template()
-                .dir()
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-        });
-        Health {
-            status: if g.template_ready { "ok" } else { "starting" }.into(),
-            template_ready: g.template_ready,
-            template,
-            version: env!("CARGO_PKG_VERSION").into(),
-            host_kind: vmm::HostKind::detect().name().into(),
-            workers: g.workers,
-            queue_capacity: g.queue_capacity,
-            jobs_running: g.jobs_running,
-            jobs_queued: g.jobs_queued,
-            pool_size: g.pool_size,
-            pool_ready: g.pool_ready,
-            live_clones: g.live_clones,
-            warm_vms: g.warm_vms,
-            reuse: match self.config().reuse {
-                vmm::Reuse::Warm => "warm",
-                vmm::Reuse::Fresh => "fresh",
-            }
-            .into(),
-            audit: self.audit().map(|a| crate::api::AuditHealth {
-                written: a.state.written.load(std::sync::atomic::Ordering::Relaxed),
-                dropped: a.state.dropped.load(std::sync::atomic::Ordering::Relaxed),
-                failing: a.state.failing(),
-                error: a.state.last_error(),
-            }),
-            jailed: self.0.jobs.jailed(),
         }
     }
 }

@@ -1,7 +1,9 @@
-//! `POST /v1/exec/stream`: a job's output as it comes, as NDJSON (one JSON object a line).
+//! `POST /v1/exec/stream` and `/v1/sessions/{id}/exec/stream`: a job's (or cell's) output
+//! as it comes, as NDJSON (one JSON object a line).
 //!
-//! The job runs on a job thread through [`vmm::Executor::run_streaming`], whose callback sends
-//! each output chunk down a channel; the response body turns channel messages into lines:
+//! The call runs through the service on a task of its own ([`crate::service::task`]),
+//! whose sink sends each output chunk down a channel; the response body turns channel
+//! messages into lines:
 //! - `{"type":"stdout","data":"..."}` and `{"type":"stderr",...}`, with `data_b64` when the
 //!   chunk is not valid UTF-8 (or the request set `output_b64`). A multi-byte character split
 //!   between two chunks is held back and sent whole with the next one.
@@ -14,7 +16,6 @@
 //! `output_limit`, so what waits in it is too.
 
 use std::convert::Infallible;
-use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -24,23 +25,21 @@ use futures_util::stream;
 use serde::Serialize;
 use tokio::sync::mpsc;
 use vmm::job::Stream;
-use vmm::{ExecError, JobResult};
 
-use crate::api::{ExecRequest, ExecResponse, text_and_b64};
+use crate::api::{CellResponse, ExecRequest, ExecResponse, text_and_b64};
 use crate::body::JsonBody;
-use crate::cell_task;
-use crate::error::ApiError;
-use crate::jobs::CancelOnDrop;
-use crate::routes::record;
-use crate::session_routes::CellResponse;
+use crate::error::{ApiError, Error};
+use crate::routes::{one_shot, response};
+use crate::service::{jobs, sessions, task};
 use crate::state::AppState;
 
-/// What the job thread sends to the response body.
+/// What the call's task sends to the response body.
 enum Event {
     Output(Stream, Vec<u8>),
-    Done(Box<Result<JobResult, ExecError>>, std::time::Duration),
+    /// A one-shot job's end.
+    Done(Box<Result<ExecResponse, Error>>),
     /// A session cell's end (`POST /v1/sessions/{id}/exec/stream`).
-    Cell(Box<Result<CellResponse, ApiError>>),
+    Cell(Box<Result<CellResponse, Error>>),
 }
 
 #[derive(Serialize)]
@@ -130,22 +129,23 @@ impl Encoder {
                         push_line(&mut out, &Line::CellResult(&r));
                     }
                     Err(e) => {
-                        let error = e.body()["error"].take();
+                        let error = ApiError::from(e).body()["error"].take();
                         push_line(&mut out, &Line::Error { error });
                     }
                 }
             }
-            Event::Done(result, waited) => {
+            Event::Done(result) => {
                 self.flush_held(&mut out);
                 match *result {
                     Ok(mut r) => {
                         r.stdout.clear();
                         r.stderr.clear();
-                        let resp = ExecResponse::new(r, waited, false);
-                        push_line(&mut out, &Line::Result(&resp));
+                        r.stdout_b64 = None;
+                        r.stderr_b64 = None;
+                        push_line(&mut out, &Line::Result(&r));
                     }
                     Err(e) => {
-                        let error = ApiError::exec(e, None).body()["error"].take();
+                        let error = ApiError::from(e).body()["error"].take();
                         push_line(&mut out, &Line::Error { error });
                     }
                 }
@@ -167,54 +167,16 @@ pub async fn exec_stream(
     JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Response, ApiError> {
     let output_b64 = req.output_b64;
-    let template = req.template.clone();
-    let mut job = req.into_job(&state.config().limits, "")?;
-    job.stream_output = true;
-    let exec = state.executor_for(template.as_deref())?;
-    let slot = state.admit(1)?.remove(0);
-    // Held by this future, then by the response stream: a client that goes away before the
-    // result line cancels the job.
-    let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
-    let metrics = state.metrics_handle();
-    let queued_at = Instant::now();
-    let origin = crate::audit::Origin::here(
-        "/v1/exec/stream",
-        state.template_name(template.as_deref()),
-        None,
-    );
-    let st = state.clone();
-    state.spawn(slot, move || {
-        let waited = queued_at.elapsed();
-        if tx.is_closed() {
-            return;
-        }
-        let mut forward = |s: Stream, bytes: &[u8]| {
-            let _ = tx.send(Event::Output(s, bytes.to_vec()));
-        };
-        // The result goes out before the VM is reset for its next job.
-        exec.run_then(&job, &mut forward, |result| {
-            if let Ok(r) = &result {
-                st.audit_job(&origin, "job", &job, r, waited);
-            }
-            let outcome = (result, waited);
-            record(&metrics, &outcome);
-            let _ = tx.send(Event::Done(Box::new(outcome.0), outcome.1));
-        });
-    })?;
-
-    let first = rx.recv().await.ok_or_else(|| ApiError::Internal {
-        field: None,
-        message: "the job thread lost the job".into(),
-    })?;
-    let first = match first {
-        Event::Done(result, waited) => match *result {
-            Err(e) => return Err(ApiError::exec(e, None)),
-            ok => Event::Done(Box::new(ok), waited),
-        },
-        ev => ev,
-    };
-    Ok(respond(first, rx, output_b64, Some(cancel)))
+    let mut one = one_shot(&state, req, "/v1/exec/stream", "", false)?;
+    one.job.stream_output = true;
+    let end =
+        |r: Result<jobs::Ran, Error>| Event::Done(Box::new(r.map(|ran| response(ran, false))));
+    let key = crate::audit::current_key();
+    let mut rx = task::spawn(key, Event::Output, end, move |sink| async move {
+        jobs::run(&state, one, sink).await
+    });
+    let first = task::first(&mut rx, split).await?;
+    Ok(respond(first, rx, output_b64))
 }
 
 /// `POST /v1/sessions/{id}/exec/stream`: a cell's output as it comes, then its result line
@@ -228,44 +190,45 @@ pub async fn session_stream(
     let output_b64 = req.output_b64;
     req.stream = true;
     let route = "/v1/sessions/{id}/exec/stream";
+    let end = move |r: Result<sessions::Cell, Error>| {
+        Event::Cell(Box::new(r.map(|c| {
+            CellResponse::new(c.result, c.waited, c.execution_count, output_b64)
+        })))
+    };
     let key = crate::audit::current_key();
-    let end = |r| Event::Cell(Box::new(r));
-    let mut rx = cell_task::spawn(state, id, req, route, key, Event::Output, end);
-    let first = cell_task::first(&mut rx, |ev| match ev {
-        Event::Cell(r) => (*r).map(|ok| Event::Cell(Box::new(Ok(ok)))),
-        ev => Ok(ev),
-    })
-    .await?;
-    Ok(respond(first, rx, output_b64, None))
+    let mut rx = task::spawn(key, Event::Output, end, move |sink| async move {
+        sessions::cell(&state, &id, req, route, sink).await
+    });
+    let first = task::first(&mut rx, split).await?;
+    Ok(respond(first, rx, output_b64))
 }
 
-/// The NDJSON response: `first`, then every event from `rx`, one line each. `cancel` (a
-/// one-shot job's) lives as long as the stream: dropped before the result line (the client
-/// went away), it cancels the job.
-fn respond(
-    first: Event,
-    rx: mpsc::UnboundedReceiver<Event>,
-    output_b64: bool,
-    cancel: Option<CancelOnDrop>,
-) -> Response {
+/// A first event that is the end of a call that failed: its error, answered with its
+/// status instead of a stream.
+fn split(ev: Event) -> Result<Event, Error> {
+    match ev {
+        Event::Done(r) => (*r).map(|ok| Event::Done(Box::new(Ok(ok)))),
+        Event::Cell(r) => (*r).map(|ok| Event::Cell(Box::new(Ok(ok)))),
+        ev => Ok(ev),
+    }
+}
+
+/// The NDJSON response: `first`, then every event from `rx`, one line each. Dropping it
+/// (the client went away) drops `rx`, which cancels the call ([`task`]).
+fn respond(first: Event, rx: mpsc::UnboundedReceiver<Event>, output_b64: bool) -> Response {
     let encoder = Encoder {
         output_b64,
         held: [Vec::new(), Vec::new()],
     };
     let lines = stream::unfold(
-        (Some(first), rx, encoder, cancel),
-        |(pending, mut rx, mut enc, mut cancel)| async move {
+        (Some(first), rx, encoder),
+        |(pending, mut rx, mut enc)| async move {
             let ev = match pending {
                 Some(ev) => ev,
                 None => rx.recv().await?,
             };
-            if matches!(ev, Event::Done(..) | Event::Cell(..))
-                && let Some(c) = cancel.as_mut()
-            {
-                c.disarm();
-            }
             let line = enc.encode(ev);
-            Some((Ok::<_, Infallible>(line), (None, rx, enc, cancel)))
+            Some((Ok::<_, Infallible>(line), (None, rx, enc)))
         },
     );
     (

@@ -28,6 +28,7 @@ pub mod boot;
 pub mod cpuid;
 pub mod devices;
 pub mod executor;
+pub mod files;
 pub mod host;
 pub mod host_identity;
 pub mod identity;

@@ -67,7 +67,7 @@ pub enum SessionError {
     Gone,
 }
 
-/// Bytes of file data per request of [`Session::write_file`].
+/// Bytes of file data per request of [`Session::put_file`].
 pub const FILE_CHUNK: usize = 1 << 20;
 
 /// How long an interrupted cell has to end before its session is over.
@@ -248,8 +248,8 @@ impl Session {
 
     /// Runs a file operation ([`crate::protocol::file_op`]) on `path` with `data` as its
     /// input; its output is the result's stdout, its [`crate::protocol::file_status`] the
-    /// exit code.
-    pub fn file_op(
+    /// exit code. Callers use the typed operations of [`crate::files`].
+    pub(crate) fn file_op(
         &mut self,
         ex: &Executor,
         op: u32,
@@ -266,29 +266,6 @@ impl Session {
         // larger than the caller's limit.
         let grace = Some(DEFAULT_INTERRUPT_GRACE);
         self.request(ex, &j, Kind::File(op), grace, &mut |_, _| {})
-    }
-
-    /// Writes `data` to `path` (created or truncated), in requests of at most
-    /// [`FILE_CHUNK`] bytes (a request's data area is smaller than a large file). Returns the
-    /// result of the first request that did not succeed, or of the last one.
-    pub fn write_file(
-        &mut self,
-        ex: &Executor,
-        path: &str,
-        data: &[u8],
-        timeout: Duration,
-    ) -> Result<JobResult, SessionError> {
-        let mut op = crate::protocol::file_op::WRITE;
-        let mut chunks = data.chunks(FILE_CHUNK);
-        let mut next = chunks.next().unwrap_or(&[]);
-        loop {
-            let r = self.file_op(ex, op, path, next.to_vec(), timeout, 64 << 10)?;
-            op = crate::protocol::file_op::APPEND;
-            match chunks.next() {
-                Some(c) if r.status == job::Status::Ok => next = c,
-                _ => return Ok(r),
-            }
-        }
     }
 
     fn request(

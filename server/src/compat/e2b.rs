@@ -31,10 +31,13 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::error::ApiError;
+use super::Compat;
+use crate::api::CreateSession;
+use crate::clock::{epoch_s, rfc3339};
+use crate::error::{ApiError, Error};
 use crate::keys::constant_time_eq;
-use crate::session_routes::{self, CreateSession};
-use crate::sessions::{Entry, epoch_s};
+use crate::service::sessions;
+use crate::sessions::Entry;
 use crate::state::AppState;
 
 /// The header E2B's SDK names the sandbox with on in-sandbox routes.
@@ -80,9 +83,9 @@ impl Contexts {
     /// Most contexts a sandbox may have (each holds a namespace in the guest).
     pub const MAX: usize = 64;
 
-    pub fn add(&mut self, language: &str, cwd: &str) -> Result<Context, ApiError> {
+    pub fn add(&mut self, language: &str, cwd: &str) -> Result<Context, Error> {
         if self.made.len() >= Self::MAX {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "contexts",
                 format!("a sandbox has at most {} contexts", Self::MAX),
             ));
@@ -115,23 +118,21 @@ impl Registry {
     }
 }
 
-fn random_hex(bytes: usize) -> Result<String, ApiError> {
+fn random_hex(bytes: usize) -> Result<String, Error> {
     let mut b = vec![0u8; bytes];
-    vmm::identity::host_random(&mut b).map_err(|e| ApiError::Internal {
-        field: None,
-        message: e.to_string(),
-    })?;
+    vmm::identity::host_random(&mut b).map_err(Error::internal)?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 /// E2B's error shape over a native error's status.
-pub fn e2b_error(e: ApiError) -> Response {
+pub fn e2b_error(e: impl Into<ApiError>) -> Response {
+    let e = e.into();
     let code = e.status().as_u16();
     e.respond_with(json!({ "code": code, "message": e.to_string() }))
 }
 
 /// The bud template of an E2B template name.
-fn bud_template(state: &AppState, asked: &str) -> Result<String, ApiError> {
+fn bud_template(state: &AppState, asked: &str) -> Result<String, Error> {
     let name = match asked {
         "code-interpreter-v1" | "code-interpreter" => "datascience",
         "base" => "python",
@@ -140,7 +141,7 @@ fn bud_template(state: &AppState, asked: &str) -> Result<String, ApiError> {
     if state.templates().iter().any(|t| t.name == name) {
         return Ok(name.to_owned());
     }
-    Err(ApiError::invalid(
+    Err(Error::invalid(
         "templateID",
         format!(
             "template {asked} is bud's {name}, which this server does not serve (bud serve --templates {name},...)"
@@ -175,7 +176,8 @@ fn body_of(s: &Sandbox, e: &Entry, with_token: bool) -> serde_json::Value {
     v
 }
 
-async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, ApiError> {
+async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> {
+    let state = &c.app;
     let template = bud_template(state, &req.template_id)?;
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let lim = &state.config().sessions;
@@ -187,21 +189,19 @@ async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, A
         template: Some(template),
         ..CreateSession::default()
     };
-    let e = session_routes::start_session(state, native)
-        .await
-        .map_err(|e| match e {
-            ApiError::Invalid { field, message } => ApiError::Invalid {
-                field: field.map(|f| {
-                    if f == "max_lifetime_s" {
-                        "timeout".into()
-                    } else {
-                        f
-                    }
-                }),
-                message: message.replace("max_lifetime_s", "timeout"),
-            },
-            other => other,
-        })?;
+    let e = sessions::start(state, native).await.map_err(|e| match e {
+        Error::Invalid { field, message } => Error::Invalid {
+            field: field.map(|f| {
+                if f == "max_lifetime_s" {
+                    "timeout".into()
+                } else {
+                    f
+                }
+            }),
+            message: message.replace("max_lifetime_s", "timeout"),
+        },
+        other => other,
+    })?;
     let s = Arc::new(Sandbox {
         id: e.id.clone(),
         template_id: req.template_id,
@@ -210,7 +210,7 @@ async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, A
         metadata: req.metadata,
         contexts: Mutex::default(),
     });
-    let mut map = state.compat().e2b.map();
+    let mut map = c.own.e2b.map();
     // Sandboxes whose sessions ended by themselves (expired, crashed) go here, so the
     // registry never holds more than the live sessions and those that ended since.
     map.retain(|id, _| state.sessions().get(id).is_ok());
@@ -220,29 +220,29 @@ async fn create_sandbox(state: &AppState, req: NewSandbox) -> Result<Response, A
 }
 
 /// `POST /v2/sandboxes`.
-pub async fn create(State(state): State<AppState>, body: axum::body::Bytes) -> Response {
+pub async fn create(State(c): State<Compat>, body: axum::body::Bytes) -> Response {
     let req = match serde_json::from_slice::<NewSandbox>(&body) {
         Ok(r) => r,
-        Err(e) => return e2b_error(ApiError::invalid("body", format!("bad JSON body: {e}"))),
+        Err(e) => return e2b_error(Error::invalid("body", format!("bad JSON body: {e}"))),
     };
-    create_sandbox(&state, req).await.unwrap_or_else(e2b_error)
+    create_sandbox(&c, req).await.unwrap_or_else(e2b_error)
 }
 
 /// `POST /sandboxes`: the older route, same body.
-pub async fn create_v1(state: State<AppState>, body: axum::body::Bytes) -> Response {
-    create(state, body).await
+pub async fn create_v1(c: State<Compat>, body: axum::body::Bytes) -> Response {
+    create(c, body).await
 }
 
 /// The live sandbox `id` and its session; a sandbox whose session is gone is forgotten.
-pub fn live(state: &AppState, id: &str) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
-    let found = state.compat().e2b.map().get(id).cloned();
+pub fn live(c: &Compat, id: &str) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+    let found = c.own.e2b.map().get(id).cloned();
     let Some(s) = found else {
         return Err(ApiError::NotFound(format!("sandbox {id} not found")));
     };
-    match state.sessions().get(id) {
+    match c.app.sessions().get(id) {
         Ok(e) => Ok((s, e)),
         Err(_) => {
-            state.compat().e2b.map().remove(id);
+            c.own.e2b.map().remove(id);
             Err(ApiError::NotFound(format!("sandbox {id} is not running")))
         }
     }
@@ -259,10 +259,7 @@ pub fn is_sandbox_route(path: &str) -> bool {
 
 /// The sandbox an in-sandbox request is for (`E2b-Sandbox-Id`), with its token checked
 /// when the server has keys. A sandbox that is not running is 502, as E2B's proxy answers.
-pub fn sandbox_of(
-    state: &AppState,
-    headers: &HeaderMap,
-) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+pub fn sandbox_of(c: &Compat, headers: &HeaderMap) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
     let id = headers
         .get(SANDBOX_ID_HEADER)
         .and_then(|v| v.to_str().ok())
@@ -271,8 +268,8 @@ pub fn sandbox_of(
                 "this route needs an E2b-Sandbox-Id header (E2B's SDK sends it)".into(),
             )
         })?;
-    let (s, e) = live(state, id).map_err(|_| ApiError::SandboxGone(id.to_owned()))?;
-    if state.config().api_keys.is_some() {
+    let (s, e) = live(c, id).map_err(|_| ApiError::SandboxGone(id.to_owned()))?;
+    if c.app.config().api_keys.is_some() {
         let token = headers
             .get(ACCESS_TOKEN_HEADER)
             .map(|v| v.as_bytes())
@@ -285,20 +282,21 @@ pub fn sandbox_of(
 }
 
 /// `DELETE /sandboxes/{id}`: 204, or 404 if unknown.
-pub async fn kill(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    let known = state.compat().e2b.map().remove(&id).is_some();
+pub async fn kill(State(c): State<Compat>, Path(id): Path<String>) -> Response {
+    let known = c.own.e2b.map().remove(&id).is_some();
     if !known {
         return e2b_error(ApiError::NotFound(format!("sandbox {id} not found")));
     }
-    match session_routes::end_session(&state, id).await {
-        Ok(()) | Err(ApiError::NoSession(_)) => StatusCode::NO_CONTENT.into_response(),
+    match sessions::end(&c.app, &id).await {
+        Ok(()) | Err(Error::NoSession(_)) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e2b_error(e),
     }
 }
 
 /// `GET /sandboxes/{id}`.
-pub async fn info(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    let (s, e) = match live(&state, &id) {
+pub async fn info(State(c): State<Compat>, Path(id): Path<String>) -> Response {
+    let state = &c.app;
+    let (s, e) = match live(&c, &id) {
         Ok(found) => found,
         Err(err) => return e2b_error(err),
     };
@@ -331,10 +329,10 @@ pub struct Timeout {
     pub timeout: u64,
 }
 
-fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), ApiError> {
+fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), Error> {
     let max = state.config().sessions.max_lifetime_s;
     if !(1..=max).contains(&seconds) {
-        return Err(ApiError::invalid(
+        return Err(Error::invalid(
             "timeout",
             format!("timeout must be 1..={max} seconds (got {seconds})"),
         ));
@@ -346,14 +344,14 @@ fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), ApiErro
 /// `POST /v2/sandboxes/{id}/connect`: 200 with the sandbox; its lifetime becomes `timeout`
 /// from now.
 pub async fn connect(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
     let run = || -> Result<Response, ApiError> {
-        let (s, e) = live(&state, &id)?;
+        let (s, e) = live(&c, &id)?;
         if let Ok(t) = serde_json::from_slice::<Timeout>(&body) {
-            set_lifetime(&state, &e, t.timeout)?;
+            set_lifetime(&c.app, &e, t.timeout)?;
         }
         Ok(Json(body_of(&s, &e, true)).into_response())
     };
@@ -362,53 +360,23 @@ pub async fn connect(
 
 /// `POST /sandboxes/{id}/timeout`: 204.
 pub async fn set_timeout(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
     let run = || -> Result<Response, ApiError> {
-        let (_, e) = live(&state, &id)?;
+        let (_, e) = live(&c, &id)?;
         let t: Timeout = serde_json::from_slice(&body)
             .map_err(|err| ApiError::invalid("timeout", format!("bad JSON body: {err}")))?;
-        set_lifetime(&state, &e, t.timeout)?;
+        set_lifetime(&c.app, &e, t.timeout)?;
         Ok(StatusCode::NO_CONTENT.into_response())
     };
     run().unwrap_or_else(e2b_error)
 }
 
-/// Seconds since the epoch as RFC 3339 UTC (`2026-11-23T13:04:05.123Z`).
-pub fn rfc3339(epoch: f64) -> String {
-    let secs = epoch.floor() as i64;
-    let millis = ((epoch - secs as f64) * 1000.0).floor() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rfc3339_dates_are_civil_utc() {
-        assert_eq!(rfc3339(0.0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(rfc3339(951_782_400.5), "2000-02-29T00:00:00.500Z");
-        assert_eq!(rfc3339(1_795_438_245.25), "2026-11-23T12:50:45.250Z");
-    }
 
     #[test]
     fn contexts_get_their_own_namespaces_up_to_the_cap() {

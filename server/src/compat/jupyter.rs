@@ -32,12 +32,11 @@ use serde_json::json;
 use vmm::job::Stream;
 use vmm::{CellOptions, Language, Status};
 
+use super::Compat;
 use super::e2b::{Context, e2b_error, sandbox_of};
-use crate::api::ExecRequest;
-use crate::cell_task;
-use crate::error::ApiError;
-use crate::session_routes::{self, CellResponse};
-use crate::state::AppState;
+use crate::api::{CellResponse, ExecRequest};
+use crate::error::{ApiError, Error};
+use crate::service::{sessions, task};
 
 /// The default context's id in `GET /contexts`.
 pub const DEFAULT_CONTEXT: &str = "default";
@@ -71,11 +70,11 @@ fn target(
     Ok((language_of(language)?, 0))
 }
 
-fn language_of(name: &str) -> Result<Language, ApiError> {
+fn language_of(name: &str) -> Result<Language, Error> {
     match name {
         "python" | "python3" => Ok(Language::Python),
         "bash" | "sh" => Ok(Language::Shell),
-        other => Err(ApiError::invalid(
+        other => Err(Error::invalid(
             "language",
             format!("bud runs python and bash (busybox sh) code, not {other}"),
         )),
@@ -92,7 +91,7 @@ fn micros_now() -> u64 {
 /// What the cell's task sends to the response body.
 enum Event {
     Output(Stream, Vec<u8>),
-    End(Box<Result<CellResponse, ApiError>>, Language),
+    End(Box<Result<CellResponse, Error>>, Language),
 }
 
 /// Turns events into E2B's NDJSON lines, holding back characters split between chunks.
@@ -215,18 +214,15 @@ fn end_lines(cell: &CellResponse, language: Language, out: &mut Vec<u8>) {
 }
 
 /// `POST /execute`.
-pub async fn execute(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    start_execute(state, headers, body)
+pub async fn execute(State(c): State<Compat>, headers: HeaderMap, body: Bytes) -> Response {
+    start_execute(c, headers, body)
         .await
         .unwrap_or_else(e2b_error)
 }
 
-async fn start_execute(
-    state: AppState,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let (s, e) = sandbox_of(&state, &headers)?;
+async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (s, e) = sandbox_of(&c, &headers)?;
+    let state = c.app;
     let req: ExecuteRequest = serde_json::from_slice(&body)
         .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?;
     let (language, namespace) = {
@@ -248,18 +244,16 @@ async fn start_execute(
     };
     // The audit trail names the key that made the sandbox (its routes carry no API key).
     let key = s.key.clone();
-    let end = move |r| Event::End(Box::new(r), language);
-    let mut rx = cell_task::spawn(
-        state,
-        e.id.clone(),
-        native,
-        "/execute",
-        key,
-        Event::Output,
-        end,
-    );
+    let end = move |r: Result<sessions::Cell, Error>| {
+        let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
+        Event::End(Box::new(r), language)
+    };
+    let id = e.id.clone();
+    let mut rx = task::spawn(key, Event::Output, end, move |sink| async move {
+        sessions::cell(&state, &id, native, "/execute", sink).await
+    });
     // The first event decides the status: a cell that could not run is an HTTP error.
-    let first = cell_task::first(&mut rx, |ev| match ev {
+    let first = task::first(&mut rx, |ev| match ev {
         Event::End(r, l) => (*r).map(|ok| Event::End(Box::new(Ok(ok)), l)),
         ev => Ok(ev),
     })
@@ -292,13 +286,9 @@ pub struct NewContext {
 }
 
 /// `POST /contexts`: a new context with its own namespace.
-pub async fn create_context(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub async fn create_context(State(c): State<Compat>, headers: HeaderMap, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
-        let (s, _) = sandbox_of(&state, &headers)?;
+        let (s, _) = sandbox_of(&c, &headers)?;
         let req: NewContext = if body.is_empty() {
             NewContext::default()
         } else {
@@ -316,9 +306,9 @@ pub async fn create_context(
 }
 
 /// `GET /contexts`: the default context, then those made.
-pub async fn list_contexts(State(state): State<AppState>, headers: HeaderMap) -> Response {
+pub async fn list_contexts(State(c): State<Compat>, headers: HeaderMap) -> Response {
     let run = || -> Result<Response, ApiError> {
-        let (s, _) = sandbox_of(&state, &headers)?;
+        let (s, _) = sandbox_of(&c, &headers)?;
         let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
         let mut all = vec![json!({"id": DEFAULT_CONTEXT, "language": "python", "cwd": HOME})];
         all.extend(contexts.made.values().map(context_json));
@@ -328,9 +318,9 @@ pub async fn list_contexts(State(state): State<AppState>, headers: HeaderMap) ->
 }
 
 /// Empties context `id`'s namespace with an empty cell (and forgets it if `forget`).
-async fn reset(state: AppState, headers: HeaderMap, id: String, forget: bool) -> Response {
+async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Response {
     let run = async {
-        let (s, e) = sandbox_of(&state, &headers)?;
+        let (s, e) = sandbox_of(&c, &headers)?;
         let namespace = if id == DEFAULT_CONTEXT {
             if forget {
                 return Err(ApiError::invalid(
@@ -356,7 +346,7 @@ async fn reset(state: AppState, headers: HeaderMap, id: String, forget: bool) ->
             },
             ..ExecRequest::default()
         };
-        let reset = session_routes::run_cell(&state, &e.id, native, "/contexts", |_, _| {});
+        let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
         crate::audit::KEY.scope(s.key.clone(), reset).await?;
         if forget {
             s.contexts
@@ -372,18 +362,18 @@ async fn reset(state: AppState, headers: HeaderMap, id: String, forget: bool) ->
 
 /// `POST /contexts/{id}/restart`: its namespace emptied.
 pub async fn restart_context(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    reset(state, headers, id, false).await
+    reset(c, headers, id, false).await
 }
 
 /// `DELETE /contexts/{id}`.
 pub async fn remove_context(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    reset(state, headers, id, true).await
+    reset(c, headers, id, true).await
 }

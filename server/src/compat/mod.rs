@@ -1,4 +1,4 @@
-//! Other sandboxes' client protocols over bud's own machinery, so that existing clients
+//! Other sandboxes' client protocols over bud's own service, so that existing clients
 //! switch to bud by changing a URL:
 //! - [`e2b`]: E2B's control plane (sandboxes), over bud sessions;
 //! - [`jupyter`]: E2B's code-interpreter API (`/execute`, `/contexts`), over session cells;
@@ -6,16 +6,19 @@
 //!   `/files`), over shell cells and file operations;
 //! - [`piston`]: Piston's v2 API, over one-shot jobs.
 //!
-//! Every route here goes through the same checks, limits and admission as the native API
-//! (it calls the native functions), and through the same API-key check ([`crate::keys`]).
-//! E2B's in-sandbox routes (envd and the code interpreter) are found by the
-//! `E2b-Sandbox-Id` header, as E2B's own proxy finds them, and need the sandbox's access
-//! token when keys are configured.
+//! Every route here is an adapter over [`crate::service`]: the same checks, limits and
+//! admission as the native API, and the same API-key check ([`crate::keys`]). What only a
+//! dialect knows (E2B's sandboxes and contexts, Piston's runtimes) lives in [`Compat`], this
+//! layer's own router state; the core knows nothing of it. E2B's in-sandbox routes (envd
+//! and the code interpreter) are found by the `E2b-Sandbox-Id` header, as E2B's own proxy
+//! finds them, and need the sandbox's access token when keys are configured.
 
 pub mod e2b;
 pub mod envd;
 pub mod jupyter;
 pub mod piston;
+
+use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{delete, get, post};
@@ -31,8 +34,21 @@ pub struct CompatState {
     pub e2b: e2b::Registry,
 }
 
-/// The compat routes, merged into the API's router.
-pub fn routes() -> Router<AppState> {
+/// The compat routes' state: the server's, and this layer's own.
+#[derive(Debug, Clone)]
+pub struct Compat {
+    pub app: AppState,
+    pub own: Arc<CompatState>,
+}
+
+/// Whether `path` is a compat route that carries a credential of its own instead of an
+/// API key (E2B's in-sandbox routes: [`e2b::is_sandbox_route`]).
+pub fn exempt_from_keys(path: &str) -> bool {
+    e2b::is_sandbox_route(path)
+}
+
+/// The compat routes over `app`, to merge into the API's router.
+pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
     let mut r = Router::new();
     for prefix in ["/api/v2", "/api/v2/piston"] {
         for slash in ["", "/"] {
@@ -58,4 +74,8 @@ pub fn routes() -> Router<AppState> {
         .route("/files", get(envd::read_file).post(envd::write_files))
         .route("/process.Process/{method}", post(envd::process))
         .route("/filesystem.Filesystem/{method}", post(envd::filesystem))
+        .with_state(Compat {
+            app,
+            own: Arc::default(),
+        })
 }

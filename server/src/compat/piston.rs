@@ -2,7 +2,7 @@
 //! where the public instance and its clients put it), over bud's one-shot jobs.
 //!
 //! A Piston request becomes a native [`ExecRequest`] and runs through
-//! [`crate::routes::run_exec`]: the same limits, admission and template as `POST /v1/exec`.
+//! the service's one-shot jobs: the same limits, admission and template as `POST /v1/exec`.
 //! Mapping (docs/compat.md has the table):
 //! - `language`: `python` (aliases `py`, `py3`, `python3`, `python3.11`) runs as a Python job;
 //!   `bash` (alias `sh`) as a shell job — bud's shell is busybox `ash`, and the runtime list
@@ -33,8 +33,11 @@ use base64::Engine;
 use serde::{Deserialize, Serialize};
 use vmm::{Language, Status};
 
+use super::Compat;
 use crate::api::{ExecRequest, ExecResponse};
-use crate::error::ApiError;
+use crate::error::{ApiError, Error};
+use crate::routes::{one_shot, response};
+use crate::service::{jobs, task};
 use crate::state::AppState;
 
 /// The runtimes bud offers, with their versions as read off the guest.
@@ -91,17 +94,28 @@ pub struct Stage {
 /// Piston's error shape over a native error's status.
 fn piston_error(e: ApiError) -> Response {
     let message = match &e {
-        ApiError::Invalid { message, .. } => message.clone(),
+        ApiError::Service(Error::Invalid { message, .. }) => message.clone(),
         other => other.to_string(),
     };
     e.respond_with(serde_json::json!({ "message": message }))
 }
 
-fn bad(message: impl Into<String>) -> ApiError {
-    ApiError::Invalid {
+fn bad(message: impl Into<String>) -> Error {
+    Error::Invalid {
         field: None,
         message: message.into(),
     }
+}
+
+/// Runs `req` as `POST /v1/exec` would, asked on `route`.
+async fn run_native(
+    state: &AppState,
+    req: ExecRequest,
+    route: &str,
+) -> Result<ExecResponse, Error> {
+    let b64 = req.output_b64;
+    let one = one_shot(state, req, route, "", true)?;
+    Ok(response(jobs::run(state, one, task::no_sink()).await?, b64))
 }
 
 const PYTHON_NAMES: [&str; 5] = ["python", "py", "py3", "python3", "python3.11"];
@@ -113,9 +127,9 @@ print(platform.python_version())\n\
 print(subprocess.run(['busybox'], capture_output=True, text=True).stdout.splitlines()[0])";
 
 /// Reads the versions off the guest (once per server).
-async fn versions(state: &AppState) -> Result<Versions, ApiError> {
-    state
-        .compat()
+async fn versions(c: &Compat) -> Result<Versions, Error> {
+    let state = &c.app;
+    c.own
         .piston_versions
         .get_or_try_init(|| async {
             // The worker's own interpreter is the one jobs get: no second interpreter is
@@ -129,8 +143,8 @@ async fn versions(state: &AppState) -> Result<Versions, ApiError> {
                 timeout_ms: Some(state.config().limits.max_timeout_ms),
                 ..ExecRequest::default()
             };
-            let r = crate::routes::run_exec(state, req, "/api/v2/runtimes").await?;
-            parse_versions(&r.stdout).ok_or_else(|| ApiError::Internal {
+            let r = run_native(state, req, "/api/v2/runtimes").await?;
+            parse_versions(&r.stdout).ok_or_else(|| Error::Internal {
                 field: None,
                 message: format!(
                     "could not read the runtime versions (the probe ended {:?}): {:?} {:?}",
@@ -173,10 +187,10 @@ fn runtimes_of(v: &Versions) -> Vec<Runtime> {
 }
 
 /// `GET /api/v2/runtimes`.
-pub async fn runtimes(State(state): State<AppState>) -> Response {
-    match versions(&state).await {
+pub async fn runtimes(State(c): State<Compat>) -> Response {
+    match versions(&c).await {
         Ok(v) => Json(runtimes_of(&v)).into_response(),
-        Err(e) => piston_error(e),
+        Err(e) => piston_error(e.into()),
     }
 }
 
@@ -189,7 +203,7 @@ fn version_matches(asked: Option<&str>, have: &str) -> bool {
     have == asked || have.starts_with(&format!("{asked}."))
 }
 
-fn decode(i: usize, f: &PistonFile) -> Result<Vec<u8>, ApiError> {
+fn decode(i: usize, f: &PistonFile) -> Result<Vec<u8>, Error> {
     let content = f
         .content
         .as_deref()
@@ -224,7 +238,7 @@ fn native(
     state: &AppState,
     req: Execute,
     v: &Versions,
-) -> Result<(ExecRequest, &'static str, String), ApiError> {
+) -> Result<(ExecRequest, &'static str, String), Error> {
     let lang = req
         .language
         .ok_or_else(|| bad("language is required as a string"))?;
@@ -343,22 +357,23 @@ fn stage(r: &ExecResponse) -> Stage {
 }
 
 /// `POST /api/v2/execute`.
-pub async fn execute(State(state): State<AppState>, req: Request) -> Response {
-    match run(&state, req.into_body()).await {
+pub async fn execute(State(c): State<Compat>, req: Request) -> Response {
+    match run(&c, req.into_body()).await {
         Ok(answer) => Json(answer).into_response(),
         Err(e) => piston_error(e),
     }
 }
 
-async fn run(state: &AppState, body: Body) -> Result<serde_json::Value, ApiError> {
+async fn run(c: &Compat, body: Body) -> Result<serde_json::Value, ApiError> {
+    let state = &c.app;
     let limits = &state.config().limits;
     let bytes =
         crate::body::read_limited(body, limits.max_body_bytes, limits.body_timeout()).await?;
     let req: Execute =
         serde_json::from_slice(&bytes).map_err(|e| bad(format!("bad JSON body: {e}")))?;
-    let v = versions(state).await?;
+    let v = versions(c).await?;
     let (native, language, version) = native(state, req, &v)?;
-    let r = crate::routes::run_exec(state, native, "/api/v2/execute").await?;
+    let r = run_native(state, native, "/api/v2/execute").await?;
     Ok(serde_json::json!({
         "language": language,
         "version": version,

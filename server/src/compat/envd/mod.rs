@@ -40,13 +40,12 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use vmm::protocol::file_op;
 
+use super::Compat;
 use super::e2b::{e2b_error, sandbox_of};
 use super::jupyter::HOME;
-use crate::error::ApiError;
-use crate::session_files;
-use crate::state::AppState;
+use crate::error::{ApiError, Error};
+use crate::service::files;
 
 pub use filesystem::filesystem;
 pub use process::process;
@@ -57,7 +56,7 @@ const WORKDIR: &str = "/tmp";
 const MAX_ENTRIES: usize = 10_000;
 
 /// A guest path relative to the work directory, from an E2B path (module docs).
-pub fn guest_path(p: &str) -> Result<String, ApiError> {
+pub fn guest_path(p: &str) -> Result<String, Error> {
     let p = p.trim_end_matches('/');
     let rel = if p.is_empty() || p == HOME || p == WORKDIR {
         "."
@@ -67,7 +66,7 @@ pub fn guest_path(p: &str) -> Result<String, ApiError> {
     {
         r
     } else if p.starts_with('/') {
-        return Err(ApiError::invalid(
+        return Err(Error::invalid(
             "path",
             format!("{p}: bud sandboxes keep files under {HOME} (the same directory as {WORKDIR})"),
         ));
@@ -119,13 +118,14 @@ pub(crate) fn connect_error(code: &str, message: String) -> Response {
     (status, Json(json!({"code": code, "message": message}))).into_response()
 }
 
-pub(crate) fn from_api(e: ApiError) -> Response {
+pub(crate) fn from_api(e: impl Into<ApiError>) -> Response {
+    let e = e.into();
     connect_error(connect_code(&e), e.to_string())
 }
 
 /// `GET /health`.
-pub async fn health(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    match sandbox_of(&state, &headers) {
+pub async fn health(State(c): State<Compat>, headers: HeaderMap) -> Response {
+    match sandbox_of(&c, &headers) {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e2b_error(e),
     }
@@ -138,14 +138,14 @@ pub struct FileQuery {
 
 /// `GET /files?path=`.
 pub async fn read_file(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     headers: HeaderMap,
     Query(q): Query<FileQuery>,
 ) -> Response {
     let run = async {
-        let (_, e) = sandbox_of(&state, &headers)?;
+        let (_, e) = sandbox_of(&c, &headers)?;
         let path = guest_path(q.path.as_deref().unwrap_or_default())?;
-        session_files::file_request(&state, &e.id, file_op::READ, path, Vec::new()).await
+        Ok::<_, ApiError>(files::read(&c.app, &e.id, &path).await?)
     };
     match run.await {
         Ok(bytes) => (
@@ -159,23 +159,26 @@ pub async fn read_file(
 
 /// `POST /files`.
 pub async fn write_files(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     Query(q): Query<FileQuery>,
     req: Request,
 ) -> Response {
-    match write(&state, q, req).await {
+    match write(&c, q, req).await {
         Ok(written) => Json(written).into_response(),
         Err(e) => e2b_error(e),
     }
 }
 
-async fn write(state: &AppState, q: FileQuery, req: Request) -> Result<Vec<Value>, ApiError> {
-    let (_, e) = sandbox_of(state, req.headers())?;
+async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, ApiError> {
+    let (_, e) = sandbox_of(c, req.headers())?;
+    let state = &c.app;
     let limit = state.config().sessions.max_file_bytes;
-    let too_large = |bytes| ApiError::TooLarge {
-        field: "file".into(),
-        bytes,
-        limit,
+    let too_large = |bytes| {
+        ApiError::Service(Error::TooLarge {
+            field: "file".into(),
+            bytes,
+            limit,
+        })
     };
     let multipart = req
         .headers()
@@ -227,7 +230,7 @@ async fn write(state: &AppState, q: FileQuery, req: Request) -> Result<Vec<Value
     let mut written = Vec::with_capacity(files.len());
     for (path, data) in files {
         let rel = guest_path(&path)?;
-        session_files::file_request(state, &e.id, file_op::WRITE, rel.clone(), data).await?;
+        files::write(state, &e.id, &rel, data).await?;
         let name = rel.rsplit('/').next().unwrap_or(&rel).to_owned();
         written.push(json!({"name": name, "type": "file", "path": e2b_path(&rel)}));
     }

@@ -15,11 +15,11 @@ use vmm::job::Stream;
 use vmm::{Language, Status};
 
 use super::{connect_code, connect_error, from_api};
-use crate::api::ExecRequest;
-use crate::cell_task;
+use crate::api::{CellResponse, ExecRequest};
+use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
-use crate::error::ApiError;
-use crate::state::AppState;
+use crate::error::{ApiError, Error};
+use crate::service::{sessions, task};
 
 /// Pid numbers of started commands (per server, for the `start` event).
 static NEXT_PID: AtomicU32 = AtomicU32::new(1000);
@@ -35,22 +35,22 @@ fn envelope(flags: u8, v: &Value) -> Bytes {
 }
 
 /// The JSON message of an enveloped request body (or of a bare JSON one).
-fn unwrap_envelope(body: &[u8]) -> Result<Value, ApiError> {
+fn unwrap_envelope(body: &[u8]) -> Result<Value, Error> {
     let json = match body {
         [0, a, b, c, d, rest @ ..] => {
             let len = u32::from_be_bytes([*a, *b, *c, *d]) as usize;
             rest.get(..len)
-                .ok_or_else(|| ApiError::invalid("body", "truncated Connect envelope"))?
+                .ok_or_else(|| Error::invalid("body", "truncated Connect envelope"))?
         }
         [1, ..] => {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 "body",
                 "compressed envelopes are not supported",
             ));
         }
         other => other,
     };
-    serde_json::from_slice(json).map_err(|e| ApiError::invalid("body", format!("bad JSON: {e}")))
+    serde_json::from_slice(json).map_err(|e| Error::invalid("body", format!("bad JSON: {e}")))
 }
 
 /// Single-quotes `s` for the shell.
@@ -59,10 +59,10 @@ fn quote(s: &str) -> String {
 }
 
 /// The shell script of a process config (module docs).
-fn script_of(process: &Value) -> Result<String, ApiError> {
+fn script_of(process: &Value) -> Result<String, Error> {
     let cmd = process["cmd"]
         .as_str()
-        .ok_or_else(|| ApiError::invalid("process.cmd", "process.cmd is required"))?;
+        .ok_or_else(|| Error::invalid("process.cmd", "process.cmd is required"))?;
     let args: Vec<&str> = process["args"]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_str).collect())
@@ -72,7 +72,7 @@ fn script_of(process: &Value) -> Result<String, ApiError> {
     let mut script = match (shell, dash_c) {
         (true, Some(i)) if args[..i].iter().all(|a| a.starts_with('-')) => args
             .get(i + 1)
-            .ok_or_else(|| ApiError::invalid("process.args", "-c needs a script"))?
+            .ok_or_else(|| Error::invalid("process.args", "-c needs a script"))?
             .to_string(),
         _ => std::iter::once(cmd)
             .chain(args.iter().copied())
@@ -88,12 +88,12 @@ fn script_of(process: &Value) -> Result<String, ApiError> {
 
 enum Event {
     Output(Stream, Vec<u8>),
-    End(Box<Result<crate::session_routes::CellResponse, ApiError>>),
+    End(Box<Result<CellResponse, Error>>),
 }
 
 /// `POST /process.Process/{method}`.
 pub async fn process(
-    State(state): State<AppState>,
+    State(c): State<Compat>,
     headers: HeaderMap,
     Path(method): Path<String>,
     body: Bytes,
@@ -106,11 +106,12 @@ pub async fn process(
             ),
         );
     }
-    start(state, headers, body).await.unwrap_or_else(from_api)
+    start(c, headers, body).await.unwrap_or_else(from_api)
 }
 
-async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let (sandbox, e) = sandbox_of(&state, &headers)?;
+async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (sandbox, e) = sandbox_of(&c, &headers)?;
+    let state = c.app;
     let req = unwrap_envelope(&body)?;
     let process = &req["process"];
     let script = script_of(process)?;
@@ -144,9 +145,15 @@ async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Respo
     };
     let route = "/process.Process/Start";
     let key = sandbox.key.clone();
-    let end = |r| Event::End(Box::new(r));
-    let mut rx = cell_task::spawn(state, e.id.clone(), native, route, key, Event::Output, end);
-    let first = cell_task::first(&mut rx, |ev| match ev {
+    let end = |r: Result<sessions::Cell, Error>| {
+        let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
+        Event::End(Box::new(r))
+    };
+    let id = e.id.clone();
+    let mut rx = task::spawn(key, Event::Output, end, move |sink| async move {
+        sessions::cell(&state, &id, native, route, sink).await
+    });
+    let first = task::first(&mut rx, |ev| match ev {
         Event::End(r) => (*r).map(|ok| Event::End(Box::new(Ok(ok)))),
         ev => Ok(ev),
     })
@@ -184,7 +191,7 @@ async fn start(state: AppState, headers: HeaderMap, body: Bytes) -> Result<Respo
 }
 
 /// The `end` event and the end-of-stream envelope of a finished command.
-fn end_frames(r: Result<crate::session_routes::CellResponse, ApiError>) -> Bytes {
+fn end_frames(r: Result<CellResponse, Error>) -> Bytes {
     let mut out = Vec::new();
     let trailer = match r {
         Ok(cell) => {
@@ -213,7 +220,10 @@ fn end_frames(r: Result<crate::session_routes::CellResponse, ApiError>) -> Bytes
                 None => json!({}),
             }
         }
-        Err(e) => json!({"error": {"code": connect_code(&e), "message": e.to_string()}}),
+        Err(e) => {
+            let e = ApiError::from(e);
+            json!({"error": {"code": connect_code(&e), "message": e.to_string()}})
+        }
     };
     out.extend_from_slice(&envelope(2, &trailer));
     Bytes::from(out)

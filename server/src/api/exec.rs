@@ -1,4 +1,5 @@
-//! The JSON shapes of the API and the checks that turn a request into a [`Job`].
+//! The shapes of a job request and its answer, and the checks that turn a request into
+//! a [`Job`] (limits, fields, bytes).
 //!
 //! Bytes: `code` and `stdin` come as UTF-8 text (`code`, `stdin`) or base64 (`code_b64`,
 //! `stdin_b64`), one or the other. Output comes back as text (`stdout`, `stderr`; invalid
@@ -14,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use vmm::{Job, JobResult, Language, Status};
 
 use crate::config::Limits;
-use crate::error::ApiError;
+use crate::service::error::Error;
 
 /// `POST /v1/exec` and `/v1/exec/stream`, and each entry of a batch.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -71,13 +72,13 @@ impl JobFiles {
 
 /// A relative path (or pattern) inside the work directory: not empty, not absolute, no
 /// `..` component, no NUL.
-pub fn check_relative(field: &str, path: &str) -> Result<(), ApiError> {
+pub fn check_relative(field: &str, path: &str) -> Result<(), Error> {
     let bad = path.is_empty()
         || path.starts_with('/')
         || path.contains('\0')
         || path.split('/').any(|c| c == "..");
     if bad {
-        return Err(ApiError::invalid(
+        return Err(Error::invalid(
             field,
             format!("{path:?} must be a relative path without '..'"),
         ));
@@ -184,50 +185,13 @@ pub struct BatchResponse {
     pub results: Vec<ExecResponse>,
 }
 
-/// `GET /v1/health`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Health {
-    /// `ok` or `starting`.
-    pub status: String,
-    pub template_ready: bool,
-    /// The template's key (its directory name), once ready.
-    pub template: Option<String>,
-    pub version: String,
-    pub host_kind: String,
-    pub workers: usize,
-    pub queue_capacity: usize,
-    pub jobs_running: usize,
-    pub jobs_queued: usize,
-    pub pool_size: usize,
-    pub pool_ready: usize,
-    pub live_clones: usize,
-    /// Reset VMs waiting for a job.
-    pub warm_vms: usize,
-    /// `warm` (VMs reset and reused) or `fresh` (a fresh clone per job).
-    pub reuse: String,
-    /// The audit log's state, when there is one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub audit: Option<AuditHealth>,
-    /// The jail (`--jail`, `--user`) is closed: seccomp filters on, privileges dropped.
-    #[serde(default)]
-    pub jailed: bool,
-}
-
-/// The audit log in `GET /v1/health`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct AuditHealth {
-    /// Records written.
-    pub written: u64,
-    /// Records lost (queue full or the file not writable).
-    pub dropped: u64,
-    /// The last write (or the queue) failed; with `--audit-required` jobs are refused.
-    pub failing: bool,
-    /// The last failure.
-    pub error: Option<String>,
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// `bytes` in base64.
+pub fn b64(bytes: &[u8]) -> String {
+    BASE64.encode(bytes)
 }
 
 /// Text for `bytes`, and their base64 when the text does not hold them exactly (or `always`).
@@ -294,20 +258,20 @@ fn bytes_field(
     text: Option<String>,
     b64: Option<String>,
     required: bool,
-) -> Result<Vec<u8>, ApiError> {
+) -> Result<Vec<u8>, Error> {
     match (text, b64) {
-        (Some(_), Some(_)) => Err(ApiError::invalid(
+        (Some(_), Some(_)) => Err(Error::invalid(
             format!("{prefix}{name}"),
             format!("give {name} or {name}_b64, not both"),
         )),
         (Some(t), None) => Ok(t.into_bytes()),
         (None, Some(b)) => BASE64.decode(b.as_bytes()).map_err(|e| {
-            ApiError::invalid(
+            Error::invalid(
                 format!("{prefix}{name}_b64"),
                 format!("{name}_b64 is not valid base64: {e}"),
             )
         }),
-        (None, None) if required => Err(ApiError::invalid(
+        (None, None) if required => Err(Error::invalid(
             format!("{prefix}{name}"),
             format!("{name} (or {name}_b64) is required"),
         )),
@@ -315,9 +279,9 @@ fn bytes_field(
     }
 }
 
-fn check_size(prefix: &str, name: &str, bytes: usize, limit: usize) -> Result<(), ApiError> {
+fn check_size(prefix: &str, name: &str, bytes: usize, limit: usize) -> Result<(), Error> {
     if bytes > limit {
-        return Err(ApiError::TooLarge {
+        return Err(Error::TooLarge {
             field: format!("{prefix}{name}"),
             bytes,
             limit,
@@ -330,7 +294,7 @@ impl ExecRequest {
     /// Takes the request's files out (checked: paths, base64, total size against the body
     /// limit). Routes that do not take files leave them in, and [`ExecRequest::into_job`]
     /// refuses them.
-    pub fn take_files(&mut self, limits: &Limits) -> Result<JobFiles, ApiError> {
+    pub fn take_files(&mut self, limits: &Limits) -> Result<JobFiles, Error> {
         let files = std::mem::take(&mut self.files);
         let globs = std::mem::take(&mut self.return_files);
         let mut put = Vec::with_capacity(files.len());
@@ -340,7 +304,7 @@ impl ExecRequest {
             check_relative(&field, &name)?;
             let bytes = BASE64
                 .decode(b64.as_bytes())
-                .map_err(|e| ApiError::invalid(&field, format!("not valid base64: {e}")))?;
+                .map_err(|e| Error::invalid(&field, format!("not valid base64: {e}")))?;
             total += bytes.len();
             put.push((name, bytes));
         }
@@ -356,9 +320,9 @@ impl ExecRequest {
 
     /// Checks the request against `limits` and builds the job; `prefix` names this request in
     /// error fields (`""`, or `"jobs[3]."` in a batch).
-    pub fn into_job(self, limits: &Limits, prefix: &str) -> Result<Job, ApiError> {
+    pub fn into_job(self, limits: &Limits, prefix: &str) -> Result<Job, Error> {
         if !(self.files.is_empty() && self.return_files.is_empty()) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 format!("{prefix}files"),
                 "files and return_files are taken by POST /v1/exec only",
             ));
@@ -370,7 +334,7 @@ impl ExecRequest {
 
         let timeout_ms = self.timeout_ms.unwrap_or(limits.default_timeout_ms);
         if !(1..=limits.max_timeout_ms).contains(&timeout_ms) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 format!("{prefix}timeout_ms"),
                 format!(
                     "timeout_ms must be 1..={} (got {timeout_ms})",
@@ -380,7 +344,7 @@ impl ExecRequest {
         }
         let output_limit = self.output_limit.unwrap_or(limits.max_output_bytes as u64);
         if !(1..=limits.max_output_bytes as u64).contains(&output_limit) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 format!("{prefix}output_limit"),
                 format!(
                     "output_limit must be 1..={} (got {output_limit})",
@@ -390,14 +354,14 @@ impl ExecRequest {
         }
 
         if let Some(i) = self.args.iter().position(|a| a.contains('\0')) {
-            return Err(ApiError::invalid(
+            return Err(Error::invalid(
                 format!("{prefix}args[{i}]"),
                 "arguments must not contain NUL bytes",
             ));
         }
         for (k, v) in &self.env {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-                return Err(ApiError::invalid(
+                return Err(Error::invalid(
                     format!("{prefix}env"),
                     format!(
                         "variable {k:?}: names must be non-empty without '=' or NUL, values without NUL"
@@ -434,7 +398,6 @@ impl ExecRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::StatusCode;
 
     fn req(code: &str) -> ExecRequest {
         ExecRequest {
@@ -469,7 +432,7 @@ mod tests {
             .unwrap_err();
 
         assert_eq!(e.field(), Some("jobs[2].code"));
-        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert!(matches!(e, Error::Invalid { .. }), "{e:?}");
     }
 
     #[test]
@@ -483,10 +446,8 @@ mod tests {
 
         let e = r.into_job(&limits, "").unwrap_err();
 
-        assert_eq!(
-            (e.status(), e.field()),
-            (StatusCode::PAYLOAD_TOO_LARGE, Some("stdin"))
-        );
+        assert!(matches!(e, Error::TooLarge { .. }), "{e:?}");
+        assert_eq!(e.field(), Some("stdin"));
     }
 
     #[test]

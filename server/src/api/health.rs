@@ -1,0 +1,45 @@
+//! `GET /v1/health`: what a load balancer and an operator read.
+
+use serde::{Deserialize, Serialize};
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Health {
+    /// `ok` or `starting`.
+    pub status: String,
+    pub template_ready: bool,
+    /// The template's key (its directory name), once ready.
+    pub template: Option<String>,
+    pub version: String,
+    pub host_kind: String,
+    pub workers: usize,
+    pub queue_capacity: usize,
+    pub jobs_running: usize,
+    pub jobs_queued: usize,
+    pub pool_size: usize,
+    pub pool_ready: usize,
+    pub live_clones: usize,
+    /// Reset VMs waiting for a job.
+    pub warm_vms: usize,
+    /// `warm` (VMs reset and reused) or `fresh` (a fresh clone per job).
+    pub reuse: String,
+    /// The audit log's state, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditHealth>,
+    /// The jail (`--jail`, `--user`) is closed: seccomp filters on, privileges dropped.
+    #[serde(default)]
+    pub jailed: bool,
+}
+
+/// The audit log in `GET /v1/health`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct AuditHealth {
+    /// Records written.
+    pub written: u64,
+    /// Records lost (queue full or the file not writable).
+    pub dropped: u64,
+    /// The last write (or the queue) failed; with `--audit-required` jobs are refused.
+    pub failing: bool,
+    /// The last failure.
+    pub error: Option<String>,
+}

@@ -1,0 +1,143 @@
+//! The shapes of the session API: creating one, what it shows, a cell's answer, a fork.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use vmm::Language;
+
+use crate::api::exec::ExecResponse;
+use crate::clock::epoch_s;
+use crate::sessions::Entry;
+
+/// `POST /v1/sessions`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// Default language of its cells (`python` unless given).
+    pub language: Option<Language>,
+    /// Environment of every cell.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub idle_timeout_s: Option<u64>,
+    pub max_lifetime_s: Option<u64>,
+    /// Anything the client wants back in `GET` (at most 4 KiB of JSON).
+    #[serde(default)]
+    pub metadata: serde_json::Value,
+    /// The template to start from (default: the server's default template).
+    pub template: Option<String>,
+}
+
+/// A session as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionInfo {
+    pub id: String,
+    pub created_at: f64,
+    pub expires_at: f64,
+    pub idle_timeout_s: u64,
+    pub language: Language,
+    pub execution_count: u64,
+    /// Host memory this session holds alone (its private pages).
+    pub memory_bytes: u64,
+    /// Fork layers it sits on (shared with its relatives).
+    pub shared_memory_bytes: u64,
+    pub busy: bool,
+    pub parent: Option<String>,
+    pub metadata: serde_json::Value,
+    pub template: String,
+}
+
+impl SessionInfo {
+    pub fn of(e: &Entry) -> Self {
+        use std::sync::atomic::Ordering::Relaxed;
+        Self {
+            id: e.id.clone(),
+            created_at: epoch_s(e.created_at),
+            expires_at: epoch_s(e.expires_at()),
+            idle_timeout_s: e.idle_timeout.as_secs(),
+            language: e.language,
+            execution_count: e.executions.load(Relaxed),
+            memory_bytes: e.private_bytes.load(Relaxed),
+            shared_memory_bytes: e.layer_bytes.load(Relaxed),
+            busy: e.is_busy(),
+            parent: e.parent.clone(),
+            metadata: e.metadata.clone(),
+            template: e.template.clone(),
+        }
+    }
+}
+
+/// A cell's result: the job result, plus the displayed value and the execution count.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CellResponse {
+    #[serde(flatten)]
+    pub exec: ExecResponse,
+    /// The final expression's value by MIME type (`text/plain`, `text/html`, `image/png` in
+    /// base64), as Jupyter's `execute_result`; null when there is none.
+    pub result: Option<BTreeMap<String, String>>,
+    pub execution_count: u64,
+    /// The cell's uncaught exception, for cells run with `error_in_display` (the
+    /// code-interpreter compat layer); the native API prints it on stderr instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<vmm::CellError>,
+}
+
+impl CellResponse {
+    /// The answer for cell result `r`, which waited `waited` for a job thread and was the
+    /// session's `execution_count`th; `output_b64`: always give the output in base64 too.
+    pub fn new(
+        r: vmm::JobResult,
+        waited: std::time::Duration,
+        execution_count: u64,
+        output_b64: bool,
+    ) -> Self {
+        let result = (!r.display.is_empty()).then(|| {
+            r.display
+                .iter()
+                .map(|d| (d.mime.clone(), d.data.clone()))
+                .collect()
+        });
+        let error = r.error.clone();
+        Self {
+            exec: ExecResponse::new(r, waited, output_b64),
+            result,
+            execution_count,
+            error,
+        }
+    }
+}
+
+/// `POST /v1/sessions/{id}/fork`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    #[serde(default = "one")]
+    pub count: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// What a fork made.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ForkResponse {
+    pub ids: Vec<String>,
+    /// How long the source was paused (state capture, layer copy, remap).
+    pub source_pause_ms: f64,
+    /// Creation time of each child.
+    pub per_child_ms: f64,
+    /// Bytes frozen into the new layer (shared by the source and the children).
+    pub layer_bytes: u64,
+}
+
+impl ForkResponse {
+    /// The answer for children `ids` made at the cost `stats`.
+    pub fn new(ids: Vec<String>, stats: &vmm::session::ForkStats) -> Self {
+        Self {
+            ids,
+            source_pause_ms: stats.source_pause.as_secs_f64() * 1e3,
+            per_child_ms: stats.per_child.as_secs_f64() * 1e3,
+            layer_bytes: stats.layer_bytes,
+        }
+    }
+}

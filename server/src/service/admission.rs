@@ -1,0 +1,126 @@
+//! Admission and the way to a job thread: the one place that decides whether work may
+//! enter (the audit log, the memory budget, the server's and the API key's capacity) and
+//! that hands it to a job thread ([`crate::jobs`]) with a channel back.
+//!
+//! Work on a job thread answers through a [`Reply`], which it may send before it is done
+//! (a one-shot job's result goes out before its VM is reset for the next job).
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::jobs::{AdmitError, Slot};
+use crate::metrics::Rejection;
+use crate::service::error::Error;
+use crate::state::AppState;
+
+/// `n` admission slots for the current request's key, all or none.
+pub fn admit(state: &AppState, n: usize) -> Result<Vec<Slot>, Error> {
+    if let Some(a) = state.audit()
+        && a.refuses_jobs()
+    {
+        return Err(Error::AuditUnavailable(
+            a.state.last_error().unwrap_or_default(),
+        ));
+    }
+    if let Some(budget) = state.config().memory_budget_bytes {
+        let used = crate::metrics::private_bytes();
+        if used > budget {
+            state.metrics().rejected(Rejection::MemoryBudget);
+            return Err(Error::MemoryBudget {
+                used,
+                budget,
+                retry_after: state.config().retry_after(),
+            });
+        }
+    }
+    let client = crate::audit::current_key().map(std::sync::Arc::from);
+    state.jobs().admit(client, n).map_err(|e| refused(state, e))
+}
+
+fn refused(state: &AppState, e: AdmitError) -> Error {
+    let retry_after = state.config().retry_after();
+    match e {
+        AdmitError::Full(capacity) => {
+            state.metrics().rejected(Rejection::Overloaded);
+            Error::Overloaded {
+                capacity,
+                retry_after,
+            }
+        }
+        AdmitError::Quota { key, quota } => {
+            state.metrics().rejected(Rejection::KeyQuota);
+            Error::KeyQuota {
+                key,
+                quota,
+                retry_after,
+            }
+        }
+        AdmitError::Closed => {
+            state.metrics().rejected(Rejection::ShuttingDown);
+            Error::ShuttingDown
+        }
+    }
+}
+
+/// The answer channel of work on a job thread.
+#[derive(Debug)]
+pub struct Reply<R> {
+    tx: oneshot::Sender<R>,
+    queued_at: Instant,
+    started: Instant,
+}
+
+impl<R> Reply<R> {
+    /// How long the work waited for a job thread.
+    pub fn waited(&self) -> Duration {
+        self.started.duration_since(self.queued_at)
+    }
+
+    /// Whoever asked has gone away (its request was dropped): the answer has no reader.
+    pub fn caller_gone(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    pub fn send(self, answer: R) {
+        let _ = self.tx.send(answer);
+    }
+}
+
+/// Runs `work` on a job thread in `slot`; the receiver gets what it sends (nothing if it
+/// panicked: the job thread logs that).
+pub fn spawn<R: Send + 'static>(
+    state: &AppState,
+    slot: Slot,
+    work: impl FnOnce(Reply<R>) + Send + 'static,
+) -> Result<oneshot::Receiver<R>, Error> {
+    let (tx, rx) = oneshot::channel();
+    let queued_at = Instant::now();
+    state
+        .jobs()
+        .spawn(slot, move || {
+            work(Reply {
+                tx,
+                queued_at,
+                started: Instant::now(),
+            });
+        })
+        .map_err(|e| refused(state, e))?;
+    Ok(rx)
+}
+
+/// What a job thread that dropped its reply leaves the caller.
+pub fn lost() -> Error {
+    Error::internal("the job thread lost the request (a bug of bud's: see the server log)")
+}
+
+/// Admits one piece of work, runs `work` on a job thread and awaits what it returns.
+pub async fn call<R: Send + 'static>(
+    state: &AppState,
+    work: impl FnOnce() -> R + Send + 'static,
+) -> Result<R, Error> {
+    let slot = admit(state, 1)?.remove(0);
+    spawn(state, slot, move |reply| reply.send(work()))?
+        .await
+        .map_err(|_| lost())
+}

@@ -1,0 +1,186 @@
+//! Why the service did not do what it was asked: the errors of jobs, sessions, files and
+//! templates, in the service's own words. No HTTP here: the edge ([`crate::error`]) gives
+//! each its status and code, and every compat dialect its own shape.
+//!
+//! A job that ran and failed (a non-zero exit, a timeout, ...) is not an error: it is a
+//! result carrying the job's status.
+
+use std::time::Duration;
+
+use vmm::ExecError;
+use vmm::job::JobError;
+
+/// A request the service refused or could not carry out.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A field has a wrong value.
+    #[error("{message}")]
+    Invalid {
+        field: Option<String>,
+        message: String,
+    },
+    /// A field is over its size limit.
+    #[error("{field} is {bytes} bytes; the limit is {limit}")]
+    TooLarge {
+        field: String,
+        bytes: usize,
+        limit: usize,
+    },
+    /// A list is longer than its limit.
+    #[error("{field} holds {count} entries; the limit is {limit}")]
+    TooMany {
+        field: String,
+        count: usize,
+        limit: usize,
+    },
+    /// No room in the admission queue.
+    #[error("the server is running and queueing {capacity} jobs, its limit; retry later")]
+    Overloaded {
+        capacity: usize,
+        retry_after: Duration,
+    },
+    /// The request's API key has its quota of jobs admitted.
+    #[error(
+        "key {key} already has {quota} jobs running or queued, its quota (--key-max-jobs); retry later"
+    )]
+    KeyQuota {
+        key: String,
+        quota: usize,
+        retry_after: Duration,
+    },
+    /// The server's private memory is over `--memory-budget-mib`.
+    #[error(
+        "the server holds {used} bytes of private memory, over its budget of {budget} (--memory-budget-mib); retry later"
+    )]
+    MemoryBudget {
+        used: u64,
+        budget: u64,
+        retry_after: Duration,
+    },
+    /// The template is still being built or loaded.
+    #[error("template `{template}` is not ready yet (it is being built or loaded)")]
+    NotReady {
+        template: String,
+        retry_after: Duration,
+    },
+    /// A request named a template the server does not serve.
+    #[error("unknown template `{name}`; this server serves: {}", .served.join(", "))]
+    UnknownTemplate {
+        name: String,
+        served: Vec<String>,
+        field: String,
+    },
+    /// The template could not be prepared.
+    #[error("template `{name}` could not be prepared: {why}")]
+    TemplateFailed { name: String, why: String },
+    /// The server is finishing in-flight jobs before it stops.
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// No live or ended session has this id.
+    #[error("no session {0}")]
+    NoSession(String),
+    /// The session has ended: why, and for a crash the console's last lines.
+    #[error("session {id} has ended: {reason}{}", detail.as_deref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    SessionGone {
+        id: String,
+        reason: String,
+        detail: Option<String>,
+    },
+    /// A request is already running in the session.
+    #[error("session {0} is running another request; one at a time")]
+    SessionBusy(String),
+    /// The live-session cap is reached.
+    #[error("{limit} sessions are live, the server's limit; delete one or retry later")]
+    TooManySessions { limit: usize, retry_after: Duration },
+    /// Sessions hold as much host memory as the server allows.
+    #[error("sessions hold {used} bytes of host memory; the limit is {limit}")]
+    OutOfMemory { used: u64, limit: u64 },
+    /// No such file in the session.
+    #[error("{0}")]
+    NoFile(String),
+    /// `--audit-required` and the audit log cannot be written.
+    #[error("the audit log cannot be written, so no job runs: {0}")]
+    AuditUnavailable(String),
+    /// bud could not run the job at all: a clone or vCPU failure, or a bug of ours.
+    #[error("could not run the job: {message}")]
+    Internal {
+        field: Option<String>,
+        message: String,
+    },
+}
+
+impl Error {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Error::Invalid {
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+
+    /// A failure of bud's own (500): `e` says what.
+    pub fn internal(e: impl std::fmt::Display) -> Self {
+        Error::Internal {
+            field: None,
+            message: e.to_string(),
+        }
+    }
+
+    /// An executor failure for the job named by `field` (`None` for a single job). Failures
+    /// that are the request's fault stay the request's.
+    pub fn exec(e: ExecError, field: Option<String>) -> Self {
+        let at = |name: &str| match &field {
+            Some(f) => format!("{f}.{name}"),
+            None => name.to_string(),
+        };
+        match e {
+            ExecError::Job(JobError::TooLarge { bytes, limit }) => Error::TooLarge {
+                field: field.unwrap_or_else(|| "request".into()),
+                bytes,
+                limit,
+            },
+            ExecError::Job(JobError::Nul(what)) => {
+                Error::invalid(at(what), format!("{what} must not contain NUL bytes"))
+            }
+            ExecError::Job(e @ JobError::BadEnv(_)) => Error::invalid(at("env"), e.to_string()),
+            e => Error::Internal {
+                field,
+                message: e.to_string(),
+            },
+        }
+    }
+
+    /// The request field at fault, if one is.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            Error::Invalid { field, .. } | Error::Internal { field, .. } => field.as_deref(),
+            Error::TooLarge { field, .. } | Error::TooMany { field, .. } => Some(field),
+            Error::UnknownTemplate { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+
+    /// When a refused request may be tried again.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Error::Overloaded { retry_after, .. }
+            | Error::KeyQuota { retry_after, .. }
+            | Error::MemoryBudget { retry_after, .. }
+            | Error::NotReady { retry_after, .. }
+            | Error::TooManySessions { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    /// The same error, reported against `field` when it names none of its own (a batch's
+    /// job).
+    pub fn in_field(self, field: &str) -> Self {
+        match self {
+            Error::UnknownTemplate { name, served, .. } => Error::UnknownTemplate {
+                name,
+                served,
+                field: field.to_owned(),
+            },
+            other => other,
+        }
+    }
+}

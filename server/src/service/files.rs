@@ -1,0 +1,177 @@
+//! A session's files, and the files of a one-shot job: the server's side of
+//! [`vmm::files`]. Each operation takes its session (busy meanwhile), runs on a job thread,
+//! and maps the typed file errors to the service's.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use vmm::Executor;
+use vmm::files::{FileEntry, FileError};
+use vmm::job::Stream;
+use vmm::session::{Session, SessionError};
+use vmm::{Job, JobResult};
+
+use crate::api::JobFiles;
+use crate::service::admission;
+use crate::service::error::Error;
+use crate::service::sessions::{end_if_unusable, unavailable};
+use crate::state::AppState;
+
+/// The service's error for `e`, a failed operation on `path` (named `field` in requests).
+fn file_error(field: &str, path: &str, e: FileError) -> Error {
+    match e {
+        FileError::BadPath(why) | FileError::WrongKind(why) => Error::invalid(field, why),
+        FileError::NotFound(why) => Error::NoFile(format!("{path}: {why}")),
+        FileError::TooLarge { limit, .. } => Error::TooLarge {
+            field: field.to_owned(),
+            bytes: limit + 1,
+            limit,
+        },
+        e @ (FileError::Failed { .. } | FileError::Malformed { .. } | FileError::Session(_)) => {
+            Error::internal(e)
+        }
+    }
+}
+
+/// Runs `op` on session `id`'s VM on a job thread, with the server's file timeout.
+async fn in_session<T: Send + 'static>(
+    state: &AppState,
+    id: &str,
+    path: &str,
+    op: impl FnOnce(&mut Session, &Executor, Duration) -> Result<T, FileError> + Send + 'static,
+) -> Result<T, Error> {
+    let busy = state
+        .sessions()
+        .acquire(id)
+        .map_err(|u| unavailable(id, u))?;
+    let timeout = Duration::from_millis(state.config().limits.max_timeout_ms);
+    let st = state.clone();
+    let exec = busy.entry().executor.clone();
+    let done = admission::call(state, move || {
+        let done = busy
+            .entry()
+            .with_vm(|s| op(s, &exec, timeout))
+            .unwrap_or(Err(FileError::Session(SessionError::Gone)));
+        busy.entry().account();
+        end_if_unusable(&st, &busy);
+        done
+    })
+    .await?;
+    done.map_err(|e| file_error("path", path, e))
+}
+
+/// The bytes of file `path` (at most the server's `max_file_bytes`).
+pub async fn read(state: &AppState, id: &str, path: &str) -> Result<Vec<u8>, Error> {
+    let limit = state.config().sessions.max_file_bytes;
+    let p = path.to_owned();
+    in_session(state, id, path, move |s, ex, t| {
+        s.get_file(ex, &p, limit, t)
+    })
+    .await
+}
+
+/// Writes `data` to `path` (created or truncated, parents made).
+pub async fn write(state: &AppState, id: &str, path: &str, data: Vec<u8>) -> Result<(), Error> {
+    let p = path.to_owned();
+    in_session(state, id, path, move |s, ex, t| {
+        s.put_file(ex, &p, &data, t)
+    })
+    .await
+}
+
+/// Removes a file, or a directory with everything in it.
+pub async fn remove(state: &AppState, id: &str, path: &str) -> Result<(), Error> {
+    let p = path.to_owned();
+    in_session(state, id, path, move |s, ex, t| s.remove(ex, &p, t)).await
+}
+
+/// The entries of directory `dir`.
+pub async fn list(state: &AppState, id: &str, dir: &str) -> Result<Vec<FileEntry>, Error> {
+    let p = dir.to_owned();
+    in_session(state, id, dir, move |s, ex, t| s.list_dir(ex, &p, t)).await
+}
+
+/// What `path` is (a final symlink not followed).
+pub async fn stat(state: &AppState, id: &str, path: &str) -> Result<FileEntry, Error> {
+    let p = path.to_owned();
+    in_session(state, id, path, move |s, ex, t| s.stat(ex, &p, t)).await
+}
+
+/// Makes directory `path` and its parents.
+pub async fn make_dir(state: &AppState, id: &str, path: &str) -> Result<(), Error> {
+    let p = path.to_owned();
+    in_session(state, id, path, move |s, ex, t| s.make_dir(ex, &p, t)).await
+}
+
+/// Renames `from` to `to`.
+pub async fn rename(state: &AppState, id: &str, from: &str, to: &str) -> Result<(), Error> {
+    let (f, t2) = (from.to_owned(), to.to_owned());
+    in_session(state, id, from, move |s, ex, t| s.rename(ex, &f, &t2, t)).await
+}
+
+/// The files a job's `return_files` patterns matched (path -> bytes); None without patterns.
+pub type Returned = Option<BTreeMap<String, Vec<u8>>>;
+
+/// A one-shot job with files, on its job thread: a VM that first gets the files, then runs
+/// the job as a one-shot job, then gives back the files the patterns match (only if the
+/// job ended at DONE; up to the job's output limit in all), and goes back to the executor
+/// like any job's VM.
+pub fn run_with_files(
+    ex: &Executor,
+    job: &Job,
+    files: &JobFiles,
+    sink: &mut dyn FnMut(Stream, &[u8]),
+) -> Result<(JobResult, Returned), Error> {
+    let mut s = Session::start(ex).map_err(Error::internal)?;
+    let outcome = files_job(ex, &mut s, job, files, sink);
+    s.end(ex);
+    outcome
+}
+
+fn files_job(
+    ex: &Executor,
+    s: &mut Session,
+    job: &Job,
+    files: &JobFiles,
+    sink: &mut dyn FnMut(Stream, &[u8]),
+) -> Result<(JobResult, Returned), Error> {
+    let t = job.timeout;
+    for (name, data) in &files.put {
+        let field = format!("files[{name:?}]");
+        s.put_file(ex, name, data, t).map_err(|e| match e {
+            // The guest could not write it (no room, a name it refuses): the request's.
+            FileError::Failed { message, .. } => Error::invalid(&field, message),
+            e => file_error(&field, name, e),
+        })?;
+    }
+    let r = s.run_job(ex, job, sink).map_err(Error::internal)?;
+    if files.return_globs.is_empty() {
+        return Ok((r, None));
+    }
+    let mut back = BTreeMap::new();
+    if !s.usable() {
+        return Ok((r, Some(back)));
+    }
+    let mut names = Vec::new();
+    for (i, g) in files.return_globs.iter().enumerate() {
+        let found = s
+            .glob(ex, g, t)
+            .map_err(|e| file_error(&format!("return_files[{i}]"), g, e))?;
+        names.extend(found);
+    }
+    names.sort();
+    names.dedup();
+    let mut room = job.output_limit;
+    for name in names {
+        match s.get_file(ex, &name, room.max(1), t) {
+            Ok(bytes) => {
+                room = room.saturating_sub(bytes.len());
+                back.insert(name, bytes);
+            }
+            Err(e @ FileError::Session(_)) => return Err(Error::internal(e)),
+            // Over the output limit, gone meanwhile, unreadable: left out.
+            Err(_) => {}
+        }
+    }
+    Ok((r, Some(back)))
+}

@@ -1,0 +1,26 @@
+//! The service: what bud does, whoever asks. Routes, streaming, and every compat dialect
+//! (E2B, envd, Jupyter, Piston) are thin adapters over it: they turn their requests into
+//! the service's calls and its answers and [`error::Error`]s into their shapes and
+//! statuses.
+//!
+//! - [`admission`]: whether work may enter, and the way to a job thread;
+//! - [`jobs`]: one-shot jobs and batches (one submit path; recorded once);
+//! - [`sessions`]: start, cell, fork, end, expiry;
+//! - [`files`]: a session's files, a one-shot job's files;
+//! - [`templates`]: which executor a request runs on;
+//! - [`record`]: a finished job or cell recorded once (metrics, log, audit);
+//! - [`task`]: where output goes ([`task::Sink`]), and a call whose output streams, on
+//!   its own task;
+//! - [`error`]: why a call was refused or failed.
+//!
+//! The service reads the core ([`crate::state`], [`crate::sessions`], [`crate::jobs`],
+//! [`crate::audit`], [`crate::metrics`]) and never an edge module.
+
+pub mod admission;
+pub mod error;
+pub mod files;
+pub mod jobs;
+pub mod record;
+pub mod sessions;
+pub mod task;
+pub mod templates;

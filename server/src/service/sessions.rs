@@ -1,0 +1,342 @@
+//! Sessions: start one, run a cell in it, fork it, end it, and expire them. Each operation
+//! that touches a session's VM takes the session (busy meanwhile: one request at a time)
+//! and an admission slot, and runs on a job thread like a job; a VM that a request left
+//! unusable ends its session with why ([`end_if_unusable`]).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, ForkStats, Session, SessionError};
+use vmm::{Health, JobResult, Language, Status, Unusable};
+
+use crate::api::{CreateSession, ExecRequest};
+use crate::audit::Origin;
+use crate::jobs::CancelOnDrop;
+use crate::service::admission::{self, Reply};
+use crate::service::error::Error;
+use crate::service::record::finished;
+use crate::service::task::Sink;
+use crate::service::templates;
+use crate::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
+use crate::state::AppState;
+
+/// The service's error for a session that cannot take a request.
+pub fn unavailable(id: &str, u: Unavailable) -> Error {
+    match u {
+        Unavailable::Unknown => Error::NoSession(id.to_owned()),
+        Unavailable::Busy => Error::SessionBusy(id.to_owned()),
+        Unavailable::Gone(e) => Error::SessionGone {
+            id: id.to_owned(),
+            reason: e.reason,
+            detail: e.detail,
+        },
+    }
+}
+
+/// Session `id`, live.
+pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
+    state.sessions().get(id).map_err(|u| unavailable(id, u))
+}
+
+/// The memory cap, before a session is made or forked.
+fn check_memory(state: &AppState) -> Result<(), Error> {
+    let limit = state.config().sessions.max_memory_bytes;
+    let used = state.sessions().memory_bytes();
+    if used >= limit {
+        return Err(Error::OutOfMemory { used, limit });
+    }
+    Ok(())
+}
+
+/// The live-session cap, before `more` sessions are made.
+fn check_count(state: &AppState, more: usize) -> Result<(), Error> {
+    let limit = state.config().sessions.max_sessions;
+    if state.sessions().count() + more > limit {
+        return Err(Error::TooManySessions {
+            limit,
+            retry_after: state.config().retry_after(),
+        });
+    }
+    Ok(())
+}
+
+fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Duration, Error> {
+    let s = asked.unwrap_or(default);
+    if !(1..=max).contains(&s) {
+        return Err(Error::invalid(
+            field,
+            format!("{field} must be 1..={max} (got {s})"),
+        ));
+    }
+    Ok(Duration::from_secs(s))
+}
+
+/// Checks `req` against the limits and caps, starts its session on a job thread and
+/// registers it.
+pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, Error> {
+    let lim = &state.config().sessions;
+    let idle = seconds(
+        "idle_timeout_s",
+        req.idle_timeout_s,
+        lim.default_idle_timeout_s,
+        lim.max_idle_timeout_s,
+    )?;
+    let life = seconds(
+        "max_lifetime_s",
+        req.max_lifetime_s,
+        lim.default_lifetime_s,
+        lim.max_lifetime_s,
+    )?;
+    if serde_json::to_vec(&req.metadata).map_or(0, |v| v.len()) > 4096 {
+        return Err(Error::invalid(
+            "metadata",
+            "metadata must be at most 4096 bytes of JSON",
+        ));
+    }
+    let probe = ExecRequest {
+        code: Some(String::new()),
+        env: req.env.clone(),
+        ..ExecRequest::default()
+    };
+    probe.into_job(&state.config().limits, "")?;
+    let exec = templates::executor_for(state, req.template.as_deref())?;
+    check_count(state, 1)?;
+    check_memory(state)?;
+    let settings = NewSession {
+        language: req.language.unwrap_or(Language::Python),
+        env: req.env,
+        idle_timeout: idle,
+        max_lifetime: life,
+        metadata: req.metadata,
+        parent: None,
+        template: state.template_name(req.template.as_deref()).to_owned(),
+        executor: exec.clone(),
+    };
+    let sessions = state.sessions().clone();
+    admission::call(state, move || {
+        let made = Session::start(&exec)
+            .map_err(Error::internal)
+            .and_then(|vm| sessions.insert(settings, vm).map_err(Error::internal))?;
+        made.account();
+        Ok::<_, Error>(made)
+    })
+    .await?
+}
+
+/// Ends session `id` as deleted (its tombstone too, if it had ended already); waits for a
+/// running request's end.
+pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
+    match state.sessions().get(id) {
+        Ok(_) => {}
+        Err(Unavailable::Gone(_)) => {
+            state.sessions().forget(id);
+            return Ok(());
+        }
+        Err(u) => return Err(unavailable(id, u)),
+    }
+    let sessions = state.sessions().clone();
+    let id = id.to_owned();
+    let why = Ended {
+        reason: "deleted".into(),
+        detail: None,
+    };
+    admission::call(state, move || sessions.end(&id, why)).await
+}
+
+/// A cell that ran (whatever its status).
+#[derive(Debug)]
+pub struct Cell {
+    pub result: JobResult,
+    /// How long it waited for a job thread.
+    pub waited: Duration,
+    /// The session's cells so far, this one included (Jupyter's execution count).
+    pub execution_count: u64,
+}
+
+/// The job of cell `req` in session `e`: the session's language and env unless the
+/// request gives its own.
+fn cell_job(state: &AppState, e: &Entry, mut req: ExecRequest) -> Result<vmm::Job, Error> {
+    if let Some(t) = req.template.as_deref()
+        && t != e.template
+    {
+        return Err(Error::invalid(
+            "template",
+            format!(
+                "a session keeps its template ({}); create another session for {t}",
+                e.template
+            ),
+        ));
+    }
+    if req.language.is_none() {
+        req.language = Some(e.language);
+    }
+    let mut env = e.env.clone();
+    env.append(&mut req.env);
+    req.env = env;
+    req.into_job(&state.config().limits, "")
+}
+
+/// Runs cell `req` in session `id` on a job thread; its output also goes to `sink` as it
+/// comes. `route` names the route in the audit trail. Dropping the future cancels the
+/// cell: it is interrupted, so the session goes on if it stops within the grace.
+pub async fn cell(
+    state: &AppState,
+    id: &str,
+    req: ExecRequest,
+    route: &str,
+    mut sink: Sink,
+) -> Result<Cell, Error> {
+    let busy = state
+        .sessions()
+        .acquire(id)
+        .map_err(|u| unavailable(id, u))?;
+    let mut job = cell_job(state, busy.entry(), req)?;
+    // Held by this future (and known to the job threads while the cell runs: a shutdown
+    // past its grace cancels it).
+    let mut cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
+    let origin = Origin::here(route, &busy.entry().template, Some(id));
+    let st = state.clone();
+    let exec = busy.entry().executor.clone();
+    let slot = admission::admit(state, 1)?.remove(0);
+    let rx = admission::spawn(state, slot, move |reply: Reply<Result<Cell, Error>>| {
+        let waited = reply.waited();
+        let ran = busy
+            .entry()
+            .with_vm(|s| {
+                s.exec(&exec, &job, DEFAULT_INTERRUPT_GRACE, &mut *sink)
+                    .map(|r| (r, s.executions()))
+            })
+            .unwrap_or(Err(SessionError::Gone));
+        if let Ok((r, _)) = &ran {
+            finished(&st, &origin, "cell", &job, Ok(r), waited);
+        }
+        end_if_unusable(&st, &busy);
+        // Accounted before the answer: a client that creates or forks right after a cell
+        // that grew must meet the memory cap with that growth counted. Freed before the
+        // answer too, so its next cell never finds it busy.
+        busy.entry().account();
+        drop(busy);
+        reply.send(
+            ran.map(|(result, execution_count)| Cell {
+                result,
+                waited,
+                execution_count,
+            })
+            .map_err(Error::internal),
+        );
+    })?;
+    let answer = rx.await;
+    cancel.disarm();
+    answer.map_err(|_| admission::lost())?
+}
+
+/// What a fork made: the children's ids and what it cost.
+#[derive(Debug)]
+pub struct Forked {
+    pub ids: Vec<String>,
+    pub stats: ForkStats,
+}
+
+/// Forks session `id` into `count` children, each a new session with the parent's settings
+/// and the rest of its lifetime.
+pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Error> {
+    let max = state.config().sessions.max_fork_count;
+    if !(1..=max).contains(&count) {
+        return Err(Error::invalid(
+            "count",
+            format!("count must be 1..={max} (got {count})"),
+        ));
+    }
+    let busy = state
+        .sessions()
+        .acquire(id)
+        .map_err(|u| unavailable(id, u))?;
+    check_count(state, count)?;
+    check_memory(state)?;
+    let sessions = state.sessions().clone();
+    let exec = busy.entry().executor.clone();
+    admission::call(state, move || {
+        let e = busy.entry().clone();
+        let forked = e
+            .with_vm(|s| s.fork(&exec, count))
+            .unwrap_or(Err(SessionError::Gone));
+        let (children, stats) = forked.map_err(Error::internal)?;
+        let mut ids = Vec::with_capacity(children.len());
+        for child in children {
+            let settings = NewSession {
+                language: e.language,
+                env: e.env.clone(),
+                idle_timeout: e.idle_timeout,
+                max_lifetime: e
+                    .expires_at()
+                    .duration_since(SystemTime::now())
+                    .unwrap_or_default()
+                    .max(Duration::from_secs(1)),
+                metadata: e.metadata.clone(),
+                parent: Some(e.id.clone()),
+                template: e.template.clone(),
+                executor: e.executor.clone(),
+            };
+            let child_entry = sessions.insert(settings, child).map_err(Error::internal)?;
+            child_entry.account();
+            ids.push(child_entry.id.clone());
+        }
+        sessions
+            .forked
+            .fetch_add(ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        e.account();
+        drop(busy);
+        Ok::<_, Error>(Forked { ids, stats })
+    })
+    .await?
+}
+
+/// Ends the session of `busy` if its VM is no longer usable after a request, with why (the
+/// VM's own [`Health`]: the one answer the executor and sessions read).
+pub fn end_if_unusable(state: &AppState, busy: &Busy) {
+    let e = busy.entry();
+    let health = e
+        .with_vm(|s| s.health().clone())
+        .unwrap_or(Health::Discard(Unusable::Failed(
+            "the session's VM is gone".into(),
+        )));
+    let Health::Discard(why) = health else {
+        return;
+    };
+    let stopped = |reason, after| {
+        let detail = format!("the cell did not stop within the grace period after {after}");
+        (reason, detail)
+    };
+    let (reason, detail) = match &why {
+        Unusable::Stopped(Status::Timeout) => stopped("timeout", "its interrupt"),
+        Unusable::Stopped(Status::Cancelled) => stopped("cancelled", "it was cancelled"),
+        Unusable::Stopped(Status::OutputLimit) => {
+            stopped("output_limit", "its output reached the cap")
+        }
+        _ => ("crashed", why.to_string()),
+    };
+    // The 410s that follow carry the last console lines too.
+    let last = e.with_vm(|s| s.console_tail(5)).unwrap_or_default();
+    let detail = if reason == "crashed" && !last.is_empty() {
+        Some(format!("{detail}; console: {}", last.join(" | ")))
+    } else {
+        Some(detail)
+    };
+    state.sessions().end(
+        &e.id,
+        Ended {
+            reason: reason.into(),
+            detail,
+        },
+    );
+}
+
+/// Ends expired sessions every second until the server stops (spawned by `serve`).
+pub async fn reaper(state: AppState) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let sessions: Arc<_> = state.sessions().clone();
+        let _ = tokio::task::spawn_blocking(move || sessions.reap()).await;
+    }
+}

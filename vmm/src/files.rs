@@ -1,0 +1,304 @@
+//! A session's files, typed: put, get, list, stat, glob, remove, make a directory,
+//! rename, each with typed errors and entries.
+//!
+//! Every operation is a file request to the session's worker ([`crate::protocol::file_op`],
+//! run by `guest/python/bud_jobs.py`), which resolves the path inside the work directory
+//! (symlinks included) and answers with an exit code of [`crate::protocol::file_status`] and
+//! its data on stdout. This module is the one place that knows that wire form: callers
+//! (the server, tests) see [`FileEntry`] and [`FileError`], never exit codes or the guest's
+//! JSON and NUL-separated listings.
+//!
+//! A request past its deadline or over its output cap is interrupted like a cell, so a
+//! file larger than the caller's limit leaves the session usable.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::executor::Executor;
+use crate::job::{JobResult, Status};
+use crate::protocol::{file_op, file_status};
+use crate::session::{FILE_CHUNK, Session, SessionError};
+
+/// What a path is, as `lstat` sees it (a final symlink is not followed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// One file, directory or link.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+pub struct FileEntry {
+    /// Its name (the last component of its path).
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: FileKind,
+    /// Bytes (of the link itself for a symlink).
+    pub size: u64,
+    /// `st_mode`: type and permission bits.
+    pub mode: u32,
+    /// Last modification, nanoseconds since the epoch.
+    pub mtime_ns: i64,
+    /// A symlink's target, as stored in the link ([`Session::stat`] only).
+    #[serde(default)]
+    pub target: Option<String>,
+}
+
+/// Why a file operation did not do what it was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The path is malformed or leaves the work directory (after resolving symlinks).
+    #[error("{0}")]
+    BadPath(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// A directory where a file was needed, or the other way round.
+    #[error("{0}")]
+    WrongKind(String),
+    /// The answer is larger than the caller's limit.
+    #[error("{path} is larger than {limit} bytes")]
+    TooLarge { path: String, limit: usize },
+    /// The guest failed it (an OS error, its deadline): why.
+    #[error("file operation on {path} failed ({status:?}): {message}")]
+    Failed {
+        path: String,
+        status: Status,
+        message: String,
+    },
+    /// The guest's answer is not what the protocol says (a bug, or a hostile guest).
+    #[error("the guest's answer to a file request on {path} is malformed: {why}")]
+    Malformed { path: String, why: String },
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// Most bytes of a listing, a stat or a glob's names the host takes.
+pub const LISTING_LIMIT: usize = 8 << 20;
+
+/// The data of `r`, a file request on `path` that asked for at most `limit` bytes, or why
+/// there is none.
+fn answer(path: &str, r: JobResult, limit: usize) -> Result<Vec<u8>, FileError> {
+    let message = || String::from_utf8_lossy(&r.stderr).trim().to_owned();
+    match (r.status, r.exit_code) {
+        (Status::Ok, _) => Ok(r.stdout),
+        (Status::OutputLimit, _) => Err(FileError::TooLarge {
+            path: path.to_owned(),
+            limit,
+        }),
+        (_, Some(file_status::BAD_PATH)) => Err(FileError::BadPath(message())),
+        (_, Some(file_status::NOT_FOUND)) => Err(FileError::NotFound(message())),
+        (_, Some(file_status::WRONG_KIND)) => Err(FileError::WrongKind(message())),
+        (status, _) => Err(FileError::Failed {
+            path: path.to_owned(),
+            status,
+            message: message(),
+        }),
+    }
+}
+
+fn json<T: for<'de> Deserialize<'de>>(path: &str, bytes: &[u8]) -> Result<T, FileError> {
+    serde_json::from_slice(bytes).map_err(|e| FileError::Malformed {
+        path: path.to_owned(),
+        why: e.to_string(),
+    })
+}
+
+impl Session {
+    /// Runs file request `op` on `path` with `data`, and returns its data (at most `limit`
+    /// bytes).
+    fn file_request(
+        &mut self,
+        ex: &Executor,
+        op: u32,
+        path: &str,
+        data: Vec<u8>,
+        timeout: Duration,
+        limit: usize,
+    ) -> Result<Vec<u8>, FileError> {
+        let r = self.file_op(ex, op, path, data, timeout, limit)?;
+        answer(path, r, limit)
+    }
+
+    /// Creates or truncates `path` (and its parent directories) and writes `data`, in
+    /// requests of at most [`FILE_CHUNK`] bytes.
+    pub fn put_file(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        let mut op = file_op::WRITE;
+        for chunk in data
+            .chunks(FILE_CHUNK)
+            .chain(data.is_empty().then_some(&[][..]))
+        {
+            self.file_request(ex, op, path, chunk.to_vec(), timeout, 64 << 10)?;
+            op = file_op::APPEND;
+        }
+        Ok(())
+    }
+
+    /// Appends `data` to `path`.
+    pub fn append_file(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        data: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        self.file_request(ex, file_op::APPEND, path, data, timeout, 64 << 10)
+            .map(drop)
+    }
+
+    /// The bytes of file `path`; [`FileError::TooLarge`] past `limit`.
+    pub fn get_file(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        limit: usize,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, FileError> {
+        self.file_request(ex, file_op::READ, path, Vec::new(), timeout, limit)
+    }
+
+    /// The entries of directory `path` (`.`: the work directory).
+    pub fn list_dir(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<Vec<FileEntry>, FileError> {
+        let out = self.file_request(ex, file_op::LIST, path, Vec::new(), timeout, LISTING_LIMIT)?;
+        json(path, &out)
+    }
+
+    /// What `path` is, without following a final symlink.
+    pub fn stat(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<FileEntry, FileError> {
+        let out = self.file_request(ex, file_op::STAT, path, Vec::new(), timeout, LISTING_LIMIT)?;
+        json(path, &out)
+    }
+
+    /// The regular files matching glob `pattern` (relative to the work directory, `**`
+    /// allowed), as paths relative to it.
+    pub fn glob(
+        &mut self,
+        ex: &Executor,
+        pattern: &str,
+        timeout: Duration,
+    ) -> Result<Vec<String>, FileError> {
+        let out = self.file_request(
+            ex,
+            file_op::GLOB,
+            pattern,
+            Vec::new(),
+            timeout,
+            LISTING_LIMIT,
+        )?;
+        Ok(out
+            .split(|b| *b == 0)
+            .filter(|n| !n.is_empty())
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+            .collect())
+    }
+
+    /// Removes a file, or a directory with everything in it.
+    pub fn remove(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        self.file_request(ex, file_op::DELETE, path, Vec::new(), timeout, 64 << 10)
+            .map(drop)
+    }
+
+    /// Creates directory `path` and its parents (an existing directory is no error; an
+    /// existing file is [`FileError::WrongKind`]).
+    pub fn make_dir(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        self.file_request(ex, file_op::MKDIR, path, Vec::new(), timeout, 64 << 10)
+            .map(drop)
+    }
+
+    /// Renames `from` to `to` (the destination's parents are created).
+    pub fn rename(
+        &mut self,
+        ex: &Executor,
+        from: &str,
+        to: &str,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        let to = to.as_bytes().to_vec();
+        self.file_request(ex, file_op::MOVE, from, to, timeout, 64 << 10)
+            .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(status: Status, exit: Option<i32>, stdout: &[u8], stderr: &[u8]) -> JobResult {
+        JobResult {
+            status,
+            exit_code: exit,
+            stdout: stdout.to_vec(),
+            stderr: stderr.to_vec(),
+            ..JobResult::never_ran(status)
+        }
+    }
+
+    #[test]
+    fn exit_codes_become_typed_errors_with_the_guests_message() {
+        let bad = answer("x", result(Status::Error, Some(2), b"", b"leaves\n"), 9);
+        let missing = answer("x", result(Status::Error, Some(3), b"", b"no x"), 9);
+        let kind = answer("x", result(Status::Error, Some(4), b"", b"a dir"), 9);
+        let os = answer("x", result(Status::Error, Some(5), b"", b"EIO"), 9);
+        let big = answer("x", result(Status::OutputLimit, None, b"", b""), 9);
+        let ok = answer("x", result(Status::Ok, Some(0), b"data", b""), 9);
+
+        assert!(matches!(bad, Err(FileError::BadPath(m)) if m == "leaves"));
+        assert!(matches!(missing, Err(FileError::NotFound(m)) if m == "no x"));
+        assert!(matches!(kind, Err(FileError::WrongKind(m)) if m == "a dir"));
+        assert!(matches!(
+            os,
+            Err(FileError::Failed {
+                status: Status::Error,
+                ..
+            })
+        ));
+        assert!(matches!(big, Err(FileError::TooLarge { limit: 9, .. })));
+        assert_eq!(ok.unwrap(), b"data");
+    }
+
+    #[test]
+    fn entries_parse_from_the_guests_json() {
+        let listed: Vec<FileEntry> = json(
+            "d",
+            br#"[{"name": "a", "type": "file", "size": 3, "mode": 33188, "mtime_ns": 5},
+                 {"name": "l", "type": "symlink", "size": 1, "mode": 41471, "mtime_ns": 6,
+                  "target": "a"}]"#,
+        )
+        .unwrap();
+        let broken = json::<FileEntry>("d", b"{\"name\": 1}");
+
+        assert_eq!(listed[0].kind, FileKind::File);
+        assert_eq!((listed[0].size, listed[0].mode), (3, 0o100644));
+        assert_eq!(listed[1].target.as_deref(), Some("a"));
+        assert!(matches!(broken, Err(FileError::Malformed { .. })));
+    }
+}
