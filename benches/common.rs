@@ -11,8 +11,8 @@ pub fn source_dir() -> PathBuf {
 }
 
 pub fn template() -> Template {
-    let mut opts = bud_guest::TemplateOptions::new(source_dir());
-    opts.guest = bud_guest::GuestBuild::Current;
-    bud_guest::template(&opts, &mut |l: &str| eprintln!("[guest build] {l}"), None)
+    let mut opts = bud_templates::TemplateOptions::new(source_dir());
+    opts.guest = bud_templates::GuestBuild::Current;
+    bud_templates::template(&opts, &mut |l: &str| eprintln!("[guest build] {l}"), None)
         .expect("building the guest or its template failed")
 }

@@ -559,17 +559,17 @@ fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         template: Box::new(move |name: &str| {
             let mut build = build.clone();
             build.template = name.to_owned();
-            let opts = bud_guest::TemplateOptions {
+            let opts = bud_templates::TemplateOptions {
                 build,
-                guest: bud_guest::GuestBuild::Existing,
+                guest: bud_templates::GuestBuild::Existing,
                 ram_size,
             };
-            let template = bud_guest::template(
+            let template = bud_templates::template(
                 &opts,
                 &mut bud_server::startup::log_build_line,
                 Some(bud_server::startup::console_echo()),
             )?;
-            let (image_bytes, packages) = bud_guest::image_facts(&opts);
+            let (image_bytes, packages) = bud_templates::image_facts(&opts);
             let info = bud_server::state::TemplateInfo {
                 image_bytes,
                 packages,
@@ -587,12 +587,12 @@ fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::J
     let started = Instant::now();
     let mut build = cli.build_options();
     build.template.clone_from(&args.template);
-    let opts = bud_guest::TemplateOptions {
+    let opts = bud_templates::TemplateOptions {
         build,
-        guest: bud_guest::GuestBuild::Existing,
+        guest: bud_templates::GuestBuild::Existing,
         ram_size: args.mem_mib.map(|m| m << 20),
     };
-    let template = bud_guest::template(&opts, &mut |l: &str| progress(l), None)
+    let template = bud_templates::template(&opts, &mut |l: &str| progress(l), None)
         .context("preparing the template")?;
     if let vmm::template::Origin::Built {
         boot,

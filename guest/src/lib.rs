@@ -3,7 +3,7 @@
 //! Debian packages by a recipe in `guest/image/`.
 //!
 //! [`ensure`] is the entry point: it runs every step, each cached, and returns the
-//! [`GuestArtifacts`] a VM boots. This crate only builds files; it never boots anything.
+//! [`GuestArtifacts`] a VM boots. This crate only builds files; it never boots anything (`bud-templates` boots them into templates).
 
 pub mod cpio;
 pub mod debs;
@@ -19,11 +19,9 @@ pub mod recipe;
 pub mod run;
 pub mod site;
 pub mod stage;
-pub mod template;
 pub mod zip;
 
 pub use lock::BuildLock;
 pub use pipeline::{
     BuildError, BuildOptions, GuestArtifacts, artifact_paths, built_or_ensure, ensure,
 };
-pub use template::{GuestBuild, TemplateOptions, TemplateSetupError, image_facts, template};

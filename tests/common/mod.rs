@@ -64,15 +64,15 @@ pub fn template_root() -> PathBuf {
     source_dir().join("build").join("templates")
 }
 
-/// The default template, the one way every caller gets it ([`bud_guest::template`]), over
+/// The default template, the one way every caller gets it ([`bud_templates::template`]), over
 /// the guest of [`guest`] (brought up to date with its inputs once per binary). The first
 /// call boots and saves it or loads it; later calls load it from disk; a failure is
 /// remembered like [`guest`]'s.
 pub fn template() -> Template {
     static READY: OnceLock<Result<(), String>> = OnceLock::new();
     let load = || {
-        let opts = bud_guest::TemplateOptions::new(source_dir());
-        bud_guest::template(
+        let opts = bud_templates::TemplateOptions::new(source_dir());
+        bud_templates::template(
             &opts,
             &mut |line: &str| eprintln!("[guest build] {line}"),
             None,

@@ -32,9 +32,9 @@ pub fn require_kvm() {
 }
 
 /// The options of template `name` in this source tree (its guest brought up to date).
-pub fn template_options(name: &str) -> bud_guest::TemplateOptions {
-    let mut opts = bud_guest::TemplateOptions::named(repo_dir(), name);
-    opts.guest = bud_guest::GuestBuild::Current;
+pub fn template_options(name: &str) -> bud_templates::TemplateOptions {
+    let mut opts = bud_templates::TemplateOptions::named(repo_dir(), name);
+    opts.guest = bud_templates::GuestBuild::Current;
     opts
 }
 
@@ -52,7 +52,7 @@ pub fn executor_of(name: &str) -> Arc<Executor> {
         .unwrap_or_else(|e| e.into_inner());
     let made = all.entry(name.to_owned()).or_insert_with(|| {
         require_kvm();
-        let template = bud_guest::template(
+        let template = bud_templates::template(
             &template_options(name),
             &mut |line: &str| eprintln!("[guest build {name}] {line}"),
             None,
@@ -119,7 +119,7 @@ impl TestServer {
     pub fn with_templates(config: Config, ready: &[&str]) -> Self {
         let state = AppState::new(config, None).expect("server state");
         for name in ready {
-            let (image_bytes, packages) = bud_guest::image_facts(&template_options(name));
+            let (image_bytes, packages) = bud_templates::image_facts(&template_options(name));
             let info = bud_server::state::TemplateInfo {
                 image_bytes,
                 packages,

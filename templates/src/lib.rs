@@ -1,13 +1,15 @@
-//! The one way to get a template: the guest found or built, then the template loaded from
-//! disk or booted and saved. `bud run`, `bud serve`, the integration tests and the benchmarks
-//! all come through [`template`].
+//! The one way to get a template: the guest found or built ([`bud_guest`], which only builds
+//! files), then the template loaded from disk or booted and saved ([`vmm::Template`]).
+//! `bud run`, `bud serve`, the integration tests and the benchmarks all come through
+//! [`template`]. This crate is where the image builder's files meet the VMM: the builder
+//! never boots anything, the VMM never builds anything.
 
 use std::path::PathBuf;
 
 use vmm::devices::console::EchoFn;
 use vmm::{BootConfig, Template, TemplateSpec};
 
-use crate::pipeline::{BuildError, BuildOptions, built_or_ensure, ensure};
+use bud_guest::pipeline::{BuildError, BuildOptions, RECIPE_DIR, built_or_ensure, ensure};
 
 /// How much to trust an existing guest build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +30,7 @@ pub enum TemplateSetupError {
     #[error("preparing the template: {0}")]
     Template(#[from] vmm::template::TemplateError),
     #[error("{0}")]
-    Recipe(#[from] crate::recipe::RecipeError),
+    Recipe(#[from] bud_guest::recipe::RecipeError),
 }
 
 /// What to prepare.
@@ -66,7 +68,7 @@ impl TemplateOptions {
 
     /// The templates the source tree defines (sorted).
     pub fn names(&self) -> Vec<String> {
-        crate::recipe::template_names(&self.build.source_dir.join(crate::pipeline::RECIPE_DIR))
+        bud_guest::recipe::template_names(&self.build.source_dir.join(RECIPE_DIR))
     }
 
     /// Where templates are kept: `<build>/templates`.
@@ -79,11 +81,11 @@ impl TemplateOptions {
 /// and the Python packages its manifest lists (name to version). Zero and empty when the
 /// image or its manifest is missing.
 pub fn image_facts(opts: &TemplateOptions) -> (u64, std::collections::BTreeMap<String, String>) {
-    let (_, image) = crate::pipeline::artifact_paths(&opts.build.build_dir, opts.name());
+    let (_, image) = bud_guest::pipeline::artifact_paths(&opts.build.build_dir, opts.name());
     let size = image.metadata().map_or(0, |m| m.len());
     let manifest = image
         .parent()
-        .map(|dir| dir.join("rootfs").join(crate::site::MANIFEST_PATH))
+        .map(|dir| dir.join("rootfs").join(bud_guest::site::MANIFEST_PATH))
         .and_then(|p| std::fs::read(p).ok())
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
     let packages = manifest
@@ -106,10 +108,7 @@ pub fn template(
     progress: &mut dyn FnMut(&str),
     echo: Option<EchoFn>,
 ) -> Result<Template, TemplateSetupError> {
-    let site = crate::recipe::load_site(
-        &opts.build.source_dir.join(crate::pipeline::RECIPE_DIR),
-        opts.name(),
-    )?;
+    let site = bud_guest::recipe::load_site(&opts.build.source_dir.join(RECIPE_DIR), opts.name())?;
     let (kernel, initramfs) = match opts.guest {
         GuestBuild::Existing => built_or_ensure(&opts.build, progress).map_err(Box::new)?,
         GuestBuild::Current => {
