@@ -28,7 +28,7 @@ pub struct ServeOptions {
     pub port: u16,
     pub config: Config,
     /// Where each template of `config.templates` comes from (the `bud` binary passes
-    /// `bud_guest::template`).
+    /// `bud_templates::template`).
     pub template: TemplateSource,
 }
 
