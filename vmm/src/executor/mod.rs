@@ -22,6 +22,10 @@
 //!
 //! [`Executor::run`] is safe to call from many threads at once; each call runs one VM's vCPU
 //! on the calling thread (so never call it from an async executor's worker threads).
+//!
+//! Where VMs come from (new clones, the pool's filler, taking one) is in `pool`; this file
+//! holds the executor, the state it shares with its threads, running a job, and where a VM
+//! goes after it (reset and kept, or to the reaper).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -41,6 +45,10 @@ use crate::reset::{self, ResetError};
 use crate::template::{Template, TemplateError};
 use crate::vm::{Machine, VmError};
 
+mod pool;
+
+pub use pool::WARM_UP_JOB;
+
 /// Errors that stop a job from running at all.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -57,15 +65,6 @@ pub enum ExecError {
     #[error("giving back a VM's private pages: {0}")]
     Trim(#[from] crate::memory::MemoryError),
 }
-
-/// The job the pool runs on each new clone before pooling it: the template's own warm-up
-/// code when its image has one (`/usr/lib/bud/template_warm.py`, written by the guest
-/// builder: `guest/src/site.rs`; the datascience template's group-by and figure), so the
-/// pages a typical job of that template touches are mapped before a caller's job; an empty
-/// job otherwise (one `stat` more).
-pub const WARM_UP_JOB: &str = "import os\n\
-if os.path.exists('/usr/lib/bud/template_warm.py'):\n\
-    exec(compile(open('/usr/lib/bud/template_warm.py').read(), 'template_warm', 'exec'), {})\n";
 
 /// What happens to a VM after its job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,12 +136,6 @@ struct Shared {
 }
 
 impl Shared {
-    fn new_clone(&self) -> Result<Machine, TemplateError> {
-        let m = self.template.clone_machine(&self.kvm)?;
-        self.counters.live.fetch_add(1, Ordering::Relaxed);
-        Ok(m)
-    }
-
     fn idle(&self) -> std::sync::MutexGuard<'_, Idle> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -175,60 +168,6 @@ impl Shared {
                     .unwrap_or_else(|e| e.into_inner())
                     .push(e.to_string());
                 Err(e)
-            }
-        }
-    }
-
-    /// Runs [`WARM_UP_JOB`] on a new clone and resets it: the clone's first job pays for
-    /// faulting in everything a job touches (tens of milliseconds under kvm_pvm's shadow
-    /// paging); this pays it before any caller waits. None if anything went wrong (then the
-    /// clone is closed).
-    fn warm_up(&self, mut m: Machine) -> Option<Machine> {
-        let warm_up = Job::python(WARM_UP_JOB);
-        let ran = job::run(&mut m, self.template.state(), &warm_up, &mut |_, _| {});
-        let ok = matches!(ran, Ok((_, Health::Ready))) && self.reset(&mut m).is_ok();
-        if ok {
-            if self.working_set.get().is_none()
-                && let Ok(pages) = m.ram.private_pages()
-            {
-                let _ = self.working_set.set(pages);
-            }
-            return Some(m);
-        }
-        drop(m);
-        self.counters.live.fetch_sub(1, Ordering::Relaxed);
-        None
-    }
-
-    fn fill(&self) {
-        let mut idle = self.idle();
-        while !self.stopping.load(Ordering::SeqCst) {
-            if idle.fresh.len() + idle.warm.len() >= self.opts.pool_size {
-                idle = self
-                    .wake_filler
-                    .wait(idle)
-                    .unwrap_or_else(|e| e.into_inner());
-                continue;
-            }
-            drop(idle);
-            let made = self.new_clone();
-            let made = match (made, self.opts.reuse) {
-                (Ok(m), Reuse::Warm) => self.warm_up(m).ok_or(()),
-                (Ok(m), Reuse::Fresh) => Ok(m),
-                (Err(_), _) => Err(()),
-            };
-            idle = self.idle();
-            match made {
-                Ok(m) if self.opts.reuse == Reuse::Warm => idle.warm.push(m),
-                Ok(m) => idle.fresh.push_back(m),
-                // The inline path reports errors to callers; here, back off and retry.
-                Err(_) => {
-                    idle = self
-                        .wake_filler
-                        .wait_timeout(idle, Duration::from_millis(100))
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
-                }
             }
         }
     }
@@ -360,55 +299,6 @@ impl Executor {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()),
         )
-    }
-
-    /// A VM at READY: a warm one if any is idle, else a fresh clone from the pool, else one
-    /// made now. Returns it and the time taken.
-    pub fn take_vm(&self) -> Result<(Machine, Duration), ExecError> {
-        let started = Instant::now();
-        let idle = {
-            let mut idle = self.shared.idle();
-            let m = idle.warm.pop().or_else(|| idle.fresh.pop_front());
-            self.shared.wake_filler.notify_one();
-            m
-        };
-        let m = match idle {
-            Some(m) => m,
-            None => self.shared.new_clone()?,
-        };
-        Ok((m, started.elapsed()))
-    }
-
-    /// A VM at READY, like [`Executor::take_vm`], holding no more host memory than a
-    /// warmed-up clone: for a VM kept long (a session). A warm VM keeps private every page
-    /// any of its earlier jobs wrote (a reset copies the template back into them, module
-    /// docs), up to `max_private_pages`; the pages outside the working set a warm-up
-    /// records are given back ([`GuestRam::drop_private_pages`](crate::memory::GuestRam::drop_private_pages)),
-    /// which is exact because a reset VM's pages equal the template's. With no working set
-    /// recorded yet (no warm-up ran) every private page is given back. Returns the VM, the
-    /// time taken and the pages given back.
-    pub fn take_lean_vm(&self) -> Result<(Machine, Duration, u64), ExecError> {
-        let (m, _) = self.take_vm()?;
-        let started = Instant::now();
-        let trimmed = m
-            .ram
-            .private_pages()
-            .map_err(ExecError::Pagemap)
-            .and_then(|mut pages| {
-                if let Some(keep) = self.shared.working_set.get() {
-                    for (word, kept) in pages.iter_mut().zip(keep) {
-                        *word &= !kept;
-                    }
-                }
-                Ok(m.ram.drop_private_pages(&pages)?)
-            });
-        match trimmed {
-            Ok(dropped) => Ok((m, started.elapsed(), dropped)),
-            Err(e) => {
-                self.discard(m);
-                Err(e)
-            }
-        }
     }
 
     /// The KVM handle VMs are made with.
