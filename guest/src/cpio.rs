@@ -6,6 +6,9 @@
 //! collects a staging directory plus extra entries, sorts them by path and adds any missing
 //! parent directory, so the same tree always gives the same bytes. It never reads the clock,
 //! the owner or the mtime of a staged file: only contents, the executable bit and link targets.
+//!
+//! One file although over 500 lines: the writer and the tree are one format, under 400 lines,
+//! and the rest is their unit tests (byte-exact archives), kept below the code.
 
 use std::collections::BTreeMap;
 use std::fs::File;

@@ -18,6 +18,9 @@
 //!   host's reason does. A worker that exited ends the request as what its wait status says,
 //!   unless the host had interrupted it (then, again, the host's reason); an agent that
 //!   failed, as crashed; over the cap, as the cap.
+//!
+//! One file although over 500 lines: the policy is under half of it, and the rest is its
+//! unit tests, one per path, kept below the code they drive.
 
 use std::time::{Duration, Instant};
 
