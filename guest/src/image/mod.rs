@@ -5,6 +5,9 @@
 //! agent and the VMM) and the input hash that decides whether an image is still current. Same
 //! inputs give the same bytes: entries are sorted, mtimes and owners fixed, pycs carry no
 //! timestamps. It never downloads anything; `debs.rs` does that first.
+//!
+//! This file holds the layout and the build; `key` decides whether a recorded image is still
+//! current (the input hash), and `report` says what a build put in the image.
 
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -12,15 +15,24 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
-use crate::cpio::{self, CpioError, Entry, Tree};
+use crate::cpio::{CpioError, Entry, Tree};
 use crate::debs::{self, DebError, Package};
 use crate::hashes::{HashCache, HashError};
-use crate::libs::{self, ElfFile, LibError};
+use crate::libs::{self, LibError};
 use crate::python::{self, PythonError};
 use crate::recipe::{self, Busybox, Recipe, RecipeError, Site};
 use crate::run::{self, RunError};
 use crate::site::{self, SiteError};
 use crate::stage::{StageError, Staging};
+
+mod key;
+mod report;
+
+use key::current;
+use report::{report, write_contents};
+
+pub use key::input_key;
+pub use report::ImageReport;
 
 /// Bump when the builder's own logic changes what it produces: part of the input hash.
 pub const BUILDER_VERSION: u32 = 3;
@@ -40,8 +52,6 @@ pub const IMAGE_FILE: &str = "initramfs.cpio";
 const KEY_FILE: &str = "initramfs.key";
 /// Every file of the image with its size, largest first.
 pub const CONTENTS_FILE: &str = "contents.txt";
-/// How many of the largest files a report lists.
-const REPORT_LARGEST: usize = 12;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -133,19 +143,6 @@ pub struct Image {
     pub report: Option<ImageReport>,
 }
 
-/// What a build put in the image.
-#[derive(Debug, Clone)]
-pub struct ImageReport {
-    /// Archive entries, directories and links included.
-    pub entries: usize,
-    /// Bytes of regular-file contents per part of the image, largest first.
-    pub parts: Vec<(String, u64)>,
-    /// The largest files, largest first.
-    pub largest: Vec<(String, u64)>,
-    /// Every ELF file and what it loads.
-    pub elf_files: Vec<ElfFile>,
-}
-
 /// Sorted relative paths of the regular files under `dir`.
 fn files_under(dir: &Path) -> Result<Vec<String>, ImageError> {
     let mut out = Vec::new();
@@ -173,81 +170,6 @@ fn files_under(dir: &Path) -> Result<Vec<String>, ImageError> {
     }
     out.sort();
     Ok(out)
-}
-
-fn hash_of(hashes: &mut HashCache, path: &Path) -> Result<String, ImageError> {
-    Ok(hashes.sha256(path)?)
-}
-
-/// The input hash: the builder version, every recipe file, the packages (name, version,
-/// sha256), the agent, the extension and bud's Python modules (only the files staged, so a
-/// stray `__pycache__/` in guest/python does not force a rebuild).
-pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String, ImageError> {
-    for (what, path) in [("agent", &inputs.agent), ("extension", &inputs.extension)] {
-        if !path.is_file() {
-            return Err(ImageError::MissingInput {
-                what,
-                path: path.clone(),
-            });
-        }
-    }
-    let mut text = format!(
-        "bud-guest-image {BUILDER_VERSION}\ntemplate {}\n",
-        inputs.template
-    );
-    let templates = format!("{}/", recipe::TEMPLATES_DIR);
-    let mine = |rel: &str| match &inputs.site {
-        None => false,
-        Some(site) => {
-            let name = &rel[templates.len()..];
-            name == format!("{}.toml", inputs.template) || site.warm.as_deref() == Some(name)
-        }
-    };
-    let recipe_files = files_under(&inputs.recipe_dir)?;
-    // Other templates' recipes are not this image's input.
-    let recipe_files = recipe_files
-        .into_iter()
-        .filter(|rel| !rel.starts_with(&templates) || mine(rel));
-    for rel in recipe_files {
-        text.push_str(&format!(
-            "recipe {rel} {}\n",
-            hash_of(hashes, &inputs.recipe_dir.join(&rel))?
-        ));
-    }
-    for p in inputs.packages.iter().chain(&inputs.site_packages) {
-        text.push_str(&format!("deb {} {} {}\n", p.name, p.version, p.sha256));
-    }
-    text.push_str(&format!("agent {}\n", hash_of(hashes, &inputs.agent)?));
-    text.push_str(&format!(
-        "extension {}\n",
-        hash_of(hashes, &inputs.extension)?
-    ));
-    for path in python::bud_modules(&inputs.python_dir)? {
-        let name = path
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        text.push_str(&format!("python {name} {}\n", hash_of(hashes, &path)?));
-    }
-    Ok(hex::encode(Sha256::digest(text.as_bytes())))
-}
-
-/// The recorded image in `work_dir`, if its input key is `key` and the file is still there
-/// with the recorded size.
-fn current(work_dir: &Path, key: &str) -> Option<Image> {
-    let text = std::fs::read_to_string(work_dir.join(KEY_FILE)).ok()?;
-    let mut lines = text.lines();
-    let (input_key, sha256, size) = (lines.next()?, lines.next()?, lines.next()?.parse().ok()?);
-    let path = work_dir.join(IMAGE_FILE);
-    let on_disk = path.metadata().ok()?.len();
-    (input_key == key && on_disk == size).then(|| Image {
-        path,
-        sha256: sha256.to_owned(),
-        size,
-        input_key: key.to_owned(),
-        report: None,
-    })
 }
 
 /// Returns the image in `work_dir` if it is current for `inputs`, else builds it.
@@ -495,64 +417,4 @@ impl<W: Write> Write for HashingWriter<W> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
-}
-
-struct FullReport {
-    public: ImageReport,
-    largest_all: Vec<(String, u64)>,
-}
-
-/// The parts of the image a report adds up, by path prefix; the first match wins.
-const PARTS: &[(&str, &str)] = &[
-    ("usr/bin/python3.11", "python interpreter"),
-    (
-        "usr/lib/python3.11/lib-dynload/",
-        "python extension modules",
-    ),
-    ("usr/lib/python311.zip", "python standard library (zip)"),
-    ("usr/lib/python3.11/", "python standard library landmark"),
-    ("usr/lib/bud/", "bud python modules + extension"),
-    ("init", "bud agent (/init)"),
-    ("bin/busybox", "busybox"),
-    ("lib/", "shared libraries"),
-    ("usr/lib/", "shared libraries"),
-];
-
-fn report(tree: &Tree, elf_files: Vec<ElfFile>) -> FullReport {
-    let mut files: Vec<(String, u64)> = Vec::new();
-    for entry in tree.entries() {
-        if let cpio::Kind::File(cpio::Data::Path(path)) = &entry.kind {
-            files.push((entry.path.clone(), path.metadata().map_or(0, |m| m.len())));
-        }
-    }
-    files.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    let mut parts: Vec<(String, u64)> = Vec::new();
-    for (path, size) in &files {
-        let part = PARTS
-            .iter()
-            .find(|(prefix, _)| path.starts_with(prefix))
-            .map_or("other", |(_, name)| name);
-        match parts.iter_mut().find(|(name, _)| name == part) {
-            Some((_, total)) => *total += size,
-            None => parts.push((part.to_owned(), *size)),
-        }
-    }
-    parts.sort_by_key(|part| std::cmp::Reverse(part.1));
-    FullReport {
-        public: ImageReport {
-            entries: tree.entries().len(),
-            parts,
-            largest: files.iter().take(REPORT_LARGEST).cloned().collect(),
-            elf_files,
-        },
-        largest_all: files,
-    }
-}
-
-fn write_contents(work_dir: &Path, files: &[(String, u64)]) -> Result<(), ImageError> {
-    let mut text = String::new();
-    for (path, size) in files {
-        text.push_str(&format!("{size:>10} /{path}\n"));
-    }
-    write_atomically(&work_dir.join(CONTENTS_FILE), text.as_bytes())
 }

@@ -1,0 +1,86 @@
+//! Whether a recorded image is still current: the input hash of everything an image is made
+//! of, and the record a build leaves next to the archive.
+
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use super::{BUILDER_VERSION, IMAGE_FILE, Image, ImageError, ImageInputs, KEY_FILE, files_under};
+use crate::hashes::HashCache;
+use crate::python;
+use crate::recipe;
+
+fn hash_of(hashes: &mut HashCache, path: &Path) -> Result<String, ImageError> {
+    Ok(hashes.sha256(path)?)
+}
+
+/// The input hash: the builder version, every recipe file, the packages (name, version,
+/// sha256), the agent, the extension and bud's Python modules (only the files staged, so a
+/// stray `__pycache__/` in guest/python does not force a rebuild).
+pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String, ImageError> {
+    for (what, path) in [("agent", &inputs.agent), ("extension", &inputs.extension)] {
+        if !path.is_file() {
+            return Err(ImageError::MissingInput {
+                what,
+                path: path.clone(),
+            });
+        }
+    }
+    let mut text = format!(
+        "bud-guest-image {BUILDER_VERSION}\ntemplate {}\n",
+        inputs.template
+    );
+    let templates = format!("{}/", recipe::TEMPLATES_DIR);
+    let mine = |rel: &str| match &inputs.site {
+        None => false,
+        Some(site) => {
+            let name = &rel[templates.len()..];
+            name == format!("{}.toml", inputs.template) || site.warm.as_deref() == Some(name)
+        }
+    };
+    let recipe_files = files_under(&inputs.recipe_dir)?;
+    // Other templates' recipes are not this image's input.
+    let recipe_files = recipe_files
+        .into_iter()
+        .filter(|rel| !rel.starts_with(&templates) || mine(rel));
+    for rel in recipe_files {
+        text.push_str(&format!(
+            "recipe {rel} {}\n",
+            hash_of(hashes, &inputs.recipe_dir.join(&rel))?
+        ));
+    }
+    for p in inputs.packages.iter().chain(&inputs.site_packages) {
+        text.push_str(&format!("deb {} {} {}\n", p.name, p.version, p.sha256));
+    }
+    text.push_str(&format!("agent {}\n", hash_of(hashes, &inputs.agent)?));
+    text.push_str(&format!(
+        "extension {}\n",
+        hash_of(hashes, &inputs.extension)?
+    ));
+    for path in python::bud_modules(&inputs.python_dir)? {
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        text.push_str(&format!("python {name} {}\n", hash_of(hashes, &path)?));
+    }
+    Ok(hex::encode(Sha256::digest(text.as_bytes())))
+}
+
+/// The recorded image in `work_dir`, if its input key is `key` and the file is still there
+/// with the recorded size.
+pub(super) fn current(work_dir: &Path, key: &str) -> Option<Image> {
+    let text = std::fs::read_to_string(work_dir.join(KEY_FILE)).ok()?;
+    let mut lines = text.lines();
+    let (input_key, sha256, size) = (lines.next()?, lines.next()?, lines.next()?.parse().ok()?);
+    let path = work_dir.join(IMAGE_FILE);
+    let on_disk = path.metadata().ok()?.len();
+    (input_key == key && on_disk == size).then(|| Image {
+        path,
+        sha256: sha256.to_owned(),
+        size,
+        input_key: key.to_owned(),
+        report: None,
+    })
+}
