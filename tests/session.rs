@@ -219,6 +219,32 @@ fn a_cell_whose_deadline_passes_before_it_starts_is_a_timeout_and_the_session_go
     s.end(&ex);
 }
 
+/// The interrupt reaches a cell wherever it is, also inside the worker's audit hook, which
+/// runs on every audited operation (here `compile`, thousands a second): the hook passed
+/// a `KeyboardInterrupt` raised in it to its catch-all, so such a cell ran on past its
+/// grace and its session ended. Five cells, each interrupted, and the session goes on.
+#[test]
+fn a_cell_in_a_loop_of_audited_calls_is_interrupted_and_the_session_goes_on() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    cell(&mut s, &ex, "n = 0");
+
+    let mut ends = Vec::new();
+    for _ in 0..5 {
+        let mut spin = Job::python("while True:\n    compile('1', 's', 'eval')\n    n += 1");
+        spin.timeout = Duration::from_millis(200);
+        let r = s
+            .exec(&ex, &spin, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+            .unwrap();
+        ends.push((r.status, s.usable()));
+    }
+    let after = cell(&mut s, &ex, "print(n > 0)");
+
+    assert_eq!(ends, vec![(Status::Timeout, true); 5]);
+    assert_eq!(text(&after.stdout), "True\n");
+    s.end(&ex);
+}
+
 #[test]
 fn a_cell_over_the_output_cap_is_interrupted_and_the_session_goes_on() {
     let ex = executor();

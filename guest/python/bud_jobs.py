@@ -1,34 +1,39 @@
 """The job protocol, guest side: from ``ready()`` returning in a clone to the DONE doorbell.
 
 The layout is ``vmm/src/protocol.rs`` (``job``, ``result``, ``outcome``), read through the
-constants ``_bud`` exports; the host side is ``vmm/src/job.rs``. A clone runs exactly one
-job: :meth:`JobRunner.serve` reads the request from the mailbox, gives the clone its own
-identity, runs the job, writes ``OUTCOME`` / ``EXIT_CODE`` and rings DONE, and rings DONE
-again every time it is resumed after that (it never runs a second job).
+constants ``_bud`` exports; the host side is ``vmm/src/job/``. :meth:`JobRunner.serve` reads
+each request from the mailbox (``bud_request``), gives the clone its own identity, runs the
+request, writes ``OUTCOME`` / ``EXIT_CODE`` and rings DONE; resumed without a new request, it
+rings DONE again without running anything.
 
-Per-clone identity (:class:`Identity`): the host has done the expensive part before the
-clone resumes, by writing guest memory (``vmm/src/identity.rs``): the guest kernel's CRNG
-keys, input pool and batched entropy replaced with host randomness, and CLOCK_REALTIME
-moved to the host's wall clock (the clone keeps its template's monotonic clock, so the
-kernel has no elapsed time to account). Here, with no syscall: Python's global ``random``
-is seeded from ``job::SEED`` (a secret of its own, not the kernel's), and the clock is
-checked against ``job::WALL_CLOCK_NS``; only if it is off by more than its tolerance
-(a host that did not set it) does the worker call ``clock_settime`` (milliseconds of
-emulated kernel work under kvm_pvm). Clones of one template still share CPython's hash
-seed (``PYTHONHASHSEED`` is fixed at interpreter start): set and dict iteration orders of
-str keys are the same in every clone.
+Per-clone identity (``bud_request.Identity``): the host has done the expensive part before
+the clone resumes, by writing guest memory (``vmm/src/identity.rs``): the guest kernel's CRNG
+keys, input pool and batched entropy replaced with host randomness, and CLOCK_REALTIME moved
+to the host's wall clock (the clone keeps its template's monotonic clock, so the kernel has
+no elapsed time to account). Here, with no syscall: Python's global ``random`` is seeded
+from ``job::SEED`` (a secret of its own, not the kernel's), and the clock is checked against
+``job::WALL_CLOCK_NS``; only if it is off by more than its tolerance (a host that did not set
+it) does the worker call ``clock_settime`` (milliseconds of emulated kernel work under
+kvm_pvm). Clones of one template still share CPython's hash seed (``PYTHONHASHSEED`` is
+fixed at interpreter start): set and dict iteration orders of str keys are the same in
+every clone.
 
 Python jobs (:meth:`JobRunner._run_python`) get ``python3 -c CODE ARG...`` semantics in
-this very process: a fresh ``__main__``, ``sys.argv == ['-c', *args]``, ``''`` at the front
-of ``sys.path``, the job's environment in ``os.environ``, std streams from ``bud_io`` (the
-mailbox areas, no syscalls), ``SystemExit`` / uncaught-exception handling and exit codes
-as CPython's ``pymain``/``PyErr_Print`` do (the traceback printed by ``sys.excepthook``,
-without the worker's own frame), then interpreter-exit order: non-daemon threads joined,
-``atexit`` handlers, fd-level output collected, text layers flushed. An uncaught
-``MemoryError`` is ``OUT_OF_MEMORY`` (exit code 1); an uncaught ``KeyboardInterrupt`` is
-SIGNALED(SIGINT), as python3 re-raises it as a signal. Not reproduced: ``sys.flags``
-(the worker runs with ``-s -P``), and ``os.exec*`` from a job (it replaces the worker: the
-job ends as the agent's FAILED(WORKER_EXITED), and its fd-level output is not collected).
+this very process (``bud_exec``): a fresh ``__main__``, ``sys.argv == ['-c', *args]``,
+``''`` at the front of ``sys.path``, the job's environment in ``os.environ``, std streams
+from ``bud_io`` (the mailbox areas, no syscalls), ``SystemExit`` / uncaught-exception
+handling and exit codes as CPython's ``pymain``/``PyErr_Print`` do (the traceback printed by
+``sys.excepthook``, without the worker's own frames), then interpreter-exit order:
+non-daemon threads joined, ``atexit`` handlers, fd-level output collected, text layers
+flushed. An uncaught ``MemoryError`` is ``OUT_OF_MEMORY`` (exit code 1); an uncaught
+``KeyboardInterrupt`` is SIGNALED(SIGINT), as python3 re-raises it as a signal. Not
+reproduced: ``sys.flags`` (the worker runs with ``-s -P``), and ``os.exec*`` from a job (it
+replaces the worker: the job ends as the agent's FAILED(WORKER_EXITED), and its fd-level
+output is not collected).
+
+The host's interrupt (SIGINT from the watcher, ``interrupt.rs``) raises ``KeyboardInterrupt``
+only while a request runs (:meth:`JobRunner.on_sigint`); one that lands outside is held for
+the request it names, which then ends before it runs.
 
 Shell jobs: ``bud_shell`` (a shell parked before READY). Everything a job could touch for
 the first time on this path (stream objects, the ``__main__`` module, the audit hook, the
@@ -45,174 +50,22 @@ import os
 import posix
 import random
 import signal
-import struct
 import sys
-import tempfile
-import threading
 import time
 import types
 
 import _bud
+import bud_capture
+import bud_exec
 import bud_io
+import bud_request
 import bud_session
 import bud_shell
-
-# The clock is set only when it is off by more than these: bud's host sets the guest's clock
-# itself before the clone resumes, which saves the clone a clock_settime (1-3 ms of emulated
-# kernel here). WALL_CLOCK_NS is the host's time when it wrote the request, so a right clock
-# reads it plus the time from then to this check: never less, and more by however long the
-# host took to resume the vCPU (milliseconds, more on a loaded host). Behind it is wrong at
-# once; ahead of it only by more than any plausible resume delay.
-CLOCK_BEHIND_TOLERANCE_NS = 20_000_000
-CLOCK_AHEAD_TOLERANCE_NS = 10_000_000_000
 
 # The job's outcome when the worker itself failed to run it (its stderr says why).
 EXIT_INTERNAL = 70
 
 MARKS = bud_io.MARKS  # timing marks of the job path (see bud_io)
-
-# LANGUAGE, CODE_LEN, STDIN_LEN, ARGC, ARGS_LEN, ENVC, ENV_LEN: seven adjacent u32s.
-_REQUEST_HEADER = struct.Struct("<7I")
-assert _bud.JOB_ENV_LEN == _bud.JOB_LANGUAGE + 6 * 4
-_WALL_CLOCK = struct.Struct("<Q")  # also the output limit's u64
-# MODE, FLAGS, SEQUENCE, FILE_OP: four adjacent u32s.
-_REQUEST_KIND = struct.Struct("<4I")
-_U32 = struct.Struct("<I")
-_SEQUENCE = struct.Struct("<I")
-assert _bud.JOB_FILE_OP == _bud.JOB_MODE + 3 * 4
-
-
-class ProtocolError(Exception):
-    """The request in the mailbox does not fit the protocol."""
-
-
-def _split(blob, count):
-    """``count`` NUL-terminated byte strings from ``blob``."""
-    parts = bytes(blob).split(b"\0")
-    if len(parts) != count + 1 or parts[-1]:
-        raise ProtocolError(f"expected {count} NUL-terminated strings")
-    return parts[:count]
-
-
-class Request:
-    """One job request, read from the mailbox. ``stdin`` is a memoryview on the mailbox
-    (not copied); the rest are bytes, args and env as lists."""
-
-    __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed", "mode",
-                 "flags", "sequence", "file_op", "namespace", "output_limit")
-
-    def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b"",
-                 mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0, namespace=0,
-                 output_limit=0):
-        self.language = language
-        self.code = code
-        self.stdin = memoryview(stdin)
-        self.args = list(args)
-        self.env = list(env)
-        self.wall_clock_ns = wall_clock_ns
-        self.seed = seed
-        self.mode = mode
-        self.flags = flags
-        self.sequence = sequence
-        self.file_op = file_op
-        self.namespace = namespace
-        self.output_limit = output_limit  # 0: not given (the capture keeps its size)
-
-    @property
-    def reseed(self):
-        """Whether Python's ``random`` takes this request's seed (a one-shot job always; a
-        session when it starts or forks, so its own random state carries between cells)."""
-        return self.mode == _bud.MODE_JOB or bool(self.flags & _bud.JOB_FLAGS_RESEED)
-
-    @classmethod
-    def read(cls, view):
-        language, code_len, stdin_len, argc, args_len, envc, env_len = (
-            _REQUEST_HEADER.unpack_from(view, _bud.JOB_LANGUAGE)
-        )
-        if code_len + stdin_len + args_len + env_len > _bud.JOB_DATA_END - _bud.JOB_DATA:
-            raise ProtocolError("request data larger than its area")
-        at = _bud.JOB_DATA
-        code = bytes(view[at : at + code_len])
-        at += code_len
-        stdin = view[at : at + stdin_len]
-        at += stdin_len
-        args = _split(view[at : at + args_len], argc)
-        at += args_len
-        env = [entry.partition(b"=")[::2] for entry in _split(view[at : at + env_len], envc)]
-        (wall_clock_ns,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_WALL_CLOCK_NS)
-        seed = bytes(view[_bud.JOB_SEED : _bud.JOB_SEED + _bud.JOB_SEED_LEN])
-        mode, flags, sequence, file_op = _REQUEST_KIND.unpack_from(view, _bud.JOB_MODE)
-        (namespace,) = _U32.unpack_from(view, _bud.JOB_NAMESPACE)
-        (output_limit,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_OUTPUT_LIMIT)
-        return cls(language, code, stdin, args, env, wall_clock_ns, seed, mode, flags,
-                   sequence, file_op, namespace, output_limit)
-
-
-class Identity:
-    """Makes a clone distinct on the Python side: ``random`` (and numpy's global random state
-    when numpy is loaded) and a clock check (module docs).
-
-    ``enabled=False`` (host tests: setting the clock needs root and would change the *host's*
-    clock) skips the clock; ``random`` is still reseeded."""
-
-    def __init__(self, enabled):
-        self.enabled = enabled
-        self.clock_set = False  # whether the last apply() had to set the clock
-
-    def apply(self, request, warn):
-        """Returns None, or why the clone must not run the job. A failed clock is only a
-        warning (``warn``): the job runs with the template's."""
-        if request.reseed:
-            random.seed(int.from_bytes(request.seed, "little"))
-            tempfile._name_sequence = None  # its own Random, seeded before READY
-            # A template that imported numpy (datascience) holds numpy's global RandomState
-            # as seeded before READY: every clone would draw the same numbers.
-            # (default_rng() and SeedSequence() take fresh entropy from the reseeded CRNG.)
-            numpy_random = sys.modules.get("numpy.random")
-            if numpy_random is not None:
-                seed = request.seed
-                numpy_random.seed([int.from_bytes(seed[i : i + 4], "little")
-                                   for i in range(0, len(seed), 4)])
-        if not self.enabled:
-            return None
-        ahead = time.time_ns() - request.wall_clock_ns
-        self.clock_set = not -CLOCK_BEHIND_TOLERANCE_NS <= ahead <= CLOCK_AHEAD_TOLERANCE_NS
-        if self.clock_set:
-            try:
-                time.clock_settime_ns(time.CLOCK_REALTIME, request.wall_clock_ns)
-            except OSError as error:
-                warn(f"clock_settime: {error}")
-        MARKS["clock"] = time.perf_counter()
-        return None
-
-
-def _exit_status(error):
-    """The exit status of ``SystemExit`` as CPython's ``handle_system_exit`` makes it; a
-    non-integer code is printed to ``sys.stderr`` first."""
-    code = error.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF if -(2**63) <= code < 2**63 else 0xFF
-    try:
-        if sys.stderr is not None:
-            print(code, file=sys.stderr)
-    except Exception:  # noqa: BLE001 - as CPython: the status is 1 regardless
-        pass
-    return 1
-
-
-def _join_threads():
-    """Joins non-daemon threads until none is left (``threading._shutdown`` without
-    stopping the main thread, so that it can also run before READY)."""
-    me = threading.current_thread()
-    while True:
-        others = [t for t in threading.enumerate() if t is not me and not t.daemon]
-        if not others:
-            return
-        for thread in others:
-            thread.join()
-
 
 class _Context:
     """What one job uses and a clone must not build after READY: its streams and its
@@ -256,10 +109,10 @@ class JobRunner:
         self.view = view
         self.ring = _from_any_thread(ring) if ring is _bud.ring else ring
         self.areas = bud_io.Areas(view, self.ring, clock)
-        self.capture = bud_io.FdCapture(capture_dir, clock,
-                                        bounded=capture_dir == bud_io.CAPTURE_DIR)
+        self.capture = bud_capture.FdCapture(capture_dir, clock,
+                                        bounded=capture_dir == bud_capture.CAPTURE_DIR)
         self.areas.capture = self.capture
-        self.identity = Identity(identity)
+        self.identity = bud_request.Identity(identity)
         self.text_settings = bud_io.python_text_settings()
         self.shell = bud_shell.ParkedShell(shell)
         self.shell_path = shell
@@ -283,7 +136,7 @@ class JobRunner:
         """Everything before READY: hooks, the parked shell, warm-up jobs, and the objects
         the clone's job will use. Returns the warm-up problems (empty when all went well)."""
         faulthandler.enable(file=self.capture.console_err)
-        bud_io.install_os_wrappers(self)
+        bud_capture.install_os_wrappers(self)
         sys.addaudithook(self._audit)
         os.register_at_fork(after_in_child=self._after_fork_in_child)
         problems = []
@@ -298,14 +151,15 @@ class JobRunner:
 
     def _warm_up(self):
         bud_shell.job_script(b"echo 'hi'", [b"a b"], [(b"K", b"v")], 1)
-        Request.read(self.view)  # an all-zero request: exercises the reader
+        bud_request.Request.read(self.view)  # an all-zero request: exercises the reader
         real_ring = self.areas.ring
         self.areas.ring = self._warm_ring
         problems = []
         try:
             for code, stdin, args, env in WARM_JOBS:
-                request = Request(_bud.LANGUAGE_PYTHON, code, stdin, args, env, 0, bytes(32))
-                saved = _save_interpreter_state()
+                request = bud_request.Request(_bud.LANGUAGE_PYTHON, code, stdin, args, env, 0,
+                                              bytes(32))
+                saved = bud_exec.save_interpreter_state()
                 try:
                     random.seed(int.from_bytes(request.seed, "little"))
                     self._run(request, _Context(self.areas, self.text_settings), warm=True)
@@ -313,7 +167,7 @@ class JobRunner:
                     problems.append(f"warm job {code[:20]!r}: {error!r}")
                 finally:
                     self.active = False
-                    _restore_interpreter_state(saved)
+                    bud_exec.restore_interpreter_state(saved)
                     self.areas.reset()
                     self.capture.reset()
         finally:
@@ -341,7 +195,7 @@ class JobRunner:
             MARKS["resumed"] = time.perf_counter()
             request = failure = None
             try:
-                request = Request.read(self.view)
+                request = bud_request.Request.read(self.view)
             except BaseException as error:  # noqa: BLE001 - see below
                 failure = f"{type(error).__name__}: {error}"
             if request is not None and request.sequence == done:
@@ -356,7 +210,7 @@ class JobRunner:
                 first = False
                 MARKS["read"] = time.perf_counter()
                 if request is None:
-                    raise ProtocolError(failure)
+                    raise bud_request.ProtocolError(failure)
                 failure = self.identity.apply(request, self.warn)
                 MARKS["identity"] = time.perf_counter()
                 if failure is None:
@@ -404,7 +258,7 @@ class JobRunner:
                 self.ring(_bud.DONE, 0, 0)
                 return
             except KeyboardInterrupt:
-                if _SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sequence:
+                if bud_request.SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sequence:
                     return
 
     def warn(self, message):
@@ -453,7 +307,7 @@ class JobRunner:
             os.environb[name] = value
         sys.modules["__main__"] = context.main
         context.streams.install()
-        outcome, code = _exec_main(source, context.main.__dict__)
+        outcome, code = bud_exec.exec_main(source, context.main.__dict__)
         self._take_figures()  # before atexit: pyplot's handler closes every figure
         return self._finish_python(outcome, code, context, run_atexit=not warm)
 
@@ -480,13 +334,13 @@ class JobRunner:
         if request.flags & _bud.JOB_FLAGS_ERROR_IN_DISPLAY:
             def report(error):
                 self._error = bud_session.error_of(error)
-        outcome, code, value = _exec_cell(source, namespace, report)
+        outcome, code, value = bud_exec.exec_cell(source, namespace, report)
         if value is not None:
             self._display = bud_session.display_of(value)
         self._take_figures()
         self.areas.streaming = False
         self.capture.sync_all(self.areas)
-        if not _flush_text(context) and outcome == _bud.OUTCOME_EXITED:
+        if not bud_exec.flush_text(context) and outcome == _bud.OUTCOME_EXITED:
             code = 120
         return outcome, code
 
@@ -519,15 +373,15 @@ class JobRunner:
 
     def _finish_python(self, outcome, code, context, run_atexit):
         """Interpreter exit, in ``Py_FinalizeEx``'s order."""
-        _join_threads()
+        bud_exec.join_threads()
         if run_atexit:
             atexit._run_exitfuncs()
         if self.areas.forked:
-            _flush_text(context)
+            bud_exec.flush_text(context)
             bud_io._ORIGINAL["_exit"](code)
         self.areas.streaming = False
         self.capture.sync_all(self.areas)
-        if not _flush_text(context) and outcome == _bud.OUTCOME_EXITED:
+        if not bud_exec.flush_text(context) and outcome == _bud.OUTCOME_EXITED:
             code = 120  # as python3 when flushing stdout fails at exit
         return outcome, code
 
@@ -571,12 +425,13 @@ class JobRunner:
     # ---- hooks
 
     def _audit(self, event, args):
-        """sys.addaudithook: notices what may write below Python's level (bud_io docs).
-        Must never raise: that would fail the job's own operation."""
+        """sys.addaudithook: notices what may write below Python's level (bud_capture docs).
+        Must never raise (that would fail the job's own operation), except the host's
+        interrupt."""
         if not self.active:
             return
         try:
-            if event in bud_io.STICKY_EVENTS:
+            if event in bud_capture.STICKY_EVENTS:
                 self.capture.mark_sticky()
                 self.capture.materialize_stdin()
             elif event == "open":
@@ -589,6 +444,11 @@ class JobRunner:
                     self.capture.materialize_stdin()
             elif event.startswith("ctypes."):
                 self.capture.mark_sticky()
+        except KeyboardInterrupt:
+            # The host's interrupt, landed in this hook (an audit event at the job's start,
+            # compile or exec, or in a loop of open() calls): the job's, as anywhere in its
+            # code. Swallowed here, the job ran on past its timeout until the grace ended.
+            raise
         except BaseException as error:  # noqa: BLE001 - see above
             self.warn(f"audit hook ({event}): {error!r}")
 
@@ -609,7 +469,7 @@ class JobRunner:
         del signum, frame
         sent = _bud.take_interrupt()
         if sent and not self.areas.forked:
-            if _SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sent:
+            if bud_request.SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sent:
                 return
             if not self._interruptible:
                 self._held = sent
@@ -637,115 +497,5 @@ def _from_any_thread(ring):
     return ring_here
 
 
-def _exec_main(source, namespace):
-    """Compiles and runs the job's code in ``namespace``; returns (outcome, exit status).
-
-    The ``try`` is in this frame, so the traceback of anything the job raises starts here:
-    dropping this one frame leaves exactly what ``python3 -c`` prints."""
-    try:
-        code = compile(source, "<string>", "exec")
-        MARKS["compiled"] = time.perf_counter()
-        exec(code, namespace)
-    except SystemExit as error:
-        return _bud.OUTCOME_EXITED, _exit_status(error)
-    except BaseException as error:  # noqa: BLE001 - every uncaught exception is reported
-        error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None
-        _print_uncaught(error)
-        if isinstance(error, MemoryError):
-            return _bud.OUTCOME_OUT_OF_MEMORY, 1
-        if isinstance(error, KeyboardInterrupt):
-            return _bud.OUTCOME_SIGNALED, signal.SIGINT
-        return _bud.OUTCOME_EXITED, 1
-    return _bud.OUTCOME_EXITED, 0
-
-
-def _exec_cell(source, namespace, report=None):
-    """Runs a cell in ``namespace``: (outcome, exit status, the final expression's value or
-    None). Errors are reported as :func:`_exec_main` reports them, or given to ``report``."""
-    try:
-        body, last = bud_session.compile_cell(source)
-        MARKS["compiled"] = time.perf_counter()
-        exec(body, namespace)
-        value = None if last is None else eval(last, namespace)
-    except SystemExit as error:
-        return _bud.OUTCOME_EXITED, _exit_status(error), None
-    except BaseException as error:  # noqa: BLE001 - every uncaught exception is reported
-        error.__traceback__ = error.__traceback__.tb_next if error.__traceback__ else None
-        if report is None:
-            _print_uncaught(error)
-        else:
-            report(error)
-        if isinstance(error, MemoryError):
-            return _bud.OUTCOME_OUT_OF_MEMORY, 1, None
-        if isinstance(error, KeyboardInterrupt):
-            return _bud.OUTCOME_SIGNALED, signal.SIGINT, None
-        return _bud.OUTCOME_EXITED, 1, None
-    if value is not None:
-        namespace["_"] = value
-    return _bud.OUTCOME_EXITED, 0, value
-
-
-def _print_uncaught(error):
-    """``PyErr_Print``: ``sys.last_*``, then ``sys.excepthook``; if the hook fails, both
-    tracebacks through the default hook."""
-    kind, tb = type(error), error.__traceback__
-    sys.last_type, sys.last_value, sys.last_traceback = kind, error, tb
-    try:
-        hook = sys.excepthook
-        hook(kind, error, tb)
-    except BaseException as hook_error:  # noqa: BLE001 - reported as CPython does
-        try:
-            if sys.stderr is not None:
-                print("Error in sys.excepthook:", file=sys.stderr)
-                sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
-                print("\nOriginal exception was:", file=sys.stderr)
-                sys.__excepthook__(kind, error, tb)
-        except BaseException:  # noqa: BLE001 - out of memory, closed stderr...
-            pass
-
-
-def _flush_text(context):
-    """Flushes ``sys.stdout``/``sys.stderr`` and the job's own text layers (a job may have
-    replaced the former); False if flushing stdout failed."""
-    ok = True
-    seen = set()
-    for stream in (sys.stdout, sys.stderr, context.streams.stdout, context.streams.stderr):
-        if stream is None or id(stream) in seen:
-            continue
-        seen.add(id(stream))
-        try:
-            if not getattr(stream, "closed", False):
-                stream.flush()
-        except Exception:  # noqa: BLE001 - as CPython: reported by the exit status only
-            if stream is sys.stdout:
-                ok = False
-    return ok
-
-
-def _save_interpreter_state():
-    """What a job changes in the interpreter (warm-up jobs are undone afterwards)."""
-    return (
-        list(sys.argv),
-        list(getattr(sys, "orig_argv", [])),
-        list(sys.path),
-        sys.modules.get("__main__"),
-        (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__),
-        dict(os.environb),
-    )
-
-
-def _restore_interpreter_state(saved):
-    argv, orig_argv, path, main, streams, environ = saved
-    sys.argv = argv
-    sys.orig_argv = orig_argv
-    sys.path[:] = path
-    sys.modules["__main__"] = main
-    (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__) = streams
-    for name in set(os.environb) - set(environ):
-        del os.environb[name]
-    for name, value in environ.items():
-        if os.environb.get(name) != value:
-            os.environb[name] = value
-    for name in ("last_type", "last_value", "last_traceback"):
-        if hasattr(sys, name):
-            delattr(sys, name)
+# The frame on_sigint adds to a KeyboardInterrupt is not the job's (bud_exec).
+bud_exec.HANDLER_CODES.add(JobRunner.on_sigint.__code__)

@@ -23,9 +23,10 @@ doorbell is one ``out``. Python-level work in between runs on pages that were ma
 the snapshot (imports done, pymalloc arenas and malloc heap reserved, stack touched, and
 finally ``mlockall(MCL_CURRENT)`` so that every page mapped at READY is present).
 
-The job protocol is ``bud_jobs`` (request, identity, Python jobs), ``bud_io`` (output into
-the mailbox areas, fd-level capture) and ``bud_shell`` (shell jobs through a shell parked
-before READY); :func:`warm` prepares it (``JobRunner.prepare``) and :func:`main` hands the
+The job protocol is ``bud_jobs`` (the serve loop, Python jobs), ``bud_request`` (the request
+and the clone's identity), ``bud_exec`` (``python3 -c`` semantics), ``bud_io`` (output into
+the mailbox areas), ``bud_capture`` (fd-level capture) and ``bud_shell`` (shell jobs through
+a shell parked before READY); :func:`warm` prepares it (``JobRunner.prepare``) and :func:`main` hands the
 clone to ``JobRunner.serve``. Syscalls from ``ready()`` returning to DONE, for a pure
 Python job: the three identity calls (``clock_settime``, RNDADDENTROPY, RNDRESEEDCRNG) and
 nothing else: the job is read from the memoryview, compiled and run, its stdout and stderr
@@ -54,6 +55,7 @@ import sys
 import time
 
 import _bud
+import bud_capture
 import bud_io
 import bud_jobs
 
@@ -319,7 +321,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
         except OSError as error:
             interrupts = f"no interrupt watcher ({error}); session cells cannot be interrupted"
     # In a guest the capture files live on their own bounded tmpfs (the agent mounts it).
-    capture_dir = bud_io.CAPTURE_DIR if doorbell else "/tmp"
+    capture_dir = bud_capture.CAPTURE_DIR if doorbell else "/tmp"
     runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell,
                                 capture_dir=capture_dir)
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err

@@ -22,6 +22,9 @@
 //! - sessions: `bud_sessions` (live), `bud_sessions_memory_bytes` (their private pages plus
 //!   fork layers, what the memory cap counts), `bud_sessions_created_total`,
 //!   `bud_sessions_forked_total` (children made) and `bud_sessions_ended_total{reason}`.
+//!
+//! (Over 500 lines with its unit tests, which stay beside the code they test; the code
+//! itself is under 500.)
 
 use std::collections::BTreeMap;
 use std::fmt::Write;

@@ -95,14 +95,14 @@ pub const MOUNTS: [Mount; 7] = [
         // (allocation, page cache, LRU, accounting, then the punch that frees it), so fd
         // output ran at ~1 MiB/s; the part of a new huge folio a write leaves is cleared by the
         // guest (or by the host with `bud.host_zero`, kernel patch 0009, on kvm_pvm) and the
-        // worker frees copied output in whole 2 MiB (`bud_io.PUNCH_EVERY`). Near the
+        // worker frees copied output in whole 2 MiB (`bud_capture.PUNCH_EVERY`). Near the
         // size limit shmem falls back to 4 KiB folios, so the bound stays exact.
         data: c"mode=0700,size=8454144,huge=always",
         required: true,
     },
 ];
 
-/// Where the worker's output capture files live (`bud_io.CAPTURE_DIR`).
+/// Where the worker's output capture files live (`bud_capture.CAPTURE_DIR`).
 pub const CAPTURE_DIR: &CStr = c"/run/bud-output";
 
 /// Symlinks devtmpfs does not create but shells and `/dev/stdin`-style paths rely on

@@ -1,4 +1,4 @@
-//! What the output capture (`bud_io.FdCapture`) needs from the kernel that Python's `os`
+//! What the output capture (`bud_capture.FdCapture`) needs from the kernel that Python's `os`
 //! lacks: freeing the part of a capture file already copied out, and resizing the capture
 //! file system to a request's output cap.
 
