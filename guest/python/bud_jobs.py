@@ -121,7 +121,7 @@ class JobRunner:
         # (``_interruptible``); one that lands before (the clone resumed past its deadline)
         # or after (the job ended as its time ran out) is held for the request it names.
         self._interruptible = False
-        self._held = 0
+        self._held = None  # the sequence number of the request an interrupt is held for
         self.warnings = []
         self._context = None
         self._current = None
@@ -242,7 +242,8 @@ class JobRunner:
         started) ends it before it runs anything."""
         self._interruptible = True  # first: an interrupt from here on raises
         try:
-            if self._held == request.sequence:
+            if self._held is not None and self._held == request.sequence:
+                self._held = None
                 return _bud.OUTCOME_SIGNALED, signal.SIGINT
             return self._run(request, self._context)
         finally:
