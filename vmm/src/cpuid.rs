@@ -63,7 +63,7 @@ const KVM_FEATURES_KEPT: u32 = (1 << 0) | (1 << 1) | (1 << 3) | (1 << 6) | (1 <<
 static SUPPORTED: OnceLock<CpuId> = OnceLock::new();
 
 /// `KVM_GET_SUPPORTED_CPUID`, asked once per process.
-pub fn supported(kvm: &Kvm) -> Result<&'static CpuId, CpuidError> {
+pub(crate) fn supported(kvm: &Kvm) -> Result<&'static CpuId, CpuidError> {
     if let Some(c) = SUPPORTED.get() {
         return Ok(c);
     }
@@ -90,7 +90,7 @@ fn zero(e: &mut kvm_cpuid_entry2) {
 }
 
 /// bud's CPUID policy for one entry.
-pub fn apply_policy(e: &mut kvm_cpuid_entry2, kind: HostKind) {
+pub(crate) fn apply_policy(e: &mut kvm_cpuid_entry2, kind: HostKind) {
     let pvm = kind == HostKind::Pvm;
     match e.function {
         1 => {

@@ -77,7 +77,7 @@ pub enum FileError {
 }
 
 /// Most bytes of a listing, a stat or a glob's names the host takes.
-pub const LISTING_LIMIT: usize = 8 << 20;
+pub(crate) const LISTING_LIMIT: usize = 8 << 20;
 
 /// The data of `r`, a file request on `path` that asked for at most `limit` bytes, or why
 /// there is none.

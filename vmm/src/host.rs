@@ -36,7 +36,7 @@ pub enum HostKind {
 /// otherwise emulates one `rep stos`/`rep movs` iteration at a time. On hardware
 /// virtualization the guest does both natively, faster than an exit to the VMM, so they are
 /// kvm_pvm's only.
-pub const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
+pub(crate) const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
 clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
 clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe \
 bud.host_zero bud.host_copy";
@@ -48,7 +48,7 @@ impl HostKind {
     }
 
     /// Detection against a given sysfs module directory (for tests).
-    pub fn detect_in(sys_module: &Path) -> Self {
+    pub(crate) fn detect_in(sys_module: &Path) -> Self {
         if sys_module.join("kvm_pvm").exists() {
             HostKind::Pvm
         } else {
@@ -66,7 +66,7 @@ impl HostKind {
     }
 
     /// [`HostKind::shadow_paging`] against a given sysfs module directory (for tests).
-    pub fn shadow_paging_in(self, sys_module: &Path) -> bool {
+    pub(crate) fn shadow_paging_in(self, sys_module: &Path) -> bool {
         if self == HostKind::Pvm {
             return true;
         }
@@ -79,7 +79,7 @@ impl HostKind {
     }
 
     /// Extra kernel command-line options this host kind needs.
-    pub fn cmdline_knobs(self) -> &'static str {
+    pub(crate) fn cmdline_knobs(self) -> &'static str {
         match self {
             HostKind::Hardware => "",
             HostKind::Pvm => PVM_CMDLINE_KNOBS,

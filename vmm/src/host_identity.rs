@@ -41,7 +41,7 @@ pub enum IdentityError {
 }
 
 /// The identity of `kvm` on a host of `kind`: 24 hex digits of a SHA-256 (module docs).
-pub fn host_identity(kvm: &Kvm, kind: HostKind) -> Result<String, IdentityError> {
+pub(crate) fn host_identity(kvm: &Kvm, kind: HostKind) -> Result<String, IdentityError> {
     let err = |what| move |source| IdentityError::Kvm { what, source };
     let mut h = Sha256::new();
     h.update(b"bud-host-identity\0");

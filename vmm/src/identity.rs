@@ -35,7 +35,7 @@ pub enum IdentityError {
 }
 
 /// The host's wall clock (`CLOCK_REALTIME`) in nanoseconds since the epoch; 0 before it.
-pub fn host_wall_ns() -> i128 {
+pub(crate) fn host_wall_ns() -> i128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as i128)
@@ -62,7 +62,7 @@ pub fn host_random(buf: &mut [u8]) -> Result<(), IdentityError> {
 }
 
 /// Replaces the guest kernel's CRNG state with fresh host randomness (module docs).
-pub fn reseed_crng(ram: &GuestRam, r: &RandomLayout) -> Result<(), IdentityError> {
+pub(crate) fn reseed_crng(ram: &GuestRam, r: &RandomLayout) -> Result<(), IdentityError> {
     let targets: Vec<(u64, usize)> = r
         .keys
         .iter()
@@ -108,7 +108,11 @@ fn shift_timestamp(sec: u64, nsec_shifted: u64, shift: u32, delta_ns: i128) -> (
 
 /// Moves the guest's `CLOCK_REALTIME` and `CLOCK_TAI` by `delta_ns` (module docs). Monotonic
 /// and boot time are untouched.
-pub fn set_realtime(ram: &GuestRam, t: &TimeLayout, delta_ns: i128) -> Result<(), IdentityError> {
+pub(crate) fn set_realtime(
+    ram: &GuestRam,
+    t: &TimeLayout,
+    delta_ns: i128,
+) -> Result<(), IdentityError> {
     let mut shift_bits = 0;
     for &tk in &t.timekeepers {
         let mut b = [0u8; 4];

@@ -71,66 +71,66 @@ pub enum LayoutError {
 /// Where the guest kernel keeps its timekeeping state (guest-physical addresses, byte
 /// offsets). Read from `bud_time_layout`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TimeLayout {
+pub(crate) struct TimeLayout {
     /// `tk_core.timekeeper` and `shadow_timekeeper`: both get the same change.
-    pub timekeepers: [u64; 2],
-    pub timekeeper_seq: u64,
+    pub(crate) timekeepers: [u64; 2],
+    pub(crate) timekeeper_seq: u64,
     /// `tk_fast_mono`.
-    pub fast_mono: u64,
+    pub(crate) fast_mono: u64,
     /// `_vdso_data[CS_HRES_COARSE]`.
-    pub vdso_data: u64,
-    pub xtime_sec: u64,
-    pub xtime_nsec: u64,
-    pub shift: u64,
-    pub base_real: u64,
-    pub wall_to_monotonic: u64,
-    pub offs_real: u64,
-    pub offs_tai: u64,
-    pub clock_was_set_seq: u64,
-    pub fast_base: u64,
-    pub read_base_size: u64,
-    pub read_base_base_real: u64,
-    pub vdso_seq: u64,
-    pub vdso_basetime: u64,
-    pub vdso_timestamp_size: u64,
-    pub clock_realtime: u64,
-    pub clock_realtime_coarse: u64,
-    pub clock_tai: u64,
+    pub(crate) vdso_data: u64,
+    pub(crate) xtime_sec: u64,
+    pub(crate) xtime_nsec: u64,
+    pub(crate) shift: u64,
+    pub(crate) base_real: u64,
+    pub(crate) wall_to_monotonic: u64,
+    pub(crate) offs_real: u64,
+    pub(crate) offs_tai: u64,
+    pub(crate) clock_was_set_seq: u64,
+    pub(crate) fast_base: u64,
+    pub(crate) read_base_size: u64,
+    pub(crate) read_base_base_real: u64,
+    pub(crate) vdso_seq: u64,
+    pub(crate) vdso_basetime: u64,
+    pub(crate) vdso_timestamp_size: u64,
+    pub(crate) clock_realtime: u64,
+    pub(crate) clock_realtime_coarse: u64,
+    pub(crate) clock_tai: u64,
 }
 
 /// Where the guest kernel keeps its CRNG state (guest-physical addresses). Read from
 /// `bud_random_layout`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RandomLayout {
+pub(crate) struct RandomLayout {
     /// `base_crng.key`, the CPU's `crngs.key`, `input_pool.hash.h`, with their sizes.
-    pub keys: [(u64, u64); 3],
+    pub(crate) keys: [(u64, u64); 3],
     /// `batched_entropy_{u8,u16,u32,u64}.entropy`.
-    pub batches: [u64; 4],
-    pub batch_size: u64,
+    pub(crate) batches: [u64; 4],
+    pub(crate) batch_size: u64,
 }
 
 /// Both layouts of one guest kernel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KernelLayout {
-    pub time: TimeLayout,
-    pub random: RandomLayout,
+    pub(crate) time: TimeLayout,
+    pub(crate) random: RandomLayout,
     /// None for a kernel without `bud_mm_layout` (or with a memory layout that is not fixed
     /// at build time): its page tables cannot be found, and every reset drops KVM's mappings.
-    pub mm: Option<MmLayout>,
+    pub(crate) mm: Option<MmLayout>,
 }
 
 /// Where the guest kernel's page tables are found. Read from `bud_mm_layout`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct MmLayout {
+pub(crate) struct MmLayout {
     /// Guest-physical address of `init_top_pgt` (the kernel's own PGD).
-    pub init_top_pgt: u64,
+    pub(crate) init_top_pgt: u64,
     /// Kernel virtual and guest-physical address of `pgd_list` (a `list_head`).
-    pub pgd_list_va: u64,
-    pub pgd_list: u64,
+    pub(crate) pgd_list_va: u64,
+    pub(crate) pgd_list: u64,
     /// Kernel virtual address of the struct page of pfn 0, its size, and the offset of `lru`.
-    pub vmemmap: u64,
-    pub page_size: u64,
-    pub page_lru: u64,
+    pub(crate) vmemmap: u64,
+    pub(crate) page_size: u64,
+    pub(crate) page_lru: u64,
 }
 
 /// The kernel's loaded segments: virtual address, physical address, file bytes, memory size.
@@ -175,7 +175,7 @@ impl Fields<'_> {
 
 impl KernelLayout {
     /// Reads and checks both layouts from the guest kernel's ELF file.
-    pub fn from_vmlinux(path: &Path) -> Result<Self, LayoutError> {
+    pub(crate) fn from_vmlinux(path: &Path) -> Result<Self, LayoutError> {
         let data = std::fs::read(path).map_err(|source| LayoutError::Read {
             path: path.display().to_string(),
             source,
@@ -184,7 +184,7 @@ impl KernelLayout {
     }
 
     /// Like [`KernelLayout::from_vmlinux`], from the file's bytes.
-    pub fn from_elf(data: &[u8]) -> Result<Self, LayoutError> {
+    pub(crate) fn from_elf(data: &[u8]) -> Result<Self, LayoutError> {
         let elf = ElfFile64::<Endianness>::parse(data)?;
         let endian = elf.endian();
         let mut list = Vec::new();

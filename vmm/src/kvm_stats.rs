@@ -40,7 +40,7 @@ pub struct VcpuCounters {
 
 impl VcpuCounters {
     /// `self - before`, counter by counter.
-    pub fn since(&self, before: &VcpuCounters) -> VcpuCounters {
+    pub(crate) fn since(&self, before: &VcpuCounters) -> VcpuCounters {
         let d = |a: Option<u64>, b: Option<u64>| Some(a?.wrapping_sub(b?));
         VcpuCounters {
             exits: d(self.exits, before.exits),
@@ -52,14 +52,14 @@ impl VcpuCounters {
 
 /// The statistics file of one vCPU, with the byte offsets of the counters bud reads.
 #[derive(Debug)]
-pub struct VcpuStats {
+pub(crate) struct VcpuStats {
     file: File,
     offsets: [Option<u64>; NAMES.len()],
 }
 
 impl VcpuStats {
     /// Opens `vcpu`'s statistics; None if this KVM has none (or they cannot be parsed).
-    pub fn open(vcpu: &VcpuFd) -> Option<Self> {
+    pub(crate) fn open(vcpu: &VcpuFd) -> Option<Self> {
         // SAFETY: KVM_GET_STATS_FD takes no argument and returns a new file descriptor, or -1.
         let fd = unsafe { libc::ioctl(vcpu.as_raw_fd(), KVM_GET_STATS_FD as _, 0) };
         if fd < 0 {
@@ -72,7 +72,7 @@ impl VcpuStats {
     }
 
     /// The counters now.
-    pub fn read(&self) -> VcpuCounters {
+    pub(crate) fn read(&self) -> VcpuCounters {
         let value = |i: usize| {
             let at = self.offsets[i]?;
             let mut b = [0u8; 8];

@@ -32,7 +32,7 @@ use crate::memory::{GuestRam, PAGE_SIZE, set_bits};
 /// natural runs cost 2.4 ms per child (an mmap is ~3 us); merged to 64 runs the layer holds
 /// 9 % more bytes and a child takes 1.25 ms (the fork of 8: 18.7 -> 9.4 ms); to 16 runs,
 /// 19 % more bytes for 7.6 ms.
-pub const MAX_RUNS: usize = 64;
+pub(crate) const MAX_RUNS: usize = 64;
 
 /// Errors making or mapping a layer.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ pub struct Layer {
 impl Layer {
     /// Copies the private pages of `ram` (runs merged as the module docs say) into a new
     /// layer. The VM must not run meanwhile.
-    pub fn capture(ram: &GuestRam) -> Result<Self, LayerError> {
+    pub(crate) fn capture(ram: &GuestRam) -> Result<Self, LayerError> {
         let private = ram.private_pages().map_err(LayerError::Pagemap)?;
         let runs = coalesce(set_bits(&private), MAX_RUNS);
         let file = memfd("bud-layer").map_err(LayerError::Create)?;
@@ -84,12 +84,12 @@ impl Layer {
     }
 
     /// Number of page runs (VMAs per VM that maps the layer).
-    pub fn runs(&self) -> usize {
+    pub(crate) fn runs(&self) -> usize {
         self.runs.len()
     }
 
     /// Maps the layer's runs copy-on-write over `ram`, which must be the same size.
-    pub fn map_over(&self, ram: &GuestRam) -> Result<(), LayerError> {
+    pub(crate) fn map_over(&self, ram: &GuestRam) -> Result<(), LayerError> {
         if ram.len() != self.size {
             return Err(LayerError::Size {
                 layer: self.size,

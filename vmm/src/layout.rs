@@ -15,62 +15,62 @@
 //! ```
 
 /// Boot GDT: null, null, 64-bit code, data, TSS descriptors.
-pub const BOOT_GDT_START: u64 = 0x500;
+pub(crate) const BOOT_GDT_START: u64 = 0x500;
 /// An empty IDT: no exception can be delivered before the kernel installs its own.
-pub const BOOT_IDT_START: u64 = 0x520;
+pub(crate) const BOOT_IDT_START: u64 = 0x520;
 /// `setup_data` chain (one `SETUP_RNG_SEED` entry).
-pub const SETUP_DATA_START: u64 = 0x6000;
+pub(crate) const SETUP_DATA_START: u64 = 0x6000;
 /// The zero page (`struct boot_params`) the kernel finds through `rsi`.
-pub const ZERO_PAGE_START: u64 = 0x7000;
+pub(crate) const ZERO_PAGE_START: u64 = 0x7000;
 /// Initial stack pointer for the kernel's 64-bit entry.
-pub const BOOT_STACK_POINTER: u64 = 0x8ff0;
+pub(crate) const BOOT_STACK_POINTER: u64 = 0x8ff0;
 /// Level-4 page table of the boot identity mapping.
-pub const PML4_START: u64 = 0x9000;
+pub(crate) const PML4_START: u64 = 0x9000;
 /// Page-directory-pointer table of the boot identity mapping.
-pub const PDPTE_START: u64 = 0xa000;
+pub(crate) const PDPTE_START: u64 = 0xa000;
 /// First of [`BOOT_PD_COUNT`] consecutive page directories (2 MiB pages).
 pub const PDE_START: u64 = 0xb000;
 /// Number of page directories: 4 x 1 GiB = the low 4 GiB identity mapped.
-pub const BOOT_PD_COUNT: u64 = 4;
+pub(crate) const BOOT_PD_COUNT: u64 = 4;
 /// Kernel command line, NUL terminated.
-pub const CMDLINE_START: u64 = 0x2_0000;
+pub(crate) const CMDLINE_START: u64 = 0x2_0000;
 /// Largest command line the VMM writes (the kernel's COMMAND_LINE_SIZE on x86_64 is 2048).
-pub const CMDLINE_MAX_SIZE: usize = 2048;
+pub(crate) const CMDLINE_MAX_SIZE: usize = 2048;
 /// MP floating pointer + configuration table (top 1 KiB of base memory, the EBDA).
-pub const MPTABLE_START: u64 = 0x9_fc00;
+pub(crate) const MPTABLE_START: u64 = 0x9_fc00;
 /// End of the usable base memory (start of the EBDA/VGA hole).
-pub const EBDA_START: u64 = 0x9_fc00;
+pub(crate) const EBDA_START: u64 = 0x9_fc00;
 /// The legacy BIOS ROM area the kernel may scan; reserved in the e820 map.
-pub const BIOS_START: u64 = 0xf_0000;
+pub(crate) const BIOS_START: u64 = 0xf_0000;
 /// Where high memory starts; the ELF kernel loads at or above it.
-pub const HIMEM_START: u64 = 0x10_0000;
+pub(crate) const HIMEM_START: u64 = 0x10_0000;
 /// Start of the 32-bit MMIO hole: guest RAM must end at or below it.
-pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+pub(crate) const MMIO_HOLE_START: u64 = 0xc000_0000;
 /// IOAPIC MMIO base (KVM's in-kernel IOAPIC).
-pub const IOAPIC_START: u64 = 0xfec0_0000;
+pub(crate) const IOAPIC_START: u64 = 0xfec0_0000;
 /// Local APIC MMIO base.
-pub const APIC_START: u64 = 0xfee0_0000;
+pub(crate) const APIC_START: u64 = 0xfee0_0000;
 /// Three pages KVM needs for the VMX real-mode TSS (Intel only; harmless elsewhere).
-pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
+pub(crate) const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 /// One page KVM needs for the VMX identity map (Intel only; harmless elsewhere).
-pub const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+pub(crate) const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
 
 /// Smallest guest RAM the VMM accepts: kernel, initramfs and a Python process must fit.
-pub const MIN_RAM_SIZE: u64 = 64 << 20;
+pub(crate) const MIN_RAM_SIZE: u64 = 64 << 20;
 /// Largest guest RAM: everything stays below the 32-bit MMIO hole (no RAM above 4 GiB yet).
-pub const MAX_RAM_SIZE: u64 = MMIO_HOLE_START;
+pub(crate) const MAX_RAM_SIZE: u64 = MMIO_HOLE_START;
 
 /// COM1, the serial console: ports `SERIAL_PORT_BASE .. SERIAL_PORT_BASE + 8`.
-pub const SERIAL_PORT_BASE: u16 = 0x3f8;
+pub(crate) const SERIAL_PORT_BASE: u16 = 0x3f8;
 /// Number of 16550 registers.
-pub const SERIAL_PORT_COUNT: u16 = 8;
+pub(crate) const SERIAL_PORT_COUNT: u16 = 8;
 /// ISA IRQ line of COM1.
-pub const SERIAL_IRQ: u32 = 4;
+pub(crate) const SERIAL_IRQ: u32 = 4;
 /// i8042 data port (reads as 0).
-pub const I8042_DATA_PORT: u16 = 0x60;
+pub(crate) const I8042_DATA_PORT: u16 = 0x60;
 /// i8042 command/status port: the guest writes [`I8042_CMD_RESET`] here to reboot (`reboot=k`).
-pub const I8042_COMMAND_PORT: u16 = 0x64;
+pub(crate) const I8042_COMMAND_PORT: u16 = 0x64;
 /// The i8042 "pulse reset line" command.
-pub const I8042_CMD_RESET: u8 = 0xfe;
+pub(crate) const I8042_CMD_RESET: u8 = 0xfe;
 /// Number of ISA IRQ lines routed through the IOAPIC (pins 0..16, identity mapped).
-pub const ISA_IRQ_COUNT: u8 = 16;
+pub(crate) const ISA_IRQ_COUNT: u8 = 16;

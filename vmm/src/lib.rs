@@ -21,6 +21,10 @@
 //! This crate never starts an async runtime and never logs from the vCPU loop; the binaries
 //! on top of it do that.
 
+// Only what other crates use is `pub`; the docs of those items still point at the crate-private
+// code behind them, for readers of `cargo doc --document-private-items`.
+#![allow(rustdoc::private_intra_doc_links)]
+
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("bud supports x86_64 hosts and guests only");
 
@@ -29,23 +33,23 @@ pub mod cpuid;
 pub mod devices;
 pub mod executor;
 pub mod files;
-pub mod host;
-pub mod host_identity;
+pub(crate) mod host;
+pub(crate) mod host_identity;
 pub mod identity;
 pub mod job;
 pub mod kernel_layout;
 pub mod kvm_stats;
-pub mod layer;
+pub(crate) mod layer;
 pub mod layout;
 pub mod mailbox;
 pub mod memory;
-pub mod paging;
+pub(crate) mod paging;
 pub mod protocol;
-pub mod reset;
+pub(crate) mod reset;
 pub mod session;
 pub mod snapshot;
 pub mod template;
-pub mod timer;
+pub(crate) mod timer;
 pub mod vcpu;
 pub mod vm;
 

@@ -107,7 +107,12 @@ impl Mailbox {
     }
 
     /// Reads `buf.len()` bytes at `offset` of the mailbox.
-    pub fn read(&self, ram: &GuestRam, offset: u64, buf: &mut [u8]) -> Result<(), MailboxError> {
+    pub(crate) fn read(
+        &self,
+        ram: &GuestRam,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<(), MailboxError> {
         self.check(offset, buf.len())?;
         let mut done = 0usize;
         while done < buf.len() {
@@ -137,7 +142,7 @@ impl Mailbox {
     }
 
     /// Reads a little-endian `u64` at `offset`.
-    pub fn read_u64(&self, ram: &GuestRam, offset: u64) -> Result<u64, MailboxError> {
+    pub(crate) fn read_u64(&self, ram: &GuestRam, offset: u64) -> Result<u64, MailboxError> {
         let mut b = [0u8; 8];
         self.read(ram, offset, &mut b)?;
         Ok(u64::from_le_bytes(b))

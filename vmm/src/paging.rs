@@ -15,7 +15,7 @@ const PTE_PAGE_SIZE: u64 = 1 << 7;
 /// Physical-address bits 12..52 of an entry.
 const PTE_ADDR_MASK: u64 = 0x000f_ffff_ffff_f000;
 /// CR4.LA57: 5-level paging.
-pub const CR4_LA57: u64 = 1 << 12;
+pub(crate) const CR4_LA57: u64 = 1 << 12;
 
 /// Errors of a page walk.
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +29,7 @@ pub enum PagingError {
 }
 
 /// Translates `gva` through the tables rooted at `cr3`.
-pub fn translate(ram: &GuestRam, cr3: u64, cr4: u64, gva: u64) -> Result<u64, PagingError> {
+pub(crate) fn translate(ram: &GuestRam, cr3: u64, cr4: u64, gva: u64) -> Result<u64, PagingError> {
     let levels: u32 = if cr4 & CR4_LA57 != 0 { 5 } else { 4 };
     let mut table = cr3 & PTE_ADDR_MASK;
     for level in (1..=levels).rev() {
@@ -57,7 +57,7 @@ const USER_HALF_END: u64 = 1 << 47;
 
 /// How the host means to touch a guest-virtual address on the guest's behalf.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
+pub(crate) enum Access {
     Read,
     Write,
 }
@@ -69,7 +69,7 @@ pub enum Access {
 /// address, user-accessible at every level. Returns the guest-physical address and the bytes
 /// left in its page (4 KiB, 2 MiB or 1 GiB), or `None` where the CPU would fault or would set
 /// a bit (the caller then leaves that part to the guest). 4-level paging only (bud's guests).
-pub fn translate_access(
+pub(crate) fn translate_access(
     ram: &GuestRam,
     cr3: u64,
     gva: u64,
@@ -107,7 +107,7 @@ pub fn translate_access(
 /// Every page-table page reachable from the kernel's own PGD (`init_top_pgt`), from the PGD of
 /// every mm on the kernel's `pgd_list`, and from `extra_roots`, as a bitmap over the pages of
 /// `ram` (bit `n % 64` of word `n / 64` is page `n`).
-pub fn all_table_pages(
+pub(crate) fn all_table_pages(
     ram: &GuestRam,
     mm: &MmLayout,
     cr4: u64,
@@ -165,7 +165,7 @@ fn mark_tables(
 }
 
 /// Guest-physical addresses of the `len / PAGE_SIZE` pages starting at page-aligned `gva`.
-pub fn translate_pages(
+pub(crate) fn translate_pages(
     ram: &GuestRam,
     cr3: u64,
     cr4: u64,

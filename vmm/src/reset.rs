@@ -73,7 +73,7 @@ const TIME_SLACK: Duration = Duration::from_secs(2);
 
 /// Errors of resetting or verifying a VM. Any of them means the VM must not run again.
 #[derive(Debug, thiserror::Error)]
-pub enum ResetError {
+pub(crate) enum ResetError {
     #[error("reset: {0}")]
     Vm(#[from] VmError),
     #[error("reset: restoring guest RAM: {0}")]
@@ -90,18 +90,18 @@ pub enum ResetError {
 
 /// What a reset did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ResetStats {
+pub(crate) struct ResetStats {
     /// Pages holding a private copy (compared with the template).
-    pub private_pages: u64,
+    pub(crate) private_pages: u64,
     /// Of those, pages that differed and were copied back.
-    pub restored_pages: u64,
+    pub(crate) restored_pages: u64,
     /// Whether KVM's mappings were dropped (shadow paging).
-    pub forgot_mappings: bool,
-    pub time: Duration,
+    pub(crate) forgot_mappings: bool,
+    pub(crate) time: Duration,
 }
 
 /// Returns `m`, a VM cloned from `t` that has run since, to `t`'s READY state (module docs).
-pub fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
+pub(crate) fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetError> {
     let started = Instant::now();
     snapshot::complete_pending_io(&mut m.vcpu)?;
     m.quiesce_irqs()?;
@@ -137,7 +137,7 @@ fn count(bitmap: &[u64]) -> u64 {
 
 /// Checks that `m` is exactly at `t`'s READY state: all of guest RAM against the template's
 /// memory, and the vCPU and VM state by value. Returns every difference found.
-pub fn verify(kvm: &Kvm, m: &mut Machine, t: &Template) -> Result<(), ResetError> {
+pub(crate) fn verify(kvm: &Kvm, m: &mut Machine, t: &Template) -> Result<(), ResetError> {
     let s = t.state();
     // The CPU and device state first, right after the reset: reading all of guest RAM takes
     // tens of milliseconds, in which timers of a correctly reset VM may fire.
@@ -179,7 +179,7 @@ const APIC_TMCCT: usize = 0x390;
 /// move with time: the TSC, the LAPIC timer's current count, the PIT channels' load times
 /// and the kvm-clock, which must be within 2 s of the template's. CPUID is not
 /// compared (a reset leaves it; KVM refuses to change it).
-pub fn differences(want: &MachineState, got: &MachineState) -> Vec<String> {
+pub(crate) fn differences(want: &MachineState, got: &MachineState) -> Vec<String> {
     let mut d = Vec::new();
     let mut field = |name: &str, same: bool| {
         if !same {

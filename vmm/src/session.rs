@@ -68,7 +68,7 @@ pub enum SessionError {
 }
 
 /// Bytes of file data per request of [`Session::put_file`].
-pub const FILE_CHUNK: usize = 1 << 20;
+pub(crate) const FILE_CHUNK: usize = 1 << 20;
 
 /// How long an interrupted cell has to end before its session is over.
 pub const DEFAULT_INTERRUPT_GRACE: Duration = Duration::from_secs(2);
@@ -140,13 +140,13 @@ pub struct ForkStats {
     pub source_pause: Duration,
     /// Bytes copied into the new layer, and its page runs.
     pub layer_bytes: u64,
-    pub layer_runs: usize,
+    pub(crate) layer_runs: usize,
     /// Time to make each child (new VM, layers mapped, state restored), on average.
     pub per_child: Duration,
     /// Of `source_pause`: copying the private pages into the layer.
-    pub layer_copy: Duration,
+    pub(crate) layer_copy: Duration,
     /// Of all children: mapping the layers over their RAM.
-    pub children_mapping: Duration,
+    pub(crate) children_mapping: Duration,
 }
 
 impl Session {

@@ -36,7 +36,7 @@ const MEMORY_FILE: &str = "memory";
 /// Templates kept under a root: building a new one removes all but this many of the most
 /// recent (each holds up to a guest's RAM of sparse data). Processes that still map a removed
 /// template keep working: the file lives until its last mapping goes.
-pub const TEMPLATES_KEPT: usize = 3;
+pub(crate) const TEMPLATES_KEPT: usize = 3;
 
 /// Errors of building, loading or cloning a template.
 #[derive(Debug, thiserror::Error)]
@@ -136,7 +136,7 @@ fn hash_file(h: &mut Sha256, path: &Path) -> Result<(), TemplateError> {
 
 /// The key naming a template: a hash of its inputs, this host's CPU and KVM identity among
 /// them ([`crate::host_identity`]): another host gets its own template, never this one.
-pub fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
+pub(crate) fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
     let mut h = Sha256::new();
     h.update(b"bud-template\0");
     h.update(env!("CARGO_PKG_VERSION").as_bytes());
@@ -227,7 +227,7 @@ impl Template {
     }
 
     /// Boots the guest to READY, captures it and writes the template into `dir`.
-    pub fn build(
+    pub(crate) fn build(
         cfg: &BootConfig,
         dir: &Path,
         echo: Option<EchoFn>,
@@ -361,13 +361,13 @@ impl Template {
     }
 
     /// The template's memory, mapped read-only.
-    pub fn pristine(&self) -> &GuestRam {
+    pub(crate) fn pristine(&self) -> &GuestRam {
         &self.pristine
     }
 
     /// Every page-table page of the template, as a bitmap over guest pages (None when the
     /// guest kernel does not publish where they are).
-    pub fn page_tables(&self) -> Option<&[u64]> {
+    pub(crate) fn page_tables(&self) -> Option<&[u64]> {
         self.page_tables.as_deref()
     }
 
@@ -384,7 +384,7 @@ impl Template {
     }
 
     /// A new copy-on-write mapping of the template's memory (what a clone runs on).
-    pub fn private_ram(&self) -> Result<GuestRam, TemplateError> {
+    pub(crate) fn private_ram(&self) -> Result<GuestRam, TemplateError> {
         Ok(GuestRam::private_fd(&self.memory, self.state.ram_size)?)
     }
 

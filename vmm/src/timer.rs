@@ -64,12 +64,12 @@ fn service() -> &'static Service {
 
 /// A registered deadline; dropping it disarms the timer.
 #[derive(Debug)]
-pub struct Armed {
+pub(crate) struct Armed {
     key: (Instant, u64),
 }
 
 /// Kicks `kicker` at `deadline` unless the returned guard is dropped first.
-pub fn arm(deadline: Instant, kicker: Kicker) -> Armed {
+pub(crate) fn arm(deadline: Instant, kicker: Kicker) -> Armed {
     let s = service();
     let mut t = s.timers.lock().unwrap_or_else(|e| e.into_inner());
     t.next_id += 1;

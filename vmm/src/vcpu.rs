@@ -45,7 +45,7 @@ pub enum VcpuStop {
 
 /// What the run loop does after an exit.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExitAction {
+pub(crate) enum ExitAction {
     Continue,
     Stop(VcpuStop),
 }
@@ -61,7 +61,7 @@ pub enum VcpuError {
 
 /// Turns one exit into an action, doing the device access it asks for (a host-zero request
 /// writes `ram`).
-pub fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam) -> ExitAction {
+pub(crate) fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam) -> ExitAction {
     bus.note_exit();
     let event = match exit {
         VcpuExit::IoOut(port, data) => bus.write(port, data),
@@ -162,17 +162,17 @@ struct KickState {
 
 /// A handle that stops a running vCPU from another thread. Cheap to clone.
 #[derive(Debug, Clone, Default)]
-pub struct Kicker(Arc<KickState>);
+pub(crate) struct Kicker(Arc<KickState>);
 
 impl Kicker {
     /// A new kicker for one vCPU.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Makes the vCPU's run loop return [`VcpuStop::Kicked`] as soon as possible (at once if
     /// it is not running: the next [`run`] returns immediately).
-    pub fn kick(&self) {
+    pub(crate) fn kick(&self) {
         self.0.requested.store(true, Ordering::SeqCst);
         let thread = self.0.thread.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(t) = *thread {
@@ -183,12 +183,12 @@ impl Kicker {
     }
 
     /// Clears a pending kick.
-    pub fn reset(&self) {
+    pub(crate) fn reset(&self) {
         self.0.requested.store(false, Ordering::SeqCst);
     }
 
     /// Whether a kick is pending.
-    pub fn is_kicked(&self) -> bool {
+    pub(crate) fn is_kicked(&self) -> bool {
         self.0.requested.load(Ordering::SeqCst)
     }
 }
@@ -221,7 +221,7 @@ impl Drop for KickGuard<'_> {
 }
 
 /// Runs the vCPU until an exit stops it or `kicker` kicks it.
-pub fn run(
+pub(crate) fn run(
     vcpu: &mut VcpuFd,
     bus: &mut PortBus,
     ram: &GuestRam,

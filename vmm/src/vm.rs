@@ -64,9 +64,9 @@ pub struct Machine {
     pub vm: VmFd,
     pub bus: PortBus,
     pub ram: GuestRam,
-    pub kicker: Kicker,
+    pub(crate) kicker: Kicker,
     /// KVM's counters of the vCPU (None when this KVM has no statistics file).
-    pub stats: Option<crate::kvm_stats::VcpuStats>,
+    pub(crate) stats: Option<crate::kvm_stats::VcpuStats>,
 }
 
 /// KVM memory slot of guest RAM (the only slot).
@@ -138,7 +138,7 @@ impl Machine {
     /// guest memory: on a shadow-paging MMU (kvm_pvm, or hardware without EPT/NPT) the
     /// shadow page tables built from the guest's page tables, which host-side writes into
     /// guest page-table pages would otherwise leave stale. The guest refaults what it touches.
-    pub fn forget_mappings(&self) -> Result<(), VmError> {
+    pub(crate) fn forget_mappings(&self) -> Result<(), VmError> {
         let gone = kvm_userspace_memory_region {
             slot: RAM_SLOT,
             flags: 0,
@@ -155,7 +155,7 @@ impl Machine {
     /// irqfd's interrupt from a work item, so a serial interrupt the guest caused at the end
     /// of a job can land after a reset restored the irqchip. Deassigning the irqfd waits for
     /// that work; the eventfd's count is then drained and the irqfd assigned again.
-    pub fn quiesce_irqs(&self) -> Result<(), VmError> {
+    pub(crate) fn quiesce_irqs(&self) -> Result<(), VmError> {
         let irq = self.bus.serial_irq();
         self.vm
             .unregister_irqfd(irq, SERIAL_IRQ)

@@ -14,7 +14,7 @@ use crate::layout::{
 use crate::memory::{GuestRam, MemoryError};
 
 /// Boot GDT entries: null, null, 64-bit code (selector 0x10), data (0x18), TSS (0x20).
-pub const BOOT_GDT: [u64; 5] = [
+pub(crate) const BOOT_GDT: [u64; 5] = [
     0,
     0,
     0x00af_9b00_0000_ffff, // code: present, DPL0, execute/read, long mode, 4 KiB granularity
@@ -22,9 +22,9 @@ pub const BOOT_GDT: [u64; 5] = [
     0x008f_8b00_0000_ffff, // TSS: present, busy 64-bit TSS
 ];
 /// Selectors of the boot GDT entries.
-pub const CODE_SELECTOR: u16 = 0x10;
-pub const DATA_SELECTOR: u16 = 0x18;
-pub const TSS_SELECTOR: u16 = 0x20;
+pub(crate) const CODE_SELECTOR: u16 = 0x10;
+pub(crate) const DATA_SELECTOR: u16 = 0x18;
+pub(crate) const TSS_SELECTOR: u16 = 0x20;
 
 const CR0_PE: u64 = 1 << 0;
 const CR0_ET: u64 = 1 << 4;
@@ -140,7 +140,7 @@ pub fn entry_regs(entry: u64) -> kvm_regs {
 }
 
 /// MSR values at boot: system-call MSRs cleared, TSC at 0, fast strings on.
-pub fn boot_msrs() -> Vec<kvm_msr_entry> {
+pub(crate) fn boot_msrs() -> Vec<kvm_msr_entry> {
     let msr = |index, data| kvm_msr_entry {
         index,
         data,
@@ -161,7 +161,7 @@ pub fn boot_msrs() -> Vec<kvm_msr_entry> {
 }
 
 /// FPU state after reset.
-pub fn boot_fpu() -> kvm_fpu {
+pub(crate) fn boot_fpu() -> kvm_fpu {
     kvm_fpu {
         fcw: FPU_FCW_DEFAULT,
         mxcsr: MXCSR_DEFAULT,
@@ -182,7 +182,7 @@ fn set_lapic_reg(regs: &mut [libc::c_char], offset: usize, value: u32) {
 
 /// Programs LINT0 as ExtINT (the PIC's output) and LINT1 as NMI, as firmware does; the
 /// kernel relies on it for the legacy timer check without ACPI.
-pub fn program_lints(regs: &mut [libc::c_char]) {
+pub(crate) fn program_lints(regs: &mut [libc::c_char]) {
     let set_mode = |v: u32, mode: u32| (v & !0x700 & !0x1_0000) | (mode << 8);
     let lvt0 = lapic_reg(regs, APIC_LVT0);
     set_lapic_reg(regs, APIC_LVT0, set_mode(lvt0, APIC_MODE_EXTINT));

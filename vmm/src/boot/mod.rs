@@ -9,8 +9,8 @@
 //! serial console, where the guest tells its side of the story.
 
 pub mod cpu;
-pub mod mptable;
-pub mod params;
+pub(crate) mod mptable;
+pub(crate) mod params;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -47,16 +47,16 @@ use crate::vm::{Machine, SerialStart, VmError};
 /// `retain_initrd`: do not hand the initramfs pages back to the allocator after unpacking;
 /// freeing them page by page cost ~3 s of emulated kernel time (measured with
 /// `bud boot --profile`), and the memory is in the template file either way.
-pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd";
+pub(crate) const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd";
 /// Added unless kernel messages are wanted: each console byte costs a port exit.
-pub const QUIET_CMDLINE: &str = "quiet";
+pub(crate) const QUIET_CMDLINE: &str = "quiet";
 
 /// Default guest RAM.
 pub const DEFAULT_RAM_SIZE: u64 = 256 << 20;
 /// Default limit from the first instruction to READY.
 pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// Console lines a boot error carries.
-pub const ERROR_TAIL_LINES: usize = 30;
+pub(crate) const ERROR_TAIL_LINES: usize = 30;
 
 /// What to boot.
 #[derive(Debug, Clone)]

@@ -43,7 +43,7 @@ fn checksum(b: &[u8]) -> u8 {
 }
 
 /// The MP floating pointer and configuration table, to be copied to guest-physical `base`.
-pub fn mptable(base: u32) -> Vec<u8> {
+pub(crate) fn mptable(base: u32) -> Vec<u8> {
     let mut entries = Vec::new();
     let mut count: u16 = 0;
 

@@ -10,13 +10,13 @@ use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use crate::layout::{BIOS_START, EBDA_START, HIMEM_START, MPTABLE_START};
 
 /// e820 type of usable RAM.
-pub const E820_RAM: u32 = 1;
+pub(crate) const E820_RAM: u32 = 1;
 /// e820 type of reserved memory.
-pub const E820_RESERVED: u32 = 2;
+pub(crate) const E820_RESERVED: u32 = 2;
 /// `setup_data` type of a random seed for the kernel's CRNG (`SETUP_RNG_SEED`).
-pub const SETUP_RNG_SEED: u32 = 9;
+pub(crate) const SETUP_RNG_SEED: u32 = 9;
 /// Size of the RNG seed bud hands the kernel.
-pub const RNG_SEED_SIZE: usize = 32;
+pub(crate) const RNG_SEED_SIZE: usize = 32;
 
 /// `boot_flag` magic.
 const BOOT_FLAG_MAGIC: u16 = 0xaa55;
@@ -31,10 +31,10 @@ const KERNEL_ALIGNMENT: u32 = 0x0100_0000;
 
 /// One e820 entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct E820Entry {
-    pub addr: u64,
-    pub size: u64,
-    pub kind: u32,
+pub(crate) struct E820Entry {
+    pub(crate) addr: u64,
+    pub(crate) size: u64,
+    pub(crate) kind: u32,
 }
 
 /// Errors of building the zero page.
@@ -51,7 +51,7 @@ pub enum ParamsError {
 /// The e820 map of a guest with `ram_size` bytes of RAM: base memory up to the EBDA, the MP
 /// table page and BIOS area reserved (so the kernel keeps its hands off them), and RAM from
 /// 1 MiB to the end.
-pub fn e820_map(ram_size: u64) -> Result<Vec<E820Entry>, ParamsError> {
+pub(crate) fn e820_map(ram_size: u64) -> Result<Vec<E820Entry>, ParamsError> {
     if ram_size <= HIMEM_START {
         return Err(ParamsError::RamTooSmall(ram_size));
     }
@@ -81,20 +81,20 @@ pub fn e820_map(ram_size: u64) -> Result<Vec<E820Entry>, ParamsError> {
 
 /// What goes into the zero page.
 #[derive(Debug, Clone)]
-pub struct ZeroPage {
-    pub e820: Vec<E820Entry>,
-    pub cmdline_addr: u64,
+pub(crate) struct ZeroPage {
+    pub(crate) e820: Vec<E820Entry>,
+    pub(crate) cmdline_addr: u64,
     /// Length of the command line including its terminating NUL.
-    pub cmdline_size: usize,
-    pub initrd_addr: u64,
-    pub initrd_size: u64,
+    pub(crate) cmdline_size: usize,
+    pub(crate) initrd_addr: u64,
+    pub(crate) initrd_size: u64,
     /// Guest-physical address of the first `setup_data` entry, or 0.
-    pub setup_data: u64,
+    pub(crate) setup_data: u64,
 }
 
 impl ZeroPage {
     /// Serializes to the 4096-byte `struct boot_params`.
-    pub fn to_bytes(&self) -> Result<Vec<u8>, ParamsError> {
+    pub(crate) fn to_bytes(&self) -> Result<Vec<u8>, ParamsError> {
         let initrd_end = self.initrd_addr.saturating_add(self.initrd_size);
         if initrd_end > u64::from(u32::MAX) {
             return Err(ParamsError::InitrdTooHigh {
@@ -145,7 +145,7 @@ impl ZeroPage {
 ///
 /// Without it the guest has no RDRAND (hidden on PVM) and would spend ~2 s collecting jitter
 /// entropy before its CRNG is ready.
-pub fn rng_seed_setup_data(seed: &[u8; RNG_SEED_SIZE]) -> Vec<u8> {
+pub(crate) fn rng_seed_setup_data(seed: &[u8; RNG_SEED_SIZE]) -> Vec<u8> {
     let mut b = Vec::with_capacity(16 + RNG_SEED_SIZE);
     b.extend_from_slice(&0u64.to_le_bytes()); // next: end of chain
     b.extend_from_slice(&SETUP_RNG_SEED.to_le_bytes());

@@ -9,9 +9,9 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 /// Lines kept by default.
-pub const DEFAULT_MAX_LINES: usize = 512;
+pub(crate) const DEFAULT_MAX_LINES: usize = 512;
 /// A line longer than this is split (so a guest printing without newlines stays bounded).
-pub const MAX_LINE_BYTES: usize = 4096;
+pub(crate) const MAX_LINE_BYTES: usize = 4096;
 
 /// One console line and when it was completed, relative to the log's start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,23 +62,13 @@ impl ConsoleLog {
     }
 
     /// Calls `echo` for every completed line from now on.
-    pub fn set_echo(&mut self, echo: Option<EchoFn>) {
+    pub(crate) fn set_echo(&mut self, echo: Option<EchoFn>) {
         self.echo = echo;
     }
 
     /// Restarts the clock that line timestamps are relative to.
-    pub fn reset_clock(&mut self, start: Instant) {
+    pub(crate) fn reset_clock(&mut self, start: Instant) {
         self.start = start;
-    }
-
-    /// Total bytes the guest wrote.
-    pub fn total_bytes(&self) -> u64 {
-        self.total_bytes
-    }
-
-    /// Completed lines kept.
-    pub fn lines(&self) -> impl Iterator<Item = &ConsoleLine> {
-        self.lines.iter()
     }
 
     /// The last `n` lines, the unfinished one included, as text.
@@ -143,7 +133,7 @@ mod tests {
         log.write_all(b"ld\npartial").unwrap();
 
         assert_eq!(log.tail(10), vec!["hello", "world", "partial"]);
-        assert_eq!(log.total_bytes(), 20);
+        assert_eq!(log.total_bytes, 20);
     }
 
     #[test]

@@ -13,4 +13,4 @@
 //! that its own job ended with some status, which it could do by exiting.
 
 /// I/O port of the report (past the host-zero port).
-pub const PORT: u16 = 0x0bd8;
+pub(crate) const PORT: u16 = 0x0bd8;

@@ -23,32 +23,36 @@ use crate::memory::{GuestRam, MemoryError};
 use crate::paging::{Access, PagingError, translate_access};
 
 /// I/O port of the request (past the exit-report port).
-pub const PORT: u16 = 0x0bdc;
+pub(crate) const PORT: u16 = 0x0bdc;
 
 /// Largest copy one request does (the guest asks again for the rest): bounds the time one
 /// exit can hold the vCPU thread, whatever a hostile guest writes in `len`.
-pub const MAX_LEN: u64 = 16 << 20;
+pub(crate) const MAX_LEN: u64 = 16 << 20;
 
 /// Byte offsets of the request block's fields (all `u64`, little endian), 8-byte aligned in
 /// guest RAM.
-pub mod request {
+pub(crate) mod request {
     /// CR3 of the address space both addresses live in.
-    pub const CR3: u64 = 0;
+    pub(crate) const CR3: u64 = 0;
     /// Destination virtual address.
-    pub const DST: u64 = 8;
+    pub(crate) const DST: u64 = 8;
     /// Source virtual address.
-    pub const SRC: u64 = 16;
+    pub(crate) const SRC: u64 = 16;
     /// Bytes to copy.
-    pub const LEN: u64 = 24;
+    pub(crate) const LEN: u64 = 24;
     /// Written by the host: bytes copied, from the start.
-    pub const DONE: u64 = 32;
+    pub(crate) const DONE: u64 = 32;
     /// Size of the block.
-    pub const SIZE: u64 = 40;
+    #[allow(
+        dead_code,
+        reason = "completes the layout the guest kernel patch shares; the host reads fields only"
+    )]
+    pub(crate) const SIZE: u64 = 40;
 }
 
 /// Why a request could not be served (the VM is stopped: a correct guest never sends one).
 #[derive(Debug, thiserror::Error)]
-pub enum HostCopyError {
+pub(crate) enum HostCopyError {
     #[error("request block at {0:#x} is not 8-byte aligned")]
     Unaligned(u64),
     #[error(transparent)]
@@ -59,7 +63,7 @@ pub enum HostCopyError {
 
 /// Serves the request whose block is at guest-physical `block`: copies what it can and writes
 /// the count into the block. Returns the count.
-pub fn serve(ram: &GuestRam, block: u64) -> Result<u64, HostCopyError> {
+pub(crate) fn serve(ram: &GuestRam, block: u64) -> Result<u64, HostCopyError> {
     if block % 8 != 0 {
         return Err(HostCopyError::Unaligned(block));
     }

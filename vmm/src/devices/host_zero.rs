@@ -13,17 +13,17 @@
 //! a request only ever zeroes guest RAM, and one outside it stops the VM.
 
 /// I/O port of the request (just past the doorbell's four).
-pub const PORT: u16 = 0x0bd4;
+pub(crate) const PORT: u16 = 0x0bd4;
 
 /// Bits of the request that hold the page frame number; the order is above them.
-pub const PFN_BITS: u32 = 27;
+pub(crate) const PFN_BITS: u32 = 27;
 
 /// Largest order a request may name (a 1 GiB folio).
-pub const MAX_ORDER: u32 = 18;
+pub(crate) const MAX_ORDER: u32 = 18;
 
 /// The guest-physical `(address, length)` a request names, or `None` for an order above
 /// [`MAX_ORDER`].
-pub fn decode(value: u32) -> Option<(u64, u64)> {
+pub(crate) fn decode(value: u32) -> Option<(u64, u64)> {
     let pfn = u64::from(value & ((1 << PFN_BITS) - 1));
     let order = value >> PFN_BITS;
     (order <= MAX_ORDER).then(|| (pfn << 12, 4096u64 << order))

@@ -5,7 +5,7 @@ use crate::layout::{I8042_CMD_RESET, I8042_COMMAND_PORT, I8042_DATA_PORT};
 
 /// What a write to the controller asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum I8042Event {
+pub(crate) enum I8042Event {
     None,
     /// The guest pulsed the reset line: it rebooted, halted or panicked (`panic=-1`).
     Reset,
@@ -13,21 +13,21 @@ pub enum I8042Event {
 
 /// The i8042 keyboard controller, reduced to its reset line.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct I8042;
+pub(crate) struct I8042;
 
 impl I8042 {
     /// Whether `port` belongs to this device.
-    pub fn owns(port: u16) -> bool {
+    pub(crate) fn owns(port: u16) -> bool {
         port == I8042_DATA_PORT || port == I8042_COMMAND_PORT
     }
 
     /// A read: status 0 (output buffer empty, input buffer empty), data 0.
-    pub fn read(&self, _port: u16) -> u8 {
+    pub(crate) fn read(&self, _port: u16) -> u8 {
         0
     }
 
     /// A write; only the reset command on the command port does anything.
-    pub fn write(&mut self, port: u16, value: u8) -> I8042Event {
+    pub(crate) fn write(&mut self, port: u16, value: u8) -> I8042Event {
         if port == I8042_COMMAND_PORT && value == I8042_CMD_RESET {
             I8042Event::Reset
         } else {

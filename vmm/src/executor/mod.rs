@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 /// Discarded VMs that may wait for the reaper; past it, [`Executor::discard`] closes the VM
 /// on the calling thread.
-pub const REAPER_BACKLOG: usize = 4;
+pub(crate) const REAPER_BACKLOG: usize = 4;
 
 use kvm_ioctls::Kvm;
 
@@ -46,8 +46,6 @@ use crate::template::{Template, TemplateError};
 use crate::vm::{Machine, VmError};
 
 mod pool;
-
-pub use pool::WARM_UP_JOB;
 
 /// Errors that stop a job from running at all.
 #[derive(Debug, thiserror::Error)]
@@ -302,7 +300,7 @@ impl Executor {
     }
 
     /// The KVM handle VMs are made with.
-    pub fn kvm(&self) -> &Kvm {
+    pub(crate) fn kvm(&self) -> &Kvm {
         &self.shared.kvm
     }
 
@@ -310,20 +308,20 @@ impl Executor {
     /// and whose RAM is still the template's mapping (no layer mapped over it): it is reset
     /// and kept like a job's VM (module docs), or replaced if the reset fails or it holds
     /// too many private pages.
-    pub fn give_back(&self, m: Machine) {
+    pub(crate) fn give_back(&self, m: Machine) {
         self.recycle(m, Health::Ready);
     }
 
     /// Counts a VM made outside the executor (a session's fork child) among its live VMs;
     /// it is later handed to [`Executor::discard`] like any other.
-    pub fn adopt(&self, m: Machine) -> Machine {
+    pub(crate) fn adopt(&self, m: Machine) -> Machine {
         self.shared.counters.live.fetch_add(1, Ordering::Relaxed);
         m
     }
 
     /// Hands a VM to the reaper; closes it here if [`REAPER_BACKLOG`] VMs already wait (so
     /// discarded VMs, each holding its private pages, never pile up faster than they close).
-    pub fn discard(&self, m: Machine) {
+    pub(crate) fn discard(&self, m: Machine) {
         let m = match &self.reaper {
             Some((tx, _)) => match tx.try_send(m) {
                 Ok(()) => return,
@@ -342,7 +340,7 @@ impl Executor {
     }
 
     /// Like [`Executor::run`], calling `on_output` with each chunk of output as it arrives.
-    pub fn run_streaming(
+    pub(crate) fn run_streaming(
         &self,
         j: &Job,
         on_output: &mut dyn FnMut(Stream, &[u8]),

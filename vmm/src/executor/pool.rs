@@ -16,7 +16,7 @@ use crate::vm::Machine;
 /// builder: `guest/src/site.rs`; the datascience template's group-by and figure), so the
 /// pages a typical job of that template touches are mapped before a caller's job; an empty
 /// job otherwise (one `stat` more).
-pub const WARM_UP_JOB: &str = "import os\n\
+const WARM_UP_JOB: &str = "import os\n\
 if os.path.exists('/usr/lib/bud/template_warm.py'):\n\
     exec(compile(open('/usr/lib/bud/template_warm.py').read(), 'template_warm', 'exec'), {})\n";
 
@@ -85,7 +85,7 @@ impl Shared {
 impl Executor {
     /// A VM at READY: a warm one if any is idle, else a fresh clone from the pool, else one
     /// made now. Returns it and the time taken.
-    pub fn take_vm(&self) -> Result<(Machine, Duration), ExecError> {
+    pub(crate) fn take_vm(&self) -> Result<(Machine, Duration), ExecError> {
         let started = Instant::now();
         let idle = {
             let mut idle = self.shared.idle();
@@ -108,7 +108,7 @@ impl Executor {
     /// which is exact because a reset VM's pages equal the template's. With no working set
     /// recorded yet (no warm-up ran) every private page is given back. Returns the VM, the
     /// time taken and the pages given back.
-    pub fn take_lean_vm(&self) -> Result<(Machine, Duration, u64), ExecError> {
+    pub(crate) fn take_lean_vm(&self) -> Result<(Machine, Duration, u64), ExecError> {
         let (m, _) = self.take_vm()?;
         let started = Instant::now();
         let trimmed = m

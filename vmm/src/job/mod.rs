@@ -1,12 +1,13 @@
 //! Jobs: what a user asks to run ([`Job`]) and what comes back ([`JobResult`], with its
-//! [`Status`] and [`JobTimings`]). Running one in a VM is [`run`] (module `run`).
+//! [`Status`] and [`JobTimings`]). Running one in a VM is [`run()`] (module `run`).
 
 mod decode;
 mod run;
 mod supervise;
 
 pub use decode::decode_result;
-pub use run::{INTERRUPT_BYTE, Kind, Request, give_identity, run, run_request, write_request};
+pub use run::run;
+pub(crate) use run::{Kind, Request, give_identity, run_request};
 
 use std::time::Duration;
 
@@ -21,9 +22,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default cap on stdout + stderr bytes kept.
 pub const DEFAULT_OUTPUT_LIMIT: usize = crate::protocol::DEFAULT_OUTPUT_LIMIT;
 /// How often a streamed job's output is taken while it runs (see [`Job::stream_output`]).
-pub const STREAM_TICK: Duration = Duration::from_millis(50);
+pub(crate) const STREAM_TICK: Duration = Duration::from_millis(50);
 /// Console lines a crashed job carries.
-pub const CRASH_TAIL_LINES: usize = 40;
+pub(crate) const CRASH_TAIL_LINES: usize = 40;
 
 /// The language of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -290,7 +291,7 @@ pub struct JobResult {
 
 impl JobResult {
     /// The result of a job that ended as `status` before it started: no output, no time.
-    pub fn never_ran(status: Status) -> Self {
+    pub(crate) fn never_ran(status: Status) -> Self {
         Self {
             status,
             exit_code: None,
@@ -337,7 +338,7 @@ pub enum Health {
 }
 
 impl Health {
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         matches!(self, Health::Ready)
     }
 }

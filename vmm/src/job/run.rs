@@ -30,7 +30,7 @@ use crate::vm::Machine;
 
 /// What the worker is asked to do with a request ([`crate::protocol::mode`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// A one-shot job: `python3 -c` / `sh -c` semantics.
     Job,
     /// A session cell; `reseed`: the session's first request, or a fork child's, which
@@ -44,28 +44,28 @@ pub enum Kind {
 /// One request to a VM's worker: the job, how to treat it, and its sequence number (never
 /// 0, different from the last request's: the worker runs each number once).
 #[derive(Debug, Clone, Copy)]
-pub struct Request<'a> {
-    pub job: &'a Job,
-    pub kind: Kind,
-    pub sequence: u32,
+pub(crate) struct Request<'a> {
+    pub(crate) job: &'a Job,
+    pub(crate) kind: Kind,
+    pub(crate) sequence: u32,
     /// What a timeout or the output cap does: None ends the request there, as
     /// [`Status::Timeout`] or [`Status::OutputLimit`], with the vCPU stopped where it was
     /// (the VM is then unusable); Some(grace) interrupts it (SIGINT, `KeyboardInterrupt`;
     /// output past the cap is dropped) and waits up to `grace` for it to end at DONE, with
     /// the VM still usable and the same status; if it does not end, the request ends as a
     /// timeout with the VM unusable.
-    pub interrupt_grace: Option<Duration>,
+    pub(crate) interrupt_grace: Option<Duration>,
 }
 
 /// How long a one-shot job interrupted at its timeout or output cap has to end at DONE:
 /// long enough for the worker to collect what the job wrote below Python's level (shell
 /// jobs, child processes), which it does as the interrupt ends the job; a job that ignores
 /// the interrupt is stopped after it as before.
-pub const ONE_SHOT_GRACE: Duration = Duration::from_secs(1);
+pub(crate) const ONE_SHOT_GRACE: Duration = Duration::from_secs(1);
 
 impl<'a> Request<'a> {
     /// A one-shot job, the first request of its VM.
-    pub fn one_shot(job: &'a Job) -> Self {
+    pub(crate) fn one_shot(job: &'a Job) -> Self {
         Self {
             job,
             kind: Kind::Job,
@@ -76,7 +76,7 @@ impl<'a> Request<'a> {
 }
 
 /// Writes `r` into the mailbox, with fresh randomness and the host's wall-clock time.
-pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<(), JobError> {
+pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<(), JobError> {
     let j = r.job;
     let (args, env) = j.encode()?;
     let mut seed = [0u8; job::SEED_LEN];
@@ -134,7 +134,7 @@ pub fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<()
 /// Gives a clone at READY its own identity, right before it resumes: its kvm-clock pinned to
 /// the template's (so the guest sees no time pass while the clone waited), its wall clock
 /// moved to the host's, its kernel CRNG replaced (see [`crate::identity`]).
-pub fn give_identity(m: &Machine, s: &SnapshotState) -> Result<(), JobError> {
+pub(crate) fn give_identity(m: &Machine, s: &SnapshotState) -> Result<(), JobError> {
     snapshot::set_clock(&m.vm, &s.machine)?;
     let now = identity::host_wall_ns();
     identity::set_realtime(&m.ram, &s.kernel.time, now - i128::from(s.ready_wall_ns))?;
@@ -206,11 +206,11 @@ fn event_of(stop: VcpuStop, vcpu: &kvm_ioctls::VcpuFd) -> Result<Event, JobError
 }
 
 /// The byte the guest's watcher takes as "interrupt" (ETX, a terminal's Ctrl-C).
-pub const INTERRUPT_BYTE: u8 = 0x03;
+pub(crate) const INTERRUPT_BYTE: u8 = 0x03;
 
 /// Runs request `r` in `m`, a VM whose worker is at READY or at the DONE of its last
 /// request, with its identity and clock already given by the caller.
-pub fn run_request(
+pub(crate) fn run_request(
     m: &mut Machine,
     s: &SnapshotState,
     r: &Request<'_>,

@@ -1,6 +1,6 @@
 //! The policy of one request's run, as a pure state machine: given how the vCPU stopped,
 //! the clock, whether the caller cancelled and whether the output is over its cap, what
-//! happens next. [`super::run`] does the I/O around it (KVM runs, output drains, the
+//! happens next. [`mod@super::run`] does the I/O around it (KVM runs, output drains, the
 //! interrupt byte, timers); everything here is decided without touching a VM, so every
 //! path (timeouts, the output cap, cancels, the interrupt's grace, stream ticks) has a unit
 //! test below.
@@ -65,11 +65,11 @@ impl Event {
 /// What the loop knows besides the event.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Facts {
-    pub now: Instant,
+    pub(crate) now: Instant,
     /// The caller cancelled the request.
-    pub cancelled: bool,
+    pub(crate) cancelled: bool,
     /// The output taken so far reached the cap.
-    pub over_limit: bool,
+    pub(crate) over_limit: bool,
 }
 
 /// What the run loop does next.

@@ -9,7 +9,7 @@ use super::{GuestRam, PAGE_SIZE};
 impl GuestRam {
     /// Copies `len` bytes of guest memory at `addr` into `file` at the same offset, straight
     /// from the mapping (no intermediate buffer).
-    pub fn write_to_file(&self, file: &File, addr: u64, len: u64) -> std::io::Result<()> {
+    pub(crate) fn write_to_file(&self, file: &File, addr: u64, len: u64) -> std::io::Result<()> {
         let end = addr.checked_add(len).filter(|&e| e <= self.len);
         if end.is_none() {
             return Err(std::io::Error::other(format!(

@@ -24,10 +24,10 @@ use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 mod dump;
 mod pages;
 
-pub use pages::set_bits;
+pub(crate) use pages::set_bits;
 
 /// Size of a guest page.
-pub const PAGE_SIZE: u64 = 4096;
+pub(crate) const PAGE_SIZE: u64 = 4096;
 
 /// Errors of guest memory mapping and access.
 #[derive(Debug, thiserror::Error)]
@@ -112,7 +112,7 @@ impl GuestRam {
     ///
     /// The file length is checked first: a mapping past the end of a file raises SIGBUS on
     /// access instead of an error.
-    pub fn private_fd(file: &File, len: u64) -> Result<Self, MemoryError> {
+    pub(crate) fn private_fd(file: &File, len: u64) -> Result<Self, MemoryError> {
         map_file(
             file,
             len,
@@ -123,7 +123,7 @@ impl GuestRam {
 
     /// Maps `file` read-only and shared: the template's pristine memory, the source a reset
     /// copies pages from. Every access through it is a read; [`GuestRam::write`] refuses.
-    pub fn pristine(file: &File, len: u64) -> Result<Self, MemoryError> {
+    pub(crate) fn pristine(file: &File, len: u64) -> Result<Self, MemoryError> {
         let mut ram = map_file(file, len, libc::PROT_READ, libc::MAP_SHARED)?;
         ram.writable = false;
         Ok(ram)
@@ -148,22 +148,17 @@ impl GuestRam {
     }
 
     /// Number of pages.
-    pub fn pages(&self) -> u64 {
+    pub(crate) fn pages(&self) -> u64 {
         self.len / PAGE_SIZE
     }
 
     /// Size of guest RAM in bytes.
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.len
     }
 
-    /// Always false: a `GuestRam` is at least one page.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Host virtual address of guest-physical 0, for `KVM_SET_USER_MEMORY_REGION`.
-    pub fn host_address(&self) -> u64 {
+    pub(crate) fn host_address(&self) -> u64 {
         self.ptr.as_ptr() as u64
     }
 
@@ -208,7 +203,7 @@ impl GuestRam {
     /// Zeroes guest-physical `addr..addr + len` (the host-zero port, see
     /// [`crate::devices::host_zero`]). Pages of a clone that still share the template's file
     /// become private copies, as they would on a guest write, so resets see them.
-    pub fn zero(&self, addr: u64, len: u64) -> Result<(), MemoryError> {
+    pub(crate) fn zero(&self, addr: u64, len: u64) -> Result<(), MemoryError> {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
@@ -222,7 +217,7 @@ impl GuestRam {
 
     /// Copies `len` bytes from guest-physical `src` to guest-physical `dst` (the ranges may
     /// overlap; the host-copy port, see [`crate::devices::host_copy`]).
-    pub fn copy_within(&self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
+    pub(crate) fn copy_within(&self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
@@ -255,7 +250,7 @@ impl GuestRam {
     }
 
     /// Reads a little-endian `u64` at guest-physical `addr`.
-    pub fn read_u64(&self, addr: u64) -> Result<u64, MemoryError> {
+    pub(crate) fn read_u64(&self, addr: u64) -> Result<u64, MemoryError> {
         let mut b = [0u8; 8];
         self.read(addr, &mut b)?;
         Ok(u64::from_le_bytes(b))
@@ -263,7 +258,7 @@ impl GuestRam {
 
     /// Runs `f` with a vm-memory view of this RAM (for linux-loader). The view borrows the
     /// mapping and cannot escape the closure, so it never outlives it.
-    pub fn with_guest_memory<R>(
+    pub(crate) fn with_guest_memory<R>(
         &self,
         f: impl FnOnce(&GuestMemoryMmap) -> R,
     ) -> Result<R, MemoryError> {

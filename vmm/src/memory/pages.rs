@@ -9,7 +9,11 @@ use super::{GuestRam, MemoryError, PAGE_SIZE};
 impl GuestRam {
     /// Copies the pages whose bits are set in `bitmap` from `src` (same size) into this RAM.
     /// Returns the number of pages copied.
-    pub fn copy_pages_from(&self, src: &GuestRam, bitmap: &[u64]) -> Result<u64, MemoryError> {
+    pub(crate) fn copy_pages_from(
+        &self,
+        src: &GuestRam,
+        bitmap: &[u64],
+    ) -> Result<u64, MemoryError> {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
@@ -40,7 +44,7 @@ impl GuestRam {
     /// file (a VM just [reset](crate::reset::reset)); otherwise the guest sees them change.
     /// KVM learns of it through its MMU notifier and drops its mappings of those pages (the
     /// guest refaults them). Returns the number of pages given up.
-    pub fn drop_private_pages(&self, bitmap: &[u64]) -> Result<u64, MemoryError> {
+    pub(crate) fn drop_private_pages(&self, bitmap: &[u64]) -> Result<u64, MemoryError> {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
@@ -75,7 +79,7 @@ impl GuestRam {
     /// wrote: guest, KVM or host), as a bitmap, from `/proc/self/pagemap`: present and not a
     /// file page (bit 63 set, bit 61 clear), or swapped out (bit 62). Every other page is the
     /// file's page, so this is every page that can differ from the file.
-    pub fn private_pages(&self) -> std::io::Result<Vec<u64>> {
+    pub(crate) fn private_pages(&self) -> std::io::Result<Vec<u64>> {
         use std::os::unix::fs::FileExt;
         const PRESENT: u64 = 1 << 63;
         const SWAPPED: u64 = 1 << 62;
@@ -103,7 +107,11 @@ impl GuestRam {
 
     /// Of the pages set in `bitmap`, those whose contents differ from `other` (same size), as
     /// a bitmap.
-    pub fn differing_in(&self, other: &GuestRam, bitmap: &[u64]) -> Result<Vec<u64>, MemoryError> {
+    pub(crate) fn differing_in(
+        &self,
+        other: &GuestRam,
+        bitmap: &[u64],
+    ) -> Result<Vec<u64>, MemoryError> {
         if other.len != self.len {
             return Err(MemoryError::SizeMismatch(self.len, other.len));
         }
@@ -133,7 +141,11 @@ impl GuestRam {
 
     /// Guest-physical page numbers whose contents differ between this RAM and `other` (same
     /// size), in order; at most `limit` of them. Reads every page of both.
-    pub fn differing_pages(&self, other: &GuestRam, limit: usize) -> Result<Vec<u64>, MemoryError> {
+    pub(crate) fn differing_pages(
+        &self,
+        other: &GuestRam,
+        limit: usize,
+    ) -> Result<Vec<u64>, MemoryError> {
         if other.len != self.len {
             return Err(MemoryError::SizeMismatch(self.len, other.len));
         }
@@ -151,7 +163,7 @@ impl GuestRam {
 }
 
 /// The page numbers whose bits are set in a dirty bitmap, in order.
-pub fn set_bits(bitmap: &[u64]) -> impl Iterator<Item = u64> + '_ {
+pub(crate) fn set_bits(bitmap: &[u64]) -> impl Iterator<Item = u64> + '_ {
     bitmap.iter().enumerate().flat_map(|(i, &word)| {
         let mut w = word;
         std::iter::from_fn(move || {

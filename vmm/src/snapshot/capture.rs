@@ -43,7 +43,7 @@ const HYPERV_MSRS: std::ops::RangeInclusive<u32> = 0x4000_0000..=0x4000_01ff;
 /// MSRs KVM lists but the vCPU refuses to read or write back (VMX capability MSRs when
 /// CPUID hides VMX, features the CPU lacks) are dropped after this, by probing
 /// ([`saveable_msrs`]).
-pub fn msr_candidates(listed: &[u32]) -> Vec<u32> {
+fn msr_candidates(listed: &[u32]) -> Vec<u32> {
     let mut wanted: Vec<u32> = listed
         .iter()
         .copied()
@@ -83,7 +83,7 @@ fn saveable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<&'static [u32], SnapshotErr
 /// returns `EINTR`. Before a capture, so the state describes a finished instruction; before
 /// a reset, so a completion left over from the job's last exit cannot land on the restored
 /// registers.
-pub fn complete_pending_io(vcpu: &mut VcpuFd) -> Result<(), SnapshotError> {
+pub(crate) fn complete_pending_io(vcpu: &mut VcpuFd) -> Result<(), SnapshotError> {
     vcpu.set_kvm_immediate_exit(1);
     let completed = vcpu.run().map(|exit| format!("{exit:?}"));
     vcpu.set_kvm_immediate_exit(0);

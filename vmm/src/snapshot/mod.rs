@@ -39,15 +39,17 @@ use crate::mailbox::Mailbox;
 mod capture;
 mod restore;
 
-pub use capture::{MsrList, capture, complete_pending_io, msr_candidates};
-pub use restore::{TCG_TSS_QUIRK_ENV, Target, pin_clock, read_clock, restore, set_clock};
+pub(crate) use capture::complete_pending_io;
+pub use capture::{MsrList, capture};
+pub use restore::{Target, restore};
+pub(crate) use restore::{pin_clock, read_clock, set_clock};
 
 /// First bytes of a snapshot state file.
-pub const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
+pub(crate) const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`] or to what
 /// it holds (5: the CPUID policy hides VMX/SVM, so a template captured before must not be
 /// reused; the MSRs captured leave out the Hyper-V range).
-pub const SNAPSHOT_FORMAT_VERSION: u32 = 5;
+pub(crate) const SNAPSHOT_FORMAT_VERSION: u32 = 5;
 
 /// Errors of capturing, restoring, encoding or decoding state.
 #[derive(Debug, thiserror::Error)]
@@ -85,15 +87,15 @@ pub enum SnapshotError {
 /// x87/SSE state in KVM's legacy `kvm_fpu` layout (used where XSAVE is not in play).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FpuState {
-    pub fpr: [[u8; 16]; 8],
-    pub fcw: u16,
-    pub fsw: u16,
-    pub ftwx: u8,
-    pub last_opcode: u16,
-    pub last_ip: u64,
-    pub last_dp: u64,
-    pub xmm: [[u8; 16]; 16],
-    pub mxcsr: u32,
+    pub(crate) fpr: [[u8; 16]; 8],
+    pub(crate) fcw: u16,
+    pub(crate) fsw: u16,
+    pub(crate) ftwx: u8,
+    pub(crate) last_opcode: u16,
+    pub(crate) last_ip: u64,
+    pub(crate) last_dp: u64,
+    pub(crate) xmm: [[u8; 16]; 16],
+    pub(crate) mxcsr: u32,
 }
 
 impl From<&kvm_fpu> for FpuState {
@@ -157,19 +159,19 @@ pub struct MachineState {
     pub sregs: kvm_sregs,
     pub fpu: FpuState,
     /// XSAVE area and XCRs, when the host supports them (hardware virtualization).
-    pub xsave: Option<kvm_xsave>,
-    pub xcrs: Option<kvm_xcrs>,
-    pub lapic: kvm_lapic_state,
+    pub(crate) xsave: Option<kvm_xsave>,
+    pub(crate) xcrs: Option<kvm_xcrs>,
+    pub(crate) lapic: kvm_lapic_state,
     /// TSC first, so that TSC-relative MSRs (TSC_DEADLINE) restore against the right TSC.
     pub msrs: Vec<kvm_msr_entry>,
-    pub events: kvm_vcpu_events,
+    pub(crate) events: kvm_vcpu_events,
     pub mp_state: kvm_mp_state,
     pub debug_regs: kvm_debugregs,
     pub pic_master: kvm_irqchip,
-    pub pic_slave: kvm_irqchip,
-    pub ioapic: kvm_irqchip,
-    pub pit: kvm_pit_state2,
-    pub clock: kvm_clock_data,
+    pub(crate) pic_slave: kvm_irqchip,
+    pub(crate) ioapic: kvm_irqchip,
+    pub(crate) pit: kvm_pit_state2,
+    pub(crate) clock: kvm_clock_data,
     /// The serial console, as vm-superio's `Serial::state` gives it.
     #[serde(with = "SerialStateDef")]
     pub serial: SerialState,

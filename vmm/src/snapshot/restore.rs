@@ -11,7 +11,7 @@ use super::{MachineState, SnapshotError, cap, res};
 /// The environment variable that turns on the TSS restore quirk for QEMU's TCG (`1`: on;
 /// anything else or unset: off, the default). Only for a test platform: see
 /// [`sregs_to_restore`] and docs/platform.md.
-pub const TCG_TSS_QUIRK_ENV: &str = "BUD_TCG_TSS_QUIRK";
+const TCG_TSS_QUIRK_ENV: &str = "BUD_TCG_TSS_QUIRK";
 
 /// Whether [`TCG_TSS_QUIRK_ENV`] is `1` (read once per process).
 fn tcg_tss_quirk() -> bool {
@@ -127,19 +127,19 @@ pub fn restore(
 /// right before a job resumes the guest, so that time a clone spent waiting (in a pool, or as
 /// a warm VM between jobs) is never seen by the guest: a guest that sees time pass accounts
 /// it in its timekeeping and timers, tick by tick, all emulated on kvm_pvm.
-pub fn set_clock(vm: &VmFd, s: &MachineState) -> Result<(), SnapshotError> {
+pub(crate) fn set_clock(vm: &VmFd, s: &MachineState) -> Result<(), SnapshotError> {
     pin_clock(vm, &s.clock)
 }
 
 /// Sets the VM's kvm-clock to `clock` (flags cleared, as [`set_clock`]): a session's clock
 /// where its last request stopped.
-pub fn pin_clock(vm: &VmFd, clock: &kvm_clock_data) -> Result<(), SnapshotError> {
+pub(crate) fn pin_clock(vm: &VmFd, clock: &kvm_clock_data) -> Result<(), SnapshotError> {
     let clock = kvm_clock_data { flags: 0, ..*clock };
     res("KVM_SET_CLOCK", vm.set_clock(&clock))
 }
 
 /// The VM's kvm-clock now.
-pub fn read_clock(vm: &VmFd) -> Result<kvm_clock_data, SnapshotError> {
+pub(crate) fn read_clock(vm: &VmFd) -> Result<kvm_clock_data, SnapshotError> {
     cap("KVM_GET_CLOCK", vm.get_clock())
 }
 
