@@ -440,5 +440,47 @@ class JobPathCosts(unittest.TestCase):
         self.assertEqual(result.minflt, 0)
 
 
+
+class AuditHook(unittest.TestCase):
+    """The worker's audit hook (``JobRunner._audit``), called as ``sys.audit`` calls it, on
+    a runner whose capture raises: the host's interrupt (``KeyboardInterrupt``) goes through
+    to the job's operation, as anywhere in its code; any other failure of the hook is a
+    warning and the operation goes on."""
+
+    class Capture:
+        def __init__(self, error):
+            self.error = error
+            self.console_err = os.open(os.devnull, os.O_WRONLY)
+
+        def mark_sticky(self):
+            raise self.error
+
+        def materialize_stdin(self):
+            pass
+
+    def runner(self, error):
+        import bud_jobs
+
+        runner = bud_jobs.JobRunner.__new__(bud_jobs.JobRunner)  # only what _audit reads
+        runner.active = True
+        runner.warnings = []
+        runner.capture = self.Capture(error)
+        self.addCleanup(os.close, runner.capture.console_err)
+        return runner
+
+    def test_the_hosts_interrupt_goes_through_the_hook(self):
+        runner = self.runner(KeyboardInterrupt())
+
+        with self.assertRaises(KeyboardInterrupt):
+            runner._audit("os.system", (b"true",))
+
+    def test_other_failures_of_the_hook_are_warnings(self):
+        runner = self.runner(OSError(28, "No space left on device"))
+
+        runner._audit("os.system", (b"true",))
+
+        self.assertEqual(len(runner.warnings), 1)
+        self.assertIn("audit hook (os.system)", runner.warnings[0])
+
 if __name__ == "__main__":
     unittest.main()
