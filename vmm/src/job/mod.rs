@@ -21,6 +21,10 @@ use crate::vcpu::VcpuError;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default cap on stdout + stderr bytes kept.
 pub const DEFAULT_OUTPUT_LIMIT: usize = crate::protocol::DEFAULT_OUTPUT_LIMIT;
+
+/// Most bytes of a request's code, stdin, args and env together (the mailbox's request
+/// area, [`crate::protocol::job::DATA`]..`DATA_END`).
+pub const MAX_REQUEST_DATA: usize = job::DATA_END - job::DATA;
 /// How often a streamed job's output is taken while it runs (see [`Job::stream_output`]).
 pub(crate) const STREAM_TICK: Duration = Duration::from_millis(50);
 /// Console lines a crashed job carries.
@@ -128,10 +132,10 @@ impl Job {
             env.push(0);
         }
         let total = self.code.len() + self.stdin.len() + args.len() + env.len();
-        if total > job::DATA_END - job::DATA {
+        if total > MAX_REQUEST_DATA {
             return Err(JobError::TooLarge {
                 bytes: total,
-                limit: job::DATA_END - job::DATA,
+                limit: MAX_REQUEST_DATA,
             });
         }
         Ok((args, env))
