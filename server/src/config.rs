@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use clap::builder::TypedValueParser;
 use vmm::protocol::job;
 
 /// Limits on one request. Every limit is checked before a job is admitted, and a request over
@@ -81,25 +82,61 @@ impl Default for Limits {
     }
 }
 
-/// Limits of sessions (`/v1/sessions`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Limits of sessions (`/v1/sessions`). `bud serve` takes each field but the fork count as
+/// an option (named in its `long`; the memory in MiB), with [`SessionLimits::default`]'s
+/// value as its default.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct SessionLimits {
-    /// Live sessions at once; past it, creating or forking is 429.
+    /// Most live sessions; past it, creating or forking one is 429.
+    #[arg(long, default_value_t = SessionLimits::default().max_sessions)]
     pub max_sessions: usize,
-    /// Host memory all sessions may hold (their private pages plus fork layers); past it,
-    /// creating or forking is 507.
+    /// Host memory all sessions may hold (private pages + fork layers), in MiB; past it,
+    /// creating or forking one is 507.
+    #[arg(
+        long = "sessions-memory-mib",
+        value_name = "SESSIONS_MEMORY_MIB",
+        value_parser = mib_to_bytes,
+        default_value_t = SessionLimits::default().max_memory_bytes >> 20
+    )]
     pub max_memory_bytes: u64,
-    /// Idle timeout when a session asks for none, and the most it may ask for.
+    /// Idle timeout of a session that asks for none, in seconds.
+    #[arg(
+        long = "session-idle-timeout-s",
+        value_name = "SESSION_IDLE_TIMEOUT_S",
+        default_value_t = SessionLimits::default().default_idle_timeout_s
+    )]
     pub default_idle_timeout_s: u64,
+    /// Largest idle timeout a session may ask for, in seconds.
+    #[arg(
+        long = "max-session-idle-timeout-s",
+        value_name = "MAX_SESSION_IDLE_TIMEOUT_S",
+        default_value_t = SessionLimits::default().max_idle_timeout_s
+    )]
     pub max_idle_timeout_s: u64,
-    /// Lifetime when a session asks for none, and the most it may ask for.
+    /// Lifetime of a session that asks for none, in seconds.
+    #[arg(
+        long = "session-lifetime-s",
+        value_name = "SESSION_LIFETIME_S",
+        default_value_t = SessionLimits::default().default_lifetime_s
+    )]
     pub default_lifetime_s: u64,
+    /// Largest lifetime a session may ask for, in seconds.
+    #[arg(
+        long = "max-session-lifetime-s",
+        value_name = "MAX_SESSION_LIFETIME_S",
+        default_value_t = SessionLimits::default().max_lifetime_s
+    )]
     pub max_lifetime_s: u64,
-    /// Bytes of one uploaded file (`PUT .../files/{path}`).
+    /// Largest file uploaded into a session, in bytes.
+    #[arg(long, default_value_t = SessionLimits::default().max_file_bytes)]
     pub max_file_bytes: usize,
-    /// Children of one fork request.
+    /// Children of one fork request (not an option of `bud serve`).
+    #[arg(skip = MAX_FORK_COUNT)]
     pub max_fork_count: usize,
 }
+
+/// [`SessionLimits::max_fork_count`]'s value.
+const MAX_FORK_COUNT: usize = 16;
 
 impl Default for SessionLimits {
     fn default() -> Self {
@@ -111,49 +148,83 @@ impl Default for SessionLimits {
             default_lifetime_s: 3600,
             max_lifetime_s: 24 * 3600,
             max_file_bytes: 16 << 20,
-            max_fork_count: 16,
+            max_fork_count: MAX_FORK_COUNT,
         }
     }
 }
 
-/// The whole server configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The whole server configuration. `bud serve` takes it as its options (flattened: every
+/// field's `long` names its option, and [`Config::default`]'s value is its default) but for
+/// the API keys and the audit trail, which it reads from files and options of its own.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct Config {
-    /// Job threads: how many jobs run at once (each runs one clone's vCPU).
+    /// Job threads: jobs running at once (default: one per core).
+    #[arg(long, default_value_t = default_workers())]
     pub workers: usize,
-    /// Admitted jobs that may wait for a job thread; past `workers + queue` requests get 429.
+    /// Jobs that may wait for a job thread; past workers + queue, requests get 429.
+    #[arg(long, default_value_t = Config::default().queue)]
     pub queue: usize,
-    /// VMs the executor keeps ready (fresh clones and idle warm VMs).
+    /// VMs kept ready (fresh clones and idle warm VMs).
+    #[arg(long = "pool", value_name = "POOL", default_value_t = Config::default().pool_size)]
     pub pool_size: usize,
-    /// Reset and reuse VMs after clean jobs (the default), or a fresh clone per job.
+    /// A fresh clone for every job instead of resetting and reusing warm VMs.
+    #[arg(
+        long = "fresh-clones",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolValueParser::new()
+            .map(|fresh| if fresh { vmm::Reuse::Fresh } else { vmm::Reuse::Warm })
+    )]
     pub reuse: vmm::Reuse,
-    /// Verify every reset by value (slow; for the paranoid and for tests).
+    /// Verify every reset by value against the template (reads all of guest RAM per job).
+    #[arg(long)]
     pub verify_resets: bool,
-    /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
-    pub retry_after_s: u64,
-    /// How long a shutdown lets running and queued jobs finish before it cancels them.
+    /// The templates to serve, comma-separated, prepared in this order at start (`python`,
+    /// `datascience`: guest/image/templates/). Jobs and sessions choose one with
+    /// `template`; without it they get `python` if served, else the first.
+    #[arg(long, value_delimiter = ',', default_value = DEFAULT_TEMPLATE)]
+    pub templates: Vec<String>,
+    /// Most jobs one API key may have running or queued at once (429 key_quota past it).
+    /// Default: half of workers + queue with several keys (at least --max-batch-jobs),
+    /// no limit but the server's own with one key or none.
+    #[arg(long)]
+    pub key_max_jobs: Option<usize>,
+    /// On SIGINT/SIGTERM: seconds running and queued jobs get to finish before they are
+    /// cancelled (their clients get `cancelled`).
+    #[arg(long, default_value_t = Config::default().shutdown_grace_s)]
     pub shutdown_grace_s: u64,
-    /// Private memory (RssAnon) past which jobs, cells and new sessions get 503
-    /// `memory_budget` (`--memory-budget-mib`); None: no budget.
+    /// Refuse jobs, cells and new sessions (503 memory_budget, Retry-After) while the
+    /// server's private memory (its VMs' private pages, sessions, buffers) is over this.
+    #[arg(
+        long = "memory-budget-mib",
+        value_name = "MEMORY_BUDGET_MIB",
+        value_parser = mib_to_bytes
+    )]
     pub memory_budget_bytes: Option<u64>,
     /// The jail closed once the templates are prepared (`--jail`, `--user`).
+    #[command(flatten)]
     pub jail: crate::jail::JailConfig,
-    pub limits: Limits,
-    pub sessions: SessionLimits,
-    /// The templates served, prepared in this order. A request without `template` gets
-    /// [`DEFAULT_TEMPLATE`] when it is served, else the first.
-    pub templates: Vec<String>,
-    /// Most jobs one API key may have admitted at once (`--key-max-jobs`); None: the
-    /// default, [`Config::key_quota`].
-    pub key_max_jobs: Option<usize>,
-    /// API keys (`--api-keys-file`); None: the server is open (loopback only).
+    /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
+    #[arg(skip = RETRY_AFTER_S)]
+    pub retry_after_s: u64,
+    /// API keys (`bud serve --api-keys-file`); None: the server is open (loopback only).
+    #[arg(skip)]
     pub api_keys: Option<std::sync::Arc<crate::keys::ApiKeys>>,
-    /// The audit trail (`--audit-log`); None: no audit log.
+    /// The audit trail (`bud serve --audit-log`); None: no audit log.
+    #[arg(skip)]
     pub audit: Option<crate::audit::AuditConfig>,
+    /// Limits on one session.
+    #[command(flatten)]
+    pub sessions: SessionLimits,
+    /// Limits on one request.
+    #[command(flatten)]
+    pub limits: Limits,
 }
 
 /// The template of a request that names none (when served).
 pub const DEFAULT_TEMPLATE: &str = "python";
+
+/// [`Config::retry_after_s`]'s value.
+const RETRY_AFTER_S: u64 = 1;
 
 impl Default for Config {
     fn default() -> Self {
@@ -163,7 +234,7 @@ impl Default for Config {
             pool_size: 2,
             reuse: vmm::Reuse::Warm,
             verify_resets: false,
-            retry_after_s: 1,
+            retry_after_s: RETRY_AFTER_S,
             shutdown_grace_s: 10,
             memory_budget_bytes: None,
             jail: crate::jail::JailConfig::default(),
@@ -175,6 +246,15 @@ impl Default for Config {
             audit: None,
         }
     }
+}
+
+/// A size given in MiB (`--sessions-memory-mib`, `--memory-budget-mib`), in bytes.
+fn mib_to_bytes(mib: &str) -> Result<u64, String> {
+    let mib: u64 = mib
+        .parse()
+        .map_err(|e: std::num::ParseIntError| e.to_string())?;
+    mib.checked_mul(1 << 20)
+        .ok_or_else(|| format!("{mib} MiB is more than {} bytes", u64::MAX))
 }
 
 /// One job thread per core.
@@ -329,7 +409,66 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    /// `bud serve`'s options as the `bud` binary flattens them.
+    #[derive(Debug, clap::Parser)]
+    struct Serve {
+        #[command(flatten)]
+        config: Config,
+    }
+
+    fn parse(args: &[&str]) -> Result<Config, clap::Error> {
+        Serve::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .map(|s| s.config)
+    }
+
+    #[test]
+    fn no_options_give_the_default_config() {
+        let parsed = parse(&[]).unwrap();
+
+        assert_eq!(parsed, Config::default());
+    }
+
+    #[test]
+    fn options_fill_their_fields_with_sizes_in_mib_as_bytes() {
+        let parsed = parse(&[
+            "--pool",
+            "3",
+            "--fresh-clones",
+            "--templates",
+            "python,datascience",
+            "--memory-budget-mib",
+            "512",
+            "--sessions-memory-mib",
+            "1024",
+            "--session-idle-timeout-s",
+            "5",
+            "--max-session-lifetime-s",
+            "7",
+            "--max-code-bytes",
+            "9",
+        ])
+        .unwrap();
+
+        assert_eq!(parsed.pool_size, 3);
+        assert_eq!(parsed.reuse, vmm::Reuse::Fresh);
+        assert_eq!(parsed.templates, ["python", "datascience"]);
+        assert_eq!(parsed.memory_budget_bytes, Some(512 << 20));
+        assert_eq!(parsed.sessions.max_memory_bytes, 1 << 30);
+        assert_eq!(parsed.sessions.default_idle_timeout_s, 5);
+        assert_eq!(parsed.sessions.max_lifetime_s, 7);
+        assert_eq!(parsed.limits.max_code_bytes, 9);
+    }
+
+    #[test]
+    fn a_size_in_mib_past_what_bytes_can_hold_is_refused() {
+        let e = parse(&["--sessions-memory-mib", "99999999999999999"]).unwrap_err();
+
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+    }
 
     #[test]
     fn defaults_are_valid() {

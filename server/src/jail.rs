@@ -51,12 +51,15 @@ pub enum JailError {
     Filter(String),
 }
 
-/// What `--jail` / `--user` asked for.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What `--jail` / `--user` asked for (`bud serve` takes the fields as these options).
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
 pub struct JailConfig {
-    /// Install the seccomp filters.
+    /// Once the templates are prepared, put every thread under a seccomp filter (job threads
+    /// under a narrower one); a system call outside it kills the server.
+    #[arg(long = "jail")]
     pub seccomp: bool,
-    /// Drop to this user.
+    /// Once the templates are prepared, drop to this user and its group (implies --jail).
+    #[arg(long)]
     pub user: Option<String>,
 }
 
@@ -256,7 +259,7 @@ pub fn close(config: &JailConfig) -> Result<Option<BpfProgram>, JailError> {
     if let Some(user) = &config.user {
         drop_privileges(user)?;
     }
-    if !config.seccomp {
+    if !config.seccomp && config.user.is_none() {
         return Ok(None);
     }
     seccompiler::apply_filter_all_threads(&process_filter()?)

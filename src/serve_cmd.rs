@@ -1,0 +1,85 @@
+//! `bud serve`: the HTTP API (`bud-server`) until SIGINT or SIGTERM. The server's own
+//! options are its configuration, [`bud_server::Config`], flattened; this module adds
+//! where to listen, the template source, and what the server reads from files (API keys)
+//! or takes as a group of options (the audit trail).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use crate::Cli;
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    listen: IpAddr,
+    /// TCP port (0: any free port, logged at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Guest RAM in MiB of every template (part of its identity; default: each template's).
+    #[arg(long)]
+    mem_mib: Option<u64>,
+    /// API keys, one `NAME KEY` a line: every request then needs one (Authorization:
+    /// Bearer KEY, or X-API-Key). Required to listen on anything but loopback.
+    #[arg(long)]
+    api_keys_file: Option<PathBuf>,
+    /// Append one JSON line per job and session cell to this file (`bud audit` reads it).
+    #[arg(long)]
+    audit_log: Option<PathBuf>,
+    /// Also store each job's code and output in the audit log (64 KiB of each at most).
+    #[arg(long, requires = "audit_log")]
+    audit_content: bool,
+    /// Refuse jobs (503) while the audit log cannot be written, rather than run them
+    /// unrecorded.
+    #[arg(long, requires = "audit_log")]
+    audit_required: bool,
+    /// The server's configuration: job threads, queue, pool, templates, the jail, session
+    /// and request limits.
+    #[command(flatten)]
+    config: bud_server::Config,
+}
+
+pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
+    bud_server::init_logging();
+    let mut config = args.config.clone();
+    config.audit = args
+        .audit_log
+        .clone()
+        .map(|path| bud_server::audit::AuditConfig {
+            path,
+            content: args.audit_content,
+            required: args.audit_required,
+        });
+    if let Some(path) = &args.api_keys_file {
+        config.api_keys = Some(std::sync::Arc::new(bud_server::keys::ApiKeys::load(path)?));
+    }
+    let build = cli.build_options();
+    let ram_size = args.mem_mib.map(|m| m << 20);
+    bud_server::run(bud_server::ServeOptions {
+        listen: args.listen,
+        port: args.port,
+        config,
+        template: Box::new(move |name: &str| {
+            let mut build = build.clone();
+            build.template = name.to_owned();
+            let opts = bud_templates::TemplateOptions {
+                build,
+                guest: bud_templates::GuestBuild::Existing,
+                ram_size,
+            };
+            let template = bud_templates::template(
+                &opts,
+                &mut bud_server::startup::log_build_line,
+                Some(bud_server::startup::console_echo()),
+            )?;
+            let (image_bytes, packages) = bud_templates::image_facts(&opts);
+            let info = bud_server::state::TemplateInfo {
+                image_bytes,
+                packages,
+            };
+            Ok((template, info))
+        }),
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
