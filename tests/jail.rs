@@ -1,12 +1,16 @@
-//! `bud serve --user nobody` for real: the binary prepares its template, drops to `nobody`
+//! The jail of the real `bud serve` binary: on by default (seccomp filters once the template
+//! is prepared, `/v1/health` says `jailed`), off with `--no-jail`, each saying which in its
+//! log; and `bud serve --user nobody`: the binary prepares its template, drops to `nobody`
 //! with every thread under seccomp, and still runs jobs, resets and reuses its VMs (the
 //! reset reads /proc/self/pagemap, which a uid change would otherwise hand to root), and
-//! serves sessions. The server is stopped by pid. Needs /dev/kvm, root, and a user `nobody`.
+//! serves sessions. Servers are stopped by pid. Needs /dev/kvm, a host that allows seccomp
+//! filters, and for `--user`: root and a user `nobody`.
 
 mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -15,6 +19,8 @@ use serde_json::{Value, json};
 struct Served {
     child: Child,
     base: String,
+    /// Its log lines (also echoed to the test's stderr).
+    log: mpsc::Receiver<String>,
 }
 
 impl Drop for Served {
@@ -37,18 +43,37 @@ fn serve(args: &[&str]) -> Served {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let (lines, log) = mpsc::channel();
     let mut s = Served {
         child,
         base: format!("http://127.0.0.1:{port}"),
+        log,
     };
     // Keep the log flowing (and visible on failure) without blocking the server.
-    let log = s.child.stderr.take().unwrap();
+    let stderr = s.child.stderr.take().unwrap();
     std::thread::spawn(move || {
-        for line in BufReader::new(log).lines().map_while(Result::ok) {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             eprintln!("[bud serve] {line}");
+            let _ = lines.send(line);
         }
     });
     s
+}
+
+/// The first log line with `needle` in it. First use may build and boot the template:
+/// minutes.
+fn wait_for_log(s: &mut Served, needle: &str) -> String {
+    let until = Instant::now() + Duration::from_secs(1800);
+    loop {
+        assert!(Instant::now() < until, "no log line with {needle:?}");
+        if let Ok(line) = s.log.recv_timeout(Duration::from_millis(200)) {
+            if line.contains(needle) {
+                return line;
+            }
+        } else if let Ok(Some(status)) = s.child.try_wait() {
+            panic!("bud serve exited: {status}");
+        }
+    }
 }
 
 fn health(s: &Served) -> Option<Value> {
@@ -142,4 +167,38 @@ fn a_server_jailed_as_nobody_runs_jobs_resets_vms_and_serves_sessions() {
         counter("bud_vms_replaced_total{reason=\"reset_failed\"} "),
         0
     );
+}
+
+#[test]
+fn a_server_started_without_options_is_jailed_once_ready() {
+    common::require_kvm();
+    let mut s = serve(&[]);
+
+    let line = wait_for_log(&mut s, "jail: ");
+    let health = health(&s).unwrap();
+    let job = post(&s, "/v1/exec", json!({"code": "print(6 * 7)"}));
+
+    assert!(line.contains("INFO"), "{line}");
+    assert!(line.contains("jail: seccomp filters on"), "{line}");
+    assert_eq!(health["jailed"], json!(true), "{health}");
+    assert_eq!(status_line(s.child.id(), "Seccomp:"), "2");
+    assert_eq!(job["stdout"], "42\n", "{job}");
+}
+
+#[test]
+fn a_server_started_with_no_jail_says_so_and_is_not_jailed() {
+    common::require_kvm();
+    let mut s = serve(&["--no-jail"]);
+
+    let line = wait_for_log(&mut s, "jail: ");
+    let health = health(&s).unwrap();
+    let job = post(&s, "/v1/exec", json!({"code": "print(6 * 7)"}));
+
+    assert!(line.contains("INFO"), "{line}");
+    assert!(
+        line.contains("jail: seccomp filters off (--no-jail)"),
+        "{line}"
+    );
+    assert_eq!(health["jailed"], json!(false), "{health}");
+    assert_eq!(job["stdout"], "42\n", "{job}");
 }

@@ -200,7 +200,8 @@ pub struct Config {
         value_parser = mib_to_bytes
     )]
     pub memory_budget_bytes: Option<u64>,
-    /// The jail closed once the templates are prepared (`--jail`, `--user`).
+    /// The jail closed once the templates are prepared (on by default; `--no-jail`, `--jail`,
+    /// `--user`).
     #[command(flatten)]
     pub jail: crate::jail::JailConfig,
     /// What a 429 or 503 tells the client to wait, in seconds (`Retry-After`).
@@ -304,6 +305,8 @@ pub enum ConfigError {
         "session idle timeout and lifetime defaults must be at least 1 s and at most their maximums"
     )]
     SessionTimes,
+    #[error("the jail cannot be both off and required (--no-jail with --jail or --user)")]
+    Jail,
 }
 
 impl Config {
@@ -391,6 +394,9 @@ impl Config {
         {
             return Err(ConfigError::SessionTimes);
         }
+        if !self.jail.is_consistent() {
+            return Err(ConfigError::Jail);
+        }
         if self.templates.is_empty() {
             return Err(ConfigError::NoTemplates);
         }
@@ -461,6 +467,41 @@ mod tests {
         assert_eq!(parsed.sessions.default_idle_timeout_s, 5);
         assert_eq!(parsed.sessions.max_lifetime_s, 7);
         assert_eq!(parsed.limits.max_code_bytes, 9);
+    }
+
+    #[test]
+    fn no_jail_turns_the_filters_off_and_jail_or_user_require_them() {
+        let off = parse(&["--no-jail"]).unwrap();
+        let required = parse(&["--jail"]).unwrap();
+        let as_user = parse(&["--user", "nobody"]).unwrap();
+
+        assert!(!off.jail.seccomp);
+        assert!(required.jail.seccomp && required.jail.requires_seccomp());
+        assert!(as_user.jail.seccomp && as_user.jail.requires_seccomp());
+    }
+
+    #[test]
+    fn no_jail_with_jail_or_user_is_refused() {
+        for args in [
+            &["--no-jail", "--jail"][..],
+            &["--no-jail", "--user", "nobody"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ArgumentConflict,
+                "{args:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_jail_both_off_and_required_is_refused() {
+        let mut c = Config::default();
+        c.jail.seccomp = false;
+        c.jail.required = true;
+
+        assert_eq!(c.validate(), Err(ConfigError::Jail));
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! guest image, then loading or booting its template, all logged), so health answers
 //! `starting` until the default one is ready and a template's jobs get 503 until it is. A
 //! default template that cannot be prepared stops the server; another one is marked failed
-//! (its requests get 503 saying why). SIGINT or SIGTERM starts a graceful shutdown: no new
-//! connections, in-flight jobs finish and are answered; a second signal exits at once.
+//! (its requests get 503 saying why). Once every template is prepared the jail closes
+//! ([`crate::jail`]; on by default), with one log line saying what is in force. SIGINT or
+//! SIGTERM starts a graceful shutdown: no new connections, in-flight jobs finish and are
+//! answered; a second signal exits at once.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -72,6 +74,8 @@ pub enum ServeError {
     Thread(std::io::Error),
     #[error(transparent)]
     Prepare(#[from] Box<PrepareError>),
+    #[error(transparent)]
+    Jail(#[from] crate::jail::JailError),
 }
 
 /// Why the template could not be made ready.
@@ -213,6 +217,10 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
     }
     return_large_buffers();
     let state = AppState::new(opts.config.clone(), None)?;
+    // A jail that must close and cannot: say so now, not after minutes of template builds.
+    if opts.config.jail.requires_seccomp() && opts.config.jail.seccomp {
+        crate::jail::probe().map_err(crate::jail::JailError::from)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("bud-http")
@@ -264,12 +272,13 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
                 }
                 // Every template is prepared: nothing needs root or execve any more.
                 match crate::jail::close(&prep_config.jail) {
-                    Ok(filter) => {
-                        if let Some(f) = filter {
-                            prep_state.jobs().set_job_filter(f);
+                    Ok(closed) => {
+                        if let crate::jail::Seccomp::Unavailable(why) = &closed.seccomp {
+                            warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
                         }
-                        if prep_config.jail != crate::jail::JailConfig::default() {
-                            info!(user = ?prep_config.jail.user, seccomp = prep_config.jail.seccomp, "jail closed");
+                        info!(seccomp = closed.jailed(), uid = closed.uid, "{closed}");
+                        if let Some(f) = closed.job_filter {
+                            prep_state.jobs().set_job_filter(f);
                         }
                     }
                     Err(e) => {
