@@ -6,7 +6,6 @@
 use std::time::Duration;
 
 use clap::builder::TypedValueParser;
-use vmm::protocol::job;
 
 /// Limits on one request. Every limit is checked before a job is admitted, and a request over
 /// one is answered 400 or 413 with the offending field named.
@@ -351,7 +350,7 @@ impl Config {
         if self.workers == 0 {
             return Err(ConfigError::NoWorkers);
         }
-        let area = job::DATA_END - job::DATA;
+        let area = vmm::job::MAX_REQUEST_DATA;
         if l.max_code_bytes + l.max_stdin_bytes + l.max_args_env_bytes > area {
             return Err(ConfigError::RequestArea {
                 code: l.max_code_bytes,
