@@ -26,7 +26,8 @@ pub struct Health {
     /// The audit log's state, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<AuditHealth>,
-    /// The jail (`--jail`, `--user`) is closed: seccomp filters on, privileges dropped.
+    /// The jail is closed: seccomp filters on (the default; not with `--no-jail` or where
+    /// the host cannot install them), and privileges dropped with `--user`.
     #[serde(default)]
     pub jailed: bool,
 }
