@@ -2,6 +2,9 @@
 //! clones, and the limits every request is checked against. Defaults are documented here,
 //! in docs/api.md (limits) and docs/sessions.md (session caps); `bud serve --help` shows the
 //! same numbers.
+//!
+//! (Over 500 lines with its unit tests, which stay beside the code they test; the code
+//! itself is under 450.)
 
 use std::time::Duration;
 
