@@ -56,6 +56,8 @@ pub struct Entry {
     pub private_bytes: AtomicU64,
     pub layer_bytes: AtomicU64,
     pub executions: AtomicU64,
+    /// Time its VM ran requests, nanoseconds (it does not run between them).
+    pub run_ns: AtomicU64,
 }
 
 /// Settings a new session starts with.
@@ -117,6 +119,7 @@ impl Entry {
             private_bytes: AtomicU64::new(0),
             layer_bytes: AtomicU64::new(0),
             executions: AtomicU64::new(0),
+            run_ns: AtomicU64::new(0),
         }
     }
 

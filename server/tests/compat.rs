@@ -179,6 +179,36 @@ fn the_e2b_sdk_moves_files_and_runs_commands() {
 }
 
 #[test]
+fn the_e2b_sdk_lists_filters_pages_measures_and_forks_sandboxes() {
+    let s = server(None);
+    let seen = client_script("e2b_control.py", &[], &e2b_env(&s, "e2b_any"));
+    assert_eq!(seen["all"], json!(["alice", "bob"]));
+    assert_eq!(seen["by_user"], json!(["alice"]));
+    assert_eq!(seen["by_odd_metadata"], json!(["alice"]));
+    assert_eq!(seen["by_no_match"], json!([[]]));
+    assert_eq!(seen["running"], json!(["alice", "bob"]));
+    assert_eq!(seen["paused"], json!([[]]));
+    assert_eq!(seen["by_template"], json!(["alice", "bob"]));
+    assert_eq!(seen["pages_of_one"], json!([1, 1]));
+    assert_eq!(seen["pages_cover"], json!(["alice", "bob"]));
+    assert_eq!(
+        seen["info"],
+        json!(["base", "running", {"user": "alice", "k&": "v=1 x"}, 1])
+    );
+    assert_eq!(
+        seen["metrics"],
+        json!([1, 1, true, 256u64 << 20, 0, true]),
+        "{seen}"
+    );
+    assert_eq!(seen["forks"], json!(2));
+    assert_eq!(seen["fork_ids_differ"], json!(true));
+    assert_eq!(seen["fork_state"], json!(["42", "42"]));
+    assert_eq!(seen["fork_isolated"], json!(["41", "41"]));
+    assert_eq!(seen["fork_listed"], json!(3));
+    assert_eq!(seen["after_kill"], json!([[]]));
+}
+
+#[test]
 fn a_piston_client_runs_python_and_bash_with_stdin_and_args() {
     let s = server(None);
     let seen = client_script("piston_client.py", &[&s.url("/api/v2/piston/"), ""], &[]);

@@ -57,9 +57,11 @@ pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
                 .route(&format!("{prefix}/execute{slash}"), post(piston::execute));
         }
     }
-    r.route("/v2/sandboxes", post(e2b::create))
-        .route("/sandboxes", post(e2b::create_v1))
+    r.route("/v2/sandboxes", post(e2b::create).get(e2b::control::list))
+        .route("/sandboxes", post(e2b::create_v1).get(e2b::control::list))
         .route("/sandboxes/{id}", delete(e2b::kill).get(e2b::info))
+        .route("/sandboxes/{id}/metrics", get(e2b::control::metrics))
+        .route("/sandboxes/{id}/fork", post(e2b::control::fork))
         .route("/v2/sandboxes/{id}/connect", post(e2b::connect))
         .route("/sandboxes/{id}/connect", post(e2b::connect))
         .route("/sandboxes/{id}/timeout", post(e2b::set_timeout))

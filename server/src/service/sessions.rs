@@ -209,6 +209,10 @@ pub async fn cell(
             .unwrap_or(Err(SessionError::Gone));
         if let Ok((r, _)) = &ran {
             finished(&st, &origin, "cell", &job, Ok(r), waited);
+            let ns = u64::try_from(r.timings.run.as_nanos()).unwrap_or(u64::MAX);
+            busy.entry()
+                .run_ns
+                .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         }
         end_if_unusable(&st, &busy);
         // Accounted before the answer: a client that creates or forks right after a cell

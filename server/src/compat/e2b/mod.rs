@@ -10,6 +10,7 @@
 //! - `DELETE /sandboxes/{id}` 204 / 404; `GET /sandboxes/{id}`; `POST
 //!   /v2/sandboxes/{id}/connect` (200, and its `timeout` extends the lifetime);
 //!   `POST /sandboxes/{id}/timeout` (204: the lifetime is now `timeout` from now).
+//! - Listing, metrics and fork: [`control`].
 //! - Errors are `{"code": HTTP status, "message"}`.
 //!
 //! The registry here keeps only what E2B clients know that a session does not: the
@@ -30,6 +31,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
+
+pub mod control;
 
 use super::Compat;
 use crate::api::CreateSession;
@@ -73,7 +76,7 @@ pub struct Sandbox {
 }
 
 /// A sandbox's contexts: the default one (namespace 0) and those made by clients.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Contexts {
     pub made: BTreeMap<String, Context>,
     next_namespace: u32,
@@ -295,24 +298,31 @@ pub async fn kill(State(c): State<Compat>, Path(id): Path<String>) -> Response {
 
 /// `GET /sandboxes/{id}`.
 pub async fn info(State(c): State<Compat>, Path(id): Path<String>) -> Response {
-    let state = &c.app;
-    let (s, e) = match live(&c, &id) {
-        Ok(found) => found,
-        Err(err) => return e2b_error(err),
-    };
-    let stamp = |t: SystemTime| rfc3339(epoch_s(t));
-    let ram = state
+    match live(&c, &id) {
+        Ok((s, e)) => Json(info_body(&c, &s, &e)).into_response(),
+        Err(err) => e2b_error(err),
+    }
+}
+
+/// Guest RAM of the VMs of `e`'s template, bytes.
+fn ram_bytes(c: &Compat, e: &Entry) -> u64 {
+    c.app
         .templates()
         .into_iter()
         .find(|t| t.name == e.template)
         .and_then(|t| t.ram_bytes)
-        .unwrap_or(0);
-    let mut v = body_of(&s, &e, false);
+        .unwrap_or(0)
+}
+
+/// What `GET /sandboxes/{id}` (and a listing) shows of a running sandbox.
+fn info_body(c: &Compat, s: &Sandbox, e: &Entry) -> serde_json::Value {
+    let stamp = |t: SystemTime| rfc3339(epoch_s(t));
+    let mut v = body_of(s, e, false);
     let extra = json!({
         "startedAt": stamp(e.created_at),
         "endAt": stamp(e.expires_at()),
         "cpuCount": 1,
-        "memoryMB": ram >> 20,
+        "memoryMB": ram_bytes(c, e) >> 20,
         "diskSizeMB": 0,
         "state": "running",
         "metadata": s.metadata,
@@ -320,7 +330,7 @@ pub async fn info(State(c): State<Compat>, Path(id): Path<String>) -> Response {
     if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
         v.extend(extra.clone());
     }
-    Json(v).into_response()
+    v
 }
 
 /// `{"timeout": seconds}` of connect and set_timeout.

@@ -1,0 +1,60 @@
+"""E2B's control plane through its SDK against bud: listing sandboxes with metadata, state,
+template filters and pages, a sandbox's metrics, and forks that keep the parent's state.
+Prints what it saw as one JSON object (asserted by server/tests/compat.rs)."""
+
+import json
+
+from e2b import SandboxQuery, SandboxState
+from e2b_code_interpreter import Sandbox
+
+seen = {}
+alice = Sandbox.create(template="base", timeout=120, metadata={"user": "alice", "k&": "v=1 x"})
+bob = Sandbox.create(template="base", timeout=120, metadata={"user": "bob"})
+mine = {alice.sandbox_id, bob.sandbox_id}
+
+
+def listed(query=None, limit=None):
+    """Every page of a listing, as [[ids of a page], ...], only this script's sandboxes."""
+    pages = []
+    paginator = Sandbox.list(query=query, limit=limit)
+    while paginator.has_next:
+        pages.append([s.sandbox_id for s in paginator.next_items() if s.sandbox_id in mine])
+    return pages
+
+
+def names(ids):
+    return sorted("alice" if i == alice.sandbox_id else "bob" for i in ids)
+
+
+seen["all"] = names(listed()[0])
+seen["by_user"] = names(listed(SandboxQuery(metadata={"user": "alice"}))[0])
+seen["by_odd_metadata"] = names(listed(SandboxQuery(metadata={"k&": "v=1 x"}))[0])
+seen["by_no_match"] = listed(SandboxQuery(metadata={"user": "carol"}))
+seen["running"] = names(listed(SandboxQuery(state=[SandboxState.RUNNING]))[0])
+seen["paused"] = listed(SandboxQuery(state=[SandboxState.PAUSED]))
+seen["by_template"] = names(listed(SandboxQuery(template="base"))[0])
+pages = listed(limit=1)
+seen["pages_of_one"] = [len(p) for p in pages if p]
+seen["pages_cover"] = names([i for p in pages for i in p])
+info = [s for s in Sandbox.list().next_items() if s.sandbox_id == alice.sandbox_id][0]
+seen["info"] = [info.template_id, info.state.value, info.metadata, info.cpu_count]
+
+alice.run_code("x = 41")
+metrics = alice.get_metrics()
+m = metrics[-1]
+seen["metrics"] = [len(metrics), m.cpu_count, m.mem_used > 0, m.mem_total, m.disk_total,
+                   0.0 < m.cpu_used_pct <= 100.0]
+
+children = alice.fork(count=2)
+seen["forks"] = len(children)
+seen["fork_ids_differ"] = len({c.sandbox_id for c in children} | {alice.sandbox_id}) == 3
+seen["fork_state"] = [c.run_code("x + 1").text for c in children]
+children[0].run_code("x = 0")
+seen["fork_isolated"] = [alice.run_code("x").text, children[1].run_code("x").text]
+mine |= {c.sandbox_id for c in children}
+seen["fork_listed"] = len(listed(SandboxQuery(metadata={"user": "alice"}))[0])
+
+for s in [alice, bob, *children]:
+    s.kill()
+seen["after_kill"] = listed()
+print(json.dumps(seen))
