@@ -53,6 +53,9 @@ pub enum ApiError {
     /// Keys are configured and the request presented none of them (401).
     #[error("a valid API key is required (Authorization: Bearer KEY, or X-API-Key: KEY)")]
     Unauthorized,
+    /// A signed URL whose signature no sandbox made, or that has expired (401).
+    #[error("the URL's signature {0}")]
+    BadSignature(&'static str),
 }
 
 #[derive(Serialize)]
@@ -87,7 +90,7 @@ impl ApiError {
             ApiError::ContentType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized | ApiError::BadSignature(_) => StatusCode::UNAUTHORIZED,
             ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::SandboxGone(_) => StatusCode::BAD_GATEWAY,
         }
@@ -104,6 +107,7 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::BadSignature(_) => "bad_signature",
             ApiError::RequestTimeout { .. } => "request_timeout",
             ApiError::SandboxGone(_) => "sandbox_gone",
         }

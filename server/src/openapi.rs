@@ -167,6 +167,7 @@ mod tests {
                 after: d,
             },
             ApiError::Unauthorized,
+            ApiError::BadSignature("x"),
         ];
         let errors = service.into_iter().map(ApiError::from).chain(edge);
 

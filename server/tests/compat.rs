@@ -200,6 +200,17 @@ fn the_e2b_sdk_lists_filters_pages_measures_and_forks_sandboxes() {
         json!([1, 1, true, 256u64 << 20, 0, true]),
         "{seen}"
     );
+    assert_eq!(seen["download"], json!([200, "for the signed url\n"]));
+    assert_eq!(seen["download_expiring"], json!(200));
+    assert_eq!(
+        seen["download_expired"],
+        json!([401, "the URL's signature has expired"])
+    );
+    assert_eq!(
+        seen["download_tampered"],
+        json!([401, "the URL's signature matches no sandbox's"])
+    );
+    assert_eq!(seen["upload"], json!([200, "uploaded\n", false]));
     assert_eq!(seen["forks"], json!(2));
     assert_eq!(seen["fork_ids_differ"], json!(true));
     assert_eq!(seen["fork_state"], json!(["42", "42"]));

@@ -3,7 +3,10 @@ template filters and pages, a sandbox's metrics, and forks that keep the parent'
 Prints what it saw as one JSON object (asserted by server/tests/compat.rs)."""
 
 import json
+import urllib.error
+import urllib.request
 
+import httpx
 from e2b import SandboxQuery, SandboxState
 from e2b_code_interpreter import Sandbox
 
@@ -44,6 +47,30 @@ metrics = alice.get_metrics()
 m = metrics[-1]
 seen["metrics"] = [len(metrics), m.cpu_count, m.mem_used > 0, m.mem_total, m.disk_total,
                    0.0 < m.cpu_used_pct <= 100.0]
+
+# Signed URLs: plain HTTP without any header; the signature names the sandbox.
+alice.files.write("/home/user/signed.txt", "for the signed url\n")
+
+
+def fetch(url):
+    try:
+        with urllib.request.urlopen(url) as r:
+            return [r.status, r.read().decode()]
+    except urllib.error.HTTPError as e:
+        return [e.code, json.loads(e.read()).get("message", "")[:40]]
+
+
+seen["download"] = fetch(alice.download_url("/home/user/signed.txt"))
+seen["download_expiring"] = fetch(alice.download_url("/home/user/signed.txt",
+                                                     use_signature_expiration=60))[0]
+seen["download_expired"] = fetch(alice.download_url("/home/user/signed.txt",
+                                                    use_signature_expiration=-10))
+seen["download_tampered"] = fetch(
+    alice.download_url("/home/user/signed.txt").replace("signed.txt", "other.txt"))
+upload = alice.upload_url("/home/user/uploaded.txt")
+r = httpx.post(upload, files={"file": ("chosen-by-client.txt", b"uploaded\n")})
+seen["upload"] = [r.status_code, alice.files.read("/home/user/uploaded.txt"),
+                  alice.files.exists("/home/user/chosen-by-client.txt")]
 
 children = alice.fork(count=2)
 seen["forks"] = len(children)

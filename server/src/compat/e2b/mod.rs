@@ -284,6 +284,56 @@ pub fn sandbox_of(c: &Compat, headers: &HeaderMap) -> Result<(Arc<Sandbox>, Arc<
     Ok((s, e))
 }
 
+/// What a signed file URL says (E2B's v1 signatures, `download_url` / `upload_url`).
+#[derive(Debug)]
+pub struct SignedRequest<'a> {
+    pub path: &'a str,
+    /// `read` or `write`.
+    pub operation: &'a str,
+    /// The user in the URL (`""`: the default one).
+    pub user: &'a str,
+    pub signature: &'a str,
+    /// Seconds since the epoch after which the URL no longer works.
+    pub expiration: Option<u64>,
+}
+
+/// E2B's v1 signature of `r` made with a sandbox's `token`: `v1_` and the unpadded base64
+/// of the sha256 of `path:operation:user:token[:expiration]`.
+pub fn signature(r: &SignedRequest<'_>, token: &str) -> String {
+    use base64::Engine;
+    use sha2::Digest;
+    let raw = match r.expiration {
+        None => format!("{}:{}:{}:{token}", r.path, r.operation, r.user),
+        Some(e) => format!("{}:{}:{}:{token}:{e}", r.path, r.operation, r.user),
+    };
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
+}
+
+/// The live sandbox whose token makes `r`'s signature (401 if none does, or if it has
+/// expired). Every live sandbox is tried, each in constant time.
+pub fn signed(c: &Compat, r: &SignedRequest<'_>) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+    if let Some(e) = r.expiration {
+        let now = epoch_s(SystemTime::now());
+        if (e as f64) < now {
+            return Err(ApiError::BadSignature("has expired"));
+        }
+    }
+    let all: Vec<Arc<Sandbox>> = c.own.e2b.map().values().cloned().collect();
+    let mut found = None;
+    for s in all {
+        if constant_time_eq(signature(r, &s.token).as_bytes(), r.signature.as_bytes()) {
+            found = Some(s);
+        }
+    }
+    let s = found.ok_or(ApiError::BadSignature("matches no sandbox's token"))?;
+    let (s, e) = live(c, &s.id.clone()).map_err(|_| ApiError::SandboxGone(s.id.clone()))?;
+    Ok((s, e))
+}
+
 /// `DELETE /sandboxes/{id}`: 204, or 404 if unknown.
 pub async fn kill(State(c): State<Compat>, Path(id): Path<String>) -> Response {
     let known = c.own.e2b.map().remove(&id).is_some();

@@ -18,7 +18,10 @@
 //!   (`already_exists` when it does), `Remove`, `Move`; watchers are not implemented.
 //! - `GET /files?path=` reads a file; `POST /files` writes files from a multipart form
 //!   (field `file`, the path as its filename or `?path=`) or an octet-stream body with
-//!   `?path=`, answering `[{"name", "type": "file", "path"}]`.
+//!   `?path=`, answering `[{"name", "type": "file", "path"}]`. Signed URLs (the SDK's
+//!   `download_url` / `upload_url`: `signature`, `signature_expiration`, `username` in the
+//!   query, no header) name no sandbox: the sandbox whose token makes the signature is the
+//!   one (`crate::compat::e2b::signed`); a signed upload writes only the signed path.
 //! - `GET /health`: 204 while the sandbox runs, 502 once it does not.
 //!
 //! **Paths**: E2B's home `/home/user` is a link to bud's work directory `/tmp` in the guest
@@ -33,6 +36,8 @@
 pub mod filesystem;
 pub mod process;
 
+use std::sync::Arc;
+
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
@@ -42,10 +47,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::Compat;
-use super::e2b::{e2b_error, sandbox_of};
+use super::e2b::{Sandbox, e2b_error, sandbox_of};
 use super::jupyter::HOME;
 use crate::error::{ApiError, Error};
 use crate::service::files;
+use crate::sessions::Entry;
 
 pub use filesystem::filesystem;
 pub use process::process;
@@ -131,9 +137,37 @@ pub async fn health(State(c): State<Compat>, headers: HeaderMap) -> Response {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// `GET/POST /files`'s query: the path, and for a signed URL (E2B's `download_url` and
+/// `upload_url`) its signature, expiry and user.
+#[derive(Debug, Default, Deserialize)]
 pub struct FileQuery {
     pub path: Option<String>,
+    pub username: Option<String>,
+    pub signature: Option<String>,
+    pub signature_expiration: Option<u64>,
+}
+
+/// The sandbox of a `/files` request: by its signature when the URL is signed (it names no
+/// sandbox: the signature does, made with the sandbox's token), else by header and token.
+fn file_sandbox(
+    c: &Compat,
+    headers: &HeaderMap,
+    q: &FileQuery,
+    operation: &str,
+) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+    match &q.signature {
+        None => sandbox_of(c, headers),
+        Some(signature) => super::e2b::signed(
+            c,
+            &super::e2b::SignedRequest {
+                path: q.path.as_deref().unwrap_or_default(),
+                operation,
+                user: q.username.as_deref().unwrap_or_default(),
+                signature,
+                expiration: q.signature_expiration,
+            },
+        ),
+    }
 }
 
 /// `GET /files?path=`.
@@ -143,7 +177,7 @@ pub async fn read_file(
     Query(q): Query<FileQuery>,
 ) -> Response {
     let run = async {
-        let (_, e) = sandbox_of(&c, &headers)?;
+        let (_, e) = file_sandbox(&c, &headers, &q, "read")?;
         let path = guest_path(q.path.as_deref().unwrap_or_default())?;
         Ok::<_, ApiError>(files::read(&c.app, &e.id, &path).await?)
     };
@@ -170,7 +204,9 @@ pub async fn write_files(
 }
 
 async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, ApiError> {
-    let (_, e) = sandbox_of(c, req.headers())?;
+    let (_, e) = file_sandbox(c, req.headers(), &q, "write")?;
+    // A signature covers one path: every part goes there, whatever its file name says.
+    let signed_path = q.signature.as_ref().and(q.path.clone());
     let state = &c.app;
     let limit = state.config().sessions.max_file_bytes;
     let too_large = |bytes| {
@@ -195,9 +231,9 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
             .await
             .map_err(|err| ApiError::invalid("body", err.body_text()))?
         {
-            let name = field
-                .file_name()
-                .map(str::to_owned)
+            let name = signed_path
+                .clone()
+                .or_else(|| field.file_name().map(str::to_owned))
                 .or_else(|| q.path.clone())
                 .ok_or_else(|| ApiError::invalid("path", "a file part needs a path"))?;
             let mut data = Vec::new();
