@@ -132,6 +132,10 @@ pub struct SessionLimits {
     /// Largest file uploaded into a session, in bytes.
     #[arg(long, default_value_t = SessionLimits::default().max_file_bytes)]
     pub max_file_bytes: usize,
+    /// Requests that may wait for a busy session at once (a request finding it busy waits
+    /// for its turn); past it, 409. 0: never wait.
+    #[arg(long = "session-max-waiting", default_value_t = SessionLimits::default().max_waiting)]
+    pub max_waiting: usize,
     /// Children of one fork request (not an option of `bud serve`).
     #[arg(skip = MAX_FORK_COUNT)]
     pub max_fork_count: usize,
@@ -145,6 +149,7 @@ impl Default for SessionLimits {
         Self {
             max_sessions: 64,
             max_memory_bytes: 4 << 30,
+            max_waiting: 8,
             default_idle_timeout_s: 600,
             max_idle_timeout_s: 3600,
             default_lifetime_s: 3600,

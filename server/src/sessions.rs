@@ -2,7 +2,8 @@
 //! settings, one request at a time each, expiry, caps, and what is left of ended ones.
 //!
 //! - **One at a time**: a session is *busy* while a cell, file operation or fork runs in it;
-//!   a second request meanwhile is 409. The VM itself is only touched on a job thread.
+//!   a request meanwhile waits for it (at most `--session-max-waiting` at once; past that,
+//!   409). The VM itself is only touched on a job thread.
 //! - **Ended sessions** (deleted, expired, crashed, timed out past the interrupt) leave a
 //!   tombstone saying why, so later calls get 410 Gone with the reason instead of a bare 404;
 //!   a DELETE of an ended session removes its tombstone (204). The tombstones kept are
@@ -14,7 +15,7 @@
 //!   maximum lifetime; `bud serve` runs it every second, and ends every session at shutdown.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -51,6 +52,9 @@ pub struct Entry {
     deadline: Mutex<(Instant, SystemTime)>,
     last_used: Mutex<Instant>,
     busy: AtomicBool,
+    /// Requests waiting for it to be free, and how they learn it is (or that it ended).
+    waiting: AtomicUsize,
+    freed: tokio::sync::Notify,
     /// The VM; None once the session ended.
     vm: Mutex<Option<Session>>,
     pub private_bytes: AtomicU64,
@@ -88,6 +92,16 @@ impl Drop for Busy {
     fn drop(&mut self) {
         *self.0.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         self.0.busy.store(false, Ordering::Release);
+        self.0.freed.notify_waiters();
+    }
+}
+
+/// A request counted among a session's waiting ones until dropped.
+struct Waiting(Arc<Entry>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -115,6 +129,8 @@ impl Entry {
             deadline: Mutex::new((Instant::now() + s.max_lifetime, now + s.max_lifetime)),
             last_used: Mutex::new(Instant::now()),
             busy: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
+            freed: tokio::sync::Notify::new(),
             vm: Mutex::new(None),
             private_bytes: AtomicU64::new(0),
             layer_bytes: AtomicU64::new(0),
@@ -162,6 +178,11 @@ impl Entry {
     /// Whether a request is running in it.
     pub fn is_busy(&self) -> bool {
         self.busy.load(Ordering::Acquire)
+    }
+
+    /// Requests waiting for it now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
     }
 
     /// When it was last used (end of its last request, or its creation).
@@ -264,13 +285,36 @@ impl Sessions {
         }
     }
 
-    /// Marks the session busy for one request, or says why it cannot be used.
-    pub fn acquire(&self, id: &str) -> Result<Busy, Unavailable> {
+    /// Session `id` for a request, waiting while another holds it, with at most
+    /// `max_waiting` requests waiting at once (past that: [`Unavailable::Busy`]). Waiters
+    /// are woken together when it is freed, and the first to claim it runs (no order is
+    /// promised); one that ends meanwhile wakes them with why. Dropping the future leaves
+    /// the queue.
+    pub async fn acquire_waiting(&self, id: &str, max_waiting: usize) -> Result<Busy, Unavailable> {
         let e = self.get(id)?;
-        e.busy
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .map_err(|_| Unavailable::Busy)?;
-        Ok(Busy(e))
+        let mut queued: Option<Waiting> = None;
+        loop {
+            // Enabled before the claim: a release between the two still wakes this one.
+            let freed = e.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            self.get(id)?; // ended meanwhile: why
+            let claimed = e
+                .busy
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok();
+            if claimed {
+                return Ok(Busy(Arc::clone(&e)));
+            }
+            if queued.is_none() {
+                if e.waiting.fetch_add(1, Ordering::AcqRel) >= max_waiting {
+                    e.waiting.fetch_sub(1, Ordering::AcqRel);
+                    return Err(Unavailable::Busy);
+                }
+                queued = Some(Waiting(e.clone()));
+            }
+            freed.await;
+        }
     }
 
     /// Ends a session: out of the registry, tombstone kept, VM ended (reset and reused, or
@@ -295,6 +339,8 @@ impl Sessions {
                 }
             }
         }
+        // Requests waiting for it learn that it ended.
+        e.freed.notify_waiters();
         if let Some(vm) = e.take_vm() {
             vm.end(&e.executor);
         }

@@ -192,46 +192,93 @@ fn a_cell_that_kills_the_worker_ends_the_session_with_410() {
     assert_eq!(get_json(&s, &format!("/v1/sessions/{id}")).0, 404);
 }
 
-#[test]
-fn a_second_concurrent_cell_gets_409() {
-    let s = TestServer::start();
-    let id = create(&s, json!({}));
-    let url = s.url(&format!("/v1/sessions/{id}/exec"));
-
-    let slow = std::thread::spawn(move || {
-        client()
-            .post(url)
-            .json(&json!({"code": "import time\ntime.sleep(3)\n'slept'"}))
-            .send()
-            .unwrap()
-            .json::<Value>()
-            .unwrap()
-    });
-    // Until the slow cell holds the session (polled, not slept). Not the job threads'
-    // running count: it rose before the cell had claimed the session once (a CI run saw
-    // the second cell answered first, with 200).
+/// Polls session `id` until `ready(info)` (its `GET`), at most 30 s.
+fn wait_for(s: &TestServer, id: &str, what: &str, ready: impl Fn(&Value) -> bool) {
     let until = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let info: Value = s.get(&format!("/v1/sessions/{id}")).json().unwrap();
-        if info["busy"] == json!(true) {
-            break;
+        if ready(&info) {
+            return;
         }
         assert!(
             std::time::Instant::now() < until,
-            "the slow cell never started: {info}"
+            "{what} never happened: {info}"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    let (status, busy) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": "1"}));
-    let first = slow.join().unwrap();
+}
+
+/// A request to a busy session waits for its turn (here a cell and a file write behind a
+/// slow cell, both answered after it); one past `--session-max-waiting` gets 409.
+#[test]
+fn requests_to_a_busy_session_wait_their_turn_and_one_past_the_queue_gets_409() {
+    let mut config = test_config();
+    config.workers = 3;
+    config.sessions.max_waiting = 2;
+    let s = TestServer::with_config(config);
+    let id = create(&s, json!({}));
+    let post = |path: String, body: Value| {
+        let url = s.url(&path);
+        std::thread::spawn(move || {
+            let r = client().post(url).json(&body).send().unwrap();
+            (
+                r.status().as_u16(),
+                r.json::<Value>().unwrap_or(Value::Null),
+            )
+        })
+    };
+    let put = |path: String, body: &'static str| {
+        let url = s.url(&path);
+        std::thread::spawn(move || {
+            client()
+                .put(url)
+                .body(body)
+                .send()
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+
+    let exec = format!("/v1/sessions/{id}/exec");
+    let slow = post(
+        exec.clone(),
+        json!({"code": "import time\ntime.sleep(3)\nn = 1\n'slept'"}),
+    );
+    // Until the slow cell holds the session (polled, not slept).
+    wait_for(&s, &id, "the slow cell's start", |i| {
+        i["busy"] == json!(true)
+    });
+    let next = post(exec.clone(), json!({"code": "n + 1"}));
+    let file = put(
+        format!("/v1/sessions/{id}/files/queued.txt"),
+        "after the slow cell",
+    );
+    wait_for(&s, &id, "two waiting requests", |i| {
+        i["waiting"] == json!(2)
+    });
+    let (refused, busy) = s.post(&exec, &json!({"code": "1"}));
+    let (slow, next, file) = (
+        slow.join().unwrap(),
+        next.join().unwrap(),
+        file.join().unwrap(),
+    );
+    let read = cell(&s, &id, "open('queued.txt').read()");
 
     assert_eq!(
-        (status, &busy["error"]["code"]),
+        (refused, &busy["error"]["code"]),
         (409, &json!("session_busy")),
         "{busy}"
     );
-    assert_eq!(shown(&first), "'slept'");
-    assert_eq!(shown(&cell(&s, &id, "2")), "2");
+    assert_eq!((slow.0, shown(&slow.1)), (200, &json!("'slept'")));
+    assert_eq!((next.0, shown(&next.1)), (200, &json!("2")), "{next:?}");
+    assert_eq!(file, 204);
+    assert_eq!(shown(&read), "'after the slow cell'");
+    let info: Value = s.get(&format!("/v1/sessions/{id}")).json().unwrap();
+    assert_eq!(
+        (&info["busy"], &info["waiting"]),
+        (&json!(false), &json!(0))
+    );
 }
 
 #[test]

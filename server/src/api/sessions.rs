@@ -41,6 +41,8 @@ pub struct SessionInfo {
     /// Fork layers it sits on (shared with its relatives).
     pub shared_memory_bytes: u64,
     pub busy: bool,
+    /// Requests waiting for it.
+    pub waiting: usize,
     pub parent: Option<String>,
     pub metadata: serde_json::Value,
     pub template: String,
@@ -59,6 +61,7 @@ impl SessionInfo {
             memory_bytes: e.private_bytes.load(Relaxed),
             shared_memory_bytes: e.layer_bytes.load(Relaxed),
             busy: e.is_busy(),
+            waiting: e.waiting(),
             parent: e.parent.clone(),
             metadata: e.metadata.clone(),
             template: e.template.clone(),

@@ -86,8 +86,10 @@ pub enum Error {
         reason: String,
         detail: Option<String>,
     },
-    /// A request is already running in the session.
-    #[error("session {0} is running another request; one at a time")]
+    /// A request runs in the session and as many as may wait for it already do.
+    #[error(
+        "session {0} is busy: a request runs in it and --session-max-waiting more wait for it; retry later"
+    )]
     SessionBusy(String),
     /// The live-session cap is reached.
     #[error("{limit} sessions are live, the server's limit; delete one or retry later")]

@@ -14,7 +14,7 @@ use vmm::{Job, JobResult};
 use crate::api::JobFiles;
 use crate::service::admission;
 use crate::service::error::Error;
-use crate::service::sessions::{end_if_unusable, unavailable};
+use crate::service::sessions::{acquire, end_if_unusable};
 use crate::state::AppState;
 
 /// The service's error for `e`, a failed operation on `path` (named `field` in requests).
@@ -40,10 +40,7 @@ async fn in_session<T: Send + 'static>(
     path: &str,
     op: impl FnOnce(&mut Session, &Executor, Duration) -> Result<T, FileError> + Send + 'static,
 ) -> Result<T, Error> {
-    let busy = state
-        .sessions()
-        .acquire(id)
-        .map_err(|u| unavailable(id, u))?;
+    let busy = acquire(state, id).await?;
     let timeout = Duration::from_millis(state.config().limits.max_timeout_ms);
     let st = state.clone();
     let exec = busy.entry().executor.clone();

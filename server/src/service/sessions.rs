@@ -1,5 +1,6 @@
 //! Sessions: start one, run a cell in it, fork it, end it, and expire them. Each operation
-//! that touches a session's VM takes the session (busy meanwhile: one request at a time)
+//! that touches a session's VM takes the session (busy meanwhile: one request at a time;
+//! the next ones wait for it, [`acquire`])
 //! and an admission slot, and runs on a job thread like a job; a VM that a request left
 //! unusable ends its session with why ([`end_if_unusable`]).
 
@@ -31,6 +32,17 @@ pub fn unavailable(id: &str, u: Unavailable) -> Error {
             detail: e.detail,
         },
     }
+}
+
+/// Session `id` for a request: at once if it is free, else after the requests before it
+/// (at most `--session-max-waiting` wait at once).
+pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
+    let max = state.config().sessions.max_waiting;
+    state
+        .sessions()
+        .acquire_waiting(id, max)
+        .await
+        .map_err(|u| unavailable(id, u))
 }
 
 /// Session `id`, live.
@@ -186,10 +198,7 @@ pub async fn cell(
     route: &str,
     mut sink: Sink,
 ) -> Result<Cell, Error> {
-    let busy = state
-        .sessions()
-        .acquire(id)
-        .map_err(|u| unavailable(id, u))?;
+    let busy = acquire(state, id).await?;
     let mut job = cell_job(state, busy.entry(), req)?;
     // Held by this future (and known to the job threads while the cell runs: a shutdown
     // past its grace cancels it).
@@ -251,10 +260,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
             format!("count must be 1..={max} (got {count})"),
         ));
     }
-    let busy = state
-        .sessions()
-        .acquire(id)
-        .map_err(|u| unavailable(id, u))?;
+    let busy = acquire(state, id).await?;
     check_count(state, count)?;
     check_memory(state)?;
     let sessions = state.sessions().clone();
