@@ -281,6 +281,61 @@ fn requests_to_a_busy_session_wait_their_turn_and_one_past_the_queue_gets_409() 
     );
 }
 
+/// A waiting request whose client gives up leaves the queue; one waiting while its session
+/// is deleted is answered 404 once the running cell has ended, never left hanging.
+#[test]
+fn a_waiting_request_leaves_the_queue_with_its_client_and_learns_of_a_delete() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+    let exec = s.url(&format!("/v1/sessions/{id}/exec"));
+    let slow_url = exec.clone();
+    let slow = std::thread::spawn(move || {
+        client()
+            .post(slow_url)
+            .json(&json!({"code": "import time\ntime.sleep(4)"}))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    wait_for(&s, &id, "the slow cell's start", |i| {
+        i["busy"] == json!(true)
+    });
+    // A client that waits 0.5 s and leaves.
+    let impatient = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap()
+        .post(&exec)
+        .json(&json!({"code": "1"}))
+        .send();
+    wait_for(&s, &id, "the queue emptied", |i| i["waiting"] == json!(0));
+    let waiter_url = exec.clone();
+    let waiter = std::thread::spawn(move || {
+        let r = client()
+            .post(waiter_url)
+            .json(&json!({"code": "1"}))
+            .send()
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<Value>().unwrap_or(Value::Null),
+        )
+    });
+    wait_for(&s, &id, "one waiting request", |i| i["waiting"] == json!(1));
+    let deleted = delete(&s, &format!("/v1/sessions/{id}"));
+    let (waited, answer) = waiter.join().unwrap();
+
+    assert!(impatient.is_err(), "the impatient client got an answer");
+    assert_eq!(deleted, 204);
+    assert_eq!(
+        (waited, &answer["error"]["code"]),
+        (404, &json!("no_session")),
+        "{answer}"
+    );
+    assert_eq!(slow.join().unwrap(), 200);
+}
+
 #[test]
 fn files_round_trip_binary_and_large_and_escapes_are_refused() {
     let s = TestServer::start();
