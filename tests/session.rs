@@ -463,6 +463,7 @@ fn files_round_trip_and_paths_stay_inside_the_work_directory() {
     let escape = s.get_file(&ex, "../etc/passwd", 1 << 20, t);
     cell(&mut s, &ex, "import os\nos.symlink('/etc', 'out')");
     let via_link = s.get_file(&ex, "out/passwd", 1 << 20, t);
+    let top = s.list_dir(&ex, ".", t).unwrap();
     let link = s.stat(&ex, "out", t).unwrap();
     let missing = s.get_file(&ex, "nope", 1 << 20, t);
     let dir_as_file = s.get_file(&ex, "in", 1 << 20, t);
@@ -496,6 +497,14 @@ fn files_round_trip_and_paths_stay_inside_the_work_directory() {
     );
     assert_eq!(
         (link.kind, link.target.as_deref()),
+        (FileKind::Symlink, Some("/etc"))
+    );
+    let listed_link = top
+        .iter()
+        .find(|e| e.name == "out")
+        .expect("the link is listed");
+    assert_eq!(
+        (listed_link.kind, listed_link.target.as_deref()),
         (FileKind::Symlink, Some("/etc"))
     );
     assert!(

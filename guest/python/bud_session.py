@@ -222,10 +222,14 @@ def _listing(path):
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            kind = "dir" if stat.S_ISDIR(st.st_mode) else (
-                "file" if stat.S_ISREG(st.st_mode) else "other")
-            entries.append({"name": entry.name, "type": kind, "size": st.st_size,
-                            "mode": st.st_mode, "mtime_ns": st.st_mtime_ns})
+            item = {"name": entry.name, "type": _kind(st.st_mode), "size": st.st_size,
+                    "mode": st.st_mode, "mtime_ns": st.st_mtime_ns}
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    item["target"] = os.readlink(entry.path)
+                except OSError:
+                    pass
+            entries.append(item)
     entries.sort(key=lambda e: e["name"])
     return json.dumps(entries).encode()
 

@@ -174,6 +174,13 @@ fn the_e2b_sdk_moves_files_and_runs_commands() {
         json!(["/home/user/d", "/home/user/d/e", "/home/user/d/moved.txt"])
     );
     assert_eq!(seen["removed"], json!(false));
+    assert_eq!(
+        seen["symlinks"],
+        json!([
+            ["link.txt", "symlink", "target.txt"],
+            ["target.txt", "file", null]
+        ])
+    );
     assert_eq!(seen["missing"], json!("NotFoundException"));
     assert_eq!(seen["connected"], json!("2"));
 }

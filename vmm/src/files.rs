@@ -43,7 +43,7 @@ pub struct FileEntry {
     pub mode: u32,
     /// Last modification, nanoseconds since the epoch.
     pub mtime_ns: i64,
-    /// A symlink's target, as stored in the link ([`Session::stat`] only).
+    /// A symlink's target, as stored in the link.
     #[serde(default)]
     pub target: Option<String>,
 }

@@ -127,8 +127,9 @@ pub mod file_op {
     pub const APPEND: u32 = 2;
     /// Write the file's bytes to stdout.
     pub const READ: u32 = 3;
-    /// Write a JSON list of `{"name", "type": "file"|"dir"|"other", "size", "mode"
-    /// (`st_mode`), "mtime_ns"}` to stdout (entries as `lstat` sees them).
+    /// Write a JSON list of `{"name", "type": "file"|"dir"|"symlink"|"other", "size", "mode"
+    /// (`st_mode`), "mtime_ns", "target" (a symlink's)}` to stdout (entries as `lstat` sees
+    /// them).
     pub const LIST: u32 = 4;
     /// Remove a file, or a directory with everything in it.
     pub const DELETE: u32 = 5;

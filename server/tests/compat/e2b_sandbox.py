@@ -38,6 +38,10 @@ seen["list"] = sorted([x.name, x.type.value, x.path, x.size] for x in listing)
 seen["list_deep"] = sorted(x.path for x in sbx.files.list("/home/user", depth=2))
 sbx.files.remove("/home/user/d")
 seen["removed"] = sbx.files.exists("/home/user/d")
+sbx.files.write("/home/user/s/target.txt", "t")
+sbx.commands.run("ln -s target.txt /home/user/s/link.txt")
+seen["symlinks"] = sorted([x.name, x.type.value, x.symlink_target]
+                          for x in sbx.files.list("/home/user/s"))
 try:
     sbx.files.read("/home/user/nope.txt")
     seen["missing"] = "no exception"
