@@ -226,6 +226,55 @@ fn the_e2b_sdk_lists_filters_pages_measures_and_forks_sandboxes() {
     assert_eq!(seen["after_kill"], json!([[]]));
 }
 
+/// With API keys, a listing shows a key the sandboxes it made and none of another key's
+/// (a sandbox's id is the key to it).
+#[test]
+fn a_sandbox_listing_shows_a_key_only_its_own_sandboxes() {
+    let s = server(Some(
+        "alice 0123456789abcdef-alice\nbob 0123456789abcdef-bob\n",
+    ));
+    let call = |method: reqwest::Method, path: &str, key: &str, body: Option<Value>| {
+        let mut r = client()
+            .request(method, s.url(path))
+            .header("X-API-Key", key);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let r = r.send().unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<Value>().unwrap_or(Value::Null),
+        )
+    };
+    let alice = "0123456789abcdef-alice";
+    let bob = "0123456789abcdef-bob";
+    let (made, sandbox) = call(
+        reqwest::Method::POST,
+        "/v2/sandboxes",
+        alice,
+        Some(json!({"templateID": "base", "timeout": 60})),
+    );
+    let id = sandbox["sandboxID"].clone();
+
+    let (alice_status, alice_list) = call(reqwest::Method::GET, "/v2/sandboxes", alice, None);
+    let (bob_status, bob_list) = call(reqwest::Method::GET, "/v2/sandboxes", bob, None);
+    let ids = |v: &Value| -> Vec<Value> {
+        v.as_array()
+            .map(|a| a.iter().map(|x| x["sandboxID"].clone()).collect())
+            .unwrap_or_default()
+    };
+    call(
+        reqwest::Method::DELETE,
+        &format!("/sandboxes/{}", id.as_str().unwrap_or_default()),
+        alice,
+        None,
+    );
+
+    assert_eq!(made, 201, "{sandbox}");
+    assert_eq!((alice_status, ids(&alice_list)), (200, vec![id]));
+    assert_eq!((bob_status, ids(&bob_list)), (200, vec![]));
+}
+
 #[test]
 fn a_piston_client_runs_python_and_bash_with_stdin_and_args() {
     let s = server(None);

@@ -1,7 +1,8 @@
 //! E2B's control plane beyond one sandbox's lifecycle: listing sandboxes (with filters and
 //! pages), a sandbox's metrics, and forking one.
 //!
-//! - `GET /v2/sandboxes` (and the older `GET /sandboxes`): the live sandboxes, oldest first
+//! - `GET /v2/sandboxes` (and the older `GET /sandboxes`): the live sandboxes made with the
+//!   request's API key (all of them on a server without keys), oldest first
 //!   (`order=desc`: newest first). Filters: `metadata` (E2B's SDK sends `k=v&...` with each
 //!   key and value percent-encoded, the whole once more: every pair must match), `state`
 //!   (`running,paused`; bud's sandboxes are all `running`: it has no pause), `template`
@@ -133,10 +134,14 @@ fn parse_rfc3339(s: &str) -> Option<f64> {
     Some((days * 86_400 + h * 3600 + min * 60 - offset_s) as f64 + sec)
 }
 
-/// The live E2B sandboxes with their sessions.
+/// The live E2B sandboxes the current request's API key made (all of them without keys),
+/// with their sessions. A sandbox's id is the key to it (as a session's), so a listing must
+/// never show one key another's.
 fn live_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Arc<Entry>)> {
+    let asker = crate::audit::current_key();
     let all: Vec<Arc<Sandbox>> = c.own.e2b.map().values().cloned().collect();
     all.into_iter()
+        .filter(|s| s.key == asker)
         .filter_map(|s| {
             let e = c.app.sessions().get(&s.id).ok()?;
             Some((s, e))
