@@ -174,6 +174,8 @@ fn the_e2b_sdk_moves_files_and_runs_commands() {
         json!(["/home/user/d", "/home/user/d/e", "/home/user/d/moved.txt"])
     );
     assert_eq!(seen["removed"], json!(false));
+    assert_eq!(seen["gzip_read"], json!(true));
+    assert_eq!(seen["gzip_raw"], json!([200, "gzip", true, true]));
     assert_eq!(
         seen["symlinks"],
         json!([

@@ -4,6 +4,8 @@ as one JSON object (asserted by server/tests/compat.rs)."""
 
 import json
 
+import httpx
+
 from e2b import CommandExitException, NotFoundException
 from e2b_code_interpreter import Sandbox
 
@@ -40,6 +42,11 @@ sbx.files.remove("/home/user/d")
 seen["removed"] = sbx.files.exists("/home/user/d")
 sbx.files.write("/home/user/s/target.txt", "t")
 sbx.commands.run("ln -s target.txt /home/user/s/link.txt")
+sbx.files.write("/home/user/packed.txt", "gzip " * 1000, gzip=True)
+seen["gzip_read"] = sbx.files.read("/home/user/packed.txt", gzip=True) == "gzip " * 1000
+raw = httpx.get(sbx.download_url("/home/user/packed.txt"), headers={"Accept-Encoding": "gzip"})
+seen["gzip_raw"] = [raw.status_code, raw.headers.get("content-encoding"),
+                    len(raw.content) == 5000, int(raw.headers["content-length"]) < 200]
 seen["symlinks"] = sorted([x.name, x.type.value, x.symlink_target]
                           for x in sbx.files.list("/home/user/s"))
 try:

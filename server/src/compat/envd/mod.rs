@@ -22,6 +22,8 @@
 //!   `download_url` / `upload_url`: `signature`, `signature_expiration`, `username` in the
 //!   query, no header) name no sandbox: the sandbox whose token makes the signature is the
 //!   one (`crate::compat::e2b::signed`); a signed upload writes only the signed path.
+//!   gzip both ways: a read answers gzip to `Accept-Encoding: gzip`, an octet-stream upload
+//!   may come with `Content-Encoding: gzip` (decoded up to the file size limit).
 //! - `GET /health`: 204 while the sandbox runs, 502 once it does not.
 //!
 //! **Paths**: E2B's home `/home/user` is a link to bud's work directory `/tmp` in the guest
@@ -181,13 +183,68 @@ pub async fn read_file(
         let path = guest_path(q.path.as_deref().unwrap_or_default())?;
         Ok::<_, ApiError>(files::read(&c.app, &e.id, &path).await?)
     };
-    match run.await {
-        Ok(bytes) => (
-            [(header::CONTENT_TYPE, "application/octet-stream")],
-            Bytes::from(bytes),
+    let bytes = match run.await {
+        Ok(bytes) => bytes,
+        Err(e) => return e2b_error(e),
+    };
+    let octets = [(header::CONTENT_TYPE, "application/octet-stream")];
+    if accepts_gzip(&headers) {
+        let gz = [(header::CONTENT_ENCODING, "gzip")];
+        return (octets, gz, Bytes::from(gzip(&bytes))).into_response();
+    }
+    (octets, Bytes::from(bytes)).into_response()
+}
+
+/// Whether the client takes a gzip body (`Accept-Encoding`, E2B's `files.read(gzip=True)`).
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|c| {
+            let mut parts = c.split(';');
+            let name = parts.next().unwrap_or_default().trim();
+            let refused = parts.any(|p| p.trim().replace(' ', "") == "q=0");
+            name.eq_ignore_ascii_case("gzip") && !refused
+        })
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    // Writing into a Vec cannot fail.
+    let _ = enc.write_all(bytes);
+    enc.finish().unwrap_or_default()
+}
+
+/// `body` decoded as its `Content-Encoding` says (none, or gzip: E2B's
+/// `files.write(gzip=True)`), at most `limit` bytes once decoded.
+fn decoded(encoding: Option<&str>, body: Vec<u8>, limit: usize) -> Result<Vec<u8>, ApiError> {
+    use std::io::Read;
+    match encoding.map(str::trim) {
+        None | Some("") | Some("identity") => Ok(body),
+        Some(e) if e.eq_ignore_ascii_case("gzip") => {
+            let mut out = Vec::new();
+            flate2::read::GzDecoder::new(&body[..])
+                .take(limit as u64 + 1)
+                .read_to_end(&mut out)
+                .map_err(|err| Error::invalid("body", format!("not valid gzip: {err}")))?;
+            if out.len() > limit {
+                return Err(Error::TooLarge {
+                    field: "file".into(),
+                    bytes: out.len(),
+                    limit,
+                }
+                .into());
+            }
+            Ok(out)
+        }
+        Some(other) => Err(Error::invalid(
+            "Content-Encoding",
+            format!("bud takes gzip or no encoding, not {other:?}"),
         )
-            .into_response(),
-        Err(e) => e2b_error(e),
+        .into()),
     }
 }
 
@@ -221,7 +278,19 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("multipart/form-data"));
+    let encoding = req
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+    if multipart && encoding.is_some() {
+        return Err(Error::invalid(
+            "Content-Encoding",
+            "an encoded body goes with an octet-stream upload (as E2B's SDK sends it)",
+        )
+        .into());
+    }
     if multipart {
         let mut form = Multipart::from_request(req, state)
             .await
@@ -261,7 +330,7 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
                 ApiError::BodyTooLarge { limit } => too_large(limit + 1),
                 other => other,
             })?;
-        files.push((path, data));
+        files.push((path, decoded(encoding.as_deref(), data, limit)?));
     }
     let mut written = Vec::with_capacity(files.len());
     for (path, data) in files {
@@ -276,6 +345,38 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gzip_bodies_round_trip_and_a_bomb_stops_at_the_limit() {
+        let data = b"hello, gzip ".repeat(1000);
+        let packed = gzip(&data);
+        let bomb = gzip(&vec![0u8; 1 << 20]);
+
+        assert!(packed.len() < data.len() / 10);
+        assert_eq!(
+            decoded(Some("gzip"), packed.clone(), 1 << 20).unwrap(),
+            data
+        );
+        assert_eq!(decoded(None, data.clone(), 1 << 20).unwrap(), data);
+        assert!(decoded(Some("gzip"), bomb, 1000).is_err());
+        assert!(decoded(Some("br"), packed, 1 << 20).is_err());
+        assert!(decoded(Some("gzip"), b"not gzip".to_vec(), 100).is_err());
+    }
+
+    #[test]
+    fn accept_encoding_is_read_with_its_weights() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT_ENCODING, v.parse().unwrap());
+            accepts_gzip(&h)
+        };
+
+        assert!(with("gzip"));
+        assert!(with("br, GZIP;q=0.5"));
+        assert!(!with("gzip;q=0"));
+        assert!(!with("identity"));
+        assert!(!accepts_gzip(&HeaderMap::new()));
+    }
 
     #[test]
     fn e2b_paths_map_into_the_work_directory() {
