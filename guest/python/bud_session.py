@@ -72,27 +72,63 @@ def compile_cell(source):
     return body, (compile(last, name, "eval") if last is not None else None)
 
 
+# IPython's rich-display methods and the MIME type each gives; binary ones in base64,
+# application/json as JSON text.
+_REPR_METHODS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
+    ("text/latex", "_repr_latex_"),
+    ("application/json", "_repr_json_"),
+    ("application/javascript", "_repr_javascript_"),
+    ("application/pdf", "_repr_pdf_"),
+)
+
+
+def _display_item(mime, data):
+    """One display item from a renderer's result, or None if it gives nothing usable."""
+    if isinstance(data, tuple) and data:  # IPython allows (data, metadata)
+        data = data[0]
+    if mime == "application/json":
+        try:
+            return {"type": mime, "data": json.dumps(data)}
+        except (TypeError, ValueError):
+            return None
+    if isinstance(data, (bytes, bytearray)) and mime in ("image/png", "image/jpeg",
+                                                         "application/pdf"):
+        return {"type": mime, "data": base64.b64encode(data).decode("ascii")}
+    if isinstance(data, str):
+        return {"type": mime, "data": data}
+    return None
+
+
 def display_of(value):
-    """The display data of a cell's value, Jupyter-style: a list of {type, data}."""
+    """The display data of a cell's value, Jupyter-style: a list of {type, data}: its
+    ``repr`` as text/plain, then what each of IPython's ``_repr_*_`` methods it has gives."""
     shown = []
-    for mime, method in (("text/html", "_repr_html_"), ("image/png", "_repr_png_")):
+    for mime, method in _REPR_METHODS:
         render = getattr(type(value), method, None)
         if render is None:
             continue
         try:
-            data = render(value)
+            item = _display_item(mime, render(value))
         except Exception:  # noqa: BLE001 - a broken renderer only loses that format
             continue
-        if mime == "image/png" and isinstance(data, (bytes, bytearray)):
-            shown.append({"type": mime, "data": base64.b64encode(data).decode("ascii")})
-        elif isinstance(data, str):
-            shown.append({"type": mime, "data": data})
+        if item is not None and _new_type(shown, item):
+            shown.append(item)
     try:
         text = repr(value)
     except Exception as error:  # noqa: BLE001 - shown instead of the value
         text = f"<repr failed: {type(error).__name__}: {error}>"
     shown.insert(0, {"type": "text/plain", "data": text})
     return shown
+
+
+def _new_type(shown, item):
+    """Whether ``shown`` has no item of ``item``'s type yet."""
+    return all(x["type"] != item["type"] for x in shown)
 
 
 # PNGs of the figures shown (plt.show()) during the current request, in order.

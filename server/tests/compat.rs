@@ -114,6 +114,18 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["logs"], json!([["a\n", "c\n"], ["b\n"]]));
     assert_eq!(seen["no_error"], json!(true));
     assert_eq!(
+        seen["rich"],
+        json!([
+            "**bold**",
+            "<svg/>",
+            "$x^2$",
+            {"a": [1, 2]},
+            "alert(1)",
+            "<b>b</b>",
+            true
+        ])
+    );
+    assert_eq!(
         seen["error"],
         json!([
             "ZeroDivisionError",

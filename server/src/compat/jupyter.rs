@@ -3,7 +3,9 @@
 //! `POST /execute` runs a cell in the sandbox's session and streams NDJSON as E2B's
 //! code-interpreter server does: `stdout` / `stderr` lines (`text`, `timestamp`) as the
 //! output comes, then one `result` per figure the cell showed (`png`), the cell's displayed
-//! value as the main result (`text`, `html`, `png`, `is_main_result: true`), an `error`
+//! value as the main result (`text`, and what its `_repr_*_` methods give: `html`,
+//! `markdown`, `svg`, `png`, `jpeg`, `pdf`, `latex`, `json`, `javascript`;
+//! `is_main_result: true`), an `error`
 //! (`name`, `value`, `traceback`) when the cell raised, `number_of_executions`, and
 //! `end_of_execution`. Python cells report their exception in the display data
 //! (`vmm::CellOptions::error_in_display`), not as a traceback on stderr, as Jupyter does.
@@ -164,11 +166,24 @@ fn end_lines(cell: &CellResponse, language: Language, out: &mut Vec<u8>) {
         for (mime, key) in [
             ("text/plain", "text"),
             ("text/html", "html"),
+            ("text/markdown", "markdown"),
+            ("image/svg+xml", "svg"),
             ("image/png", "png"),
+            ("image/jpeg", "jpeg"),
+            ("application/pdf", "pdf"),
+            ("text/latex", "latex"),
+            ("application/javascript", "javascript"),
         ] {
             if let Some(v) = shown.get(mime) {
                 line[key] = json!(v);
             }
+        }
+        // JSON comes as JSON text from the guest; E2B's clients get the value.
+        if let Some(v) = shown
+            .get("application/json")
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok())
+        {
+            line["json"] = v;
         }
         push(out, line);
     }

@@ -27,6 +27,19 @@ seen["streamed"] = sorted(streamed)
 seen["logs"] = [e.logs.stdout, e.logs.stderr]
 seen["no_error"] = e.error is None
 
+rich = sbx.run_code(
+    "class Rich:\n"
+    "    def _repr_markdown_(self): return '**bold**'\n"
+    "    def _repr_svg_(self): return '<svg/>'\n"
+    "    def _repr_latex_(self): return r'$x^2$'\n"
+    "    def _repr_json_(self): return {'a': [1, 2]}\n"
+    "    def _repr_javascript_(self): return 'alert(1)'\n"
+    "    def _repr_html_(self): return ('<b>b</b>', {'isolated': True})\n"
+    "Rich()"
+).results[0]
+seen["rich"] = [rich.markdown, rich.svg, rich.latex, rich.json, rich.javascript, rich.html,
+                rich.is_main_result]
+
 errors = []
 e = sbx.run_code("def f():\n    return 1 / 0\nf()", on_error=lambda err: errors.append(err.name))
 seen["error"] = [e.error.name, e.error.value, errors]
