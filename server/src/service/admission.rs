@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::jobs::{AdmitError, Slot};
+use crate::jobs::{AdmitError, CancelOnDrop, Slot};
 use crate::metrics::Rejection;
 use crate::service::error::Error;
 use crate::state::AppState;
@@ -107,6 +107,27 @@ pub fn spawn<R: Send + 'static>(
         })
         .map_err(|e| refused(state, e))?;
     Ok(rx)
+}
+
+/// Work on its way to or on a job thread: its answer, and the handle that cancels its job if
+/// this is dropped before the answer came (the caller went away).
+#[derive(Debug)]
+pub struct Pending<T> {
+    rx: oneshot::Receiver<Result<T, Error>>,
+    cancel: CancelOnDrop,
+}
+
+impl<T> Pending<T> {
+    pub fn new(rx: oneshot::Receiver<Result<T, Error>>, cancel: CancelOnDrop) -> Self {
+        Self { rx, cancel }
+    }
+
+    /// The answer; nothing is cancelled once it came.
+    pub async fn finish(mut self) -> Result<T, Error> {
+        let answer = self.rx.await;
+        self.cancel.disarm();
+        answer.map_err(|_| lost())?
+    }
 }
 
 /// What a job thread that dropped its reply leaves the caller.

@@ -7,13 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
 use vmm::{ExecError, Executor, Job, JobResult};
 
 use crate::api::JobFiles;
 use crate::audit::Origin;
 use crate::jobs::{CancelOnDrop, Slot};
-use crate::service::admission::{self, Reply};
+use crate::service::admission::{self, Pending, Reply};
 use crate::service::error::Error;
 use crate::service::record::finished;
 use crate::service::task::Sink;
@@ -42,20 +41,6 @@ pub struct Ran {
     pub files: files::Returned,
 }
 
-/// A job on its way: its answer, and the handle that cancels it if this is dropped first.
-struct Pending {
-    rx: oneshot::Receiver<Result<Ran, Error>>,
-    cancel: CancelOnDrop,
-}
-
-impl Pending {
-    async fn finish(mut self) -> Result<Ran, Error> {
-        let answer = self.rx.await;
-        self.cancel.disarm();
-        answer.map_err(|_| admission::lost())?
-    }
-}
-
 /// Sends `one` to a job thread in `slot`; `field` names it in errors (a batch's job).
 fn submit(
     state: &AppState,
@@ -64,7 +49,7 @@ fn submit(
     one: OneShot,
     mut sink: Sink,
     field: Option<String>,
-) -> Result<Pending, Error> {
+) -> Result<Pending<Ran>, Error> {
     let OneShot {
         mut job,
         template,
@@ -101,7 +86,7 @@ fn submit(
             files,
         }));
     })?;
-    Ok(Pending { rx, cancel })
+    Ok(Pending::new(rx, cancel))
 }
 
 fn ran(

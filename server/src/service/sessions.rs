@@ -13,7 +13,7 @@ use vmm::{Health, JobResult, Language, Status, Unusable};
 use crate::api::{CreateSession, ExecRequest};
 use crate::audit::Origin;
 use crate::jobs::CancelOnDrop;
-use crate::service::admission::{self, Reply};
+use crate::service::admission::{self, Pending, Reply};
 use crate::service::error::Error;
 use crate::service::record::finished;
 use crate::service::task::Sink;
@@ -202,7 +202,7 @@ pub async fn cell(
     let mut job = cell_job(state, busy.entry(), req)?;
     // Held by this future (and known to the job threads while the cell runs: a shutdown
     // past its grace cancels it).
-    let mut cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
+    let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
     let origin = Origin::here(route, &busy.entry().template, Some(id));
     let st = state.clone();
     let exec = busy.entry().executor.clone();
@@ -238,9 +238,7 @@ pub async fn cell(
             .map_err(Error::internal),
         );
     })?;
-    let answer = rx.await;
-    cancel.disarm();
-    answer.map_err(|_| admission::lost())?
+    Pending::new(rx, cancel).finish().await
 }
 
 /// What a fork made: the children's ids and what it cost.

@@ -149,12 +149,6 @@ fn live_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Arc<Entry>)> {
         .collect()
 }
 
-fn listed(c: &Compat, s: &Sandbox, e: &Entry) -> Value {
-    let mut v = super::info_body(c, s, e);
-    v["state"] = json!("running");
-    v
-}
-
 /// `GET /v2/sandboxes` and `GET /sandboxes`.
 pub async fn list(State(c): State<Compat>, Query(q): Query<ListQuery>) -> Response {
     list_page(&c, q).unwrap_or_else(e2b_error)
@@ -234,7 +228,10 @@ fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
     }
     let more = found.len() > limit;
     found.truncate(limit);
-    let body: Vec<Value> = found.iter().map(|(_, s, e)| listed(c, s, e)).collect();
+    let body: Vec<Value> = found
+        .iter()
+        .map(|(_, s, e)| super::info_body(c, s, e))
+        .collect();
     let mut response = Json(body).into_response();
     if more && let Some((last, _, _)) = found.last() {
         if let Ok(v) = HeaderValue::from_str(&token_of(last)) {
