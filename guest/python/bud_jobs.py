@@ -49,6 +49,7 @@ import faulthandler
 import os
 import posix
 import random
+import select
 import signal
 import sys
 import time
@@ -58,6 +59,7 @@ import _bud
 import bud_capture
 import bud_exec
 import bud_io
+import bud_procs
 import bud_request
 import bud_session
 import bud_shell
@@ -294,6 +296,8 @@ class JobRunner:
             return self._run_shell(request)
         if request.language == _bud.LANGUAGE_FILES:
             return self._run_file_op(request)
+        if request.language == _bud.LANGUAGE_PROCESS:
+            return self._run_process_op(request)
         return self._internal_failure(f"unknown job language {request.language}")
 
     # ---- Python jobs
@@ -369,6 +373,32 @@ class JobRunner:
             return _bud.OUTCOME_EXITED, bud_session.file_op(
                 request.file_op, request.code, request.stdin, write_out)
         except bud_session.FileError as error:
+            self.areas.write(bud_io.STDERR, f"{error}\n".encode("utf-8", "backslashreplace"))
+            return _bud.OUTCOME_EXITED, error.status
+
+    def _run_process_op(self, request):
+        """A request about the sandbox's background processes (``bud_procs``)."""
+        def write_out(data):
+            self.areas.write(bud_io.STDOUT, data)
+
+        def wait(fds, timeout):
+            # The interrupt is held (on_sigint) everywhere else in the request.
+            self._interruptible = True
+            try:
+                if self._held == request.sequence:
+                    self._held = None
+                    return False
+                select.select(fds, (), (), timeout)
+                return True
+            except KeyboardInterrupt:
+                return False
+            finally:
+                self._interruptible = False
+
+        self._interruptible = False
+        try:
+            return _bud.OUTCOME_EXITED, bud_procs.TABLE.run(request, write_out, wait)
+        except bud_procs.ProcessError as error:
             self.areas.write(bud_io.STDERR, f"{error}\n".encode("utf-8", "backslashreplace"))
             return _bud.OUTCOME_EXITED, error.status
 

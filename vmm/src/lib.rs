@@ -44,6 +44,7 @@ pub mod layout;
 pub mod mailbox;
 pub mod memory;
 pub(crate) mod paging;
+pub mod process;
 pub mod protocol;
 pub(crate) mod reset;
 pub mod session;

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -90,6 +90,9 @@ pub mod language {
     /// A file operation in the work directory (`job::FILE_OP`, see [`super::file_op`]):
     /// `code` is the path, `stdin` the data written.
     pub const FILES: u32 = 3;
+    /// A process operation (`job::FILE_OP` holds a [`super::process_op`]): the sandbox's
+    /// background processes, kept by the worker between requests.
+    pub const PROCESS: u32 = 4;
 }
 
 /// How the worker treats a request (`job::MODE`).
@@ -116,6 +119,8 @@ pub mod job_flags {
     /// "value", "traceback"}`) instead of printing its traceback on stderr (Jupyter's
     /// error message, for clients that show it apart from the output).
     pub const ERROR_IN_DISPLAY: u32 = 4;
+    /// A [`super::process_op::START`]: give the process a stdin pipe.
+    pub const PROCESS_STDIN: u32 = 8;
 }
 
 /// File operations (`job::FILE_OP` of a `language::FILES` request). Paths are relative to
@@ -145,6 +150,43 @@ pub mod file_op {
     pub const MKDIR: u32 = 8;
     /// Rename the path to the path in `stdin` (parents of the destination are created).
     pub const MOVE: u32 = 9;
+}
+
+/// Process operations (`job::FILE_OP` of a `language::PROCESS` request). Exit codes are
+/// [`file_status`] (`NOT_FOUND`: no such live process; `BAD_PATH`: the working directory
+/// is not a directory).
+pub mod process_op {
+    /// Start `/bin/sh -c CODE` in its own session (process group) with the request's env,
+    /// in the directory `args[0]` (the work directory if empty), stdout and stderr on
+    /// pipes, stdin on a pipe if `job::FLAGS` has [`super::job_flags::PROCESS_STDIN`] (else
+    /// `/dev/null`). Writes its pid (decimal) to stdout.
+    pub const START: u32 = 1;
+    /// Wait up to `args[0]` milliseconds (until the host's interrupt, or until there is
+    /// something to report) for output and exits of the live processes, and write what
+    /// happened to stdout as events (see [`super::process_event`]), at most `args[1]`
+    /// bytes of output. Nothing to wait for (no live process): returns at once.
+    pub const POLL: u32 = 2;
+    /// Write `stdin` to the stdin pipe of process `CODE` (decimal pid) without blocking:
+    /// stdout is the number of bytes taken (decimal); then close it if `args[0]` is
+    /// `close`.
+    pub const STDIN: u32 = 3;
+    /// Send signal `args[0]` (decimal) to process group `CODE` (the process and what it
+    /// started).
+    pub const SIGNAL: u32 = 4;
+}
+
+/// The events a [`process_op::POLL`] writes, back to back: a header of `pid: u32`,
+/// `kind: u32`, `value: i32`, `len: u32` (little endian), then `len` bytes of data.
+pub mod process_event {
+    /// Output on the process's stdout (the data).
+    pub const STDOUT: u32 = 1;
+    /// Output on its stderr.
+    pub const STDERR: u32 = 2;
+    /// It ended: `value` is its exit status (>= 0) or minus the signal that killed it.
+    /// Every output event of the process comes before this one.
+    pub const EXIT: u32 = 3;
+    /// Size of an event's header.
+    pub const HEADER: usize = 16;
 }
 
 /// Exit codes of a `language::FILES` request (`EXIT_CODE` with outcome `EXITED`).

@@ -92,6 +92,10 @@ pub struct Session {
     /// Not ready once a request ended other than at DONE (the VM is stopped mid-request),
     /// with why.
     health: Health,
+    /// A background process was started in it: at its end the VM is discarded, never reset
+    /// for reuse (the reset's proof covers a worker that ran requests, not processes that
+    /// outlived them).
+    ran_processes: bool,
 }
 
 /// What a fork child is made from.
@@ -169,6 +173,7 @@ impl Session {
             reseed: true,
             layers: Vec::new(),
             health: Health::Ready,
+            ran_processes: false,
         })
     }
 
@@ -266,6 +271,22 @@ impl Session {
         // larger than the caller's limit.
         let grace = Some(DEFAULT_INTERRUPT_GRACE);
         self.request(ex, &j, Kind::File(op), grace, &mut |_, _| {})
+    }
+
+    /// Runs a process operation ([`crate::protocol::process_op`]): `job` carries its code,
+    /// data, args and env. Callers use the typed operations of [`crate::process`].
+    pub(crate) fn process_op(
+        &mut self,
+        ex: &Executor,
+        op: u32,
+        stdin: bool,
+        job: &Job,
+    ) -> Result<JobResult, SessionError> {
+        if op == crate::protocol::process_op::START {
+            self.ran_processes = true;
+        }
+        let grace = Some(DEFAULT_INTERRUPT_GRACE);
+        self.request(ex, job, Kind::Process { op, stdin }, grace, &mut |_, _| {})
     }
 
     fn request(
@@ -386,6 +407,7 @@ impl Session {
                 reseed: true,
                 layers: self.layers.clone(),
                 health: Health::Ready,
+                ran_processes: self.ran_processes,
             })
             .collect();
         let per_child = children_started
@@ -403,10 +425,10 @@ impl Session {
         Ok((children, stats))
     }
 
-    /// Ends the session: a VM on the plain template mapping that stopped at DONE is reset
-    /// and reused; any other is closed by the reaper.
+    /// Ends the session: a VM on the plain template mapping that stopped at DONE and never
+    /// started a background process is reset and reused; any other is closed by the reaper.
     pub fn end(self, ex: &Executor) {
-        if self.health.is_ready() && self.layers.is_empty() {
+        if self.health.is_ready() && self.layers.is_empty() && !self.ran_processes {
             ex.give_back(self.m);
         } else {
             ex.discard(self.m);

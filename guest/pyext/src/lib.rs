@@ -42,7 +42,7 @@ use doorbell::Doorbell;
 use mailbox::{Mailbox, MailboxError};
 use protocol::{
     MAILBOX_DEFAULT_SIZE, code, failure, file_op, file_status, guest_flags, header, job, job_flags,
-    language, mode, outcome, result,
+    language, mode, outcome, process_event, process_op, result,
 };
 
 /// Every constant of `protocol.rs`, under its Python name: `NAME` for top-level constants and
@@ -75,6 +75,16 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("LANGUAGE_PYTHON", language::PYTHON as u64),
     ("LANGUAGE_SHELL", language::SHELL as u64),
     ("LANGUAGE_FILES", language::FILES as u64),
+    ("LANGUAGE_PROCESS", language::PROCESS as u64),
+    ("PROCESS_OP_START", process_op::START as u64),
+    ("PROCESS_OP_POLL", process_op::POLL as u64),
+    ("PROCESS_OP_STDIN", process_op::STDIN as u64),
+    ("PROCESS_OP_SIGNAL", process_op::SIGNAL as u64),
+    ("PROCESS_EVENT_STDOUT", process_event::STDOUT as u64),
+    ("PROCESS_EVENT_STDERR", process_event::STDERR as u64),
+    ("PROCESS_EVENT_EXIT", process_event::EXIT as u64),
+    ("PROCESS_EVENT_HEADER", process_event::HEADER as u64),
+    ("JOB_FLAGS_PROCESS_STDIN", job_flags::PROCESS_STDIN as u64),
     ("MODE_JOB", mode::JOB as u64),
     ("MODE_CELL", mode::CELL as u64),
     ("JOB_FLAGS_RESEED", job_flags::RESEED as u64),

@@ -39,6 +39,9 @@ pub(crate) enum Kind {
     /// A file operation ([`crate::protocol::file_op`]): the job's code is the path, its
     /// stdin the data.
     File(u32),
+    /// A process operation ([`crate::protocol::process_op`]) and whether a started
+    /// process gets a stdin pipe. Interrupted by a cancel, like a cell.
+    Process { op: u32, stdin: bool },
 }
 
 /// One request to a VM's worker: the job, how to treat it, and its sequence number (never
@@ -98,6 +101,12 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
             )
         }
         Kind::File(op) => (language::FILES, mode::JOB, 0, op),
+        Kind::Process { op, stdin } => (
+            language::PROCESS,
+            mode::JOB,
+            if stdin { job_flags::PROCESS_STDIN } else { 0 },
+            op,
+        ),
     };
     put32(job::LANGUAGE, lang as usize)?;
     put32(job::MODE, mode as usize)?;
@@ -219,8 +228,8 @@ pub(crate) fn run_request(
     let mb = &s.mailbox;
     let j = r.job;
     let cancelled = || j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled);
-    // A session cell is cancelled as it is timed out (see the loop).
-    let cell = matches!(r.kind, Kind::Cell { .. });
+    // A session cell (or process request) is cancelled as it is timed out (see the loop).
+    let cell = matches!(r.kind, Kind::Cell { .. } | Kind::Process { .. });
     if cell && cancelled() {
         // Cancelled while it waited: the session's VM never sees it (an interrupt sent now
         // could reach the guest before it starts the cell, where it cannot be taken).
@@ -351,7 +360,7 @@ pub(crate) fn run_request(
     } else {
         Vec::new()
     };
-    let shown = if health.is_ready() && !matches!(r.kind, Kind::File(_)) {
+    let shown = if health.is_ready() && matches!(r.kind, Kind::Job | Kind::Cell { .. }) {
         read_display(&m.ram, mb)?
     } else {
         Shown::default()

@@ -1,0 +1,265 @@
+"""A sandbox's background processes, guest side: the table the worker keeps between requests.
+
+A ``LANGUAGE_PROCESS`` request (``vmm/src/protocol.rs``, ``process_op``) starts a process,
+polls the live ones for output and exits, writes to a process's stdin or signals it. The
+host (``vmm/src/process.rs``, the server's ``service/processes.rs``) keeps each process's
+output, its clients and its end; this module only holds the pipes.
+
+- **Start**: ``/bin/sh -c SCRIPT`` through ``subprocess`` (vfork and exec: the worker's
+  pages are not write-protected), in a session of its own (``setsid``), so a signal reaches
+  the process and everything it started; stdout and stderr on pipes, stdin on a pipe or
+  ``/dev/null``. The worker is the parent, so nobody else reaps it; its exit is seen through
+  a pidfd, which becomes readable when it ends (no SIGCHLD handler, no polling).
+- **Poll**: one ``select`` over every pipe and pidfd, for up to the wait the host asked; it
+  returns as soon as there is something to report (output is taken as it comes, up to a
+  byte budget), or when the host interrupts it (the host has another request for this
+  sandbox; the interrupt is taken only in the ``select``, see :meth:`Table.run`). While no request runs the VM is stopped, so a process whose
+  pipe fills between polls simply blocks on its write until the next one.
+- A process is reported ended only after its pipes are drained to EOF or it is reaped and
+  its pipes have nothing more (a child it left behind may hold them open: its output after
+  that is dropped with the pipes).
+
+Costs under kvm_pvm (guest-kernel work is emulated): starting a process is the vfork and
+exec of busybox ``sh`` (~0.4 s measured, most of it the exec); a poll with nothing new is a
+``select`` and the DONE; each output event a ``read``.
+"""
+
+import os
+import select
+import struct
+import subprocess
+import time
+
+import _bud
+
+# The event header (``process_event::HEADER``): pid, kind, value, length.
+EVENT = struct.Struct("<IIiI")
+assert EVENT.size == _bud.PROCESS_EVENT_HEADER
+
+# Bytes taken from one pipe per read.
+READ_CHUNK = 64 << 10
+
+# After the first event of a poll, how long to wait for more before answering (seconds):
+# a process that writes a line at a time then costs one round trip per burst, not per line.
+GATHER_S = 0.002
+
+# Without a pidfd (a kernel older than 5.3) an exit is noticed at the next output or after
+# this long.
+NO_PIDFD_RECHECK_S = 1.0
+
+
+class ProcessError(Exception):
+    """A refused process operation: ``status`` is a ``FILE_STATUS_*`` code."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+class Process:
+    """One live process: its ``Popen``, its open pipes (fd -> kind) and its pidfd."""
+
+    def __init__(self, popen):
+        self.popen = popen
+        self.pid = popen.pid
+        self.pipes = {}
+        for kind, stream in ((_bud.PROCESS_EVENT_STDOUT, popen.stdout),
+                             (_bud.PROCESS_EVENT_STDERR, popen.stderr)):
+            fd = stream.fileno()
+            os.set_blocking(fd, False)
+            self.pipes[fd] = kind
+        self.stdin = popen.stdin
+        if self.stdin is not None:
+            os.set_blocking(self.stdin.fileno(), False)
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            self.pidfd = None  # a kernel without pidfds: reaped when its pipes close
+        self.status = None  # the exit event's value once reaped
+
+    def reap(self):
+        """Its exit event's value if it has ended (reaping it), else None."""
+        if self.status is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 255 << 8  # reaped by someone else: status lost
+            if pid == 0:
+                return None
+            if os.WIFSIGNALED(status):
+                self.status = -os.WTERMSIG(status)
+            else:
+                self.status = os.waitstatus_to_exitcode(status)
+            self.popen.returncode = self.status  # so Popen never waits for it again
+        return self.status
+
+    def close(self):
+        for fd in list(self.pipes):
+            os.close(fd)
+        self.pipes.clear()
+        if self.stdin is not None:
+            self.close_stdin()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+    def close_stdin(self):
+        try:
+            self.stdin.close()
+        except OSError:
+            pass
+        self.stdin = None
+
+
+class Table:
+    """The worker's live processes, by pid."""
+
+    def __init__(self):
+        self.live = {}
+
+    def run(self, request, write_out, wait=None):
+        """Runs process request ``request``; returns its exit code (a ``FILE_STATUS_*``).
+        ``wait(fds, timeout)``: a ``select`` for readable ``fds`` that returns False if the
+        host's interrupt came (the only place a poll may be interrupted: anywhere else it
+        could lose an event it has taken)."""
+        op = request.file_op
+        args = [a.decode("utf-8", "surrogateescape") for a in request.args]
+        if op == _bud.PROCESS_OP_START:
+            pid = self.start(request, args[0] if args else "")
+            write_out(str(pid).encode())
+        elif op == _bud.PROCESS_OP_POLL:
+            wait_ms, budget = (int(a) for a in args[:2])
+            self.poll(wait_ms / 1000, budget, write_out, wait or _select)
+        elif op == _bud.PROCESS_OP_STDIN:
+            taken = self.stdin(self._process(request.code), request.stdin,
+                               close=args[:1] == ["close"])
+            write_out(str(taken).encode())
+        elif op == _bud.PROCESS_OP_SIGNAL:
+            self.signal(self._process(request.code), int(args[0]))
+        else:
+            raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"unknown process operation {op}")
+        return _bud.FILE_STATUS_OK
+
+    def _process(self, code):
+        try:
+            pid = int(code)
+        except ValueError:
+            raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"bad pid {code!r}") from None
+        p = self.live.get(pid)
+        if p is None:
+            raise ProcessError(_bud.FILE_STATUS_NOT_FOUND, f"no running process {pid}")
+        return p
+
+    def start(self, request, cwd):
+        if cwd and not os.path.isdir(cwd):
+            raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"{cwd!r} is not a directory")
+        env = dict(os.environ)
+        env.update((k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
+                   for k, v in request.env)
+        with_stdin = bool(request.flags & _bud.JOB_FLAGS_PROCESS_STDIN)
+        try:
+            popen = subprocess.Popen(
+                ["/bin/sh", "-c", request.code.decode("utf-8", "surrogateescape")],
+                stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd or None, env=env,
+                start_new_session=True, close_fds=True)
+        except OSError as error:
+            raise ProcessError(_bud.FILE_STATUS_OS_ERROR, f"starting the process: {error}") from None
+        p = Process(popen)
+        self.live[p.pid] = p
+        return p.pid
+
+    def poll(self, wait_s, budget, write_out, wait):
+        """Reports output and exits (module docs); returns when there is something to report
+        (after gathering for GATHER_S more), after ``wait_s``, or at the host's interrupt."""
+        taken = 0
+        now = time.monotonic()
+        end = now + wait_s
+        while self.live:
+            got, ended = self._take(budget - taken, write_out)
+            taken += got
+            if taken >= budget:
+                return
+            now = time.monotonic()
+            if (got or ended) and end > now + GATHER_S:
+                end = now + GATHER_S  # something came: gather a little more, then answer
+            timeout = end - now
+            if timeout <= 0:
+                return
+            fds = [fd for p in self.live.values() for fd in p.pipes]
+            pidfds = [p.pidfd for p in self.live.values() if p.pidfd is not None]
+            if len(pidfds) < len(self.live):
+                timeout = min(timeout, NO_PIDFD_RECHECK_S)
+            if not wait(fds + pidfds, timeout):
+                return  # the host wants the VM for another request: answer now
+
+    def _take(self, room, write_out):
+        """Reads what the pipes hold and reaps what ended; returns the output bytes taken and
+        the exits reported."""
+        taken = ended = 0
+        for pid, p in list(self.live.items()):
+            for fd, kind in list(p.pipes.items()):
+                while taken < room:
+                    try:
+                        data = os.read(fd, min(READ_CHUNK, room - taken))
+                    except BlockingIOError:
+                        break
+                    if not data:
+                        os.close(fd)
+                        del p.pipes[fd]
+                        break
+                    write_out(EVENT.pack(pid, kind, 0, len(data)) + data)
+                    taken += len(data)
+            if taken >= room:
+                break
+            status = p.reap()
+            if status is not None and not self._pending(p):
+                p.close()
+                del self.live[pid]
+                write_out(EVENT.pack(pid, _bud.PROCESS_EVENT_EXIT, status, 0))
+                ended += 1
+        return taken, ended
+
+    @staticmethod
+    def _pending(p):
+        """Whether a reaped process's pipes still hold output (a child of it may keep them
+        open forever: only what is there now is its)."""
+        return bool(p.pipes) and bool(select.select(list(p.pipes), (), (), 0)[0])
+
+    def stdin(self, p, data, close):
+        if p.stdin is None:
+            raise ProcessError(_bud.FILE_STATUS_NOT_FOUND,
+                               f"process {p.pid} has no open stdin")
+        taken = 0
+        if data:
+            try:
+                taken = os.write(p.stdin.fileno(), data)
+            except BlockingIOError:
+                taken = 0
+            except BrokenPipeError:
+                raise ProcessError(_bud.FILE_STATUS_NOT_FOUND,
+                                   f"process {p.pid} closed its stdin") from None
+        if close:
+            p.close_stdin()
+        return taken
+
+    def signal(self, p, signum):
+        try:
+            os.killpg(p.pid, signum)
+        except ProcessLookupError:
+            # The group is gone (the process reset its session, or is a zombie): the
+            # process itself then.
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+        except (OSError, ValueError) as error:
+            raise ProcessError(_bud.FILE_STATUS_OS_ERROR, f"signal {signum}: {error}") from None
+
+
+def _select(fds, timeout):
+    select.select(fds, (), (), timeout)
+    return True
+
+
+TABLE = Table()

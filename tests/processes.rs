@@ -1,0 +1,259 @@
+//! A session's background processes on the real VMM and guest, through the library: start,
+//! poll for output and exits, stdin, signals, concurrency with cells, cancel of a poll, and
+//! what a session that ran processes becomes at its end. Needs /dev/kvm. (The HTTP and E2B
+//! APIs over them are tested in `server/tests/processes.rs`.)
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use vmm::job::Stream;
+use vmm::process::{ProcessError, ProcessEvent, ProcessSpec};
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
+use vmm::{Cancel, Executor, ExecutorOptions, Job, Status};
+
+fn executor() -> Executor {
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        verify: true,
+        ..ExecutorOptions::default()
+    };
+    Executor::new(common::template(), opts).expect("starting the executor failed")
+}
+
+fn spec(script: &str) -> ProcessSpec {
+    ProcessSpec {
+        script: script.into(),
+        ..ProcessSpec::default()
+    }
+}
+
+/// What the processes did, per pid: stdout, stderr, and (exit code, signal) once ended.
+#[derive(Debug, Default)]
+struct Seen {
+    out: BTreeMap<u32, (Vec<u8>, Vec<u8>, Option<(Option<i32>, Option<i32>)>)>,
+}
+
+impl Seen {
+    fn take(&mut self, events: Vec<ProcessEvent>) {
+        for e in events {
+            match e {
+                ProcessEvent::Output { pid, stream, data } => {
+                    let p = self.out.entry(pid).or_default();
+                    assert!(p.2.is_none(), "output of {pid} after its exit");
+                    match stream {
+                        Stream::Stdout => p.0.extend(data),
+                        Stream::Stderr => p.1.extend(data),
+                    }
+                }
+                ProcessEvent::Exit {
+                    pid,
+                    exit_code,
+                    signal,
+                } => {
+                    let p = self.out.entry(pid).or_default();
+                    assert!(p.2.is_none(), "two exits of {pid}");
+                    p.2 = Some((exit_code, signal));
+                }
+            }
+        }
+    }
+
+    fn ended(&self, pid: u32) -> Option<(Option<i32>, Option<i32>)> {
+        self.out.get(&pid).and_then(|p| p.2)
+    }
+
+    fn stdout(&self, pid: u32) -> String {
+        String::from_utf8_lossy(&self.out[&pid].0).into_owned()
+    }
+}
+
+/// Polls until `pid` ended (at most `limit`).
+fn poll_until_ended(s: &mut Session, ex: &Executor, seen: &mut Seen, pid: u32, limit: Duration) {
+    let t = Instant::now();
+    while seen.ended(pid).is_none() {
+        assert!(t.elapsed() < limit, "process {pid} did not end: {seen:?}");
+        let ev = s
+            .poll_processes(ex, Duration::from_secs(5), 1 << 20, None)
+            .expect("poll failed");
+        seen.take(ev);
+    }
+}
+
+#[test]
+fn a_background_process_runs_between_requests_and_reports_output_and_exit() {
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let pid = s
+        .start_process(
+            &ex,
+            &ProcessSpec {
+                script: "echo out; echo err >&2; echo \"$GREETING\"; pwd; exit 7".into(),
+                env: vec![("GREETING".into(), "hello there".into())],
+                cwd: Some("/usr".into()),
+                stdin: false,
+            },
+        )
+        .expect("start");
+    assert!(pid > 1, "pid {pid}");
+    let mut seen = Seen::default();
+    poll_until_ended(&mut s, &ex, &mut seen, pid, Duration::from_secs(60));
+    assert_eq!(seen.stdout(pid), "out\nhello there\n/usr\n");
+    assert_eq!(String::from_utf8_lossy(&seen.out[&pid].1), "err\n");
+    assert_eq!(seen.ended(pid), Some((Some(7), None)));
+    // Ended: no longer a process to signal or write to.
+    assert!(matches!(
+        s.signal_process(&ex, pid, 15),
+        Err(ProcessError::NotFound(_))
+    ));
+    // Nothing live: a poll answers at once, empty.
+    let t = Instant::now();
+    let ev = s
+        .poll_processes(&ex, Duration::from_secs(30), 1 << 20, None)
+        .unwrap();
+    assert!(ev.is_empty(), "{ev:?}");
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    s.end(&ex);
+}
+
+#[test]
+fn stdin_signals_and_cells_while_processes_live() {
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    // A reader of stdin that echoes each line, and a sleeper.
+    let cat = s
+        .start_process(
+            &ex,
+            &ProcessSpec {
+                script: "while read -r line; do echo \"got $line\"; done; echo eof".into(),
+                stdin: true,
+                ..ProcessSpec::default()
+            },
+        )
+        .expect("start cat");
+    let sleeper = s
+        .start_process(&ex, &spec("sleep 600"))
+        .expect("start sleep");
+    assert_ne!(cat, sleeper);
+    let taken = s
+        .process_stdin(&ex, cat, b"one\ntwo\n".to_vec(), false)
+        .unwrap();
+    assert_eq!(taken, 8);
+    // A cell runs while both live, and sees them.
+    let r = s
+        .exec(
+            &ex,
+            &Job::shell(format!("kill -0 {cat} {sleeper} && echo both alive")),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "both alive\n");
+    // Stdin that was never opened cannot be written.
+    assert!(matches!(
+        s.process_stdin(&ex, sleeper, b"x".to_vec(), false),
+        Err(ProcessError::NotFound(_))
+    ));
+    s.process_stdin(&ex, cat, b"three\n".to_vec(), true)
+        .unwrap();
+    let mut seen = Seen::default();
+    poll_until_ended(&mut s, &ex, &mut seen, cat, Duration::from_secs(60));
+    assert_eq!(seen.stdout(cat), "got one\ngot two\ngot three\neof\n");
+    assert_eq!(seen.ended(cat), Some((Some(0), None)));
+    assert_eq!(seen.ended(sleeper), None);
+    s.signal_process(&ex, sleeper, 9).unwrap();
+    poll_until_ended(&mut s, &ex, &mut seen, sleeper, Duration::from_secs(60));
+    assert_eq!(seen.ended(sleeper), Some((None, Some(9))));
+    assert!(matches!(
+        s.signal_process(&ex, sleeper, 0),
+        Err(ProcessError::Invalid(_))
+    ));
+    s.end(&ex);
+}
+
+#[test]
+fn a_cancelled_poll_answers_early_and_loses_nothing() {
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    // Quiet for a while, then one line.
+    let pid = s
+        .start_process(&ex, &spec("sleep 3; echo late"))
+        .expect("start");
+    let cancel = Cancel::new();
+    let c = cancel.clone();
+    let canceller = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        c.cancel();
+    });
+    let t = Instant::now();
+    let ev = s
+        .poll_processes(&ex, Duration::from_secs(60), 1 << 20, Some(cancel))
+        .expect("cancelled poll");
+    let waited = t.elapsed();
+    canceller.join().unwrap();
+    assert!(ev.is_empty(), "{ev:?}");
+    assert!(
+        waited < Duration::from_secs(30),
+        "the cancel did not end the wait"
+    );
+    assert!(s.usable(), "{:?}", s.health());
+    let mut seen = Seen::default();
+    poll_until_ended(&mut s, &ex, &mut seen, pid, Duration::from_secs(60));
+    assert_eq!(seen.stdout(pid), "late\n");
+    assert_eq!(seen.ended(pid), Some((Some(0), None)));
+    // A bad working directory is refused with why.
+    let bad = s.start_process(
+        &ex,
+        &ProcessSpec {
+            script: "true".into(),
+            cwd: Some("/no/such/dir".into()),
+            ..ProcessSpec::default()
+        },
+    );
+    assert!(matches!(bad, Err(ProcessError::Invalid(ref m)) if m.contains("/no/such/dir")));
+    s.end(&ex);
+}
+
+#[test]
+fn output_larger_than_a_poll_budget_arrives_whole_and_in_order() {
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let pid = s.start_process(&ex, &spec("seq 1 40000")).expect("start");
+    let mut seen = Seen::default();
+    let t = Instant::now();
+    while seen.ended(pid).is_none() {
+        assert!(t.elapsed() < Duration::from_secs(120));
+        // A small budget: many polls, each bounded.
+        let ev = s
+            .poll_processes(&ex, Duration::from_secs(5), 16 << 10, None)
+            .unwrap();
+        let bytes: usize = ev
+            .iter()
+            .map(|e| match e {
+                ProcessEvent::Output { data, .. } => data.len(),
+                ProcessEvent::Exit { .. } => 0,
+            })
+            .sum();
+        assert!(bytes <= 16 << 10, "a poll took {bytes} bytes");
+        seen.take(ev);
+    }
+    let expected: String = (1..=40000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(seen.stdout(pid), expected);
+    let status = s
+        .poll_processes(&ex, Duration::ZERO, 1 << 20, None)
+        .unwrap();
+    assert!(status.is_empty());
+    assert_eq!(
+        s.exec(
+            &ex,
+            &Job::python("print(1)"),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {}
+        )
+        .unwrap()
+        .status,
+        Status::Ok
+    );
+    s.end(&ex);
+}

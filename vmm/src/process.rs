@@ -1,0 +1,287 @@
+//! A session's background processes, typed: start one, poll them for output and exits,
+//! write to a process's stdin, signal it.
+//!
+//! Each operation is a process request to the session's worker
+//! ([`crate::protocol::process_op`], run by `guest/python/bud_procs.py`), which keeps the
+//! processes' pipes between requests. This module is the one place that knows the wire form
+//! (pids as decimal text, [`crate::protocol::process_event`] frames, exit codes); callers see
+//! [`ProcessEvent`] and [`ProcessError`].
+//!
+//! Between requests the VM is stopped, and so are its processes: whoever keeps a session
+//! with live processes runs [`Session::poll_processes`] whenever the session has nothing
+//! else to do (the server's `service::processes`). A poll waits in the guest until a
+//! process writes or ends, or until its `wait` has passed, or until it is cancelled, which
+//! interrupts the guest's wait so that another request can have the VM; it never loses an
+//! event it has taken (the guest takes the interrupt only while it waits).
+
+use std::time::Duration;
+
+use crate::executor::Executor;
+use crate::job::{Cancel, Job, JobResult, Status, Stream};
+use crate::protocol::{file_status, process_event, process_op};
+use crate::session::{Session, SessionError};
+
+/// What happened to a background process, in the order it happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProcessEvent {
+    /// Bytes it wrote.
+    Output {
+        pid: u32,
+        stream: Stream,
+        data: Vec<u8>,
+    },
+    /// It ended (after all its output): with an exit status, or killed by a signal.
+    Exit {
+        pid: u32,
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+    },
+}
+
+/// A process to start: `/bin/sh -c script`.
+#[derive(Debug, Clone, Default)]
+pub struct ProcessSpec {
+    pub script: String,
+    /// Variables added to the worker's environment.
+    pub env: Vec<(String, String)>,
+    /// Its working directory (absolute, or relative to the work directory); None: the
+    /// session's.
+    pub cwd: Option<String>,
+    /// Give it a stdin pipe (else it reads `/dev/null`).
+    pub stdin: bool,
+}
+
+/// Why a process operation did not do what it was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// No live process with that pid (it ended, or never was), or its stdin is closed.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is malformed (a working directory that is not one, a bad signal).
+    #[error("{0}")]
+    Invalid(String),
+    /// The guest failed it: why.
+    #[error("process operation failed ({status:?}): {message}")]
+    Failed { status: Status, message: String },
+    /// The guest's answer is not what the protocol says (a bug, or a hostile guest).
+    #[error("the guest's answer to a process request is malformed: {0}")]
+    Malformed(String),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// How long a start, stdin or signal request may take in the guest (a start is an exec:
+/// ~0.4 s here).
+const OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Output cap of one poll: its byte budget plus the event headers.
+const POLL_SLACK: usize = 1 << 20;
+
+fn answer(r: JobResult) -> Result<Vec<u8>, ProcessError> {
+    let message = || String::from_utf8_lossy(&r.stderr).trim().to_owned();
+    match (r.status, r.exit_code) {
+        (Status::Ok, _) => Ok(r.stdout),
+        // A request that ran to its end with a refusal (the status says error).
+        (Status::Error, Some(file_status::NOT_FOUND)) => Err(ProcessError::NotFound(message())),
+        (Status::Error, Some(file_status::BAD_PATH)) => Err(ProcessError::Invalid(message())),
+        (status, _) => Err(ProcessError::Failed {
+            status,
+            message: message(),
+        }),
+    }
+}
+
+fn number<T: std::str::FromStr>(bytes: &[u8]) -> Result<T, ProcessError> {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .ok_or_else(|| ProcessError::Malformed(format!("{:?} is not a number", bytes)))
+}
+
+/// The events of a poll's answer.
+pub fn decode_events(mut bytes: &[u8]) -> Result<Vec<ProcessEvent>, ProcessError> {
+    let mut events = Vec::new();
+    let word = |b: &[u8], at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    while !bytes.is_empty() {
+        if bytes.len() < process_event::HEADER {
+            return Err(ProcessError::Malformed("a truncated event header".into()));
+        }
+        let pid = word(bytes, 0);
+        let kind = word(bytes, 4);
+        let value = word(bytes, 8) as i32;
+        let len = word(bytes, 12) as usize;
+        let data = bytes
+            .get(process_event::HEADER..process_event::HEADER + len)
+            .ok_or_else(|| ProcessError::Malformed("an event longer than the answer".into()))?;
+        let stream = match kind {
+            process_event::STDOUT => Some(Stream::Stdout),
+            process_event::STDERR => Some(Stream::Stderr),
+            process_event::EXIT => None,
+            other => return Err(ProcessError::Malformed(format!("event kind {other}"))),
+        };
+        events.push(match stream {
+            Some(stream) => ProcessEvent::Output {
+                pid,
+                stream,
+                data: data.to_vec(),
+            },
+            None if value >= 0 => ProcessEvent::Exit {
+                pid,
+                exit_code: Some(value),
+                signal: None,
+            },
+            None => ProcessEvent::Exit {
+                pid,
+                exit_code: None,
+                signal: Some(value.saturating_neg()),
+            },
+        });
+        bytes = &bytes[process_event::HEADER + len..];
+    }
+    Ok(events)
+}
+
+fn request(code: impl Into<Vec<u8>>, args: Vec<String>, timeout: Duration) -> Job {
+    let mut j = Job::shell(code);
+    j.args = args;
+    j.timeout = timeout;
+    j
+}
+
+impl Session {
+    /// Starts `spec` and returns its pid in the guest.
+    pub fn start_process(
+        &mut self,
+        ex: &Executor,
+        spec: &ProcessSpec,
+    ) -> Result<u32, ProcessError> {
+        let mut j = request(
+            spec.script.as_bytes(),
+            vec![spec.cwd.clone().unwrap_or_default()],
+            OP_TIMEOUT,
+        );
+        j.env = spec.env.clone();
+        let r = self.process_op(ex, process_op::START, spec.stdin, &j)?;
+        number(&answer(r)?)
+    }
+
+    /// Waits up to `wait` for output and exits of the live processes (module docs) and
+    /// returns them, at most about `budget` bytes of output. `cancel` ends the wait early
+    /// with what there is. Nothing live: returns at once, empty.
+    pub fn poll_processes(
+        &mut self,
+        ex: &Executor,
+        wait: Duration,
+        budget: usize,
+        cancel: Option<Cancel>,
+    ) -> Result<Vec<ProcessEvent>, ProcessError> {
+        let wait_ms = wait.as_millis().min(u128::from(u32::MAX)) as u64;
+        let mut j = request(
+            Vec::new(),
+            vec![wait_ms.to_string(), budget.to_string()],
+            wait + OP_TIMEOUT,
+        );
+        j.output_limit = budget + POLL_SLACK;
+        j.cancel = cancel;
+        let r = self.process_op(ex, process_op::POLL, false, &j)?;
+        match (r.status, r.exit_code) {
+            (Status::Ok, Some(file_status::OK)) => decode_events(&r.stdout),
+            // The guest stopped waiting at the interrupt and answered at DONE with what it
+            // had (the host's status replaces its exit code); or it never saw the request.
+            (Status::Cancelled, _) => decode_events(&r.stdout),
+            _ => answer(r).and_then(|_| {
+                Err(ProcessError::Malformed(
+                    "a poll that ended otherwise than at DONE".into(),
+                ))
+            }),
+        }
+    }
+
+    /// Writes what of `data` process `pid`'s stdin pipe takes now (without blocking) and
+    /// returns how many bytes that was; then closes it if `close`.
+    pub fn process_stdin(
+        &mut self,
+        ex: &Executor,
+        pid: u32,
+        data: Vec<u8>,
+        close: bool,
+    ) -> Result<usize, ProcessError> {
+        let args = if close { vec!["close".into()] } else { vec![] };
+        let mut j = request(pid.to_string(), args, OP_TIMEOUT);
+        j.stdin = data;
+        let r = self.process_op(ex, process_op::STDIN, false, &j)?;
+        number(&answer(r)?)
+    }
+
+    /// Sends `signal` to process `pid` and everything it started (its process group).
+    pub fn signal_process(
+        &mut self,
+        ex: &Executor,
+        pid: u32,
+        signal: i32,
+    ) -> Result<(), ProcessError> {
+        if !(1..=64).contains(&signal) {
+            return Err(ProcessError::Invalid(format!("no signal {signal}")));
+        }
+        let j = request(pid.to_string(), vec![signal.to_string()], OP_TIMEOUT);
+        let r = self.process_op(ex, process_op::SIGNAL, false, &j)?;
+        answer(r).map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(pid: u32, kind: u32, value: i32, data: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        for w in [pid, kind, value as u32, data.len() as u32] {
+            v.extend_from_slice(&w.to_le_bytes());
+        }
+        v.extend_from_slice(data);
+        v
+    }
+
+    #[test]
+    fn events_decode_in_order_with_exit_codes_and_signals() {
+        let mut b = frame(7, process_event::STDOUT, 0, b"hi\n");
+        b.extend(frame(7, process_event::STDERR, 0, b"oops"));
+        b.extend(frame(7, process_event::EXIT, 3, b""));
+        b.extend(frame(9, process_event::EXIT, -9, b""));
+        let events = decode_events(&b).unwrap();
+        assert_eq!(
+            events,
+            vec![
+                ProcessEvent::Output {
+                    pid: 7,
+                    stream: Stream::Stdout,
+                    data: b"hi\n".to_vec()
+                },
+                ProcessEvent::Output {
+                    pid: 7,
+                    stream: Stream::Stderr,
+                    data: b"oops".to_vec()
+                },
+                ProcessEvent::Exit {
+                    pid: 7,
+                    exit_code: Some(3),
+                    signal: None
+                },
+                ProcessEvent::Exit {
+                    pid: 9,
+                    exit_code: None,
+                    signal: Some(9)
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_answers_are_refused() {
+        let whole = frame(1, process_event::STDOUT, 0, b"abc");
+        assert!(decode_events(&whole[..whole.len() - 1]).is_err());
+        assert!(decode_events(&whole[..10]).is_err());
+        assert!(decode_events(&frame(1, 99, 0, b"")).is_err());
+        assert_eq!(decode_events(&[]).unwrap(), vec![]);
+    }
+}
