@@ -29,10 +29,16 @@ fn spec(script: &str) -> ProcessSpec {
     }
 }
 
-/// What the processes did, per pid: stdout, stderr, and (exit code, signal) once ended.
+/// How a process ended: (exit code, signal).
+type Ended = (Option<i32>, Option<i32>);
+
+/// What one process did: stdout, stderr, and how it ended once it did.
+type Record = (Vec<u8>, Vec<u8>, Option<Ended>);
+
+/// What the processes did, per pid.
 #[derive(Debug, Default)]
 struct Seen {
-    out: BTreeMap<u32, (Vec<u8>, Vec<u8>, Option<(Option<i32>, Option<i32>)>)>,
+    out: BTreeMap<u32, Record>,
 }
 
 impl Seen {
@@ -60,7 +66,7 @@ impl Seen {
         }
     }
 
-    fn ended(&self, pid: u32) -> Option<(Option<i32>, Option<i32>)> {
+    fn ended(&self, pid: u32) -> Option<Ended> {
         self.out.get(&pid).and_then(|p| p.2)
     }
 
