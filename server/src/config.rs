@@ -136,6 +136,9 @@ pub struct SessionLimits {
     /// for its turn); past it, 409. 0: never wait.
     #[arg(long = "session-max-waiting", default_value_t = SessionLimits::default().max_waiting)]
     pub max_waiting: usize,
+    /// Background processes one session may have running at once; past it, 429.
+    #[arg(long = "session-max-processes", default_value_t = SessionLimits::default().max_processes)]
+    pub max_processes: usize,
     /// Children of one fork request (not an option of `bud serve`).
     #[arg(skip = MAX_FORK_COUNT)]
     pub max_fork_count: usize,
@@ -150,6 +153,7 @@ impl Default for SessionLimits {
             max_sessions: 64,
             max_memory_bytes: 4 << 30,
             max_waiting: 8,
+            max_processes: 32,
             default_idle_timeout_s: 600,
             max_idle_timeout_s: 3600,
             default_lifetime_s: 3600,

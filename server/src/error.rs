@@ -150,15 +150,17 @@ fn service_status(e: &Error) -> StatusCode {
     match e {
         Error::Invalid { .. } | Error::UnknownTemplate { .. } => StatusCode::BAD_REQUEST,
         Error::TooLarge { .. } | Error::TooMany { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-        Error::Overloaded { .. } | Error::KeyQuota { .. } | Error::TooManySessions { .. } => {
-            StatusCode::TOO_MANY_REQUESTS
-        }
+        Error::Overloaded { .. }
+        | Error::KeyQuota { .. }
+        | Error::TooManySessions { .. }
+        | Error::TooManyProcesses { .. } => StatusCode::TOO_MANY_REQUESTS,
         Error::NotReady { .. }
         | Error::MemoryBudget { .. }
         | Error::ShuttingDown
         | Error::TemplateFailed { .. }
         | Error::AuditUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-        Error::NoSession(_) | Error::NoFile(_) => StatusCode::NOT_FOUND,
+        Error::NoSession(_) | Error::NoFile(_) | Error::NoProcess { .. } => StatusCode::NOT_FOUND,
+        Error::StdinClosed(_) | Error::StdinFull { .. } => StatusCode::CONFLICT,
         Error::SessionGone { .. } => StatusCode::GONE,
         Error::SessionBusy(_) => StatusCode::CONFLICT,
         Error::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
@@ -185,6 +187,10 @@ fn service_code(e: &Error) -> &'static str {
         Error::TooManySessions { .. } => "too_many_sessions",
         Error::OutOfMemory { .. } => "out_of_memory",
         Error::NoFile(_) => "no_file",
+        Error::NoProcess { .. } => "no_process",
+        Error::TooManyProcesses { .. } => "too_many_processes",
+        Error::StdinClosed(_) => "stdin_closed",
+        Error::StdinFull { .. } => "stdin_full",
         Error::AuditUnavailable(_) => "audit_unavailable",
         Error::Internal { .. } => "internal",
     }

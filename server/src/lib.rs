@@ -33,6 +33,8 @@ pub mod jobs;
 pub mod keys;
 pub mod metrics;
 pub mod openapi;
+pub mod process_routes;
+pub mod procs;
 pub mod routes;
 pub mod service;
 pub mod session_routes;
@@ -106,6 +108,26 @@ pub fn app(state: AppState) -> Router {
             get(session_routes::get_file)
                 .put(session_routes::put_file)
                 .delete(session_routes::delete_file),
+        )
+        .route(
+            "/v1/sessions/{id}/processes",
+            get(process_routes::list).post(process_routes::start),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{pid}",
+            get(process_routes::show).delete(process_routes::kill),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{pid}/output",
+            get(process_routes::output),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{pid}/stdin",
+            post(process_routes::stdin),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{pid}/signal",
+            post(process_routes::signal),
         )
         .merge(compat::routes(state.clone()))
         .fallback(routes::not_found)

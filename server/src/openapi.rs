@@ -148,6 +148,13 @@ mod tests {
             },
             Error::OutOfMemory { used: 1, limit: 1 },
             Error::NoFile(String::new()),
+            Error::NoProcess {
+                pid: 1,
+                message: String::new(),
+            },
+            Error::TooManyProcesses { limit: 1 },
+            Error::StdinClosed(1),
+            Error::StdinFull { pid: 1, left: 1 },
             Error::AuditUnavailable(String::new()),
             Error::internal("x"),
         ];

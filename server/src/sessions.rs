@@ -60,8 +60,14 @@ pub struct Entry {
     pub private_bytes: AtomicU64,
     pub layer_bytes: AtomicU64,
     pub executions: AtomicU64,
-    /// Time its VM ran requests, nanoseconds (it does not run between them).
+    /// Time its VM ran requests, nanoseconds (between them it runs only while it has
+    /// live background processes).
     pub run_ns: AtomicU64,
+    /// Its background processes (`service::processes`).
+    pub processes: crate::procs::Processes,
+    /// While the processes' pump holds the session: the cancel of its wait in the guest,
+    /// which a request that wants the session pulls ([`Entry::preempt`]).
+    background: Mutex<Option<vmm::Cancel>>,
 }
 
 /// Settings a new session starts with.
@@ -77,9 +83,11 @@ pub struct NewSession {
     pub executor: Arc<Executor>,
 }
 
-/// Held while a request uses a session; frees it on drop.
+/// Held while a request uses a session (or, the flag set, while its processes' pump does,
+/// which neither counts as use for the idle timeout nor keeps the reaper away); frees it
+/// on drop.
 #[derive(Debug)]
-pub struct Busy(Arc<Entry>);
+pub struct Busy(Arc<Entry>, bool);
 
 impl Busy {
     pub fn entry(&self) -> &Arc<Entry> {
@@ -90,7 +98,11 @@ impl Busy {
 impl Drop for Busy {
     /// The request is over: the session is free for the next one.
     fn drop(&mut self) {
-        *self.0.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        if self.1 {
+            *self.0.background.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        } else {
+            *self.0.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        }
         self.0.busy.store(false, Ordering::Release);
         self.0.freed.notify_waiters();
     }
@@ -136,7 +148,30 @@ impl Entry {
             layer_bytes: AtomicU64::new(0),
             executions: AtomicU64::new(0),
             run_ns: AtomicU64::new(0),
+            processes: crate::procs::Processes::default(),
+            background: Mutex::new(None),
         }
+    }
+
+    /// Ends the pump's wait in the guest, if the pump holds the session, so that a request
+    /// gets it within a guest wakeup.
+    pub fn preempt(&self) {
+        if let Some(c) = self
+            .background
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            c.cancel();
+        }
+    }
+
+    /// Whether the session is held by its processes' pump rather than a request.
+    fn busy_in_background(&self) -> bool {
+        self.background
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     /// When its lifetime ends (wall clock).
@@ -304,8 +339,9 @@ impl Sessions {
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok();
             if claimed {
-                return Ok(Busy(Arc::clone(&e)));
+                return Ok(Busy(Arc::clone(&e), false));
             }
+            e.preempt();
             if queued.is_none() {
                 if e.waiting.fetch_add(1, Ordering::AcqRel) >= max_waiting {
                     e.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -319,10 +355,42 @@ impl Sessions {
 
     /// Ends a session: out of the registry, tombstone kept, VM ended (reset and reused, or
     /// closed; see [`Session::end`]). Call off the async runtime (a reset runs the VMM).
+    /// Session `id` for its processes' pump, whose wait `cancel` ends: only when no
+    /// request waits for it (they go first), and never while a request holds it.
+    pub async fn acquire_background(
+        &self,
+        id: &str,
+        cancel: vmm::Cancel,
+    ) -> Result<Busy, Unavailable> {
+        let e = self.get(id)?;
+        loop {
+            let freed = e.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            self.get(id)?;
+            if e.waiting() == 0
+                && e.busy
+                    .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                *e.background.lock().unwrap_or_else(|e| e.into_inner()) = Some(cancel);
+                // A request that queued between the check and now must not wait a whole
+                // round: it finds the cancel set, or sees it pulled here.
+                if e.waiting() > 0 {
+                    e.preempt();
+                }
+                return Ok(Busy(Arc::clone(&e), true));
+            }
+            freed.await;
+        }
+    }
+
     pub fn end(&self, id: &str, why: Ended) {
         let Some(e) = self.live().remove(id) else {
             return;
         };
+        e.processes.close(&why.reason);
+        e.preempt();
         *self
             .ended_by
             .lock()
@@ -363,7 +431,7 @@ impl Sessions {
         let due: Vec<(String, &'static str)> = self
             .live()
             .values()
-            .filter(|e| !e.is_busy())
+            .filter(|e| !e.is_busy() || e.busy_in_background())
             .filter_map(|e| {
                 if e.past_deadline(now) {
                     Some((e.id.clone(), "max_lifetime"))

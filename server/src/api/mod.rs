@@ -8,6 +8,7 @@
 
 pub mod exec;
 pub mod health;
+pub mod processes;
 pub mod sessions;
 
 pub use exec::{

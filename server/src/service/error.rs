@@ -97,6 +97,20 @@ pub enum Error {
     /// Sessions hold as much host memory as the server allows.
     #[error("sessions hold {used} bytes of host memory; the limit is {limit}")]
     OutOfMemory { used: u64, limit: u64 },
+    /// No such process in the session (or it has ended, for what needs a live one).
+    #[error("{message}")]
+    NoProcess { pid: u32, message: String },
+    /// The session has as many live processes as it may.
+    #[error(
+        "the sandbox has {limit} processes running, its limit (--session-max-processes); wait for one to end or kill one"
+    )]
+    TooManyProcesses { limit: usize },
+    /// The process has no open stdin (started without one, or closed).
+    #[error("process {0} has no open stdin")]
+    StdinClosed(u32),
+    /// The process did not read its stdin within the time a write may wait.
+    #[error("process {pid} did not read its stdin: {left} bytes were not written")]
+    StdinFull { pid: u32, left: usize },
     /// No such file in the session.
     #[error("{0}")]
     NoFile(String),

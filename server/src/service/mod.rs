@@ -20,6 +20,7 @@ pub mod admission;
 pub mod error;
 pub mod files;
 pub mod jobs;
+pub mod processes;
 pub mod record;
 pub mod sessions;
 pub mod task;

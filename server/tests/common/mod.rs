@@ -5,6 +5,8 @@
 //! These tests need /dev/kvm. They never skip silently: without it they fail saying so.
 #![allow(dead_code)]
 
+pub mod clients;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,8 +1,21 @@
-//! envd's `process.Process/Start` (server streaming, Connect JSON envelopes): a command as a
-//! shell cell of the sandbox's session (see the parent module).
+//! envd's process service (Connect, JSON codec) over the sandbox's background processes
+//! ([`crate::service::processes`]):
+//! - `Start` (server streaming): the command starts as a process of the sandbox (`/bin/bash
+//!   -l -c SCRIPT`, what `sandbox.commands.run` sends, runs SCRIPT in busybox `sh`; any other
+//!   command runs as its quoted argv), with `envs`, `cwd`, `tag` and a stdin pipe if
+//!   `stdin`; events: `start` (its pid in the guest), `data` (stdout / stderr, base64 as
+//!   proto JSON has bytes), `end` (`exitCode`, `exited`, `status`), and `keepalive` every
+//!   `Keepalive-Ping-Interval` seconds while it is quiet. The stream ends at the process's
+//!   end, or with `deadline_exceeded` at `Connect-Timeout-Ms`; a client that goes away (or
+//!   times out) leaves the process running, which is how `background=True` works.
+//! - `Connect` (server streaming): the same events for a running process, from now on.
+//! - `List`, `SendInput` (stdin), `StreamInput` (client streaming: its envelopes are read
+//!   whole), `CloseStdin`, `SendSignal` (`SIGNAL_SIGKILL`, `SIGNAL_SIGTERM`); a process is
+//!   selected by `pid` or `tag`.
+//! - PTYs (`Start` with `pty`, `Update`) are not implemented: `unimplemented`, saying so.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -11,18 +24,16 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
+use tokio::sync::broadcast::error::RecvError;
 use vmm::job::Stream;
-use vmm::{Language, Status};
 
-use super::{connect_code, connect_error, from_api};
-use crate::api::{CellResponse, ExecRequest};
+use super::{connect_error, from_api};
+use crate::api::processes::check_env;
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
 use crate::error::{ApiError, Error};
-use crate::service::{sessions, task};
-
-/// Pid numbers of started commands (per server, for the `start` event).
-static NEXT_PID: AtomicU32 = AtomicU32::new(1000);
+use crate::procs::{Event, Exit, Start, Subscription};
+use crate::service::processes;
 
 /// One Connect envelope: flags, big-endian length, the JSON.
 fn envelope(flags: u8, v: &Value) -> Bytes {
@@ -34,23 +45,45 @@ fn envelope(flags: u8, v: &Value) -> Bytes {
     Bytes::from(out)
 }
 
-/// The JSON message of an enveloped request body (or of a bare JSON one).
-fn unwrap_envelope(body: &[u8]) -> Result<Value, Error> {
-    let json = match body {
-        [0, a, b, c, d, rest @ ..] => {
-            let len = u32::from_be_bytes([*a, *b, *c, *d]) as usize;
-            rest.get(..len)
-                .ok_or_else(|| Error::invalid("body", "truncated Connect envelope"))?
-        }
-        [1, ..] => {
+/// The JSON messages of an enveloped request body (several for a client stream), or of a
+/// bare JSON one.
+fn unwrap_envelopes(mut body: &[u8]) -> Result<Vec<Value>, Error> {
+    let parse = |json: &[u8]| {
+        serde_json::from_slice(json).map_err(|e| Error::invalid("body", format!("bad JSON: {e}")))
+    };
+    if !matches!(body.first(), Some(0..=3)) {
+        return Ok(vec![parse(body)?]);
+    }
+    let mut all = Vec::new();
+    while let [flags, a, b, c, d, rest @ ..] = body {
+        if flags & 1 != 0 {
             return Err(Error::invalid(
                 "body",
                 "compressed envelopes are not supported",
             ));
         }
-        other => other,
-    };
-    serde_json::from_slice(json).map_err(|e| Error::invalid("body", format!("bad JSON: {e}")))
+        let len = u32::from_be_bytes([*a, *b, *c, *d]) as usize;
+        let json = rest
+            .get(..len)
+            .ok_or_else(|| Error::invalid("body", "truncated Connect envelope"))?;
+        // Flag 2: the client stream's end (no message of its own to act on).
+        if flags & 2 == 0 {
+            all.push(parse(json)?);
+        }
+        body = &rest[len..];
+    }
+    if !body.is_empty() {
+        return Err(Error::invalid("body", "truncated Connect envelope"));
+    }
+    Ok(all)
+}
+
+/// The one JSON message of a request body.
+fn unwrap_envelope(body: &[u8]) -> Result<Value, Error> {
+    unwrap_envelopes(body)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::invalid("body", "no message in the request"))
 }
 
 /// Single-quotes `s` for the shell.
@@ -58,7 +91,7 @@ fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-/// The shell script of a process config (module docs).
+/// The shell script of a process config (module docs); its cwd is the process's own.
 fn script_of(process: &Value) -> Result<String, Error> {
     let cmd = process["cmd"]
         .as_str()
@@ -69,7 +102,7 @@ fn script_of(process: &Value) -> Result<String, Error> {
         .unwrap_or_default();
     let shell = matches!(cmd.rsplit('/').next(), Some("bash" | "sh" | "ash" | "dash"));
     let dash_c = args.iter().position(|a| *a == "-c");
-    let mut script = match (shell, dash_c) {
+    let script = match (shell, dash_c) {
         (true, Some(i)) if args[..i].iter().all(|a| a.starts_with('-')) => args
             .get(i + 1)
             .ok_or_else(|| Error::invalid("process.args", "-c needs a script"))?
@@ -80,15 +113,7 @@ fn script_of(process: &Value) -> Result<String, Error> {
             .collect::<Vec<_>>()
             .join(" "),
     };
-    if let Some(cwd) = process["cwd"].as_str().filter(|c| !c.is_empty()) {
-        script = format!("cd -- {} || exit 1\n{script}", quote(cwd));
-    }
     Ok(script)
-}
-
-enum Event {
-    Output(Stream, Vec<u8>),
-    End(Box<Result<CellResponse, Error>>),
 }
 
 /// `POST /process.Process/{method}`.
@@ -98,31 +123,72 @@ pub async fn process(
     Path(method): Path<String>,
     body: Bytes,
 ) -> Response {
-    if method != "Start" {
-        return connect_error(
-            "unimplemented",
-            format!(
-                "process.Process/{method} is not implemented by bud (commands run in the foreground)"
-            ),
-        );
+    let key = match sandbox_of(&c, &headers) {
+        Ok((s, _)) => s.key.clone(),
+        Err(e) => return from_api(e),
+    };
+    let call = async move {
+        match method.as_str() {
+            "Start" => start(c, headers, body).await,
+            "Connect" => connect(c, headers, body).await,
+            "List" => list(c, headers).await,
+            "SendInput" => send_input(c, headers, body).await,
+            "StreamInput" => stream_input(c, headers, body).await,
+            "CloseStdin" => close_stdin(c, headers, body).await,
+            "SendSignal" => send_signal(c, headers, body).await,
+            "Update" => Ok(connect_error(
+                "unimplemented",
+                "bud sandboxes have no PTYs yet: process.Process/Update is not implemented".into(),
+            )),
+            other => Ok(connect_error(
+                "unimplemented",
+                format!("process.Process/{other} is not a method of envd's process service"),
+            )),
+        }
+    };
+    crate::audit::KEY
+        .scope(key, call)
+        .await
+        .unwrap_or_else(from_api)
+}
+
+/// The pid a `ProcessSelector` (`{"pid"}` or `{"tag"}`) names in sandbox `id`.
+fn selected(c: &Compat, id: &str, selector: &Value) -> Result<u32, ApiError> {
+    if let Some(pid) = selector["pid"].as_u64() {
+        return u32::try_from(pid).map_err(|_| ApiError::invalid("process.pid", "bad pid"));
     }
-    start(c, headers, body).await.unwrap_or_else(from_api)
+    if let Some(tag) = selector["tag"].as_str() {
+        return processes::list(&c.app, id)?
+            .iter()
+            .rev()
+            .find(|(i, end)| end.is_none() && i.tag.as_deref() == Some(tag))
+            .map(|(i, _)| i.pid)
+            .ok_or_else(|| {
+                Error::NoProcess {
+                    pid: 0,
+                    message: format!("no running process tagged {tag:?}"),
+                }
+                .into()
+            });
+    }
+    Err(ApiError::invalid("process", "process needs a pid or a tag"))
+}
+
+fn unary(v: Value) -> Response {
+    axum::Json(v).into_response()
 }
 
 async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
-    let (sandbox, e) = sandbox_of(&c, &headers)?;
-    let state = c.app;
+    let (_, e) = sandbox_of(&c, &headers)?;
     let req = unwrap_envelope(&body)?;
     let process = &req["process"];
-    let script = script_of(process)?;
-    if req["stdin"].as_bool() == Some(true) || process["pty"].is_object() || req["pty"].is_object()
-    {
-        return Err(ApiError::invalid(
-            "stdin",
-            "bud runs commands without stdin or a PTY",
+    if process["pty"].is_object() || req["pty"].is_object() {
+        return Ok(connect_error(
+            "unimplemented",
+            "bud sandboxes have no PTYs yet: start the command without one".into(),
         ));
     }
-    let env = process["envs"]
+    let env: std::collections::BTreeMap<String, String> = process["envs"]
         .as_object()
         .map(|m| {
             m.iter()
@@ -130,102 +196,280 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
                 .collect()
         })
         .unwrap_or_default();
-    let max = state.config().limits.max_timeout_ms;
-    let timeout_ms = headers
-        .get("connect-timeout-ms")
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-        .map_or(max, |t| t.clamp(1, max));
-    let native = ExecRequest {
-        language: Some(Language::Shell),
-        code: Some(script),
+    check_env(&env)?;
+    let start = Start {
+        cmd: process["cmd"].as_str().unwrap_or_default().to_owned(),
+        args: process["args"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        script: script_of(process)?,
+        cwd: process["cwd"]
+            .as_str()
+            .filter(|c| !c.is_empty())
+            .map(str::to_owned),
         env,
-        timeout_ms: Some(timeout_ms),
-        stream: true,
-        ..ExecRequest::default()
+        tag: req["tag"].as_str().map(str::to_owned),
+        stdin: req["stdin"].as_bool() == Some(true),
     };
-    let route = "/process.Process/Start";
-    let key = sandbox.key.clone();
-    let end = |r: Result<sessions::Cell, Error>| {
-        let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
-        Event::End(Box::new(r))
-    };
-    let id = e.id.clone();
-    let mut rx = task::spawn(key, Event::Output, end, move |sink| async move {
-        sessions::cell(&state, &id, native, route, sink).await
-    });
-    let first = task::first(&mut rx, |ev| match ev {
-        Event::End(r) => (*r).map(|ok| Event::End(Box::new(Ok(ok)))),
-        ev => Ok(ev),
-    })
-    .await?;
-    let pid = NEXT_PID.fetch_add(1, Ordering::Relaxed);
-    let started = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
-    let events = stream::unfold(Some((Some(first), rx)), |st| async move {
-        let (pending, mut rx) = st?;
-        let ev = match pending {
-            Some(ev) => ev,
-            None => rx.recv().await?,
-        };
-        match ev {
-            Event::Output(s, bytes) => {
-                let key = if s == Stream::Stdout {
-                    "stdout"
-                } else {
-                    "stderr"
-                };
-                let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
-                let msg = envelope(0, &json!({"event": {"data": {key: b64}}}));
-                Some((msg, Some((None, rx))))
-            }
-            Event::End(r) => Some((end_frames(*r), None)),
+    let pid = processes::start(&c.app, &e.id, start).await?;
+    let sub = processes::connect(&c.app, &e.id, pid, true)?;
+    Ok(events(sub, &headers))
+}
+
+async fn connect(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let req = unwrap_envelope(&body)?;
+    let pid = selected(&c, &e.id, &req["process"])?;
+    let sub = processes::connect(&c.app, &e.id, pid, false)?;
+    if sub.ended.is_some() {
+        return Err(Error::NoProcess {
+            pid,
+            message: format!("process {pid} has ended"),
         }
-    });
-    let body = stream::once(async move { started })
-        .chain(events)
-        .map(Ok::<_, Infallible>);
+        .into());
+    }
+    Ok(events(sub, &headers))
+}
+
+async fn list(c: Compat, headers: HeaderMap) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let running: Vec<Value> = processes::list(&c.app, &e.id)?
+        .iter()
+        .filter(|(_, end)| end.is_none())
+        .map(|(i, _)| {
+            let mut config = json!({"cmd": i.cmd, "args": i.args, "envs": i.env});
+            if let Some(cwd) = &i.cwd {
+                config["cwd"] = json!(cwd);
+            }
+            let mut p = json!({"pid": i.pid, "config": config});
+            if let Some(tag) = &i.tag {
+                p["tag"] = json!(tag);
+            }
+            p
+        })
+        .collect();
+    Ok(unary(json!({ "processes": running })))
+}
+
+/// Bytes of a `ProcessInput` (`{"stdin": BASE64}`); a PTY's input is refused.
+fn input_bytes(input: &Value) -> Result<Vec<u8>, ApiError> {
+    if input.get("pty").is_some() {
+        return Err(ApiError::invalid(
+            "input.pty",
+            "bud sandboxes have no PTYs yet: send stdin",
+        ));
+    }
+    let b64 = input["stdin"].as_str().unwrap_or_default();
+    base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| ApiError::invalid("input.stdin", format!("input.stdin is not base64: {e}")))
+}
+
+async fn send_input(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let req = unwrap_envelope(&body)?;
+    let pid = selected(&c, &e.id, &req["process"])?;
+    let data = input_bytes(&req["input"])?;
+    processes::stdin(&c.app, &e.id, pid, data, false).await?;
+    Ok(unary(json!({})))
+}
+
+async fn stream_input(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let mut pid = None;
+    let mut data = Vec::new();
+    for msg in unwrap_envelopes(&body)? {
+        // The request's oneof `event` is flat in proto JSON (`{"start": ...}`).
+        let ev = if msg["event"].is_object() {
+            &msg["event"]
+        } else {
+            &msg
+        };
+        if ev["start"].is_object() {
+            pid = Some(selected(&c, &e.id, &ev["start"]["process"])?);
+        } else if ev["data"].is_object() {
+            data.extend(input_bytes(&ev["data"]["input"])?);
+        }
+    }
+    let pid = pid.ok_or_else(|| ApiError::invalid("event.start", "the stream names no process"))?;
+    processes::stdin(&c.app, &e.id, pid, data, false).await?;
+    // One response message, then the end of the stream.
+    let mut out = envelope(0, &json!({})).to_vec();
+    out.extend_from_slice(&envelope(2, &json!({})));
     Ok((
         [(header::CONTENT_TYPE, "application/connect+json")],
-        Body::from_stream(body),
+        Body::from(out),
     )
         .into_response())
 }
 
-/// The `end` event and the end-of-stream envelope of a finished command.
-fn end_frames(r: Result<CellResponse, Error>) -> Bytes {
-    let mut out = Vec::new();
-    let trailer = match r {
-        Ok(cell) => {
-            let r = &cell.exec;
-            let (code, exited, status) = match (r.exit_code, r.signal) {
-                (Some(c), _) => (c, true, format!("exit status {c}")),
-                (None, Some(s)) => (-1, false, format!("signal: {s}")),
-                _ => (-1, false, format!("{:?}", r.status)),
-            };
-            let mut end = json!({"exitCode": code, "exited": exited, "status": status});
-            let error = match r.status {
-                Status::Timeout => Some(("deadline_exceeded", "the command timed out")),
-                Status::OutputLimit => Some((
-                    "resource_exhausted",
-                    "the command's output passed its limit",
-                )),
-                Status::Crashed => Some(("internal", "the sandbox crashed")),
-                _ => None,
-            };
-            if let Some((_, why)) = error {
-                end["error"] = json!(why);
-            }
-            out.extend_from_slice(&envelope(0, &json!({"event": {"end": end}})));
-            match error {
-                Some((code, why)) => json!({"error": {"code": code, "message": why}}),
-                None => json!({}),
-            }
-        }
-        Err(e) => {
-            let e = ApiError::from(e);
-            json!({"error": {"code": connect_code(&e), "message": e.to_string()}})
-        }
+async fn close_stdin(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let req = unwrap_envelope(&body)?;
+    let pid = selected(&c, &e.id, &req["process"])?;
+    processes::stdin(&c.app, &e.id, pid, Vec::new(), true).await?;
+    Ok(unary(json!({})))
+}
+
+/// Signal numbers of envd's `Signal` enum (JSON gives its name or its number).
+fn signal_of(v: &Value) -> Result<i32, ApiError> {
+    let n = match v {
+        Value::String(s) if s == "SIGNAL_SIGKILL" => 9,
+        Value::String(s) if s == "SIGNAL_SIGTERM" => 15,
+        Value::Number(n) => n.as_i64().unwrap_or(0) as i32,
+        _ => 0,
     };
-    out.extend_from_slice(&envelope(2, &trailer));
+    if n == 9 || n == 15 {
+        Ok(n)
+    } else {
+        Err(ApiError::invalid(
+            "signal",
+            "signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM",
+        ))
+    }
+}
+
+async fn send_signal(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let req = unwrap_envelope(&body)?;
+    let pid = selected(&c, &e.id, &req["process"])?;
+    let sig = signal_of(&req["signal"])?;
+    processes::signal(&c.app, &e.id, pid, sig).await?;
+    Ok(unary(json!({})))
+}
+
+/// How often a quiet stream sends a keepalive (the client's `Keepalive-Ping-Interval`).
+fn keepalive(headers: &HeaderMap) -> Option<Duration> {
+    let s = headers
+        .get("keepalive-ping-interval")?
+        .to_str()
+        .ok()?
+        .parse::<u64>()
+        .ok()?;
+    (s > 0).then(|| Duration::from_secs(s))
+}
+
+/// The stream's deadline (`Connect-Timeout-Ms`), if any.
+fn deadline(headers: &HeaderMap) -> Option<tokio::time::Instant> {
+    let ms = headers
+        .get("connect-timeout-ms")?
+        .to_str()
+        .ok()?
+        .parse::<u64>()
+        .ok()?;
+    (ms > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(ms))
+}
+
+fn data_event(s: Stream, bytes: &[u8]) -> Bytes {
+    let key = if s == Stream::Stdout {
+        "stdout"
+    } else {
+        "stderr"
+    };
+    let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+    envelope(0, &json!({"event": {"data": {key: b64}}}))
+}
+
+/// What one step of a process's stream sends, and whether it was the last.
+enum Step {
+    Send(Bytes),
+    Last(Bytes),
+}
+
+/// A process's events as envd's stream (module docs): `start`, then `data` and
+/// `keepalive`, then `end` and the end of the stream.
+fn events(sub: Subscription, headers: &HeaderMap) -> Response {
+    let pid = sub.info.pid;
+    let started = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
+    let ping = keepalive(headers);
+    let until = deadline(headers);
+    let replay = sub.replay.into_iter();
+    let state = Some((replay, sub.rx));
+    let rest = stream::unfold(state, move |st| async move {
+        let (mut replay, mut rx) = st?;
+        let step = match replay.next() {
+            Some(ev) => step_of(ev),
+            None => next_step(&mut rx, ping, until).await,
+        };
+        Some(match step {
+            Step::Send(b) => (b, Some((replay, rx))),
+            Step::Last(b) => (b, None),
+        })
+    });
+    let body = stream::once(async move { started })
+        .chain(rest)
+        .map(Ok::<_, Infallible>);
+    (
+        [(header::CONTENT_TYPE, "application/connect+json")],
+        Body::from_stream(body),
+    )
+        .into_response()
+}
+
+fn step_of(ev: Event) -> Step {
+    match ev {
+        Event::Output(s, bytes) => Step::Send(data_event(s, &bytes)),
+        Event::End(exit) => Step::Last(end_frames(&exit)),
+    }
+}
+
+/// The next step from the live channel: an event, a keepalive, or the deadline's error.
+async fn next_step(
+    rx: &mut tokio::sync::broadcast::Receiver<Event>,
+    ping: Option<Duration>,
+    until: Option<tokio::time::Instant>,
+) -> Step {
+    let far = tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
+    let ping_at = ping.map_or(far, |p| tokio::time::Instant::now() + p);
+    let until = until.unwrap_or(far);
+    loop {
+        tokio::select! {
+            got = rx.recv() => match got {
+                Ok(ev) => return step_of(ev),
+                // Output this client fell too far behind for: go on with what comes.
+                Err(RecvError::Lagged(_)) => continue,
+                Err(RecvError::Closed) => {
+                    return Step::Last(trailer("unavailable", "the sandbox's process record is gone"));
+                }
+            },
+            () = tokio::time::sleep_until(ping_at.min(until)) => {
+                if tokio::time::Instant::now() >= until {
+                    return Step::Last(trailer(
+                        "deadline_exceeded",
+                        "the command's stream reached its timeout (the process goes on)",
+                    ));
+                }
+                return Step::Send(envelope(0, &json!({"event": {"keepalive": {}}})));
+            }
+        }
+    }
+}
+
+fn trailer(code: &str, message: &str) -> Bytes {
+    envelope(2, &json!({"error": {"code": code, "message": message}}))
+}
+
+/// The `end` event and the end-of-stream envelope of an ended process.
+fn end_frames(exit: &Exit) -> Bytes {
+    let mut out = Vec::new();
+    let (code, exited, status) = match (exit.exit_code, exit.signal, &exit.lost) {
+        (Some(c), _, _) => (c, true, format!("exit status {c}")),
+        (None, Some(9), _) => (-1, false, "signal: killed".to_owned()),
+        (None, Some(s), _) => (-1, false, format!("signal: {s}")),
+        (None, None, Some(why)) => (-1, false, why.clone()),
+        (None, None, None) => (-1, false, "ended".to_owned()),
+    };
+    let mut end = json!({"exitCode": code, "exited": exited, "status": status});
+    if let Some(why) = &exit.lost {
+        end["error"] = json!(why);
+    }
+    out.extend_from_slice(&envelope(0, &json!({"event": {"end": end}})));
+    out.extend_from_slice(&envelope(2, &json!({})));
     Bytes::from(out)
 }
 
@@ -238,10 +482,7 @@ mod tests {
         let bash = json!({"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi; exit 3"]});
         assert_eq!(script_of(&bash).unwrap(), "echo hi; exit 3");
         let argv = json!({"cmd": "ls", "args": ["-l", "it's"], "cwd": "/home/user"});
-        assert_eq!(
-            script_of(&argv).unwrap(),
-            "cd -- '/home/user' || exit 1\n'ls' '-l' 'it'\\''s'"
-        );
+        assert_eq!(script_of(&argv).unwrap(), "'ls' '-l' 'it'\\''s'");
     }
 
     #[test]
@@ -256,5 +497,13 @@ mod tests {
         assert_eq!(unwrap_envelope(&e).unwrap(), v);
         assert_eq!(unwrap_envelope(br#"{"a":1}"#).unwrap(), json!({"a": 1}));
         assert!(unwrap_envelope(&[0, 0, 0, 0, 9, b'{']).is_err());
+        // A client stream: two messages and its end.
+        let mut body = envelope(0, &json!({"a": 1})).to_vec();
+        body.extend_from_slice(&envelope(0, &json!({"b": 2})));
+        body.extend_from_slice(&envelope(2, &json!({})));
+        assert_eq!(
+            unwrap_envelopes(&body).unwrap(),
+            vec![json!({"a": 1}), json!({"b": 2})]
+        );
     }
 }

@@ -1,0 +1,196 @@
+//! The native API of a session's background processes, a thin adapter over
+//! [`crate::service::processes`]:
+//! - `POST /v1/sessions/{id}/processes`: start one (201, its info);
+//! - `GET /v1/sessions/{id}/processes`: running and recently ended ones;
+//! - `GET /v1/sessions/{id}/processes/{pid}`: one;
+//! - `GET /v1/sessions/{id}/processes/{pid}/output?from=start|now`: its output as NDJSON
+//!   (`{"type":"stdout"|"stderr","data":...}` with `data_b64` for bytes that are not UTF-8,
+//!   `{"type":"dropped","bytes":N}` for output no longer kept, then `{"type":"end",...}`
+//!   with the process's info), until it ends; a client that goes away leaves it running;
+//! - `POST .../{pid}/stdin`: write (and close) its stdin; `POST .../{pid}/signal`;
+//!   `DELETE .../{pid}`: SIGKILL.
+
+use std::convert::Infallible;
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use serde::Deserialize;
+use tokio::sync::broadcast::error::RecvError;
+use vmm::job::Stream;
+
+use crate::api::processes::{ProcessInfo, SendSignal, StartProcess, WriteStdin};
+use crate::api::text_and_b64;
+use crate::body::JsonBody;
+use crate::error::{ApiError, Error};
+use crate::procs::{Event, Subscription};
+use crate::service::processes;
+use crate::state::AppState;
+
+fn info_of(state: &AppState, id: &str, pid: u32) -> Result<ProcessInfo, Error> {
+    let all = processes::list(state, id)?;
+    all.iter()
+        .find(|(i, _)| i.pid == pid)
+        .map(|(i, end)| ProcessInfo::of(i, end.as_ref()))
+        .ok_or(Error::NoProcess {
+            pid,
+            message: format!("no process {pid} in this sandbox"),
+        })
+}
+
+/// `POST /v1/sessions/{id}/processes`.
+pub async fn start(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<StartProcess>,
+) -> Result<(StatusCode, Json<ProcessInfo>), ApiError> {
+    let pid = processes::start(&state, &id, req.into_start()?).await?;
+    Ok((StatusCode::CREATED, Json(info_of(&state, &id, pid)?)))
+}
+
+/// `GET /v1/sessions/{id}/processes`.
+pub async fn list(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let all: Vec<ProcessInfo> = processes::list(&state, &id)?
+        .iter()
+        .map(|(i, end)| ProcessInfo::of(i, end.as_ref()))
+        .collect();
+    Ok(Json(serde_json::json!({ "processes": all })))
+}
+
+/// `GET /v1/sessions/{id}/processes/{pid}`.
+pub async fn show(
+    State(state): State<AppState>,
+    Path((id, pid)): Path<(String, u32)>,
+) -> Result<Json<ProcessInfo>, ApiError> {
+    Ok(Json(info_of(&state, &id, pid)?))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputQuery {
+    /// `start` (default): everything still kept, then what comes; `now`: only what comes.
+    #[serde(default)]
+    from: Option<String>,
+}
+
+/// `GET /v1/sessions/{id}/processes/{pid}/output`.
+pub async fn output(
+    State(state): State<AppState>,
+    Path((id, pid)): Path<(String, u32)>,
+    Query(q): Query<OutputQuery>,
+) -> Result<Response, ApiError> {
+    let from_start = match q.from.as_deref() {
+        None | Some("start") => true,
+        Some("now") => false,
+        Some(other) => {
+            return Err(Error::invalid(
+                "from",
+                format!("from must be start or now (got {other:?})"),
+            )
+            .into());
+        }
+    };
+    let sub = processes::connect(&state, &id, pid, from_start)?;
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines(sub)),
+    )
+        .into_response())
+}
+
+/// The NDJSON lines of a subscription (module docs), ending after the process's end.
+fn lines(sub: Subscription) -> impl futures_util::Stream<Item = Result<Bytes, Infallible>> {
+    let first = (sub.dropped > 0)
+        .then(|| line(serde_json::json!({"type": "dropped", "bytes": sub.dropped})));
+    let info = sub.info.clone();
+    let replay = sub.replay.into_iter();
+    let state = (first, replay, Some(sub.rx), sub.ended.is_some());
+    stream::unfold(state, move |(first, mut replay, rx, mut done)| {
+        let info = info.clone();
+        async move {
+            if let Some(l) = first {
+                return Some((Ok(l), (None, replay, rx, done)));
+            }
+            let mut rx = rx?;
+            let ev = match replay.next() {
+                Some(ev) => ev,
+                None if done => return None,
+                None => match rx.recv().await {
+                    Ok(ev) => ev,
+                    // This client fell too far behind: say how many events it lost.
+                    Err(RecvError::Lagged(n)) => {
+                        let l = line(serde_json::json!({"type": "lagged", "events": n}));
+                        return Some((Ok(l), (None, replay, Some(rx), done)));
+                    }
+                    Err(RecvError::Closed) => return None,
+                },
+            };
+            let l = match ev {
+                Event::Output(s, bytes) => {
+                    let (data, data_b64) = text_and_b64(&bytes, false);
+                    let kind = if s == Stream::Stdout {
+                        "stdout"
+                    } else {
+                        "stderr"
+                    };
+                    let mut v = serde_json::json!({"type": kind, "data": data});
+                    if let Some(b) = data_b64 {
+                        v["data_b64"] = b.into();
+                    }
+                    line(v)
+                }
+                Event::End(exit) => {
+                    done = true;
+                    let mut v = serde_json::to_value(ProcessInfo::of(&info, Some(&exit)))
+                        .unwrap_or_default();
+                    v["type"] = "end".into();
+                    line(v)
+                }
+            };
+            Some((Ok(l), (None, replay, Some(rx), done)))
+        }
+    })
+}
+
+fn line(v: serde_json::Value) -> Bytes {
+    let mut b = serde_json::to_vec(&v).unwrap_or_default();
+    b.push(b'\n');
+    Bytes::from(b)
+}
+
+/// `POST /v1/sessions/{id}/processes/{pid}/stdin`.
+pub async fn stdin(
+    State(state): State<AppState>,
+    Path((id, pid)): Path<(String, u32)>,
+    JsonBody(req): JsonBody<WriteStdin>,
+) -> Result<StatusCode, ApiError> {
+    let data = req.bytes()?;
+    processes::stdin(&state, &id, pid, data, req.close).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/sessions/{id}/processes/{pid}/signal`.
+pub async fn signal(
+    State(state): State<AppState>,
+    Path((id, pid)): Path<(String, u32)>,
+    JsonBody(req): JsonBody<SendSignal>,
+) -> Result<StatusCode, ApiError> {
+    let sig = req.number()?;
+    processes::signal(&state, &id, pid, sig).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `DELETE /v1/sessions/{id}/processes/{pid}`: SIGKILL to it and what it started.
+pub async fn kill(
+    State(state): State<AppState>,
+    Path((id, pid)): Path<(String, u32)>,
+) -> Result<StatusCode, ApiError> {
+    processes::signal(&state, &id, pid, 9).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,268 @@
+//! A sandbox's background processes: start one, list them, connect to one's output, write
+//! its stdin, signal it; and the pump that keeps the sandbox's VM running while any lives.
+//!
+//! **The pump.** A session's VM runs only during a request. While the session has live
+//! processes, a task of its own ([`pump`]) takes the session whenever no request wants it and
+//! runs a poll ([`vmm::process`]): the guest waits in one `select` for output and exits (its
+//! processes run meanwhile) and answers as soon as there is something, or after
+//! [`POLL_WAIT`]. A request for the session pulls the poll's cancel
+//! ([`crate::sessions::Entry::preempt`]), so it waits for one guest wakeup, not a round; the
+//! pump yields to every waiting request and takes the session back after them. The pump's
+//! polls run on the blocking pool, not on a job thread: a sandbox with a server in the
+//! background must not hold one of the few job threads for its whole life. It stops when
+//! the last process ended, or with the session.
+//!
+//! Measured cost: see `docs/processes.md` (a quiet process costs a guest wakeup per
+//! [`POLL_WAIT`]; each burst of output one round trip).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use vmm::Cancel;
+use vmm::process::{ProcessError, ProcessSpec};
+use vmm::session::SessionError;
+
+use crate::procs::{Info, Kept, Start, Subscription};
+use crate::service::admission;
+use crate::service::error::Error;
+use crate::service::sessions::{acquire, end_if_unusable, get};
+use crate::sessions::{Busy, Entry};
+use crate::state::AppState;
+
+/// Longest a poll waits in the guest when nothing happens (a request ends it early).
+pub const POLL_WAIT: Duration = Duration::from_secs(10);
+
+/// Output bytes one poll takes at most.
+pub const POLL_BUDGET: usize = 1 << 20;
+
+/// How long a write to stdin may wait for the process to take it all.
+pub const STDIN_PATIENCE: Duration = Duration::from_secs(30);
+
+fn failed(e: ProcessError, pid: Option<u32>) -> Error {
+    match e {
+        ProcessError::NotFound(m) => match pid {
+            Some(pid) => Error::NoProcess { pid, message: m },
+            None => Error::internal(m),
+        },
+        ProcessError::Invalid(m) => Error::Invalid {
+            field: None,
+            message: m,
+        },
+        other => Error::internal(other),
+    }
+}
+
+/// Runs `op` on session `busy`'s VM on a job thread; a VM it leaves unusable ends the
+/// session with why.
+async fn on_vm<R: Send + 'static>(
+    state: &AppState,
+    busy: Busy,
+    op: impl FnOnce(&mut vmm::session::Session, &vmm::Executor) -> Result<R, ProcessError>
+    + Send
+    + 'static,
+) -> Result<R, ProcessError> {
+    let st = state.clone();
+    let exec = busy.entry().executor.clone();
+    let ran = admission::call(state, move || {
+        let r = busy
+            .entry()
+            .with_vm(|s| op(s, &exec))
+            .unwrap_or(Err(ProcessError::Session(SessionError::Gone)));
+        end_if_unusable(&st, &busy);
+        drop(busy);
+        r
+    })
+    .await;
+    match ran {
+        Ok(r) => r,
+        Err(e) => Err(ProcessError::Malformed(e.to_string())),
+    }
+}
+
+/// Starts `req` in session `id`; returns its pid. It runs until it ends, is killed, or the
+/// session ends, whoever listens.
+pub async fn start(state: &AppState, id: &str, req: Start) -> Result<u32, Error> {
+    let busy = acquire(state, id).await?;
+    let e = busy.entry().clone();
+    let limit = state.config().sessions.max_processes;
+    if e.processes.live() >= limit {
+        return Err(Error::TooManyProcesses { limit });
+    }
+    let mut env = e.env.clone();
+    env.extend(req.env.clone());
+    let spec = ProcessSpec {
+        script: req.script.clone(),
+        env: env.into_iter().collect(),
+        cwd: req.cwd.clone(),
+        stdin: req.stdin,
+    };
+    let pid = on_vm(state, busy, move |s, ex| s.start_process(ex, &spec))
+        .await
+        .map_err(|e| failed(e, None))?;
+    let info = Info {
+        pid,
+        cmd: req.cmd,
+        args: req.args,
+        script: req.script,
+        cwd: req.cwd,
+        env: req.env,
+        tag: req.tag,
+        stdin: req.stdin,
+        started_at: SystemTime::now(),
+    };
+    if !e.processes.add(info) {
+        return Err(get(state, id)
+            .err()
+            .unwrap_or_else(|| Error::NoSession(id.into())));
+    }
+    ensure_pump(state, &e);
+    Ok(pid)
+}
+
+/// The processes of session `id` (running and recently ended), oldest first.
+pub fn list(state: &AppState, id: &str) -> Result<Vec<Kept>, Error> {
+    Ok(get(state, id)?.processes.list())
+}
+
+/// A client's connection to process `pid` of session `id`: its output so far (if
+/// `from_start`) and what comes next.
+pub fn connect(
+    state: &AppState,
+    id: &str,
+    pid: u32,
+    from_start: bool,
+) -> Result<Subscription, Error> {
+    get(state, id)?
+        .processes
+        .subscribe(pid, from_start)
+        .ok_or_else(|| no_process(pid))
+}
+
+fn no_process(pid: u32) -> Error {
+    Error::NoProcess {
+        pid,
+        message: format!("no process {pid} in this sandbox"),
+    }
+}
+
+/// A process of session `id` that has not ended.
+fn live(state: &AppState, id: &str, pid: u32) -> Result<(Arc<Entry>, bool), Error> {
+    let e = get(state, id)?;
+    match e.processes.get(pid) {
+        Some((_, None, stdin_open)) => Ok((e, stdin_open)),
+        Some((_, Some(_), _)) => Err(Error::NoProcess {
+            pid,
+            message: format!("process {pid} has ended"),
+        }),
+        None => Err(no_process(pid)),
+    }
+}
+
+/// Writes `data` to process `pid`'s stdin (all of it, waiting up to [`STDIN_PATIENCE`] for
+/// the process to read), then closes it if `close`.
+pub async fn stdin(
+    state: &AppState,
+    id: &str,
+    pid: u32,
+    data: Vec<u8>,
+    close: bool,
+) -> Result<(), Error> {
+    let (e, open) = live(state, id, pid)?;
+    if !open {
+        return Err(Error::StdinClosed(pid));
+    }
+    let since = Instant::now();
+    let mut rest = data;
+    loop {
+        let busy = acquire(state, id).await?;
+        let chunk = rest.clone();
+        let last = close;
+        let taken = on_vm(state, busy, move |s, ex| {
+            let n = chunk.len();
+            let taken = s.process_stdin(ex, pid, chunk, false)?;
+            if taken == n && last {
+                s.process_stdin(ex, pid, Vec::new(), true)?;
+            }
+            Ok(taken)
+        })
+        .await
+        .map_err(|err| match err {
+            ProcessError::NotFound(_) => Error::StdinClosed(pid),
+            other => failed(other, Some(pid)),
+        })?;
+        rest.drain(..taken.min(rest.len()));
+        if rest.is_empty() {
+            if close {
+                e.processes.stdin_closed(pid);
+            }
+            return Ok(());
+        }
+        if since.elapsed() > STDIN_PATIENCE {
+            return Err(Error::StdinFull {
+                pid,
+                left: rest.len(),
+            });
+        }
+        // The pipe is full: let the process run (the pump) and read some.
+        ensure_pump(state, &e);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends `signal` to process `pid` of session `id` and what it started.
+pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result<(), Error> {
+    let (e, _) = live(state, id, pid)?;
+    let busy = acquire(state, id).await?;
+    on_vm(state, busy, move |s, ex| s.signal_process(ex, pid, signal))
+        .await
+        .map_err(|err| failed(err, Some(pid)))?;
+    // Its end comes through the pump.
+    ensure_pump(state, &e);
+    Ok(())
+}
+
+/// Starts the pump of session `e` unless one runs or nothing lives.
+pub fn ensure_pump(state: &AppState, e: &Arc<Entry>) {
+    if e.processes.claim_pump() {
+        tokio::spawn(pump(state.clone(), e.clone()));
+    }
+}
+
+/// Keeps session `e`'s VM running while it has live processes (module docs).
+async fn pump(state: AppState, e: Arc<Entry>) {
+    while !e.processes.pump_should_stop() {
+        let cancel = Cancel::new();
+        let Ok(busy) = state
+            .sessions()
+            .acquire_background(&e.id, cancel.clone())
+            .await
+        else {
+            // The session ended: its processes ended with it (Sessions::end).
+            let _ = e.processes.pump_should_stop();
+            return;
+        };
+        let exec = e.executor.clone();
+        let st = state.clone();
+        let polled = tokio::task::spawn_blocking(move || {
+            let r = busy
+                .entry()
+                .with_vm(|s| s.poll_processes(&exec, POLL_WAIT, POLL_BUDGET, Some(cancel)))
+                .unwrap_or(Err(ProcessError::Session(SessionError::Gone)));
+            end_if_unusable(&st, &busy);
+            r
+        })
+        .await;
+        match polled {
+            Ok(Ok(events)) => e.processes.record(events),
+            Ok(Err(err)) => {
+                tracing::warn!(session = %e.id, "polling the sandbox's processes failed: {err}");
+                e.processes
+                    .close(&format!("polling its processes failed: {err}"));
+            }
+            Err(err) => {
+                tracing::error!(session = %e.id, "the process pump panicked: {err}");
+                e.processes.close("the process pump failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,122 @@
+"""The E2B SDK's process API against bud, sync and async: background commands, list,
+connect, stdin (send, stream, close), kill, concurrent commands, a command that outlives
+its client's timeout, tags, and the PTY refusal. Prints what it saw as one JSON object
+(asserted by server/tests/processes.rs)."""
+
+import asyncio
+import json
+import threading
+import time
+
+from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxException, TimeoutException
+
+seen = {}
+sbx = Sandbox.create(template="base", timeout=300, envs={"GREETING": "hello"})
+
+# A background command: the handle comes back while it runs.
+t = time.monotonic()
+h = sbx.commands.run("echo started; sleep 2; echo done; exit 4", background=True)
+seen["background_returned_before_end"] = time.monotonic() - t < 2
+seen["pid_is_int"] = isinstance(h.pid, int) and h.pid > 1
+listed = [(p.pid, p.cmd, p.args) for p in sbx.commands.list()]
+seen["listed"] = [p for p in listed if p[0] == h.pid] == [(h.pid, "/bin/bash",
+                                                            ["-l", "-c",
+                                                             "echo started; sleep 2; echo done; exit 4"])]
+# A foreground command runs while the background one lives.
+r = sbx.commands.run("echo $GREETING from the foreground")
+seen["foreground_meanwhile"] = [r.stdout, r.exit_code]
+try:
+    h.wait()
+    seen["background_end"] = "no exception"
+except CommandExitException as e:
+    seen["background_end"] = [e.exit_code, e.stdout]
+seen["listed_after_end"] = [p.pid for p in sbx.commands.list() if p.pid == h.pid]
+
+# stdin: send, then close; the command reads to EOF.
+cat = sbx.commands.run("while read -r l; do echo \"got $l\"; done; echo eof", background=True,
+                       stdin=True)
+sbx.commands.send_stdin(cat.pid, "one\n")
+cat.send_stdin("two\n")
+sbx.commands.stream_input(cat.pid, iter(["three\n", b"four\n"]))
+sbx.commands.close_stdin(cat.pid)
+seen["stdin"] = cat.wait().stdout
+
+# connect to a running command: output from the moment of connecting.
+ticker = sbx.commands.run("i=0; while [ $i -lt 40 ]; do echo tick $i; i=$((i+1)); sleep 0.2; done",
+                          background=True, timeout=0)
+time.sleep(1)
+again = sbx.commands.connect(ticker.pid)
+lines = []
+def read_some():
+    for stdout, _, _ in again:
+        if stdout:
+            lines.extend(stdout.split())
+        if len(lines) >= 6:
+            break
+reader = threading.Thread(target=read_some)
+reader.start()
+reader.join(30)
+again.disconnect()
+seen["connected_output"] = len(lines) >= 6 and lines[0] == "tick" and lines[1] != "0"
+seen["kill"] = sbx.commands.kill(ticker.pid)
+try:
+    ticker.wait()
+    seen["killed_end"] = "no exception"
+except CommandExitException as e:
+    seen["killed_end"] = [e.exit_code, e.error]
+seen["kill_again"] = sbx.commands.kill(ticker.pid)
+
+# A command longer than its client's timeout: the stream ends, the process goes on.
+slow = sbx.commands.run("sleep 3; echo still here > /home/user/slow.txt", background=True,
+                        timeout=1)
+try:
+    slow.wait()
+    seen["client_timeout"] = "no exception"
+except TimeoutException:
+    seen["client_timeout"] = "TimeoutException"
+time.sleep(4)
+seen["outlived_client"] = sbx.files.read("/home/user/slow.txt")
+
+# Concurrent foreground commands from threads: the first waits for what the second does,
+# so run one after the other they would never end (each has 60 s).
+results = {}
+def run(name, cmd):
+    try:
+        results[name] = sbx.commands.run(cmd, timeout=60).stdout
+    except Exception as e:  # noqa: BLE001 - reported in the JSON
+        results[name] = repr(e)
+waiter = "while [ ! -e /home/user/flag ]; do sleep 0.1; done; echo A saw the flag"
+maker = "sleep 1; touch /home/user/flag; echo B made it"
+threads = [threading.Thread(target=run, args=("A", waiter)),
+           threading.Thread(target=run, args=("B", maker))]
+for th in threads:
+    th.start()
+for th in threads:
+    th.join()
+seen["concurrent"] = [results["A"], results["B"]]
+
+# A PTY is refused with a clear error.
+try:
+    sbx.pty.create(size=__import__("e2b").PtySize(rows=24, cols=80))
+    seen["pty"] = "no exception"
+except SandboxException as e:
+    seen["pty"] = "PTY" in str(e)
+
+sbx.kill()
+
+
+async def async_part():
+    a = await AsyncSandbox.create(template="base", timeout=120)
+    h = await a.commands.run("read -r x; echo \"async $x\"", background=True, stdin=True)
+    await a.commands.send_stdin(h.pid, "hi\n")
+    r = await h.wait()
+    out = [r.stdout, r.exit_code]
+    bg = await a.commands.run("sleep 60", background=True)
+    listed = [p.pid for p in await a.commands.list()]
+    killed = await a.commands.kill(bg.pid)
+    await a.kill()
+    return out, bg.pid in listed, killed
+
+
+seen["async"] = list(asyncio.run(async_part()))
+print(json.dumps(seen))

@@ -1,0 +1,324 @@
+//! A sandbox's background processes against a real server on loopback, over the real
+//! template on the real VMM: through bud's native API (start, list, output streams from the
+//! start and from now, stdin, signals, kill, limits, errors, a session that ends under its
+//! processes) and through E2B's SDK, sync and async (`compat/e2b_processes.py`). Needs
+//! /dev/kvm (and PyPI for the SDK's venv).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::time::Duration;
+
+use bud_server::Config;
+use common::clients::{client_script, e2b_env};
+use common::*;
+use serde_json::{Value, json};
+
+fn session(s: &TestServer, body: Value) -> String {
+    let (status, r) = s.post("/v1/sessions", &body);
+    assert_eq!(status, 201, "{r}");
+    r["id"].as_str().expect("an id").to_owned()
+}
+
+fn start(s: &TestServer, id: &str, body: Value) -> Value {
+    let (status, r) = s.post(&format!("/v1/sessions/{id}/processes"), &body);
+    assert_eq!(status, 201, "{r}");
+    r
+}
+
+/// The NDJSON lines of a process's output stream, up to and with its `end` line.
+fn output(s: &TestServer, id: &str, pid: u64, from: &str) -> Vec<Value> {
+    let r = client()
+        .get(s.url(&format!(
+            "/v1/sessions/{id}/processes/{pid}/output?from={from}"
+        )))
+        .send()
+        .expect("request failed");
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+    BufReader::new(r)
+        .lines()
+        .map(|l| serde_json::from_str(&l.expect("reading the stream")).expect("a JSON line"))
+        .collect()
+}
+
+fn stdout_of(lines: &[Value]) -> String {
+    lines
+        .iter()
+        .filter(|l| l["type"] == "stdout")
+        .map(|l| l["data"].as_str().unwrap())
+        .collect()
+}
+
+/// POSTs `body` as JSON; the status and the body's JSON (null when it has none: 204).
+fn post(s: &TestServer, path: &str, body: &Value) -> (u16, Value) {
+    let r = client()
+        .post(s.url(path))
+        .json(body)
+        .send()
+        .expect("request failed");
+    let status = r.status().as_u16();
+    let text = r.text().expect("reading the answer");
+    let v = if text.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).expect("the answer is not JSON")
+    };
+    (status, v)
+}
+
+fn delete(s: &TestServer, path: &str) -> u16 {
+    client()
+        .delete(s.url(path))
+        .send()
+        .expect("request failed")
+        .status()
+        .as_u16()
+}
+
+#[test]
+fn a_background_process_streams_its_output_and_end_to_any_number_of_clients() {
+    let s = TestServer::start();
+    let id = session(&s, json!({"env": {"WHO": "session"}}));
+    let p = start(
+        &s,
+        &id,
+        json!({
+            "command": "echo \"$WHO $EXTRA\"; pwd; echo oops >&2; printf '\\377\\n'; exit 5",
+            "env": {"EXTRA": "extra"},
+            "cwd": "/usr",
+            "tag": "first"
+        }),
+    );
+    assert_eq!(p["status"], "running", "{p}");
+    assert_eq!(p["tag"], "first");
+    assert!(
+        p["command"].as_str().unwrap().starts_with("echo \"$WHO"),
+        "{p}"
+    );
+    let pid = p["pid"].as_u64().unwrap();
+    let lines = output(&s, &id, pid, "start");
+    assert_eq!(stdout_of(&lines), "session extra\n/usr\n\u{fffd}\n");
+    let binary: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l.get("data_b64").is_some())
+        .collect();
+    assert_eq!(binary.len(), 1, "{lines:?}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["type"] == "stderr" && l["data"] == "oops\n")
+    );
+    let end = lines.last().unwrap();
+    assert_eq!(
+        (
+            &end["type"],
+            &end["status"],
+            &end["exit_code"],
+            &end["signal"]
+        ),
+        (&json!("end"), &json!("exited"), &json!(5), &Value::Null),
+        "{end}"
+    );
+    // A second client, after the end: the same record.
+    assert_eq!(output(&s, &id, pid, "start"), lines);
+    let (status, listed) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": "1"}));
+    assert_eq!(status, 200, "{listed}");
+    let all: Value = s
+        .get(&format!("/v1/sessions/{id}/processes"))
+        .json()
+        .unwrap();
+    assert_eq!(all["processes"][0]["pid"], json!(pid));
+    assert_eq!(all["processes"][0]["status"], "exited");
+    let one: Value = s
+        .get(&format!("/v1/sessions/{id}/processes/{pid}"))
+        .json()
+        .unwrap();
+    assert_eq!(one["exit_code"], 5);
+}
+
+#[test]
+fn stdin_signals_kill_and_cells_beside_a_running_process() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let reader = start(
+        &s,
+        &id,
+        json!({"command": "while read -r l; do echo \"got $l\"; done; echo eof", "stdin": true}),
+    );
+    let rpid = reader["pid"].as_u64().unwrap();
+    let base = format!("/v1/sessions/{id}/processes/{rpid}");
+    let (st, r) = post(&s, &format!("{base}/stdin"), &json!({"data": "one\n"}));
+    assert_eq!(st, 204, "{r:?}");
+    // A cell runs meanwhile and sees the process.
+    let (st, r) = s.post(
+        &format!("/v1/sessions/{id}/exec"),
+        &json!({"language": "shell", "code": format!("kill -0 {rpid} && echo alive")}),
+    );
+    assert_eq!((st, &r["stdout"]), (200, &json!("alive\n")), "{r}");
+    let (st, _) = post(
+        &s,
+        &format!("{base}/stdin"),
+        &json!({"data_b64": "dHdvCg==", "close": true}),
+    );
+    assert_eq!(st, 204);
+    let lines = output(&s, &id, rpid, "start");
+    assert_eq!(stdout_of(&lines), "got one\ngot two\neof\n");
+    // Closed: more stdin is a conflict; the process has ended, so it is not found first.
+    let (st, r) = post(&s, &format!("{base}/stdin"), &json!({"data": "x"}));
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (404, &json!("no_process")),
+        "{r}"
+    );
+
+    let sleeper = start(&s, &id, json!({"command": "sleep 600"}));
+    let spid = sleeper["pid"].as_u64().unwrap();
+    let sbase = format!("/v1/sessions/{id}/processes/{spid}");
+    let (st, r) = post(&s, &format!("{sbase}/stdin"), &json!({"data": "x"}));
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (409, &json!("stdin_closed")),
+        "{r}"
+    );
+    let (st, r) = post(
+        &s,
+        &format!("{sbase}/signal"),
+        &json!({"signal": "SIGNOPE"}),
+    );
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (400, &json!("invalid_request")),
+        "{r}"
+    );
+    let (st, _) = post(
+        &s,
+        &format!("{sbase}/signal"),
+        &json!({"signal": "SIGTERM"}),
+    );
+    assert_eq!(st, 204);
+    let end = output(&s, &id, spid, "now");
+    let end = end.last().unwrap();
+    assert_eq!(
+        (&end["status"], &end["signal"]),
+        (&json!("killed"), &json!(15)),
+        "{end}"
+    );
+
+    let third = start(&s, &id, json!({"command": "sleep 600"}));
+    let tpid = third["pid"].as_u64().unwrap();
+    assert_eq!(
+        delete(&s, &format!("/v1/sessions/{id}/processes/{tpid}")),
+        204
+    );
+    let end = output(&s, &id, tpid, "start");
+    assert_eq!(end.last().unwrap()["signal"], 9);
+    assert_eq!(
+        delete(&s, &format!("/v1/sessions/{id}/processes/{tpid}")),
+        404
+    );
+    assert_eq!(
+        delete(&s, &format!("/v1/sessions/{id}/processes/99999")),
+        404
+    );
+}
+
+#[test]
+fn bad_requests_limits_and_a_session_that_ends_under_its_processes() {
+    let mut config: Config = test_config();
+    config.sessions.max_processes = 2;
+    let s = TestServer::with_config(config);
+    let id = session(&s, json!({}));
+    let path = format!("/v1/sessions/{id}/processes");
+    for (body, code, status) in [
+        (json!({"command": ""}), "invalid_request", 400),
+        (
+            json!({"command": "true", "env": {"1BAD": "x"}}),
+            "invalid_request",
+            400,
+        ),
+        (
+            json!({"command": "true", "nope": 1}),
+            "invalid_request",
+            400,
+        ),
+        (
+            json!({"command": "true", "cwd": "/no/such"}),
+            "invalid_request",
+            400,
+        ),
+    ] {
+        let (st, r) = s.post(&path, &body);
+        assert_eq!(
+            (st, r["error"]["code"].as_str()),
+            (status, Some(code)),
+            "{body}: {r}"
+        );
+    }
+    let (st, r) = s.post(
+        "/v1/sessions/ses_nope/processes",
+        &json!({"command": "true"}),
+    );
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (404, &json!("no_session")),
+        "{r}"
+    );
+    let a = start(&s, &id, json!({"command": "sleep 600"}));
+    start(&s, &id, json!({"command": "sleep 600"}));
+    let (st, r) = s.post(&path, &json!({"command": "sleep 600"}));
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (429, &json!("too_many_processes")),
+        "{r}"
+    );
+    // A client streams from a live process while its session is deleted: the stream ends
+    // with the process lost, and the session's processes are gone with it.
+    let pid = a["pid"].as_u64().unwrap();
+    let url = s.url(&format!("{path}/{pid}/output"));
+    let reader = std::thread::spawn(move || {
+        let r = client().get(url).send().expect("request failed");
+        BufReader::new(r)
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(&l.unwrap()).unwrap())
+            .collect::<Vec<_>>()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 204);
+    let lines = reader.join().unwrap();
+    let end = lines.last().unwrap();
+    assert_eq!(end["status"], "lost", "{lines:?}");
+    assert!(end["lost"].as_str().unwrap().contains("deleted"), "{end}");
+    let (st, _) = post(&s, &path, &json!({"command": "true"}));
+    assert_eq!(st, 404);
+    s.assert_still_serving();
+}
+
+#[test]
+fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_and_kill() {
+    let s = TestServer::start();
+    let seen = client_script("e2b_processes.py", &[], &e2b_env(&s, "e2b_any"));
+    let cmd = "echo started; sleep 2; echo done; exit 4";
+    assert_eq!(
+        seen,
+        json!({
+            "background_returned_before_end": true,
+            "pid_is_int": true,
+            "listed": true,
+            "foreground_meanwhile": ["hello from the foreground\n", 0],
+            "background_end": [4, "started\ndone\n"],
+            "listed_after_end": [],
+            "stdin": "got one\ngot two\ngot three\ngot four\neof\n",
+            "connected_output": true,
+            "kill": true,
+            "killed_end": [-1, null],
+            "kill_again": false,
+            "client_timeout": "TimeoutException",
+            "outlived_client": "still here\n",
+            "concurrent": ["A saw the flag\n", "B made it\n"],
+            "pty": true,
+            "async": [["async hi\n", 0], true, true],
+        }),
+        "(command {cmd})"
+    );
+}
