@@ -24,7 +24,8 @@ const LAYERS: [(&str, &[&str]); 5] = [
     (
         "core",
         &[
-            "audit", "clock", "config", "jail", "jobs", "keys", "metrics", "sessions", "state",
+            "audit", "clock", "config", "jail", "jobs", "keys", "metrics", "procs", "sessions",
+            "state",
         ],
     ),
     ("service error", &["service::error"]),
@@ -38,6 +39,7 @@ const LAYERS: [(&str, &[&str]); 5] = [
             "conn",
             "error",
             "openapi",
+            "process_routes",
             "routes",
             "session_routes",
             "startup",
