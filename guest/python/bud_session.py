@@ -19,8 +19,15 @@ from a one-shot job is here:
 - **Figures** (a job's or a cell's): every matplotlib figure shown with ``plt.show()``
   (which, as Jupyter's inline backend, renders and closes the open figures) or left open at
   the end is rendered to PNG and goes back with the display data, in order
-  (:func:`take_figures`); the host returns them as the request's ``results``. Threads a cell started keep running in later cells; ``atexit`` handlers never
-  run (the interpreter never exits).
+  (:func:`take_figures`); the host returns them as the request's ``results``. Threads a
+  cell started keep running in later cells; ``atexit`` handlers never run (the interpreter
+  never exits).
+- **What E2B's code interpreter shows** (``server/src/compat/jupyter.rs``): a DataFrame
+  value's columns as JSON (MIME_DATA), each figure's ``repr`` and chart (MIME_CHART, from
+  :mod:`bud_display`), a dict or list value as ``application/json``, and what the builtin
+  :func:`display` (IPython's, given to every cell when there is none) displays: all that a
+  request displayed besides its value goes back in order as one MIME_OUTPUTS item of the
+  value (:func:`write_display`). pandas and matplotlib are never imported here.
 - **Interrupts**: the host's interrupt byte on the console becomes SIGINT for this thread
   (``_bud.start_interrupt_watcher``), so a cell past its time gets ``KeyboardInterrupt``.
 - **Files** (``language::FILES``): write, append, read, list, delete, glob, stat, mkdir and
@@ -30,6 +37,7 @@ from a one-shot job is here:
 
 import ast
 import base64
+import builtins
 import errno
 import glob
 import io
@@ -48,6 +56,14 @@ WORKDIR = "/tmp"
 
 # Display data larger than this is left out (the rest of the display still goes back).
 _DISPLAY_ROOM = _bud.JOB_DATA_END - _bud.JOB_DATA
+# What E2B's code interpreter adds to display data (server/src/compat/jupyter.rs reads
+# them): a DataFrame's columns and a figure's chart (JSON text, bud_display), and
+# everything a request displayed besides its value (write_display); in those, the key that
+# names a figure's PNG.
+MIME_DATA = "application/vnd.bud.dataframe+json"
+MIME_CHART = "application/vnd.bud.chart+json"
+MIME_OUTPUTS = "application/vnd.bud.outputs+json"
+FIGURE_KEY = "bud/figure"
 # A reported exception's text is cut to this many characters (its end kept).
 _ERROR_ROOM = 64 << 10
 
@@ -106,7 +122,8 @@ def _display_item(mime, data):
 
 def display_of(value):
     """The display data of a cell's value, Jupyter-style: a list of {type, data}: its
-    ``repr`` as text/plain, then what each of IPython's ``_repr_*_`` methods it has gives."""
+    ``repr`` as text/plain, then what each of IPython's ``_repr_*_`` methods it has gives,
+    then what E2B's code interpreter adds (:func:`_e2b_items`)."""
     shown = []
     for mime, method in _REPR_METHODS:
         render = getattr(type(value), method, None)
@@ -118,6 +135,9 @@ def display_of(value):
             continue
         if item is not None and _new_type(shown, item):
             shown.append(item)
+    for item in _e2b_items(value):
+        if _new_type(shown, item):
+            shown.append(item)
     try:
         text = repr(value)
     except Exception as error:  # noqa: BLE001 - shown instead of the value
@@ -126,27 +146,89 @@ def display_of(value):
     return shown
 
 
+def _e2b_items(value):
+    """What E2B's interpreter shows of a value beside its ``_repr_*_`` formats: a dict or
+    list as ``application/json`` (when it is JSON), a pandas DataFrame's columns as
+    MIME_DATA, a matplotlib figure as a PNG and its chart (MIME_CHART). pandas and
+    matplotlib are looked up in ``sys.modules``, never imported: a value can only be
+    theirs if the cell imported them."""
+    if type(value) in (dict, list):
+        try:
+            text = json.dumps(value, allow_nan=False, default=_json_scalar)
+        except (TypeError, ValueError, RecursionError):
+            return []
+        return [{"type": "application/json", "data": text}] if len(text) < _DISPLAY_ROOM else []
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(value, pandas.DataFrame):
+        import bud_display
+
+        try:
+            data = bud_display.frame_data(value)
+        except Exception:  # noqa: BLE001 - a frame that cannot be read only loses its data
+            return []
+        return [] if data is None else [{"type": MIME_DATA, "data": json.dumps(data)}]
+    figure = sys.modules.get("matplotlib.figure")
+    if figure is not None and isinstance(value, figure.Figure):
+        rendered = _render_figure(value)
+        if rendered is None:
+            return []
+        png, extras = rendered
+        return [png] + [{"type": k, "data": v} for k, v in extras.items() if k != "text/plain"]
+    return []
+
+
+def _json_scalar(value):
+    """numpy's scalars as JSON numbers (as E2B's orjson serializer takes them)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic):
+        value = value.item()
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            return value
+    raise TypeError(type(value).__name__)
+
+
 def _new_type(shown, item):
     """Whether ``shown`` has no item of ``item``'s type yet."""
     return all(x["type"] != item["type"] for x in shown)
 
 
-# PNGs of the figures shown (plt.show()) during the current request, in order.
-_shown_figures = []
+# What the current request displayed besides its value, in order: ("figure", PNG item,
+# the figure's other formats) for each figure plt.show() rendered, ("display", formats) for
+# each display() call.
+_outputs = []
+
+
+def _render_figure(figure):
+    """A figure as (PNG display item, {MIME: text} of its other formats: ``text/plain`` and
+    its chart), or None if it cannot be rendered (said on stderr). Leaves it open."""
+    buffer = io.BytesIO()
+    try:
+        figure.savefig(buffer, format="png")
+    except Exception as error:  # noqa: BLE001 - the user's figure; the rest still goes
+        print(f"figure {figure.number if hasattr(figure, 'number') else ''} could not be "
+              f"rendered: {error!r}", file=sys.stderr)
+        return None
+    png = {"type": "image/png", "data": base64.b64encode(buffer.getvalue()).decode()}
+    extras = {"text/plain": repr(figure)}
+    try:  # drawn now, so its tick labels are set
+        import bud_display
+
+        chart = bud_display.figure_chart(figure)
+        if chart is not None:
+            extras[MIME_CHART] = json.dumps(chart, allow_nan=False)
+    except Exception:  # noqa: BLE001 - a chart we cannot read is left out, the PNG stays
+        pass
+    return png, extras
 
 
 def _render_open_figures(pyplot):
-    """Every open figure of ``pyplot`` as a PNG display item, in figure-number order; closes
-    them. A figure that fails to render is reported on stderr and skipped."""
+    """Every open figure of ``pyplot`` as a ("figure", PNG item, other formats) output, in
+    figure-number order; closes them."""
     shown = []
     for number in pyplot.get_fignums():
-        buffer = io.BytesIO()
-        try:
-            pyplot.figure(number).savefig(buffer, format="png")
-        except Exception as error:  # noqa: BLE001 - the user's figure; the rest still goes
-            print(f"figure {number} could not be rendered: {error!r}", file=sys.stderr)
-            continue
-        shown.append({"type": "image/png", "data": base64.b64encode(buffer.getvalue()).decode()})
+        rendered = _render_figure(pyplot.figure(number))
+        if rendered is not None:
+            shown.append(("figure", *rendered))
     pyplot.close("all")
     return shown
 
@@ -156,19 +238,67 @@ def capture_figures_from(pyplot):
     them (what Jupyter's inline backend does; with Agg it would do nothing)."""
     def show(*args, **kwargs):
         del args, kwargs
-        _shown_figures.extend(_render_open_figures(pyplot))
+        _outputs.extend(_render_open_figures(pyplot))
 
     pyplot.show = show
 
 
+def display(*objs, include=None, exclude=None, raw=False, **kwargs):
+    """IPython's ``display``: each object's display data (:func:`display_of`) becomes a
+    result of the request beside its value, in call order (Jupyter's ``display_data``).
+    ``raw=True``: each object is already a {MIME: data} dict. ``include`` / ``exclude``
+    keep or drop MIME types. Other IPython arguments (``display_id``, ``metadata``...) are
+    accepted and ignored."""
+    del kwargs
+    for obj in objs:
+        if raw:
+            formats = {str(k): v if isinstance(v, str) else json.dumps(v, default=str)
+                       for k, v in dict(obj).items()}
+        else:
+            formats = {item["type"]: item["data"] for item in display_of(obj)}
+        formats = {k: v for k, v in formats.items()
+                   if (include is None or k in include) and (exclude is None or k not in exclude)}
+        if formats:
+            _outputs.append(("display", formats))
+
+
+if not hasattr(builtins, "display"):  # as IPython's kernel, a builtin in every cell
+    builtins.display = display
+
+
+class Figures(list):
+    """The PNGs of a request's figures (the host's ``figures``, its native ``results``),
+    carrying everything the request displayed besides its value (``outputs``: figures with
+    their charts, display() calls, in order) to :func:`write_display`. True when either has
+    something: a request that only called display() still has display data."""
+
+    def __init__(self, pngs=(), outputs=None):
+        super().__init__(pngs)
+        self.outputs = outputs
+
+    def __bool__(self):
+        return len(self) > 0 or self.outputs is not None
+
+
 def take_figures():
-    """The current request's figures: those shown, then those still open (rendered now)."""
-    figures = list(_shown_figures)
-    _shown_figures.clear()
+    """The current request's figures and other outputs: those displayed while it ran, then
+    the figures still open (rendered now, after the value as Jupyter shows them)."""
+    during = list(_outputs)
+    _outputs.clear()
     pyplot = sys.modules.get("matplotlib.pyplot")
-    if pyplot is not None:
-        figures.extend(_render_open_figures(pyplot))
-    return figures
+    after = _render_open_figures(pyplot) if pyplot is not None else []
+    pngs = []
+
+    def entry(output):
+        kind, *rest = output
+        if kind == "display":
+            return rest[0]
+        png, extras = rest
+        pngs.append(png)
+        return {**extras, FIGURE_KEY: len(pngs) - 1}
+
+    outputs = {"before": [entry(o) for o in during], "after": [entry(o) for o in after]}
+    return Figures(pngs, outputs if during or after else None)
 
 
 def error_of(error):
@@ -189,9 +319,16 @@ def error_of(error):
 
 def write_display(view, shown, figures=(), error=None):
     """Writes the display JSON, ``{"value": [...], "figures": [...], "error": {...}}``,
-    over the request area and its length; items that do not fit are dropped, figures first
-    (last first)."""
-    shown, figures = list(shown), list(figures)
+    over the request area and its length. ``figures`` from :func:`take_figures` adds its
+    outputs to the value as one MIME_OUTPUTS item (JSON ``{"before": [...], "after":
+    [...]}``: what was displayed before and after the value, each a {MIME: data} dict, a
+    figure's naming its PNG by index in ``figures`` under FIGURE_KEY). Items that do not
+    fit are dropped, figures first (last first), then the value's (last first: the
+    outputs, then a DataFrame's data...)."""
+    shown, outputs = list(shown), getattr(figures, "outputs", None)
+    figures = list(figures)
+    if outputs is not None:
+        shown.append({"type": MIME_OUTPUTS, "data": json.dumps(outputs, ensure_ascii=False)})
     while True:
         blob = {"value": shown, "figures": figures}
         if error is not None:

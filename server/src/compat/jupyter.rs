@@ -2,10 +2,11 @@
 //!
 //! `POST /execute` runs a cell in the sandbox's session and streams NDJSON as E2B's
 //! code-interpreter server does: `stdout` / `stderr` lines (`text`, `timestamp`) as the
-//! output comes, then one `result` per figure the cell showed (`png`), the cell's displayed
-//! value as the main result (`text`, and what its `_repr_*_` methods give: `html`,
-//! `markdown`, `svg`, `png`, `jpeg`, `pdf`, `latex`, `json`, `javascript`;
-//! `is_main_result: true`), an `error`
+//! output comes, then one `result` per `display()` call and per figure `plt.show()` showed
+//! (`png`, `text` and the figure's `chart`), the cell's displayed value as the main result
+//! (`text`, and what its `_repr_*_` methods give: `html`, `markdown`, `svg`, `png`, `jpeg`,
+//! `pdf`, `latex`, `json` (also a dict or list value), `javascript`, and a DataFrame's
+//! columns as `data`; `is_main_result: true`), one `result` per figure left open, an `error`
 //! (`name`, `value`, `traceback`) when the cell raised, `number_of_executions`, and
 //! `end_of_execution`. Python cells report their exception in the display data
 //! (`vmm::CellOptions::error_in_display`), not as a traceback on stderr, as Jupyter does.
@@ -151,41 +152,136 @@ fn push(out: &mut Vec<u8>, v: serde_json::Value) {
     out.push(b'\n');
 }
 
-/// The lines after a cell's output: figures, main result, error, execution count.
+/// Display data keys the guest adds for E2B (`guest/python/bud_session.py`): a DataFrame's
+/// columns (E2B's `data`), a figure's chart (E2B's `chart`), both JSON text; everything a
+/// cell displayed besides its value, `{"before": [...], "after": [...]}`, each entry a
+/// `{MIME: data}` object, a figure's naming its PNG (an index into the figures) under
+/// [`FIGURE_KEY`].
+const MIME_DATA: &str = "application/vnd.bud.dataframe+json";
+const MIME_CHART: &str = "application/vnd.bud.chart+json";
+const MIME_OUTPUTS: &str = "application/vnd.bud.outputs+json";
+const FIGURE_KEY: &str = "bud/figure";
+
+/// A `result` line from display data (`format(MIME)`), as E2B's server makes one from a
+/// Jupyter `display_data` (`main`: false) or `execute_result` (`main`: true).
+fn push_result(out: &mut Vec<u8>, format: &dyn Fn(&str) -> Option<String>, main: bool) {
+    let mut line = json!({"type": "result", "is_main_result": main});
+    if let Some(text) = format("text/plain") {
+        // E2B shows a string's repr without its quotes.
+        let quoted = text.len() >= 2
+            && ((text.starts_with('\'') && text.ends_with('\''))
+                || (text.starts_with('"') && text.ends_with('"')));
+        line["text"] = json!(if quoted {
+            &text[1..text.len() - 1]
+        } else {
+            &text[..]
+        });
+    }
+    for (mime, key) in [
+        ("text/html", "html"),
+        ("text/markdown", "markdown"),
+        ("image/svg+xml", "svg"),
+        ("image/png", "png"),
+        ("image/jpeg", "jpeg"),
+        ("application/pdf", "pdf"),
+        ("text/latex", "latex"),
+        ("application/javascript", "javascript"),
+    ] {
+        if let Some(v) = format(mime) {
+            line[key] = json!(v);
+        }
+    }
+    // JSON comes as JSON text from the guest; E2B's clients get the value, spliced in as
+    // it is so that its keys keep their order (a DataFrame's columns).
+    let raw: Vec<(&str, String)> = [
+        ("application/json", "json"),
+        (MIME_DATA, "data"),
+        (MIME_CHART, "chart"),
+    ]
+    .into_iter()
+    .filter_map(|(mime, key)| Some((key, json_text(&format(mime)?)?)))
+    .collect();
+    let start = out.len();
+    push(out, line);
+    if raw.is_empty() {
+        return;
+    }
+    out.truncate(out.len() - 2); // the line's closing "}\n"
+    for (key, text) in raw {
+        out.extend_from_slice(format!(",\"{key}\":").as_bytes());
+        out.extend_from_slice(text.as_bytes());
+    }
+    out.extend_from_slice(b"}\n");
+    debug_assert!(serde_json::from_slice::<serde_json::Value>(&out[start..]).is_ok());
+}
+
+/// `text` if it is one JSON value, without line breaks (outside strings they can only be
+/// whitespace: JSON strings cannot hold them raw), to go inside an NDJSON line.
+fn json_text(text: &str) -> Option<String> {
+    serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
+    Some(text.replace(['\n', '\r'], ""))
+}
+
+/// The `result` line of one entry of the guest's outputs; a figure's PNG is `figures[i]`.
+fn push_output(out: &mut Vec<u8>, entry: &serde_json::Value, figures: &[&str]) {
+    let png = entry
+        .get(FIGURE_KEY)
+        .and_then(|i| i.as_u64())
+        .and_then(|i| figures.get(i as usize).copied());
+    let format = |mime: &str| match (mime, png) {
+        ("image/png", Some(png)) => Some(png.to_owned()),
+        _ => entry.get(mime).and_then(|v| v.as_str()).map(str::to_owned),
+    };
+    push_result(out, &format, false);
+}
+
+/// The lines after a cell's output: what it displayed (display() calls and figures, as
+/// non-main results, in order, around the main result as Jupyter sends them: figures left
+/// open come after it), the main result, error, execution count.
 fn end_lines(cell: &CellResponse, language: Language, out: &mut Vec<u8>) {
-    for f in &cell.exec.results {
-        if f.mime == "image/png" {
+    let figures: Vec<&str> = cell
+        .exec
+        .results
+        .iter()
+        .filter(|f| f.mime == "image/png")
+        .map(|f| f.data_b64.as_str())
+        .collect();
+    let outputs = cell
+        .result
+        .as_ref()
+        .and_then(|shown| shown.get(MIME_OUTPUTS))
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok());
+    let entries = |part: &str| {
+        outputs
+            .as_ref()
+            .and_then(|o| o.get(part))
+            .and_then(|v| v.as_array())
+            .map(|list| list.as_slice())
+            .unwrap_or_default()
+    };
+    if outputs.is_some() {
+        for entry in entries("before") {
+            push_output(out, entry, &figures);
+        }
+    } else {
+        // Display data without outputs (too large for the display area): the figures alone.
+        for png in &figures {
             push(
                 out,
-                json!({"type": "result", "png": f.data_b64, "is_main_result": false}),
+                json!({"type": "result", "png": png, "is_main_result": false}),
             );
         }
     }
-    if let Some(shown) = &cell.result {
-        let mut line = json!({"type": "result", "is_main_result": true});
-        for (mime, key) in [
-            ("text/plain", "text"),
-            ("text/html", "html"),
-            ("text/markdown", "markdown"),
-            ("image/svg+xml", "svg"),
-            ("image/png", "png"),
-            ("image/jpeg", "jpeg"),
-            ("application/pdf", "pdf"),
-            ("text/latex", "latex"),
-            ("application/javascript", "javascript"),
-        ] {
-            if let Some(v) = shown.get(mime) {
-                line[key] = json!(v);
-            }
-        }
-        // JSON comes as JSON text from the guest; E2B's clients get the value.
-        if let Some(v) = shown
-            .get("application/json")
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok())
-        {
-            line["json"] = v;
-        }
-        push(out, line);
+    // The value: always has text/plain (the outputs may come without a value).
+    if let Some(shown) = cell
+        .result
+        .as_ref()
+        .filter(|s| s.contains_key("text/plain"))
+    {
+        push_result(out, &|mime| shown.get(mime).cloned(), true);
+    }
+    for entry in entries("after") {
+        push_output(out, entry, &figures);
     }
     let r = &cell.exec;
     let error = match (&cell.error, r.status) {
@@ -391,4 +487,75 @@ pub async fn remove_context(
     Path(id): Path<String>,
 ) -> Response {
     reset(c, headers, id, true).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(out: &[u8]) -> Vec<serde_json::Value> {
+        out.split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).expect("one JSON value a line"))
+            .collect()
+    }
+
+    #[test]
+    fn json_formats_are_spliced_in_their_order_on_one_line() {
+        let shown: BTreeMap<String, String> = [
+            ("text/plain", "'quoted'"),
+            ("application/json", "{\"b\": 1,\n \"a\": 2}"),
+            (MIME_DATA, "{\"z\": [1], \"y\": [2]}"),
+            (MIME_CHART, "{not json"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let mut out = Vec::new();
+        push_result(&mut out, &|m| shown.get(m).cloned(), true);
+
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(text.matches('\n').count(), 1, "{text}");
+        assert!(text.contains(r#""data":{"z": [1], "y": [2]}"#), "{text}");
+        let line = &lines(&out)[0];
+        assert_eq!(line["text"], "quoted");
+        assert_eq!(line["json"], json!({"a": 2, "b": 1}));
+        assert_eq!(line["is_main_result"], true);
+        assert!(line.get("chart").is_none(), "bad JSON is left out: {line}");
+    }
+
+    #[test]
+    fn output_entries_take_their_figures_pngs() {
+        let outputs = json!({
+            "before": [{"text/plain": "1"}, {"text/plain": "<Figure>", FIGURE_KEY: 1}],
+            "after": [{"text/plain": "<Figure>", FIGURE_KEY: 0}, {"text/plain": "x", FIGURE_KEY: 9}],
+        });
+        let entries: Vec<serde_json::Value> = ["before", "after"]
+            .iter()
+            .flat_map(|p| outputs[p].as_array().unwrap().clone())
+            .collect();
+        let mut out = Vec::new();
+        for e in &entries {
+            push_output(&mut out, e, &["AAAA", "BBBB"]);
+        }
+        let got: Vec<_> = lines(&out)
+            .iter()
+            .map(|l| {
+                (
+                    l["text"].clone(),
+                    l["png"].clone(),
+                    l["is_main_result"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (json!("1"), json!(null), json!(false)),
+                (json!("<Figure>"), json!("BBBB"), json!(false)),
+                (json!("<Figure>"), json!("AAAA"), json!(false)),
+                (json!("x"), json!(null), json!(false)),
+            ]
+        );
+    }
 }

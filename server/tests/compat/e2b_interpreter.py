@@ -1,10 +1,11 @@
 """The unmodified E2B code-interpreter SDK against bud (E2B_API_URL / E2B_SANDBOX_URL point
 at it): a sandbox, stateful cells, streaming callbacks, an error with its traceback, a
-matplotlib figure, a DataFrame, contexts, kill. Prints what it saw as one JSON object; the
+matplotlib figure, a DataFrame (with its data), charts, display(), contexts, kill. Prints what it saw as one JSON object; the
 Rust test (server/tests/compat.rs) asserts every value."""
 
 import base64
 import json
+import time
 
 from e2b_code_interpreter import Sandbox
 
@@ -59,6 +60,70 @@ seen["figure"] = [
 e = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': [3, 4]})")
 seen["frame"] = ["<table" in e.results[0].html, e.results[0].text.split()]
 
+# A DataFrame's columns as E2B's `data`: timestamps in ISO 8601, NaN as null, index left out.
+timings = {}
+started = time.perf_counter()
+e = sbx.run_code(
+    "import numpy as np\n"
+    "df = pd.DataFrame({'n': [1, 2], 'x': [0.5, np.nan], 's': ['p', 'q'],\n"
+    "                   't': pd.to_datetime(['2024-01-01', '2024-01-02 03:04:05'])},\n"
+    "                  index=['i', 'j'])\n"
+    "df"
+)
+timings["frame"] = time.perf_counter() - started
+r = e.results[0]
+seen["frame_data"] = [len(e.results), r.is_main_result, r.data, sorted(r.formats())]
+seen["frame_columns"] = list(r.data)
+started = time.perf_counter()
+e = sbx.run_code("big = pd.DataFrame({'v': range(10000)}, dtype=float)\nbig")
+timings["frame_10000_rows"] = time.perf_counter() - started
+seen["big_frame"] = [len(e.results[0].data["v"]), e.results[0].data["v"][-1]]
+
+# Figures as E2B's charts, each beside its PNG: line, bar, scatter, and one left open,
+# which comes after the value (as Jupyter flushes open figures after the cell).
+started = time.perf_counter()
+e = sbx.run_code("z = 1")
+timings["plain_cell"] = time.perf_counter() - started
+started = time.perf_counter()
+e = sbx.run_code(
+    "plt.plot([1, 2, 3], [1, 4, 9], label='squares')\n"
+    "plt.plot([1, 2, 3], [2, 3, 4])\n"
+    "plt.title('growth')\nplt.xlabel('time (s)')\nplt.ylabel('size [m]')\nplt.show()\n"
+    "plt.bar(['a', 'b', 'c'], [3, 1, 2], label='counts')\nplt.title('bars')\nplt.show()\n"
+    "plt.scatter([1, 2], [5, 6], label='dots')\nplt.show()\n"
+    "fig, ax = plt.subplots()\nax.barh(['p', 'q'], [7, 8])\nax.set_xlabel('amount (kg)')\n"
+    "'value'"
+)
+timings["four_charts"] = time.perf_counter() - started
+charts = []
+for r in e.results:
+    c = r.chart
+    row = [r.is_main_result, r.text, r.png is not None]
+    if c is not None:
+        row += [type(c).__name__, c.type.value, c.title, c.to_dict().get("x_label"),
+                c.to_dict().get("y_label"), c.to_dict().get("x_unit"), c.to_dict().get("y_unit")]
+        if c.type.value in ("line", "scatter"):
+            row.append([[p.label, [list(xy) for xy in p.points]] for p in c.elements])
+            row.append([c.x_scale.value, c.x_ticks[:2], c.x_tick_labels[:2]])
+        else:
+            row.append([[b.label, b.group, b.value] for b in c.elements])
+    charts.append(row)
+seen["charts"] = charts
+
+# display(): extra results (not the main one), in call order, before the value.
+e = sbx.run_code(
+    "display('shown')\nprint('printed')\ndisplay(df[['n']], {'k': 1}, exclude=['application/json'])\n"
+    "plt.plot([1, 2])\nplt.show()\n"
+    "display({'k': [1, 2]})\n40 + 2"
+)
+seen["display"] = [
+    [r.is_main_result, r.text, sorted(r.formats())] for r in e.results
+] + [e.logs.stdout, e.results[1].data]
+seen["display_only"] = [
+    [r.is_main_result, r.text] for r in sbx.run_code("for i in range(3): display(i)").results
+]
+seen["json_value"] = sbx.run_code("{'a': [1, 2.5], 'b': None}").results[0].json
+
 ctx = sbx.create_code_context()
 sbx.run_code("x = 'in the context'", context=ctx)
 seen["context"] = [sbx.run_code("x", context=ctx).text, sbx.run_code("x").text]
@@ -73,4 +138,5 @@ seen["running"] = sbx.is_running()
 sbx.kill()
 seen["running_after_kill"] = sbx.is_running()
 seen["kill_again"] = Sandbox.kill(sbx.sandbox_id)
+seen["timings"] = {k: round(v, 3) for k, v in timings.items()}
 print(json.dumps(seen))
