@@ -12,9 +12,9 @@ use vmm::session::{Session, SessionError};
 use vmm::{Job, JobResult};
 
 use crate::api::JobFiles;
+use crate::service::access::{acquire, end_if_unusable};
 use crate::service::admission;
 use crate::service::error::Error;
-use crate::service::sessions::{acquire, end_if_unusable};
 use crate::state::AppState;
 
 /// The service's error for `e`, a failed operation on `path` (named `field` in requests).

@@ -5,7 +5,11 @@
 //!
 //! - [`admission`]: whether work may enter, and the way to a job thread;
 //! - [`jobs`]: one-shot jobs and batches (one submit path; recorded once);
+//! - [`access`]: the way to a session's VM for one request (take it in turn, end it if
+//!   the request left its VM unusable);
 //! - [`sessions`]: start, cell, fork, end, expiry;
+//! - [`processes`]: a session's background processes and the pump that runs its VM
+//!   while they live;
 //! - [`files`]: a session's files, a one-shot job's files;
 //! - [`templates`]: which executor a request runs on;
 //! - [`record`]: a finished job or cell recorded once (metrics, log, audit);
@@ -16,6 +20,7 @@
 //! The service reads the core ([`crate::state`], [`crate::sessions`], [`crate::jobs`],
 //! [`crate::audit`], [`crate::metrics`]) and never an edge module.
 
+pub mod access;
 pub mod admission;
 pub mod error;
 pub mod files;

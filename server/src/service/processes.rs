@@ -23,9 +23,9 @@ use vmm::process::{ProcessError, ProcessSpec};
 use vmm::session::SessionError;
 
 use crate::procs::{Info, Kept, Start, Subscription};
+use crate::service::access::{acquire, end_if_unusable, get};
 use crate::service::admission;
 use crate::service::error::Error;
-use crate::service::sessions::{acquire, end_if_unusable, get};
 use crate::sessions::{Busy, Entry};
 use crate::state::AppState;
 

@@ -8,47 +8,19 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, ForkStats, Session, SessionError};
-use vmm::{Health, JobResult, Language, Status, Unusable};
+use vmm::{JobResult, Language};
 
 use crate::api::{CreateSession, ExecRequest};
 use crate::audit::Origin;
 use crate::jobs::CancelOnDrop;
+pub use crate::service::access::{acquire, end_if_unusable, get, unavailable};
 use crate::service::admission::{self, Pending, Reply};
 use crate::service::error::Error;
 use crate::service::record::finished;
 use crate::service::task::Sink;
 use crate::service::templates;
-use crate::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
+use crate::sessions::{Ended, Entry, NewSession, Unavailable};
 use crate::state::AppState;
-
-/// The service's error for a session that cannot take a request.
-pub fn unavailable(id: &str, u: Unavailable) -> Error {
-    match u {
-        Unavailable::Unknown => Error::NoSession(id.to_owned()),
-        Unavailable::Busy => Error::SessionBusy(id.to_owned()),
-        Unavailable::Gone(e) => Error::SessionGone {
-            id: id.to_owned(),
-            reason: e.reason,
-            detail: e.detail,
-        },
-    }
-}
-
-/// Session `id` for a request: at once if it is free, else after the requests before it
-/// (at most `--session-max-waiting` wait at once).
-pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
-    let max = state.config().sessions.max_waiting;
-    state
-        .sessions()
-        .acquire_waiting(id, max)
-        .await
-        .map_err(|u| unavailable(id, u))
-}
-
-/// Session `id`, live.
-pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
-    state.sessions().get(id).map_err(|u| unavailable(id, u))
-}
 
 /// The memory cap, before a session is made or forked.
 fn check_memory(state: &AppState) -> Result<(), Error> {
@@ -263,13 +235,13 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     check_memory(state)?;
     let sessions = state.sessions().clone();
     let exec = busy.entry().executor.clone();
-    admission::call(state, move || {
+    let forked = admission::call(state, move || {
         let e = busy.entry().clone();
         let forked = e
             .with_vm(|s| s.fork(&exec, count))
             .unwrap_or(Err(SessionError::Gone));
         let (children, stats) = forked.map_err(Error::internal)?;
-        let mut ids = Vec::with_capacity(children.len());
+        let mut made = Vec::with_capacity(children.len());
         for child in children {
             let settings = NewSession {
                 language: e.language,
@@ -287,56 +259,35 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
             };
             let child_entry = sessions.insert(settings, child).map_err(Error::internal)?;
             child_entry.account();
-            ids.push(child_entry.id.clone());
+            made.push(child_entry);
         }
         sessions
             .forked
-            .fetch_add(ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(made.len() as u64, std::sync::atomic::Ordering::Relaxed);
         e.account();
-        drop(busy);
-        Ok::<_, Error>(Forked { ids, stats })
-    })
-    .await?
-}
-
-/// Ends the session of `busy` if its VM is no longer usable after a request, with why (the
-/// VM's own [`Health`]: the one answer the executor and sessions read).
-pub fn end_if_unusable(state: &AppState, busy: &Busy) {
-    let e = busy.entry();
-    let health = e
-        .with_vm(|s| s.health().clone())
-        .unwrap_or(Health::Discard(Unusable::Failed(
-            "the session's VM is gone".into(),
-        )));
-    let Health::Discard(why) = health else {
-        return;
-    };
-    let stopped = |reason, after| {
-        let detail = format!("the cell did not stop within the grace period after {after}");
-        (reason, detail)
-    };
-    let (reason, detail) = match &why {
-        Unusable::Stopped(Status::Timeout) => stopped("timeout", "its interrupt"),
-        Unusable::Stopped(Status::Cancelled) => stopped("cancelled", "it was cancelled"),
-        Unusable::Stopped(Status::OutputLimit) => {
-            stopped("output_limit", "its output reached the cap")
+        // Each child has its own copy of the parent's live processes (and their pipes):
+        // they are its processes from now on.
+        let live: Vec<_> = e
+            .processes
+            .list()
+            .into_iter()
+            .filter(|(_, end)| end.is_none())
+            .collect();
+        for child in &made {
+            for (info, _) in &live {
+                child.processes.add((**info).clone());
+            }
         }
-        _ => ("crashed", why.to_string()),
-    };
-    // The 410s that follow carry the last console lines too.
-    let last = e.with_vm(|s| s.console_tail(5)).unwrap_or_default();
-    let detail = if reason == "crashed" && !last.is_empty() {
-        Some(format!("{detail}; console: {}", last.join(" | ")))
-    } else {
-        Some(detail)
-    };
-    state.sessions().end(
-        &e.id,
-        Ended {
-            reason: reason.into(),
-            detail,
-        },
-    );
+        drop(busy);
+        Ok::<_, Error>((made, stats))
+    })
+    .await??;
+    let (made, stats) = forked;
+    for child in &made {
+        crate::service::processes::ensure_pump(state, child);
+    }
+    let ids = made.iter().map(|c| c.id.clone()).collect();
+    Ok(Forked { ids, stats })
 }
 
 /// Ends expired sessions every second until the server stops (spawned by `serve`).

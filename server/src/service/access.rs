@@ -1,0 +1,81 @@
+//! The way to a session's VM for one request: take the session (at once if it is free,
+//! else after the requests before it), find it, and end it when a request left its VM
+//! unusable. Below [`super::sessions`] (the session's life: start, cell, fork, end) and
+//! [`super::processes`] (its background processes), which both take sessions this way.
+
+use std::sync::Arc;
+
+use vmm::{Health, Status, Unusable};
+
+use crate::service::error::Error;
+use crate::sessions::{Busy, Ended, Entry, Unavailable};
+use crate::state::AppState;
+
+/// The service's error for a session that cannot take a request.
+pub fn unavailable(id: &str, u: Unavailable) -> Error {
+    match u {
+        Unavailable::Unknown => Error::NoSession(id.to_owned()),
+        Unavailable::Busy => Error::SessionBusy(id.to_owned()),
+        Unavailable::Gone(e) => Error::SessionGone {
+            id: id.to_owned(),
+            reason: e.reason,
+            detail: e.detail,
+        },
+    }
+}
+
+/// Session `id` for a request: at once if it is free, else after the requests before it
+/// (at most `--session-max-waiting` wait at once).
+pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
+    let max = state.config().sessions.max_waiting;
+    state
+        .sessions()
+        .acquire_waiting(id, max)
+        .await
+        .map_err(|u| unavailable(id, u))
+}
+
+/// Session `id`, live.
+pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
+    state.sessions().get(id).map_err(|u| unavailable(id, u))
+}
+
+/// Ends the session of `busy` if its VM is no longer usable after a request, with why (the
+/// VM's own [`Health`]: the one answer the executor and sessions read).
+pub fn end_if_unusable(state: &AppState, busy: &Busy) {
+    let e = busy.entry();
+    let health = e
+        .with_vm(|s| s.health().clone())
+        .unwrap_or(Health::Discard(Unusable::Failed(
+            "the session's VM is gone".into(),
+        )));
+    let Health::Discard(why) = health else {
+        return;
+    };
+    let stopped = |reason, after| {
+        let detail = format!("the cell did not stop within the grace period after {after}");
+        (reason, detail)
+    };
+    let (reason, detail) = match &why {
+        Unusable::Stopped(Status::Timeout) => stopped("timeout", "its interrupt"),
+        Unusable::Stopped(Status::Cancelled) => stopped("cancelled", "it was cancelled"),
+        Unusable::Stopped(Status::OutputLimit) => {
+            stopped("output_limit", "its output reached the cap")
+        }
+        _ => ("crashed", why.to_string()),
+    };
+    // The 410s that follow carry the last console lines too.
+    let last = e.with_vm(|s| s.console_tail(5)).unwrap_or_default();
+    let detail = if reason == "crashed" && !last.is_empty() {
+        Some(format!("{detail}; console: {}", last.join(" | ")))
+    } else {
+        Some(detail)
+    };
+    state.sessions().end(
+        &e.id,
+        Ended {
+            reason: reason.into(),
+            detail,
+        },
+    );
+}
