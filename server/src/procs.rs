@@ -360,7 +360,7 @@ mod tests {
         assert_eq!(p.live(), 0);
         assert!(p.pump_should_stop());
         let again = p.subscribe(5, true).unwrap();
-        assert_eq!(again.replay.len(), 2, "output and end");
+        assert_eq!(again.replay.len(), 3, "both outputs and the end");
         assert!(again.ended.is_some());
     }
 
