@@ -322,3 +322,40 @@ fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_and_kill() {
         "(command {cmd})"
     );
 }
+
+#[test]
+fn a_fork_child_has_its_own_copy_of_each_running_process() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let p = start(
+        &s,
+        &id,
+        json!({"command": "while read -r l; do echo \"read $l\"; done; echo eof", "stdin": true}),
+    );
+    let pid = p["pid"].as_u64().unwrap();
+    let (st, r) = s.post(&format!("/v1/sessions/{id}/fork"), &json!({"count": 1}));
+    assert_eq!(st, 201, "{r}");
+    let child = r["ids"][0].as_str().unwrap().to_owned();
+    let listed: Value = s
+        .get(&format!("/v1/sessions/{child}/processes"))
+        .json()
+        .unwrap();
+    assert_eq!(listed["processes"][0]["pid"], json!(pid), "{listed}");
+    assert_eq!(listed["processes"][0]["status"], "running");
+    for (sid, word) in [(&child, "child"), (&id, "parent")] {
+        let (st, r) = post(
+            &s,
+            &format!("/v1/sessions/{sid}/processes/{pid}/stdin"),
+            &json!({"data": format!("{word}\n"), "close": true}),
+        );
+        assert_eq!(st, 204, "{r}");
+    }
+    assert_eq!(
+        stdout_of(&output(&s, &child, pid, "start")),
+        "read child\neof\n"
+    );
+    assert_eq!(
+        stdout_of(&output(&s, &id, pid, "start")),
+        "read parent\neof\n"
+    );
+}
