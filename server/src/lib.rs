@@ -57,7 +57,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 18] = [
+pub const ROUTES: [(&str, &str); 25] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -76,6 +76,13 @@ pub const ROUTES: [(&str, &str); 18] = [
     ("put", "/v1/sessions/{id}/files/{path}"),
     ("get", "/v1/sessions/{id}/files/{path}"),
     ("delete", "/v1/sessions/{id}/files/{path}"),
+    ("post", "/v1/sessions/{id}/processes"),
+    ("get", "/v1/sessions/{id}/processes"),
+    ("get", "/v1/sessions/{id}/processes/{pid}"),
+    ("delete", "/v1/sessions/{id}/processes/{pid}"),
+    ("get", "/v1/sessions/{id}/processes/{pid}/output"),
+    ("post", "/v1/sessions/{id}/processes/{pid}/stdin"),
+    ("post", "/v1/sessions/{id}/processes/{pid}/signal"),
 ];
 
 /// The API's router over `state`.
