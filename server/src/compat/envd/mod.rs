@@ -5,15 +5,10 @@
 //!   status and `{"code", "message"}` (Connect's codes); a server-streaming call
 //!   (`process.Process/Start`) sends and receives *envelopes* (1 flag byte, a big-endian
 //!   u32 length, the JSON), the last one flagged end-of-stream with `{}` or `{"error"}`.
-//! - `process.Process/Start` runs the command as a **shell cell** of the sandbox's session
-//!   (the same files and working directory as its Python cells): `/bin/bash -l -c SCRIPT`
-//!   (what `sandbox.commands.run` sends) runs SCRIPT in busybox `sh`; any other command
-//!   runs as its quoted argv. `envs` and `cwd` apply; the timeout is `Connect-Timeout-Ms`
-//!   up to the server's `max_timeout_ms`. Events: `start` (a per-server pid number, not a
-//!   guest pid), `data` (stdout / stderr as they come, base64 as proto JSON has bytes),
-//!   `end` (`exitCode`, `exited`, `status`). A client that closes the stream before `end`
-//!   stops the command (interrupted, as at its timeout). Background processes, stdin,
-//!   signals, PTYs and `List`/`Connect` are not implemented (`unimplemented`).
+//! - `process.Process`: every command is a background process of the sandbox's session
+//!   (`crate::service::processes`; the same files as its cells): `Start`, `Connect`,
+//!   `List`, `SendInput`, `StreamInput`, `CloseStdin`, `SendSignal` ([`process`] says
+//!   how); PTYs are `unimplemented`.
 //! - `filesystem.Filesystem`: `Stat`, `ListDir` (depth >= 1), `MakeDir`
 //!   (`already_exists` when it does), `Remove`, `Move`; watchers are not implemented.
 //! - `GET /files?path=` reads a file; `POST /files` writes files from a multipart form
