@@ -124,6 +124,14 @@ impl Processes {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether a client is connected to a process that has not ended.
+    pub fn watched(&self) -> bool {
+        self.table()
+            .procs
+            .values()
+            .any(|p| p.end.is_none() && p.tx.receiver_count() > 0)
+    }
+
     /// Processes that have not ended.
     pub fn live(&self) -> usize {
         self.table()

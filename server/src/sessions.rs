@@ -211,6 +211,11 @@ impl Entry {
     }
 
     /// Whether a request is running in it.
+    /// Counts as use for the idle timeout (a client reading a process's output).
+    pub fn touch(&self) {
+        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
     pub fn is_busy(&self) -> bool {
         self.busy.load(Ordering::Acquire)
     }

@@ -228,8 +228,13 @@ pub fn ensure_pump(state: &AppState, e: &Arc<Entry>) {
     }
 }
 
-/// Keeps session `e`'s VM running while it has live processes (module docs).
+/// How often the pump measures the session's memory (its processes grow it).
+const ACCOUNT_EVERY: Duration = Duration::from_secs(1);
+
+/// Keeps session `e`'s VM running while it has live processes (module docs). A client
+/// connected to a process's output counts as use of the session (its idle timeout).
 async fn pump(state: AppState, e: Arc<Entry>) {
+    let mut accounted = Instant::now();
     while !e.processes.pump_should_stop() {
         let cancel = Cancel::new();
         let Ok(busy) = state
@@ -243,15 +248,25 @@ async fn pump(state: AppState, e: Arc<Entry>) {
         };
         let exec = e.executor.clone();
         let st = state.clone();
+        let account = accounted.elapsed() >= ACCOUNT_EVERY;
+        if account {
+            accounted = Instant::now();
+        }
         let polled = tokio::task::spawn_blocking(move || {
             let r = busy
                 .entry()
                 .with_vm(|s| s.poll_processes(&exec, POLL_WAIT, POLL_BUDGET, Some(cancel)))
                 .unwrap_or(Err(ProcessError::Session(SessionError::Gone)));
             end_if_unusable(&st, &busy);
+            if account {
+                busy.entry().account();
+            }
             r
         })
         .await;
+        if e.processes.watched() {
+            e.touch();
+        }
         match polled {
             Ok(Ok(events)) => e.processes.record(events),
             Ok(Err(err)) => {
