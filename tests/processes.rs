@@ -99,6 +99,7 @@ fn a_background_process_runs_between_requests_and_reports_output_and_exit() {
                 env: vec![("GREETING".into(), "hello there".into())],
                 cwd: Some("/usr".into()),
                 stdin: false,
+                pty: None,
             },
         )
         .expect("start");
@@ -261,5 +262,51 @@ fn output_larger_than_a_poll_budget_arrives_whole_and_in_order() {
         .status,
         Status::Ok
     );
+    s.end(&ex);
+}
+
+#[test]
+fn a_process_on_a_terminal_has_its_size_input_and_resize() {
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let pid = s
+        .start_process(
+            &ex,
+            &ProcessSpec {
+                script: "stty size; [ -t 0 ] && tty; read -r x; stty size; echo \"got $x\"".into(),
+                pty: Some((24, 80)),
+                ..ProcessSpec::default()
+            },
+        )
+        .expect("start");
+    let mut seen = Seen::default();
+    let t = Instant::now();
+    // Typed input is echoed by the terminal as it is written: wait for the prompt's lines.
+    while !seen
+        .out
+        .get(&pid)
+        .is_some_and(|p| p.0.windows(9).any(|w| w == b"/dev/pts/"))
+    {
+        assert!(t.elapsed() < Duration::from_secs(60), "{seen:?}");
+        seen.take(
+            s.poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
+                .unwrap(),
+        );
+    }
+    s.resize_process(&ex, pid, 30, 100).expect("resize");
+    s.process_stdin(&ex, pid, b"hello\n".to_vec(), false)
+        .unwrap();
+    poll_until_ended(&mut s, &ex, &mut seen, pid, Duration::from_secs(60));
+    let out = seen.stdout(pid);
+    // The terminal's own line endings and echo of what was typed.
+    assert!(out.starts_with("24 80\r\n/dev/pts/"), "{out:?}");
+    assert!(out.contains("hello\r\n30 100\r\ngot hello\r\n"), "{out:?}");
+    assert_eq!(seen.ended(pid), Some((Some(0), None)));
+    // Not a terminal: no resize.
+    let plain = s.start_process(&ex, &spec("sleep 30")).unwrap();
+    assert!(matches!(
+        s.resize_process(&ex, plain, 10, 10),
+        Err(ProcessError::NotFound(_))
+    ));
     s.end(&ex);
 }

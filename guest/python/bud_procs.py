@@ -15,6 +15,11 @@ output, its clients and its end; this module only holds the pipes.
   byte budget), or when the host interrupts it (the host has another request for this
   sandbox; the interrupt is taken only in the ``select``, see :meth:`Table.run`). While no request runs the VM is stopped, so a process whose
   pipe fills between polls simply blocks on its write until the next one.
+- **A terminal** (PTY): the process runs on a new pseudo-terminal as its controlling
+  terminal (busybox ``setsid -c``: the worker spawns without ``preexec_fn``, so the child
+  cannot ``TIOCSCTTY`` itself), which is its stdin, stdout and stderr; its output is one
+  stream, input goes to the terminal, and a resize sets the terminal's size (the kernel
+  sends SIGWINCH).
 - A process is reported ended only after its pipes are drained to EOF or it is reaped and
   its pipes have nothing more (a child it left behind may hold them open: its output after
   that is dropped with the pipes).
@@ -24,10 +29,12 @@ exec of busybox ``sh`` (~0.4 s measured, most of it the exec); a poll with nothi
 ``select`` and the DONE; each output event a ``read``.
 """
 
+import fcntl
 import os
 import select
 import struct
 import subprocess
+import termios
 import time
 
 import _bud
@@ -56,19 +63,37 @@ class ProcessError(Exception):
         self.status = status
 
 
-class Process:
-    """One live process: its ``Popen``, its open pipes (fd -> kind) and its pidfd."""
+def _size(text):
+    """``ROWSxCOLS`` as the ``struct winsize`` of TIOCSWINSZ."""
+    try:
+        rows, cols = (int(n) for n in text.split("x"))
+    except ValueError:
+        raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"bad terminal size {text!r}") from None
+    if not (1 <= rows <= 1000 and 1 <= cols <= 1000):
+        raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"terminal size {text} out of range")
+    return struct.pack("HHHH", rows, cols, 0, 0)
 
-    def __init__(self, popen):
+
+class Process:
+    """One live process: its ``Popen``, its open output fds (fd -> kind), where its input
+    goes, and its pidfd."""
+
+    def __init__(self, popen, master=None):
         self.popen = popen
         self.pid = popen.pid
         self.pipes = {}
-        for kind, stream in ((_bud.PROCESS_EVENT_STDOUT, popen.stdout),
-                             (_bud.PROCESS_EVENT_STDERR, popen.stderr)):
-            fd = stream.fileno()
-            os.set_blocking(fd, False)
-            self.pipes[fd] = kind
-        self.stdin = popen.stdin
+        self.master = master
+        if master is not None:
+            os.set_blocking(master, False)
+            self.pipes[master] = _bud.PROCESS_EVENT_PTY
+            self.stdin = _Fd(master)
+        else:
+            for kind, stream in ((_bud.PROCESS_EVENT_STDOUT, popen.stdout),
+                                 (_bud.PROCESS_EVENT_STDERR, popen.stderr)):
+                fd = stream.fileno()
+                os.set_blocking(fd, False)
+                self.pipes[fd] = kind
+            self.stdin = popen.stdin
         if self.stdin is not None:
             os.set_blocking(self.stdin.fileno(), False)
         try:
@@ -95,20 +120,43 @@ class Process:
 
     def close(self):
         for fd in list(self.pipes):
-            os.close(fd)
+            if fd != self.master:
+                os.close(fd)
         self.pipes.clear()
+        if self.master is not None:
+            self.stdin = None
         if self.stdin is not None:
             self.close_stdin()
+        if self.master is not None:
+            os.close(self.master)
+            self.master = None
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
 
     def close_stdin(self):
-        try:
-            self.stdin.close()
-        except OSError:
-            pass
+        if self.master is None:
+            try:
+                self.stdin.close()
+            except OSError:
+                pass
+        else:
+            # A terminal's input is the terminal: "closing" it is the end-of-file character.
+            try:
+                os.write(self.master, b"\x04")
+            except OSError:
+                pass
         self.stdin = None
+
+
+class _Fd:
+    """A bare descriptor where a file object is expected (a terminal's input)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def fileno(self):
+        return self.fd
 
 
 class Table:
@@ -136,6 +184,11 @@ class Table:
             write_out(str(taken).encode())
         elif op == _bud.PROCESS_OP_SIGNAL:
             self.signal(self._process(request.code), int(args[0]))
+        elif op == _bud.PROCESS_OP_RESIZE:
+            p = self._process(request.code)
+            if p.master is None:
+                raise ProcessError(_bud.FILE_STATUS_NOT_FOUND, f"process {p.pid} has no terminal")
+            fcntl.ioctl(p.master, termios.TIOCSWINSZ, _size(args[0] if args else ""))
         else:
             raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"unknown process operation {op}")
         return _bud.FILE_STATUS_OK
@@ -157,15 +210,39 @@ class Table:
         env.update((k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
                    for k, v in request.env)
         with_stdin = bool(request.flags & _bud.JOB_FLAGS_PROCESS_STDIN)
+        script = request.code.decode("utf-8", "surrogateescape")
+        if request.flags & _bud.JOB_FLAGS_PROCESS_PTY:
+            if not any(k == b"TERM" for k, _ in request.env):
+                env["TERM"] = "xterm-256color"  # a terminal, not the worker's "dumb"
+            return self._start_pty(script, cwd, env, args_size(request))
         try:
             popen = subprocess.Popen(
-                ["/bin/sh", "-c", request.code.decode("utf-8", "surrogateescape")],
+                ["/bin/sh", "-c", script],
                 stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd or None, env=env,
                 start_new_session=True, close_fds=True)
         except OSError as error:
             raise ProcessError(_bud.FILE_STATUS_OS_ERROR, f"starting the process: {error}") from None
         p = Process(popen)
+        self.live[p.pid] = p
+        return p.pid
+
+    def _start_pty(self, script, cwd, env, size):
+        winsize = _size(size)
+        master, slave = os.openpty()
+        try:
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, winsize)
+            # setsid -c: a new session whose controlling terminal is its stdin (the slave).
+            popen = subprocess.Popen(
+                ["/bin/busybox", "setsid", "-c", "/bin/sh", "-c", script],
+                stdin=slave, stdout=slave, stderr=slave, cwd=cwd or None, env=env,
+                close_fds=True)
+        except OSError as error:
+            os.close(master)
+            raise ProcessError(_bud.FILE_STATUS_OS_ERROR, f"starting the process: {error}") from None
+        finally:
+            os.close(slave)
+        p = Process(popen, master)
         self.live[p.pid] = p
         return p.pid
 
@@ -204,8 +281,11 @@ class Table:
                         data = os.read(fd, min(READ_CHUNK, room - taken))
                     except BlockingIOError:
                         break
+                    except OSError:
+                        data = b""  # a terminal whose other side is all closed: EIO
                     if not data:
-                        os.close(fd)
+                        if fd != p.master:  # the terminal stays open for input
+                            os.close(fd)
                         del p.pipes[fd]
                         break
                     write_out(EVENT.pack(pid, kind, 0, len(data)) + data)
@@ -255,6 +335,11 @@ class Table:
                 pass
         except (OSError, ValueError) as error:
             raise ProcessError(_bud.FILE_STATUS_OS_ERROR, f"signal {signum}: {error}") from None
+
+
+def args_size(request):
+    """The terminal size of a START (its second argument)."""
+    return request.args[1].decode() if len(request.args) > 1 else ""
 
 
 def _select(fds, timeout):

@@ -57,7 +57,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 25] = [
+pub const ROUTES: [(&str, &str); 26] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -83,6 +83,7 @@ pub const ROUTES: [(&str, &str); 25] = [
     ("get", "/v1/sessions/{id}/processes/{pid}/output"),
     ("post", "/v1/sessions/{id}/processes/{pid}/stdin"),
     ("post", "/v1/sessions/{id}/processes/{pid}/signal"),
+    ("post", "/v1/sessions/{id}/processes/{pid}/resize"),
 ];
 
 /// The API's router over `state`.
@@ -135,6 +136,10 @@ pub fn app(state: AppState) -> Router {
         .route(
             "/v1/sessions/{id}/processes/{pid}/signal",
             post(process_routes::signal),
+        )
+        .route(
+            "/v1/sessions/{id}/processes/{pid}/resize",
+            post(process_routes::resize),
         )
         .merge(compat::routes(state.clone()))
         .fallback(routes::not_found)

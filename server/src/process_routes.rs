@@ -8,7 +8,7 @@
 //!   `{"type":"dropped","bytes":N}` for output no longer kept, then `{"type":"end",...}`
 //!   with the process's info), until it ends; a client that goes away leaves it running;
 //! - `POST .../{pid}/stdin`: write (and close) its stdin; `POST .../{pid}/signal`;
-//!   `DELETE .../{pid}`: SIGKILL.
+//!   `POST .../{pid}/resize` (a terminal's size); `DELETE .../{pid}`: SIGKILL.
 
 use std::convert::Infallible;
 
@@ -22,7 +22,7 @@ use serde::Deserialize;
 use tokio::sync::broadcast::error::RecvError;
 use vmm::job::Stream;
 
-use crate::api::processes::{ProcessInfo, SendSignal, StartProcess, WriteStdin};
+use crate::api::processes::{ProcessInfo, SendSignal, StartProcess, TerminalSize, WriteStdin};
 use crate::api::text_and_b64;
 use crate::body::JsonBody;
 use crate::error::{ApiError, Error};
@@ -183,6 +183,17 @@ pub async fn signal(
 ) -> Result<StatusCode, ApiError> {
     let sig = req.number()?;
     processes::signal(&state, &id, pid, sig).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/sessions/{id}/processes/{pid}/resize`.
+pub async fn resize(
+    State(state): State<AppState>,
+    Path((id, pid)): Path<(String, u32)>,
+    JsonBody(req): JsonBody<TerminalSize>,
+) -> Result<StatusCode, ApiError> {
+    let (rows, cols) = req.checked()?;
+    processes::resize(&state, &id, pid, rows, cols).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -39,6 +39,8 @@ pub struct Start {
     pub env: BTreeMap<String, String>,
     pub tag: Option<String>,
     pub stdin: bool,
+    /// Run it on a terminal of this size (rows, columns).
+    pub pty: Option<(u16, u16)>,
 }
 
 /// How a process ended.
@@ -65,8 +67,10 @@ pub struct Info {
     pub env: BTreeMap<String, String>,
     /// A client's name for it (E2B's tag).
     pub tag: Option<String>,
-    /// It was given a stdin pipe.
+    /// It was given a stdin pipe (or a terminal).
     pub stdin: bool,
+    /// It runs on a terminal of this size (rows, columns) when it started.
+    pub pty: Option<(u16, u16)>,
     pub started_at: SystemTime,
 }
 
@@ -329,6 +333,7 @@ mod tests {
             env: BTreeMap::new(),
             tag: None,
             stdin: true,
+            pty: None,
             started_at: SystemTime::now(),
         }
     }

@@ -295,7 +295,7 @@ fn bad_requests_limits_and_a_session_that_ends_under_its_processes() {
 }
 
 #[test]
-fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_and_kill() {
+fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_kill_and_a_terminal() {
     let s = TestServer::start();
     let seen = client_script("e2b_processes.py", &[], &e2b_env(&s, "e2b_any"));
     let cmd = "echo started; sleep 2; echo done; exit 4";
@@ -316,7 +316,8 @@ fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_and_kill() {
             "client_timeout": "TimeoutException",
             "outlived_client": "still here\n",
             "concurrent": ["A saw the flag\n", "B made it\n"],
-            "pty": true,
+            "pty_end": 3,
+            "pty": [true, true, true, true],
             "async": [["async hi\n", 0], true, true],
         }),
         "(command {cmd})"
@@ -357,5 +358,52 @@ fn a_fork_child_has_its_own_copy_of_each_running_process() {
     assert_eq!(
         stdout_of(&output(&s, &id, pid, "start")),
         "read parent\neof\n"
+    );
+}
+
+#[test]
+fn a_process_on_a_terminal_through_the_native_api() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let (st, r) = s.post(
+        &format!("/v1/sessions/{id}/processes"),
+        &json!({"command": "true", "pty": {"rows": 0, "cols": 80}}),
+    );
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (400, &json!("invalid_request")),
+        "{r}"
+    );
+    let p = start(
+        &s,
+        &id,
+        json!({"command": "read -r go; stty size; echo \"$TERM\"", "pty": {"rows": 24, "cols": 80}}),
+    );
+    assert_eq!(p["pty"], json!({"rows": 24, "cols": 80}), "{p}");
+    assert_eq!(p["stdin"], true);
+    let pid = p["pid"].as_u64().unwrap();
+    let base = format!("/v1/sessions/{id}/processes/{pid}");
+    let (st, r) = post(
+        &s,
+        &format!("{base}/resize"),
+        &json!({"rows": 40, "cols": 120}),
+    );
+    assert_eq!(st, 204, "{r}");
+    let (st, _) = post(&s, &format!("{base}/stdin"), &json!({"data": "go\n"}));
+    assert_eq!(st, 204);
+    let lines = output(&s, &id, pid, "start");
+    assert_eq!(stdout_of(&lines), "go\r\n40 120\r\nxterm-256color\r\n");
+    assert_eq!(lines.last().unwrap()["exit_code"], 0);
+    // A process without a terminal cannot be resized.
+    let plain = start(&s, &id, json!({"command": "sleep 60"}));
+    let (st, r) = post(
+        &s,
+        &format!("/v1/sessions/{id}/processes/{}/resize", plain["pid"]),
+        &json!({"rows": 10, "cols": 10}),
+    );
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (400, &json!("invalid_request")),
+        "{r}"
     );
 }

@@ -18,13 +18,13 @@ use std::time::Duration;
 
 use crate::executor::Executor;
 use crate::job::{Cancel, Job, JobResult, Status, Stream};
-use crate::protocol::{file_status, process_event, process_op};
+use crate::protocol::{file_status, job_flags, process_event, process_op};
 use crate::session::{Session, SessionError};
 
 /// What happened to a background process, in the order it happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProcessEvent {
-    /// Bytes it wrote.
+    /// Bytes it wrote (a PTY process's terminal output comes as stdout).
     Output {
         pid: u32,
         stream: Stream,
@@ -49,6 +49,9 @@ pub struct ProcessSpec {
     pub cwd: Option<String>,
     /// Give it a stdin pipe (else it reads `/dev/null`).
     pub stdin: bool,
+    /// Run it on a terminal of this size (rows, columns) instead of pipes: its stdin,
+    /// stdout and stderr, and its controlling terminal.
+    pub pty: Option<(u16, u16)>,
 }
 
 /// Why a process operation did not do what it was asked.
@@ -114,7 +117,7 @@ pub fn decode_events(mut bytes: &[u8]) -> Result<Vec<ProcessEvent>, ProcessError
             .get(process_event::HEADER..process_event::HEADER + len)
             .ok_or_else(|| ProcessError::Malformed("an event longer than the answer".into()))?;
         let stream = match kind {
-            process_event::STDOUT => Some(Stream::Stdout),
+            process_event::STDOUT | process_event::PTY => Some(Stream::Stdout),
             process_event::STDERR => Some(Stream::Stderr),
             process_event::EXIT => None,
             other => return Err(ProcessError::Malformed(format!("event kind {other}"))),
@@ -155,14 +158,33 @@ impl Session {
         ex: &Executor,
         spec: &ProcessSpec,
     ) -> Result<u32, ProcessError> {
-        let mut j = request(
-            spec.script.as_bytes(),
-            vec![spec.cwd.clone().unwrap_or_default()],
-            OP_TIMEOUT,
-        );
+        let mut args = vec![spec.cwd.clone().unwrap_or_default()];
+        let mut flags = if spec.stdin {
+            job_flags::PROCESS_STDIN
+        } else {
+            0
+        };
+        if let Some((rows, cols)) = spec.pty {
+            args.push(format!("{rows}x{cols}"));
+            flags |= job_flags::PROCESS_PTY;
+        }
+        let mut j = request(spec.script.as_bytes(), args, OP_TIMEOUT);
         j.env = spec.env.clone();
-        let r = self.process_op(ex, process_op::START, spec.stdin, &j)?;
+        let r = self.process_op(ex, process_op::START, flags, &j)?;
         number(&answer(r)?)
+    }
+
+    /// Sets the terminal size of PTY process `pid` (it gets SIGWINCH).
+    pub fn resize_process(
+        &mut self,
+        ex: &Executor,
+        pid: u32,
+        rows: u16,
+        cols: u16,
+    ) -> Result<(), ProcessError> {
+        let j = request(pid.to_string(), vec![format!("{rows}x{cols}")], OP_TIMEOUT);
+        let r = self.process_op(ex, process_op::RESIZE, 0, &j)?;
+        answer(r).map(drop)
     }
 
     /// Waits up to `wait` for output and exits of the live processes (module docs) and
@@ -183,7 +205,7 @@ impl Session {
         );
         j.output_limit = budget + POLL_SLACK;
         j.cancel = cancel;
-        let r = self.process_op(ex, process_op::POLL, false, &j)?;
+        let r = self.process_op(ex, process_op::POLL, 0, &j)?;
         match (r.status, r.exit_code) {
             (Status::Ok, Some(file_status::OK)) => decode_events(&r.stdout),
             // The guest stopped waiting at the interrupt and answered at DONE with what it
@@ -209,7 +231,7 @@ impl Session {
         let args = if close { vec!["close".into()] } else { vec![] };
         let mut j = request(pid.to_string(), args, OP_TIMEOUT);
         j.stdin = data;
-        let r = self.process_op(ex, process_op::STDIN, false, &j)?;
+        let r = self.process_op(ex, process_op::STDIN, 0, &j)?;
         number(&answer(r)?)
     }
 
@@ -224,7 +246,7 @@ impl Session {
             return Err(ProcessError::Invalid(format!("no signal {signal}")));
         }
         let j = request(pid.to_string(), vec![signal.to_string()], OP_TIMEOUT);
-        let r = self.process_op(ex, process_op::SIGNAL, false, &j)?;
+        let r = self.process_op(ex, process_op::SIGNAL, 0, &j)?;
         answer(r).map(drop)
     }
 }

@@ -121,6 +121,8 @@ pub mod job_flags {
     pub const ERROR_IN_DISPLAY: u32 = 4;
     /// A [`super::process_op::START`]: give the process a stdin pipe.
     pub const PROCESS_STDIN: u32 = 8;
+    /// A [`super::process_op::START`]: run it on a terminal (`args[1]` is its size).
+    pub const PROCESS_PTY: u32 = 16;
 }
 
 /// File operations (`job::FILE_OP` of a `language::FILES` request). Paths are relative to
@@ -159,7 +161,10 @@ pub mod process_op {
     /// Start `/bin/sh -c CODE` in its own session (process group) with the request's env,
     /// in the directory `args[0]` (the work directory if empty), stdout and stderr on
     /// pipes, stdin on a pipe if `job::FLAGS` has [`super::job_flags::PROCESS_STDIN`] (else
-    /// `/dev/null`). Writes its pid (decimal) to stdout.
+    /// `/dev/null`). With [`super::job_flags::PROCESS_PTY`] it runs on a new terminal of
+    /// `args[1]` (`ROWSxCOLS`) instead, as its controlling terminal (busybox `setsid -c`),
+    /// stdin, stdout and stderr; its output comes as [`super::process_event::PTY`] and
+    /// `STDIN` writes to the terminal. Writes its pid (decimal) to stdout.
     pub const START: u32 = 1;
     /// Wait up to `args[0]` milliseconds (until the host's interrupt, or until there is
     /// something to report) for output and exits of the live processes, and write what
@@ -173,6 +178,9 @@ pub mod process_op {
     /// Send signal `args[0]` (decimal) to process group `CODE` (the process and what it
     /// started).
     pub const SIGNAL: u32 = 4;
+    /// Set the terminal size of PTY process `CODE` to `args[0]` (`ROWSxCOLS`); the process
+    /// gets SIGWINCH.
+    pub const RESIZE: u32 = 5;
 }
 
 /// The events a [`process_op::POLL`] writes, back to back: a header of `pid: u32`,
@@ -185,6 +193,8 @@ pub mod process_event {
     /// It ended: `value` is its exit status (>= 0) or minus the signal that killed it.
     /// Every output event of the process comes before this one.
     pub const EXIT: u32 = 3;
+    /// Output on its terminal (a PTY process).
+    pub const PTY: u32 = 4;
     /// Size of an event's header.
     pub const HEADER: usize = 16;
 }

@@ -279,14 +279,14 @@ impl Session {
         &mut self,
         ex: &Executor,
         op: u32,
-        stdin: bool,
+        flags: u32,
         job: &Job,
     ) -> Result<JobResult, SessionError> {
         if op == crate::protocol::process_op::START {
             self.ran_processes = true;
         }
         let grace = Some(DEFAULT_INTERRUPT_GRACE);
-        self.request(ex, job, Kind::Process { op, stdin }, grace, &mut |_, _| {})
+        self.request(ex, job, Kind::Process { op, flags }, grace, &mut |_, _| {})
     }
 
     fn request(

@@ -30,13 +30,14 @@ const NOSUID_NODEV: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
 /// is written and read a folio at a time instead of 4 KiB at a time (~3 000 emulated
 /// instructions each on the write path under kvm_pvm), while small files keep 4 KiB folios
 /// and cost no more memory than before. /dev/shm is for POSIX shared memory and semaphores
-/// (`multiprocessing`); it is optional because a job that does not use it loses nothing.
+/// (`multiprocessing`); it is optional because a job that does not use it loses nothing,
+/// as is /dev/pts (terminals).
 /// /run/bud-output holds the files that catch a job's output below Python's level (see
 /// `guest/python/bud_io.py`, `FdCapture`): its own small tmpfs in 2 MiB folios, sized to the
 /// default output cap plus `CAPTURE_SLACK` (the worker resizes it for a request with another
 /// cap), so that a flood of output there ends with `ENOSPC` for the writer, not with a full
 /// guest RAM.
-pub const MOUNTS: [Mount; 7] = [
+pub const MOUNTS: [Mount; 8] = [
     Mount {
         source: c"proc",
         target: c"/proc",
@@ -60,6 +61,16 @@ pub const MOUNTS: [Mount; 7] = [
         flags: libc::MS_NOSUID,
         data: c"mode=0755",
         required: true,
+    },
+    // Pseudo-terminals for processes started on a terminal (`guest/python/bud_procs.py`):
+    // devtmpfs's /dev/ptmx opens this instance. Optional: only terminals need it.
+    Mount {
+        source: c"devpts",
+        target: c"/dev/pts",
+        fstype: c"devpts",
+        flags: libc::MS_NOSUID | libc::MS_NOEXEC,
+        data: c"mode=0620,ptmxmode=0666",
+        required: false,
     },
     Mount {
         source: c"shm",

@@ -32,6 +32,34 @@ pub struct StartProcess {
     /// A name of the client's for it, shown in listings.
     #[serde(default)]
     pub tag: Option<String>,
+    /// Run it on a terminal of this size (its stdin, stdout and stderr; output comes as
+    /// stdout, input through `/stdin`).
+    #[serde(default)]
+    pub pty: Option<TerminalSize>,
+}
+
+/// A terminal's size; `POST /v1/sessions/{id}/processes/{pid}/resize`.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+impl TerminalSize {
+    /// Checked: 1..=1000 each.
+    pub fn checked(self) -> Result<(u16, u16), Error> {
+        if !(1..=1000).contains(&self.rows) || !(1..=1000).contains(&self.cols) {
+            return Err(Error::invalid(
+                "pty",
+                format!(
+                    "a terminal is 1..=1000 rows and columns (got {}x{})",
+                    self.rows, self.cols
+                ),
+            ));
+        }
+        Ok((self.rows, self.cols))
+    }
 }
 
 impl StartProcess {
@@ -62,6 +90,7 @@ impl StartProcess {
             env: self.env,
             tag: self.tag,
             stdin: self.stdin,
+            pty: self.pty.map(TerminalSize::checked).transpose()?,
         })
     }
 }
@@ -93,6 +122,9 @@ pub struct ProcessInfo {
     pub env: BTreeMap<String, String>,
     pub tag: Option<String>,
     pub stdin: bool,
+    /// The terminal it was started on, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pty: Option<TerminalSize>,
     pub started_at: String,
     /// `running`, `exited`, `killed` (by a signal) or `lost` (the sandbox ended first).
     pub status: &'static str,
@@ -118,6 +150,7 @@ impl ProcessInfo {
             env: info.env.clone(),
             tag: info.tag.clone(),
             stdin: info.stdin,
+            pty: info.pty.map(|(rows, cols)| TerminalSize { rows, cols }),
             started_at: rfc3339(epoch_s(info.started_at)),
             status,
             exit_code: end.and_then(|e| e.exit_code),

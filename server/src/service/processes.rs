@@ -95,6 +95,7 @@ pub async fn start(state: &AppState, id: &str, req: Start) -> Result<u32, Error>
         env: env.into_iter().collect(),
         cwd: req.cwd.clone(),
         stdin: req.stdin,
+        pty: req.pty,
     };
     let pid = on_vm(state, busy, move |s, ex| s.start_process(ex, &spec))
         .await
@@ -107,7 +108,8 @@ pub async fn start(state: &AppState, id: &str, req: Start) -> Result<u32, Error>
         cwd: req.cwd,
         env: req.env,
         tag: req.tag,
-        stdin: req.stdin,
+        stdin: req.stdin || req.pty.is_some(),
+        pty: req.pty,
         started_at: SystemTime::now(),
     };
     if !e.processes.add(info) {
@@ -219,6 +221,32 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
     // Its end comes through the pump.
     ensure_pump(state, &e);
     Ok(())
+}
+
+/// Sets the terminal size of PTY process `pid` of session `id`.
+pub async fn resize(
+    state: &AppState,
+    id: &str,
+    pid: u32,
+    rows: u16,
+    cols: u16,
+) -> Result<(), Error> {
+    let (e, _) = live(state, id, pid)?;
+    if e.processes
+        .get(pid)
+        .is_some_and(|(i, _, _)| i.pty.is_none())
+    {
+        return Err(Error::invalid(
+            "pty",
+            format!("process {pid} has no terminal"),
+        ));
+    }
+    let busy = acquire(state, id).await?;
+    on_vm(state, busy, move |s, ex| {
+        s.resize_process(ex, pid, rows, cols)
+    })
+    .await
+    .map_err(|err| failed(err, Some(pid)))
 }
 
 /// Starts the pump of session `e` unless one runs or nothing lives.

@@ -1,6 +1,6 @@
 """The E2B SDK's process API against bud, sync and async: background commands, list,
 connect, stdin (send, stream, close), kill, concurrent commands, a command that outlives
-its client's timeout, tags, and the PTY refusal. Prints what it saw as one JSON object
+its client's timeout, and a terminal (size, typed input, resize). Prints what it saw as one JSON object
 (asserted by server/tests/processes.rs)."""
 
 import asyncio
@@ -8,7 +8,7 @@ import json
 import threading
 import time
 
-from e2b import AsyncSandbox, CommandExitException, Sandbox, SandboxException, TimeoutException
+from e2b import AsyncSandbox, CommandExitException, PtySize, Sandbox, TimeoutException
 
 seen = {}
 sbx = Sandbox.create(template="base", timeout=300, envs={"GREETING": "hello"})
@@ -95,12 +95,27 @@ for th in threads:
     th.join()
 seen["concurrent"] = [results["A"], results["B"]]
 
-# A PTY is refused with a clear error.
+# A terminal: busybox sh at a prompt, its size, typed input, a resize, exit.
+term = sbx.pty.create(size=PtySize(rows=24, cols=80), timeout=0)
+screen = bytearray()
+def read_screen(until):
+    t = time.monotonic()
+    for _, _, pty in term:
+        if pty:
+            screen.extend(pty)
+        if until in screen or time.monotonic() - t > 60:
+            return
+sbx.pty.send_stdin(term.pid, b"stty size; tty\n")
+read_screen(b"/dev/pts/")
+sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+sbx.pty.send_stdin(term.pid, b"stty size; echo $TERM; exit 3\n")
 try:
-    sbx.pty.create(size=__import__("e2b").PtySize(rows=24, cols=80))
-    seen["pty"] = "no exception"
-except SandboxException as e:
-    seen["pty"] = "PTY" in str(e)
+    term.wait(on_pty=screen.extend)
+    seen["pty_end"] = "no exception"
+except CommandExitException as e:
+    seen["pty_end"] = e.exit_code
+text = screen.decode(errors="replace")
+seen["pty"] = [s in text for s in ("24 80\r\n", "/dev/pts/", "30 100\r\n", "xterm-256color\r\n")]
 
 sbx.kill()
 

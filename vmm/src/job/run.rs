@@ -39,9 +39,10 @@ pub(crate) enum Kind {
     /// A file operation ([`crate::protocol::file_op`]): the job's code is the path, its
     /// stdin the data.
     File(u32),
-    /// A process operation ([`crate::protocol::process_op`]) and whether a started
-    /// process gets a stdin pipe. Interrupted by a cancel, like a cell.
-    Process { op: u32, stdin: bool },
+    /// A process operation ([`crate::protocol::process_op`]) and its
+    /// [`crate::protocol::job_flags`] (a started process's stdin pipe or terminal).
+    /// Interrupted by a cancel, like a cell.
+    Process { op: u32, flags: u32 },
 }
 
 /// One request to a VM's worker: the job, how to treat it, and its sequence number (never
@@ -101,12 +102,7 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
             )
         }
         Kind::File(op) => (language::FILES, mode::JOB, 0, op),
-        Kind::Process { op, stdin } => (
-            language::PROCESS,
-            mode::JOB,
-            if stdin { job_flags::PROCESS_STDIN } else { 0 },
-            op,
-        ),
+        Kind::Process { op, flags } => (language::PROCESS, mode::JOB, flags, op),
     };
     put32(job::LANGUAGE, lang as usize)?;
     put32(job::MODE, mode as usize)?;

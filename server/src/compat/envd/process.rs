@@ -12,7 +12,9 @@
 //! - `List`, `SendInput` (stdin), `StreamInput` (client streaming: its envelopes are read
 //!   whole), `CloseStdin`, `SendSignal` (`SIGNAL_SIGKILL`, `SIGNAL_SIGTERM`); a process is
 //!   selected by `pid` or `tag`.
-//! - PTYs (`Start` with `pty`, `Update`) are not implemented: `unimplemented`, saying so.
+//! - PTYs: `Start` with `pty` runs the command on a terminal of that size (`/bin/bash -i
+//!   -l`, what `sandbox.pty.create` sends, is busybox `sh -i`); its output comes as `pty`
+//!   data, `SendInput` with `pty` types into it, `Update` resizes it.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -28,7 +30,7 @@ use tokio::sync::broadcast::error::RecvError;
 use vmm::job::Stream;
 
 use super::{connect_error, from_api};
-use crate::api::processes::check_env;
+use crate::api::processes::{TerminalSize, check_env};
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
 use crate::error::{ApiError, Error};
@@ -107,6 +109,15 @@ fn script_of(process: &Value) -> Result<String, Error> {
             .get(i + 1)
             .ok_or_else(|| Error::invalid("process.args", "-c needs a script"))?
             .to_string(),
+        // A shell of its own (E2B's PTY: `/bin/bash -i -l`): busybox sh, interactive when
+        // asked (a login shell reads no profile here).
+        (true, None) if args.iter().all(|a| a.starts_with('-')) => {
+            if args.contains(&"-i") {
+                "exec /bin/sh -i".to_owned()
+            } else {
+                "exec /bin/sh".to_owned()
+            }
+        }
         _ => std::iter::once(cmd)
             .chain(args.iter().copied())
             .map(quote)
@@ -136,10 +147,7 @@ pub async fn process(
             "StreamInput" => stream_input(c, headers, body).await,
             "CloseStdin" => close_stdin(c, headers, body).await,
             "SendSignal" => send_signal(c, headers, body).await,
-            "Update" => Ok(connect_error(
-                "unimplemented",
-                "bud sandboxes have no PTYs yet: process.Process/Update is not implemented".into(),
-            )),
+            "Update" => update(c, headers, body).await,
             other => Ok(connect_error(
                 "unimplemented",
                 format!("process.Process/{other} is not a method of envd's process service"),
@@ -182,12 +190,10 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
     let (_, e) = sandbox_of(&c, &headers)?;
     let req = unwrap_envelope(&body)?;
     let process = &req["process"];
-    if process["pty"].is_object() || req["pty"].is_object() {
-        return Ok(connect_error(
-            "unimplemented",
-            "bud sandboxes have no PTYs yet: start the command without one".into(),
-        ));
-    }
+    let pty = match &req["pty"]["size"] {
+        Value::Null => None,
+        size => Some(size_of(size)?),
+    };
     let env: std::collections::BTreeMap<String, String> = process["envs"]
         .as_object()
         .map(|m| {
@@ -212,6 +218,7 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
             .as_str()
             .filter(|c| !c.is_empty())
             .map(str::to_owned),
+        pty,
         env,
         tag: req["tag"].as_str().map(str::to_owned),
         stdin: req["stdin"].as_bool() == Some(true),
@@ -256,15 +263,28 @@ async fn list(c: Compat, headers: HeaderMap) -> Result<Response, ApiError> {
     Ok(unary(json!({ "processes": running })))
 }
 
-/// Bytes of a `ProcessInput` (`{"stdin": BASE64}`); a PTY's input is refused.
+/// A PTY's `{"rows", "cols"}`, checked.
+fn size_of(size: &Value) -> Result<(u16, u16), ApiError> {
+    let dim = |k: &str| {
+        size[k]
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .unwrap_or(0)
+    };
+    let size = TerminalSize {
+        rows: dim("rows"),
+        cols: dim("cols"),
+    };
+    Ok(size.checked()?)
+}
+
+/// Bytes of a `ProcessInput` (`{"stdin": BASE64}` or `{"pty": BASE64}`: both go to what
+/// the process reads, its stdin pipe or its terminal).
 fn input_bytes(input: &Value) -> Result<Vec<u8>, ApiError> {
-    if input.get("pty").is_some() {
-        return Err(ApiError::invalid(
-            "input.pty",
-            "bud sandboxes have no PTYs yet: send stdin",
-        ));
-    }
-    let b64 = input["stdin"].as_str().unwrap_or_default();
+    let b64 = input["stdin"]
+        .as_str()
+        .or_else(|| input["pty"].as_str())
+        .unwrap_or_default();
     base64::engine::general_purpose::STANDARD
         .decode(b64)
         .map_err(|e| ApiError::invalid("input.stdin", format!("input.stdin is not base64: {e}")))
@@ -306,6 +326,16 @@ async fn stream_input(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Resp
         Body::from(out),
     )
         .into_response())
+}
+
+/// `Update`: a PTY's new size.
+async fn update(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+    let (_, e) = sandbox_of(&c, &headers)?;
+    let req = unwrap_envelope(&body)?;
+    let pid = selected(&c, &e.id, &req["process"])?;
+    let (rows, cols) = size_of(&req["pty"]["size"])?;
+    processes::resize(&c.app, &e.id, pid, rows, cols).await?;
+    Ok(unary(json!({})))
 }
 
 async fn close_stdin(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
@@ -365,11 +395,11 @@ fn deadline(headers: &HeaderMap) -> Option<tokio::time::Instant> {
     (ms > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(ms))
 }
 
-fn data_event(s: Stream, bytes: &[u8]) -> Bytes {
-    let key = if s == Stream::Stdout {
-        "stdout"
-    } else {
-        "stderr"
+fn data_event(s: Stream, bytes: &[u8], pty: bool) -> Bytes {
+    let key = match s {
+        _ if pty => "pty",
+        Stream::Stdout => "stdout",
+        Stream::Stderr => "stderr",
     };
     let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
     envelope(0, &json!({"event": {"data": {key: b64}}}))
@@ -385,6 +415,7 @@ enum Step {
 /// `keepalive`, then `end` and the end of the stream.
 fn events(sub: Subscription, headers: &HeaderMap) -> Response {
     let pid = sub.info.pid;
+    let pty = sub.info.pty.is_some();
     let started = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
     let ping = keepalive(headers);
     let until = deadline(headers);
@@ -393,8 +424,8 @@ fn events(sub: Subscription, headers: &HeaderMap) -> Response {
     let rest = stream::unfold(state, move |st| async move {
         let (mut replay, mut rx) = st?;
         let step = match replay.next() {
-            Some(ev) => step_of(ev),
-            None => next_step(&mut rx, ping, until).await,
+            Some(ev) => step_of(ev, pty),
+            None => next_step(&mut rx, ping, until, pty).await,
         };
         Some(match step {
             Step::Send(b) => (b, Some((replay, rx))),
@@ -411,9 +442,9 @@ fn events(sub: Subscription, headers: &HeaderMap) -> Response {
         .into_response()
 }
 
-fn step_of(ev: Event) -> Step {
+fn step_of(ev: Event, pty: bool) -> Step {
     match ev {
-        Event::Output(s, bytes) => Step::Send(data_event(s, &bytes)),
+        Event::Output(s, bytes) => Step::Send(data_event(s, &bytes, pty)),
         Event::End(exit) => Step::Last(end_frames(&exit)),
     }
 }
@@ -423,6 +454,7 @@ async fn next_step(
     rx: &mut tokio::sync::broadcast::Receiver<Event>,
     ping: Option<Duration>,
     until: Option<tokio::time::Instant>,
+    pty: bool,
 ) -> Step {
     let far = tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
     let ping_at = ping.map_or(far, |p| tokio::time::Instant::now() + p);
@@ -430,7 +462,7 @@ async fn next_step(
     loop {
         tokio::select! {
             got = rx.recv() => match got {
-                Ok(ev) => return step_of(ev),
+                Ok(ev) => return step_of(ev, pty),
                 // Output this client fell too far behind for: go on with what comes.
                 Err(RecvError::Lagged(_)) => continue,
                 Err(RecvError::Closed) => {
