@@ -67,12 +67,9 @@ pub async fn exec(
     let b64 = req.output_b64;
     let route = "/v1/sessions/{id}/exec";
     let cell = sessions::cell(&state, &id, req, route, task::no_sink()).await?;
-    Ok(Json(CellResponse::new(
-        cell.result,
-        cell.waited,
-        cell.execution_count,
-        b64,
-    )))
+    Ok(Json(
+        CellResponse::new(cell.result, cell.waited, cell.execution_count, b64).native(),
+    ))
 }
 
 /// `POST /v1/sessions/{id}/fork`.

@@ -192,7 +192,7 @@ pub async fn session_stream(
     let route = "/v1/sessions/{id}/exec/stream";
     let end = move |r: Result<sessions::Cell, Error>| {
         Event::Cell(Box::new(r.map(|c| {
-            CellResponse::new(c.result, c.waited, c.execution_count, output_b64)
+            CellResponse::new(c.result, c.waited, c.execution_count, output_b64).native()
         })))
     };
     let key = crate::audit::current_key();

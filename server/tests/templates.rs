@@ -144,6 +144,13 @@ fn a_datascience_session_shows_dataframes_and_figures() {
         "{first}"
     );
     assert_eq!(second["result"]["text/plain"], "3", "{second}");
+    // Only the value's own formats: bud's formats for the E2B code interpreter (a
+    // frame's columns, a chart) stay out of the native answer.
+    let formats = |r: &serde_json::Value| -> Vec<String> {
+        r["result"].as_object().unwrap().keys().cloned().collect()
+    };
+    assert_eq!(formats(&first), ["text/html", "text/plain"], "{first}");
+    assert_eq!(formats(&second), ["text/plain"], "{second}");
     assert_eq!(
         png_size(&second["results"][0]["data_b64"]),
         (640, 480),

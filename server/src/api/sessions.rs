@@ -109,6 +109,25 @@ impl CellResponse {
     }
 }
 
+/// Display formats bud's guest adds for the E2B code interpreter (a DataFrame's columns,
+/// a chart, what `display()` showed besides the value): the E2B adapter reads them; the
+/// native API's `result` does not carry them.
+const BUD_FORMATS: &str = "application/vnd.bud.";
+
+impl CellResponse {
+    /// The answer of the native session API: the value's formats without bud's own
+    /// ([`BUD_FORMATS`]), null when none is left.
+    pub fn native(mut self) -> Self {
+        if let Some(r) = &mut self.result {
+            r.retain(|mime, _| !mime.starts_with(BUD_FORMATS));
+            if r.is_empty() {
+                self.result = None;
+            }
+        }
+        self
+    }
+}
+
 /// `POST /v1/sessions/{id}/fork`.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
