@@ -62,6 +62,7 @@ impl Seen {
                     assert!(p.2.is_none(), "two exits of {pid}");
                     p.2 = Some((exit_code, signal));
                 }
+                ProcessEvent::Watch { watcher, .. } => panic!("no watcher here: {watcher}"),
             }
         }
     }
@@ -239,7 +240,7 @@ fn output_larger_than_a_poll_budget_arrives_whole_and_in_order() {
             .iter()
             .map(|e| match e {
                 ProcessEvent::Output { data, .. } => data.len(),
-                ProcessEvent::Exit { .. } => 0,
+                ProcessEvent::Exit { .. } | ProcessEvent::Watch { .. } => 0,
             })
             .sum();
         assert!(bytes <= 16 << 10, "a poll took {bytes} bytes");
@@ -308,5 +309,96 @@ fn a_process_on_a_terminal_has_its_size_input_and_resize() {
         s.resize_process(&ex, plain, 10, 10),
         Err(ProcessError::NotFound(_))
     ));
+    s.end(&ex);
+}
+
+#[test]
+fn a_watched_directory_reports_its_changes_recursively() {
+    use vmm::process::Change;
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let shell = |s: &mut Session, code: &str| {
+        let r = s
+            .exec(
+                &ex,
+                &Job::shell(code),
+                DEFAULT_INTERRUPT_GRACE,
+                &mut |_, _| {},
+            )
+            .unwrap();
+        assert_eq!(
+            r.status,
+            Status::Ok,
+            "{}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+    };
+    shell(&mut s, "mkdir -p w/old");
+    assert!(matches!(
+        s.watch_dir(&ex, "nope", false),
+        Err(ProcessError::NotFound(_))
+    ));
+    let w = s.watch_dir(&ex, "w", true).expect("watch");
+    let mut changes = Vec::new();
+    let mut wait_for = |s: &mut Session, what: (Change, &str)| {
+        let what = (what.0, what.1.to_string());
+        let t = Instant::now();
+        while !changes.contains(&what) {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{what:?}: {changes:?}"
+            );
+            for e in s
+                .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
+                .unwrap()
+            {
+                if let ProcessEvent::Watch {
+                    watcher,
+                    change,
+                    path,
+                } = e
+                {
+                    assert_eq!(watcher, w);
+                    changes.push((change, path));
+                }
+            }
+        }
+        changes.clone()
+    };
+    // A new directory with something in it already, then changes in it once watched.
+    shell(
+        &mut s,
+        "echo a > w/a.txt; mkdir -p w/new/deep; echo z > w/new/deep/z.txt",
+    );
+    wait_for(&mut s, (Change::Create, "new/deep/z.txt"));
+    shell(
+        &mut s,
+        "echo b > w/new/b.txt; echo c > w/old/c.txt; mv w/a.txt w/moved.txt; \
+         chmod 600 w/moved.txt; rm w/new/b.txt",
+    );
+    let changes = wait_for(&mut s, (Change::Remove, "new/b.txt"));
+    for want in [
+        (Change::Create, "a.txt"),
+        (Change::Write, "a.txt"),
+        (Change::Create, "new"),
+        (Change::Create, "new/deep"),
+        (Change::Create, "new/b.txt"),
+        (Change::Create, "old/c.txt"),
+        (Change::Rename, "a.txt"),
+        (Change::Create, "moved.txt"),
+        (Change::Chmod, "moved.txt"),
+    ] {
+        let want = (want.0, want.1.to_string());
+        assert!(changes.contains(&want), "{want:?} not in {changes:?}");
+    }
+    s.unwatch(&ex, w).unwrap();
+    assert!(matches!(s.unwatch(&ex, w), Err(ProcessError::NotFound(_))));
+    let t = Instant::now();
+    assert!(
+        s.poll_processes(&ex, Duration::from_secs(30), 1 << 20, None)
+            .unwrap()
+            .is_empty()
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "nothing to wait for");
     s.end(&ex);
 }

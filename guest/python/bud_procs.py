@@ -20,6 +20,10 @@ output, its clients and its end; this module only holds the pipes.
   cannot ``TIOCSCTTY`` itself), which is its stdin, stdout and stderr; its output is one
   stream, input goes to the terminal, and a resize sets the terminal's size (the kernel
   sends SIGWINCH).
+- **Watchers**: a directory (and its subdirectories, recursive) watched with inotify
+  (``_bud.inotify_*``); the descriptor is one more fd in the poll's ``select``, its events
+  become ``WATCH`` events (E2B's create / write / remove / rename / chmod, the path relative
+  to the watched directory). A recursive watcher adds each new subdirectory as it appears.
 - A process is reported ended only after its pipes are drained to EOF or it is reaped and
   its pipes have nothing more (a child it left behind may hold them open: its output after
   that is dropped with the pipes).
@@ -159,11 +163,101 @@ class _Fd:
         return self.fd
 
 
+# inotify's event bits (linux/inotify.h) and what E2B calls each.
+IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
+IN_CREATE, IN_DELETE, IN_IGNORED, IN_ISDIR = 0x100, 0x200, 0x8000, 0x40000000
+WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+WATCH_KINDS = ((IN_CREATE | IN_MOVED_TO, 1), (IN_MODIFY, 2), (IN_DELETE, 3),
+               (IN_MOVED_FROM, 4), (IN_ATTRIB, 5))  # protocol's watch_event
+INOTIFY_EVENT = struct.Struct("iIII")
+
+# Directories one recursive watcher may watch.
+WATCH_DIRS_MAX = 4096
+
+
+class Watcher:
+    """A watched directory: its inotify descriptor and what each watch descriptor is."""
+
+    def __init__(self, wid, root, recursive):
+        self.wid = wid
+        self.recursive = recursive
+        self.fd = _bud.inotify_init()
+        self.dirs = {}
+        try:
+            self._add(root, "")
+            if recursive:
+                for here, subdirs, _ in os.walk(root):
+                    for d in subdirs:
+                        full = os.path.join(here, d)
+                        self._add(full, os.path.relpath(full, root))
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _add(self, path, rel):
+        if len(self.dirs) >= WATCH_DIRS_MAX:
+            return
+        try:
+            self.dirs[_bud.inotify_add_watch(self.fd, path, WATCH_MASK)] = rel
+        except OSError:
+            pass  # gone again, or not readable: nothing to watch there
+
+    def take(self, write_out, root):
+        """Writes the events waiting on the descriptor; returns how many."""
+        taken = 0
+        while True:
+            try:
+                data = os.read(self.fd, 64 << 10)
+            except BlockingIOError:
+                return taken
+            at = 0
+            while at + INOTIFY_EVENT.size <= len(data):
+                wd, mask, _, length = INOTIFY_EVENT.unpack_from(data, at)
+                name = data[at + INOTIFY_EVENT.size : at + INOTIFY_EVENT.size + length]
+                at += INOTIFY_EVENT.size + length
+                base = self.dirs.get(wd)
+                if mask & IN_IGNORED:
+                    self.dirs.pop(wd, None)
+                if base is None:
+                    continue
+                rel = os.path.join(base, os.fsdecode(name.rstrip(b"\0")))
+                for bits, kind in WATCH_KINDS:
+                    if mask & bits:
+                        self._report(write_out, kind, rel)
+                        taken += 1
+                        break
+                if (self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO)):
+                    taken += self._adopt(write_out, root, rel)
+
+    def _report(self, write_out, kind, rel):
+        b = rel.encode("utf-8", "surrogateescape")
+        write_out(EVENT.pack(self.wid, _bud.PROCESS_EVENT_WATCH, kind, len(b)) + b)
+
+    def _adopt(self, write_out, root, rel):
+        """Watches new directory ``rel`` and what is in it already (made before its watch
+        was: ``mkdir -p a/b && touch a/b/f``), reported as created."""
+        self._add(os.path.join(root, rel), rel)
+        taken = 0
+        try:
+            entries = list(os.scandir(os.path.join(root, rel)))
+        except OSError:
+            return 0
+        for entry in entries:
+            sub = os.path.join(rel, entry.name)
+            self._report(write_out, 1, sub)
+            taken += 1
+            if entry.is_dir(follow_symlinks=False):
+                taken += self._adopt(write_out, root, sub)
+        return taken
+
+
 class Table:
-    """The worker's live processes, by pid."""
+    """The worker's live processes, by pid, and its directory watchers, by number."""
 
     def __init__(self):
         self.live = {}
+        self.watchers = {}  # number -> (Watcher, root)
+        self.next_watcher = 1
 
     def run(self, request, write_out, wait=None):
         """Runs process request ``request``; returns its exit code (a ``FILE_STATUS_*``).
@@ -184,6 +278,13 @@ class Table:
             write_out(str(taken).encode())
         elif op == _bud.PROCESS_OP_SIGNAL:
             self.signal(self._process(request.code), int(args[0]))
+        elif op == _bud.PROCESS_OP_WATCH:
+            write_out(str(self.watch(request.code, args[:1] == ["recursive"])).encode())
+        elif op == _bud.PROCESS_OP_UNWATCH:
+            w = self.watchers.pop(_number(request.code), None)
+            if w is None:
+                raise ProcessError(_bud.FILE_STATUS_NOT_FOUND, f"no watcher {request.code!r}")
+            os.close(w[0].fd)
         elif op == _bud.PROCESS_OP_RESIZE:
             p = self._process(request.code)
             if p.master is None:
@@ -192,6 +293,17 @@ class Table:
         else:
             raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"unknown process operation {op}")
         return _bud.FILE_STATUS_OK
+
+    def watch(self, code, recursive):
+        path = os.path.join(WORKDIR, code.decode("utf-8", "surrogateescape"))
+        if not os.path.exists(path):
+            raise ProcessError(_bud.FILE_STATUS_NOT_FOUND, f"{path} does not exist")
+        if not os.path.isdir(path):
+            raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"{path} is not a directory")
+        wid = self.next_watcher
+        self.next_watcher += 1
+        self.watchers[wid] = (Watcher(wid, path, recursive), path)
+        return wid
 
     def _process(self, code):
         try:
@@ -252,8 +364,10 @@ class Table:
         taken = 0
         now = time.monotonic()
         end = now + wait_s
-        while self.live:
+        while self.live or self.watchers:
             got, ended = self._take(budget - taken, write_out)
+            for w, root in self.watchers.values():
+                ended += w.take(write_out, root)
             taken += got
             if taken >= budget:
                 return
@@ -265,7 +379,8 @@ class Table:
                 return
             fds = [fd for p in self.live.values() for fd in p.pipes]
             pidfds = [p.pidfd for p in self.live.values() if p.pidfd is not None]
-            if len(pidfds) < len(self.live):
+            pidfds += [w.fd for w, _ in self.watchers.values()]
+            if len(pidfds) < len(self.live) + len(self.watchers):
                 timeout = min(timeout, NO_PIDFD_RECHECK_S)
             if not wait(fds + pidfds, timeout):
                 return  # the host wants the VM for another request: answer now
@@ -335,6 +450,16 @@ class Table:
                 pass
         except (OSError, ValueError) as error:
             raise ProcessError(_bud.FILE_STATUS_OS_ERROR, f"signal {signum}: {error}") from None
+
+
+WORKDIR = "/tmp"
+
+
+def _number(code):
+    try:
+        return int(code)
+    except ValueError:
+        raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"bad number {code!r}") from None
 
 
 def args_size(request):

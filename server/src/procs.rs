@@ -15,7 +15,7 @@ use axum::body::Bytes;
 use serde::Serialize;
 use tokio::sync::broadcast;
 use vmm::job::Stream;
-use vmm::process::ProcessEvent;
+use vmm::process::{Change, ProcessEvent};
 
 /// Output kept per process for clients that connect later (the oldest goes first).
 pub const OUTPUT_KEPT: usize = 1 << 20;
@@ -25,6 +25,19 @@ pub const ENDED_KEPT: usize = 64;
 
 /// Events a connected client may fall behind by before it loses output.
 const CHANNEL: usize = 4096;
+
+/// Changes a directory watcher keeps for its client to take (the oldest go first).
+pub const CHANGES_KEPT: usize = 10_000;
+
+/// A watched directory's changes, kept until its client takes them, and sent to its
+/// streaming clients.
+#[derive(Debug)]
+struct Watch {
+    path: String,
+    changes: VecDeque<(Change, String)>,
+    dropped: u64,
+    tx: broadcast::Sender<(Change, String)>,
+}
 
 /// A process to start.
 #[derive(Debug, Clone, Default)]
@@ -110,6 +123,7 @@ struct Proc {
 #[derive(Debug, Default)]
 struct Table {
     procs: BTreeMap<u32, Proc>,
+    watches: BTreeMap<u32, Watch>,
     ended: VecDeque<u32>,
     /// A task keeps the VM running for them (see `service::processes`).
     pumping: bool,
@@ -134,6 +148,11 @@ impl Processes {
             .procs
             .values()
             .any(|p| p.end.is_none() && p.tx.receiver_count() > 0)
+    }
+
+    /// Directory watchers.
+    pub fn watchers(&self) -> usize {
+        self.table().watches.len()
     }
 
     /// Processes that have not ended.
@@ -190,6 +209,21 @@ impl Processes {
                         p.dropped += old.len() as u64;
                     }
                 }
+                ProcessEvent::Watch {
+                    watcher,
+                    change,
+                    path,
+                } => {
+                    let Some(w) = t.watches.get_mut(&watcher) else {
+                        continue;
+                    };
+                    let _ = w.tx.send((change, path.clone()));
+                    w.changes.push_back((change, path));
+                    if w.changes.len() > CHANGES_KEPT {
+                        w.changes.pop_front();
+                        w.dropped += 1;
+                    }
+                }
                 ProcessEvent::Exit {
                     pid,
                     exit_code,
@@ -206,10 +240,52 @@ impl Processes {
         }
     }
 
+    /// Records watcher `id` of directory `path`; false if the session has ended meanwhile.
+    pub fn add_watch(&self, id: u32, path: &str) -> bool {
+        let mut t = self.table();
+        if t.closed.is_some() {
+            return false;
+        }
+        let (tx, _) = broadcast::channel(CHANNEL);
+        let w = Watch {
+            path: path.to_owned(),
+            changes: VecDeque::new(),
+            dropped: 0,
+            tx,
+        };
+        t.watches.insert(id, w);
+        true
+    }
+
+    /// Watcher `id`'s changes since the last take (and how many were dropped over
+    /// [`CHANGES_KEPT`]); None if there is no such watcher.
+    pub fn take_changes(&self, id: u32) -> Option<(Vec<(Change, String)>, u64)> {
+        let mut t = self.table();
+        let w = t.watches.get_mut(&id)?;
+        let dropped = std::mem::take(&mut w.dropped);
+        Some((w.changes.drain(..).collect(), dropped))
+    }
+
+    /// A streaming client of watcher `id`: every change from now on.
+    pub fn subscribe_watch(&self, id: u32) -> Option<broadcast::Receiver<(Change, String)>> {
+        Some(self.table().watches.get(&id)?.tx.subscribe())
+    }
+
+    /// Forgets watcher `id`; its streaming clients' channels close. False if unknown.
+    pub fn remove_watch(&self, id: u32) -> bool {
+        self.table().watches.remove(&id).is_some()
+    }
+
+    /// The watched directory of watcher `id`.
+    pub fn watch_path(&self, id: u32) -> Option<String> {
+        Some(self.table().watches.get(&id)?.path.clone())
+    }
+
     /// The session ended (`why`): every live process ends with it, and none starts.
     pub fn close(&self, why: &str) {
         let mut t = self.table();
         t.closed = Some(why.to_owned());
+        t.watches.clear();
         let live: Vec<u32> = t
             .procs
             .iter()
@@ -280,7 +356,7 @@ impl Processes {
     /// some process lives and no task does.
     pub fn claim_pump(&self) -> bool {
         let mut t = self.table();
-        let live = t.procs.values().any(|p| p.end.is_none());
+        let live = t.procs.values().any(|p| p.end.is_none()) || !t.watches.is_empty();
         if t.pumping || !live || t.closed.is_some() {
             return false;
         }
@@ -292,7 +368,7 @@ impl Processes {
     /// lives any more or the session ended.
     pub fn pump_should_stop(&self) -> bool {
         let mut t = self.table();
-        let live = t.procs.values().any(|p| p.end.is_none());
+        let live = t.procs.values().any(|p| p.end.is_none()) || !t.watches.is_empty();
         if live && t.closed.is_none() {
             return false;
         }

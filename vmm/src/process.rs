@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use crate::executor::Executor;
 use crate::job::{Cancel, Job, JobResult, Status, Stream};
-use crate::protocol::{file_status, job_flags, process_event, process_op};
+use crate::protocol::{file_status, job_flags, process_event, process_op, watch_event};
 use crate::session::{Session, SessionError};
 
 /// What happened to a background process, in the order it happened.
@@ -36,6 +36,26 @@ pub enum ProcessEvent {
         exit_code: Option<i32>,
         signal: Option<i32>,
     },
+    /// A change under a watched directory ([`Session::watch_dir`]).
+    Watch {
+        watcher: u32,
+        change: Change,
+        /// Relative to the watched directory.
+        path: String,
+    },
+}
+
+/// What changed under a watched directory (E2B's kinds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Created, or moved in.
+    Create,
+    Write,
+    Remove,
+    /// Moved away.
+    Rename,
+    /// Permissions or other metadata.
+    Chmod,
 }
 
 /// A process to start: `/bin/sh -c script`.
@@ -120,6 +140,23 @@ pub fn decode_events(mut bytes: &[u8]) -> Result<Vec<ProcessEvent>, ProcessError
             process_event::STDOUT | process_event::PTY => Some(Stream::Stdout),
             process_event::STDERR => Some(Stream::Stderr),
             process_event::EXIT => None,
+            process_event::WATCH => {
+                let change = match value {
+                    watch_event::CREATE => Change::Create,
+                    watch_event::WRITE => Change::Write,
+                    watch_event::REMOVE => Change::Remove,
+                    watch_event::RENAME => Change::Rename,
+                    watch_event::CHMOD => Change::Chmod,
+                    other => return Err(ProcessError::Malformed(format!("change {other}"))),
+                };
+                events.push(ProcessEvent::Watch {
+                    watcher: pid,
+                    change,
+                    path: String::from_utf8_lossy(data).into_owned(),
+                });
+                bytes = &bytes[process_event::HEADER + len..];
+                continue;
+            }
             other => return Err(ProcessError::Malformed(format!("event kind {other}"))),
         };
         events.push(match stream {
@@ -172,6 +209,33 @@ impl Session {
         j.env = spec.env.clone();
         let r = self.process_op(ex, process_op::START, flags, &j)?;
         number(&answer(r)?)
+    }
+
+    /// Watches directory `path` (absolute, or relative to the work directory; and its
+    /// subdirectories if `recursive`): its changes come from polls as
+    /// [`ProcessEvent::Watch`] of the returned watcher, which keeps polls waiting as a live
+    /// process does until [`Session::unwatch`].
+    pub fn watch_dir(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        recursive: bool,
+    ) -> Result<u32, ProcessError> {
+        let args = if recursive {
+            vec!["recursive".into()]
+        } else {
+            vec![]
+        };
+        let j = request(path.as_bytes(), args, OP_TIMEOUT);
+        let r = self.process_op(ex, process_op::WATCH, 0, &j)?;
+        number(&answer(r)?)
+    }
+
+    /// Stops watcher `watcher`.
+    pub fn unwatch(&mut self, ex: &Executor, watcher: u32) -> Result<(), ProcessError> {
+        let j = request(watcher.to_string(), vec![], OP_TIMEOUT);
+        let r = self.process_op(ex, process_op::UNWATCH, 0, &j)?;
+        answer(r).map(drop)
     }
 
     /// Sets the terminal size of PTY process `pid` (it gets SIGWINCH).

@@ -181,6 +181,13 @@ pub mod process_op {
     /// Set the terminal size of PTY process `CODE` to `args[0]` (`ROWSxCOLS`); the process
     /// gets SIGWINCH.
     pub const RESIZE: u32 = 5;
+    /// Watch directory `CODE` (absolute, or relative to the work directory), and its
+    /// subdirectories if `args[0]` is `recursive`: its changes come as
+    /// [`super::process_event::WATCH`] events of the watcher, whose number (decimal) is
+    /// the answer. A watcher counts as a live process for polls.
+    pub const WATCH: u32 = 6;
+    /// Stop watcher `CODE`.
+    pub const UNWATCH: u32 = 7;
 }
 
 /// The events a [`process_op::POLL`] writes, back to back: a header of `pid: u32`,
@@ -195,8 +202,24 @@ pub mod process_event {
     pub const EXIT: u32 = 3;
     /// Output on its terminal (a PTY process).
     pub const PTY: u32 = 4;
+    /// A change under a watched directory: `pid` is the watcher, `value` one of
+    /// [`super::watch_event`], the data the path relative to the watched directory.
+    pub const WATCH: u32 = 5;
     /// Size of an event's header.
     pub const HEADER: usize = 16;
+}
+
+/// What changed, in a [`process_event::WATCH`] event (E2B's, as fsnotify names them).
+pub mod watch_event {
+    /// Created, or moved in.
+    pub const CREATE: i32 = 1;
+    /// Written (modified).
+    pub const WRITE: i32 = 2;
+    pub const REMOVE: i32 = 3;
+    /// Moved away (renamed).
+    pub const RENAME: i32 = 4;
+    /// Its permissions or other metadata changed.
+    pub const CHMOD: i32 = 5;
 }
 
 /// Exit codes of a `language::FILES` request (`EXIT_CODE` with outcome `EXITED`).

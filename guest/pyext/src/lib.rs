@@ -28,6 +28,7 @@ mod capture;
 #[path = "../../agent/src/doorbell.rs"]
 mod doorbell;
 mod hooked;
+mod inotify;
 mod interrupt;
 mod mailbox;
 mod memory;
@@ -81,6 +82,9 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("PROCESS_OP_STDIN", process_op::STDIN as u64),
     ("PROCESS_OP_SIGNAL", process_op::SIGNAL as u64),
     ("PROCESS_OP_RESIZE", process_op::RESIZE as u64),
+    ("PROCESS_OP_WATCH", process_op::WATCH as u64),
+    ("PROCESS_OP_UNWATCH", process_op::UNWATCH as u64),
+    ("PROCESS_EVENT_WATCH", process_event::WATCH as u64),
     ("PROCESS_EVENT_PTY", process_event::PTY as u64),
     ("JOB_FLAGS_PROCESS_PTY", job_flags::PROCESS_PTY as u64),
     ("PROCESS_EVENT_STDOUT", process_event::STDOUT as u64),
@@ -362,6 +366,8 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mailbox_size, m)?)?;
     m.add_function(wrap_pyfunction!(ring, m)?)?;
     m.add_function(wrap_pyfunction!(ready, m)?)?;
+    m.add_function(wrap_pyfunction!(inotify::inotify_init, m)?)?;
+    m.add_function(wrap_pyfunction!(inotify::inotify_add_watch, m)?)?;
     m.add_function(wrap_pyfunction!(mallopt, m)?)?;
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;

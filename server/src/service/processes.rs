@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use vmm::Cancel;
-use vmm::process::{ProcessError, ProcessSpec};
+use vmm::process::{Change, ProcessError, ProcessSpec};
 use vmm::session::SessionError;
 
 use crate::procs::{Info, Kept, Start, Subscription};
@@ -221,6 +221,63 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
     // Its end comes through the pump.
     ensure_pump(state, &e);
     Ok(())
+}
+
+/// Watches directory `path` of session `id` (and its subdirectories if `recursive`);
+/// returns the watcher's number. Its changes are kept for [`changes`] and sent to
+/// streaming clients ([`crate::procs::Processes::subscribe_watch`]).
+pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> Result<u32, Error> {
+    let busy = acquire(state, id).await?;
+    let e = busy.entry().clone();
+    let limit = state.config().sessions.max_processes;
+    if e.processes.live() + e.processes.watchers() >= limit {
+        return Err(Error::TooManyProcesses { limit });
+    }
+    let dir = path.to_owned();
+    let wid = on_vm(state, busy, move |s, ex| s.watch_dir(ex, &dir, recursive))
+        .await
+        .map_err(|err| match err {
+            ProcessError::NotFound(m) => Error::NoFile(m),
+            other => failed(other, None),
+        })?;
+    if !e.processes.add_watch(wid, path) {
+        return Err(get(state, id)
+            .err()
+            .unwrap_or_else(|| Error::NoSession(id.into())));
+    }
+    ensure_pump(state, &e);
+    Ok(wid)
+}
+
+/// Watcher `wid`'s changes since the last call, and how many were dropped meanwhile.
+pub fn changes(
+    state: &AppState,
+    id: &str,
+    wid: u32,
+) -> Result<(Vec<(Change, String)>, u64), Error> {
+    get(state, id)?
+        .processes
+        .take_changes(wid)
+        .ok_or_else(|| no_watcher(wid))
+}
+
+fn no_watcher(wid: u32) -> Error {
+    Error::NoProcess {
+        pid: wid,
+        message: format!("no watcher {wid} in this sandbox"),
+    }
+}
+
+/// Stops watcher `wid` of session `id`.
+pub async fn unwatch(state: &AppState, id: &str, wid: u32) -> Result<(), Error> {
+    let e = get(state, id)?;
+    if !e.processes.remove_watch(wid) {
+        return Err(no_watcher(wid));
+    }
+    let busy = acquire(state, id).await?;
+    on_vm(state, busy, move |s, ex| s.unwatch(ex, wid))
+        .await
+        .map_err(|err| failed(err, None))
 }
 
 /// Sets the terminal size of PTY process `pid` of session `id`.
