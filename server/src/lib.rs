@@ -49,7 +49,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 
 pub use config::{Config, Limits};
 pub use error::ApiError;
@@ -57,7 +57,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 26] = [
+pub const ROUTES: [(&str, &str); 29] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -84,6 +84,9 @@ pub const ROUTES: [(&str, &str); 26] = [
     ("post", "/v1/sessions/{id}/processes/{pid}/stdin"),
     ("post", "/v1/sessions/{id}/processes/{pid}/signal"),
     ("post", "/v1/sessions/{id}/processes/{pid}/resize"),
+    ("post", "/v1/sessions/{id}/watchers"),
+    ("delete", "/v1/sessions/{id}/watchers/{wid}"),
+    ("get", "/v1/sessions/{id}/watchers/{wid}/changes"),
 ];
 
 /// The API's router over `state`.
@@ -140,6 +143,15 @@ pub fn app(state: AppState) -> Router {
         .route(
             "/v1/sessions/{id}/processes/{pid}/resize",
             post(process_routes::resize),
+        )
+        .route("/v1/sessions/{id}/watchers", post(process_routes::watch))
+        .route(
+            "/v1/sessions/{id}/watchers/{wid}",
+            delete(process_routes::unwatch),
+        )
+        .route(
+            "/v1/sessions/{id}/watchers/{wid}/changes",
+            get(process_routes::changes),
         )
         .merge(compat::routes(state.clone()))
         .fallback(routes::not_found)

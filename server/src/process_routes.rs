@@ -8,7 +8,10 @@
 //!   `{"type":"dropped","bytes":N}` for output no longer kept, then `{"type":"end",...}`
 //!   with the process's info), until it ends; a client that goes away leaves it running;
 //! - `POST .../{pid}/stdin`: write (and close) its stdin; `POST .../{pid}/signal`;
-//!   `POST .../{pid}/resize` (a terminal's size); `DELETE .../{pid}`: SIGKILL.
+//!   `POST .../{pid}/resize` (a terminal's size); `DELETE .../{pid}`: SIGKILL;
+//! - `POST /v1/sessions/{id}/watchers` (`{"path", "recursive"}`: 201 `{"id"}`), `GET
+//!   .../watchers/{wid}/changes` (the changes since the last call, and how many were
+//!   dropped), `DELETE .../watchers/{wid}`.
 
 use std::convert::Infallible;
 
@@ -22,7 +25,10 @@ use serde::Deserialize;
 use tokio::sync::broadcast::error::RecvError;
 use vmm::job::Stream;
 
-use crate::api::processes::{ProcessInfo, SendSignal, StartProcess, TerminalSize, WriteStdin};
+use crate::api::check_relative;
+use crate::api::processes::{
+    CreateWatcher, ProcessInfo, SendSignal, StartProcess, TerminalSize, WatchChange, WriteStdin,
+};
 use crate::api::text_and_b64;
 use crate::body::JsonBody;
 use crate::error::{ApiError, Error};
@@ -194,6 +200,42 @@ pub async fn resize(
 ) -> Result<StatusCode, ApiError> {
     let (rows, cols) = req.checked()?;
     processes::resize(&state, &id, pid, rows, cols).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/sessions/{id}/watchers`.
+pub async fn watch(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    JsonBody(req): JsonBody<CreateWatcher>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    check_relative("path", &req.path)?;
+    let wid = processes::watch(&state, &id, &req.path, req.recursive).await?;
+    let body = serde_json::json!({"id": wid, "path": req.path, "recursive": req.recursive});
+    Ok((StatusCode::CREATED, Json(body)))
+}
+
+/// `GET /v1/sessions/{id}/watchers/{wid}/changes`.
+pub async fn changes(
+    State(state): State<AppState>,
+    Path((id, wid)): Path<(String, u32)>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let (changes, dropped) = processes::changes(&state, &id, wid)?;
+    let changes: Vec<WatchChange> = changes
+        .into_iter()
+        .map(|(c, p)| WatchChange::of(c, p))
+        .collect();
+    Ok(Json(
+        serde_json::json!({"changes": changes, "dropped": dropped}),
+    ))
+}
+
+/// `DELETE /v1/sessions/{id}/watchers/{wid}`.
+pub async fn unwatch(
+    State(state): State<AppState>,
+    Path((id, wid)): Path<(String, u32)>,
+) -> Result<StatusCode, ApiError> {
+    processes::unwatch(&state, &id, wid).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

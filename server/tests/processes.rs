@@ -295,7 +295,7 @@ fn bad_requests_limits_and_a_session_that_ends_under_its_processes() {
 }
 
 #[test]
-fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_kill_and_a_terminal() {
+fn the_e2b_sdk_runs_background_commands_stdin_connect_list_kill_terminals_and_watchers() {
     let s = TestServer::start();
     let seen = client_script("e2b_processes.py", &[], &e2b_env(&s, "e2b_any"));
     let cmd = "echo started; sleep 2; echo done; exit 4";
@@ -318,7 +318,9 @@ fn the_e2b_sdk_runs_background_commands_with_stdin_connect_list_kill_and_a_termi
             "concurrent": ["A saw the flag\n", "B made it\n"],
             "pty_end": 3,
             "pty": [true, true, true, true],
-            "async": [["async hi\n", 0], true, true],
+            "watch": [true, true, true, true, true],
+            "watch_stopped": "SandboxException",
+            "async": [["async hi\n", 0], true, true, true],
         }),
         "(command {cmd})"
     );
@@ -406,4 +408,70 @@ fn a_process_on_a_terminal_through_the_native_api() {
         (400, &json!("invalid_request")),
         "{r}"
     );
+}
+
+#[test]
+fn a_watcher_through_the_native_api_reports_changes_once() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let (st, r) = s.post(
+        &format!("/v1/sessions/{id}/watchers"),
+        &json!({"path": "/etc"}),
+    );
+    assert_eq!(
+        (st, &r["error"]["code"]),
+        (400, &json!("invalid_request")),
+        "{r}"
+    );
+    let (st, r) = s.post(
+        &format!("/v1/sessions/{id}/watchers"),
+        &json!({"path": "nope"}),
+    );
+    assert_eq!((st, &r["error"]["code"]), (404, &json!("no_file")), "{r}");
+    let (st, r) = s.post(
+        &format!("/v1/sessions/{id}/watchers"),
+        &json!({"path": ".", "recursive": true}),
+    );
+    assert_eq!(st, 201, "{r}");
+    let wid = r["id"].as_u64().unwrap();
+    let url = format!("/v1/sessions/{id}/watchers/{wid}/changes");
+    let mut seen: Vec<Value> = Vec::new();
+    let mut wait_for = |want: Value| {
+        for _ in 0..300 {
+            if seen.contains(&want) {
+                return;
+            }
+            let r: Value = s.get(&url).json().unwrap();
+            assert_eq!(r["dropped"], 0, "{r}");
+            seen.extend(r["changes"].as_array().unwrap().iter().cloned());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("{want} not in {seen:?}");
+    };
+    let shell = |code: &str| {
+        let (st, r) = s.post(
+            &format!("/v1/sessions/{id}/exec"),
+            &json!({"language": "shell", "code": code}),
+        );
+        assert_eq!(st, 200, "{r}");
+    };
+    // A new directory is watched from when the watcher sees it (inotify's way): its
+    // file's changes come after that.
+    shell("mkdir d");
+    wait_for(json!({"type": "create", "path": "d"}));
+    shell("echo x > d/f; rm d/f");
+    wait_for(json!({"type": "create", "path": "d/f"}));
+    wait_for(json!({"type": "remove", "path": "d/f"}));
+    // Taken once: the next call has nothing new.
+    let again: Value = s.get(&url).json().unwrap();
+    assert_eq!(again["changes"], json!([]));
+    assert_eq!(
+        delete(&s, &format!("/v1/sessions/{id}/watchers/{wid}")),
+        204
+    );
+    assert_eq!(
+        delete(&s, &format!("/v1/sessions/{id}/watchers/{wid}")),
+        404
+    );
+    assert_eq!(s.get(&url).status().as_u16(), 404);
 }

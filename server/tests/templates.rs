@@ -345,3 +345,107 @@ print(mine, 'wrong')
     assert_eq!(r["status"], json!("ok"), "{r}");
     assert_eq!(r["stdout"], json!("0 wrong\n0 wrong\n0 wrong\n"), "{r}");
 }
+
+/// The upstream version in a Debian version: `1:2.39.5-0+deb12u3` is `2.39.5`.
+fn upstream(debian: &Value) -> String {
+    let v = debian.as_str().expect("a package version");
+    let v = v.split_once(':').map_or(v, |(_, v)| v);
+    v.rsplit_once('-').map_or(v, |(v, _)| v).to_owned()
+}
+
+/// The `tools` template (bash, curl and git beside busybox; no network device): the
+/// programs run at the versions its packages have, git commits in /tmp, curl fails at once
+/// with its own error and exit code, and E2B's `base` is this template when it is served.
+/// Three shell jobs of ~5-20 s each under kvm_pvm (every dynamically linked process start
+/// costs a second or more of emulated guest-kernel work: docs/templates.md).
+#[test]
+fn the_tools_template_runs_bash_git_and_curl_without_a_network() {
+    let mut config: Config = test_config();
+    config.templates = vec!["python".into(), "tools".into()];
+    let s = TestServer::with_config(config);
+    let shell = |code: &str| {
+        let (status, r) = s.exec(json!({"template": "tools", "language": "shell",
+            "code": code, "timeout_ms": 60_000}));
+        assert_eq!(status, 200, "{r}");
+        r
+    };
+    let listed = s.get("/v1/templates").json::<Value>().unwrap();
+    let tools = listed["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "tools")
+        .expect("tools listed")
+        .clone();
+    let (bash, git, curl) = (
+        upstream(&tools["packages"]["bash"]),
+        upstream(&tools["packages"]["git"]),
+        upstream(&tools["packages"]["curl"]),
+    );
+
+    let versions = shell("bash -c 'echo $BASH_VERSION'; git --version; curl --version | head -1");
+    let offline = shell("curl -sS -o /dev/null -w '%{time_total}' http://example.invalid/");
+    let repo = shell(
+        "cd /tmp && mkdir repo && cd repo && git init -q && echo hello > a.txt && git add a.txt \
+         && git -c user.name=bud -c user.email=bud@example.com commit -q -m first \
+         && git log --format='%an <%ae> %s' && git status --porcelain && git cat-file -p HEAD:a.txt; \
+         echo \"exit=$?\"",
+    );
+    let (made, sandbox) = s.post("/v2/sandboxes", &json!({"templateID": "base"}));
+    let id = sandbox["sandboxID"].as_str().unwrap_or_default();
+    let deleted = client()
+        .delete(s.url(&format!("/sandboxes/{id}")))
+        .send()
+        .unwrap()
+        .status()
+        .as_u16();
+
+    let out = versions["stdout"].as_str().unwrap();
+    assert_eq!(
+        (&versions["exit_code"], &versions["stderr"]),
+        (&json!(0), &json!("")),
+        "{versions}"
+    );
+    assert_eq!(
+        out.lines().take(2).collect::<Vec<_>>(),
+        [format!("{bash}(1)-release"), format!("git version {git}")],
+        "{versions}"
+    );
+    let curl_line = out.lines().nth(2).unwrap_or_default();
+    assert!(
+        curl_line.starts_with(&format!(
+            "curl {curl} (x86_64-pc-linux-gnu) libcurl/{curl} "
+        )),
+        "{versions}"
+    );
+    // curl's own error and exit code; no resolver and no route, so it gives up at once (its
+    // own timer; the job's time is mostly the process's start-up).
+    assert_eq!(
+        (&offline["exit_code"], &offline["stderr"]),
+        (
+            &json!(6),
+            &json!("curl: (6) Could not resolve host: example.invalid\n")
+        ),
+        "{offline}"
+    );
+    let curl_s: f64 = offline["stdout"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .expect("time_total");
+    assert!(curl_s < 2.0, "curl took {curl_s} s to fail: {offline}");
+    assert_eq!(
+        (&repo["exit_code"], &repo["stdout"], &repo["stderr"]),
+        (
+            &json!(0),
+            &json!("bud <bud@example.com> first\nhello\nexit=0\n"),
+            &json!("")
+        ),
+        "{repo}"
+    );
+    assert_eq!(
+        (made, &sandbox["alias"], deleted),
+        (201, &json!("tools"), 204),
+        "{sandbox}"
+    );
+}

@@ -160,6 +160,40 @@ impl ProcessInfo {
     }
 }
 
+/// `POST /v1/sessions/{id}/watchers`: watch a directory of the work directory (`"."`: all
+/// of it), and its subdirectories if `recursive`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWatcher {
+    pub path: String,
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+/// One change a watcher saw.
+#[derive(Debug, Serialize)]
+pub struct WatchChange {
+    /// `create`, `write`, `remove`, `rename` (moved away) or `chmod`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Relative to the watched directory.
+    pub path: String,
+}
+
+impl WatchChange {
+    pub fn of(change: vmm::process::Change, path: String) -> Self {
+        use vmm::process::Change;
+        let kind = match change {
+            Change::Create => "create",
+            Change::Write => "write",
+            Change::Remove => "remove",
+            Change::Rename => "rename",
+            Change::Chmod => "chmod",
+        };
+        Self { kind, path }
+    }
+}
+
 /// `POST /v1/sessions/{id}/processes/{pid}/stdin`: `data` (text) or `data_b64`, then close
 /// it if `close`.
 #[derive(Debug, Default, Deserialize)]

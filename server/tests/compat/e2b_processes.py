@@ -1,6 +1,7 @@
 """The E2B SDK's process API against bud, sync and async: background commands, list,
 connect, stdin (send, stream, close), kill, concurrent commands, a command that outlives
-its client's timeout, and a terminal (size, typed input, resize). Prints what it saw as one JSON object
+its client's timeout, a terminal (size, typed input, resize), and watched directories
+(sync: polled events; async: streamed). Prints what it saw as one JSON object
 (asserted by server/tests/processes.rs)."""
 
 import asyncio
@@ -8,7 +9,8 @@ import json
 import threading
 import time
 
-from e2b import AsyncSandbox, CommandExitException, PtySize, Sandbox, TimeoutException
+from e2b import (AsyncSandbox, CommandExitException, PtySize, Sandbox, SandboxException,
+                 TimeoutException)
 
 seen = {}
 sbx = Sandbox.create(template="base", timeout=300, envs={"GREETING": "hello"})
@@ -117,6 +119,26 @@ except CommandExitException as e:
 text = screen.decode(errors="replace")
 seen["pty"] = [s in text for s in ("24 80\r\n", "/dev/pts/", "30 100\r\n", "xterm-256color\r\n")]
 
+# A watched directory (the sync SDK polls for events).
+sbx.files.make_dir("/home/user/w/sub")
+watch = sbx.files.watch_dir("/home/user/w", recursive=True)
+sbx.files.write("/home/user/w/one.txt", "1")
+sbx.commands.run("echo 2 > /home/user/w/sub/two.txt; rm /home/user/w/one.txt")
+changes = []
+t = time.monotonic()
+while ("sub/two.txt", "write") not in changes and time.monotonic() - t < 60:
+    changes += [(e.name, e.type.value) for e in watch.get_new_events()]
+    time.sleep(0.2)
+watch.stop()
+seen["watch"] = [c in changes for c in (("one.txt", "create"), ("one.txt", "write"),
+                                        ("sub/two.txt", "create"), ("sub/two.txt", "write"),
+                                        ("one.txt", "remove"))]
+try:
+    watch.get_new_events()
+    seen["watch_stopped"] = "no exception"
+except SandboxException as e:
+    seen["watch_stopped"] = type(e).__name__
+
 sbx.kill()
 
 
@@ -129,8 +151,16 @@ async def async_part():
     bg = await a.commands.run("sleep 60", background=True)
     listed = [p.pid for p in await a.commands.list()]
     killed = await a.commands.kill(bg.pid)
+    # A watched directory (the async SDK streams its events).
+    got = []
+    w = await a.files.watch_dir("/home/user", lambda e: got.append((e.name, e.type.value)))
+    await a.files.write("/home/user/async.txt", "x")
+    t = time.monotonic()
+    while ("async.txt", "create") not in got and time.monotonic() - t < 60:
+        await asyncio.sleep(0.2)
+    await w.stop()
     await a.kill()
-    return out, bg.pid in listed, killed
+    return out, bg.pid in listed, killed, ("async.txt", "create") in got
 
 
 seen["async"] = list(asyncio.run(async_part()))

@@ -3,8 +3,9 @@
 //! - `POST /v2/sandboxes` (and the older `POST /sandboxes`): 201 with `templateID`,
 //!   `sandboxID` (the session id), `clientID`, `envdVersion` and `envdAccessToken`. Template
 //!   `code-interpreter-v1` (the SDK's default) is bud's `datascience` template, `base` is
-//!   `python`, and any template bud serves can be named directly. `timeout` (seconds,
-//!   default 300) is the session's lifetime, and also its idle timeout up to the server's
+//!   `tools` (bash, curl, git) when the server serves it and `python` otherwise, and any
+//!   template bud serves can be named directly. `timeout` (seconds, default 300) is the
+//!   session's lifetime, and also its idle timeout up to the server's
 //!   `max_idle_timeout_s` (E2B has no idle timeout of its own); `envVars` are the env of
 //!   every cell and command; `metadata` is kept and shown.
 //! - `DELETE /sandboxes/{id}` 204 / 404; `GET /sandboxes/{id}`; `POST
@@ -134,14 +135,17 @@ pub fn e2b_error(e: impl Into<ApiError>) -> Response {
     e.respond_with(json!({ "code": code, "message": e.to_string() }))
 }
 
-/// The bud template of an E2B template name.
+/// The bud template of an E2B template name. E2B's `base` is a Debian with bash, curl and
+/// git: bud's `tools` template where the server serves it, else `python`.
 fn bud_template(state: &AppState, asked: &str) -> Result<String, Error> {
+    let served = |name: &str| state.templates().iter().any(|t| t.name == name);
     let name = match asked {
         "code-interpreter-v1" | "code-interpreter" => "datascience",
+        "base" if served("tools") => "tools",
         "base" => "python",
         other => other,
     };
-    if state.templates().iter().any(|t| t.name == name) {
+    if served(name) {
         return Ok(name.to_owned());
     }
     Err(Error::invalid(

@@ -1,5 +1,9 @@
-//! envd's `filesystem.Filesystem` RPCs (unary, Connect JSON) over the session's file
-//! operations: `Stat`, `ListDir`, `MakeDir`, `Remove`, `Move` (see the parent module).
+//! envd's `filesystem.Filesystem` RPCs (Connect JSON) over the session's file
+//! operations: `Stat`, `ListDir`, `MakeDir`, `Remove`, `Move` (see the parent module), and
+//! its directory watchers over the session's ([`crate::service::processes::watch`]):
+//! `CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher` (what the sync SDK polls) and
+//! `WatchDir` (a server stream: `start`, then a `filesystem` event per change and
+//! keepalives, what the async SDK reads).
 
 use axum::Json;
 use axum::body::Bytes;
@@ -14,8 +18,27 @@ use crate::clock::rfc3339;
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
 use crate::error::{ApiError, Error};
-use crate::service::files;
+use crate::service::{files, processes};
 use crate::state::AppState;
+use vmm::process::Change;
+
+/// E2B's `EventType` name of a change.
+pub(super) fn event_name(c: Change) -> &'static str {
+    match c {
+        Change::Create => "EVENT_TYPE_CREATE",
+        Change::Write => "EVENT_TYPE_WRITE",
+        Change::Remove => "EVENT_TYPE_REMOVE",
+        Change::Rename => "EVENT_TYPE_RENAME",
+        Change::Chmod => "EVENT_TYPE_CHMOD",
+    }
+}
+
+/// Watcher number of a `watcherId`.
+fn watcher_id(body: &Value) -> Result<u32, Error> {
+    field(body, "watcherId")?
+        .parse()
+        .map_err(|_| Error::invalid("watcherId", "no such watcher"))
+}
 
 /// An EntryInfo of entry `st` at guest path `rel`.
 fn entry_info(rel: &str, st: &FileEntry) -> Value {
@@ -72,6 +95,9 @@ pub async fn filesystem(
     let state = &c.app;
     let run = async {
         let (_, e) = sandbox_of(&c, &headers)?;
+        if method == "WatchDir" {
+            return super::process::watch_dir(&c, &e.id, &headers, &body).await;
+        }
         let body: Value = serde_json::from_slice(&body)
             .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?;
         let id = e.id.as_str();
@@ -106,6 +132,24 @@ pub async fn filesystem(
                 let to = guest_path(&field(&body, "destination")?)?;
                 files::rename(state, id, &from, &to).await?;
                 json!({"entry": stat(state, id, &to).await?})
+            }
+            "CreateWatcher" => {
+                let rel = guest_path(&field(&body, "path")?)?;
+                let recursive = body["recursive"].as_bool() == Some(true);
+                let wid = processes::watch(state, id, &rel, recursive).await?;
+                json!({"watcherId": wid.to_string()})
+            }
+            "GetWatcherEvents" => {
+                let (changes, _) = processes::changes(state, id, watcher_id(&body)?)?;
+                let events: Vec<Value> = changes
+                    .into_iter()
+                    .map(|(c, name)| json!({"name": name, "type": event_name(c)}))
+                    .collect();
+                json!({ "events": events })
+            }
+            "RemoveWatcher" => {
+                processes::unwatch(state, id, watcher_id(&body)?).await?;
+                json!({})
             }
             other => {
                 return Ok(connect_error(
