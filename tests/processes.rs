@@ -402,3 +402,22 @@ fn a_watched_directory_reports_its_changes_recursively() {
     assert!(t.elapsed() < Duration::from_secs(20), "nothing to wait for");
     s.end(&ex);
 }
+
+#[test]
+fn a_session_that_started_a_process_is_discarded_never_reset_for_reuse() {
+    let ex = executor();
+    let before = ex.stats();
+    let quiet = Session::start(&ex).expect("session");
+    quiet.end(&ex);
+    let after_quiet = ex.stats();
+    assert_eq!(
+        after_quiet.resets,
+        before.resets + 1,
+        "a quiet session's VM is reset: {after_quiet:?}"
+    );
+    let mut s = Session::start(&ex).expect("session");
+    s.start_process(&ex, &spec("sleep 1000")).expect("start");
+    s.end(&ex);
+    let after = ex.stats();
+    assert_eq!(after.resets, after_quiet.resets, "not reset: {after:?}");
+}
