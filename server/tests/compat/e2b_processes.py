@@ -15,18 +15,17 @@ from e2b import (AsyncSandbox, CommandExitException, PtySize, Sandbox, SandboxEx
 seen = {}
 sbx = Sandbox.create(template="base", timeout=300, envs={"GREETING": "hello"})
 
-# A background command: the handle comes back while it runs.
-t = time.monotonic()
-h = sbx.commands.run("echo started; sleep 2; echo done; exit 4", background=True)
-seen["background_returned_before_end"] = time.monotonic() - t < 2
+# A background command: the handle comes back while it runs (it cannot end before the
+# file it waits for exists).
+CMD = "echo started; while [ ! -e /home/user/go ]; do sleep 0.1; done; echo done; exit 4"
+h = sbx.commands.run(CMD, background=True)
 seen["pid_is_int"] = isinstance(h.pid, int) and h.pid > 1
 listed = [(p.pid, p.cmd, p.args) for p in sbx.commands.list()]
-seen["listed"] = [p for p in listed if p[0] == h.pid] == [(h.pid, "/bin/bash",
-                                                            ["-l", "-c",
-                                                             "echo started; sleep 2; echo done; exit 4"])]
+seen["listed"] = [p for p in listed if p[0] == h.pid] == [(h.pid, "/bin/bash", ["-l", "-c", CMD])]
 # A foreground command runs while the background one lives.
 r = sbx.commands.run("echo $GREETING from the foreground")
 seen["foreground_meanwhile"] = [r.stdout, r.exit_code]
+sbx.files.write("/home/user/go", "")
 try:
     h.wait()
     seen["background_end"] = "no exception"
@@ -46,7 +45,13 @@ seen["stdin"] = cat.wait().stdout
 # connect to a running command: output from the moment of connecting.
 ticker = sbx.commands.run("i=0; while [ $i -lt 40 ]; do echo tick $i; i=$((i+1)); sleep 0.2; done",
                           background=True, timeout=0)
-time.sleep(1)
+# Read the start handle's own stream up to tick 2; a connection made after that sees
+# only later ticks.
+early = ""
+for stdout, _, _ in ticker:
+    early += stdout or ""
+    if "tick 2\n" in early:
+        break
 again = sbx.commands.connect(ticker.pid)
 lines = []
 def read_some():
@@ -57,9 +62,10 @@ def read_some():
             break
 reader = threading.Thread(target=read_some)
 reader.start()
-reader.join(30)
+reader.join(60)
 again.disconnect()
-seen["connected_output"] = len(lines) >= 6 and lines[0] == "tick" and lines[1] != "0"
+seen["connected_output"] = (len(lines) >= 6 and lines[0] == "tick" and int(lines[1]) >= 3
+                            and early.startswith("tick 0\ntick 1\n"))
 seen["kill"] = sbx.commands.kill(ticker.pid)
 try:
     ticker.wait()
@@ -76,7 +82,9 @@ try:
     seen["client_timeout"] = "no exception"
 except TimeoutException:
     seen["client_timeout"] = "TimeoutException"
-time.sleep(4)
+t = time.monotonic()
+while not sbx.files.exists("/home/user/slow.txt") and time.monotonic() - t < 60:
+    time.sleep(0.5)
 seen["outlived_client"] = sbx.files.read("/home/user/slow.txt")
 
 # Concurrent foreground commands from threads: the first waits for what the second does,
