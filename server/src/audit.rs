@@ -81,7 +81,8 @@ pub struct Record {
     pub time: String,
     pub key: Option<String>,
     pub route: String,
-    /// `job` or `cell`.
+    /// `job`, `cell`, or `process` (a background process, recorded as it starts: its
+    /// script is the code, and it has no status, output or time yet).
     pub kind: String,
     pub template: String,
     pub session: Option<String>,
@@ -207,6 +208,44 @@ impl AuditLog {
             stdout: content.then(|| capped(&r.stdout)),
             stderr: content.then(|| capped(&r.stderr)),
         };
+        self.queue(record);
+    }
+
+    /// Records the start of a background process (`kind` `process`): who started which
+    /// script where; its output and end are not in the trail.
+    pub fn process(&self, origin: &Origin, script: &[u8]) {
+        let empty = sha256_hex(b"");
+        let content = self.config.content;
+        let record = Record {
+            time: crate::clock::rfc3339(crate::clock::epoch_s(SystemTime::now())),
+            key: origin.key.clone(),
+            route: origin.route.clone(),
+            kind: "process".to_owned(),
+            template: origin.template.clone(),
+            session: origin.session.clone(),
+            language: Language::Shell,
+            code_sha256: sha256_hex(script),
+            code_bytes: script.len(),
+            stdin_sha256: empty.clone(),
+            stdin_bytes: 0,
+            status: vmm::Status::Ok,
+            exit_code: None,
+            signal: None,
+            queue_ms: 0.0,
+            run_ms: 0.0,
+            total_ms: 0.0,
+            stdout_bytes: 0,
+            stdout_sha256: empty.clone(),
+            stderr_bytes: 0,
+            stderr_sha256: empty,
+            code: content.then(|| capped(script)),
+            stdout: None,
+            stderr: None,
+        };
+        self.queue(record);
+    }
+
+    fn queue(&self, record: Record) {
         match self.tx.try_send(record) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {

@@ -53,7 +53,8 @@ pub async fn start(
     Path(id): Path<String>,
     JsonBody(req): JsonBody<StartProcess>,
 ) -> Result<(StatusCode, Json<ProcessInfo>), ApiError> {
-    let pid = processes::start(&state, &id, req.into_start()?).await?;
+    let route = "/v1/sessions/{id}/processes";
+    let pid = processes::start(&state, &id, req.into_start()?, route).await?;
     Ok((StatusCode::CREATED, Json(info_of(&state, &id, pid)?)))
 }
 

@@ -146,6 +146,14 @@ impl AppState {
         self.0.audit.as_ref()
     }
 
+    /// Queues the audit record of a background process's start (no-op without an audit
+    /// log).
+    pub fn audit_process(&self, origin: &crate::audit::Origin, script: &[u8]) {
+        if let Some(a) = self.audit() {
+            a.process(origin, script);
+        }
+    }
+
     /// Queues the audit record of `job` (no-op without an audit log). On a job thread.
     pub fn audit_job(
         &self,

@@ -230,3 +230,40 @@ fn without_required_a_failing_log_counts_what_it_lost_and_jobs_still_run() {
     assert_eq!(health(&s)["audit"]["failing"], json!(true));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_background_process_is_recorded_as_it_starts() {
+    let dir = scratch("process");
+    let log = dir.join("audit.jsonl");
+    let s = server(AuditConfig {
+        path: log.clone(),
+        content: true,
+        required: true,
+    });
+    let (status, made) = post(&s, "/v1/sessions", &json!({}));
+    assert_eq!(status, 201, "{made}");
+    let id = made["id"].as_str().unwrap().to_owned();
+    let script = "sleep 300 # started by alice";
+    let (status, p) = post(
+        &s,
+        &format!("/v1/sessions/{id}/processes"),
+        &json!({"command": script}),
+    );
+    assert_eq!(status, 201, "{p}");
+
+    let all = records(&s, &log, 1);
+
+    assert_eq!(all.len(), 1, "{all:#?}");
+    let r = &all[0];
+    assert_eq!(
+        (r.kind.as_str(), r.key.as_deref()),
+        ("process", Some("alice"))
+    );
+    assert_eq!(r.route, "/v1/sessions/{id}/processes");
+    assert_eq!(r.session.as_deref(), Some(id.as_str()));
+    assert_eq!(r.language, vmm::Language::Shell);
+    assert_eq!(r.code_sha256, sha(script.as_bytes()));
+    assert_eq!(r.code.as_deref(), Some(script));
+    assert_eq!((r.exit_code, r.stdout_bytes), (None, 0));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

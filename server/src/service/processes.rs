@@ -80,10 +80,12 @@ async fn on_vm<R: Send + 'static>(
 }
 
 /// Starts `req` in session `id`; returns its pid. It runs until it ends, is killed, or the
-/// session ends, whoever listens.
-pub async fn start(state: &AppState, id: &str, req: Start) -> Result<u32, Error> {
+/// session ends, whoever listens. `route` names the route in the audit trail, which
+/// records the start (kind `process`).
+pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Result<u32, Error> {
     let busy = acquire(state, id).await?;
     let e = busy.entry().clone();
+    let origin = crate::audit::Origin::here(route, &e.template, Some(id));
     let limit = state.config().sessions.max_processes;
     if e.processes.live() >= limit {
         return Err(Error::TooManyProcesses { limit });
@@ -100,6 +102,7 @@ pub async fn start(state: &AppState, id: &str, req: Start) -> Result<u32, Error>
     let pid = on_vm(state, busy, move |s, ex| s.start_process(ex, &spec))
         .await
         .map_err(|e| failed(e, None))?;
+    state.audit_process(&origin, req.script.as_bytes());
     let info = Info {
         pid,
         cmd: req.cmd,
