@@ -474,3 +474,17 @@ fn a_watcher_through_the_native_api_reports_changes_once() {
     );
     assert_eq!(s.get(&url).status().as_u16(), 404);
 }
+
+#[test]
+fn quick_processes_started_while_others_run_all_report_output_and_end() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    // The pump runs for this one: each later start races with its polls.
+    start(&s, &id, json!({"command": "sleep 600"}));
+    for n in 0..8 {
+        let p = start(&s, &id, json!({"command": format!("echo quick {n}")}));
+        let lines = output(&s, &id, p["pid"].as_u64().unwrap(), "start");
+        assert_eq!(stdout_of(&lines), format!("quick {n}\n"), "{lines:?}");
+        assert_eq!(lines.last().unwrap()["exit_code"], 0, "{lines:?}");
+    }
+}

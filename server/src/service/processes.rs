@@ -52,18 +52,18 @@ fn failed(e: ProcessError, pid: Option<u32>) -> Error {
     }
 }
 
-/// Runs `op` on session `busy`'s VM on a job thread; a VM it leaves unusable ends the
-/// session with why.
+/// Runs `op` on session `busy`'s VM on a job thread (admitted like a cell: the server's
+/// refusals are the outer error); a VM it leaves unusable ends the session with why.
 async fn on_vm<R: Send + 'static>(
     state: &AppState,
     busy: Busy,
     op: impl FnOnce(&mut vmm::session::Session, &vmm::Executor) -> Result<R, ProcessError>
     + Send
     + 'static,
-) -> Result<R, ProcessError> {
+) -> Result<Result<R, ProcessError>, Error> {
     let st = state.clone();
     let exec = busy.entry().executor.clone();
-    let ran = admission::call(state, move || {
+    admission::call(state, move || {
         let r = busy
             .entry()
             .with_vm(|s| op(s, &exec))
@@ -72,11 +72,7 @@ async fn on_vm<R: Send + 'static>(
         drop(busy);
         r
     })
-    .await;
-    match ran {
-        Ok(r) => r,
-        Err(e) => Err(ProcessError::Malformed(e.to_string())),
-    }
+    .await
 }
 
 /// Starts `req` in session `id`; returns its pid. It runs until it ends, is killed, or the
@@ -99,23 +95,30 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
         stdin: req.stdin,
         pty: req.pty,
     };
-    let pid = on_vm(state, busy, move |s, ex| s.start_process(ex, &spec))
-        .await
-        .map_err(|e| failed(e, None))?;
-    state.audit_process(&origin, req.script.as_bytes());
-    let info = Info {
-        pid,
-        cmd: req.cmd,
-        args: req.args,
-        script: req.script,
-        cwd: req.cwd,
-        env: req.env,
-        tag: req.tag,
-        stdin: req.stdin || req.pty.is_some(),
-        pty: req.pty,
-        started_at: SystemTime::now(),
-    };
-    if !e.processes.add(info) {
+    let script = req.script.clone();
+    let entry = e.clone();
+    // Recorded while the session is still held: the pump's next poll may already bring
+    // the new process's output and end, which a record made later would miss.
+    let (pid, added) = on_vm(state, busy, move |s, ex| {
+        let pid = s.start_process(ex, &spec)?;
+        let info = Info {
+            pid,
+            cmd: req.cmd,
+            args: req.args,
+            script: req.script,
+            cwd: req.cwd,
+            env: req.env,
+            tag: req.tag,
+            stdin: req.stdin || req.pty.is_some(),
+            pty: req.pty,
+            started_at: SystemTime::now(),
+        };
+        Ok((pid, entry.processes.add(info)))
+    })
+    .await?
+    .map_err(|e| failed(e, None))?;
+    state.audit_process(&origin, script.as_bytes());
+    if !added {
         return Err(get(state, id)
             .err()
             .unwrap_or_else(|| Error::NoSession(id.into())));
@@ -190,7 +193,7 @@ pub async fn stdin(
             }
             Ok(taken)
         })
-        .await
+        .await?
         .map_err(|err| match err {
             ProcessError::NotFound(_) => Error::StdinClosed(pid),
             other => failed(other, Some(pid)),
@@ -219,7 +222,7 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
     let (e, _) = live(state, id, pid)?;
     let busy = acquire(state, id).await?;
     on_vm(state, busy, move |s, ex| s.signal_process(ex, pid, signal))
-        .await
+        .await?
         .map_err(|err| failed(err, Some(pid)))?;
     // Its end comes through the pump.
     ensure_pump(state, &e);
@@ -237,13 +240,18 @@ pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> R
         return Err(Error::TooManyProcesses { limit });
     }
     let dir = path.to_owned();
-    let wid = on_vm(state, busy, move |s, ex| s.watch_dir(ex, &dir, recursive))
-        .await
-        .map_err(|err| match err {
-            ProcessError::NotFound(m) => Error::NoFile(m),
-            other => failed(other, None),
-        })?;
-    if !e.processes.add_watch(wid, path) {
+    let entry = e.clone();
+    // Recorded while the session is held, for the same reason as a process.
+    let (wid, added) = on_vm(state, busy, move |s, ex| {
+        let wid = s.watch_dir(ex, &dir, recursive)?;
+        Ok((wid, entry.processes.add_watch(wid, &dir)))
+    })
+    .await?
+    .map_err(|err| match err {
+        ProcessError::NotFound(m) => Error::NoFile(m),
+        other => failed(other, None),
+    })?;
+    if !added {
         return Err(get(state, id)
             .err()
             .unwrap_or_else(|| Error::NoSession(id.into())));
@@ -279,7 +287,7 @@ pub async fn unwatch(state: &AppState, id: &str, wid: u32) -> Result<(), Error> 
     }
     let busy = acquire(state, id).await?;
     on_vm(state, busy, move |s, ex| s.unwatch(ex, wid))
-        .await
+        .await?
         .map_err(|err| failed(err, None))
 }
 
@@ -305,7 +313,7 @@ pub async fn resize(
     on_vm(state, busy, move |s, ex| {
         s.resize_process(ex, pid, rows, cols)
     })
-    .await
+    .await?
     .map_err(|err| failed(err, Some(pid)))
 }
 
