@@ -348,7 +348,13 @@ impl Sessions {
             }
             e.preempt();
             if queued.is_none() {
-                if e.waiting.fetch_add(1, Ordering::AcqRel) >= max_waiting {
+                // The processes' pump yields at once: waiting for it is never refused.
+                let limit = if e.busy_in_background() {
+                    usize::MAX
+                } else {
+                    max_waiting
+                };
+                if e.waiting.fetch_add(1, Ordering::AcqRel) >= limit {
                     e.waiting.fetch_sub(1, Ordering::AcqRel);
                     return Err(Unavailable::Busy);
                 }
