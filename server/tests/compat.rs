@@ -6,97 +6,19 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use bud_server::Config;
 use bud_server::keys::ApiKeys;
+use common::clients::{client_script, e2b_env};
 use common::*;
 use serde_json::{Value, json};
-
-/// The venv with the pinned clients, made once under the build lock (another test binary
-/// or process making it is waited for); a failure fails every test that needs it with its
-/// cause, once made.
-fn venv_python() -> PathBuf {
-    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    match PYTHON.get_or_init(make_venv) {
-        Ok(python) => python.clone(),
-        Err(e) => panic!("making the client venv failed: {e}"),
-    }
-}
-
-fn make_venv() -> Result<PathBuf, String> {
-    let build = repo_dir().join("build");
-    let _lock = bud_guest::BuildLock::acquire(&build, "the compat client venv", &mut |l| {
-        eprintln!("[compat venv] {l}")
-    })
-    .map_err(|e| error_chain(&e))?;
-    let venv = build.join("compat-venv");
-    let python = venv.join("bin/python");
-    let reqs = repo_dir().join("server/tests/compat/requirements.txt");
-    let stamp = venv.join("requirements.txt");
-    let wanted = std::fs::read(&reqs).map_err(|e| format!("reading {}: {e}", reqs.display()))?;
-    if std::fs::read(&stamp).ok().as_deref() == Some(&wanted[..]) && python.exists() {
-        return Ok(python);
-    }
-    let run = |cmd: &mut Command| {
-        let out = cmd.output().map_err(|e| format!("starting python3: {e}"))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        Err(format!(
-            "{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    };
-    let _ = std::fs::remove_dir_all(&venv);
-    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
-    run(Command::new(&python)
-        .args(["-m", "pip", "install", "-q", "-r"])
-        .arg(&reqs))?;
-    std::fs::write(&stamp, &wanted).map_err(|e| format!("writing the venv stamp: {e}"))?;
-    Ok(python)
-}
-
-/// Runs client script `name` with `env`; its stdout's JSON.
-fn client_script(name: &str, args: &[&str], env: &[(&str, String)]) -> Value {
-    let script = repo_dir().join("server/tests/compat").join(name);
-    let out = Command::new(venv_python())
-        .arg(&script)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .output()
-        .expect("starting the client script");
-    assert!(
-        out.status.success(),
-        "{name} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{name} printed no JSON ({e}):\n{}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
 
 fn server(keys: Option<&str>) -> TestServer {
     let mut config: Config = test_config();
     config.templates = vec!["python".into(), "datascience".into()];
     config.api_keys = keys.map(|k| Arc::new(ApiKeys::parse(k).expect("test keys")));
     TestServer::with_config(config)
-}
-
-fn e2b_env(s: &TestServer, key: &str) -> Vec<(&'static str, String)> {
-    vec![
-        ("E2B_API_URL", s.url("")),
-        ("E2B_SANDBOX_URL", s.url("")),
-        ("E2B_API_KEY", key.to_owned()),
-    ]
 }
 
 #[test]
