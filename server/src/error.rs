@@ -153,7 +153,8 @@ fn service_status(e: &Error) -> StatusCode {
         Error::Overloaded { .. }
         | Error::KeyQuota { .. }
         | Error::TooManySessions { .. }
-        | Error::TooManyProcesses { .. } => StatusCode::TOO_MANY_REQUESTS,
+        | Error::TooManyProcesses { .. }
+        | Error::TooManyStreams { .. } => StatusCode::TOO_MANY_REQUESTS,
         Error::NotReady { .. }
         | Error::MemoryBudget { .. }
         | Error::ShuttingDown
@@ -189,6 +190,7 @@ fn service_code(e: &Error) -> &'static str {
         Error::NoFile(_) => "no_file",
         Error::NoProcess { .. } => "no_process",
         Error::TooManyProcesses { .. } => "too_many_processes",
+        Error::TooManyStreams { .. } => "too_many_streams",
         Error::StdinClosed(_) => "stdin_closed",
         Error::StdinFull { .. } => "stdin_full",
         Error::AuditUnavailable(_) => "audit_unavailable",

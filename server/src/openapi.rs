@@ -153,6 +153,7 @@ mod tests {
                 message: String::new(),
             },
             Error::TooManyProcesses { limit: 1 },
+            Error::TooManyStreams { limit: 1 },
             Error::StdinClosed(1),
             Error::StdinFull { pid: 1, left: 1 },
             Error::AuditUnavailable(String::new()),

@@ -26,6 +26,10 @@ pub const ENDED_KEPT: usize = 64;
 /// Events a connected client may fall behind by before it loses output.
 const CHANNEL: usize = 4096;
 
+/// Clients one session's processes and watchers may have connected at once (output and
+/// watch streams): each holds a channel and a task on the server.
+pub const MAX_STREAMS: usize = 64;
+
 /// Changes a directory watcher keeps for its client to take (the oldest go first).
 pub const CHANGES_KEPT: usize = 10_000;
 
@@ -300,6 +304,17 @@ impl Processes {
             };
             end(&mut t, pid, exit);
         }
+    }
+
+    /// Clients connected to the session's processes and watchers now.
+    pub fn streams(&self) -> usize {
+        let t = self.table();
+        let procs: usize = t.procs.values().map(|p| p.tx.receiver_count()).sum();
+        procs
+            + t.watches
+                .values()
+                .map(|w| w.tx.receiver_count())
+                .sum::<usize>()
     }
 
     /// Connects a client to `pid`: with what it wrote so far if `from_start`.

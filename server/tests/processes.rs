@@ -488,3 +488,34 @@ fn quick_processes_started_while_others_run_all_report_output_and_end() {
         assert_eq!(lines.last().unwrap()["exit_code"], 0, "{lines:?}");
     }
 }
+
+#[test]
+fn a_session_takes_at_most_64_output_streams_at_once() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let p = start(&s, &id, json!({"command": "sleep 600"}));
+    let url = s.url(&format!(
+        "/v1/sessions/{id}/processes/{}/output",
+        p["pid"].as_u64().unwrap()
+    ));
+    let open: Vec<_> = (0..64)
+        .map(|_| client().get(&url).send().expect("request failed"))
+        .collect();
+    assert!(open.iter().all(|r| r.status().as_u16() == 200));
+    let r = client().get(&url).send().expect("request failed");
+    assert_eq!(r.status().as_u16(), 429);
+    let body: Value = r.json().unwrap();
+    assert_eq!(body["error"]["code"], "too_many_streams", "{body}");
+    drop(open);
+    // Closed streams are counted out as the server notices them gone.
+    let mut status = 0;
+    for _ in 0..100 {
+        let r = client().get(&url).send().expect("request failed");
+        status = r.status().as_u16();
+        if status == 200 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(status, 200);
+}

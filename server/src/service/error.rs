@@ -105,6 +105,11 @@ pub enum Error {
         "the sandbox has {limit} processes running, its limit (--session-max-processes); wait for one to end or kill one"
     )]
     TooManyProcesses { limit: usize },
+    /// The session's processes and watchers have as many clients connected as they may.
+    #[error(
+        "the sandbox has {limit} output and watch streams open, its limit; close one or retry later"
+    )]
+    TooManyStreams { limit: usize },
     /// The process has no open stdin (started without one, or closed).
     #[error("process {0} has no open stdin")]
     StdinClosed(u32),

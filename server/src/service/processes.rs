@@ -22,7 +22,7 @@ use vmm::Cancel;
 use vmm::process::{Change, ProcessError, ProcessSpec};
 use vmm::session::SessionError;
 
-use crate::procs::{Info, Kept, Start, Subscription};
+use crate::procs::{Info, Kept, MAX_STREAMS, Start, Subscription};
 use crate::service::access::{acquire, end_if_unusable, get};
 use crate::service::admission;
 use crate::service::error::Error;
@@ -140,8 +140,11 @@ pub fn connect(
     pid: u32,
     from_start: bool,
 ) -> Result<Subscription, Error> {
-    get(state, id)?
-        .processes
+    let e = get(state, id)?;
+    if e.processes.streams() >= MAX_STREAMS {
+        return Err(Error::TooManyStreams { limit: MAX_STREAMS });
+    }
+    e.processes
         .subscribe(pid, from_start)
         .ok_or_else(|| no_process(pid))
 }

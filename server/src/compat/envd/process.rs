@@ -419,6 +419,14 @@ pub(super) async fn watch_dir(
         .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
     let rel = super::guest_path(path)?;
     let recursive = req["recursive"].as_bool() == Some(true);
+    let limit = crate::procs::MAX_STREAMS;
+    if crate::service::sessions::get(&c.app, id)?
+        .processes
+        .streams()
+        >= limit
+    {
+        return Err(Error::TooManyStreams { limit }.into());
+    }
     let wid = processes::watch(&c.app, id, &rel, recursive).await?;
     let e = crate::service::sessions::get(&c.app, id)?;
     let rx = e
