@@ -83,14 +83,16 @@ pub struct Rootfs {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Site {
-    /// Python (and data) packages, `name` or `name=version`; the shared-library packages
-    /// they depend on are found by the builder (`debs::fetch_with_libraries`).
+    /// Debian packages (Python modules, data, programs), `name` or `name=version`; the
+    /// shared-library packages they depend on are found by the builder
+    /// (`debs::fetch_with_libraries`, which reads `Depends` only: a library named in
+    /// `Pre-Depends`, such as bash's libtinfo6, is listed here).
     pub debs: Vec<String>,
     /// Paths under `dist-packages` left out (patterns as `python.drop`); for `share`, the
     /// patterns match the path from the root.
     pub drop: Vec<String>,
-    /// Files and directories outside `dist-packages` the packages need at run time (from
-    /// the root).
+    /// Files and directories outside `dist-packages` the image takes from the packages, from
+    /// the root: data the Python packages read at run time, or programs (`bin/bash`).
     #[serde(default)]
     pub share: Vec<String>,
     /// Modules the worker imports before READY.
@@ -270,14 +272,23 @@ mod tests {
 
         let names = template_names(&dir);
         let ds = load_site(&dir, "datascience").unwrap().unwrap();
+        let tools = load_site(&dir, "tools").unwrap().unwrap();
         let err = load_site(&dir, "nope").unwrap_err().to_string();
 
-        assert_eq!(names, ["datascience", "python"]);
+        assert_eq!(names, ["datascience", "python", "tools"]);
         assert!(load_site(&dir, BASE_TEMPLATE).unwrap().is_none());
         assert!(ds.debs.iter().any(|d| d == "python3-pandas"), "{ds:?}");
         assert_eq!(ds.preload[0], "numpy");
         assert!(dir.join(TEMPLATES_DIR).join(ds.warm.unwrap()).is_file());
-        assert_eq!(err, "unknown template `nope` (known: datascience, python)");
+        assert!(tools.share.iter().any(|p| p == "bin/bash"), "{tools:?}");
+        assert!(
+            tools.preload.is_empty() && tools.warm.is_none(),
+            "{tools:?}"
+        );
+        assert_eq!(
+            err,
+            "unknown template `nope` (known: datascience, python, tools)"
+        );
     }
 
     #[test]

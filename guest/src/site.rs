@@ -4,6 +4,9 @@
 //! - **Packages**: Debian bookworm's `python3-*` packages, listed by name; the shared-library
 //!   packages they depend on are found by the builder (`debs::fetch_with_libraries`) and only
 //!   the libraries an ELF file of the image loads are copied (`libs::complete`).
+//! - **Programs and data** (`share`): any other file or directory of the unpacked packages,
+//!   such as `bin/bash` or `usr/bin/git` (the `tools` template), staged as it is (permission
+//!   bits kept); `libs::complete` then adds the shared libraries they load.
 //! - **`dist-packages`** ([`stage_site`]): every file under `usr/lib/python3/dist-packages`
 //!   of the unpacked packages, minus the recipe's `drop` patterns, as plain files (extension
 //!   modules and data files must be files; a zip like the standard library's would need a
@@ -46,7 +49,9 @@ pub enum SiteError {
     Stage(#[from] StageError),
     #[error("compile dist-packages")]
     Python(#[from] PythonError),
-    #[error("the packages of the template have no {DIST_PACKAGES}")]
+    #[error(
+        "the packages of the template have no {DIST_PACKAGES}, and it names modules to preload"
+    )]
     NoDistPackages,
     #[error("the packages of the template have no {0} (listed in `share`)")]
     NoShare(String),
@@ -132,12 +137,19 @@ pub fn stage_site(
     work_dir: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<SiteReport, SiteError> {
-    if !root.join(DIST_PACKAGES).is_dir() {
-        return Err(SiteError::NoDistPackages);
-    }
     let mut report = SiteReport::default();
     let mut jobs = Vec::new();
-    for (logical, host) in walk(root, DIST_PACKAGES, "", &site.drop, &mut report)? {
+    // A template of programs rather than Python packages (`tools`: bash, curl, git) has no
+    // dist-packages; what it needs comes through `share`. One that names Python modules to
+    // preload must have them.
+    let dist_packages = if root.join(DIST_PACKAGES).is_dir() {
+        walk(root, DIST_PACKAGES, "", &site.drop, &mut report)?
+    } else if site.preload.is_empty() {
+        Vec::new()
+    } else {
+        return Err(SiteError::NoDistPackages);
+    };
+    for (logical, host) in dist_packages {
         let guest = format!("{DIST_PACKAGES}/{logical}");
         if let Some(stem) = logical.strip_suffix(".py") {
             jobs.push(CompileJob {
