@@ -190,7 +190,7 @@ pub struct Config {
     #[arg(long)]
     pub verify_resets: bool,
     /// The templates to serve, comma-separated, prepared in this order at start (`python`,
-    /// `datascience`: guest/image/templates/). Jobs and sessions choose one with
+    /// `datascience`, `tools`: guest/image/templates/). Jobs and sessions choose one with
     /// `template`; without it they get `python` if served, else the first.
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_TEMPLATE)]
     pub templates: Vec<String>,

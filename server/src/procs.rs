@@ -70,6 +70,10 @@ pub struct Exit {
     /// When bud did not see it end in the guest: why it is over (the sandbox ended).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lost: Option<String>,
+    /// When the server saw it end (at the poll that brought its end: within a guest
+    /// wakeup of the end itself).
+    #[serde(skip)]
+    pub ended_at: SystemTime,
 }
 
 /// What a process was started as.
@@ -237,6 +241,7 @@ impl Processes {
                         exit_code,
                         signal,
                         lost: None,
+                        ended_at: SystemTime::now(),
                     };
                     end(&mut t, pid, exit);
                 }
@@ -301,6 +306,7 @@ impl Processes {
                 exit_code: None,
                 signal: None,
                 lost: Some(format!("the sandbox ended ({why})")),
+                ended_at: SystemTime::now(),
             };
             end(&mut t, pid, exit);
         }

@@ -189,6 +189,13 @@ impl AppState {
         }
     }
 
+    /// Whether template `name` has Debian package `package` (known once it is prepared).
+    pub fn template_has(&self, name: &str, package: &str) -> bool {
+        self.served(name)
+            .and_then(|t| t.info.get())
+            .is_some_and(|i| i.packages.contains_key(package))
+    }
+
     fn served(&self, name: &str) -> Option<&Served> {
         self.0.templates.iter().find(|t| t.name == name)
     }

@@ -135,6 +135,11 @@ fn a_background_process_streams_its_output_and_end_to_any_number_of_clients() {
         .json()
         .unwrap();
     assert_eq!(one["exit_code"], 5);
+    assert!(
+        one["duration_ms"].as_f64().is_some_and(|d| d > 0.0),
+        "{one}"
+    );
+    assert_eq!(p["duration_ms"], Value::Null, "running: {p}");
 }
 
 #[test]

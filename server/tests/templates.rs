@@ -395,6 +395,30 @@ fn the_tools_template_runs_bash_git_and_curl_without_a_network() {
     );
     let (made, sandbox) = s.post("/v2/sandboxes", &json!({"templateID": "base"}));
     let id = sandbox["sandboxID"].as_str().unwrap_or_default();
+    // E2B's commands (`/bin/bash -l -c CMD`) run in GNU bash where the template has it.
+    let started = client()
+        .post(s.url("/process.Process/Start"))
+        .header("e2b-sandbox-id", id)
+        .header(
+            "x-access-token",
+            sandbox["envdAccessToken"].as_str().unwrap_or_default(),
+        )
+        .json(&json!({"process": {"cmd": "/bin/bash",
+                                  "args": ["-l", "-c", "echo \"[${BASH_VERSION%%.*}]\""]}}))
+        .send()
+        .unwrap()
+        .bytes()
+        .unwrap();
+    let mut e2b_out = Vec::new();
+    let mut rest = &started[..];
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        let msg: Value = serde_json::from_slice(&rest[5..5 + len]).unwrap();
+        if let Some(b) = msg["event"]["data"]["stdout"].as_str() {
+            e2b_out.extend(BASE64.decode(b).unwrap());
+        }
+        rest = &rest[5 + len..];
+    }
     let deleted = client()
         .delete(s.url(&format!("/sandboxes/{id}")))
         .send()
@@ -402,6 +426,7 @@ fn the_tools_template_runs_bash_git_and_curl_without_a_network() {
         .status()
         .as_u16();
 
+    assert_eq!(String::from_utf8_lossy(&e2b_out), "[5]\n", "{started:?}");
     let out = versions["stdout"].as_str().unwrap();
     assert_eq!(
         (&versions["exit_code"], &versions["stderr"]),

@@ -132,6 +132,8 @@ pub struct ProcessInfo {
     pub signal: Option<i32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lost: Option<String>,
+    /// From its start to its end (null while it runs), as the server saw them.
+    pub duration_ms: Option<f64>,
 }
 
 impl ProcessInfo {
@@ -156,6 +158,13 @@ impl ProcessInfo {
             exit_code: end.and_then(|e| e.exit_code),
             signal: end.and_then(|e| e.signal),
             lost: end.and_then(|e| e.lost.clone()),
+            duration_ms: end.map(|e| {
+                e.ended_at
+                    .duration_since(info.started_at)
+                    .unwrap_or_default()
+                    .as_secs_f64()
+                    * 1e3
+            }),
         }
     }
 }

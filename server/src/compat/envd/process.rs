@@ -94,7 +94,9 @@ fn quote(s: &str) -> String {
 }
 
 /// The shell script of a process config (module docs); its cwd is the process's own.
-fn script_of(process: &Value) -> Result<String, Error> {
+/// `bash`: the sandbox's template has GNU bash (the `tools` template): a `bash` command
+/// runs in it, as its argv (~1 s more per command here than busybox `sh`).
+fn script_of(process: &Value, bash: bool) -> Result<String, Error> {
     let cmd = process["cmd"]
         .as_str()
         .ok_or_else(|| Error::invalid("process.cmd", "process.cmd is required"))?;
@@ -102,8 +104,19 @@ fn script_of(process: &Value) -> Result<String, Error> {
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
-    let shell = matches!(cmd.rsplit('/').next(), Some("bash" | "sh" | "ash" | "dash"));
+    let name = cmd.rsplit('/').next();
+    let shell = matches!(name, Some("bash" | "sh" | "ash" | "dash"));
     let dash_c = args.iter().position(|a| *a == "-c");
+    let quoted = || {
+        std::iter::once(cmd)
+            .chain(args.iter().copied())
+            .map(quote)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    if bash && name == Some("bash") {
+        return Ok(format!("exec {}", quoted()));
+    }
     let script = match (shell, dash_c) {
         (true, Some(i)) if args[..i].iter().all(|a| a.starts_with('-')) => args
             .get(i + 1)
@@ -118,11 +131,7 @@ fn script_of(process: &Value) -> Result<String, Error> {
                 "exec /bin/sh".to_owned()
             }
         }
-        _ => std::iter::once(cmd)
-            .chain(args.iter().copied())
-            .map(quote)
-            .collect::<Vec<_>>()
-            .join(" "),
+        _ => quoted(),
     };
     Ok(script)
 }
@@ -213,7 +222,7 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
                     .collect()
             })
             .unwrap_or_default(),
-        script: script_of(process)?,
+        script: script_of(process, c.app.template_has(&e.template, "bash"))?,
         cwd: process["cwd"]
             .as_str()
             .filter(|c| !c.is_empty())
@@ -593,9 +602,13 @@ mod tests {
     #[test]
     fn commands_become_shell_scripts() {
         let bash = json!({"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi; exit 3"]});
-        assert_eq!(script_of(&bash).unwrap(), "echo hi; exit 3");
+        assert_eq!(script_of(&bash, false).unwrap(), "echo hi; exit 3");
+        assert_eq!(
+            script_of(&bash, true).unwrap(),
+            "exec '/bin/bash' '-l' '-c' 'echo hi; exit 3'"
+        );
         let argv = json!({"cmd": "ls", "args": ["-l", "it's"], "cwd": "/home/user"});
-        assert_eq!(script_of(&argv).unwrap(), "'ls' '-l' 'it'\\''s'");
+        assert_eq!(script_of(&argv, true).unwrap(), "'ls' '-l' 'it'\\''s'");
     }
 
     #[test]
