@@ -360,8 +360,6 @@ fn upstream(debian: &Value) -> String {
 /// costs a second or more of emulated guest-kernel work: docs/templates.md).
 #[test]
 fn the_tools_template_runs_bash_git_and_curl_without_a_network() {
-    // Built first, so that the server lists the packages of its image.
-    executor_of("tools");
     let mut config: Config = test_config();
     config.templates = vec!["python".into(), "tools".into()];
     let s = TestServer::with_config(config);

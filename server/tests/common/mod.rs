@@ -121,12 +121,14 @@ impl TestServer {
     pub fn with_templates(config: Config, ready: &[&str]) -> Self {
         let state = AppState::new(config, None).expect("server state");
         for name in ready {
+            // The executor first: on a fresh build it builds the image whose facts follow.
+            let executor = executor_of(name);
             let (image_bytes, packages) = bud_templates::image_facts(&template_options(name));
             let info = bud_server::state::TemplateInfo {
                 image_bytes,
                 packages,
             };
-            assert!(state.set_template(name, executor_of(name), info));
+            assert!(state.set_template(name, executor, info));
         }
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (stop, stopped) = oneshot::channel::<()>();
