@@ -167,8 +167,9 @@ class _Fd:
 IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
 IN_CREATE, IN_DELETE, IN_IGNORED, IN_ISDIR = 0x100, 0x200, 0x8000, 0x40000000
 WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
-WATCH_KINDS = ((IN_CREATE | IN_MOVED_TO, 1), (IN_MODIFY, 2), (IN_DELETE, 3),
-               (IN_MOVED_FROM, 4), (IN_ATTRIB, 5))  # protocol's watch_event
+WATCH_KINDS = ((IN_CREATE | IN_MOVED_TO, _bud.WATCH_EVENT_CREATE),
+               (IN_MODIFY, _bud.WATCH_EVENT_WRITE), (IN_DELETE, _bud.WATCH_EVENT_REMOVE),
+               (IN_MOVED_FROM, _bud.WATCH_EVENT_RENAME), (IN_ATTRIB, _bud.WATCH_EVENT_CHMOD))
 INOTIFY_EVENT = struct.Struct("iIII")
 
 # Directories one recursive watcher may watch.
@@ -244,7 +245,7 @@ class Watcher:
             return 0
         for entry in entries:
             sub = os.path.join(rel, entry.name)
-            self._report(write_out, 1, sub)
+            self._report(write_out, _bud.WATCH_EVENT_CREATE, sub)
             taken += 1
             if entry.is_dir(follow_symlinks=False):
                 taken += self._adopt(write_out, root, sub)

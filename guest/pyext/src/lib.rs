@@ -43,7 +43,7 @@ use doorbell::Doorbell;
 use mailbox::{Mailbox, MailboxError};
 use protocol::{
     MAILBOX_DEFAULT_SIZE, code, failure, file_op, file_status, guest_flags, header, job, job_flags,
-    language, mode, outcome, process_event, process_op, result,
+    language, mode, outcome, process_event, process_op, result, watch_event,
 };
 
 /// Every constant of `protocol.rs`, under its Python name: `NAME` for top-level constants and
@@ -85,6 +85,11 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("PROCESS_OP_WATCH", process_op::WATCH as u64),
     ("PROCESS_OP_UNWATCH", process_op::UNWATCH as u64),
     ("PROCESS_EVENT_WATCH", process_event::WATCH as u64),
+    ("WATCH_EVENT_CREATE", watch_event::CREATE as u64),
+    ("WATCH_EVENT_WRITE", watch_event::WRITE as u64),
+    ("WATCH_EVENT_REMOVE", watch_event::REMOVE as u64),
+    ("WATCH_EVENT_RENAME", watch_event::RENAME as u64),
+    ("WATCH_EVENT_CHMOD", watch_event::CHMOD as u64),
     ("PROCESS_EVENT_PTY", process_event::PTY as u64),
     ("JOB_FLAGS_PROCESS_PTY", job_flags::PROCESS_PTY as u64),
     ("PROCESS_EVENT_STDOUT", process_event::STDOUT as u64),

@@ -7,6 +7,8 @@
 //! it skips (the clock call, which needs root in a real guest; syscall counts without
 //! strace), and this test repeats those lines.
 
+mod common;
+
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,18 +28,6 @@ fn busybox() -> Option<PathBuf> {
     .find(|p| p.is_file())
 }
 
-/// The cdylib cargo built next to this test binary (target/<profile>/lib_bud.so).
-fn built_extension() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let profile_dir = exe.parent()?.parent()?;
-    [
-        profile_dir.join("lib_bud.so"),
-        profile_dir.join("deps/lib_bud.so"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-}
-
 fn say(line: &str) {
     // Straight to the stderr handle: libtest captures eprintln! of passing tests.
     let _ = writeln!(std::io::stderr(), "{line}");
@@ -48,7 +38,8 @@ struct Stage(PathBuf);
 
 impl Stage {
     fn new() -> Self {
-        let so = built_extension().expect("lib_bud.so next to the test binary (cargo builds it)");
+        let so = common::built_extension()
+            .expect("lib_bud.so next to the test binary (cargo builds it)");
         let dir = std::env::temp_dir().join(format!("bud-jobs-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create stage dir");
         std::fs::copy(so, dir.join("_bud.abi3.so")).expect("copy extension");

@@ -5,22 +5,12 @@
 //! These tests check that `ring`/`ready` refuse without the doorbell permission instead.
 //! Without /usr/bin/python3.11 they fail, saying so (Debian's `python3.11` package).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const PYTHON: &str = "/usr/bin/python3.11";
-
-/// The cdylib cargo built next to this test binary (target/<profile>/lib_bud.so).
-fn built_extension() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let profile_dir = exe.parent()?.parent()?;
-    [
-        profile_dir.join("lib_bud.so"),
-        profile_dir.join("deps/lib_bud.so"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-}
 
 /// A temp dir of its own for test `name` (tests run in parallel, and overwriting a loaded
 /// extension would SIGBUS the python using it), holding `_bud.abi3.so` and the worker's
@@ -31,7 +21,8 @@ fn stage(name: &str) -> Stage {
         "{PYTHON} not found: these tests need the guest's CPython 3.11 on the host \
          (Debian's python3.11 package)"
     );
-    let so = built_extension().expect("lib_bud.so next to the test binary (cargo builds it)");
+    let so =
+        common::built_extension().expect("lib_bud.so next to the test binary (cargo builds it)");
     let dir = std::env::temp_dir().join(format!("bud-pyext-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("create stage dir");
     std::fs::copy(so, dir.join("_bud.abi3.so")).expect("copy extension");
