@@ -5,14 +5,20 @@
 //! `WatchDir` (a server stream: `start`, then a `filesystem` event per change and
 //! keepalives, what the async SDK reads).
 
+use std::convert::Infallible;
+use std::time::Duration;
+
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
+use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
+use tokio::sync::broadcast::error::RecvError;
 use vmm::files::{FileEntry, FileKind};
 
+use super::connect::{deadline, envelope, keepalive, unwrap_envelope};
 use super::{MAX_ENTRIES, connect_error, e2b_path, from_api, guest_path};
 use crate::clock::rfc3339;
 use crate::compat::Compat;
@@ -96,7 +102,7 @@ pub async fn filesystem(
     let run = async {
         let (_, e) = sandbox_of(&c, &headers)?;
         if method == "WatchDir" {
-            return super::process::watch_dir(&c, &e.id, &headers, &body).await;
+            return watch_dir(&c, &e.id, &headers, &body).await;
         }
         let body: Value = serde_json::from_slice(&body)
             .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?;
@@ -189,6 +195,87 @@ async fn list(state: &AppState, id: &str, rel: &str, depth: u64) -> Result<Vec<V
         level = next;
     }
     Ok(entries)
+}
+
+/// `filesystem.Filesystem/WatchDir` (server streaming): a watcher of `path` for as long as
+/// the client reads (removed when it goes away or the stream's deadline passes).
+async fn watch_dir(
+    c: &Compat,
+    id: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, ApiError> {
+    let req = unwrap_envelope(body)?;
+    let path = req["path"]
+        .as_str()
+        .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
+    let rel = guest_path(path)?;
+    let recursive = req["recursive"].as_bool() == Some(true);
+    let limit = crate::procs::MAX_STREAMS;
+    if crate::service::sessions::get(&c.app, id)?
+        .processes
+        .streams()
+        >= limit
+    {
+        return Err(Error::TooManyStreams { limit }.into());
+    }
+    let wid = processes::watch(&c.app, id, &rel, recursive).await?;
+    let e = crate::service::sessions::get(&c.app, id)?;
+    let rx = e
+        .processes
+        .subscribe_watch(wid)
+        .ok_or_else(|| ApiError::from(Error::internal("the watcher vanished")))?;
+    // Removes the watcher when the stream is dropped (the client left).
+    struct Unwatch(Compat, String, u32);
+    impl Drop for Unwatch {
+        fn drop(&mut self) {
+            let (state, id, wid) = (self.0.app.clone(), self.1.clone(), self.2);
+            tokio::spawn(async move {
+                let _ = processes::unwatch(&state, &id, wid).await;
+            });
+        }
+    }
+    let guard = Unwatch(c.clone(), id.to_owned(), wid);
+    let ping = keepalive(headers);
+    let until = deadline(headers);
+    // WatchDirResponse's oneof is flat in proto JSON: {"start": {}}, {"filesystem": ...}.
+    let started = envelope(0, &json!({"start": {}}));
+    let rest = stream::unfold(Some((rx, guard)), move |st| async move {
+        let (mut rx, guard) = st?;
+        let far = tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
+        let ping_at = ping.map_or(far, |p| tokio::time::Instant::now() + p);
+        let until = until.unwrap_or(far);
+        loop {
+            tokio::select! {
+                got = rx.recv() => match got {
+                    Ok((change, name)) => {
+                        let ev = json!({"filesystem": {
+                            "name": name,
+                            "type": event_name(change),
+                        }});
+                        return Some((envelope(0, &ev), Some((rx, guard))));
+                    }
+                    Err(RecvError::Lagged(_)) => continue,
+                    Err(RecvError::Closed) => return Some((envelope(2, &json!({})), None)),
+                },
+                () = tokio::time::sleep_until(ping_at.min(until)) => {
+                    if tokio::time::Instant::now() >= until {
+                        return Some((envelope(2, &json!({})), None));
+                    }
+                    let ka = envelope(0, &json!({"keepalive": {}}));
+                    return Some((ka, Some((rx, guard))));
+                }
+            }
+        }
+    });
+    let body = stream::once(async move { started })
+        .chain(rest)
+        .map(Ok::<_, Infallible>);
+    Ok((
+        [(header::CONTENT_TYPE, "application/connect+json")],
+        Body::from_stream(body),
+    )
+        .into_response())
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@
 //! Modules: [`filesystem`] (the filesystem RPCs) and [`process`] (commands); this one has
 //! what they share (paths, Connect errors) and the plain HTTP routes (`/health`, `/files`).
 
+mod connect;
 pub mod filesystem;
 pub mod process;
 

@@ -29,6 +29,7 @@ use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
 use vmm::job::Stream;
 
+use super::connect::{deadline, envelope, keepalive, unwrap_envelope, unwrap_envelopes};
 use super::{connect_error, from_api};
 use crate::api::processes::{TerminalSize, check_env};
 use crate::compat::Compat;
@@ -36,57 +37,6 @@ use crate::compat::e2b::sandbox_of;
 use crate::error::{ApiError, Error};
 use crate::procs::{Event, Exit, Start, Subscription};
 use crate::service::processes;
-
-/// One Connect envelope: flags, big-endian length, the JSON.
-fn envelope(flags: u8, v: &Value) -> Bytes {
-    let json = serde_json::to_vec(v).unwrap_or_default();
-    let mut out = Vec::with_capacity(5 + json.len());
-    out.push(flags);
-    out.extend_from_slice(&(json.len() as u32).to_be_bytes());
-    out.extend_from_slice(&json);
-    Bytes::from(out)
-}
-
-/// The JSON messages of an enveloped request body (several for a client stream), or of a
-/// bare JSON one.
-fn unwrap_envelopes(mut body: &[u8]) -> Result<Vec<Value>, Error> {
-    let parse = |json: &[u8]| {
-        serde_json::from_slice(json).map_err(|e| Error::invalid("body", format!("bad JSON: {e}")))
-    };
-    if !matches!(body.first(), Some(0..=3)) {
-        return Ok(vec![parse(body)?]);
-    }
-    let mut all = Vec::new();
-    while let [flags, a, b, c, d, rest @ ..] = body {
-        if flags & 1 != 0 {
-            return Err(Error::invalid(
-                "body",
-                "compressed envelopes are not supported",
-            ));
-        }
-        let len = u32::from_be_bytes([*a, *b, *c, *d]) as usize;
-        let json = rest
-            .get(..len)
-            .ok_or_else(|| Error::invalid("body", "truncated Connect envelope"))?;
-        // Flag 2: the client stream's end (no message of its own to act on).
-        if flags & 2 == 0 {
-            all.push(parse(json)?);
-        }
-        body = &rest[len..];
-    }
-    if !body.is_empty() {
-        return Err(Error::invalid("body", "truncated Connect envelope"));
-    }
-    Ok(all)
-}
-
-/// The one JSON message of a request body.
-fn unwrap_envelope(body: &[u8]) -> Result<Value, Error> {
-    unwrap_envelopes(body)?
-        .into_iter()
-        .next()
-        .ok_or_else(|| Error::invalid("body", "no message in the request"))
-}
 
 /// Single-quotes `s` for the shell.
 fn quote(s: &str) -> String {
@@ -382,28 +332,6 @@ async fn send_signal(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Respo
     Ok(unary(json!({})))
 }
 
-/// How often a quiet stream sends a keepalive (the client's `Keepalive-Ping-Interval`).
-fn keepalive(headers: &HeaderMap) -> Option<Duration> {
-    let s = headers
-        .get("keepalive-ping-interval")?
-        .to_str()
-        .ok()?
-        .parse::<u64>()
-        .ok()?;
-    (s > 0).then(|| Duration::from_secs(s))
-}
-
-/// The stream's deadline (`Connect-Timeout-Ms`), if any.
-fn deadline(headers: &HeaderMap) -> Option<tokio::time::Instant> {
-    let ms = headers
-        .get("connect-timeout-ms")?
-        .to_str()
-        .ok()?
-        .parse::<u64>()
-        .ok()?;
-    (ms > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(ms))
-}
-
 fn data_event(s: Stream, bytes: &[u8], pty: bool) -> Bytes {
     let key = match s {
         _ if pty => "pty",
@@ -412,87 +340,6 @@ fn data_event(s: Stream, bytes: &[u8], pty: bool) -> Bytes {
     };
     let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
     envelope(0, &json!({"event": {"data": {key: b64}}}))
-}
-
-/// `filesystem.Filesystem/WatchDir` (server streaming): a watcher of `path` for as long as
-/// the client reads (removed when it goes away or the stream's deadline passes).
-pub(super) async fn watch_dir(
-    c: &Compat,
-    id: &str,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<Response, ApiError> {
-    let req = unwrap_envelope(body)?;
-    let path = req["path"]
-        .as_str()
-        .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
-    let rel = super::guest_path(path)?;
-    let recursive = req["recursive"].as_bool() == Some(true);
-    let limit = crate::procs::MAX_STREAMS;
-    if crate::service::sessions::get(&c.app, id)?
-        .processes
-        .streams()
-        >= limit
-    {
-        return Err(Error::TooManyStreams { limit }.into());
-    }
-    let wid = processes::watch(&c.app, id, &rel, recursive).await?;
-    let e = crate::service::sessions::get(&c.app, id)?;
-    let rx = e
-        .processes
-        .subscribe_watch(wid)
-        .ok_or_else(|| ApiError::from(Error::internal("the watcher vanished")))?;
-    // Removes the watcher when the stream is dropped (the client left).
-    struct Unwatch(Compat, String, u32);
-    impl Drop for Unwatch {
-        fn drop(&mut self) {
-            let (state, id, wid) = (self.0.app.clone(), self.1.clone(), self.2);
-            tokio::spawn(async move {
-                let _ = processes::unwatch(&state, &id, wid).await;
-            });
-        }
-    }
-    let guard = Unwatch(c.clone(), id.to_owned(), wid);
-    let ping = keepalive(headers);
-    let until = deadline(headers);
-    // WatchDirResponse's oneof is flat in proto JSON: {"start": {}}, {"filesystem": ...}.
-    let started = envelope(0, &json!({"start": {}}));
-    let rest = stream::unfold(Some((rx, guard)), move |st| async move {
-        let (mut rx, guard) = st?;
-        let far = tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
-        let ping_at = ping.map_or(far, |p| tokio::time::Instant::now() + p);
-        let until = until.unwrap_or(far);
-        loop {
-            tokio::select! {
-                got = rx.recv() => match got {
-                    Ok((change, name)) => {
-                        let ev = json!({"filesystem": {
-                            "name": name,
-                            "type": super::filesystem::event_name(change),
-                        }});
-                        return Some((envelope(0, &ev), Some((rx, guard))));
-                    }
-                    Err(RecvError::Lagged(_)) => continue,
-                    Err(RecvError::Closed) => return Some((envelope(2, &json!({})), None)),
-                },
-                () = tokio::time::sleep_until(ping_at.min(until)) => {
-                    if tokio::time::Instant::now() >= until {
-                        return Some((envelope(2, &json!({})), None));
-                    }
-                    let ka = envelope(0, &json!({"keepalive": {}}));
-                    return Some((ka, Some((rx, guard))));
-                }
-            }
-        }
-    });
-    let body = stream::once(async move { started })
-        .chain(rest)
-        .map(Ok::<_, Infallible>);
-    Ok((
-        [(header::CONTENT_TYPE, "application/connect+json")],
-        Body::from_stream(body),
-    )
-        .into_response())
 }
 
 /// What one step of a process's stream sends, and whether it was the last.
