@@ -421,3 +421,54 @@ fn a_session_that_started_a_process_is_discarded_never_reset_for_reuse() {
     let after = ex.stats();
     assert_eq!(after.resets, after_quiet.resets, "not reset: {after:?}");
 }
+
+#[test]
+fn a_large_tree_moved_under_a_recursive_watcher_is_reported_within_bounds() {
+    use vmm::process::Change;
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let mut make = Job::shell(
+        "mkdir -p w big/sub && cd big/sub && i=0; \
+         while [ $i -lt 1500 ]; do : > f$i; i=$((i+1)); done",
+    );
+    make.timeout = Duration::from_secs(60);
+    let r = s
+        .exec(&ex, &make, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .unwrap();
+    assert_eq!(
+        r.status,
+        Status::Ok,
+        "{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let w = s.watch_dir(&ex, "w", true).expect("watch");
+    let r = s
+        .exec(
+            &ex,
+            &Job::shell("mv big w/big"),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+    assert_eq!(r.status, Status::Ok);
+    // The tree is adopted with at most 1000 of its entries reported; every poll answers.
+    let mut created = 0;
+    for _ in 0..3 {
+        for e in s
+            .poll_processes(&ex, Duration::from_secs(2), 16 << 10, None)
+            .unwrap()
+        {
+            if let ProcessEvent::Watch {
+                change: Change::Create,
+                ..
+            } = e
+            {
+                created += 1;
+            }
+        }
+    }
+    assert!((1..=1001).contains(&created), "{created} creates");
+    s.unwatch(&ex, w).unwrap();
+    assert!(s.usable());
+    s.end(&ex);
+}

@@ -175,6 +175,10 @@ INOTIFY_EVENT = struct.Struct("iIII")
 # Directories one recursive watcher may watch.
 WATCH_DIRS_MAX = 4096
 
+# Entries reported as created when a recursive watcher adopts a new directory tree (a
+# clone of a large repository must not overflow one poll's answer).
+ADOPT_MAX = 1000
+
 
 class Watcher:
     """A watched directory: its inotify descriptor and what each watch descriptor is."""
@@ -203,14 +207,16 @@ class Watcher:
         except OSError:
             pass  # gone again, or not readable: nothing to watch there
 
-    def take(self, write_out, root):
-        """Writes the events waiting on the descriptor; returns how many."""
-        taken = 0
-        while True:
+    def take(self, write_out, root, room):
+        """Writes the events waiting on the descriptor, stopping once about ``room`` bytes
+        are written (the rest stay queued in the kernel for the next poll); returns how
+        many events and bytes."""
+        taken = written = 0
+        while written < room:
             try:
-                data = os.read(self.fd, 64 << 10)
+                data = os.read(self.fd, 16 << 10)
             except BlockingIOError:
-                return taken
+                break
             at = 0
             while at + INOTIFY_EVENT.size <= len(data):
                 wd, mask, _, length = INOTIFY_EVENT.unpack_from(data, at)
@@ -224,32 +230,42 @@ class Watcher:
                 rel = os.path.join(base, os.fsdecode(name.rstrip(b"\0")))
                 for bits, kind in WATCH_KINDS:
                     if mask & bits:
-                        self._report(write_out, kind, rel)
+                        written += self._report(write_out, kind, rel)
                         taken += 1
                         break
                 if (self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO)):
-                    taken += self._adopt(write_out, root, rel)
+                    n, b = self._adopt(write_out, root, rel, [ADOPT_MAX])
+                    taken += n
+                    written += b
+        return taken, written
 
     def _report(self, write_out, kind, rel):
         b = rel.encode("utf-8", "surrogateescape")
         write_out(EVENT.pack(self.wid, _bud.PROCESS_EVENT_WATCH, kind, len(b)) + b)
+        return EVENT.size + len(b)
 
-    def _adopt(self, write_out, root, rel):
+    def _adopt(self, write_out, root, rel, budget):
         """Watches new directory ``rel`` and what is in it already (made before its watch
-        was: ``mkdir -p a/b && touch a/b/f``), reported as created."""
+        was: ``mkdir -p a/b && touch a/b/f``), reported as created, at most ``budget[0]``
+        entries of the tree; returns how many events and bytes."""
         self._add(os.path.join(root, rel), rel)
-        taken = 0
+        taken = written = 0
         try:
             entries = list(os.scandir(os.path.join(root, rel)))
         except OSError:
-            return 0
+            return 0, 0
         for entry in entries:
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
             sub = os.path.join(rel, entry.name)
-            self._report(write_out, _bud.WATCH_EVENT_CREATE, sub)
+            written += self._report(write_out, _bud.WATCH_EVENT_CREATE, sub)
             taken += 1
             if entry.is_dir(follow_symlinks=False):
-                taken += self._adopt(write_out, root, sub)
-        return taken
+                n, b = self._adopt(write_out, root, sub, budget)
+                taken += n
+                written += b
+        return taken, written
 
 
 class Table:
@@ -367,9 +383,11 @@ class Table:
         end = now + wait_s
         while self.live or self.watchers:
             got, ended = self._take(budget - taken, write_out)
-            for w, root in self.watchers.values():
-                ended += w.take(write_out, root)
             taken += got
+            for w, root in self.watchers.values():
+                n, written = w.take(write_out, root, max(budget - taken, 0))
+                ended += n
+                taken += written
             if taken >= budget:
                 return
             now = time.monotonic()
