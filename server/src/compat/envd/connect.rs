@@ -1,12 +1,18 @@
 //! Connect's streaming wire (what envd's streams speak): envelopes (1 flag byte, a
-//! big-endian u32 length, the JSON; flag 2 ends a stream), and the client's keepalive
-//! interval and deadline headers. Used by [`super::process`] and [`super::filesystem`].
+//! big-endian u32 length, the JSON; flag 2 ends a stream), a server stream's keepalives
+//! and deadline (the client's headers), and its response. Used by [`super::process`] and
+//! [`super::filesystem`].
 
+use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::http::HeaderMap;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::{Stream, StreamExt, stream};
 use serde_json::Value;
+use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::time::Instant;
 
 use crate::error::Error;
 
@@ -61,24 +67,71 @@ pub(super) fn unwrap_envelope(body: &[u8]) -> Result<Value, Error> {
         .ok_or_else(|| Error::invalid("body", "no message in the request"))
 }
 
-/// How often a quiet stream sends a keepalive (the client's `Keepalive-Ping-Interval`).
-pub(super) fn keepalive(headers: &HeaderMap) -> Option<Duration> {
-    let s = headers
-        .get("keepalive-ping-interval")?
-        .to_str()
-        .ok()?
-        .parse::<u64>()
-        .ok()?;
-    (s > 0).then(|| Duration::from_secs(s))
+/// A server stream's clock: how often a quiet stream sends a keepalive (the client's
+/// `Keepalive-Ping-Interval`) and when it ends (`Connect-Timeout-Ms`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    ping: Option<Duration>,
+    until: Option<Instant>,
 }
 
-/// The stream's deadline (`Connect-Timeout-Ms`), if any.
-pub(super) fn deadline(headers: &HeaderMap) -> Option<tokio::time::Instant> {
-    let ms = headers
-        .get("connect-timeout-ms")?
-        .to_str()
-        .ok()?
-        .parse::<u64>()
-        .ok()?;
-    (ms > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(ms))
+impl Timing {
+    pub(super) fn of(headers: &HeaderMap) -> Self {
+        let number = |name: &str| {
+            let n = headers.get(name)?.to_str().ok()?.parse::<u64>().ok()?;
+            (n > 0).then_some(n)
+        };
+        Self {
+            ping: number("keepalive-ping-interval").map(Duration::from_secs),
+            until: number("connect-timeout-ms")
+                .map(|ms| Instant::now() + Duration::from_millis(ms)),
+        }
+    }
+}
+
+/// What a server stream sends next.
+#[derive(Debug)]
+pub(super) enum Next<T> {
+    Event(T),
+    /// Quiet for the keepalive interval.
+    Keepalive,
+    /// The stream's deadline passed.
+    Deadline,
+    /// The channel's sender is gone.
+    Closed,
+}
+
+/// The next event of `rx` (going on past what a client that fell behind lost), or a
+/// keepalive or the deadline when due first.
+pub(super) async fn next<T: Clone>(rx: &mut broadcast::Receiver<T>, t: Timing) -> Next<T> {
+    let far = Instant::now() + Duration::from_secs(365 * 86_400);
+    let ping_at = t.ping.map_or(far, |p| Instant::now() + p);
+    let until = t.until.unwrap_or(far);
+    loop {
+        tokio::select! {
+            got = rx.recv() => match got {
+                Ok(ev) => return Next::Event(ev),
+                Err(RecvError::Lagged(_)) => continue,
+                Err(RecvError::Closed) => return Next::Closed,
+            },
+            () = tokio::time::sleep_until(ping_at.min(until)) => {
+                return if Instant::now() >= until { Next::Deadline } else { Next::Keepalive };
+            }
+        }
+    }
+}
+
+/// A server stream's response: `first`, then `rest`.
+pub(super) fn stream_response(
+    first: Bytes,
+    rest: impl Stream<Item = Bytes> + Send + 'static,
+) -> Response {
+    let body = stream::once(async move { first })
+        .chain(rest)
+        .map(Ok::<_, Infallible>);
+    (
+        [(header::CONTENT_TYPE, "application/connect+json")],
+        Body::from_stream(body),
+    )
+        .into_response()
 }

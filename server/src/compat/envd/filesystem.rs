@@ -5,20 +5,16 @@
 //! `WatchDir` (a server stream: `start`, then a `filesystem` event per change and
 //! keepalives, what the async SDK reads).
 
-use std::convert::Infallible;
-use std::time::Duration;
-
 use axum::Json;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, header};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use futures_util::{StreamExt, stream};
+use futures_util::stream;
 use serde_json::{Value, json};
-use tokio::sync::broadcast::error::RecvError;
 use vmm::files::{FileEntry, FileKind};
 
-use super::connect::{deadline, envelope, keepalive, unwrap_envelope};
+use super::connect::{Next, Timing, envelope, next, stream_response, unwrap_envelope};
 use super::{MAX_ENTRIES, connect_error, e2b_path, from_api, guest_path};
 use crate::clock::rfc3339;
 use crate::compat::Compat;
@@ -236,46 +232,21 @@ async fn watch_dir(
         }
     }
     let guard = Unwatch(c.clone(), id.to_owned(), wid);
-    let ping = keepalive(headers);
-    let until = deadline(headers);
+    let timing = Timing::of(headers);
     // WatchDirResponse's oneof is flat in proto JSON: {"start": {}}, {"filesystem": ...}.
     let started = envelope(0, &json!({"start": {}}));
     let rest = stream::unfold(Some((rx, guard)), move |st| async move {
         let (mut rx, guard) = st?;
-        let far = tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
-        let ping_at = ping.map_or(far, |p| tokio::time::Instant::now() + p);
-        let until = until.unwrap_or(far);
-        loop {
-            tokio::select! {
-                got = rx.recv() => match got {
-                    Ok((change, name)) => {
-                        let ev = json!({"filesystem": {
-                            "name": name,
-                            "type": event_name(change),
-                        }});
-                        return Some((envelope(0, &ev), Some((rx, guard))));
-                    }
-                    Err(RecvError::Lagged(_)) => continue,
-                    Err(RecvError::Closed) => return Some((envelope(2, &json!({})), None)),
-                },
-                () = tokio::time::sleep_until(ping_at.min(until)) => {
-                    if tokio::time::Instant::now() >= until {
-                        return Some((envelope(2, &json!({})), None));
-                    }
-                    let ka = envelope(0, &json!({"keepalive": {}}));
-                    return Some((ka, Some((rx, guard))));
-                }
+        Some(match next(&mut rx, timing).await {
+            Next::Event((change, name)) => {
+                let ev = json!({"filesystem": {"name": name, "type": event_name(change)}});
+                (envelope(0, &ev), Some((rx, guard)))
             }
-        }
+            Next::Keepalive => (envelope(0, &json!({"keepalive": {}})), Some((rx, guard))),
+            Next::Deadline | Next::Closed => (envelope(2, &json!({})), None),
+        })
     });
-    let body = stream::once(async move { started })
-        .chain(rest)
-        .map(Ok::<_, Infallible>);
-    Ok((
-        [(header::CONTENT_TYPE, "application/connect+json")],
-        Body::from_stream(body),
-    )
-        .into_response())
+    Ok(stream_response(started, rest))
 }
 
 #[cfg(test)]

@@ -16,20 +16,19 @@
 //!   -l`, what `sandbox.pty.create` sends, is busybox `sh -i`); its output comes as `pty`
 //!   data, `SendInput` with `pty` types into it, `Update` resizes it.
 
-use std::convert::Infallible;
-use std::time::Duration;
-
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use futures_util::{StreamExt, stream};
+use futures_util::stream;
 use serde_json::{Value, json};
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast;
 use vmm::job::Stream;
 
-use super::connect::{deadline, envelope, keepalive, unwrap_envelope, unwrap_envelopes};
+use super::connect::{
+    Next, Timing, envelope, next, stream_response, unwrap_envelope, unwrap_envelopes,
+};
 use super::{connect_error, from_api};
 use crate::api::processes::{TerminalSize, check_env};
 use crate::compat::Compat;
@@ -354,29 +353,21 @@ fn events(sub: Subscription, headers: &HeaderMap) -> Response {
     let pid = sub.info.pid;
     let pty = sub.info.pty.is_some();
     let started = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
-    let ping = keepalive(headers);
-    let until = deadline(headers);
+    let timing = Timing::of(headers);
     let replay = sub.replay.into_iter();
     let state = Some((replay, sub.rx));
     let rest = stream::unfold(state, move |st| async move {
         let (mut replay, mut rx) = st?;
         let step = match replay.next() {
             Some(ev) => step_of(ev, pty),
-            None => next_step(&mut rx, ping, until, pty).await,
+            None => next_step(&mut rx, timing, pty).await,
         };
         Some(match step {
             Step::Send(b) => (b, Some((replay, rx))),
             Step::Last(b) => (b, None),
         })
     });
-    let body = stream::once(async move { started })
-        .chain(rest)
-        .map(Ok::<_, Infallible>);
-    (
-        [(header::CONTENT_TYPE, "application/connect+json")],
-        Body::from_stream(body),
-    )
-        .into_response()
+    stream_response(started, rest)
 }
 
 fn step_of(ev: Event, pty: bool) -> Step {
@@ -387,35 +378,18 @@ fn step_of(ev: Event, pty: bool) -> Step {
 }
 
 /// The next step from the live channel: an event, a keepalive, or the deadline's error.
-async fn next_step(
-    rx: &mut tokio::sync::broadcast::Receiver<Event>,
-    ping: Option<Duration>,
-    until: Option<tokio::time::Instant>,
-    pty: bool,
-) -> Step {
-    let far = tokio::time::Instant::now() + Duration::from_secs(365 * 86_400);
-    let ping_at = ping.map_or(far, |p| tokio::time::Instant::now() + p);
-    let until = until.unwrap_or(far);
-    loop {
-        tokio::select! {
-            got = rx.recv() => match got {
-                Ok(ev) => return step_of(ev, pty),
-                // Output this client fell too far behind for: go on with what comes.
-                Err(RecvError::Lagged(_)) => continue,
-                Err(RecvError::Closed) => {
-                    return Step::Last(trailer("unavailable", "the sandbox's process record is gone"));
-                }
-            },
-            () = tokio::time::sleep_until(ping_at.min(until)) => {
-                if tokio::time::Instant::now() >= until {
-                    return Step::Last(trailer(
-                        "deadline_exceeded",
-                        "the command's stream reached its timeout (the process goes on)",
-                    ));
-                }
-                return Step::Send(envelope(0, &json!({"event": {"keepalive": {}}})));
-            }
-        }
+async fn next_step(rx: &mut broadcast::Receiver<Event>, t: Timing, pty: bool) -> Step {
+    match next(rx, t).await {
+        Next::Event(ev) => step_of(ev, pty),
+        Next::Keepalive => Step::Send(envelope(0, &json!({"event": {"keepalive": {}}}))),
+        Next::Deadline => Step::Last(trailer(
+            "deadline_exceeded",
+            "the command's stream reached its timeout (the process goes on)",
+        )),
+        Next::Closed => Step::Last(trailer(
+            "unavailable",
+            "the sandbox's process record is gone",
+        )),
     }
 }
 
