@@ -54,7 +54,9 @@ pub struct Start {
     pub cwd: Option<String>,
     /// Variables on top of the session's.
     pub env: BTreeMap<String, String>,
+    /// A client's name for it (E2B's tag).
     pub tag: Option<String>,
+    /// Give it a stdin pipe.
     pub stdin: bool,
     /// Run it on a terminal of this size (rows, columns).
     pub pty: Option<(u16, u16)>,
@@ -76,23 +78,19 @@ pub struct Exit {
     pub ended_at: SystemTime,
 }
 
-/// What a process was started as.
+/// A started process: its pid, what it was started as, and when.
 #[derive(Debug, Clone)]
 pub struct Info {
     pub pid: u32,
-    /// The command line as the client gave it (`cmd` and `args`), and the script that ran.
-    pub cmd: String,
-    pub args: Vec<String>,
-    pub script: String,
-    pub cwd: Option<String>,
-    pub env: BTreeMap<String, String>,
-    /// A client's name for it (E2B's tag).
-    pub tag: Option<String>,
-    /// It was given a stdin pipe (or a terminal).
-    pub stdin: bool,
-    /// It runs on a terminal of this size (rows, columns) when it started.
-    pub pty: Option<(u16, u16)>,
+    pub start: Start,
     pub started_at: SystemTime,
+}
+
+impl Info {
+    /// Whether it reads what is written to it: a stdin pipe, or a terminal.
+    pub fn takes_input(&self) -> bool {
+        self.start.stdin || self.start.pty.is_some()
+    }
 }
 
 /// A process as kept: what it was started as, and how it ended if it did.
@@ -179,7 +177,7 @@ impl Processes {
             return false;
         }
         let (tx, _) = broadcast::channel(CHANNEL);
-        let stdin_open = info.stdin;
+        let stdin_open = info.takes_input();
         t.procs.insert(
             info.pid,
             Proc {
@@ -423,14 +421,12 @@ mod tests {
     fn info(pid: u32) -> Info {
         Info {
             pid,
-            cmd: "sh".into(),
-            args: vec![],
-            script: "true".into(),
-            cwd: None,
-            env: BTreeMap::new(),
-            tag: None,
-            stdin: true,
-            pty: None,
+            start: Start {
+                cmd: "sh".into(),
+                script: "true".into(),
+                stdin: true,
+                ..Start::default()
+            },
             started_at: SystemTime::now(),
         }
     }

@@ -146,13 +146,16 @@ impl ProcessInfo {
         };
         Self {
             pid: info.pid,
-            command: info.cmd.clone(),
-            args: info.args.clone(),
-            cwd: info.cwd.clone(),
-            env: info.env.clone(),
-            tag: info.tag.clone(),
-            stdin: info.stdin,
-            pty: info.pty.map(|(rows, cols)| TerminalSize { rows, cols }),
+            command: info.start.cmd.clone(),
+            args: info.start.args.clone(),
+            cwd: info.start.cwd.clone(),
+            env: info.start.env.clone(),
+            tag: info.start.tag.clone(),
+            stdin: info.takes_input(),
+            pty: info
+                .start
+                .pty
+                .map(|(rows, cols)| TerminalSize { rows, cols }),
             started_at: rfc3339(epoch_s(info.started_at)),
             status,
             exit_code: end.and_then(|e| e.exit_code),

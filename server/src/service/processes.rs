@@ -103,14 +103,7 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
         let pid = s.start_process(ex, &spec)?;
         let info = Info {
             pid,
-            cmd: req.cmd,
-            args: req.args,
-            script: req.script,
-            cwd: req.cwd,
-            env: req.env,
-            tag: req.tag,
-            stdin: req.stdin || req.pty.is_some(),
-            pty: req.pty,
+            start: req,
             started_at: SystemTime::now(),
         };
         Ok((pid, entry.processes.add(info)))
@@ -305,7 +298,7 @@ pub async fn resize(
     let (e, _) = live(state, id, pid)?;
     if e.processes
         .get(pid)
-        .is_some_and(|(i, _, _)| i.pty.is_none())
+        .is_some_and(|(i, _, _)| i.start.pty.is_none())
     {
         return Err(Error::invalid(
             "pty",

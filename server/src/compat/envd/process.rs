@@ -127,7 +127,7 @@ fn selected(c: &Compat, id: &str, selector: &Value) -> Result<u32, ApiError> {
         return processes::list(&c.app, id)?
             .iter()
             .rev()
-            .find(|(i, end)| end.is_none() && i.tag.as_deref() == Some(tag))
+            .find(|(i, end)| end.is_none() && i.start.tag.as_deref() == Some(tag))
             .map(|(i, _)| i.pid)
             .ok_or_else(|| {
                 Error::NoProcess {
@@ -207,12 +207,13 @@ async fn list(c: Compat, headers: HeaderMap) -> Result<Response, ApiError> {
         .iter()
         .filter(|(_, end)| end.is_none())
         .map(|(i, _)| {
-            let mut config = json!({"cmd": i.cmd, "args": i.args, "envs": i.env});
-            if let Some(cwd) = &i.cwd {
+            let st = &i.start;
+            let mut config = json!({"cmd": st.cmd, "args": st.args, "envs": st.env});
+            if let Some(cwd) = &st.cwd {
                 config["cwd"] = json!(cwd);
             }
             let mut p = json!({"pid": i.pid, "config": config});
-            if let Some(tag) = &i.tag {
+            if let Some(tag) = &st.tag {
                 p["tag"] = json!(tag);
             }
             p
@@ -351,7 +352,7 @@ enum Step {
 /// `keepalive`, then `end` and the end of the stream.
 fn events(sub: Subscription, headers: &HeaderMap) -> Response {
     let pid = sub.info.pid;
-    let pty = sub.info.pty.is_some();
+    let pty = sub.info.start.pty.is_some();
     let started = envelope(0, &json!({"event": {"start": {"pid": pid}}}));
     let timing = Timing::of(headers);
     let replay = sub.replay.into_iter();
