@@ -285,7 +285,15 @@ impl Session {
         if op == crate::protocol::process_op::START {
             self.ran_processes = true;
         }
-        let grace = Some(DEFAULT_INTERRUPT_GRACE);
+        // A poll ends by itself when its wait is over: one whose interrupt is slow (the
+        // guest starved on a busy host) is waited for, never taken for a hung request
+        // that ends the session.
+        let grace = if op == crate::protocol::process_op::POLL {
+            job.timeout
+        } else {
+            DEFAULT_INTERRUPT_GRACE
+        };
+        let grace = Some(grace);
         self.request(ex, job, Kind::Process { op, flags }, grace, &mut |_, _| {})
     }
 
