@@ -16,17 +16,10 @@ rounds=${1:-10}
 port=${PORT:-18477}
 log=target/bench-agent-server.log
 venv=build/compat-venv
-reqs=server/tests/compat/requirements.txt
 
-if ! cmp -s "$reqs" "$venv/requirements.txt"; then
-    echo "[bench] creating $venv from PyPI ($reqs)" >&2
-    rm -rf "$venv"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q -r "$reqs" >&2
-    cp "$reqs" "$venv/requirements.txt"
-fi
-cargo build --release -q
 . scripts/serve-lib.sh
+ensure_compat_venv "$venv"
+cargo build --release -q
 start_bud_serve bench-agent "$port" "$log"
 
 E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" \

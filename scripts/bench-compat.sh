@@ -17,17 +17,10 @@ rounds=${1:-30}
 port=${PORT:-18474}
 log=target/bench-compat-server.log
 venv=build/compat-venv
-reqs=server/tests/compat/requirements.txt
 
-if ! cmp -s "$reqs" "$venv/requirements.txt"; then
-    echo "[bench] creating $venv from PyPI ($reqs)" >&2
-    rm -rf "$venv"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q -r "$reqs" >&2
-    cp "$reqs" "$venv/requirements.txt"
-fi
-cargo build --release -q
 . scripts/serve-lib.sh
+ensure_compat_venv "$venv"
+cargo build --release -q
 start_bud_serve bench-compat "$port" "$log" --templates python,datascience
 wait_for_template bench-compat "$port" "$log" datascience
 

@@ -1,4 +1,5 @@
-# Sourced by the benchmark scripts: starts `bud serve` and stops it by pid at exit.
+# Sourced by the benchmark scripts: starts `bud serve` and stops it by pid at exit, and makes
+# the client venv the compat benchmarks use.
 #
 #   start_bud_serve TAG PORT LOG [serve options...]
 #
@@ -38,4 +39,19 @@ wait_for_template() {
         kill -0 "$SERVER" 2>/dev/null || { echo "[$tag] server died; log: $log" >&2; tail -20 "$log" >&2; exit 1; }
         sleep 1
     done
+}
+
+#   ensure_compat_venv VENV
+#
+# Makes VENV with the pinned real clients of server/tests/compat/requirements.txt (PyPI)
+# unless it already holds exactly those (the tests make the same venv in build/compat-venv).
+ensure_compat_venv() {
+    local venv=$1 reqs=server/tests/compat/requirements.txt
+    if ! cmp -s "$reqs" "$venv/requirements.txt"; then
+        echo "[bench] creating $venv from PyPI ($reqs)" >&2
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q -r "$reqs" >&2
+        cp "$reqs" "$venv/requirements.txt"
+    fi
 }
