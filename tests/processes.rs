@@ -11,15 +11,10 @@ use std::time::{Duration, Instant};
 use vmm::job::Stream;
 use vmm::process::{ProcessError, ProcessEvent, ProcessSpec};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
-use vmm::{Cancel, Executor, ExecutorOptions, Job, Status};
+use vmm::{Cancel, Executor, Job, Status};
 
 fn executor() -> Executor {
-    let opts = ExecutorOptions {
-        pool_size: 0,
-        verify: true,
-        ..ExecutorOptions::default()
-    };
-    Executor::new(common::template(), opts).expect("starting the executor failed")
+    common::verifying_executor()
 }
 
 fn spec(script: &str) -> ProcessSpec {

@@ -8,15 +8,10 @@ use std::time::Duration;
 
 use vmm::files::{FileError, FileKind};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
-use vmm::{Cancel, Executor, ExecutorOptions, Job, JobResult, Language, Status};
+use vmm::{Cancel, Executor, Job, JobResult, Language, Status};
 
 fn executor() -> Executor {
-    let opts = ExecutorOptions {
-        pool_size: 0,
-        verify: true,
-        ..ExecutorOptions::default()
-    };
-    Executor::new(common::template(), opts).expect("starting the executor failed")
+    common::verifying_executor()
 }
 
 fn text(b: &[u8]) -> String {

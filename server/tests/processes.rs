@@ -67,15 +67,6 @@ fn post(s: &TestServer, path: &str, body: &Value) -> (u16, Value) {
     (status, v)
 }
 
-fn delete(s: &TestServer, path: &str) -> u16 {
-    client()
-        .delete(s.url(path))
-        .send()
-        .expect("request failed")
-        .status()
-        .as_u16()
-}
-
 #[test]
 fn a_background_process_streams_its_output_and_end_to_any_number_of_clients() {
     let s = TestServer::start();
@@ -213,19 +204,16 @@ fn stdin_signals_kill_and_cells_beside_a_running_process() {
     let third = start(&s, &id, json!({"command": "sleep 600"}));
     let tpid = third["pid"].as_u64().unwrap();
     assert_eq!(
-        delete(&s, &format!("/v1/sessions/{id}/processes/{tpid}")),
+        s.delete(&format!("/v1/sessions/{id}/processes/{tpid}")),
         204
     );
     let end = output(&s, &id, tpid, "start");
     assert_eq!(end.last().unwrap()["signal"], 9);
     assert_eq!(
-        delete(&s, &format!("/v1/sessions/{id}/processes/{tpid}")),
+        s.delete(&format!("/v1/sessions/{id}/processes/{tpid}")),
         404
     );
-    assert_eq!(
-        delete(&s, &format!("/v1/sessions/{id}/processes/99999")),
-        404
-    );
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}/processes/99999")), 404);
 }
 
 #[test]
@@ -291,7 +279,7 @@ fn bad_requests_limits_and_a_session_that_ends_under_its_processes() {
             .collect::<Vec<_>>()
     });
     assert_eq!(is_connected.recv().unwrap(), 200);
-    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
     let lines = reader.join().unwrap();
     let end = lines.last().unwrap();
     assert_eq!(end["status"], "lost", "{lines:?}");
@@ -469,14 +457,8 @@ fn a_watcher_through_the_native_api_reports_changes_once() {
     // Taken once: the next call has nothing new.
     let again: Value = s.get(&url).json().unwrap();
     assert_eq!(again["changes"], json!([]));
-    assert_eq!(
-        delete(&s, &format!("/v1/sessions/{id}/watchers/{wid}")),
-        204
-    );
-    assert_eq!(
-        delete(&s, &format!("/v1/sessions/{id}/watchers/{wid}")),
-        404
-    );
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}/watchers/{wid}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}/watchers/{wid}")), 404);
     assert_eq!(s.get(&url).status().as_u16(), 404);
 }
 

@@ -28,15 +28,6 @@ fn shown(r: &Value) -> &Value {
     &r["result"]["text/plain"]
 }
 
-fn delete(s: &TestServer, path: &str) -> u16 {
-    client()
-        .delete(s.url(path))
-        .send()
-        .expect("request failed")
-        .status()
-        .as_u16()
-}
-
 fn put(s: &TestServer, path: &str, body: Vec<u8>) -> (u16, String) {
     let r = client()
         .put(s.url(path))
@@ -107,8 +98,8 @@ fn state_persists_across_twenty_cells_with_results_and_execution_counts() {
             .iter()
             .any(|x| x["id"] == id.as_str())
     );
-    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 204);
-    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 404);
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 404);
     assert_eq!(get_json(&s, &format!("/v1/sessions/{id}")).0, 404);
 }
 
@@ -188,7 +179,7 @@ fn a_cell_that_kills_the_worker_ends_the_session_with_410() {
         "{gone}"
     );
     assert_eq!(show, 410, "{shown_gone}");
-    assert_eq!(delete(&s, &format!("/v1/sessions/{id}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
     assert_eq!(get_json(&s, &format!("/v1/sessions/{id}")).0, 404);
 }
 
@@ -323,7 +314,7 @@ fn a_waiting_request_leaves_the_queue_with_its_client_and_learns_of_a_delete() {
         )
     });
     wait_for(&s, &id, "one waiting request", |i| i["waiting"] == json!(1));
-    let deleted = delete(&s, &format!("/v1/sessions/{id}"));
+    let deleted = s.delete(&format!("/v1/sessions/{id}"));
     let (waited, answer) = waiter.join().unwrap();
 
     assert!(impatient.is_err(), "the impatient client got an answer");
@@ -360,7 +351,7 @@ fn files_round_trip_binary_and_large_and_escapes_are_refused() {
     let absolute = s.get(&format!("{files}/%2Fetc%2Fpasswd")).status().as_u16();
     let via_link = s.get(&format!("{files}/etc/passwd")).status().as_u16();
     let missing = s.get(&format!("{files}/nope")).status().as_u16();
-    let removed = delete(&s, &format!("{files}/data"));
+    let removed = s.delete(&format!("{files}/data"));
     let after = cell(&s, &id, "os.path.exists('data')");
 
     assert_eq!(put_status, 204, "{put_body}");
@@ -502,7 +493,7 @@ fn forks_diverge_and_never_see_each_other() {
         .parse()
         .unwrap();
     for k in kids.iter().chain([&grandchild, &id]) {
-        assert_eq!(delete(&s, &format!("/v1/sessions/{k}")), 204);
+        assert_eq!(s.delete(&format!("/v1/sessions/{k}")), 204);
     }
     let after = s.get("/metrics").text().unwrap();
 
@@ -578,11 +569,11 @@ fn the_session_caps_answer_429_and_507() {
     let b = create(&s, json!({}));
 
     let (full, too_many) = s.post("/v1/sessions", &json!({}));
-    assert_eq!(delete(&s, &format!("/v1/sessions/{b}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{b}")), 204);
     let grew = cell(&s, &a, "blob = b'x' * (6 << 20)");
     let (over, out_of_memory) = s.post("/v1/sessions", &json!({}));
     let (fork_over, _) = s.post(&format!("/v1/sessions/{a}/fork"), &json!({"count": 1}));
-    assert_eq!(delete(&s, &format!("/v1/sessions/{a}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{a}")), 204);
     let again = create(&s, json!({}));
 
     assert_eq!(
@@ -597,7 +588,7 @@ fn the_session_caps_answer_429_and_507() {
     );
     assert_eq!(fork_over, 507);
     assert_eq!(grew["status"], "ok", "{grew}");
-    assert_eq!(delete(&s, &format!("/v1/sessions/{again}")), 204);
+    assert_eq!(s.delete(&format!("/v1/sessions/{again}")), 204);
 }
 
 #[test]

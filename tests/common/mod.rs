@@ -101,6 +101,17 @@ pub fn executor() -> &'static Executor {
     })
 }
 
+/// An executor of its own for a test binary's sessions: no pool (each session clones when
+/// it starts), every reset verified by value.
+pub fn verifying_executor() -> Executor {
+    let opts = vmm::ExecutorOptions {
+        pool_size: 0,
+        verify: true,
+        ..vmm::ExecutorOptions::default()
+    };
+    Executor::new(template(), opts).expect("starting the executor failed")
+}
+
 /// Python for the leak searchers: `scan(data, where)` records in `found` every string that
 /// follows the marker (the searcher never holds the secret itself, only the marker), and
 /// `scan_own_memory(scan, wanted)` passes the resident parts

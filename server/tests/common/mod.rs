@@ -207,6 +207,16 @@ impl TestServer {
         assert_eq!((status, &r["stdout"]), (200, &json!("alive\n")), "{r}");
     }
 
+    /// DELETEs `path`; returns the status.
+    pub fn delete(&self, path: &str) -> u16 {
+        client()
+            .delete(self.url(path))
+            .send()
+            .expect("request failed")
+            .status()
+            .as_u16()
+    }
+
     pub fn get(&self, path: &str) -> reqwest::blocking::Response {
         client().get(self.url(path)).send().expect("request failed")
     }
