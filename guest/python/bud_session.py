@@ -31,8 +31,11 @@ from a one-shot job is here:
 - **Interrupts**: the host's interrupt byte on the console becomes SIGINT for this thread
   (``_bud.start_interrupt_watcher``), so a cell past its time gets ``KeyboardInterrupt``.
 - **Files** (``language::FILES``): write, append, read, list, delete, glob, stat, mkdir and
-  move in the work directory (:data:`WORKDIR`), confined to it after resolving symlinks. They never run user
-  code and never touch ``__main__``.
+  move in the work directory (:data:`WORKDIR`, also mounted at :data:`HOME`), confined to
+  it after resolving symlinks. They run as root; with ``FILE_OP_AS_USER`` what they write
+  or make belongs to the guest's user ``user`` (E2B's). Listings and stats give each
+  entry's owner and group (ids, and names from the guest's passwd: ``bud_users``). They
+  never run user code and never touch ``__main__``.
 """
 
 import ast
@@ -50,9 +53,15 @@ import sys
 import traceback
 
 import _bud
+import bud_users
 
 # Where session files live: the worker's own working directory (the tmpfs; also HOME).
 WORKDIR = "/tmp"
+# The same directory mounted again as the home of the guest's user ``user``: a path through
+# it is a path in WORKDIR.
+HOME = "/home/user"
+# Whom a file operation with FILE_OP_AS_USER makes its files for.
+AS_USER = "user"
 
 # Display data larger than this is left out (the rest of the display still goes back).
 _DISPLAY_ROOM = _bud.JOB_DATA_END - _bud.JOB_DATA
@@ -359,12 +368,65 @@ def resolve(relative, must_exist=False):
     is malformed or leaves WORKDIR."""
     if not relative or "\0" in relative or relative.startswith("/"):
         raise FileError(_bud.FILE_STATUS_BAD_PATH, f"bad path {relative!r}")
-    full = os.path.realpath(os.path.join(WORKDIR, relative))
+    full = _in_workdir(os.path.realpath(os.path.join(WORKDIR, relative)))
     if full != WORKDIR and not full.startswith(WORKDIR + "/"):
         raise FileError(_bud.FILE_STATUS_BAD_PATH, f"{relative!r} leaves the work directory")
     if must_exist and not os.path.lexists(full):
         raise FileError(_bud.FILE_STATUS_NOT_FOUND, f"{relative!r} does not exist")
     return full
+
+
+def _in_workdir(full):
+    """``full`` named through WORKDIR when it is under HOME (a link's absolute target may
+    name the work directory's other mount)."""
+    if full == HOME or full.startswith(HOME + "/"):
+        return WORKDIR + full[len(HOME):]
+    return full
+
+
+def _make_dirs(path, owner):
+    """Makes directory ``path`` and its missing parents (an existing directory is fine), and
+    gives the ones it made to ``owner`` (``(uid, gid)``, or None: root's)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue
+        if owner is not None:
+            os.chown(d, *owner)
+
+
+def _owner(as_user):
+    """``(uid, gid)`` of AS_USER for an operation with FILE_OP_AS_USER, else None."""
+    if not as_user:
+        return None
+    u = bud_users.TABLE.user(AS_USER)
+    if u is None:
+        raise FileError(_bud.FILE_STATUS_BAD_PATH, f"the guest has no user {AS_USER!r}")
+    return u.uid, u.gid
+
+
+def _entry(name, st):
+    """The JSON entry of ``name`` with ``lstat`` result ``st`` (owner and group by id; see
+    :func:`_named`)."""
+    return {"name": name, "type": _kind(st.st_mode), "size": st.st_size, "mode": st.st_mode,
+            "mtime_ns": st.st_mtime_ns, "uid": st.st_uid, "gid": st.st_gid}
+
+
+def _named(entries):
+    """Adds ``owner`` and ``group`` names to ``entries`` (from the guest's passwd)."""
+    users, groups = bud_users.TABLE.names({e["uid"] for e in entries},
+                                          {e["gid"] for e in entries})
+    for e in entries:
+        e["owner"] = users[e["uid"]]
+        e["group"] = groups[e["gid"]]
+    return entries
 
 
 def _resolve_parent(relative):
@@ -395,8 +457,7 @@ def _listing(path):
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            item = {"name": entry.name, "type": _kind(st.st_mode), "size": st.st_size,
-                    "mode": st.st_mode, "mtime_ns": st.st_mtime_ns}
+            item = _entry(entry.name, st)
             if stat.S_ISLNK(st.st_mode):
                 try:
                     item["target"] = os.readlink(entry.path)
@@ -404,21 +465,28 @@ def _listing(path):
                     pass
             entries.append(item)
     entries.sort(key=lambda e: e["name"])
-    return json.dumps(entries).encode()
+    return json.dumps(_named(entries)).encode()
 
 
 def file_op(op, path, data, write_out):
     """Runs one file operation; returns a FILE_STATUS_* code (and says why on failure with
-    FileError). ``write_out(bytes)`` sends stdout."""
+    FileError). ``write_out(bytes)`` sends stdout. With ``FILE_OP_AS_USER`` in ``op`` what
+    it writes or makes belongs to the guest's user AS_USER (the write itself runs as root)."""
     relative = path.decode("utf-8", "surrogateescape")
+    owner = _owner(op & _bud.FILE_OP_AS_USER)
+    op &= ~_bud.FILE_OP_AS_USER
     try:
         if op in (_bud.FILE_OP_WRITE, _bud.FILE_OP_APPEND):
             full = resolve(relative)
             if os.path.isdir(full):
                 raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is a directory")
-            os.makedirs(os.path.dirname(full), exist_ok=True)
+            _make_dirs(os.path.dirname(full), owner)
             with open(full, "ab" if op == _bud.FILE_OP_APPEND else "wb") as f:
                 f.write(data)
+                # The file written is the user's (an upload of an existing file too, as
+                # envd does); later chunks of it are appends to the user's file.
+                if owner is not None and op == _bud.FILE_OP_WRITE:
+                    os.fchown(f.fileno(), *owner)
         elif op == _bud.FILE_OP_READ:
             full = resolve(relative, must_exist=True)
             if not os.path.isfile(full):
@@ -454,17 +522,14 @@ def file_op(op, path, data, write_out):
         elif op == _bud.FILE_OP_STAT:
             full = WORKDIR if relative in ("", ".") else _resolve_parent(relative)
             st = os.lstat(full)
-            target = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
-            write_out(json.dumps({
-                "name": os.path.basename(full), "type": _kind(st.st_mode), "size": st.st_size,
-                "mode": st.st_mode, "mtime_ns": st.st_mtime_ns,
-                "target": target,
-            }).encode("utf-8", "surrogateescape"))
+            entry = _named([_entry(os.path.basename(full), st)])[0]
+            entry["target"] = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+            write_out(json.dumps(entry).encode("utf-8", "surrogateescape"))
         elif op == _bud.FILE_OP_MKDIR:
             full = resolve(relative)
             if os.path.lexists(full) and not os.path.isdir(full):
                 raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a directory")
-            os.makedirs(full, exist_ok=True)
+            _make_dirs(full, owner)
         elif op == _bud.FILE_OP_MOVE:
             source = _resolve_parent(relative)
             if source == WORKDIR:
@@ -472,7 +537,7 @@ def file_op(op, path, data, write_out):
             if not os.path.lexists(source):
                 raise FileError(_bud.FILE_STATUS_NOT_FOUND, f"{relative!r} does not exist")
             destination = resolve(bytes(data).decode("utf-8", "surrogateescape"))
-            os.makedirs(os.path.dirname(destination), exist_ok=True)
+            _make_dirs(os.path.dirname(destination), owner)
             os.rename(source, destination)
         else:
             raise FileError(_bud.FILE_STATUS_BAD_PATH, f"unknown file operation {op}")

@@ -60,6 +60,9 @@ pub struct Start {
     pub stdin: bool,
     /// Run it on a terminal of this size (rows, columns).
     pub pty: Option<(u16, u16)>,
+    /// Run it as this user of the guest (`user`, `root`, ...; its ids and its `HOME`,
+    /// `USER`, `LOGNAME`, `SHELL`); None: as the guest's worker, root, with its environment.
+    pub user: Option<String>,
 }
 
 /// How a process ended.

@@ -219,6 +219,74 @@ fn the_e2b_sdk_moves_files_and_runs_commands() {
 }
 
 #[test]
+fn e2b_commands_terminals_and_files_belong_to_user_unless_root_is_asked_for() {
+    let s = server(None);
+    let seen = client_script("e2b_users.py", &[], &e2b_env(&s, "e2b_any"));
+    let lines = |v: &[&str]| json!(v);
+    assert_eq!(
+        seen["default"],
+        lines(&[
+            "user",
+            "1000",
+            "1000",
+            "user",
+            "/home/user user user /bin/sh",
+            "/home/user"
+        ])
+    );
+    assert_eq!(seen["getcwd"], json!("/home/user\n"));
+    assert_eq!(
+        seen["root"],
+        lines(&[
+            "root",
+            "0",
+            "0",
+            "root",
+            "/root root root /bin/sh",
+            "/home/user"
+        ])
+    );
+    assert_eq!(seen["explicit_user"], json!("user\n"));
+    assert_eq!(seen["relative_cwd"], json!("/home/user/sub\n"));
+    assert_eq!(seen["cwd_sub"], json!("/home/user/sub\n"));
+    assert_eq!(seen["home"], lines(&["user user 1777", "user user 1777"]));
+    assert_eq!(seen["unknown_user"], json!("InvalidArgumentException"));
+    assert_eq!(seen["modified"], json!([0, "uploaded\nappended\n"]));
+    assert_eq!(
+        seen["up_info"],
+        json!(["user", "user", "-rw-r--r--", "0o644"])
+    );
+    assert_eq!(seen["made"], json!([["deep", "user", "user"]]));
+    assert_eq!(seen["parents"], lines(&["user", "user", "user"]));
+    assert_eq!(seen["root_info"], json!(["root", "root", "-rw-r--r--"]));
+    assert_eq!(seen["user_denied"], json!([1, true]));
+    assert_eq!(seen["root_may"], json!("root\n"));
+    assert_eq!(
+        seen["listed"],
+        json!({
+            "rootfile.txt": ["root", "root", "-rw-------"],
+            "mine": ["root", "root", "drwxr-xr-x"],
+            "by-user": ["user", "user", "drwxr-xr-x"],
+            "up.txt": ["user", "user", "-rw-r--r--"],
+        })
+    );
+    assert_eq!(seen["made_by_user"], json!([["f", "user"]]));
+    assert_eq!(seen["url_owner"], json!("root"));
+    assert_eq!(seen["pty"], json!([true, true]));
+    assert_eq!(
+        seen["async"],
+        json!([
+            ["user", "/home/user"],
+            ["root", "/root"],
+            "user",
+            "2",
+            "user",
+            "root"
+        ])
+    );
+}
+
+#[test]
 fn the_e2b_sdk_lists_filters_pages_measures_and_forks_sandboxes() {
     let s = server(None);
     let seen = client_script("e2b_control.py", &[], &e2b_env(&s, "e2b_any"));

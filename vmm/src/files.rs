@@ -8,6 +8,10 @@
 //! (the server, tests) see [`FileEntry`] and [`FileError`], never exit codes or the guest's
 //! JSON and NUL-separated listings.
 //!
+//! Every operation runs as root in the guest; [`Owner`] says whom what a write, a new
+//! directory or a move's new parents belong to (root, or the guest's user `user`), and
+//! entries name their owner and group.
+//!
 //! A request past its deadline or over its output cap is interrupted like a cell, so a
 //! file larger than the caller's limit leaves the session usable.
 
@@ -46,6 +50,38 @@ pub struct FileEntry {
     /// A symlink's target, as stored in the link.
     #[serde(default)]
     pub target: Option<String>,
+    /// Its owner's user id, and that user's name in the guest's `/etc/passwd` (the id as
+    /// text when no entry names it).
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub owner: String,
+    /// Its group's id and name (`/etc/group`; the id as text when no entry names it).
+    #[serde(default)]
+    pub gid: u32,
+    #[serde(default)]
+    pub group: String,
+}
+
+/// Whom what a file operation writes or makes belongs to. Every operation runs as root in
+/// the guest; this only sets the owner of the file written and of the directories made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Owner {
+    /// root, as for everything bud's own API does.
+    #[default]
+    Root,
+    /// The guest's non-root user `user` (uid and gid 1000): E2B's user.
+    User,
+}
+
+impl Owner {
+    /// The flag of [`file_op`] that asks for this owner.
+    fn flag(self) -> u32 {
+        match self {
+            Owner::Root => 0,
+            Owner::User => file_op::AS_USER,
+        }
+    }
 }
 
 /// Why a file operation did not do what it was asked.
@@ -132,13 +168,26 @@ impl Session {
         data: &[u8],
         timeout: Duration,
     ) -> Result<(), FileError> {
-        let mut op = file_op::WRITE;
+        self.put_file_as(ex, path, data, Owner::Root, timeout)
+    }
+
+    /// [`Session::put_file`], the file and the directories made for it belonging to `owner`
+    /// (an existing file becomes `owner`'s too).
+    pub fn put_file_as(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        data: &[u8],
+        owner: Owner,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        let mut op = file_op::WRITE | owner.flag();
         for chunk in data
             .chunks(FILE_CHUNK)
             .chain(data.is_empty().then_some(&[][..]))
         {
             self.file_request(ex, op, path, chunk.to_vec(), timeout, 64 << 10)?;
-            op = file_op::APPEND;
+            op = file_op::APPEND | owner.flag();
         }
         Ok(())
     }
@@ -230,7 +279,19 @@ impl Session {
         path: &str,
         timeout: Duration,
     ) -> Result<(), FileError> {
-        self.file_request(ex, file_op::MKDIR, path, Vec::new(), timeout, 64 << 10)
+        self.make_dir_as(ex, path, Owner::Root, timeout)
+    }
+
+    /// [`Session::make_dir`], the directories it makes belonging to `owner`.
+    pub fn make_dir_as(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        owner: Owner,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        let op = file_op::MKDIR | owner.flag();
+        self.file_request(ex, op, path, Vec::new(), timeout, 64 << 10)
             .map(drop)
     }
 
@@ -242,8 +303,22 @@ impl Session {
         to: &str,
         timeout: Duration,
     ) -> Result<(), FileError> {
+        self.rename_as(ex, from, to, Owner::Root, timeout)
+    }
+
+    /// [`Session::rename`], the destination's parents it makes belonging to `owner` (what
+    /// is moved keeps its own owner).
+    pub fn rename_as(
+        &mut self,
+        ex: &Executor,
+        from: &str,
+        to: &str,
+        owner: Owner,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
         let to = to.as_bytes().to_vec();
-        self.file_request(ex, file_op::MOVE, from, to, timeout, 64 << 10)
+        let op = file_op::MOVE | owner.flag();
+        self.file_request(ex, op, from, to, timeout, 64 << 10)
             .map(drop)
     }
 }
@@ -299,6 +374,15 @@ mod tests {
         assert_eq!(listed[0].kind, FileKind::File);
         assert_eq!((listed[0].size, listed[0].mode), (3, 0o100644));
         assert_eq!(listed[1].target.as_deref(), Some("a"));
+        assert_eq!((listed[0].uid, listed[0].owner.as_str()), (0, ""));
+        let owned: FileEntry = json(
+            "f",
+            br#"{"name": "f", "type": "file", "size": 0, "mode": 33188, "mtime_ns": 0,
+                 "uid": 1000, "owner": "user", "gid": 1000, "group": "user"}"#,
+        )
+        .unwrap();
+        assert_eq!((owned.uid, owned.owner.as_str()), (1000, "user"));
+        assert_eq!((owned.gid, owned.group.as_str()), (1000, "user"));
         assert!(matches!(broken, Err(FileError::Malformed { .. })));
     }
 }

@@ -72,6 +72,11 @@ pub struct ProcessSpec {
     /// Run it on a terminal of this size (rows, columns) instead of pipes: its stdin,
     /// stdout and stderr, and its controlling terminal.
     pub pty: Option<(u16, u16)>,
+    /// Run it as this user of the guest's `/etc/passwd` (its ids and groups, with its
+    /// `HOME`, `USER`, `LOGNAME` and `SHELL` unless `env` sets them); None: as the worker,
+    /// root, with the worker's environment. A user the guest does not have is
+    /// [`ProcessError::Invalid`].
+    pub user: Option<String>,
 }
 
 /// Why a process operation did not do what it was asked.
@@ -201,10 +206,12 @@ impl Session {
         } else {
             0
         };
-        if let Some((rows, cols)) = spec.pty {
-            args.push(format!("{rows}x{cols}"));
+        let size = spec.pty.map(|(rows, cols)| format!("{rows}x{cols}"));
+        if size.is_some() {
             flags |= job_flags::PROCESS_PTY;
         }
+        args.push(size.unwrap_or_default());
+        args.push(spec.user.clone().unwrap_or_default());
         let mut j = request(spec.script.as_bytes(), args, OP_TIMEOUT);
         j.env = spec.env.clone();
         let r = self.process_op(ex, process_op::START, flags, &j)?;

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -152,6 +152,11 @@ pub mod file_op {
     pub const MKDIR: u32 = 8;
     /// Rename the path to the path in `stdin` (parents of the destination are created).
     pub const MOVE: u32 = 9;
+    /// A flag on WRITE, APPEND, MKDIR and MOVE: what the operation creates or writes (the
+    /// file written, directories made on the way) belongs to the guest's non-root user
+    /// `user` (its uid and gid in the guest's `/etc/passwd`), not to root. The operation
+    /// itself runs as root either way.
+    pub const AS_USER: u32 = 1 << 16;
 }
 
 /// Process operations (`job::FILE_OP` of a `language::PROCESS` request). Exit codes are
@@ -164,7 +169,10 @@ pub mod process_op {
     /// `/dev/null`). With [`super::job_flags::PROCESS_PTY`] it runs on a new terminal of
     /// `args[1]` (`ROWSxCOLS`) instead, as its controlling terminal (busybox `setsid -c`),
     /// stdin, stdout and stderr; its output comes as [`super::process_event::PTY`] and
-    /// `STDIN` writes to the terminal. Writes its pid (decimal) to stdout.
+    /// `STDIN` writes to the terminal. With a user name in `args[2]` (one of the guest's
+    /// `/etc/passwd`) it runs as that user (its uid, gid and groups) with its `HOME`, `USER`,
+    /// `LOGNAME` and `SHELL`, unless the request's env sets them; else as the worker (root)
+    /// with the worker's environment. Writes its pid (decimal) to stdout.
     pub const START: u32 = 1;
     /// Wait up to `args[0]` milliseconds (until the host's interrupt, or until there is
     /// something to report) for output and exits of the live processes, and write what

@@ -5,7 +5,7 @@
 //! Two processes, each doing one thing:
 //!
 //! - **bud-agent (PID 1)** is a tiny supervisor. It mounts /proc, /sys, /dev, /dev/shm and
-//!   /tmp, turns on transparent huge pages (`hugepages.rs`), takes ioperm for the doorbell,
+//!   /tmp (also at /home/user), turns on transparent huge pages (`hugepages.rs`), takes ioperm for the doorbell,
 //!   rings AGENT_STARTED, starts the worker with `posix_spawn`, names it to the guest
 //!   kernel's exit report (`worker::watch_exit`: the kernel tells the VMM the worker's wait
 //!   status as soon as it starts to exit, before the seconds of emulated teardown), and then

@@ -32,12 +32,18 @@ const NOSUID_NODEV: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
 /// and cost no more memory than before. /dev/shm is for POSIX shared memory and semaphores
 /// (`multiprocessing`); it is optional because a job that does not use it loses nothing,
 /// as is /dev/pts (terminals).
+/// /tmp belongs to the guest's non-root user `user` (uid/gid 1000, E2B's user) and keeps its
+/// sticky bit: the work directory is also that user's home, mounted again (a bind mount) at
+/// /home/user, so it is a real directory there (`getcwd` says /home/user) with the same files.
+/// The bind mount costs nothing per job: it is made once, before the snapshot. A rename
+/// between the two names is EXDEV (two mounts), as between /tmp and /home on a machine whose
+/// /tmp is a tmpfs; `mv` and `shutil.move` copy then.
 /// /run/bud-output holds the files that catch a job's output below Python's level (see
 /// `guest/python/bud_io.py`, `FdCapture`): its own small tmpfs in 2 MiB folios, sized to the
 /// default output cap plus `CAPTURE_SLACK` (the worker resizes it for a request with another
 /// cap), so that a flood of output there ends with `ENOSPC` for the writer, not with a full
 /// guest RAM.
-pub const MOUNTS: [Mount; 8] = [
+pub const MOUNTS: [Mount; 9] = [
     Mount {
         source: c"proc",
         target: c"/proc",
@@ -85,7 +91,15 @@ pub const MOUNTS: [Mount; 8] = [
         target: c"/tmp",
         fstype: c"tmpfs",
         flags: NOSUID_NODEV,
-        data: c"mode=1777,huge=within_size",
+        data: c"mode=1777,uid=1000,gid=1000,huge=within_size",
+        required: true,
+    },
+    Mount {
+        source: c"/tmp",
+        target: HOME_DIR,
+        fstype: c"",
+        flags: libc::MS_BIND,
+        data: c"",
         required: true,
     },
     Mount {
@@ -112,6 +126,9 @@ pub const MOUNTS: [Mount; 8] = [
         required: true,
     },
 ];
+
+/// The home of the guest's user `user` (etc/passwd): the work directory again.
+pub const HOME_DIR: &CStr = c"/home/user";
 
 /// Where the worker's output capture files live (`bud_capture.CAPTURE_DIR`).
 pub const CAPTURE_DIR: &CStr = c"/run/bud-output";
@@ -221,7 +238,7 @@ mod tests {
     }
 
     #[test]
-    fn required_mounts_are_proc_sys_dev_tmp_and_the_capture() {
+    fn required_mounts_are_proc_sys_dev_tmp_home_and_the_capture() {
         let required: Vec<_> = MOUNTS
             .iter()
             .filter(|m| m.required)
@@ -230,7 +247,15 @@ mod tests {
 
         assert_eq!(
             required,
-            ["/proc", "/sys", "/dev", "/tmp", "/run", "/run/bud-output"]
+            [
+                "/proc",
+                "/sys",
+                "/dev",
+                "/tmp",
+                "/home/user",
+                "/run",
+                "/run/bud-output"
+            ]
         );
     }
 

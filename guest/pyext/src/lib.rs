@@ -10,6 +10,8 @@
 //! - **memory warm-up** ([`memory`]): `mallopt`, `reserve_heap`, `prefault_stack`,
 //!   `lock_memory`; and pymalloc's arenas from one huge-page-friendly region ([`arenas`]:
 //!   `use_arena_region`);
+//! - **whom a process runs as** ([`creds`]): the calling thread's ids switched around a
+//!   spawn, so `vfork` stays;
 //! - **`Hooked`** ([`hooked`]): a frame-less stand-in for an `os` function that runs a hook
 //!   first (how the job runner notices fd-level output without showing up in tracebacks).
 //!
@@ -25,6 +27,7 @@ mod protocol;
 
 mod arenas;
 mod capture;
+mod creds;
 #[path = "../../agent/src/doorbell.rs"]
 mod doorbell;
 mod hooked;
@@ -117,6 +120,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("FILE_OP_STAT", file_op::STAT as u64),
     ("FILE_OP_MKDIR", file_op::MKDIR as u64),
     ("FILE_OP_MOVE", file_op::MOVE as u64),
+    ("FILE_OP_AS_USER", file_op::AS_USER as u64),
     ("FILE_STATUS_OK", file_status::OK as u64),
     ("FILE_STATUS_BAD_PATH", file_status::BAD_PATH as u64),
     ("FILE_STATUS_NOT_FOUND", file_status::NOT_FOUND as u64),
@@ -372,6 +376,8 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ring, m)?)?;
     m.add_function(wrap_pyfunction!(ready, m)?)?;
     m.add_function(wrap_pyfunction!(inotify::inotify_init, m)?)?;
+    m.add_function(wrap_pyfunction!(creds::thread_as_user, m)?)?;
+    m.add_function(wrap_pyfunction!(creds::thread_as_root, m)?)?;
     m.add_function(wrap_pyfunction!(inotify::inotify_add_watch, m)?)?;
     m.add_function(wrap_pyfunction!(mallopt, m)?)?;
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;

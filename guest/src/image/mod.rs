@@ -26,6 +26,7 @@ use crate::site::{self, SiteError};
 use crate::stage::{StageError, Staging};
 
 mod key;
+mod passwd;
 mod report;
 
 use key::current;
@@ -244,6 +245,7 @@ pub fn build(
         progress("compiling and staging the template's dist-packages");
         site::stage_site(site, root, &staging, work_dir, progress)?;
     }
+    passwd::fix_login_shells(&staging)?;
     // The manifest lists the Python the template offers: the interpreter's package and the
     // packages the template recipe names (not the libraries found for them).
     let listed: Vec<Package> = inputs

@@ -36,6 +36,32 @@ pub struct StartProcess {
     /// stdout, input through `/stdin`).
     #[serde(default)]
     pub pty: Option<TerminalSize>,
+    /// Run it as this user of the guest (`user`: uid 1000, home `/home/user`; `root`): its
+    /// ids and groups, and `HOME`, `USER`, `LOGNAME`, `SHELL` from the guest's
+    /// `/etc/passwd` (`env` may still set them). Default: as today, root with the session's
+    /// environment (`HOME=/tmp`).
+    #[serde(default)]
+    pub user: Option<String>,
+}
+
+/// Longest user name accepted (Linux's `LOGIN_NAME_MAX` less its NUL).
+pub const MAX_USER_BYTES: usize = 32;
+
+/// A user name as the guest's `/etc/passwd` may have it: `[a-z_][a-z0-9_-]*`, at most
+/// [`MAX_USER_BYTES`].
+pub fn check_user(field: &str, user: &str) -> Result<(), Error> {
+    let mut chars = user.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "_-".contains(c));
+    if !first_ok || !rest_ok || user.len() > MAX_USER_BYTES {
+        return Err(Error::invalid(
+            field,
+            format!("{user:?} is not a user name (the guest has root and user)"),
+        ));
+    }
+    Ok(())
 }
 
 /// A terminal's size; `POST /v1/sessions/{id}/processes/{pid}/resize`.
@@ -82,6 +108,9 @@ impl StartProcess {
                 "command and cwd must not contain NUL",
             ));
         }
+        if let Some(user) = &self.user {
+            check_user("user", user)?;
+        }
         Ok(Start {
             cmd: self.command.clone(),
             args: Vec::new(),
@@ -91,6 +120,7 @@ impl StartProcess {
             tag: self.tag,
             stdin: self.stdin,
             pty: self.pty.map(TerminalSize::checked).transpose()?,
+            user: self.user,
         })
     }
 }
@@ -125,6 +155,9 @@ pub struct ProcessInfo {
     /// The terminal it was started on, if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pty: Option<TerminalSize>,
+    /// The user it runs as, if one was asked for (else root).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
     pub started_at: String,
     /// `running`, `exited`, `killed` (by a signal) or `lost` (the sandbox ended first).
     pub status: &'static str,
@@ -156,6 +189,7 @@ impl ProcessInfo {
                 .start
                 .pty
                 .map(|(rows, cols)| TerminalSize { rows, cols }),
+            user: info.start.user.clone(),
             started_at: rfc3339(epoch_s(info.started_at)),
             status,
             exit_code: end.and_then(|e| e.exit_code),
@@ -315,6 +349,18 @@ mod tests {
             ..StartProcess::default()
         };
         assert!(bad_env.into_start().is_err());
+        let as_user = |u: &str| StartProcess {
+            command: "id".into(),
+            user: Some(u.into()),
+            ..StartProcess::default()
+        };
+        assert_eq!(
+            as_user("user").into_start().unwrap().user.as_deref(),
+            Some("user")
+        );
+        for bad in ["", "Root", "1x", "a b", "x:y", &"u".repeat(33)] {
+            assert!(as_user(bad).into_start().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use vmm::Executor;
-use vmm::files::{FileEntry, FileError};
+use vmm::files::{FileEntry, FileError, Owner};
 use vmm::job::Stream;
 use vmm::session::{Session, SessionError};
 use vmm::{Job, JobResult};
@@ -69,9 +69,20 @@ pub async fn read(state: &AppState, id: &str, path: &str) -> Result<Vec<u8>, Err
 
 /// Writes `data` to `path` (created or truncated, parents made).
 pub async fn write(state: &AppState, id: &str, path: &str, data: Vec<u8>) -> Result<(), Error> {
+    write_as(state, id, path, data, Owner::Root).await
+}
+
+/// [`write`], the file and the directories made for it belonging to `owner`.
+pub async fn write_as(
+    state: &AppState,
+    id: &str,
+    path: &str,
+    data: Vec<u8>,
+    owner: Owner,
+) -> Result<(), Error> {
     let p = path.to_owned();
     in_session(state, id, path, move |s, ex, t| {
-        s.put_file(ex, &p, &data, t)
+        s.put_file_as(ex, &p, &data, owner, t)
     })
     .await
 }
@@ -94,16 +105,33 @@ pub async fn stat(state: &AppState, id: &str, path: &str) -> Result<FileEntry, E
     in_session(state, id, path, move |s, ex, t| s.stat(ex, &p, t)).await
 }
 
-/// Makes directory `path` and its parents.
-pub async fn make_dir(state: &AppState, id: &str, path: &str) -> Result<(), Error> {
+/// Makes directory `path` and its parents, the ones it makes belonging to `owner`.
+pub async fn make_dir_as(
+    state: &AppState,
+    id: &str,
+    path: &str,
+    owner: Owner,
+) -> Result<(), Error> {
     let p = path.to_owned();
-    in_session(state, id, path, move |s, ex, t| s.make_dir(ex, &p, t)).await
+    in_session(state, id, path, move |s, ex, t| {
+        s.make_dir_as(ex, &p, owner, t)
+    })
+    .await
 }
 
-/// Renames `from` to `to`.
-pub async fn rename(state: &AppState, id: &str, from: &str, to: &str) -> Result<(), Error> {
+/// Renames `from` to `to`, the parents it makes for `to` belonging to `owner`.
+pub async fn rename_as(
+    state: &AppState,
+    id: &str,
+    from: &str,
+    to: &str,
+    owner: Owner,
+) -> Result<(), Error> {
     let (f, t2) = (from.to_owned(), to.to_owned());
-    in_session(state, id, from, move |s, ex, t| s.rename(ex, &f, &t2, t)).await
+    in_session(state, id, from, move |s, ex, t| {
+        s.rename_as(ex, &f, &t2, owner, t)
+    })
+    .await
 }
 
 /// The files a job's `return_files` patterns matched (path -> bytes); None without patterns.

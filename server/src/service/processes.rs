@@ -94,6 +94,7 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
         cwd: req.cwd.clone(),
         stdin: req.stdin,
         pty: req.pty,
+        user: req.user.clone(),
     };
     let script = req.script.clone();
     let entry = e.clone();

@@ -1,5 +1,7 @@
 //! envd's `filesystem.Filesystem` RPCs (Connect JSON) over the session's file
-//! operations: `Stat`, `ListDir`, `MakeDir`, `Remove`, `Move` (see the parent module), and
+//! operations: `Stat`, `ListDir`, `MakeDir`, `Remove`, `Move` (see the parent module;
+//! entries name their true owner, group and permissions, and what `MakeDir` and `Move` make
+//! belongs to the request's user), and
 //! its directory watchers over the session's ([`crate::service::processes::watch`]):
 //! `CreateWatcher` / `GetWatcherEvents` / `RemoveWatcher` (what the sync SDK polls) and
 //! `WatchDir` (a server stream: `start`, then a `filesystem` event per change and
@@ -15,7 +17,7 @@ use serde_json::{Value, json};
 use vmm::files::{FileEntry, FileKind};
 
 use super::connect::{Next, Timing, envelope, next, stream_response, unwrap_envelope};
-use super::{MAX_ENTRIES, connect_error, e2b_path, from_api, guest_path};
+use super::{EnvdUser, MAX_ENTRIES, connect_error, e2b_path, from_api, guest_path};
 use crate::clock::rfc3339;
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
@@ -42,6 +44,15 @@ fn watcher_id(body: &Value) -> Result<u32, Error> {
         .map_err(|_| Error::invalid("watcherId", "no such watcher"))
 }
 
+/// A user's or group's name, or its id when the guest named none.
+fn name_or_id(name: &str, id: u32) -> String {
+    if name.is_empty() {
+        id.to_string()
+    } else {
+        name.to_owned()
+    }
+}
+
 /// An EntryInfo of entry `st` at guest path `rel`.
 fn entry_info(rel: &str, st: &FileEntry) -> Value {
     let mode = st.mode;
@@ -66,8 +77,8 @@ fn entry_info(rel: &str, st: &FileEntry) -> Value {
         "size": st.size.to_string(),
         "mode": mode & 0o7777,
         "permissions": perms,
-        "owner": "root",
-        "group": "root",
+        "owner": name_or_id(&st.owner, st.uid),
+        "group": name_or_id(&st.group, st.gid),
         "modifiedTime": rfc3339(st.mtime_ns as f64 / 1e9),
     });
     if let Some(t) = &st.target {
@@ -97,6 +108,7 @@ pub async fn filesystem(
     let state = &c.app;
     let run = async {
         let (_, e) = sandbox_of(&c, &headers)?;
+        let owner = EnvdUser::of(&headers)?.owner();
         if method == "WatchDir" {
             return watch_dir(&c, &e.id, &headers, &body).await;
         }
@@ -121,7 +133,7 @@ pub async fn filesystem(
                         format!("{} already exists", e2b_path(&rel)),
                     ));
                 }
-                files::make_dir(state, id, &rel).await?;
+                files::make_dir_as(state, id, &rel, owner).await?;
                 json!({"entry": stat(state, id, &rel).await?})
             }
             "Remove" => {
@@ -132,7 +144,7 @@ pub async fn filesystem(
             "Move" => {
                 let from = guest_path(&field(&body, "source")?)?;
                 let to = guest_path(&field(&body, "destination")?)?;
-                files::rename(state, id, &from, &to).await?;
+                files::rename_as(state, id, &from, &to, owner).await?;
                 json!({"entry": stat(state, id, &to).await?})
             }
             "CreateWatcher" => {
@@ -262,6 +274,10 @@ mod tests {
             mode: 0o100644,
             mtime_ns: 0,
             target: None,
+            uid: 1000,
+            owner: "user".into(),
+            gid: 1234,
+            group: String::new(),
         };
         let v = entry_info("d/a.txt", &st);
         assert_eq!(v["type"], "FILE_TYPE_FILE");
@@ -270,5 +286,6 @@ mod tests {
         assert_eq!(v["permissions"], "-rw-r--r--");
         assert_eq!(v["mode"], 0o644);
         assert_eq!(v["modifiedTime"], "1970-01-01T00:00:00.000Z");
+        assert_eq!((&v["owner"], &v["group"]), (&json!("user"), &json!("1234")));
     }
 }

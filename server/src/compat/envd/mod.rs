@@ -21,10 +21,19 @@
 //!   may come with `Content-Encoding: gzip` (decoded up to the file size limit).
 //! - `GET /health`: 204 while the sandbox runs, 502 once it does not.
 //!
-//! **Paths**: E2B's home `/home/user` is a link to bud's work directory `/tmp` in the guest
-//! image, so code sees the same files under both names. The API accepts paths under either,
-//! or relative to the home, and names them under `/home/user` in its answers; any other
-//! absolute path is `invalid_argument` (bud's file operations stay in the work directory).
+//! **Paths**: E2B's home `/home/user` is bud's work directory `/tmp` mounted a second time
+//! in the guest, so code sees the same files under both names. The API accepts paths under
+//! either, or relative to the home, and names them under `/home/user` in its answers; any
+//! other absolute path is `invalid_argument` (bud's file operations stay in the work
+//! directory).
+//!
+//! **Users** ([`EnvdUser`]): as envd, a request acts as the user its `Authorization: Basic
+//! base64("USER:")` header names (`/files` also takes the URL's `username`, which a signed
+//! URL signs), and as E2B's default user `user` (uid 1000) when it names none, which is what
+//! the SDK sends unless a call's `user=` says otherwise. Commands and PTYs run as that user,
+//! in `/home/user` unless given a `cwd`; files written and directories made belong to it.
+//! Reads, listings and removals run as root whoever asks. The guest has the users `root`
+//! and `user`; any other is `invalid_argument`.
 
 //!
 //! Modules: [`filesystem`] (the filesystem RPCs) and [`process`] (commands); this one has
@@ -50,6 +59,7 @@ use super::jupyter::HOME;
 use crate::error::{ApiError, Error};
 use crate::service::files;
 use crate::sessions::Entry;
+use vmm::files::Owner;
 
 pub use filesystem::filesystem;
 pub use process::process;
@@ -58,6 +68,75 @@ pub use process::process;
 const WORKDIR: &str = "/tmp";
 /// Entries one `ListDir` may return.
 const MAX_ENTRIES: usize = 10_000;
+
+/// Whom an envd request acts as (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvdUser {
+    Root,
+    /// E2B's default: the guest's `user` (uid 1000, home `/home/user`).
+    User,
+}
+
+impl EnvdUser {
+    /// The user named `name` (`""`: the default one).
+    pub fn named(name: &str) -> Result<Self, Error> {
+        match name {
+            "" | "user" => Ok(EnvdUser::User),
+            "root" => Ok(EnvdUser::Root),
+            other => Err(Error::invalid(
+                "user",
+                format!("{other:?} is not a user of bud's sandboxes (they have root and user)"),
+            )),
+        }
+    }
+
+    /// The user of a request: its `Authorization: Basic` header's user name, else the
+    /// default one.
+    pub fn of(headers: &HeaderMap) -> Result<Self, Error> {
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return Ok(EnvdUser::User);
+        };
+        let bad = || Error::invalid("Authorization", "expected Basic base64(\"USER:\")");
+        let value = value.to_str().map_err(|_| bad())?.trim();
+        let Some((scheme, encoded)) = value.split_once(' ') else {
+            return Err(bad());
+        };
+        if !scheme.eq_ignore_ascii_case("basic") {
+            return Err(bad());
+        }
+        use base64::Engine;
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(encoded.trim())
+            .map_err(|_| bad())?;
+        let text = String::from_utf8(decoded).map_err(|_| bad())?;
+        Self::named(text.split(':').next().unwrap_or_default())
+    }
+
+    /// The user of a `/files` request: the URL's `username` if it has one, else
+    /// [`EnvdUser::of`] its headers.
+    pub fn of_files(headers: &HeaderMap, q: &FileQuery) -> Result<Self, Error> {
+        match q.username.as_deref() {
+            Some(name) if !name.is_empty() => Self::named(name),
+            _ => Self::of(headers),
+        }
+    }
+
+    /// The guest user a process runs as.
+    pub fn name(self) -> &'static str {
+        match self {
+            EnvdUser::Root => "root",
+            EnvdUser::User => "user",
+        }
+    }
+
+    /// Whom what it writes belongs to.
+    pub fn owner(self) -> Owner {
+        match self {
+            EnvdUser::Root => Owner::Root,
+            EnvdUser::User => Owner::User,
+        }
+    }
+}
 
 /// A guest path relative to the work directory, from an E2B path (module docs).
 pub fn guest_path(p: &str) -> Result<String, Error> {
@@ -176,6 +255,7 @@ pub async fn read_file(
 ) -> Response {
     let run = async {
         let (_, e) = file_sandbox(&c, &headers, &q, "read")?;
+        EnvdUser::of_files(&headers, &q)?;
         let path = guest_path(q.path.as_deref().unwrap_or_default())?;
         Ok::<_, ApiError>(files::read(&c.app, &e.id, &path).await?)
     };
@@ -258,6 +338,7 @@ pub async fn write_files(
 
 async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, ApiError> {
     let (_, e) = file_sandbox(c, req.headers(), &q, "write")?;
+    let owner = EnvdUser::of_files(req.headers(), &q)?.owner();
     // A signature covers one path: every part goes there, whatever its file name says.
     let signed_path = q.signature.as_ref().and(q.path.clone());
     let state = &c.app;
@@ -331,7 +412,7 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
     let mut written = Vec::with_capacity(files.len());
     for (path, data) in files {
         let rel = guest_path(&path)?;
-        files::write(state, &e.id, &rel, data).await?;
+        files::write_as(state, &e.id, &rel, data, owner).await?;
         let name = rel.rsplit('/').next().unwrap_or(&rel).to_owned();
         written.push(json!({"name": name, "type": "file", "path": e2b_path(&rel)}));
     }
@@ -372,6 +453,40 @@ mod tests {
         assert!(!with("gzip;q=0"));
         assert!(!with("identity"));
         assert!(!accepts_gzip(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn the_user_comes_from_basic_auth_or_the_url() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, v.parse().unwrap());
+            EnvdUser::of(&h).ok()
+        };
+        // What E2B's SDK sends for user="root" and user="user": base64 of "root:", "user:".
+        assert_eq!(with("Basic cm9vdDo="), Some(EnvdUser::Root));
+        assert_eq!(with("basic dXNlcjo="), Some(EnvdUser::User));
+        assert_eq!(EnvdUser::of(&HeaderMap::new()).ok(), Some(EnvdUser::User));
+        assert_eq!(with("Basic bm9ib2R5Og=="), None); // nobody:
+        assert_eq!(with("Basic !!"), None);
+        assert_eq!(with("Bearer x"), None);
+        let q = |u: &str| FileQuery {
+            username: Some(u.into()),
+            ..FileQuery::default()
+        };
+        let root = {
+            let mut h = HeaderMap::new();
+            h.insert(header::AUTHORIZATION, "Basic cm9vdDo=".parse().unwrap());
+            h
+        };
+        assert_eq!(
+            EnvdUser::of_files(&root, &q("user")).ok(),
+            Some(EnvdUser::User)
+        );
+        assert_eq!(
+            EnvdUser::of_files(&root, &FileQuery::default()).ok(),
+            Some(EnvdUser::Root)
+        );
+        assert_eq!(EnvdUser::User.owner(), Owner::User);
     }
 
     #[test]

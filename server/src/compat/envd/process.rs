@@ -12,6 +12,10 @@
 //! - `List`, `SendInput` (stdin), `StreamInput` (client streaming: its envelopes are read
 //!   whole), `CloseStdin`, `SendSignal` (`SIGNAL_SIGKILL`, `SIGNAL_SIGTERM`); a process is
 //!   selected by `pid` or `tag`.
+//! - Users: a command (and a PTY) runs as the request's user (`user` by default, `root`
+//!   when the client asks: the parent module's [`EnvdUser`]), in `/home/user` unless it
+//!   has a `cwd` (a relative one is under `/home/user`), with that user's `HOME`, `USER`,
+//!   `LOGNAME` and `SHELL`.
 //! - PTYs: `Start` with `pty` runs the command on a terminal of that size (`/bin/bash -i
 //!   -l`, what `sandbox.pty.create` sends, is busybox `sh -i`); its output comes as `pty`
 //!   data, `SendInput` with `pty` types into it, `Update` resizes it.
@@ -29,10 +33,11 @@ use vmm::job::Stream;
 use super::connect::{
     Next, Timing, envelope, next, stream_response, unwrap_envelope, unwrap_envelopes,
 };
-use super::{connect_error, from_api};
+use super::{EnvdUser, connect_error, from_api};
 use crate::api::processes::{TerminalSize, check_env};
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
+use crate::compat::jupyter::HOME;
 use crate::error::{ApiError, Error};
 use crate::procs::{Event, Exit, Start, Subscription};
 use crate::service::processes;
@@ -161,6 +166,12 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
         })
         .unwrap_or_default();
     check_env(&env)?;
+    let user = EnvdUser::of(&headers)?;
+    let cwd = match process["cwd"].as_str().filter(|c| !c.is_empty()) {
+        None => HOME.to_owned(),
+        Some(c) if c.starts_with('/') => c.to_owned(),
+        Some(rel) => format!("{HOME}/{rel}"),
+    };
     let start = Start {
         cmd: process["cmd"].as_str().unwrap_or_default().to_owned(),
         args: process["args"]
@@ -172,14 +183,12 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
             })
             .unwrap_or_default(),
         script: script_of(process, c.app.template_has(&e.template, "bash"))?,
-        cwd: process["cwd"]
-            .as_str()
-            .filter(|c| !c.is_empty())
-            .map(str::to_owned),
+        cwd: Some(cwd),
         pty,
         env,
         tag: req["tag"].as_str().map(str::to_owned),
         stdin: req["stdin"].as_bool() == Some(true),
+        user: Some(user.name().to_owned()),
     };
     let pid = processes::start(&c.app, &e.id, start, "/process.Process/Start").await?;
     let sub = processes::connect(&c.app, &e.id, pid, true)?;
