@@ -55,6 +55,12 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         config.api_keys = Some(std::sync::Arc::new(bud_server::keys::ApiKeys::load(path)?));
     }
     let build = cli.build_options();
+    // One state directory per port by default: a server started again on its port finds
+    // what it paused, and servers on other ports of this checkout keep theirs apart. A
+    // server on any free port (0) keeps none unless given one.
+    if config.state_dir.is_none() && args.port != 0 {
+        config.state_dir = Some(build.build_dir.join("state").join(args.port.to_string()));
+    }
     let ram_size = args.mem_mib.map(|m| m << 20);
     bud_server::run(bud_server::ServeOptions {
         listen: args.listen,

@@ -8,57 +8,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-/// The server process; SIGTERM and wait on drop.
-struct Served {
-    child: Child,
-    base: String,
-    /// Its log lines (also echoed to the test's stderr).
-    log: mpsc::Receiver<String>,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        // SAFETY: kill on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(args: &[&str]) -> Served {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let child = Command::new(env!("CARGO_BIN_EXE_bud"))
-        .args(["serve", "--port", &port.to_string(), "--workers", "2"])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (lines, log) = mpsc::channel();
-    let mut s = Served {
-        child,
-        base: format!("http://127.0.0.1:{port}"),
-        log,
-    };
-    // Keep the log flowing (and visible on failure) without blocking the server.
-    let stderr = s.child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[bud serve] {line}");
-            let _ = lines.send(line);
-        }
-    });
-    s
-}
+use common::served::{Served, serve};
 
 /// The first log line with `needle` in it. First use may build and boot the template:
 /// minutes.
@@ -176,13 +130,29 @@ fn a_server_started_without_options_is_jailed_once_ready() {
 
     let line = wait_for_log(&mut s, "jail: ");
     let health = health(&s).unwrap();
+    let threads = thread_names(s.child.id());
     let job = post(&s, "/v1/exec", json!({"code": "print(6 * 7)"}));
 
     assert!(line.contains("INFO"), "{line}");
     assert!(line.contains("jail: seccomp filters on"), "{line}");
     assert_eq!(health["jailed"], json!(true), "{health}");
     assert_eq!(status_line(s.child.id(), "Seccomp:"), "2");
+    // Made before the jail: the first job's thread may not make it (it did, lazily, and
+    // the jail killed the server at its first job after a template loaded from disk).
+    assert!(
+        threads.iter().any(|t| t == "bud-timer"),
+        "no timer thread before the first job: {threads:?}"
+    );
     assert_eq!(job["stdout"], "42\n", "{job}");
+}
+
+/// The names of process `pid`'s threads.
+fn thread_names(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_owned())
+        .collect()
 }
 
 #[test]

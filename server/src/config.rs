@@ -224,6 +224,25 @@ pub struct Config {
     /// The audit trail (`bud serve --audit-log`); None: no audit log.
     #[arg(skip)]
     pub audit: Option<crate::audit::AuditConfig>,
+    /// Where paused sessions and snapshots are kept, and running sessions marked, so that
+    /// a server started again on it serves them (docs/durable.md). `bud serve`'s default:
+    /// `state/PORT/` in the build folder (none with `--port 0`); none: no pause, resume or
+    /// snapshots.
+    #[arg(long)]
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Bytes the state directory's files may take, in MiB; past it, a pause or snapshot
+    /// is 507.
+    #[arg(
+        long = "state-quota-mib",
+        value_name = "STATE_QUOTA_MIB",
+        value_parser = mib_to_bytes,
+        default_value_t = Config::default().state_quota_bytes >> 20
+    )]
+    pub state_quota_bytes: u64,
+    /// At shutdown, pause the running sessions (to the state directory) instead of ending
+    /// them.
+    #[arg(long)]
+    pub pause_on_shutdown: bool,
     /// Limits on one session.
     #[command(flatten)]
     pub sessions: SessionLimits,
@@ -256,6 +275,9 @@ impl Default for Config {
             key_max_jobs: None,
             api_keys: None,
             audit: None,
+            state_dir: None,
+            state_quota_bytes: 20 << 30,
+            pause_on_shutdown: false,
         }
     }
 }

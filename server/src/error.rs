@@ -160,8 +160,13 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::ShuttingDown
         | Error::TemplateFailed { .. }
         | Error::AuditUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-        Error::NoSession(_) | Error::NoFile(_) | Error::NoProcess { .. } => StatusCode::NOT_FOUND,
-        Error::StdinClosed(_) | Error::StdinFull { .. } => StatusCode::CONFLICT,
+        Error::NoSession(_) | Error::NoFile(_) | Error::NoProcess { .. } | Error::NoSnapshot(_) => {
+            StatusCode::NOT_FOUND
+        }
+        Error::StdinClosed(_) | Error::StdinFull { .. } | Error::Paused(_) => StatusCode::CONFLICT,
+        Error::NoStateDir => StatusCode::NOT_IMPLEMENTED,
+        Error::StateQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
+        Error::Unresumable { .. } => StatusCode::GONE,
         Error::SessionGone { .. } => StatusCode::GONE,
         Error::SessionBusy(_) => StatusCode::CONFLICT,
         Error::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
@@ -194,6 +199,11 @@ fn service_code(e: &Error) -> &'static str {
         Error::StdinClosed(_) => "stdin_closed",
         Error::StdinFull { .. } => "stdin_full",
         Error::AuditUnavailable(_) => "audit_unavailable",
+        Error::NoStateDir => "no_state_dir",
+        Error::Paused(_) => "session_paused",
+        Error::NoSnapshot(_) => "no_snapshot",
+        Error::StateQuota { .. } => "state_quota",
+        Error::Unresumable { .. } => "unresumable",
         Error::Internal { .. } => "internal",
     }
 }

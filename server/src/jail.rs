@@ -215,14 +215,24 @@ const JOB_THREAD: &[i64] = &[
     libc::SYS_nanosleep,
     libc::SYS_exit,
     libc::SYS_exit_group,
+    // The state directory (`crate::durable`), from the job thread that pauses a session or
+    // takes a snapshot (the VM is only touched on a job thread): a session file is written,
+    // fsync'd and renamed into place, then its folder fsync'd; a running session's mark is
+    // made and removed (tests/durable_crash.rs pauses, resumes and snapshots on a jailed
+    // `bud serve`).
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_rename,
+    libc::SYS_renameat,
+    libc::SYS_renameat2,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
 ];
 
 /// What the other threads of the server make besides [`JOB_THREAD`]'s (module docs).
 const OTHER_THREADS: &[i64] = &[
     libc::SYS_readv,
     libc::SYS_writev,
-    libc::SYS_fsync,
-    libc::SYS_fdatasync,
     libc::SYS_poll,
     libc::SYS_ppoll,
     libc::SYS_epoll_create1,

@@ -27,6 +27,8 @@ pub mod clock;
 pub mod compat;
 pub mod config;
 pub mod conn;
+pub mod durable;
+pub mod durable_routes;
 pub mod error;
 pub mod jail;
 pub mod jobs;
@@ -57,7 +59,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 29] = [
+pub const ROUTES: [(&str, &str); 35] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -87,6 +89,12 @@ pub const ROUTES: [(&str, &str); 29] = [
     ("post", "/v1/sessions/{id}/watchers"),
     ("delete", "/v1/sessions/{id}/watchers/{wid}"),
     ("get", "/v1/sessions/{id}/watchers/{wid}/changes"),
+    ("post", "/v1/sessions/{id}/pause"),
+    ("post", "/v1/sessions/{id}/resume"),
+    ("post", "/v1/sessions/{id}/snapshots"),
+    ("get", "/v1/snapshots"),
+    ("get", "/v1/snapshots/{id}"),
+    ("delete", "/v1/snapshots/{id}"),
 ];
 
 /// The API's router over `state`.
@@ -152,6 +160,17 @@ pub fn app(state: AppState) -> Router {
         .route(
             "/v1/sessions/{id}/watchers/{wid}/changes",
             get(process_routes::changes),
+        )
+        .route("/v1/sessions/{id}/pause", post(durable_routes::pause))
+        .route("/v1/sessions/{id}/resume", post(durable_routes::resume))
+        .route(
+            "/v1/sessions/{id}/snapshots",
+            post(durable_routes::snapshot),
+        )
+        .route("/v1/snapshots", get(durable_routes::list))
+        .route(
+            "/v1/snapshots/{id}",
+            get(durable_routes::show).delete(durable_routes::delete),
         )
         .merge(compat::routes(state.clone()))
         .fallback(routes::not_found)
@@ -229,6 +248,9 @@ pub async fn serve(
     };
     conn::serve_connections(listener, app(state.clone()), header_timeout, shutdown).await;
     reaper.abort();
+    if state.config().pause_on_shutdown && state.state_dir().is_some() {
+        service::durable::pause_all(&state).await;
+    }
     // Every request has its answer; jobs of clients that left may still be queued.
     let drained = state.clone();
     tokio::task::spawn_blocking(move || {

@@ -157,6 +157,18 @@ mod tests {
             Error::StdinClosed(1),
             Error::StdinFull { pid: 1, left: 1 },
             Error::AuditUnavailable(String::new()),
+            Error::NoStateDir,
+            Error::Paused(String::new()),
+            Error::NoSnapshot(String::new()),
+            Error::StateQuota {
+                used: 1,
+                need: 1,
+                quota: 1,
+            },
+            Error::Unresumable {
+                id: String::new(),
+                why: String::new(),
+            },
             Error::internal("x"),
         ];
         let edge = [

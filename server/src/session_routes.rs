@@ -31,12 +31,15 @@ pub async fn create(
 
 /// `GET /v1/sessions`.
 pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
-    let all: Vec<SessionInfo> = state
+    let mut all: Vec<SessionInfo> = state
         .sessions()
         .list()
         .iter()
         .map(|e| SessionInfo::of(e))
         .collect();
+    if let Some(dir) = state.state_dir() {
+        all.extend(dir.list_paused().iter().map(SessionInfo::paused));
+    }
     Json(serde_json::json!({ "sessions": all }))
 }
 
@@ -45,11 +48,19 @@ pub async fn show(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<SessionInfo>, ApiError> {
-    let e = sessions::get(&state, &id)?;
-    Ok(Json(SessionInfo::of(&e)))
+    match sessions::get(&state, &id) {
+        Ok(e) => Ok(Json(SessionInfo::of(&e))),
+        Err(Error::Paused(_)) => state
+            .state_dir()
+            .and_then(|d| d.paused(&id))
+            .map(|p| Json(SessionInfo::paused(&p)))
+            .ok_or_else(|| Error::NoSession(id).into()),
+        Err(e) => Err(e.into()),
+    }
 }
 
-/// `DELETE /v1/sessions/{id}`: 204; 404 when unknown; waits for a running request's end.
+/// `DELETE /v1/sessions/{id}`: 204; 404 when unknown; waits for a running request's end;
+/// a paused session's file is removed.
 pub async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,

@@ -12,7 +12,11 @@
 //!   (`max_sessions_memory_bytes`: every session's private pages plus every fork layer once,
 //!   checked before a session is created or forked, 507).
 //! - **Expiry**: [`Sessions::reap`] ends sessions idle past their idle timeout or past their
-//!   maximum lifetime; `bud serve` runs it every second, and ends every session at shutdown.
+//!   maximum lifetime (or hands them back to be paused, if they asked for that); `bud
+//!   serve` runs it every second, and ends every session at shutdown.
+//! - **On disk** (with a state directory, [`crate::durable`]): a running session has a mark
+//!   there from its start to its end or pause, so that a server started after a crash
+//!   reports it lost; [`Sessions::take_out`] takes a session out to be paused.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -68,6 +72,10 @@ pub struct Entry {
     /// While the processes' pump holds the session: the cancel of its wait in the guest,
     /// which a request that wants the session pulls ([`Entry::preempt`]).
     background: Mutex<Option<vmm::Cancel>>,
+    /// Paused rather than ended when its time is up.
+    pub auto_pause: AtomicBool,
+    /// What an API dialect keeps of it (E2B's sandbox), saved with it when it pauses.
+    pub attachment: Mutex<serde_json::Value>,
 }
 
 /// Settings a new session starts with.
@@ -81,6 +89,9 @@ pub struct NewSession {
     pub parent: Option<String>,
     pub template: String,
     pub executor: Arc<Executor>,
+    pub auto_pause: bool,
+    /// The id and start of a session made again (resumed): None for a new one.
+    pub again: Option<(String, SystemTime)>,
 }
 
 /// Held while a request uses a session (or, the flag set, while its processes' pump does,
@@ -130,7 +141,7 @@ impl Entry {
         let now = SystemTime::now();
         Self {
             id,
-            created_at: now,
+            created_at: s.again.map_or(now, |a| a.1),
             idle_timeout: s.idle_timeout,
             language: s.language,
             env: s.env,
@@ -150,7 +161,18 @@ impl Entry {
             run_ns: AtomicU64::new(0),
             processes: crate::procs::Processes::default(),
             background: Mutex::new(None),
+            auto_pause: AtomicBool::new(s.auto_pause),
+            attachment: Mutex::new(serde_json::Value::Null),
         }
+    }
+
+    /// What is left of its lifetime.
+    pub fn lifetime_left(&self) -> Duration {
+        self.deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .saturating_duration_since(Instant::now())
     }
 
     /// Ends the pump's wait in the guest, if the pump holds the session, so that a request
@@ -248,6 +270,8 @@ pub struct Sessions {
     pub forked: AtomicU64,
     /// Ended sessions by reason (for metrics).
     pub ended_by: Mutex<BTreeMap<String, u64>>,
+    /// The state directory, where running sessions are marked.
+    marks: std::sync::OnceLock<Arc<crate::durable::StateDir>>,
 }
 
 /// A new random session id (128 bits from the host's CSPRNG, hex): unguessable, so an id
@@ -260,6 +284,36 @@ pub fn new_id() -> Result<String, vmm::identity::IdentityError> {
 }
 
 impl Sessions {
+    /// Marks running sessions in `dir` from now on, and remembers `lost` (sessions that
+    /// were running when the last server on it stopped) for a 410.
+    pub fn use_state_dir(&self, dir: Arc<crate::durable::StateDir>, lost: &[String]) {
+        let _ = self.marks.set(dir);
+        for id in lost {
+            self.tombstone(
+                id,
+                Ended {
+                    reason: "lost".into(),
+                    detail: Some(
+                        "the server stopped while this session was running (it was not paused)"
+                            .into(),
+                    ),
+                },
+            );
+        }
+    }
+
+    /// Remembers that session `id` ended, and why, for a 410.
+    pub fn tombstone(&self, id: &str, why: Ended) {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        ended.0.insert(id.to_owned(), why);
+        ended.1.push_back(id.to_owned());
+        while ended.1.len() > TOMBSTONES_KEPT {
+            if let Some(old) = ended.1.pop_front() {
+                ended.0.remove(&old);
+            }
+        }
+    }
+
     fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
         self.live.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -306,8 +360,15 @@ impl Sessions {
         settings: NewSession,
         vm: Session,
     ) -> Result<Arc<Entry>, vmm::identity::IdentityError> {
-        let e = Arc::new(Entry::new(new_id()?, settings));
+        let id = match &settings.again {
+            Some((id, _)) => id.clone(),
+            None => new_id()?,
+        };
+        let e = Arc::new(Entry::new(id, settings));
         *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);
+        if let Some(d) = self.marks.get() {
+            d.mark_running(&e.id);
+        }
         self.live().insert(e.id.clone(), e.clone());
         self.created.fetch_add(1, Ordering::Relaxed);
         Ok(e)
@@ -409,20 +470,31 @@ impl Sessions {
             .entry(why.reason.clone())
             .or_default() += 1;
         if why.reason != "deleted" {
-            let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
-            ended.0.insert(id.to_owned(), why);
-            ended.1.push_back(id.to_owned());
-            while ended.1.len() > TOMBSTONES_KEPT {
-                if let Some(old) = ended.1.pop_front() {
-                    ended.0.remove(&old);
-                }
-            }
+            self.tombstone(id, why);
+        }
+        if let Some(d) = self.marks.get() {
+            d.unmark_running(id);
         }
         // Requests waiting for it learn that it ended.
         e.freed.notify_waiters();
         if let Some(vm) = e.take_vm() {
             vm.end(&e.executor);
         }
+    }
+
+    /// Takes session `id` out of the registry to be paused (the caller holds it busy):
+    /// its entry and VM. Its processes' clients are told it paused; requests waiting for it
+    /// find it gone from the live ones (and resume it).
+    pub fn take_out(&self, id: &str) -> Option<(Arc<Entry>, Session)> {
+        let e = self.live().remove(id)?;
+        e.processes.close("paused");
+        e.preempt();
+        if let Some(d) = self.marks.get() {
+            d.unmark_running(id);
+        }
+        let vm = e.take_vm();
+        e.freed.notify_waiters();
+        vm.map(|vm| (e, vm))
     }
 
     /// Forgets an ended session's tombstone; true if there was one.
@@ -436,8 +508,9 @@ impl Sessions {
     }
 
     /// Ends sessions idle past their timeout or past their lifetime (not busy ones: a
-    /// running request ends on its own deadline first).
-    pub fn reap(&self) -> usize {
+    /// running request ends on its own deadline first), but for those that asked to be
+    /// paused instead: their ids are returned, for the caller to pause.
+    pub fn reap(&self) -> Vec<String> {
         let now = Instant::now();
         let due: Vec<(String, &'static str)> = self
             .live()
@@ -453,16 +526,25 @@ impl Sessions {
                 }
             })
             .collect();
-        for (id, reason) in &due {
+        let mut to_pause = Vec::new();
+        for (id, reason) in due {
+            let pause = self
+                .live()
+                .get(&id)
+                .is_some_and(|e| e.auto_pause.load(Ordering::Relaxed));
+            if pause {
+                to_pause.push(id);
+                continue;
+            }
             self.end(
-                id,
+                &id,
                 Ended {
-                    reason: (*reason).into(),
+                    reason: reason.into(),
                     detail: None,
                 },
             );
         }
-        due.len()
+        to_pause
     }
 
     /// Counts for `/metrics`.

@@ -68,6 +68,7 @@ struct Shared {
     metrics: Arc<Metrics>,
     sessions: Arc<crate::sessions::Sessions>,
     audit: Option<crate::audit::AuditLog>,
+    state_dir: Option<Arc<crate::durable::StateDir>>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -83,6 +84,8 @@ pub enum StateError {
     Threads(std::io::Error),
     #[error("cannot start the audit writer: {0}")]
     Audit(std::io::Error),
+    #[error(transparent)]
+    StateDir(#[from] crate::durable::DurableError),
 }
 
 impl AppState {
@@ -113,14 +116,39 @@ impl AppState {
             Some(a) => Some(crate::audit::AuditLog::start(a.clone()).map_err(StateError::Audit)?),
             None => None,
         };
+        let sessions: Arc<crate::sessions::Sessions> = Arc::default();
+        let state_dir = match &config.state_dir {
+            Some(root) => {
+                let (dir, found) = crate::durable::StateDir::open(root, config.state_quota_bytes)?;
+                for (path, why) in &found.damaged {
+                    tracing::warn!(path = %path.display(), why, "set aside a damaged state file");
+                }
+                if !found.lost.is_empty() {
+                    tracing::warn!(
+                        count = found.lost.len(),
+                        "sessions were running when the last server on this state directory stopped: lost"
+                    );
+                }
+                let dir = Arc::new(dir);
+                sessions.use_state_dir(dir.clone(), &found.lost);
+                Some(dir)
+            }
+            None => None,
+        };
         Ok(Self(Arc::new(Shared {
             config,
             templates,
             jobs,
             metrics: Arc::default(),
-            sessions: Arc::default(),
+            sessions,
             audit,
+            state_dir,
         })))
+    }
+
+    /// The state directory, if the server has one.
+    pub fn state_dir(&self) -> Option<&Arc<crate::durable::StateDir>> {
+        self.0.state_dir.as_ref()
     }
 
     pub fn config(&self) -> &Config {

@@ -24,8 +24,8 @@ const LAYERS: [(&str, &[&str]); 5] = [
     (
         "core",
         &[
-            "audit", "clock", "config", "jail", "jobs", "keys", "metrics", "procs", "sessions",
-            "state",
+            "audit", "clock", "config", "durable", "jail", "jobs", "keys", "metrics", "procs",
+            "sessions", "state",
         ],
     ),
     ("service error", &["service::error"]),
@@ -37,6 +37,7 @@ const LAYERS: [(&str, &[&str]); 5] = [
             "body",
             "compat",
             "conn",
+            "durable_routes",
             "error",
             "openapi",
             "process_routes",

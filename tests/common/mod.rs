@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use bud_guest::{BuildOptions, GuestArtifacts};
+
+pub mod served;
 use vmm::{BootConfig, Executor, Template};
 
 pub fn source_dir() -> PathBuf {

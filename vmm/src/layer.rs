@@ -56,6 +56,10 @@ pub struct Layer {
     size: u64,
     /// (first page, page count), ascending, disjoint.
     runs: Vec<(u64, u64)>,
+    /// Where each run's pages start in `file`, in bytes: at their guest offset in a layer
+    /// made by [`Layer::capture`], one after another in a session file
+    /// ([`crate::session_file`]).
+    file_offsets: Vec<u64>,
 }
 
 impl Layer {
@@ -71,11 +75,34 @@ impl Layer {
             ram.write_to_file(&file, offset, pages * PAGE_SIZE)
                 .map_err(LayerError::Copy)?;
         }
+        let file_offsets = runs.iter().map(|r| r.0 * PAGE_SIZE).collect();
         Ok(Self {
             file,
             size: ram.len(),
             runs,
+            file_offsets,
         })
+    }
+
+    /// A layer over the pages of `file`: run `runs[i]` of a RAM of `size` bytes is at byte
+    /// `file_offsets[i]` of the file (page-aligned; the caller checked the file holds them).
+    pub(crate) fn from_file(
+        file: File,
+        size: u64,
+        runs: Vec<(u64, u64)>,
+        file_offsets: Vec<u64>,
+    ) -> Self {
+        Self {
+            file,
+            size,
+            runs,
+            file_offsets,
+        }
+    }
+
+    /// The runs, (first page, page count), ascending.
+    pub(crate) fn page_runs(&self) -> &[(u64, u64)] {
+        &self.runs
     }
 
     /// Bytes of guest memory the layer holds.
@@ -96,11 +123,11 @@ impl Layer {
                 ram: ram.len(),
             });
         }
-        for &(first, pages) in &self.runs {
-            let offset = first * PAGE_SIZE;
-            let at = ram.host_address() + offset;
+        for (&(first, pages), &offset) in self.runs.iter().zip(&self.file_offsets) {
+            let at = ram.host_address() + first * PAGE_SIZE;
             // SAFETY: `at..at + pages * PAGE_SIZE` lies inside `ram`'s own mapping (runs come
-            // from a bitmap of a RAM of the same size), which `ram` owns and unmaps whole on
+            // from a bitmap of a RAM of the same size, or from a session file whose runs were
+            // checked against that size when read), which `ram` owns and unmaps whole on
             // drop. MAP_FIXED replaces those pages of that mapping only; no Rust reference
             // into guest RAM is held across this call (guest memory is only accessed through
             // copies and raw pointers), and KVM is told through its MMU notifier.
@@ -123,7 +150,7 @@ impl Layer {
 }
 
 /// Runs of consecutive pages, merged across gaps until there are at most `max_runs`.
-fn coalesce(pages: impl Iterator<Item = u64>, max_runs: usize) -> Vec<(u64, u64)> {
+pub(crate) fn coalesce(pages: impl Iterator<Item = u64>, max_runs: usize) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
     for p in pages {
         match runs.last_mut() {
@@ -147,7 +174,7 @@ fn coalesce(pages: impl Iterator<Item = u64>, max_runs: usize) -> Vec<(u64, u64)
 }
 
 /// An anonymous memory file.
-fn memfd(name: &str) -> std::io::Result<File> {
+pub(crate) fn memfd(name: &str) -> std::io::Result<File> {
     let name = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
     // SAFETY: `name` is a valid C string; memfd_create has no other memory effects.
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };

@@ -11,7 +11,8 @@
 //! - [`mod@boot`]: boot protocol, MP table, entry state, boot to READY; [`devices`]: serial
 //!   console, i8042, doorbell; [`vcpu`]: the run loop and kicks; [`vm`]: VM setup.
 //! - [`snapshot`]: capture and restore of CPU and device state; [`template`]: templates on
-//!   disk and clones of them; [`reset`]: returning a VM that ran a job to its template's
+//!   disk and clones of them; [`session`]: VMs kept between requests, forked, and saved to
+//!   and loaded from [`session_file`]s; [`reset`]: returning a VM that ran a job to its template's
 //!   exact state; [`job`]: one job in one VM; [`timer`]: job deadlines; [`executor`]: warm
 //!   VMs, clone pool, reaper, and running jobs from many threads.
 //! - [`kernel_layout`]: where the guest kernel keeps its clock, CRNG and page tables (read
@@ -48,6 +49,7 @@ pub mod process;
 pub mod protocol;
 pub(crate) mod reset;
 pub mod session;
+pub mod session_file;
 pub mod snapshot;
 pub mod template;
 pub(crate) mod timer;

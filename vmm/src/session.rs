@@ -25,6 +25,13 @@
 //! **Fork.** [`Session::fork`] freezes the session's private pages into a [`Layer`] and
 //! builds each child from the template plus the session's layers plus its vCPU and device
 //! state, captured like a template's (module docs of [`crate::layer`]).
+//!
+//! **On disk.** [`Session::save`] writes the same things (every page where the session
+//! differs from its template, from its layers or its own) to a [`crate::session_file`],
+//! and the session goes on; [`Session::load`] makes a session from such a file as a fork
+//! makes a child, either the same session again (a pause and resume: its CRNG and `random`
+//! as they were) or a new one with an identity of its own (a session started from a
+//! snapshot). Its clock resumes where it was parked, its wall clock on the host's.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,7 +43,8 @@ use crate::executor::{ExecError, Executor};
 use crate::identity::{self, IdentityError};
 use crate::job::{self, Health, Job, JobError, JobResult, Kind, Request, Stream, Unusable};
 use crate::layer::{Layer, LayerError};
-use crate::memory::PAGE_SIZE;
+use crate::memory::{PAGE_SIZE, set_bits};
+use crate::session_file::{self, SessionFile, SessionFileError, WriteStats};
 use crate::snapshot::{self, MsrList, SnapshotError};
 use crate::template::TemplateError;
 use crate::vm::{Machine, SerialStart, VmError};
@@ -54,6 +62,8 @@ pub enum SessionError {
     Identity(#[from] IdentityError),
     #[error("fork: {0}")]
     Layer(#[from] LayerError),
+    #[error(transparent)]
+    File(#[from] SessionFileError),
     #[error("fork: {0}")]
     Template(#[from] TemplateError),
     #[error("fork: {0}")]
@@ -104,11 +114,14 @@ struct ChildRecipe<'a> {
     state: &'a snapshot::MachineState,
     serial: &'a vm_superio::serial::SerialState,
     layers: &'a [Arc<Layer>],
+    /// A CRNG of its own (a fork child, a session started from a snapshot), or the one
+    /// captured (the same session resumed).
+    new_identity: bool,
 }
 
 impl ChildRecipe<'_> {
     /// One child VM: the template's memory with the layers over it, the captured state, a
-    /// CRNG of its own. Returns it and the time spent mapping layers.
+    /// CRNG of its own if asked. Returns it and the time spent mapping layers.
     fn make(&self) -> Result<(Machine, Duration), SessionError> {
         let t = self.ex.template();
         let ram = t.private_ram()?;
@@ -126,7 +139,12 @@ impl ChildRecipe<'_> {
         let m = self.ex.adopt(m);
         let ready = snapshot::restore(&m.vm, &m.vcpu, self.state, snapshot::Target::NewVm)
             .map_err(SessionError::from)
-            .and_then(|()| Ok(identity::reseed_crng(&m.ram, &t.state().kernel.random)?));
+            .and_then(|()| {
+                if self.new_identity {
+                    identity::reseed_crng(&m.ram, &t.state().kernel.random)?;
+                }
+                Ok(())
+            });
         match ready {
             Ok(()) => Ok((m, mapping)),
             Err(e) => {
@@ -135,6 +153,14 @@ impl ChildRecipe<'_> {
             }
         }
     }
+}
+
+/// The key of template `t` (its folder's name), which a session file names.
+fn template_key(t: &crate::Template) -> String {
+    t.dir()
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// What a fork cost.
@@ -355,20 +381,9 @@ impl Session {
         count: usize,
     ) -> Result<(Vec<Session>, ForkStats), SessionError> {
         self.refuse()?;
-        let t = ex.template();
         let started = Instant::now();
         let serial = self.m.bus.serial_state();
-        let msrs: Vec<u32> = t.state().machine.msrs.iter().map(|e| e.index).collect();
-        let mut state = snapshot::capture(
-            ex.kvm(),
-            &self.m.vm,
-            &mut self.m.vcpu,
-            t.state().host_kind,
-            t.state().machine.cpuid.clone(),
-            &serial,
-            MsrList::These(&msrs),
-        )?;
-        state.clock = self.clock;
+        let state = self.capture_state(ex, &serial)?;
         let copy_started = Instant::now();
         let layer = Arc::new(Layer::capture(&self.m.ram)?);
         let layer_copy = copy_started.elapsed();
@@ -386,6 +401,7 @@ impl Session {
             state: &state,
             serial: &serial,
             layers: &self.layers,
+            new_identity: true,
         };
         // One after another: making them on several threads was slower here (measured:
         // 22.8 ms against 18.3 ms for 8 children on 2 cores), as every mmap of a layer run
@@ -431,6 +447,113 @@ impl Session {
             children_mapping,
         };
         Ok((children, stats))
+    }
+
+    /// The vCPU and device state of the parked VM, with its parked clock.
+    fn capture_state(
+        &mut self,
+        ex: &Executor,
+        serial: &vm_superio::serial::SerialState,
+    ) -> Result<snapshot::MachineState, SessionError> {
+        let t = ex.template().state();
+        let msrs: Vec<u32> = t.machine.msrs.iter().map(|e| e.index).collect();
+        let mut state = snapshot::capture(
+            ex.kvm(),
+            &self.m.vm,
+            &mut self.m.vcpu,
+            t.host_kind,
+            t.machine.cpuid.clone(),
+            serial,
+            MsrList::These(&msrs),
+        )?;
+        state.clock = self.clock;
+        Ok(state)
+    }
+
+    /// Writes the session to `path` (module docs of [`crate::session_file`]) with `app`,
+    /// the caller's own record, in it. The session goes on; to pause it, end it after.
+    pub fn save(
+        &mut self,
+        ex: &Executor,
+        path: &std::path::Path,
+        app: Vec<u8>,
+    ) -> Result<WriteStats, SessionError> {
+        self.refuse()?;
+        let t = ex.template();
+        let serial = self.m.bus.serial_state();
+        let machine = self.capture_state(ex, &serial)?;
+        // Every page that can differ from the template: its own copies, and its layers'.
+        let mut pages = self.m.ram.private_pages().map_err(SessionError::Pagemap)?;
+        for l in &self.layers {
+            for &(first, count) in l.page_runs() {
+                for p in first..first + count {
+                    pages[(p / 64) as usize] |= 1 << (p % 64);
+                }
+            }
+        }
+        let runs = crate::layer::coalesce(set_bits(&pages), crate::layer::MAX_RUNS);
+        let header = session_file::Header {
+            template: template_key(t),
+            host_identity: t.state().host_identity.clone(),
+            ram_size: t.state().ram_size,
+            runs,
+            pages_crc: 0,
+            machine,
+            sequence: self.sequence,
+            executions: self.executions,
+            parked_wall_ns: self.parked_wall_ns,
+            ran_processes: self.ran_processes,
+            app,
+        };
+        Ok(session_file::write(path, &self.m.ram, header)?)
+    }
+
+    /// Makes a session from `f` (read with [`session_file::read`]) on `ex`'s template: the
+    /// same session again, or with `new_identity` a new one with a CRNG and `random` of its
+    /// own. Its memory is mapped from the file, which may be removed after.
+    pub fn load(ex: &Executor, f: &SessionFile, new_identity: bool) -> Result<Self, SessionError> {
+        let t = ex.template();
+        session_file::check_origin(
+            f,
+            &template_key(t),
+            t.state().ram_size,
+            &t.state().host_identity,
+        )?;
+        let file = f.file.try_clone().map_err(|source| SessionFileError::Io {
+            path: f.path.clone(),
+            source,
+        })?;
+        let h = &f.header;
+        let layer = Arc::new(Layer::from_file(
+            file,
+            h.ram_size,
+            h.runs.clone(),
+            f.file_offsets(),
+        ));
+        let layers = if h.runs.is_empty() {
+            Vec::new()
+        } else {
+            vec![layer]
+        };
+        let recipe = ChildRecipe {
+            ex,
+            state: &h.machine,
+            serial: &h.machine.serial,
+            layers: &layers,
+            new_identity,
+        };
+        let (m, _) = recipe.make()?;
+        Ok(Session {
+            m,
+            sequence: h.sequence,
+            executions: h.executions,
+            clock: h.machine.clock,
+            parked_wall_ns: h.parked_wall_ns,
+            reseed: new_identity,
+            layers,
+            health: Health::Ready,
+            ran_processes: h.ran_processes,
+        })
     }
 
     /// Ends the session: a VM on the plain template mapping that stopped at DONE and never

@@ -48,6 +48,15 @@ impl Service {
     }
 }
 
+/// Starts the timer thread if it has not started: [`crate::Executor::new`] calls it, so
+/// that the thread exists before any job runs. A server closes its seccomp jail once its
+/// executors exist, and a job thread may not create threads: started lazily by the first
+/// job, the thread was the job thread's `clone3`, and the jail killed the server (seen in
+/// a fresh-clone run: a template loaded from disk, the jail closed, the first job).
+pub(crate) fn start() {
+    service();
+}
+
 fn service() -> &'static Service {
     static SERVICE: OnceLock<&'static Service> = OnceLock::new();
     SERVICE.get_or_init(|| {

@@ -25,6 +25,12 @@ pub struct CreateSession {
     pub metadata: serde_json::Value,
     /// The template to start from (default: the server's default template).
     pub template: Option<String>,
+    /// Start from this snapshot instead of the template: its memory, files and processes,
+    /// with an identity of its own (settings not given here are the snapshot's).
+    pub snapshot: Option<String>,
+    /// Pause the session instead of ending it when its idle timeout or lifetime is up
+    /// (needs the server's state directory).
+    pub auto_pause: Option<bool>,
 }
 
 /// A session as the API shows it.
@@ -46,9 +52,41 @@ pub struct SessionInfo {
     pub parent: Option<String>,
     pub metadata: serde_json::Value,
     pub template: String,
+    /// `running` or `paused`.
+    pub state: String,
+    pub auto_pause: bool,
+    /// When it paused (a paused session).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paused_at: Option<f64>,
 }
 
 impl SessionInfo {
+    /// A paused session as the API shows it: its lifetime stands still (`expires_at` is
+    /// what it would be if it resumed now).
+    pub fn paused(p: &crate::durable::Paused) -> Self {
+        use crate::durable::from_epoch_ms;
+        let r = &p.record;
+        let now = std::time::SystemTime::now();
+        Self {
+            id: r.id.clone(),
+            created_at: epoch_s(from_epoch_ms(r.created_at_ms)),
+            expires_at: epoch_s(now + std::time::Duration::from_millis(r.lifetime_left_ms)),
+            idle_timeout_s: r.idle_timeout_s,
+            language: r.language,
+            execution_count: 0,
+            memory_bytes: 0,
+            shared_memory_bytes: 0,
+            busy: false,
+            waiting: 0,
+            parent: r.parent.clone(),
+            metadata: r.metadata.clone(),
+            template: r.template.clone(),
+            state: "paused".into(),
+            auto_pause: r.auto_pause,
+            paused_at: Some(epoch_s(from_epoch_ms(r.paused_at_ms))),
+        }
+    }
+
     pub fn of(e: &Entry) -> Self {
         use std::sync::atomic::Ordering::Relaxed;
         Self {
@@ -65,6 +103,48 @@ impl SessionInfo {
             parent: e.parent.clone(),
             metadata: e.metadata.clone(),
             template: e.template.clone(),
+            state: "running".into(),
+            auto_pause: e.auto_pause.load(Relaxed),
+            paused_at: None,
+        }
+    }
+}
+
+/// What a pause wrote.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PauseResponse {
+    pub id: String,
+    pub state: String,
+    /// Size of its file in the state directory; of it, guest memory.
+    pub bytes: u64,
+    pub memory_bytes: u64,
+    /// How long the session was held: state, pages, fsync, and ending its VM.
+    pub pause_ms: f64,
+}
+
+/// A snapshot as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    pub id: String,
+    /// The session it was taken of.
+    pub source: String,
+    pub created_at: f64,
+    pub template: String,
+    pub metadata: serde_json::Value,
+    /// Size of its file in the state directory.
+    pub bytes: u64,
+}
+
+impl SnapshotInfo {
+    pub fn of(s: &crate::durable::Snapshot) -> Self {
+        let r = &s.record;
+        Self {
+            id: r.id.clone(),
+            source: r.source.clone(),
+            created_at: epoch_s(crate::durable::from_epoch_ms(r.created_at_ms)),
+            template: r.template.clone(),
+            metadata: r.metadata.clone(),
+            bytes: s.bytes,
         }
     }
 }

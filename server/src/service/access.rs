@@ -11,33 +11,36 @@ use crate::service::error::Error;
 use crate::sessions::{Busy, Ended, Entry, Unavailable};
 use crate::state::AppState;
 
-/// The service's error for a session that cannot take a request.
-pub fn unavailable(id: &str, u: Unavailable) -> Error {
-    match u {
-        Unavailable::Unknown => Error::NoSession(id.to_owned()),
-        Unavailable::Busy => Error::SessionBusy(id.to_owned()),
-        Unavailable::Gone(e) => Error::SessionGone {
-            id: id.to_owned(),
-            reason: e.reason,
-            detail: e.detail,
-        },
-    }
-}
+pub use crate::service::error::unavailable;
 
 /// Session `id` for a request: at once if it is free, else after the requests before it
 /// (at most `--session-max-waiting` wait at once).
+/// A paused session is resumed first ([`crate::service::durable::resume`]).
 pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
     let max = state.config().sessions.max_waiting;
-    state
-        .sessions()
-        .acquire_waiting(id, max)
-        .await
-        .map_err(|u| unavailable(id, u))
+    loop {
+        match state.sessions().acquire_waiting(id, max).await {
+            Ok(busy) => return Ok(busy),
+            Err(Unavailable::Unknown)
+                if state.state_dir().is_some_and(|d| d.paused(id).is_some()) =>
+            {
+                // Paused (maybe just now, while this request waited): resumed, then taken.
+                Box::pin(crate::service::resume::resume(state, id)).await?;
+            }
+            Err(u) => return Err(unavailable(id, u)),
+        }
+    }
 }
 
-/// Session `id`, live.
+/// Session `id`, live (a paused one is [`Error::Paused`]: the caller that needs it running
+/// resumes it with [`acquire`]).
 pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
-    state.sessions().get(id).map_err(|u| unavailable(id, u))
+    state.sessions().get(id).map_err(|u| match u {
+        Unavailable::Unknown if state.state_dir().is_some_and(|d| d.paused(id).is_some()) => {
+            Error::Paused(id.to_owned())
+        }
+        u => unavailable(id, u),
+    })
 }
 
 /// Ends the session of `busy` if its VM is no longer usable after a request, with why (the

@@ -1,5 +1,6 @@
 //! Admission and the way to a job thread: the one place that decides whether work may
-//! enter (the audit log, the memory budget, the server's and the API key's capacity) and
+//! enter (the audit log, the memory budget, the server's and the API key's capacity, the
+//! caps on sessions: [`check_count`], [`check_memory`]) and
 //! that hands it to a job thread ([`crate::jobs`]) with a channel back.
 //!
 //! Work on a job thread answers through a [`Reply`], which it may send before it is done
@@ -144,4 +145,26 @@ pub async fn call<R: Send + 'static>(
     spawn(state, slot, move |reply| reply.send(work()))?
         .await
         .map_err(|_| lost())
+}
+
+/// The memory cap, before a session is made or forked.
+pub fn check_memory(state: &AppState) -> Result<(), Error> {
+    let limit = state.config().sessions.max_memory_bytes;
+    let used = state.sessions().memory_bytes();
+    if used >= limit {
+        return Err(Error::OutOfMemory { used, limit });
+    }
+    Ok(())
+}
+
+/// The live-session cap, before `more` sessions are made.
+pub fn check_count(state: &AppState, more: usize) -> Result<(), Error> {
+    let limit = state.config().sessions.max_sessions;
+    if state.sessions().count() + more > limit {
+        return Err(Error::TooManySessions {
+            limit,
+            retry_after: state.config().retry_after(),
+        });
+    }
+    Ok(())
 }

@@ -119,6 +119,25 @@ pub enum Error {
     /// No such file in the session.
     #[error("{0}")]
     NoFile(String),
+    /// The server has no state directory, so nothing is paused or snapshotted.
+    #[error(
+        "this server keeps no state directory (--state-dir): it cannot pause, resume or snapshot"
+    )]
+    NoStateDir,
+    /// The session is paused, and this call needs it running.
+    #[error("session {0} is paused; resume it first")]
+    Paused(String),
+    /// No snapshot has this id.
+    #[error("no snapshot {0}")]
+    NoSnapshot(String),
+    /// The state directory's files would pass its quota.
+    #[error(
+        "the state directory holds {used} bytes and this needs about {need} more; its quota is {quota} (--state-quota-mib)"
+    )]
+    StateQuota { used: u64, need: u64, quota: u64 },
+    /// A paused session or snapshot cannot be made into a session again: why.
+    #[error("{id} cannot be resumed: {why}")]
+    Unresumable { id: String, why: String },
     /// `--audit-required` and the audit log cannot be written.
     #[error("the audit log cannot be written, so no job runs: {0}")]
     AuditUnavailable(String),
@@ -128,6 +147,20 @@ pub enum Error {
         field: Option<String>,
         message: String,
     },
+}
+
+/// The service's error for a session that cannot take a request.
+pub fn unavailable(id: &str, u: crate::sessions::Unavailable) -> Error {
+    use crate::sessions::Unavailable;
+    match u {
+        Unavailable::Unknown => Error::NoSession(id.to_owned()),
+        Unavailable::Busy => Error::SessionBusy(id.to_owned()),
+        Unavailable::Gone(e) => Error::SessionGone {
+            id: id.to_owned(),
+            reason: e.reason,
+            detail: e.detail,
+        },
+    }
 }
 
 impl Error {

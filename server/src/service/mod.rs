@@ -8,6 +8,8 @@
 //! - [`access`]: the way to a session's VM for one request (take it in turn, end it if
 //!   the request left its VM unusable);
 //! - [`sessions`]: start, cell, fork, end, expiry;
+//! - [`durable`]: pause, snapshots, auto-pause (the state directory); [`resume`]: a
+//!   paused session made again, at the request that wants it;
 //! - [`processes`]: a session's background processes and the pump that runs its VM
 //!   while they live;
 //! - [`files`]: a session's files, a one-shot job's files;
@@ -22,11 +24,13 @@
 
 pub mod access;
 pub mod admission;
+pub mod durable;
 pub mod error;
 pub mod files;
 pub mod jobs;
 pub mod processes;
 pub mod record;
+pub mod resume;
 pub mod sessions;
 pub mod task;
 pub mod templates;

@@ -14,35 +14,13 @@ use crate::api::{CreateSession, ExecRequest};
 use crate::audit::Origin;
 use crate::jobs::CancelOnDrop;
 pub use crate::service::access::{acquire, end_if_unusable, get, unavailable};
-use crate::service::admission::{self, Pending, Reply};
+use crate::service::admission::{self, Pending, Reply, check_count, check_memory};
 use crate::service::error::Error;
 use crate::service::record::finished;
 use crate::service::task::Sink;
 use crate::service::templates;
 use crate::sessions::{Ended, Entry, NewSession, Unavailable};
 use crate::state::AppState;
-
-/// The memory cap, before a session is made or forked.
-fn check_memory(state: &AppState) -> Result<(), Error> {
-    let limit = state.config().sessions.max_memory_bytes;
-    let used = state.sessions().memory_bytes();
-    if used >= limit {
-        return Err(Error::OutOfMemory { used, limit });
-    }
-    Ok(())
-}
-
-/// The live-session cap, before `more` sessions are made.
-fn check_count(state: &AppState, more: usize) -> Result<(), Error> {
-    let limit = state.config().sessions.max_sessions;
-    if state.sessions().count() + more > limit {
-        return Err(Error::TooManySessions {
-            limit,
-            retry_after: state.config().retry_after(),
-        });
-    }
-    Ok(())
-}
 
 fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Duration, Error> {
     let s = asked.unwrap_or(default);
@@ -58,6 +36,12 @@ fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Du
 /// Checks `req` against the limits and caps, starts its session on a job thread and
 /// registers it.
 pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, Error> {
+    if let Some(snap) = req.snapshot.clone() {
+        return crate::service::durable::start_from(state, &snap, req).await;
+    }
+    if req.auto_pause == Some(true) && state.state_dir().is_none() {
+        return Err(Error::NoStateDir);
+    }
     let lim = &state.config().sessions;
     let idle = seconds(
         "idle_timeout_s",
@@ -95,6 +79,8 @@ pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, E
         parent: None,
         template: state.template_name(req.template.as_deref()).to_owned(),
         executor: exec.clone(),
+        auto_pause: req.auto_pause.unwrap_or(false),
+        again: None,
     };
     let sessions = state.sessions().clone();
     admission::call(state, move || {
@@ -110,6 +96,11 @@ pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, E
 /// Ends session `id` as deleted (its tombstone too, if it had ended already); waits for a
 /// running request's end.
 pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
+    if let Some(dir) = state.state_dir()
+        && dir.remove_paused(id).is_some()
+    {
+        return Ok(());
+    }
     match state.sessions().get(id) {
         Ok(_) => {}
         Err(Unavailable::Gone(_)) => {
@@ -256,6 +247,8 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
                 parent: Some(e.id.clone()),
                 template: e.template.clone(),
                 executor: e.executor.clone(),
+                auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
+                again: None,
             };
             let child_entry = sessions.insert(settings, child).map_err(Error::internal)?;
             child_entry.account();
@@ -290,12 +283,22 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     Ok(Forked { ids, stats })
 }
 
-/// Ends expired sessions every second until the server stops (spawned by `serve`).
+/// Ends expired sessions every second until the server stops (spawned by `serve`), pauses
+/// those that asked for it, and starts the processes' pump of a resumed session.
 pub async fn reaper(state: AppState) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
+        // A session resumed at a request (below the processes' service) gets its pump here,
+        // within a tick; elsewhere every pump is started where its processes are.
+        for e in state.sessions().list() {
+            crate::service::processes::ensure_pump(&state, &e);
+        }
         let sessions: Arc<_> = state.sessions().clone();
-        let _ = tokio::task::spawn_blocking(move || sessions.reap()).await;
+        if let Ok(to_pause) = tokio::task::spawn_blocking(move || sessions.reap()).await
+            && !to_pause.is_empty()
+        {
+            crate::service::durable::pause_expired(&state, to_pause).await;
+        }
     }
 }

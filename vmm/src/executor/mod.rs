@@ -221,6 +221,7 @@ pub struct Executor {
 impl Executor {
     /// An executor over `template`.
     pub fn new(template: Template, opts: ExecutorOptions) -> Result<Self, ExecError> {
+        crate::timer::start();
         let shared = Arc::new(Shared {
             template,
             kvm: crate::vm::open_kvm()?,

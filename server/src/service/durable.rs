@@ -1,0 +1,292 @@
+//! Durable sessions: pause a session to the state directory and resume it (explicitly, or
+//! at the next request that wants it), snapshot a running one and start sessions from the
+//! snapshot, and pause instead of end where asked (at expiry, at shutdown). The files and
+//! their records are [`crate::durable`]'s; the VM's part is vmm's `Session::save` and
+//! `Session::load`.
+//!
+//! - **Pause**: the session is taken like any request takes it, its file written
+//!   (atomically: a crash leaves it paused in whole or still running), then it leaves the
+//!   live sessions and its VM ends. Its lifetime stands still while paused; its background
+//!   processes are frozen with the VM and listed again after the resume (their output from
+//!   before the pause stays behind).
+//! - **Resume** ([`crate::service::resume`]): explicitly here, or at the next request
+//!   that wants the session; then its processes' pump starts again.
+//! - **Snapshot**: the session is held while its file is written, then goes on. A session
+//!   started from a snapshot gets the snapshot's memory, files and processes and an
+//!   identity of its own; many share its pages in the page cache.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use vmm::session::Session;
+use vmm::session_file;
+
+use crate::api::CreateSession;
+use crate::api::sessions::PauseResponse;
+use crate::durable::{
+    Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot, SnapshotRecord, StateDir,
+    epoch_ms,
+};
+use crate::service::access::{acquire, unavailable};
+use crate::service::admission::{self, check_count, check_memory};
+use crate::service::error::Error;
+use crate::service::templates;
+use crate::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
+use crate::state::AppState;
+
+/// Session `id`, running, resumed if it was paused, with its processes' pump going.
+pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
+    let e = crate::service::resume::resume(state, id).await?;
+    if !e.processes.list().is_empty() {
+        crate::service::processes::ensure_pump(state, &e);
+    }
+    Ok(e)
+}
+
+fn dir(state: &AppState) -> Result<Arc<StateDir>, Error> {
+    state.state_dir().cloned().ok_or(Error::NoStateDir)
+}
+
+fn processes_of(e: &Entry) -> Vec<ProcessRecord> {
+    e.processes
+        .list()
+        .into_iter()
+        .filter(|(_, end)| end.is_none())
+        .map(|(info, _)| ProcessRecord::of(&info))
+        .collect()
+}
+
+/// The quota, for a file about the size of the memory `e` holds.
+fn check_quota(dir: &StateDir, e: &Entry) -> Result<(), Error> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let need = e.private_bytes.load(Relaxed) + e.layer_bytes.load(Relaxed);
+    if !dir.fits(need) {
+        let (used, quota) = dir.usage();
+        return Err(Error::StateQuota { used, need, quota });
+    }
+    Ok(())
+}
+
+/// Pauses session `id` (module docs).
+pub async fn pause(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
+    let dir = dir(state)?;
+    if dir.paused(id).is_some() {
+        return Err(Error::Paused(id.to_owned()));
+    }
+    let busy = acquire(state, id).await?;
+    let st = state.clone();
+    admission::call(state, move || pause_held(&st, &dir, busy)).await?
+}
+
+/// Pauses the session `busy` holds (on a job thread).
+fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseResponse, Error> {
+    let started = Instant::now();
+    let e = busy.entry().clone();
+    e.account();
+    check_quota(dir, &e)?;
+    let record = SessionRecord {
+        version: RECORD_VERSION,
+        id: e.id.clone(),
+        created_at_ms: epoch_ms(e.created_at),
+        paused_at_ms: epoch_ms(SystemTime::now()),
+        idle_timeout_s: e.idle_timeout.as_secs(),
+        lifetime_left_ms: u64::try_from(e.lifetime_left().as_millis()).unwrap_or(u64::MAX),
+        language: e.language,
+        env: e.env.clone(),
+        metadata: e.metadata.clone(),
+        parent: e.parent.clone(),
+        template: e.template.clone(),
+        auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
+        processes: processes_of(&e),
+        attachment: e
+            .attachment
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+    };
+    let app = serde_json::to_vec(&record).map_err(Error::internal)?;
+    let path = dir.paused_path(&e.id);
+    let exec = e.executor.clone();
+    let saved = e
+        .with_vm(|s| s.save(&exec, &path, app))
+        .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
+        .map_err(Error::internal)?;
+    let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+    dir.add_paused(Paused {
+        record,
+        bytes,
+        written_here: true,
+    });
+    if let Some((entry, vm)) = state.sessions().take_out(&e.id) {
+        vm.end(&entry.executor);
+    }
+    drop(busy);
+    Ok(PauseResponse {
+        id: e.id.clone(),
+        state: "paused".into(),
+        bytes,
+        memory_bytes: saved.page_bytes,
+        pause_ms: started.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// Takes a snapshot of session `id`, which goes on (module docs).
+pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
+    let dir = dir(state)?;
+    let busy = acquire(state, id).await?;
+    let snap_id = format!(
+        "snap_{}",
+        crate::sessions::new_id().map_err(Error::internal)?[4..].to_owned()
+    );
+    admission::call(state, move || {
+        let e = busy.entry().clone();
+        e.account();
+        check_quota(&dir, &e)?;
+        let record = SnapshotRecord {
+            version: RECORD_VERSION,
+            id: snap_id.clone(),
+            created_at_ms: epoch_ms(SystemTime::now()),
+            source: e.id.clone(),
+            language: e.language,
+            env: e.env.clone(),
+            metadata: e.metadata.clone(),
+            template: e.template.clone(),
+            idle_timeout_s: e.idle_timeout.as_secs(),
+            processes: processes_of(&e),
+            attachment: e
+                .attachment
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        };
+        let app = serde_json::to_vec(&record).map_err(Error::internal)?;
+        let path = dir.snapshot_path(&snap_id);
+        let exec = e.executor.clone();
+        e.with_vm(|s| s.save(&exec, &path, app))
+            .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
+            .map_err(Error::internal)?;
+        drop(busy);
+        let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+        let snap = Snapshot { record, bytes };
+        dir.add_snapshot(snap.clone());
+        Ok(snap)
+    })
+    .await?
+}
+
+/// Deletes snapshot `id` (sessions started from it go on).
+pub fn delete_snapshot(state: &AppState, id: &str) -> Result<(), Error> {
+    dir(state)?
+        .remove_snapshot(id)
+        .map(drop)
+        .ok_or_else(|| Error::NoSnapshot(id.to_owned()))
+}
+
+/// Starts a session from snapshot `snap` with the settings of `req` that it gives (the
+/// snapshot's otherwise).
+pub async fn start_from(
+    state: &AppState,
+    snap: &str,
+    req: CreateSession,
+) -> Result<Arc<Entry>, Error> {
+    let dir = dir(state)?;
+    let s = dir
+        .snapshot(snap)
+        .ok_or_else(|| Error::NoSnapshot(snap.to_owned()))?;
+    if let Some(t) = req.template.as_deref()
+        && t != s.record.template
+    {
+        return Err(Error::invalid(
+            "template",
+            format!("snapshot {snap} is of template {}", s.record.template),
+        ));
+    }
+    let r = s.record;
+    let lim = &state.config().sessions;
+    let idle = req.idle_timeout_s.unwrap_or(r.idle_timeout_s);
+    let life = req.max_lifetime_s.unwrap_or(lim.default_lifetime_s);
+    if !(1..=lim.max_idle_timeout_s).contains(&idle) || !(1..=lim.max_lifetime_s).contains(&life) {
+        return Err(Error::invalid(
+            "idle_timeout_s",
+            format!(
+                "idle_timeout_s must be 1..={} and max_lifetime_s 1..={}",
+                lim.max_idle_timeout_s, lim.max_lifetime_s
+            ),
+        ));
+    }
+    let exec = templates::executor_for(state, Some(&r.template))?;
+    check_count(state, 1)?;
+    check_memory(state)?;
+    let mut env = r.env.clone();
+    env.extend(req.env);
+    let settings = NewSession {
+        language: req.language.unwrap_or(r.language),
+        env,
+        idle_timeout: Duration::from_secs(idle),
+        max_lifetime: Duration::from_secs(life),
+        metadata: if req.metadata.is_null() {
+            r.metadata.clone()
+        } else {
+            req.metadata
+        },
+        parent: Some(r.source.clone()),
+        template: r.template.clone(),
+        executor: exec.clone(),
+        auto_pause: req.auto_pause.unwrap_or(false),
+        again: None,
+    };
+    let path = dir.snapshot_path(snap);
+    let sessions = state.sessions().clone();
+    let snap_id = snap.to_owned();
+    let e = admission::call(state, move || {
+        let f = session_file::read(&path).map_err(|e| Error::Unresumable {
+            id: snap_id.clone(),
+            why: e.to_string(),
+        })?;
+        let vm = Session::load(&exec, &f, true).map_err(|e| Error::Unresumable {
+            id: snap_id,
+            why: e.to_string(),
+        })?;
+        let e = sessions.insert(settings, vm).map_err(Error::internal)?;
+        *e.attachment.lock().unwrap_or_else(|p| p.into_inner()) = r.attachment;
+        for p in &r.processes {
+            e.processes.add(p.info());
+        }
+        e.account();
+        Ok::<_, Error>(e)
+    })
+    .await??;
+    if !e.processes.list().is_empty() {
+        crate::service::processes::ensure_pump(state, &e);
+    }
+    Ok(e)
+}
+
+/// Pauses the sessions whose time is up and that asked to be paused (the reaper's); one
+/// that cannot be paused ends, with why.
+pub async fn pause_expired(state: &AppState, ids: Vec<String>) {
+    for id in ids {
+        if let Err(e) = pause(state, &id).await {
+            tracing::warn!(session = %id, error = %e, "auto-pause failed: the session ends");
+            let sessions = state.sessions().clone();
+            let why = Ended {
+                reason: "pause_failed".into(),
+                detail: Some(e.to_string()),
+            };
+            let _ = tokio::task::spawn_blocking(move || sessions.end(&id, why)).await;
+        }
+    }
+}
+
+/// Pauses every running session (a shutdown with `--pause-on-shutdown`); those that cannot
+/// be paused are left to end with the rest.
+pub async fn pause_all(state: &AppState) {
+    for e in state.sessions().list() {
+        match pause(state, &e.id).await {
+            Ok(p) => tracing::info!(session = %p.id, bytes = p.bytes, "paused at shutdown"),
+            Err(err) => {
+                tracing::warn!(session = %e.id, error = %err, "could not pause at shutdown")
+            }
+        }
+    }
+}

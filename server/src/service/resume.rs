@@ -1,0 +1,122 @@
+//! Resuming a paused session: what a request for a paused session does first
+//! ([`crate::service::access::acquire`]) and what `service::durable`'s explicit resume
+//! does. One request resumes a session (others wait for it): the file is read and checked
+//! (its pages too, for a file this server did not write itself), the session made again
+//! with its id, settings, clock and identity, and the file removed. A file that cannot be
+//! resumed is set aside in `damaged/` and the session answers 410 with why.
+//!
+//! Below `access` (which calls it) and so apart from `service::durable`, which takes
+//! sessions through `access`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use vmm::session::Session;
+use vmm::session_file;
+
+use crate::durable::{Paused, StateDir, from_epoch_ms};
+use crate::service::admission::{self, check_count, check_memory};
+use crate::service::error::{Error, unavailable};
+use crate::service::templates;
+use crate::sessions::{Ended, Entry, NewSession, Unavailable};
+use crate::state::AppState;
+
+/// Releases a claimed resume when dropped.
+struct Claim<'a>(&'a StateDir, &'a str);
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.0.release_resume(self.1);
+    }
+}
+
+/// Session `id`, running: at once if it is, after resuming it if it is paused (module
+/// docs); otherwise why not. Its processes' pump is not started here: the caller does
+/// that (`service::durable::resume`), or the next process call does.
+pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
+    let Some(dir) = state.state_dir().cloned() else {
+        return state.sessions().get(id).map_err(|u| unavailable(id, u));
+    };
+    loop {
+        let resumed = dir.resumed.notified();
+        tokio::pin!(resumed);
+        resumed.as_mut().enable();
+        match state.sessions().get(id) {
+            Ok(e) => return Ok(e),
+            Err(Unavailable::Unknown) if dir.paused(id).is_some() => {}
+            Err(u) => return Err(unavailable(id, u)),
+        }
+        if dir.claim_resume(id) {
+            break;
+        }
+        resumed.await;
+    }
+    let _claim = Claim(&dir, id);
+    // Resumed by the one before, between the check and the claim.
+    let Some(p) = dir.paused(id) else {
+        return state.sessions().get(id).map_err(|u| unavailable(id, u));
+    };
+    let exec = templates::executor_for(state, Some(&p.record.template))?;
+    check_count(state, 1)?;
+    check_memory(state)?;
+    let st = state.clone();
+    let d = dir.clone();
+    admission::call(state, move || resume_file(&st, &d, &exec, p)).await?
+}
+
+/// Makes paused session `p` again on `exec` (on a job thread).
+fn resume_file(
+    state: &AppState,
+    dir: &StateDir,
+    exec: &Arc<vmm::Executor>,
+    p: Paused,
+) -> Result<Arc<Entry>, Error> {
+    let r = p.record;
+    let id = r.id.clone();
+    let loaded = session_file::read(&dir.paused_path(&id))
+        .and_then(|f| {
+            if !p.written_here {
+                f.verify_pages()?;
+            }
+            Ok(f)
+        })
+        .map_err(|e| e.to_string())
+        .and_then(|f| Session::load(exec, &f, false).map_err(|e| e.to_string()));
+    let vm = match loaded {
+        Ok(vm) => vm,
+        Err(why) => {
+            dir.set_aside_paused(&id);
+            state.sessions().tombstone(
+                &id,
+                Ended {
+                    reason: "unresumable".into(),
+                    detail: Some(why.clone()),
+                },
+            );
+            return Err(Error::Unresumable { id, why });
+        }
+    };
+    let settings = NewSession {
+        language: r.language,
+        env: r.env,
+        idle_timeout: Duration::from_secs(r.idle_timeout_s),
+        max_lifetime: Duration::from_millis(r.lifetime_left_ms).max(Duration::from_secs(1)),
+        metadata: r.metadata,
+        parent: r.parent,
+        template: r.template,
+        executor: exec.clone(),
+        auto_pause: r.auto_pause,
+        again: Some((id.clone(), from_epoch_ms(r.created_at_ms))),
+    };
+    let e = state
+        .sessions()
+        .insert(settings, vm)
+        .map_err(Error::internal)?;
+    *e.attachment.lock().unwrap_or_else(|p| p.into_inner()) = r.attachment;
+    for proc_ in &r.processes {
+        e.processes.add(proc_.info());
+    }
+    dir.remove_paused(&id);
+    e.account();
+    Ok(e)
+}

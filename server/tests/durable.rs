@@ -1,0 +1,321 @@
+//! Durable sessions through bud's own API on a real server (in this process, on loopback)
+//! with a state directory: pause and resume (explicitly and by the next request), a
+//! server stopped and started again on the same directory, snapshots and sessions started
+//! from them, auto-pause, and a file found damaged. The crash test (a real `bud serve`
+//! killed with SIGKILL) is `tests/durable_crash.rs`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{TestServer, test_config};
+use serde_json::{Value, json};
+
+/// An empty state directory of this test's own.
+fn state_dir(name: &str) -> PathBuf {
+    let d = common::repo_dir()
+        .join("target/tmp/durable")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn server_on(dir: &PathBuf) -> TestServer {
+    let mut config = test_config();
+    config.state_dir = Some(dir.clone());
+    TestServer::with_config(config)
+}
+
+fn session(s: &TestServer, body: Value) -> String {
+    let (status, r) = s.post("/v1/sessions", &body);
+    assert_eq!(status, 201, "{r}");
+    r["id"].as_str().unwrap().to_owned()
+}
+
+/// Runs `code` in session `id`; returns its stdout (the cell must succeed).
+fn cell(s: &TestServer, id: &str, code: &str) -> String {
+    let (status, r) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": code}));
+    assert_eq!((status, &r["status"]), (200, &json!("ok")), "{r}");
+    r["stdout"].as_str().unwrap().to_owned()
+}
+
+fn show(s: &TestServer, id: &str) -> (u16, Value) {
+    let r = s.get(&format!("/v1/sessions/{id}"));
+    let status = r.status().as_u16();
+    (status, r.json().unwrap())
+}
+
+/// The output of process `pid` of session `id` from its start, until it ends.
+fn process_output(s: &TestServer, id: &str, pid: u64) -> String {
+    let body = s
+        .get(&format!(
+            "/v1/sessions/{id}/processes/{pid}/output?from=start"
+        ))
+        .text()
+        .unwrap();
+    let mut out = String::new();
+    for line in body.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        if v["type"] == "stdout" {
+            out.push_str(v["data"].as_str().unwrap());
+        }
+    }
+    out
+}
+
+#[test]
+fn a_paused_session_resumes_at_its_next_request_with_its_state_and_processes() {
+    let dir = state_dir("pause");
+    let s = server_on(&dir);
+    let id = session(&s, json!({}));
+    cell(
+        &s,
+        &id,
+        "import time\nx = 41\nopen('kept.txt', 'w').write('kept')\nt0 = time.monotonic()",
+    );
+    let (status, p) = s.post(
+        &format!("/v1/sessions/{id}/processes"),
+        &json!({"command": "read line; echo got $line", "stdin": true}),
+    );
+    assert_eq!(status, 201, "{p}");
+    let pid = p["pid"].as_u64().unwrap();
+
+    let (paused_status, paused) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
+    let (again_status, again) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
+    let (shown_status, shown) = show(&s, &id);
+    let listed = s.get("/v1/sessions").json::<Value>().unwrap();
+    let file = dir.join(format!("paused/{id}.bud"));
+    let on_disk = file.exists();
+    std::thread::sleep(Duration::from_millis(1500));
+    let seen = cell(
+        &s,
+        &id,
+        "print(x + 1, open('kept.txt').read(), time.monotonic() - t0 < 1.0)",
+    );
+    let stdin_status = common::client()
+        .post(s.url(&format!("/v1/sessions/{id}/processes/{pid}/stdin")))
+        .json(&json!({"data": "hi\n", "close": true}))
+        .send()
+        .unwrap()
+        .status()
+        .as_u16();
+    let out = process_output(&s, &id, pid);
+    let (after_status, after) = show(&s, &id);
+
+    assert_eq!(paused_status, 200, "{paused}");
+    assert_eq!(paused["state"], "paused");
+    assert!(paused["memory_bytes"].as_u64().unwrap() > 0, "{paused}");
+    assert_eq!(
+        (again_status, again["error"]["code"].clone()),
+        (409, json!("session_paused"))
+    );
+    assert_eq!(
+        (shown_status, shown["state"].clone()),
+        (200, json!("paused"))
+    );
+    assert!(
+        listed["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["id"] == json!(id) && x["state"] == "paused"),
+        "{listed}"
+    );
+    assert!(on_disk, "no file {}", file.display());
+    assert_eq!(seen, "42 kept True\n");
+    assert_eq!(stdin_status, 204);
+    assert_eq!(out, "got hi\n");
+    assert_eq!(
+        (after_status, after["state"].clone()),
+        (200, json!("running"))
+    );
+    assert!(!file.exists(), "the file of a resumed session stays");
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
+}
+
+#[test]
+fn a_server_started_again_on_the_directory_serves_what_the_last_one_paused() {
+    let dir = state_dir("restart");
+    let (id, kept) = {
+        let s = server_on(&dir);
+        let kept = session(
+            &s,
+            json!({"metadata": {"owner": "a"}, "idle_timeout_s": 77}),
+        );
+        cell(
+            &s,
+            &kept,
+            "import random\nsecret = random.random()\nprint(secret)",
+        );
+        let (status, r) = s.post(&format!("/v1/sessions/{kept}/pause"), &json!({}));
+        assert_eq!(status, 200, "{r}");
+        let ended = session(&s, json!({}));
+        (ended, kept)
+        // Dropped: a graceful stop ends the running session `ended` (no pause asked).
+    };
+    let s = server_on(&dir);
+    let (shown_status, shown) = show(&s, &kept);
+    let resumed = s.post(&format!("/v1/sessions/{kept}/resume"), &json!({}));
+    let printed = cell(&s, &kept, "print(secret)");
+    let (gone_status, _) = show(&s, &id);
+
+    assert_eq!(shown_status, 200, "{shown}");
+    assert_eq!(shown["state"], "paused");
+    assert_eq!(shown["metadata"], json!({"owner": "a"}));
+    assert_eq!(shown["idle_timeout_s"], 77);
+    assert_eq!(resumed.0, 200, "{}", resumed.1);
+    assert_eq!(resumed.1["state"], "running");
+    assert!(printed.trim().parse::<f64>().is_ok(), "{printed}");
+    assert_eq!(
+        gone_status, 404,
+        "a session ended at a graceful stop is simply gone"
+    );
+}
+
+#[test]
+fn snapshots_start_many_sessions_apart_from_each_other_and_are_deleted() {
+    let dir = state_dir("snapshots");
+    let s = server_on(&dir);
+    let source = session(&s, json!({"metadata": {"k": "v"}}));
+    cell(&s, &source, "import os, random\nbase = 'from the snapshot'");
+    let (status, snap) = s.post(&format!("/v1/sessions/{source}/snapshots"), &json!({}));
+    assert_eq!(status, 201, "{snap}");
+    let snap_id = snap["id"].as_str().unwrap().to_owned();
+    let a = session(&s, json!({"snapshot": snap_id}));
+    let b = session(&s, json!({"snapshot": snap_id}));
+    let probe = "print(base, random.random(), os.urandom(8).hex())";
+    let from_a = cell(&s, &a, probe);
+    let from_b = cell(&s, &b, probe);
+    let source_goes_on = cell(&s, &source, "print(base)");
+    let listed = s.get("/v1/snapshots").json::<Value>().unwrap();
+    let (a_status, a_info) = show(&s, &a);
+    let deleted = s.delete(&format!("/v1/snapshots/{snap_id}"));
+    let deleted_again = s.delete(&format!("/v1/snapshots/{snap_id}"));
+    let (after_status, after) = s.post("/v1/sessions", &json!({"snapshot": snap_id}));
+    let a_goes_on = cell(&s, &a, "print(base)");
+
+    assert!(from_a.starts_with("from the snapshot "), "{from_a}");
+    assert!(from_b.starts_with("from the snapshot "), "{from_b}");
+    assert_ne!(
+        from_a, from_b,
+        "two sessions of one snapshot share random state"
+    );
+    assert_eq!(source_goes_on, "from the snapshot\n");
+    assert_eq!(listed["snapshots"][0]["id"], json!(snap_id), "{listed}");
+    assert_eq!(listed["snapshots"][0]["source"], json!(source));
+    assert_eq!(
+        (a_status, a_info["metadata"].clone()),
+        (200, json!({"k": "v"}))
+    );
+    assert_eq!(a_info["parent"], json!(source));
+    assert_eq!((deleted, deleted_again), (204, 404));
+    assert_eq!(
+        (after_status, after["error"]["code"].clone()),
+        (404, json!("no_snapshot"))
+    );
+    assert_eq!(a_goes_on, "from the snapshot\n");
+}
+
+#[test]
+fn a_session_that_asked_for_it_is_paused_at_its_idle_timeout_not_ended() {
+    let dir = state_dir("autopause");
+    let s = server_on(&dir);
+    let id = session(&s, json!({"idle_timeout_s": 1, "auto_pause": true}));
+    cell(&s, &id, "y = 'still here'");
+    let t = Instant::now();
+    let state = loop {
+        let (_, v) = show(&s, &id);
+        if v["state"] == "paused" || t.elapsed() > Duration::from_secs(30) {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let printed = cell(&s, &id, "print(y)");
+
+    assert_eq!(state["state"], "paused", "{state}");
+    assert_eq!(state["auto_pause"], true);
+    assert_eq!(printed, "still here\n");
+}
+
+#[test]
+fn without_a_state_directory_pause_and_snapshots_are_refused_with_why() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let (pause_status, pause) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
+    let (auto_status, _) = s.post("/v1/sessions", &json!({"auto_pause": true}));
+    let list = s.get("/v1/snapshots").status().as_u16();
+
+    assert_eq!(
+        (pause_status, pause["error"]["code"].clone()),
+        (501, json!("no_state_dir"))
+    );
+    assert_eq!((auto_status, list), (501, 501));
+    assert_eq!(cell(&s, &id, "print(1)"), "1\n");
+}
+
+#[test]
+fn a_damaged_paused_file_is_set_aside_at_start_and_a_corrupt_page_is_refused_at_resume() {
+    let dir = state_dir("damaged");
+    let (torn, flipped) = {
+        let s = server_on(&dir);
+        let a = session(&s, json!({}));
+        let b = session(&s, json!({}));
+        for id in [&a, &b] {
+            cell(&s, id, "z = bytes(1 << 20)");
+            assert_eq!(
+                s.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+                200
+            );
+        }
+        (a, b)
+    };
+    let torn_file = dir.join(format!("paused/{torn}.bud"));
+    let len = std::fs::metadata(&torn_file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&torn_file)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let flipped_file = dir.join(format!("paused/{flipped}.bud"));
+    let mut bytes = std::fs::read(&flipped_file).unwrap();
+    bytes[5000] ^= 0x40;
+    std::fs::write(&flipped_file, bytes).unwrap();
+
+    let s = server_on(&dir);
+    let (torn_status, _) = show(&s, &torn);
+    let (flipped_status, flipped_info) = show(&s, &flipped);
+    let (resume_status, resumed) = s.post(
+        &format!("/v1/sessions/{flipped}/exec"),
+        &json!({"code": "print(1)"}),
+    );
+    let (later_status, later) = show(&s, &flipped);
+
+    assert_eq!(
+        torn_status, 404,
+        "a torn file was taken for a paused session"
+    );
+    assert!(dir.join(format!("damaged/paused-{torn}.bud")).exists());
+    assert_eq!(
+        (flipped_status, flipped_info["state"].clone()),
+        (200, json!("paused"))
+    );
+    assert_eq!(
+        (resume_status, resumed["error"]["code"].clone()),
+        (410, json!("unresumable")),
+        "{resumed}"
+    );
+    assert!(
+        resumed["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("checksum"),
+        "{resumed}"
+    );
+    assert_eq!(
+        (later_status, later["error"]["code"].clone()),
+        (410, json!("session_gone"))
+    );
+}

@@ -1,0 +1,181 @@
+//! Durable sessions across a crash: a real, jailed `bud serve` on a state directory is
+//! killed with SIGKILL while it pauses, resumes and snapshots sessions, round after round,
+//! and started again on the same directory. What must hold each time: every pause that
+//! was answered resumes exactly (the session's variable and file as they were); a session
+//! whose pause was cut short is either paused in whole (and resumes exactly) or was
+//! running (and is then `lost`, 410 with why), never half-restored; every answered
+//! snapshot starts sessions. `BUD_CRASH_ROUNDS` sets the rounds (CI: 3). Needs /dev/kvm.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::served::{Served, own_state_dir, serve};
+use serde_json::{Value, json};
+
+fn request(s: &Served, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let req = ureq::request(method, &format!("{}{path}", s.base)).timeout(Duration::from_secs(120));
+    let r = match body {
+        Some(b) => req.send_json(b),
+        None => req.call(),
+    };
+    match r {
+        Ok(r) => {
+            let status = r.status();
+            (status, r.into_json().unwrap_or(Value::Null))
+        }
+        Err(ureq::Error::Status(status, r)) => (status, r.into_json().unwrap_or(Value::Null)),
+        Err(e) => (0, json!({"transport": e.to_string()})),
+    }
+}
+
+/// Waits until the server answers jobs (first use may build: minutes).
+fn wait_ready(s: &mut Served) {
+    let until = Instant::now() + Duration::from_secs(1800);
+    loop {
+        assert!(Instant::now() < until, "bud serve never became ready");
+        if let Ok(Some(status)) = s.child.try_wait() {
+            panic!("bud serve exited: {status}");
+        }
+        let (status, h) = request(s, "GET", "/v1/health", None);
+        if status == 200 && h["template_ready"] == json!(true) && h["jailed"] == json!(true) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn cell(s: &Served, id: &str, code: &str) -> (u16, Value) {
+    request(
+        s,
+        "POST",
+        &format!("/v1/sessions/{id}/exec"),
+        Some(json!({ "code": code })),
+    )
+}
+
+/// Kills the server with SIGKILL and reaps it.
+fn kill9(s: &mut Served) {
+    // SAFETY: kill on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGKILL) };
+    let _ = s.child.wait();
+}
+
+#[test]
+fn a_server_killed_mid_pause_never_resumes_a_partial_session() {
+    common::require_kvm();
+    let rounds = common::size("BUD_CRASH_ROUNDS", 3);
+    let mut s = serve(&[]);
+    let dir = own_state_dir(s.port);
+    let dir_arg = dir.to_string_lossy().into_owned();
+    wait_ready(&mut s);
+    // Session id -> the value it holds, for every pause that was answered.
+    let mut paused: BTreeMap<String, String> = BTreeMap::new();
+    let mut snapshots: Vec<String> = Vec::new();
+    let mut cut_short = 0;
+    for round in 0..rounds {
+        // One session paused in full, one whose pause the kill may cut, one snapshot.
+        let mut ids = Vec::new();
+        for k in 0..2 {
+            let (status, r) = request(&s, "POST", "/v1/sessions", Some(json!({})));
+            assert_eq!(status, 201, "{r}");
+            let id = r["id"].as_str().unwrap().to_owned();
+            let value = format!("round {round} session {k}");
+            let (status, r) = cell(
+                &s,
+                &id,
+                &format!(
+                    "v = {value:?}\nopen('v.txt', 'w').write(v)\nblob = bytes(range(256)) * 8192"
+                ),
+            );
+            assert_eq!(status, 200, "{r}");
+            ids.push((id, value));
+        }
+        let (status, r) = request(
+            &s,
+            "POST",
+            &format!("/v1/sessions/{}/pause", ids[0].0),
+            None,
+        );
+        assert_eq!(status, 200, "{r}");
+        paused.insert(ids[0].0.clone(), ids[0].1.clone());
+        let (status, r) = request(
+            &s,
+            "POST",
+            &format!("/v1/sessions/{}/snapshots", ids[0].0),
+            None,
+        );
+        // A snapshot of a paused session resumes it first, then it goes on running.
+        assert_eq!(status, 201, "{r}");
+        snapshots.push(r["id"].as_str().unwrap().to_owned());
+        paused.remove(&ids[0].0); // running again: a kill now loses it
+        let (status, r) = request(
+            &s,
+            "POST",
+            &format!("/v1/sessions/{}/pause", ids[0].0),
+            None,
+        );
+        assert_eq!(status, 200, "{r}");
+        paused.insert(ids[0].0.clone(), ids[0].1.clone());
+
+        // The pause of the second session, killed after a few milliseconds that vary by
+        // round (before, during or after its write).
+        let base = s.base.clone();
+        let victim = ids[1].0.clone();
+        let pausing = std::thread::spawn(move || {
+            ureq::post(&format!("{base}/v1/sessions/{victim}/pause"))
+                .timeout(Duration::from_secs(60))
+                .call()
+                .map(|r| r.status())
+                .ok()
+        });
+        std::thread::sleep(Duration::from_millis(5 + 15 * round as u64));
+        kill9(&mut s);
+        let answered = pausing.join().unwrap();
+        if answered == Some(200) {
+            paused.insert(ids[1].0.clone(), ids[1].1.clone());
+        } else {
+            cut_short += 1;
+        }
+
+        s = serve(&["--state-dir", &dir_arg]);
+        wait_ready(&mut s);
+        for (id, value) in &paused {
+            let (status, r) = cell(&s, id, "print(v, open('v.txt').read(), len(blob))");
+            assert_eq!(status, 200, "{id}: {r}");
+            assert_eq!(
+                r["stdout"],
+                json!(format!("{value} {value} 2097152\n")),
+                "{r}"
+            );
+        }
+        if answered != Some(200) {
+            let (status, r) = cell(&s, &ids[1].0, "print(v)");
+            match status {
+                200 => assert_eq!(r["stdout"], json!(format!("{}\n", ids[1].1)), "{r}"),
+                410 => assert_eq!(
+                    r["error"]["message"].as_str().map(|m| m.contains("lost")),
+                    Some(true),
+                    "{r}"
+                ),
+                _ => panic!("a pause cut short left {}: {status} {r}", ids[1].0),
+            }
+        }
+        // Every session resumed above runs again now: pause them again for the next round.
+        let resumed: Vec<String> = paused.keys().cloned().collect();
+        for id in resumed {
+            let (status, r) = request(&s, "POST", &format!("/v1/sessions/{id}/pause"), None);
+            assert_eq!(status, 200, "{r}");
+        }
+        for snap in &snapshots {
+            let (status, r) = request(&s, "POST", "/v1/sessions", Some(json!({"snapshot": snap})));
+            assert_eq!(status, 201, "snapshot {snap}: {r}");
+        }
+    }
+    let damaged = std::fs::read_dir(dir.join("damaged")).unwrap().count();
+    eprintln!("[crash] {rounds} rounds, {cut_short} pauses cut short by the kill");
+    assert_eq!(damaged, 0, "a file was found damaged after a crash");
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,236 @@
+//! Sessions saved to and loaded from session files, through the library, on the real VMM
+//! and guest: what a pause, a resume and a snapshot are made of (the server's API over
+//! them is tested in `server/tests/durable.rs`). Needs /dev/kvm.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use vmm::process::{ProcessEvent, ProcessSpec};
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
+use vmm::session_file::{self, SessionFileError};
+use vmm::{Executor, Job, JobResult, Status};
+
+fn executor() -> Executor {
+    common::verifying_executor()
+}
+
+/// A folder of this test's own under the build folder, empty.
+fn scratch(name: &str) -> PathBuf {
+    let d = common::source_dir()
+        .join("target/tmp/session-file")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn cell(s: &mut Session, ex: &Executor, code: &str) -> String {
+    let r: JobResult = s
+        .exec(
+            ex,
+            &Job::python(code),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .expect("the cell could not run");
+    assert_eq!(
+        r.status,
+        Status::Ok,
+        "cell {code:?}: {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    String::from_utf8_lossy(&r.stdout).trim().to_owned()
+}
+
+fn host_time() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Polls until process `pid`'s stdout holds `want` (at most 30 s).
+fn output_of(s: &mut Session, ex: &Executor, pid: u32, want: &str) -> String {
+    let mut out = Vec::new();
+    let t = Instant::now();
+    while !String::from_utf8_lossy(&out).contains(want) {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no {want:?} from {pid}"
+        );
+        for e in s
+            .poll_processes(ex, Duration::from_secs(5), 1 << 20, None)
+            .unwrap()
+        {
+            if let ProcessEvent::Output { pid: p, data, .. } = e
+                && p == pid
+            {
+                out.extend(data);
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn a_saved_and_ended_session_loads_with_its_variables_files_processes_and_clock() {
+    let ex = executor();
+    let dir = scratch("pause");
+    let path = dir.join("s.bud");
+    let mut s = Session::start(&ex).unwrap();
+    let digest = cell(
+        &mut s,
+        &ex,
+        "import subprocess, time\n\
+         x = 41\n\
+         open('kept.txt', 'w').write('kept')\n\
+         child = subprocess.Popen(['sleep', '1000'])\n\
+         blob = bytes(range(256)) * 40000\n\
+         t0 = time.monotonic()\n\
+         import hashlib\n\
+         print(hashlib.sha256(blob).hexdigest())",
+    );
+    let pid = s
+        .start_process(
+            &ex,
+            &ProcessSpec {
+                script: "read line; echo got $line".into(),
+                stdin: true,
+                ..ProcessSpec::default()
+            },
+        )
+        .unwrap();
+
+    let stats = s.save(&ex, &path, b"the caller's record".to_vec()).unwrap();
+    s.end(&ex);
+    std::thread::sleep(Duration::from_millis(1500));
+    let f = session_file::read(&path).unwrap();
+    f.verify_pages().unwrap();
+    let mut s = Session::load(&ex, &f, false).unwrap();
+    drop(f);
+    std::fs::remove_file(&path).unwrap();
+    let seen = cell(
+        &mut s,
+        &ex,
+        &format!(
+            "print(x + 1, open('kept.txt').read(), child.poll(), \
+             hashlib.sha256(blob).hexdigest() == {digest:?}, \
+             time.monotonic() - t0 < 1.0, abs(time.time() - {}) < 1.0)",
+            host_time()
+        ),
+    );
+    s.process_stdin(&ex, pid, b"hello\n".to_vec(), true)
+        .unwrap();
+    let out = output_of(&mut s, &ex, pid, "got hello");
+
+    assert!(stats.page_bytes >= 10 << 20, "{stats:?}");
+    assert_eq!(
+        seen, "42 kept None True True True",
+        "the clock did not stand still while saved, or state was lost"
+    );
+    assert_eq!(out, "got hello\n");
+    assert_eq!(s.executions(), 2);
+    s.end(&ex);
+}
+
+#[test]
+fn a_snapshot_loaded_twice_with_new_identities_gives_two_sessions_apart_from_it() {
+    let ex = executor();
+    let dir = scratch("snapshot");
+    let path = dir.join("snap.bud");
+    let mut source = Session::start(&ex).unwrap();
+    cell(&mut source, &ex, "import os, random\nbase = 'snapshot'");
+    source.save(&ex, &path, Vec::new()).unwrap();
+    let f = session_file::read(&path).unwrap();
+    let mut a = Session::load(&ex, &f, true).unwrap();
+    let mut b = Session::load(&ex, &f, true).unwrap();
+
+    let probe = "print(base, random.random(), os.urandom(8).hex())";
+    let from_a = cell(
+        &mut a,
+        &ex,
+        &format!("open('mine', 'w').write('a')\n{probe}"),
+    );
+    let from_b = cell(
+        &mut b,
+        &ex,
+        &format!("{probe}\nprint(os.path.exists('mine'))"),
+    );
+    let from_source = cell(&mut source, &ex, "print(base, os.path.exists('mine'))");
+
+    assert!(from_a.starts_with("snapshot "), "{from_a}");
+    assert!(from_b.starts_with("snapshot "), "{from_b}");
+    let (a_rand, b_rand) = (
+        &from_a[9..],
+        from_b.lines().next().unwrap_or("")[9..].to_owned(),
+    );
+    assert_ne!(
+        a_rand, b_rand,
+        "two sessions from one snapshot share random state"
+    );
+    assert!(from_b.ends_with("\nFalse"), "{from_b}");
+    assert_eq!(from_source, "snapshot False");
+    for s in [a, b, source] {
+        s.end(&ex);
+    }
+}
+
+#[test]
+fn a_damaged_truncated_or_foreign_session_file_is_refused_with_why() {
+    let ex = executor();
+    let dir = scratch("damaged");
+    let good = dir.join("good.bud");
+    let mut s = Session::start(&ex).unwrap();
+    cell(&mut s, &ex, "data = bytearray(b'x' * (1 << 20))");
+    s.save(&ex, &good, b"record".to_vec()).unwrap();
+    s.end(&ex);
+    let bytes = std::fs::read(&good).unwrap();
+    let pages = session_file::read(&good).unwrap().page_bytes() as usize;
+    let variant = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| {
+        let mut b = bytes.clone();
+        edit(&mut b);
+        let p = dir.join(name);
+        std::fs::write(&p, b).unwrap();
+        p
+    };
+    let page_flipped = variant("page.bud", &|b| b[4096 + 7] ^= 1);
+    let header_flipped = variant("header.bud", &|b| b[pages + 3] ^= 1);
+    let truncated = variant("short.bud", &|b| b.truncate(b.len() - 100));
+    let newer = variant("newer.bud", &|b| {
+        let at = b.len() - 24;
+        b[at] = b[at].wrapping_add(1);
+    });
+    let foreign = variant("foreign.bud", &|b| *b = vec![0u8; 8192]);
+
+    let flipped = session_file::read(&page_flipped).unwrap();
+    let loaded = Session::load(&ex, &session_file::read(&good).unwrap(), false);
+
+    assert!(
+        matches!(
+            flipped.verify_pages(),
+            Err(SessionFileError::Corrupt { .. })
+        ),
+        "a flipped page byte was not found"
+    );
+    assert!(matches!(
+        session_file::read(&header_flipped),
+        Err(SessionFileError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        session_file::read(&truncated),
+        Err(SessionFileError::NotOurs { .. } | SessionFileError::Corrupt { .. })
+    ));
+    assert!(matches!(
+        session_file::read(&newer),
+        Err(SessionFileError::Version { found: 2, .. })
+    ));
+    assert!(matches!(
+        session_file::read(&foreign),
+        Err(SessionFileError::NotOurs { .. })
+    ));
+    let mut back = loaded.unwrap();
+    assert_eq!(cell(&mut back, &ex, "print(len(data))"), "1048576");
+    back.end(&ex);
+}
