@@ -40,8 +40,9 @@ pub enum ApiError {
     /// The route exists but not with this method (405).
     #[error("method not allowed")]
     MethodNotAllowed,
-    /// An E2B in-sandbox request for a sandbox that is not running (502, as E2B's proxy).
-    #[error("sandbox {0} is not running")]
+    /// An E2B in-sandbox request for a sandbox that is not running (502, as E2B's proxy,
+    /// whose words "was not found" E2B's SDK reads as `SandboxNotRunningException`).
+    #[error("sandbox {0} was not found: it is not running (ended, or paused)")]
     SandboxGone(String),
     /// The request's head or body did not arrive in time (408).
     #[error("the request {part} did not arrive within {after:?}")]

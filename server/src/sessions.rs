@@ -75,7 +75,22 @@ pub struct Entry {
     /// Paused rather than ended when its time is up.
     pub auto_pause: AtomicBool,
     /// What an API dialect keeps of it (E2B's sandbox), saved with it when it pauses.
-    pub attachment: Mutex<serde_json::Value>,
+    attachment: Mutex<Attached>,
+}
+
+/// What an API dialect keeps of a session besides the session (E2B's sandbox: its token,
+/// contexts, ...): its record is saved with the session when it pauses or is snapshotted.
+pub trait Attachment: Send + Sync + std::fmt::Debug {
+    /// Its record now, as JSON (a dialect's own shape, under its own key).
+    fn record(&self) -> serde_json::Value;
+}
+
+/// A session's attachment: the dialect's live one, or a record saved with the session
+/// that no dialect has taken back yet (a resumed session).
+#[derive(Debug, Clone)]
+enum Attached {
+    Saved(serde_json::Value),
+    Live(Arc<dyn Attachment>),
 }
 
 /// Settings a new session starts with.
@@ -162,7 +177,30 @@ impl Entry {
             processes: crate::procs::Processes::default(),
             background: Mutex::new(None),
             auto_pause: AtomicBool::new(s.auto_pause),
-            attachment: Mutex::new(serde_json::Value::Null),
+            attachment: Mutex::new(Attached::Saved(serde_json::Value::Null)),
+        }
+    }
+
+    /// Attaches a dialect's record of the session.
+    pub fn attach(&self, a: Arc<dyn Attachment>) {
+        *self.attachment.lock().unwrap_or_else(|e| e.into_inner()) = Attached::Live(a);
+    }
+
+    /// Keeps `record` (saved with the session) until a dialect attaches itself again.
+    pub fn keep_record(&self, record: serde_json::Value) {
+        *self.attachment.lock().unwrap_or_else(|e| e.into_inner()) = Attached::Saved(record);
+    }
+
+    /// The attachment's record now (to be saved with the session).
+    pub fn attachment_record(&self) -> serde_json::Value {
+        let a = self
+            .attachment
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match a {
+            Attached::Saved(v) => v,
+            Attached::Live(a) => a.record(),
         }
     }
 

@@ -319,3 +319,72 @@ fn a_damaged_paused_file_is_set_aside_at_start_and_a_corrupt_page_is_refused_at_
         (410, json!("session_gone"))
     );
 }
+
+#[test]
+fn the_e2b_sdk_pauses_connects_snapshots_and_auto_pauses_sandboxes() {
+    let dir = state_dir("e2b");
+    let s = server_on(&dir);
+    let seen = common::clients::client_script(
+        "e2b_durable.py",
+        &[],
+        &common::clients::e2b_env(&s, "e2b_any"),
+    );
+
+    assert_eq!(
+        seen,
+        json!({
+            "pause": true,
+            "pause_again": false,
+            "state": "paused",
+            "listed": [true, false],
+            "while_paused": ["SandboxNotRunningException", "TimeoutException"],
+            "resumed": [["42\n"], "kept", "running"],
+            "from_snapshot": ["41", "41", true],
+            "snapshots_listed": true,
+            "snapshot_deleted": [true, false],
+            "auto_paused": "paused",
+            "auto_resumed": ["paused at its timeout\n"],
+            "async": [true, ["async\n"]],
+        })
+    );
+}
+
+#[test]
+fn an_e2b_sandbox_paused_before_a_restart_is_found_and_resumed_with_its_token() {
+    let dir = state_dir("e2b-restart");
+    let (id, token) = {
+        let s = server_on(&dir);
+        let (status, made) = s.post(
+            "/v2/sandboxes",
+            &json!({"templateID": "base", "timeout": 120, "metadata": {"m": "1"}}),
+        );
+        assert_eq!(status, 201, "{made}");
+        let id = made["sandboxID"].as_str().unwrap().to_owned();
+        let pause = common::client()
+            .post(s.url(&format!("/sandboxes/{id}/pause")))
+            .json(&json!({}))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16();
+        assert_eq!(pause, 204);
+        (id, made["envdAccessToken"].clone())
+    };
+    let s = server_on(&dir);
+    let info = s.get(&format!("/sandboxes/{id}")).json::<Value>().unwrap();
+    let (status, connected) = s.post(
+        &format!("/v2/sandboxes/{id}/connect"),
+        &json!({"timeout": 60}),
+    );
+    let (again_status, _) = s.post(
+        &format!("/v2/sandboxes/{id}/connect"),
+        &json!({"timeout": 60}),
+    );
+
+    assert_eq!(info["state"], "paused", "{info}");
+    assert_eq!(info["templateID"], "base");
+    assert_eq!(info["metadata"], json!({"m": "1"}));
+    assert_eq!(status, 201, "{connected}");
+    assert_eq!(connected["envdAccessToken"], token);
+    assert_eq!(again_status, 200, "a running sandbox's connect is 200");
+}

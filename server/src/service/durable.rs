@@ -98,11 +98,7 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
         template: e.template.clone(),
         auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
         processes: processes_of(&e),
-        attachment: e
-            .attachment
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone(),
+        attachment: e.attachment_record(),
     };
     let app = serde_json::to_vec(&record).map_err(Error::internal)?;
     let path = dir.paused_path(&e.id);
@@ -153,11 +149,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             template: e.template.clone(),
             idle_timeout_s: e.idle_timeout.as_secs(),
             processes: processes_of(&e),
-            attachment: e
-                .attachment
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+            attachment: e.attachment_record(),
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
         let path = dir.snapshot_path(&snap_id);
@@ -248,7 +240,7 @@ pub async fn start_from(
             why: e.to_string(),
         })?;
         let e = sessions.insert(settings, vm).map_err(Error::internal)?;
-        *e.attachment.lock().unwrap_or_else(|p| p.into_inner()) = r.attachment;
+        e.keep_record(r.attachment);
         for p in &r.processes {
             e.processes.add(p.info());
         }

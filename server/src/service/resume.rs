@@ -112,7 +112,7 @@ fn resume_file(
         .sessions()
         .insert(settings, vm)
         .map_err(Error::internal)?;
-    *e.attachment.lock().unwrap_or_else(|p| p.into_inner()) = r.attachment;
+    e.keep_record(r.attachment);
     for proc_ in &r.processes {
         e.processes.add(proc_.info());
     }

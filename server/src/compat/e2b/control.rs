@@ -5,7 +5,7 @@
 //!   request's API key (all of them on a server without keys), oldest first
 //!   (`order=desc`: newest first). Filters: `metadata` (E2B's SDK sends `k=v&...` with each
 //!   key and value percent-encoded, the whole once more: every pair must match), `state`
-//!   (`running,paused`; bud's sandboxes are all `running`: it has no pause), `template`
+//!   (`running,paused`: paused sandboxes are those in the state directory), `template`
 //!   (the name the client asked for, or bud's template), `startedAfter` (RFC 3339). Pages:
 //!   `limit` (1..=100, default 100) and `nextToken` from the `x-next-token` header of the
 //!   page before (the position after its last sandbox, so sandboxes created or ended between
@@ -56,8 +56,9 @@ pub struct ListQuery {
 /// One sandbox's place in the listing order: its start (ns since the epoch), then its id.
 type Position = (u128, String);
 
-/// A listed sandbox: its place, what E2B clients know of it, its session.
-type Found = (Position, Arc<Sandbox>, Arc<Entry>);
+/// A listed sandbox: its place, what E2B clients know of it, its bud template, and what
+/// the listing shows of it.
+type Found = (Position, Arc<Sandbox>, String, Value);
 
 /// The place of `e` in the listing order.
 fn position(e: &Entry) -> Position {
@@ -163,14 +164,14 @@ fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
         ));
     }
     let wanted = q.metadata.as_deref().map(metadata_filter).transpose()?;
-    let running = match q.state.as_deref() {
-        None | Some("") => true,
+    let (running, paused) = match q.state.as_deref() {
+        None | Some("") => (true, true),
         Some(states) => {
-            let mut running = false;
+            let (mut running, mut paused) = (false, false);
             for st in states.split(',') {
                 match st {
                     "running" => running = true,
-                    "paused" => {} // bud has no paused sandboxes
+                    "paused" => paused = true,
                     other => {
                         return Err(Error::invalid(
                             "state",
@@ -179,7 +180,7 @@ fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
                     }
                 }
             }
-            running
+            (running, paused)
         }
     };
     let after = q
@@ -202,38 +203,49 @@ fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
         }
     };
     let from = q.next_token.as_deref().map(parse_token).transpose()?;
-    let mut found: Vec<Found> = live_sandboxes(c)
-        .into_iter()
-        .filter(|_| running)
-        .filter(|(s, _)| {
-            wanted.as_ref().is_none_or(|w| {
-                w.iter()
-                    .all(|(k, v)| s.metadata.get(k).is_some_and(|have| have == v))
-            })
-        })
-        .filter(|(s, e)| {
-            q.template
-                .as_deref()
-                .is_none_or(|t| t == s.template_id || t == e.template)
-        })
-        .filter(|(_, e)| after.is_none_or(|a| epoch_s(e.created_at) >= a))
-        .map(|(s, e)| (position(&e), s, e))
-        .collect();
+    let mut found: Vec<Found> = Vec::new();
+    if running {
+        found.extend(live_sandboxes(c).into_iter().map(|(s, e)| {
+            let body = super::info_body(c, &s, &e);
+            (position(&e), s, e.template.clone(), body)
+        }));
+    }
+    if paused {
+        found.extend(
+            super::lifecycle::paused_sandboxes(c)
+                .into_iter()
+                .map(|(s, p)| {
+                    let at = u128::from(p.record.created_at_ms) * 1_000_000;
+                    let body = super::lifecycle::paused_info(c, &s, &p);
+                    ((at, s.id.clone()), s, p.record.template.clone(), body)
+                }),
+        );
+    }
+    found.retain(|(p, s, template, _)| {
+        let metadata_ok = wanted.as_ref().is_none_or(|w| {
+            w.iter()
+                .all(|(k, v)| s.metadata.get(k).is_some_and(|have| have == v))
+        });
+        let template_ok = q
+            .template
+            .as_deref()
+            .is_none_or(|t| t == s.template_id || t == template);
+        let after_ok = after.is_none_or(|a| p.0 as f64 / 1e9 >= a);
+        metadata_ok && template_ok && after_ok
+    });
     found.sort_by(|a, b| a.0.cmp(&b.0));
     if descending {
         found.reverse();
     }
     if let Some(from) = &from {
-        found.retain(|(p, _, _)| if descending { p < from } else { p > from });
+        found.retain(|(p, _, _, _)| if descending { p < from } else { p > from });
     }
     let more = found.len() > limit;
     found.truncate(limit);
-    let body: Vec<Value> = found
-        .iter()
-        .map(|(_, s, e)| super::info_body(c, s, e))
-        .collect();
+    let last = found.last().map(|f| f.0.clone());
+    let body: Vec<Value> = found.into_iter().map(|f| f.3).collect();
     let mut response = Json(body).into_response();
-    if more && let Some((last, _, _)) = found.last() {
+    if more && let Some(last) = &last {
         if let Ok(v) = HeaderValue::from_str(&token_of(last)) {
             response.headers_mut().insert("x-next-token", v);
         }
@@ -310,7 +322,11 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
             key: crate::audit::current_key(),
             metadata: parent.metadata.clone(),
             contexts: Mutex::new(contexts.clone()),
+            auto_pause: parent.auto_pause,
         });
+        if let Ok(e) = c.app.sessions().get(&child) {
+            e.attach(s.clone());
+        }
         c.own.e2b.map().insert(child, s.clone());
         results.push(json!({ "sandbox": body_of(&s, &e, true) }));
     }

@@ -9,9 +9,10 @@
 //!   `max_idle_timeout_s` (E2B has no idle timeout of its own); `envVars` are the env of
 //!   every cell and command; `metadata` is kept and shown.
 //! - `DELETE /sandboxes/{id}` 204 / 404; `GET /sandboxes/{id}`; `POST
-//!   /v2/sandboxes/{id}/connect` (200, and its `timeout` extends the lifetime);
-//!   `POST /sandboxes/{id}/timeout` (204: the lifetime is now `timeout` from now).
-//! - Listing, metrics and fork: [`control`].
+//!   /sandboxes/{id}/timeout` (204: the lifetime is now `timeout` from now).
+//! - Listing, metrics and fork: [`control`]; pause, connect (and resume), snapshots:
+//!   [`lifecycle`]. A sandbox's record (token, contexts, ...) is its session's attachment,
+//!   saved with it when it pauses, so a paused sandbox is found again after a restart.
 //! - Errors are `{"code": HTTP status, "message"}`.
 //!
 //! The registry here keeps only what E2B clients know that a session does not: the
@@ -34,6 +35,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 pub mod control;
+pub mod lifecycle;
 
 use super::Compat;
 use crate::api::CreateSession;
@@ -54,7 +56,7 @@ pub const ENVD_VERSION: &str = "0.5.7";
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
 /// One code context: an independent Python namespace (or the shell) in the sandbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct Context {
     pub id: String,
     /// `python` or `bash`.
@@ -74,10 +76,59 @@ pub struct Sandbox {
     pub key: Option<String>,
     pub metadata: BTreeMap<String, String>,
     pub contexts: Mutex<Contexts>,
+    /// Paused rather than killed at its timeout (E2B's `autoPause`).
+    pub auto_pause: bool,
+}
+
+/// What a paused sandbox keeps of itself (in its session's record, under `e2b`).
+#[derive(Debug, serde::Serialize, Deserialize)]
+struct SandboxRecord {
+    id: String,
+    template_id: String,
+    token: String,
+    key: Option<String>,
+    metadata: BTreeMap<String, String>,
+    contexts: Contexts,
+    auto_pause: bool,
+}
+
+impl crate::sessions::Attachment for Sandbox {
+    fn record(&self) -> serde_json::Value {
+        let r = SandboxRecord {
+            id: self.id.clone(),
+            template_id: self.template_id.clone(),
+            token: self.token.clone(),
+            key: self.key.clone(),
+            metadata: self.metadata.clone(),
+            contexts: self
+                .contexts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            auto_pause: self.auto_pause,
+        };
+        json!({ "e2b": r })
+    }
+}
+
+impl Sandbox {
+    /// The sandbox `record` (a session's saved attachment) keeps, if it is sandbox `id`'s.
+    fn from_record(id: &str, record: &serde_json::Value) -> Option<Self> {
+        let r: SandboxRecord = serde_json::from_value(record.get("e2b")?.clone()).ok()?;
+        (r.id == id).then(|| Self {
+            id: r.id,
+            template_id: r.template_id,
+            token: r.token,
+            key: r.key,
+            metadata: r.metadata,
+            contexts: Mutex::new(r.contexts),
+            auto_pause: r.auto_pause,
+        })
+    }
 }
 
 /// A sandbox's contexts: the default one (namespace 0) and those made by clients.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, serde::Serialize, Deserialize)]
 pub struct Contexts {
     pub made: BTreeMap<String, Context>,
     next_namespace: u32,
@@ -167,6 +218,8 @@ pub struct NewSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub env_vars: BTreeMap<String, String>,
+    /// Pause instead of kill at the timeout.
+    pub auto_pause: Option<bool>,
 }
 
 fn body_of(s: &Sandbox, e: &Entry, with_token: bool) -> serde_json::Value {
@@ -185,7 +238,15 @@ fn body_of(s: &Sandbox, e: &Entry, with_token: bool) -> serde_json::Value {
 
 async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> {
     let state = &c.app;
-    let template = bud_template(state, &req.template_id)?;
+    // A snapshot's id names it as a template does (E2B starts sandboxes from snapshots so).
+    let snapshot = state
+        .state_dir()
+        .and_then(|d| d.snapshot(&req.template_id))
+        .map(|s| s.record.id);
+    let template = match snapshot {
+        Some(_) => None,
+        None => Some(bud_template(state, &req.template_id)?),
+    };
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let lim = &state.config().sessions;
     let native = CreateSession {
@@ -193,7 +254,9 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         idle_timeout_s: Some(timeout.clamp(1, lim.max_idle_timeout_s)),
         max_lifetime_s: Some(timeout),
         metadata: serde_json::to_value(&req.metadata).unwrap_or_default(),
-        template: Some(template),
+        template,
+        snapshot,
+        auto_pause: req.auto_pause,
         ..CreateSession::default()
     };
     let e = sessions::start(state, native).await.map_err(|e| match e {
@@ -216,11 +279,14 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         key: crate::audit::current_key(),
         metadata: req.metadata,
         contexts: Mutex::default(),
+        auto_pause: req.auto_pause.unwrap_or(false),
     });
+    e.attach(s.clone());
     let mut map = c.own.e2b.map();
     // Sandboxes whose sessions ended by themselves (expired, crashed) go here, so the
-    // registry never holds more than the live sessions and those that ended since.
-    map.retain(|id, _| state.sessions().get(id).is_ok());
+    // registry never holds more than the live and paused sessions and those that ended
+    // since.
+    map.retain(|id, _| state.sessions().get(id).is_ok() || paused(c, id).is_some());
     map.insert(s.id.clone(), s.clone());
     drop(map);
     Ok((StatusCode::CREATED, Json(body_of(&s, &e, true))).into_response())
@@ -240,14 +306,42 @@ pub async fn create_v1(c: State<Compat>, body: axum::body::Bytes) -> Response {
     create(c, body).await
 }
 
-/// The live sandbox `id` and its session; a sandbox whose session is gone is forgotten.
-pub fn live(c: &Compat, id: &str) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
-    let found = c.own.e2b.map().get(id).cloned();
-    let Some(s) = found else {
-        return Err(ApiError::NotFound(format!("sandbox {id} not found")));
+/// Paused sandbox `id`'s session record, if it is paused.
+pub fn paused(c: &Compat, id: &str) -> Option<crate::durable::Paused> {
+    c.app.state_dir()?.paused(id)
+}
+
+/// Sandbox `id` as E2B clients know it: from the registry, or made again from its
+/// session's saved record (a sandbox resumed or paused before this server started).
+fn sandbox(c: &Compat, id: &str, e: Option<&Entry>) -> Option<Arc<Sandbox>> {
+    if let Some(s) = c.own.e2b.map().get(id) {
+        return Some(s.clone());
+    }
+    let record = match e {
+        Some(e) => e.attachment_record(),
+        None => paused(c, id)?.record.attachment,
     };
+    let s = Arc::new(Sandbox::from_record(id, &record)?);
+    if let Some(e) = e {
+        e.attach(s.clone());
+    }
+    c.own.e2b.map().insert(id.to_owned(), s.clone());
+    Some(s)
+}
+
+/// The live sandbox `id` and its session; a sandbox whose session is gone is forgotten, a
+/// paused one is 404 `paused` here (E2B's in-sandbox routes answer it 502, its control
+/// plane resumes it on connect).
+pub fn live(c: &Compat, id: &str) -> Result<(Arc<Sandbox>, Arc<Entry>), ApiError> {
+    let not_found = || ApiError::NotFound(format!("sandbox {id} not found"));
     match c.app.sessions().get(id) {
-        Ok(e) => Ok((s, e)),
+        Ok(e) => {
+            let s = sandbox(c, id, Some(&e)).ok_or_else(not_found)?;
+            Ok((s, e))
+        }
+        Err(_) if paused(c, id).is_some() => {
+            Err(ApiError::NotFound(format!("sandbox {id} is paused")))
+        }
         Err(_) => {
             c.own.e2b.map().remove(id);
             Err(ApiError::NotFound(format!("sandbox {id} is not running")))
@@ -340,7 +434,7 @@ pub fn signed(c: &Compat, r: &SignedRequest<'_>) -> Result<(Arc<Sandbox>, Arc<En
 
 /// `DELETE /sandboxes/{id}`: 204, or 404 if unknown.
 pub async fn kill(State(c): State<Compat>, Path(id): Path<String>) -> Response {
-    let known = c.own.e2b.map().remove(&id).is_some();
+    let known = c.own.e2b.map().remove(&id).is_some() || paused(&c, &id).is_some();
     if !known {
         return e2b_error(ApiError::NotFound(format!("sandbox {id} not found")));
     }
@@ -352,6 +446,11 @@ pub async fn kill(State(c): State<Compat>, Path(id): Path<String>) -> Response {
 
 /// `GET /sandboxes/{id}`.
 pub async fn info(State(c): State<Compat>, Path(id): Path<String>) -> Response {
+    if let Some(p) = paused(&c, &id)
+        && let Some(s) = sandbox(&c, &id, None)
+    {
+        return Json(lifecycle::paused_info(&c, &s, &p)).into_response();
+    }
     match live(&c, &id) {
         Ok((s, e)) => Json(info_body(&c, &s, &e)).into_response(),
         Err(err) => e2b_error(err),
@@ -360,10 +459,15 @@ pub async fn info(State(c): State<Compat>, Path(id): Path<String>) -> Response {
 
 /// Guest RAM of the VMs of `e`'s template, bytes.
 fn ram_bytes(c: &Compat, e: &Entry) -> u64 {
+    template_ram_bytes(c, &e.template)
+}
+
+/// Guest RAM of the VMs of template `name`, bytes.
+fn template_ram_bytes(c: &Compat, name: &str) -> u64 {
     c.app
         .templates()
         .into_iter()
-        .find(|t| t.name == e.template)
+        .find(|t| t.name == name)
         .and_then(|t| t.ram_bytes)
         .unwrap_or(0)
 }
@@ -403,23 +507,6 @@ fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), Error> 
     }
     e.set_lifetime(Duration::from_secs(seconds));
     Ok(())
-}
-
-/// `POST /v2/sandboxes/{id}/connect`: 200 with the sandbox; its lifetime becomes `timeout`
-/// from now.
-pub async fn connect(
-    State(c): State<Compat>,
-    Path(id): Path<String>,
-    body: axum::body::Bytes,
-) -> Response {
-    let run = || -> Result<Response, ApiError> {
-        let (s, e) = live(&c, &id)?;
-        if let Ok(t) = serde_json::from_slice::<Timeout>(&body) {
-            set_lifetime(&c.app, &e, t.timeout)?;
-        }
-        Ok(Json(body_of(&s, &e, true)).into_response())
-    };
-    run().unwrap_or_else(e2b_error)
 }
 
 /// `POST /sandboxes/{id}/timeout`: 204.

@@ -1,0 +1,175 @@
+//! E2B's sandbox lifecycle over bud's durable sessions (`service::durable`):
+//!
+//! - `POST /sandboxes/{id}/pause` `{}`: 204; 409 if it is paused already; 404 if unknown.
+//! - `POST /v2/sandboxes/{id}/connect`, `POST /sandboxes/{id}/connect` and the older `POST
+//!   /sandboxes/{id}/resume` `{"timeout"}`: a running sandbox answers 200 (its lifetime is
+//!   then `timeout` from now, if that is later), a paused one is resumed and answers 201
+//!   with its token, as E2B does.
+//! - `POST /sandboxes/{id}/snapshots` `{"name"?}`: 201 `{"snapshotID", "names"}`; the sandbox
+//!   goes on. `GET /snapshots` lists them (`sandboxID` filters); a sandbox starts from one
+//!   with `templateID` = its id; `DELETE /templates/{id}` deletes one (204, 404).
+//! - `autoPause: true` at create: the sandbox pauses at its timeout instead of ending.
+//! - A paused sandbox is listed (`state=paused`) and shown with `"state": "paused"`; its
+//!   in-sandbox routes answer 502 (E2B's proxy says the same) until a connect resumes it.
+//!   E2B's `autoResume` (resume at any in-sandbox request) is not served.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{Sandbox, Timeout, body_of, e2b_error, live, paused, sandbox, set_lifetime};
+use crate::clock::{epoch_s, rfc3339};
+use crate::compat::Compat;
+use crate::durable::{Paused, from_epoch_ms};
+use crate::error::{ApiError, Error};
+use crate::service::durable;
+
+/// What `GET /sandboxes/{id}` (and a listing) shows of a paused sandbox.
+pub fn paused_info(c: &Compat, s: &Sandbox, p: &Paused) -> Value {
+    let r = &p.record;
+    let stamp = |t: SystemTime| rfc3339(epoch_s(t));
+    json!({
+        "templateID": s.template_id,
+        "sandboxID": s.id,
+        "clientID": "bud",
+        "envdVersion": super::ENVD_VERSION,
+        "alias": r.template,
+        "startedAt": stamp(from_epoch_ms(r.created_at_ms)),
+        "endAt": stamp(SystemTime::now() + Duration::from_millis(r.lifetime_left_ms)),
+        "cpuCount": 1,
+        "memoryMB": super::template_ram_bytes(c, &r.template) >> 20,
+        "diskSizeMB": 0,
+        "state": "paused",
+        "metadata": s.metadata,
+        "pauseMode": "full",
+    })
+}
+
+/// The paused sandboxes the current request's API key made, for a listing.
+pub fn paused_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Paused)> {
+    let asker = crate::audit::current_key();
+    let Some(dir) = c.app.state_dir() else {
+        return Vec::new();
+    };
+    dir.list_paused()
+        .into_iter()
+        .filter_map(|p| Some((sandbox(c, &p.record.id, None)?, p)))
+        .filter(|(s, _)| s.key == asker)
+        .collect()
+}
+
+/// `POST /sandboxes/{id}/pause`.
+pub async fn pause(State(c): State<Compat>, Path(id): Path<String>) -> Response {
+    if paused(&c, &id).is_some() {
+        return e2b_error(Error::Paused(id));
+    }
+    if let Err(e) = live(&c, &id) {
+        return e2b_error(e);
+    }
+    match durable::pause(&c.app, &id).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e2b_error(e),
+    }
+}
+
+/// `POST /v2/sandboxes/{id}/connect`, `/sandboxes/{id}/connect`, `/sandboxes/{id}/resume`.
+pub async fn connect(State(c): State<Compat>, Path(id): Path<String>, body: Bytes) -> Response {
+    connect_sandbox(&c, &id, &body)
+        .await
+        .unwrap_or_else(e2b_error)
+}
+
+async fn connect_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, ApiError> {
+    let timeout = serde_json::from_slice::<Timeout>(body)
+        .ok()
+        .map(|t| t.timeout);
+    let was_paused = paused(c, id).is_some();
+    if was_paused {
+        if sandbox(c, id, None).is_none() {
+            return Err(ApiError::NotFound(format!("paused sandbox {id} not found")));
+        }
+        durable::resume(&c.app, id).await?;
+    }
+    let (s, e) = live(c, id)?;
+    if let Some(t) = timeout {
+        // Connect only extends (E2B's rule); a resume sets it.
+        if was_paused || e.lifetime_left() < Duration::from_secs(t) {
+            set_lifetime(&c.app, &e, t)?;
+        }
+    }
+    let status = if was_paused {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(body_of(&s, &e, true))).into_response())
+}
+
+/// `POST /sandboxes/{id}/snapshots`'s body.
+#[derive(Debug, Default, Deserialize)]
+pub struct SnapshotBody {
+    pub name: Option<String>,
+}
+
+/// `POST /sandboxes/{id}/snapshots`: 201 `{"snapshotID", "names"}`.
+pub async fn snapshot(State(c): State<Compat>, Path(id): Path<String>, body: Bytes) -> Response {
+    let run = async {
+        let req: SnapshotBody = if body.is_empty() {
+            SnapshotBody::default()
+        } else {
+            serde_json::from_slice(&body)
+                .map_err(|e| Error::invalid("body", format!("bad JSON body: {e}")))?
+        };
+        live(&c, &id)?;
+        let snap = durable::snapshot(&c.app, &id).await?;
+        let names: Vec<String> = req.name.into_iter().collect();
+        Ok::<_, ApiError>(
+            (
+                StatusCode::CREATED,
+                Json(json!({"snapshotID": snap.record.id, "names": names})),
+            )
+                .into_response(),
+        )
+    };
+    run.await.unwrap_or_else(e2b_error)
+}
+
+/// `GET /snapshots`'s query.
+#[derive(Debug, Default, Deserialize)]
+pub struct SnapshotQuery {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: Option<String>,
+}
+
+/// `GET /snapshots`: a JSON array, oldest first (one page).
+pub async fn list_snapshots(State(c): State<Compat>, Query(q): Query<SnapshotQuery>) -> Response {
+    let Some(dir) = c.app.state_dir() else {
+        return e2b_error(Error::NoStateDir);
+    };
+    let all: Vec<Value> = dir
+        .list_snapshots()
+        .into_iter()
+        .filter(|s| {
+            q.sandbox_id
+                .as_deref()
+                .is_none_or(|id| id == s.record.source)
+        })
+        .map(|s| json!({"snapshotID": s.record.id, "names": []}))
+        .collect();
+    Json(all).into_response()
+}
+
+/// `DELETE /templates/{id}`: a snapshot's (E2B deletes snapshots as templates).
+pub async fn delete_snapshot(State(c): State<Compat>, Path(id): Path<String>) -> Response {
+    match durable::delete_snapshot(&c.app, &id) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e2b_error(e),
+    }
+}
