@@ -22,9 +22,9 @@ fn state_dir(name: &str) -> PathBuf {
     d
 }
 
-fn server_on(dir: &PathBuf) -> TestServer {
+fn server_on(dir: &std::path::Path) -> TestServer {
     let mut config = test_config();
-    config.state_dir = Some(dir.clone());
+    config.state_dir = Some(dir.to_owned());
     TestServer::with_config(config)
 }
 
