@@ -94,8 +94,7 @@ fn a_background_process_runs_between_requests_and_reports_output_and_exit() {
                 script: "echo out; echo err >&2; echo \"$GREETING\"; pwd; exit 7".into(),
                 env: vec![("GREETING".into(), "hello there".into())],
                 cwd: Some("/usr".into()),
-                stdin: false,
-                pty: None,
+                ..ProcessSpec::default()
             },
         )
         .expect("start");
@@ -117,6 +116,75 @@ fn a_background_process_runs_between_requests_and_reports_output_and_exit() {
         .unwrap();
     assert!(ev.is_empty(), "{ev:?}");
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    s.end(&ex);
+}
+
+#[test]
+fn a_process_runs_as_the_user_it_names_and_the_worker_stays_root() {
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let who = "id -un; id -G; echo \"$HOME $USER $LOGNAME $SHELL\"; pwd; \
+               f=made-$$; touch $f; stat -c %U $f; grep -E '^Cap(Prm|Eff)' /proc/self/status";
+    let as_user = |user: Option<&str>, env: Vec<(String, String)>| ProcessSpec {
+        script: who.into(),
+        env,
+        user: user.map(str::to_owned),
+        ..ProcessSpec::default()
+    };
+    let user = s
+        .start_process(&ex, &as_user(Some("user"), vec![]))
+        .expect("start as user");
+    let mut seen = Seen::default();
+    poll_until_ended(&mut s, &ex, &mut seen, user, Duration::from_secs(60));
+    // The request's env still wins over the user's own.
+    let moved = vec![("HOME".to_owned(), "/elsewhere".to_owned())];
+    let home = s
+        .start_process(&ex, &as_user(Some("user"), moved))
+        .expect("start with HOME");
+    poll_until_ended(&mut s, &ex, &mut seen, home, Duration::from_secs(60));
+    let root = s
+        .start_process(&ex, &as_user(None, vec![]))
+        .expect("start as root");
+    poll_until_ended(&mut s, &ex, &mut seen, root, Duration::from_secs(60));
+    let unknown = s.start_process(&ex, &as_user(Some("nobody2"), vec![]));
+    // The worker itself (every thread of it) is still root after spawning as user.
+    let cell = s
+        .exec(
+            &ex,
+            &Job::python("import os\nprint(os.getresuid(), os.getresgid(), os.getgroups())"),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+
+    assert_eq!(
+        seen.stdout(user),
+        "user\n1000\n/home/user user user /bin/sh\n/tmp\nuser\n\
+         CapPrm:\t0000000000000000\nCapEff:\t0000000000000000\n"
+    );
+    assert!(
+        seen.stdout(home)
+            .starts_with("user\n1000\n/elsewhere user user /bin/sh\n"),
+        "{}",
+        seen.stdout(home)
+    );
+    let root_out = seen.stdout(root);
+    assert!(
+        root_out.starts_with("root\n0\n/tmp root root /bin/sh\n/tmp\nroot\n"),
+        "{root_out}"
+    );
+    assert!(
+        !root_out.contains("CapEff:\t0000000000000000"),
+        "{root_out}"
+    );
+    assert!(
+        matches!(&unknown, Err(ProcessError::Invalid(m)) if m.contains("nobody2")),
+        "{unknown:?}"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&cell.stdout),
+        "(0, 0, 0) (0, 0, 0) []\n"
+    );
     s.end(&ex);
 }
 

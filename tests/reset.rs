@@ -31,6 +31,20 @@ fn timed(mut j: Job, ms: u64) -> Job {
     j
 }
 
+/// A job that does as a sandbox's processes of user `user` do (the worker's thread takes
+/// the user's ids around a spawn, `bud_procs`): files of the user's under both names of the
+/// work directory, the work directory's mode changed by its owner, a process of the user's
+/// left running.
+const AS_USER: &str = "import _bud, os, subprocess\n\
+    _bud.thread_as_user(1000, 1000, [1000])\n\
+    try:\n\
+    \x20   p = subprocess.Popen(['sh', '-c', 'echo mine > /home/user/owned; mkdir -p /tmp/ud/e; \
+    touch /dev/shm/user-shm; sleep 1000 & chmod 700 /home/user'], start_new_session=True)\n\
+    finally:\n\
+    \x20   _bud.thread_as_root([])\n\
+    p.wait()\n\
+    print(os.stat('/tmp/owned').st_uid, oct(os.stat('/tmp').st_mode), os.getresuid())";
+
 /// One job of each kind a reset must undo, with the status it must end with.
 fn job_kinds() -> Vec<(&'static str, Job, Status)> {
     let mut flood = Job::python("import sys\nwhile True: sys.stdout.write('x' * 65536)");
@@ -90,6 +104,7 @@ fn job_kinds() -> Vec<(&'static str, Job, Status)> {
             Job::shell("echo hello world | tr a-z A-Z | wc -c; sleep 100 & echo bg"),
             Status::Ok,
         ),
+        ("as user", Job::python(AS_USER), Status::Ok),
         (
             "kernel state",
             Job::python(
@@ -238,6 +253,45 @@ fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
         "both jobs ran on one VM, reset after each: {stats:?}"
     );
     assert_eq!(stats.live, 1, "{stats:?}");
+}
+
+#[test]
+fn nothing_the_user_made_outlives_its_job() {
+    let exec = executor(Reuse::Warm, true);
+    let find = Job::python(
+        "import os\n\
+         owned = []\n\
+         for top in ('/', '/tmp', '/home/user', '/dev/shm', '/run'):\n\
+         \x20   for here, dirs, files in os.walk(top):\n\
+         \x20       dirs[:] = [d for d in dirs if os.path.join(here, d) not in ('/proc', '/sys', '/dev')]\n\
+         \x20       for n in [here] + [os.path.join(here, f) for f in files]:\n\
+         \x20           if os.lstat(n).st_uid == 1000 and n not in owned: owned.append(n)\n\
+         procs = [p for p in os.listdir('/proc') if p.isdigit()\n\
+         \x20        and 'Uid:\\t1000' in open(f'/proc/{p}/status').read()]\n\
+         print(sorted(owned), procs, oct(os.stat('/home/user').st_mode))",
+    );
+
+    let before = exec.run(&find).expect("the first search");
+    let planted = exec.run(&Job::python(AS_USER)).expect("the user's job");
+    let after = exec.run(&find).expect("the second search");
+
+    assert_eq!(
+        (planted.status, text(&planted.stdout)),
+        (Status::Ok, "1000 0o40700 (0, 0, 0)\n".into()),
+        "{planted:?}"
+    );
+    // The work directory is the user's (under both names) and nothing else is.
+    let clean = "['/home/user', '/tmp'] [] 0o41777\n";
+    assert_eq!(
+        (before.status, text(&before.stdout)),
+        (Status::Ok, clean.into())
+    );
+    assert_eq!(
+        (after.status, text(&after.stdout)),
+        (Status::Ok, clean.into())
+    );
+    assert_eq!(exec.take_reset_errors(), Vec::<String>::new());
+    assert_eq!(exec.stats().resets, 3, "{:?}", exec.stats());
 }
 
 #[test]

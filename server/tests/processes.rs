@@ -290,6 +290,47 @@ fn bad_requests_limits_and_a_session_that_ends_under_its_processes() {
 }
 
 #[test]
+fn a_process_runs_as_root_unless_it_names_a_user_of_the_guest() {
+    let s = TestServer::start();
+    let id = session(&s, json!({}));
+    let who = "id -un; echo \"$HOME $USER\"; pwd";
+    let user = start(&s, &id, json!({"command": who, "user": "user"}));
+    assert_eq!(user["user"], "user", "{user}");
+    let root = start(&s, &id, json!({"command": who}));
+    assert!(root.get("user").is_none(), "{root}");
+    let explicit = start(
+        &s,
+        &id,
+        json!({"command": who, "user": "root", "cwd": "/home/user"}),
+    );
+    let out = |p: &Value| stdout_of(&output(&s, &id, p["pid"].as_u64().unwrap(), "start"));
+    assert_eq!(out(&user), "user\n/home/user user\n/tmp\n");
+    assert_eq!(out(&root), "root\n/tmp root\n/tmp\n");
+    assert_eq!(out(&explicit), "root\n/root root\n/home/user\n");
+    let listed: Value = s
+        .get(&format!("/v1/sessions/{id}/processes"))
+        .json()
+        .unwrap();
+    let users: Vec<&Value> = listed["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["user"])
+        .collect();
+    assert_eq!(users, [&json!("user"), &Value::Null, &json!("root")]);
+    for bad in ["nobody2", "Not A Name"] {
+        let (status, r) = post(
+            &s,
+            &format!("/v1/sessions/{id}/processes"),
+            &json!({"command": "true", "user": bad}),
+        );
+        assert_eq!(status, 400, "{bad}: {r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains(bad), "{r}");
+    }
+    s.assert_still_serving();
+}
+
+#[test]
 fn the_e2b_sdk_runs_background_commands_stdin_connect_list_kill_terminals_and_watchers() {
     let s = TestServer::start();
     let seen = client_script("e2b_processes.py", &[], &e2b_env(&s, "e2b_any"));
