@@ -82,7 +82,9 @@ pub struct Record {
     pub key: Option<String>,
     pub route: String,
     /// `job`, `cell`, or `process` (a background process, recorded as it starts: its
-    /// script is the code, and it has no status, output or time yet).
+    /// script is the code, and it has no status, output or time yet), or a session's
+    /// `pause`, `resume` or `snapshot` (no code; `total_ms` is how long it took, the
+    /// snapshot's id is in `stdout`).
     pub kind: String,
     pub template: String,
     pub session: Option<String>,
@@ -240,6 +242,40 @@ impl AuditLog {
             stderr_sha256: empty,
             code: content.then(|| capped(script)),
             stdout: None,
+            stderr: None,
+        };
+        self.queue(record);
+    }
+
+    /// Records a durable-session event (`pause`, `resume`, `snapshot`) of `origin`'s
+    /// session that took `took`; `detail` (a snapshot's id) goes in `stdout`.
+    pub fn lifecycle(&self, origin: &Origin, kind: &str, took: Duration, detail: Option<&str>) {
+        let empty = sha256_hex(b"");
+        let ms = took.as_secs_f64() * 1e3;
+        let record = Record {
+            time: crate::clock::rfc3339(crate::clock::epoch_s(SystemTime::now())),
+            key: origin.key.clone(),
+            route: origin.route.clone(),
+            kind: kind.to_owned(),
+            template: origin.template.clone(),
+            session: origin.session.clone(),
+            language: Language::Python,
+            code_sha256: empty.clone(),
+            code_bytes: 0,
+            stdin_sha256: empty.clone(),
+            stdin_bytes: 0,
+            status: vmm::Status::Ok,
+            exit_code: None,
+            signal: None,
+            queue_ms: 0.0,
+            run_ms: ms,
+            total_ms: ms,
+            stdout_bytes: detail.map_or(0, str::len),
+            stdout_sha256: sha256_hex(detail.unwrap_or_default().as_bytes()),
+            stderr_bytes: 0,
+            stderr_sha256: empty,
+            code: None,
+            stdout: detail.map(str::to_owned),
             stderr: None,
         };
         self.queue(record);

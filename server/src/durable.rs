@@ -184,6 +184,21 @@ pub struct StateDir {
     /// Sessions being resumed now (a second request for one waits for the first).
     resuming: Mutex<HashSet<String>>,
     pub resumed: tokio::sync::Notify,
+    /// Pauses, resumes and snapshots taken by this server (for metrics).
+    pub pauses: AtomicU64,
+    pub resumes: AtomicU64,
+    pub snapshots_taken: AtomicU64,
+}
+
+/// What `/metrics` shows of the state directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateGauges {
+    pub paused: usize,
+    pub snapshots: usize,
+    pub bytes: u64,
+    pub pauses: u64,
+    pub resumes: u64,
+    pub snapshots_taken: u64,
 }
 
 pub fn epoch_ms(t: SystemTime) -> u64 {
@@ -246,6 +261,9 @@ impl StateDir {
             snapshots: Mutex::default(),
             resuming: Mutex::default(),
             resumed: tokio::sync::Notify::new(),
+            pauses: AtomicU64::new(0),
+            resumes: AtomicU64::new(0),
+            snapshots_taken: AtomicU64::new(0),
         };
         let mut found = Found::default();
         dir.scan("paused", &mut found, |d, id, bytes, rec| {
@@ -417,6 +435,18 @@ impl StateDir {
             let _ = std::fs::rename(self.paused_path(id), aside);
             self.used
                 .fetch_sub(p.bytes.min(self.used()), Ordering::Relaxed);
+        }
+    }
+
+    /// What `/metrics` shows of it.
+    pub fn gauges(&self) -> StateGauges {
+        StateGauges {
+            paused: lock(&self.paused).len(),
+            snapshots: lock(&self.snapshots).len(),
+            bytes: self.used(),
+            pauses: self.pauses.load(Ordering::Relaxed),
+            resumes: self.resumes.load(Ordering::Relaxed),
+            snapshots_taken: self.snapshots_taken.load(Ordering::Relaxed),
         }
     }
 

@@ -21,7 +21,9 @@
 //!   failed).
 //! - sessions: `bud_sessions` (live), `bud_sessions_memory_bytes` (their private pages plus
 //!   fork layers, what the memory cap counts), `bud_sessions_created_total`,
-//!   `bud_sessions_forked_total` (children made) and `bud_sessions_ended_total{reason}`.
+//!   `bud_sessions_forked_total` (children made) and `bud_sessions_ended_total{reason}`;
+//!   with a state directory, `bud_sessions_paused`, `bud_snapshots`, `bud_state_bytes`,
+//!   `bud_sessions_paused_total`, `bud_sessions_resumed_total`, `bud_snapshots_taken_total`.
 //!
 //! (Over 500 lines with its unit tests, which stay beside the code they test; the code
 //! itself is under 500.)
@@ -146,6 +148,8 @@ pub struct SessionGauges {
     pub created: u64,
     pub forked: u64,
     pub ended: BTreeMap<String, u64>,
+    /// The state directory's, if the server has one.
+    pub state: Option<crate::durable::StateGauges>,
 }
 
 impl Metrics {
@@ -426,6 +430,50 @@ impl Metrics {
         );
         for (reason, v) in &ss.ended {
             let _ = writeln!(out, "bud_sessions_ended_total{{reason=\"{reason}\"}} {v}");
+        }
+        if let Some(st) = &ss.state {
+            sample(
+                &mut out,
+                "bud_sessions_paused",
+                "gauge",
+                "Paused sessions on disk.",
+                st.paused,
+            );
+            sample(
+                &mut out,
+                "bud_snapshots",
+                "gauge",
+                "Snapshots on disk.",
+                st.snapshots,
+            );
+            sample(
+                &mut out,
+                "bud_state_bytes",
+                "gauge",
+                "Bytes of the state directory's session files (what its quota counts).",
+                st.bytes,
+            );
+            sample(
+                &mut out,
+                "bud_sessions_paused_total",
+                "counter",
+                "Pauses.",
+                st.pauses,
+            );
+            sample(
+                &mut out,
+                "bud_sessions_resumed_total",
+                "counter",
+                "Resumes.",
+                st.resumes,
+            );
+            sample(
+                &mut out,
+                "bud_snapshots_taken_total",
+                "counter",
+                "Snapshots taken.",
+                st.snapshots_taken,
+            );
         }
         out
     }

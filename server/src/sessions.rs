@@ -597,6 +597,7 @@ impl Sessions {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            state: self.marks.get().map(|d| d.gauges()),
         }
     }
 

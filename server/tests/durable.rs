@@ -388,3 +388,75 @@ fn an_e2b_sandbox_paused_before_a_restart_is_found_and_resumed_with_its_token() 
     assert_eq!(connected["envdAccessToken"], token);
     assert_eq!(again_status, 200, "a running sandbox's connect is 200");
 }
+
+#[test]
+fn pauses_resumes_and_snapshots_are_counted_and_recorded_in_the_audit_trail() {
+    let dir = state_dir("audit");
+    let log = dir.join("audit.jsonl");
+    let mut config = test_config();
+    config.state_dir = Some(dir.join("state"));
+    config.audit = Some(bud_server::audit::AuditConfig {
+        path: log.clone(),
+        content: false,
+        required: true,
+    });
+    let s = TestServer::with_config(config);
+    let id = session(&s, json!({}));
+    cell(&s, &id, "a = 1");
+    assert_eq!(
+        s.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+        200
+    );
+    assert_eq!(
+        s.post(&format!("/v1/sessions/{id}/resume"), &json!({})).0,
+        200
+    );
+    let (status, snap) = s.post(&format!("/v1/sessions/{id}/snapshots"), &json!({}));
+    assert_eq!(status, 201, "{snap}");
+    let metrics = s.get("/metrics").text().unwrap();
+    let mut s = s;
+    s.shutdown(); // the audit writer has flushed every record
+    let kinds: Vec<(String, Option<String>, Option<String>)> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["session"] == json!(id))
+        .map(|r| {
+            (
+                r["kind"].as_str().unwrap().to_owned(),
+                r["route"].as_str().map(str::to_owned),
+                r["stdout"].as_str().map(str::to_owned),
+            )
+        })
+        .collect();
+
+    for line in [
+        "bud_sessions_paused 0",
+        "bud_snapshots 1",
+        "bud_sessions_paused_total 1",
+        "bud_sessions_resumed_total 1",
+        "bud_snapshots_taken_total 1",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no {line:?} in\n{metrics}"
+        );
+    }
+    assert_eq!(
+        kinds,
+        vec![
+            (
+                "cell".to_owned(),
+                Some("/v1/sessions/{id}/exec".to_owned()),
+                None
+            ),
+            ("pause".to_owned(), Some("pause".to_owned()), None),
+            ("resume".to_owned(), Some("resume".to_owned()), None),
+            (
+                "snapshot".to_owned(),
+                Some("snapshot".to_owned()),
+                snap["id"].as_str().map(str::to_owned)
+            ),
+        ]
+    );
+}

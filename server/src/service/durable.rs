@@ -23,6 +23,7 @@ use vmm::session_file;
 
 use crate::api::CreateSession;
 use crate::api::sessions::PauseResponse;
+use crate::audit::Origin;
 use crate::durable::{
     Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot, SnapshotRecord, StateDir,
     epoch_ms,
@@ -74,8 +75,14 @@ pub async fn pause(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
         return Err(Error::Paused(id.to_owned()));
     }
     let busy = acquire(state, id).await?;
+    let origin = Origin::here("pause", &busy.entry().template, Some(id));
     let st = state.clone();
-    admission::call(state, move || pause_held(&st, &dir, busy)).await?
+    let paused = admission::call(state, move || pause_held(&st, &dir, busy)).await??;
+    if let Some(a) = state.audit() {
+        let took = Duration::from_secs_f64(paused.pause_ms / 1e3);
+        a.lifecycle(&origin, "pause", took, None);
+    }
+    Ok(paused)
 }
 
 /// Pauses the session `busy` holds (on a job thread).
@@ -117,6 +124,8 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
         vm.end(&entry.executor);
     }
     drop(busy);
+    dir.pauses
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Ok(PauseResponse {
         id: e.id.clone(),
         state: "paused".into(),
@@ -130,11 +139,13 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
 pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
     let dir = dir(state)?;
     let busy = acquire(state, id).await?;
+    let origin = Origin::here("snapshot", &busy.entry().template, Some(id));
+    let started = Instant::now();
     let snap_id = format!(
         "snap_{}",
         crate::sessions::new_id().map_err(Error::internal)?[4..].to_owned()
     );
-    admission::call(state, move || {
+    let snap = admission::call(state, move || {
         let e = busy.entry().clone();
         e.account();
         check_quota(&dir, &e)?;
@@ -161,9 +172,20 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
         let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
         let snap = Snapshot { record, bytes };
         dir.add_snapshot(snap.clone());
-        Ok(snap)
+        dir.snapshots_taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok::<_, Error>(snap)
     })
-    .await?
+    .await??;
+    if let Some(a) = state.audit() {
+        a.lifecycle(
+            &origin,
+            "snapshot",
+            started.elapsed(),
+            Some(&snap.record.id),
+        );
+    }
+    Ok(snap)
 }
 
 /// Deletes snapshot `id` (sessions started from it go on).

@@ -59,9 +59,17 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     let exec = templates::executor_for(state, Some(&p.record.template))?;
     check_count(state, 1)?;
     check_memory(state)?;
+    let origin = crate::audit::Origin::here("resume", &p.record.template, Some(id));
+    let started = std::time::Instant::now();
     let st = state.clone();
     let d = dir.clone();
-    admission::call(state, move || resume_file(&st, &d, &exec, p)).await?
+    let e = admission::call(state, move || resume_file(&st, &d, &exec, p)).await??;
+    dir.resumes
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if let Some(a) = state.audit() {
+        a.lifecycle(&origin, "resume", started.elapsed(), None);
+    }
+    Ok(e)
 }
 
 /// Makes paused session `p` again on `exec` (on a job thread).
