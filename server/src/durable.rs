@@ -438,6 +438,25 @@ impl StateDir {
         }
     }
 
+    /// A temporary file's path in `paused/` for an upload (removed at the next start if
+    /// left behind).
+    pub fn upload_path(&self, n: u64) -> PathBuf {
+        self.root.join("paused").join(format!(".upload-{n}.tmp"))
+    }
+
+    /// Moves verified upload `tmp` into place as paused session `p`'s file (renamed, the
+    /// folder fsync'd) and records it.
+    pub fn adopt_upload(&self, tmp: &Path, p: Paused) -> Result<(), DurableError> {
+        let path = self.paused_path(&p.record.id);
+        std::fs::rename(tmp, &path).map_err(io(&path))?;
+        let dir = self.root.join("paused");
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&dir))?;
+        self.add_paused(p);
+        Ok(())
+    }
+
     /// What `/metrics` shows of it.
     pub fn gauges(&self) -> StateGauges {
         StateGauges {

@@ -164,7 +164,11 @@ fn service_status(e: &Error) -> StatusCode {
         Error::NoSession(_) | Error::NoFile(_) | Error::NoProcess { .. } | Error::NoSnapshot(_) => {
             StatusCode::NOT_FOUND
         }
-        Error::StdinClosed(_) | Error::StdinFull { .. } | Error::Paused(_) => StatusCode::CONFLICT,
+        Error::StdinClosed(_)
+        | Error::StdinFull { .. }
+        | Error::Paused(_)
+        | Error::NotPaused(_)
+        | Error::Exists(_) => StatusCode::CONFLICT,
         Error::NoStateDir => StatusCode::NOT_IMPLEMENTED,
         Error::StateQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
         Error::Unresumable { .. } => StatusCode::GONE,
@@ -202,6 +206,8 @@ fn service_code(e: &Error) -> &'static str {
         Error::AuditUnavailable(_) => "audit_unavailable",
         Error::NoStateDir => "no_state_dir",
         Error::Paused(_) => "session_paused",
+        Error::NotPaused(_) => "session_running",
+        Error::Exists(_) => "session_exists",
         Error::NoSnapshot(_) => "no_snapshot",
         Error::StateQuota { .. } => "state_quota",
         Error::Unresumable { .. } => "unresumable",

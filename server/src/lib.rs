@@ -59,7 +59,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 35] = [
+pub const ROUTES: [(&str, &str); 37] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -95,6 +95,8 @@ pub const ROUTES: [(&str, &str); 35] = [
     ("get", "/v1/snapshots"),
     ("get", "/v1/snapshots/{id}"),
     ("delete", "/v1/snapshots/{id}"),
+    ("get", "/v1/sessions/{id}/export"),
+    ("post", "/v1/sessions/import"),
 ];
 
 /// The API's router over `state`.
@@ -167,6 +169,8 @@ pub fn app(state: AppState) -> Router {
             "/v1/sessions/{id}/snapshots",
             post(durable_routes::snapshot),
         )
+        .route("/v1/sessions/{id}/export", get(durable_routes::export))
+        .route("/v1/sessions/import", post(durable_routes::import))
         .route("/v1/snapshots", get(durable_routes::list))
         .route(
             "/v1/snapshots/{id}",

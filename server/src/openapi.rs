@@ -159,6 +159,8 @@ mod tests {
             Error::AuditUnavailable(String::new()),
             Error::NoStateDir,
             Error::Paused(String::new()),
+            Error::NotPaused(String::new()),
+            Error::Exists(String::new()),
             Error::NoSnapshot(String::new()),
             Error::StateQuota {
                 used: 1,

@@ -460,3 +460,67 @@ fn pauses_resumes_and_snapshots_are_counted_and_recorded_in_the_audit_trail() {
         ]
     );
 }
+
+#[test]
+fn a_paused_session_exported_from_one_server_is_imported_and_resumed_on_another() {
+    let here = server_on(&state_dir("export-here"));
+    let there = server_on(&state_dir("export-there"));
+    let id = session(&here, json!({"metadata": {"moved": true}}));
+    cell(
+        &here,
+        &id,
+        "moved = 'from the other server'\nopen('f.txt', 'w').write('file too')",
+    );
+    let running = here
+        .get(&format!("/v1/sessions/{id}/export"))
+        .status()
+        .as_u16();
+    assert_eq!(
+        here.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+        200
+    );
+    let exported = here.get(&format!("/v1/sessions/{id}/export"));
+    assert_eq!(exported.status().as_u16(), 200);
+    let file = exported.bytes().unwrap().to_vec();
+    let import = |s: &TestServer, body: Vec<u8>| {
+        s.post_raw("/v1/sessions/import", "application/octet-stream", body)
+    };
+
+    let (status, info) = import(&there, file.clone());
+    let (again, again_r) = import(&there, file.clone());
+    let mut torn = file.clone();
+    torn.truncate(file.len() - 10);
+    let (torn_status, torn_r) = import(&there, torn);
+    let mut flipped = file.clone();
+    flipped[100] ^= 1;
+    let (flipped_status, flipped_r) = import(&there, flipped);
+    let printed = cell(&there, &id, "print(moved, open('f.txt').read())");
+
+    assert_eq!(running, 409);
+    assert_eq!(status, 201, "{info}");
+    assert_eq!(
+        (info["state"].clone(), info["metadata"].clone()),
+        (json!("paused"), json!({"moved": true}))
+    );
+    assert_eq!(
+        (again, again_r["error"]["code"].clone()),
+        (409, json!("session_exists"))
+    );
+    assert_eq!(torn_status, 400, "{torn_r}");
+    assert_eq!(flipped_status, 400, "{flipped_r}");
+    assert!(
+        flipped_r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("checksum"),
+        "{flipped_r}"
+    );
+    assert_eq!(printed, "from the other server file too\n");
+    let leftovers: Vec<_> =
+        std::fs::read_dir(there.state.state_dir().unwrap().root().join("paused"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+    assert!(leftovers.is_empty(), "files left in paused/: {leftovers:?}");
+}

@@ -304,3 +304,68 @@ pub async fn pause_all(state: &AppState) {
         }
     }
 }
+
+/// Imports the session file uploaded to `tmp` (another server's export of a paused
+/// session) as a paused session here: its pages checked, its template and host this
+/// server's, its id new here. The file is moved into place, or removed if refused.
+pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused, Error> {
+    let dir = dir(state)?;
+    let st = state.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        let checked = check_import(&st, &dir, &tmp);
+        match checked {
+            Ok(p) => {
+                dir.adopt_upload(&tmp, p.clone()).map_err(Error::internal)?;
+                Ok(p)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    })
+    .await
+    .map_err(Error::internal)?;
+    checked
+}
+
+fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Result<Paused, Error> {
+    let refuse = |why: String| Error::invalid("body", why);
+    let f = session_file::read(tmp).map_err(|e| refuse(e.to_string()))?;
+    f.verify_pages().map_err(|e| refuse(e.to_string()))?;
+    let record: SessionRecord = serde_json::from_slice(f.app())
+        .map_err(|e| refuse(format!("not a paused session's file: {e}")))?;
+    if record.version != RECORD_VERSION {
+        return Err(refuse(format!(
+            "record version {}, this server reads {RECORD_VERSION}",
+            record.version
+        )));
+    }
+    let exec = templates::executor_for(state, Some(&record.template))?;
+    f.check_template(exec.template())
+        .map_err(|e| refuse(e.to_string()))?;
+    let id = record.id.clone();
+    if !id.starts_with("ses_")
+        || id.len() > 64
+        || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+    {
+        return Err(refuse(format!("{id:?} is not a session id")));
+    }
+    if state.sessions().get(&id).is_ok() || dir.paused(&id).is_some() {
+        return Err(Error::Exists(id));
+    }
+    let bytes = std::fs::metadata(tmp).map_or(0, |m| m.len());
+    if !dir.fits(bytes) {
+        let (used, quota) = dir.usage();
+        return Err(Error::StateQuota {
+            used,
+            need: bytes,
+            quota,
+        });
+    }
+    Ok(Paused {
+        record,
+        bytes,
+        written_here: true,
+    })
+}

@@ -127,6 +127,12 @@ pub enum Error {
     /// The session is paused, and this call needs it running.
     #[error("session {0} is paused; resume it first")]
     Paused(String),
+    /// The session runs, and this call needs it paused.
+    #[error("session {0} is running; pause it first")]
+    NotPaused(String),
+    /// A session with this id exists already (live or paused).
+    #[error("a session {0} exists already on this server")]
+    Exists(String),
     /// No snapshot has this id.
     #[error("no snapshot {0}")]
     NoSnapshot(String),
