@@ -311,7 +311,7 @@ pub async fn pause_all(state: &AppState) {
 pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused, Error> {
     let dir = dir(state)?;
     let st = state.clone();
-    let checked = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let checked = check_import(&st, &dir, &tmp);
         match checked {
             Ok(p) => {
@@ -325,8 +325,7 @@ pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused,
         }
     })
     .await
-    .map_err(Error::internal)?;
-    checked
+    .map_err(Error::internal)?
 }
 
 fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Result<Paused, Error> {
