@@ -190,6 +190,7 @@ fn the_e2b_sdk_moves_files_and_runs_commands() {
     assert_eq!(seen["cmd"], json!(["out\nhello\n", "err\n", 0]));
     assert_eq!(seen["cmd_exit"], json!([3, "partial\n"]));
     assert_eq!(seen["cmd_cwd"], json!("2"));
+    assert_eq!(seen["users"], json!(["user\n", "root\n"]));
     assert_eq!(seen["mkdir"], json!([true, false]));
     assert_eq!(seen["moved"], json!("one\ntwo\n"));
     assert_eq!(seen["exists"], json!([false, true]));
@@ -546,4 +547,6 @@ fn with_keys_every_client_needs_one_and_e2b_sandboxes_their_token() {
     assert_eq!(lines.last().unwrap()["type"], json!("end_of_execution"));
     let seen = client_script("e2b_sandbox.py", &[], &e2b_env(&s, key));
     assert_eq!(seen["connected"], json!("2"));
+    // The user's Authorization header (root here) is no key, and no key is asked for there.
+    assert_eq!(seen["users"], json!(["user\n", "root\n"]));
 }

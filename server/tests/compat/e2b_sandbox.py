@@ -30,6 +30,8 @@ chunks = []
 sbx.commands.run("wc -l < data.txt", cwd="/home/user", on_stdout=chunks.append,
                  envs={"X": "1"})
 seen["cmd_cwd"] = "".join(chunks).strip()
+# Commands run as E2B's user unless root is asked for (Authorization: Basic "root:").
+seen["users"] = [sbx.commands.run("id -un").stdout, sbx.commands.run("id -un", user="root").stdout]
 
 seen["mkdir"] = [sbx.files.make_dir("/home/user/d/e"), sbx.files.make_dir("/home/user/d/e")]
 sbx.files.rename("/home/user/data.txt", "/home/user/d/moved.txt")
