@@ -185,3 +185,44 @@ fn worker_without_a_mode_refuses_with_usage_status() {
 
     assert_eq!(out.status.code(), Some(64));
 }
+
+#[test]
+fn a_child_spawned_while_the_thread_is_a_user_runs_as_that_user_alone() {
+    let dir = stage("creds");
+
+    // Only root may take another user's ids; elsewhere the refusal is checked.
+    check(
+        &dir,
+        r#"
+import os, subprocess, threading, _bud
+if os.geteuid() != 0:
+    try:
+        _bud.thread_as_user(65534, 65534, [65534])
+    except PermissionError:
+        pass
+    else:
+        raise AssertionError("took another user's ids without root")
+    assert os.getresuid() == (os.getuid(),) * 3
+    raise SystemExit(0)
+seen = {}
+other = threading.Thread(target=lambda: (ready.wait(), seen.update(other=os.getresuid())))
+ready = threading.Event()
+other.start()
+_bud.thread_as_user(65534, 65534, [65534])
+try:
+    ready.set()
+    other.join()
+    here = (os.getresuid(), os.getresgid(), os.getgroups())
+    out = subprocess.run(["sh", "-c", "id -u; id -g; id -G; grep -E '^Cap(Prm|Eff)' /proc/self/status"],
+                         capture_output=True, text=True, cwd="/").stdout
+finally:
+    _bud.thread_as_root([])
+# The thread was the user, the process's other thread root all along; the child the user
+# alone, without capabilities; and the thread is root again.
+assert here == ((65534, 65534, 0), (65534, 65534, 0), [65534]), here
+assert seen["other"] == (0, 0, 0), seen
+assert out == "65534\n65534\n65534\nCapPrm:\t0000000000000000\nCapEff:\t0000000000000000\n", out
+assert (os.getresuid(), os.getresgid(), os.getgroups()) == ((0, 0, 0), (0, 0, 0), []), os.getgroups()
+"#,
+    );
+}
