@@ -12,7 +12,8 @@
 //!   damaged/             files found torn, foreign or of another version, moved aside
 //! ```
 //!
-//! A session file is written atomically (vmm's `session_file`: temporary file, fsync,
+//! The directory is made mode 0700 and its files 0600: they hold sessions' memory (their
+//! variables, files and secrets). A session file is written atomically (vmm's `session_file`: temporary file, fsync,
 //! rename, fsync of the folder), so a crash mid-pause leaves the session either paused in
 //! whole or not at all. The files' sizes count against a quota (`--state-quota-mib`).
 //!
@@ -232,6 +233,9 @@ impl StateDir {
             let d = root.join(sub);
             std::fs::create_dir_all(&d).map_err(io(&d))?;
         }
+        // Its files are sessions' memory: the serving user's alone.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700)).map_err(io(root))?;
         let lock_path = root.join("lock");
         let lock_file = std::fs::OpenOptions::new()
             .create(true)

@@ -7,6 +7,7 @@
 //! `no_state_dir`.
 
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::Json;
@@ -133,7 +134,13 @@ pub async fn import(
     let room = quota.saturating_sub(used);
     let tmp = dir
         .upload_path(u64::from(std::process::id()) << 32 | UPLOADS.fetch_add(1, Ordering::Relaxed));
-    let mut out = std::fs::File::create(&tmp).map_err(Error::internal)?;
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(Error::internal)?;
     let mut body = req.into_body();
     let mut got = 0u64;
     let timeout = state.config().limits.body_timeout();

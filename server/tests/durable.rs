@@ -22,6 +22,11 @@ fn state_dir(name: &str) -> PathBuf {
     d
 }
 
+fn mode_of(p: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
 fn server_on(dir: &std::path::Path) -> TestServer {
     let mut config = test_config();
     config.state_dir = Some(dir.to_owned());
@@ -88,6 +93,8 @@ fn a_paused_session_resumes_at_its_next_request_with_its_state_and_processes() {
     let listed = s.get("/v1/sessions").json::<Value>().unwrap();
     let file = dir.join(format!("paused/{id}.bud"));
     let on_disk = file.exists();
+    let file_copy = dir.join("mode-probe");
+    std::fs::hard_link(&file, &file_copy).unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let seen = cell(
         &s,
@@ -124,6 +131,16 @@ fn a_paused_session_resumes_at_its_next_request_with_its_state_and_processes() {
         "{listed}"
     );
     assert!(on_disk, "no file {}", file.display());
+    assert_eq!(
+        mode_of(&dir),
+        0o700,
+        "the state directory is readable by others"
+    );
+    assert_eq!(
+        mode_of(&file_copy),
+        0o600,
+        "a paused session's file is readable by others"
+    );
     assert_eq!(seen, "42 kept True\n");
     assert_eq!(stdin_status, 204);
     assert_eq!(out, "got hi\n");

@@ -16,7 +16,8 @@
 //! The pages come first so that each run can be mapped straight from the file; the header
 //! after them because its checksum of the pages is known only once they are written.
 //!
-//! **Writing** ([`write`]) goes to a temporary file in the same folder, `fsync`s it, renames
+//! **Writing** ([`write`]) goes to a temporary file (mode 0600: it is guest memory) in the
+//! same folder, `fsync`s it, renames
 //! it over the final name and `fsync`s the folder: a crash leaves either the whole new file
 //! or none (the old one, if any), never a torn one under the final name.
 //!
@@ -32,7 +33,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -209,7 +210,13 @@ pub(crate) fn write(
     let tmp = dir.join(format!(".{}.tmp", name.unwrap_or_default()));
     let started = std::time::Instant::now();
     let written = (|| {
-        let mut f = File::create(&tmp)?;
+        // Guest memory: readable by this user alone.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
         let mut h = crc32fast::Hasher::new();
         let mut buf = vec![0u8; CHUNK];
         let mut at = 0u64;
