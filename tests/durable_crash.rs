@@ -1,10 +1,11 @@
 //! Durable sessions across a crash: a real, jailed `bud serve` on a state directory is
-//! killed with SIGKILL while it pauses, resumes and snapshots sessions, round after round,
-//! and started again on the same directory. What must hold each time: every pause that
-//! was answered resumes exactly (the session's variable and file as they were); a session
-//! whose pause was cut short is either paused in whole (and resumes exactly) or was
-//! running (and is then `lost`, 410 with why), never half-restored; every answered
-//! snapshot starts sessions. `BUD_CRASH_ROUNDS` sets the rounds (CI: 3). Needs /dev/kvm.
+//! killed with SIGKILL in the middle of a pause, a resume or a snapshot (in turn, at a
+//! delay that varies by round) and started again on the same directory. What must hold
+//! each time: every pause that was answered resumes exactly (the session's variable, file
+//! and data as they were); a session whose pause or resume was cut short is either paused
+//! in whole (and resumes exactly) or was running (and is then `lost`, 410 with why), never
+//! half-restored; every answered snapshot is there, and any snapshot there starts a
+//! session; no file is ever found damaged. `BUD_CRASH_ROUNDS` sets the rounds (CI: 3). Needs /dev/kvm.
 
 mod common;
 
@@ -63,7 +64,7 @@ fn kill9(s: &mut Served) {
 }
 
 #[test]
-fn a_server_killed_mid_pause_never_resumes_a_partial_session() {
+fn a_server_killed_mid_pause_resume_or_snapshot_never_serves_a_partial_session() {
     common::require_kvm();
     let rounds = common::size("BUD_CRASH_ROUNDS", 3);
     let mut s = serve(&[]);
@@ -119,23 +120,41 @@ fn a_server_killed_mid_pause_never_resumes_a_partial_session() {
         assert_eq!(status, 200, "{r}");
         paused.insert(ids[0].0.clone(), ids[0].1.clone());
 
-        // The pause of the second session, killed after a few milliseconds that vary by
-        // round (before, during or after its write).
+        // One operation cut by the kill after a few milliseconds that vary by round
+        // (before, during or after its write): a pause of the running session, a resume
+        // of the paused one, or a snapshot of the running one, in turn.
+        let (op, victim) = match round % 3 {
+            0 => ("pause", ids[1].clone()),
+            1 => ("resume", ids[0].clone()),
+            _ => ("snapshots", ids[1].clone()),
+        };
         let base = s.base.clone();
-        let victim = ids[1].0.clone();
-        let pausing = std::thread::spawn(move || {
-            ureq::post(&format!("{base}/v1/sessions/{victim}/pause"))
+        let path = format!("/v1/sessions/{}/{op}", victim.0);
+        let cutting = std::thread::spawn(move || {
+            ureq::post(&format!("{base}{path}"))
                 .timeout(Duration::from_secs(60))
                 .call()
-                .map(|r| r.status())
                 .ok()
+                .map(|r| (r.status(), r.into_json::<Value>().unwrap_or(Value::Null)))
         });
-        std::thread::sleep(Duration::from_millis(5 + 15 * round as u64));
+        std::thread::sleep(Duration::from_millis(5 + 7 * round as u64));
         kill9(&mut s);
-        let answered = pausing.join().unwrap();
-        if answered == Some(200) {
-            paused.insert(ids[1].0.clone(), ids[1].1.clone());
-        } else {
+        let answered = cutting.join().unwrap();
+        // Sessions that must come back exactly or be reported lost, never anything else.
+        let mut exact_or_lost = Vec::new();
+        match (op, &answered) {
+            ("pause", Some((200, _))) => {
+                paused.insert(victim.0.clone(), victim.1.clone());
+            }
+            ("pause", _) => exact_or_lost.push(victim.clone()),
+            ("resume", _) => {
+                paused.remove(&victim.0);
+                exact_or_lost.push(victim.clone());
+            }
+            (_, Some((201, r))) => snapshots.push(r["id"].as_str().unwrap().to_owned()),
+            _ => {}
+        }
+        if !matches!(&answered, Some((200 | 201, _))) {
             cut_short += 1;
         }
 
@@ -150,16 +169,16 @@ fn a_server_killed_mid_pause_never_resumes_a_partial_session() {
                 "{r}"
             );
         }
-        if answered != Some(200) {
-            let (status, r) = cell(&s, &ids[1].0, "print(v)");
+        for (id, value) in &exact_or_lost {
+            let (status, r) = cell(&s, id, "print(v)");
             match status {
-                200 => assert_eq!(r["stdout"], json!(format!("{}\n", ids[1].1)), "{r}"),
+                200 => assert_eq!(r["stdout"], json!(format!("{value}\n")), "{r}"),
                 410 => assert_eq!(
                     r["error"]["message"].as_str().map(|m| m.contains("lost")),
                     Some(true),
                     "{r}"
                 ),
-                _ => panic!("a pause cut short left {}: {status} {r}", ids[1].0),
+                _ => panic!("a {op} cut short left {id}: {status} {r}"),
             }
         }
         // Every session resumed above runs again now: pause them again for the next round.
@@ -168,13 +187,35 @@ fn a_server_killed_mid_pause_never_resumes_a_partial_session() {
             let (status, r) = request(&s, "POST", &format!("/v1/sessions/{id}/pause"), None);
             assert_eq!(status, 200, "{r}");
         }
+        // Every answered snapshot is there; any snapshot there (one cut after its rename
+        // too) starts a session holding what its source held.
+        let (status, listed) = request(&s, "GET", "/v1/snapshots", None);
+        assert_eq!(status, 200, "{listed}");
+        let listed: Vec<String> = listed["snapshots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["id"].as_str().unwrap().to_owned())
+            .collect();
         for snap in &snapshots {
+            assert!(
+                listed.contains(snap),
+                "answered snapshot {snap} is gone: {listed:?}"
+            );
+        }
+        for snap in &listed {
             let (status, r) = request(&s, "POST", "/v1/sessions", Some(json!({"snapshot": snap})));
             assert_eq!(status, 201, "snapshot {snap}: {r}");
+            let (status, out) = cell(&s, r["id"].as_str().unwrap(), "print(v)");
+            assert_eq!(status, 200, "{out}");
+            assert!(
+                out["stdout"].as_str().unwrap().starts_with("round "),
+                "{out}"
+            );
         }
     }
     let damaged = std::fs::read_dir(dir.join("damaged")).unwrap().count();
-    eprintln!("[crash] {rounds} rounds, {cut_short} pauses cut short by the kill");
+    eprintln!("[crash] {rounds} rounds, {cut_short} operations cut short by the kill");
     assert_eq!(damaged, 0, "a file was found damaged after a crash");
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);

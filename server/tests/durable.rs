@@ -541,3 +541,28 @@ fn a_paused_session_exported_from_one_server_is_imported_and_resumed_on_another(
             .collect();
     assert!(leftovers.is_empty(), "files left in paused/: {leftovers:?}");
 }
+
+#[test]
+fn a_graceful_stop_with_pause_on_shutdown_pauses_running_sessions_for_the_next_server() {
+    let dir = state_dir("shutdown");
+    let id = {
+        let mut config = test_config();
+        config.state_dir = Some(dir.clone());
+        config.pause_on_shutdown = true;
+        let mut s = TestServer::with_config(config);
+        let id = session(&s, json!({}));
+        cell(&s, &id, "kept = 'across the stop'");
+        s.shutdown();
+        id
+    };
+    let s = server_on(&dir);
+    let (status, shown) = show(&s, &id);
+    let printed = cell(&s, &id, "print(kept)");
+
+    assert_eq!(
+        (status, shown["state"].clone()),
+        (200, json!("paused")),
+        "{shown}"
+    );
+    assert_eq!(printed, "across the stop\n");
+}
