@@ -7,10 +7,10 @@
 //!   u32 length, the JSON), the last one flagged end-of-stream with `{}` or `{"error"}`.
 //! - `process.Process`: every command is a background process of the sandbox's session
 //!   (`crate::service::processes`; the same files as its cells): `Start`, `Connect`,
-//!   `List`, `SendInput`, `StreamInput`, `CloseStdin`, `SendSignal` ([`process`] says
-//!   how); PTYs are `unimplemented`.
+//!   `List`, `SendInput`, `StreamInput`, `CloseStdin`, `SendSignal`, and PTYs (`Start`
+//!   with a `pty`, `Update`) ([`process`] says how).
 //! - `filesystem.Filesystem`: `Stat`, `ListDir` (depth >= 1), `MakeDir`
-//!   (`already_exists` when it does), `Remove`, `Move`; watchers are not implemented.
+//!   (`already_exists` when it does), `Remove`, `Move`, and watchers ([`filesystem`]).
 //! - `GET /files?path=` reads a file; `POST /files` writes files from a multipart form
 //!   (field `file`, the path as its filename or `?path=`) or an octet-stream body with
 //!   `?path=`, answering `[{"name", "type": "file", "path"}]`. Signed URLs (the SDK's
