@@ -126,6 +126,9 @@ pub struct SessionRecord {
     pub auto_pause: bool,
     /// Its live background processes.
     pub processes: Vec<ProcessRecord>,
+    /// Its directory watchers, (id, directory).
+    #[serde(default)]
+    pub watches: Vec<(u32, String)>,
     /// What an API dialect keeps of it (E2B's sandbox: token, contexts, ...).
     pub attachment: serde_json::Value,
 }
@@ -144,6 +147,8 @@ pub struct SnapshotRecord {
     pub template: String,
     pub idle_timeout_s: u64,
     pub processes: Vec<ProcessRecord>,
+    #[serde(default)]
+    pub watches: Vec<(u32, String)>,
     pub attachment: serde_json::Value,
 }
 

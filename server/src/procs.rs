@@ -286,6 +286,19 @@ impl Processes {
         self.table().watches.remove(&id).is_some()
     }
 
+    /// Every watcher, (id, watched directory), by id: what a fork child or a resumed session
+    /// takes over (the guest's watchers are part of the VM).
+    pub fn watch_list(&self) -> Vec<(u32, String)> {
+        let mut all: Vec<_> = self
+            .table()
+            .watches
+            .iter()
+            .map(|(id, w)| (*id, w.path.clone()))
+            .collect();
+        all.sort();
+        all
+    }
+
     /// The watched directory of watcher `id`.
     pub fn watch_path(&self, id: u32) -> Option<String> {
         Some(self.table().watches.get(&id)?.path.clone())

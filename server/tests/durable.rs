@@ -566,3 +566,54 @@ fn a_graceful_stop_with_pause_on_shutdown_pauses_running_sessions_for_the_next_s
     );
     assert_eq!(printed, "across the stop\n");
 }
+
+/// Waits (up to 30 s) until watcher `wid` of session `id` reports `want`.
+fn wait_for_change(s: &TestServer, id: &str, wid: u64, want: Value) {
+    let url = format!("/v1/sessions/{id}/watchers/{wid}/changes");
+    let mut seen: Vec<Value> = Vec::new();
+    for _ in 0..300 {
+        let r = s.get(&url);
+        assert_eq!(r.status().as_u16(), 200, "{id}'s watcher {wid}");
+        let r: Value = r.json().unwrap();
+        seen.extend(r["changes"].as_array().unwrap().iter().cloned());
+        if seen.contains(&want) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{want} not in {seen:?} ({id}'s watcher {wid})");
+}
+
+#[test]
+fn a_watcher_goes_on_after_a_resume_and_in_a_fork_child() {
+    let dir = state_dir("watchers");
+    let s = server_on(&dir);
+    let id = session(&s, json!({}));
+    let (status, w) = s.post(
+        &format!("/v1/sessions/{id}/watchers"),
+        &json!({"path": ".", "recursive": true}),
+    );
+    assert_eq!(status, 201, "{w}");
+    let wid = w["id"].as_u64().unwrap();
+    assert_eq!(
+        s.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+        200
+    );
+    cell(&s, &id, "open('after_resume.txt', 'w').write('x')");
+    wait_for_change(
+        &s,
+        &id,
+        wid,
+        json!({"type": "create", "path": "after_resume.txt"}),
+    );
+    let (status, forked) = s.post(&format!("/v1/sessions/{id}/fork"), &json!({"count": 1}));
+    assert_eq!(status, 201, "{forked}");
+    let child = forked["ids"][0].as_str().unwrap().to_owned();
+    cell(&s, &child, "open('in_the_child.txt', 'w').write('x')");
+    wait_for_change(
+        &s,
+        &child,
+        wid,
+        json!({"type": "create", "path": "in_the_child.txt"}),
+    );
+}

@@ -38,9 +38,7 @@ use crate::state::AppState;
 /// Session `id`, running, resumed if it was paused, with its processes' pump going.
 pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     let e = crate::service::resume::resume(state, id).await?;
-    if !e.processes.list().is_empty() {
-        crate::service::processes::ensure_pump(state, &e);
-    }
+    crate::service::processes::ensure_pump(state, &e);
     Ok(e)
 }
 
@@ -105,6 +103,7 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
         template: e.template.clone(),
         auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
         processes: processes_of(&e),
+        watches: e.processes.watch_list(),
         attachment: e.attachment_record(),
     };
     let app = serde_json::to_vec(&record).map_err(Error::internal)?;
@@ -160,6 +159,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             template: e.template.clone(),
             idle_timeout_s: e.idle_timeout.as_secs(),
             processes: processes_of(&e),
+            watches: e.processes.watch_list(),
             attachment: e.attachment_record(),
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
@@ -266,13 +266,14 @@ pub async fn start_from(
         for p in &r.processes {
             e.processes.add(p.info());
         }
+        for (id, path) in &r.watches {
+            e.processes.add_watch(*id, path);
+        }
         e.account();
         Ok::<_, Error>(e)
     })
     .await??;
-    if !e.processes.list().is_empty() {
-        crate::service::processes::ensure_pump(state, &e);
-    }
+    crate::service::processes::ensure_pump(state, &e);
     Ok(e)
 }
 

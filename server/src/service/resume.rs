@@ -124,6 +124,9 @@ fn resume_file(
     for proc_ in &r.processes {
         e.processes.add(proc_.info());
     }
+    for (id, path) in &r.watches {
+        e.processes.add_watch(*id, path);
+    }
     dir.remove_paused(&id);
     e.account();
     Ok(e)

@@ -258,17 +258,21 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
             .forked
             .fetch_add(made.len() as u64, std::sync::atomic::Ordering::Relaxed);
         e.account();
-        // Each child has its own copy of the parent's live processes (and their pipes):
-        // they are its processes from now on.
+        // Each child has its own copy of the parent's live processes (and their pipes) and
+        // watchers (the guest's inotify): they are its own from now on.
         let live: Vec<_> = e
             .processes
             .list()
             .into_iter()
             .filter(|(_, end)| end.is_none())
             .collect();
+        let watches = e.processes.watch_list();
         for child in &made {
             for (info, _) in &live {
                 child.processes.add((**info).clone());
+            }
+            for (id, path) in &watches {
+                child.processes.add_watch(*id, path);
             }
         }
         drop(busy);
