@@ -157,6 +157,8 @@ pub struct SnapshotRecord {
 pub struct Paused {
     pub record: SessionRecord,
     pub bytes: u64,
+    /// The key of the template its file was made on.
+    pub key: String,
     /// Written by this server (fsync'd, renamed): its pages are not read back to check
     /// them at resume, as those of a file found at start are.
     pub written_here: bool,
@@ -167,6 +169,8 @@ pub struct Paused {
 pub struct Snapshot {
     pub record: SnapshotRecord,
     pub bytes: u64,
+    /// The key of the template its file was made on.
+    pub key: String,
 }
 
 /// What [`StateDir::open`] found.
@@ -182,6 +186,9 @@ pub struct Found {
 #[derive(Debug)]
 pub struct StateDir {
     root: PathBuf,
+    /// [`StateDir::holder`]'s name (computed at open: resolving the path later may be
+    /// outside the jail's system calls).
+    holder: String,
     _lock: File,
     quota: u64,
     used: AtomicU64,
@@ -194,6 +201,8 @@ pub struct StateDir {
     pub pauses: AtomicU64,
     pub resumes: AtomicU64,
     pub snapshots_taken: AtomicU64,
+    /// Executors of older templates that paused sessions still need, by key.
+    old_executors: Mutex<HashMap<String, std::sync::Arc<vmm::Executor>>>,
 }
 
 /// What `/metrics` shows of the state directory.
@@ -261,7 +270,15 @@ impl StateDir {
         lock_file.set_len(0).map_err(io(&lock_path))?;
         std::io::Write::write_all(&mut &lock_file, std::process::id().to_string().as_bytes())
             .map_err(io(&lock_path))?;
+        let holder = {
+            use sha2::Digest;
+            let path = root.canonicalize().unwrap_or_else(|_| root.to_owned());
+            let digest = sha2::Sha256::digest(path.as_os_str().as_encoded_bytes());
+            let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+            format!("state-{hex}")
+        };
         let dir = Self {
+            holder,
             root: root.to_owned(),
             _lock: lock_file,
             quota,
@@ -273,9 +290,10 @@ impl StateDir {
             pauses: AtomicU64::new(0),
             resumes: AtomicU64::new(0),
             snapshots_taken: AtomicU64::new(0),
+            old_executors: Mutex::default(),
         };
         let mut found = Found::default();
-        dir.scan("paused", &mut found, |d, id, bytes, rec| {
+        dir.scan("paused", &mut found, |d, id, bytes, key, rec| {
             let record: SessionRecord = serde_json::from_slice(rec).map_err(|e| e.to_string())?;
             if record.id != id || record.version != RECORD_VERSION {
                 return Err(format!(
@@ -288,12 +306,13 @@ impl StateDir {
                 Paused {
                     record,
                     bytes,
+                    key,
                     written_here: false,
                 },
             );
             Ok(())
         })?;
-        dir.scan("snapshots", &mut found, |d, id, bytes, rec| {
+        dir.scan("snapshots", &mut found, |d, id, bytes, key, rec| {
             let record: SnapshotRecord = serde_json::from_slice(rec).map_err(|e| e.to_string())?;
             if record.id != id || record.version != RECORD_VERSION {
                 return Err(format!(
@@ -301,7 +320,7 @@ impl StateDir {
                     record.id, record.version
                 ));
             }
-            lock(&d.snapshots).insert(id.to_owned(), Snapshot { record, bytes });
+            lock(&d.snapshots).insert(id.to_owned(), Snapshot { record, bytes, key });
             Ok(())
         })?;
         let running = root.join("running");
@@ -322,7 +341,7 @@ impl StateDir {
         &self,
         sub: &str,
         found: &mut Found,
-        add: impl Fn(&Self, &str, u64, &[u8]) -> Result<(), String>,
+        add: impl Fn(&Self, &str, u64, String, &[u8]) -> Result<(), String>,
     ) -> Result<(), DurableError> {
         let d = self.root.join(sub);
         for entry in std::fs::read_dir(&d).map_err(io(&d))? {
@@ -340,7 +359,7 @@ impl StateDir {
                     .map_err(|e| e.to_string())
                     .and_then(|f| {
                         let bytes = entry.metadata().map_or(0, |m| m.len());
-                        add(self, id, bytes, f.app())?;
+                        add(self, id, bytes, f.template().to_owned(), f.app())?;
                         self.used.fetch_add(bytes, Ordering::Relaxed);
                         Ok(())
                     }),
@@ -464,6 +483,28 @@ impl StateDir {
             .map_err(io(&dir))?;
         self.add_paused(p);
         Ok(())
+    }
+
+    /// The name this directory pins templates under (`vmm::Template::pin`): its path's
+    /// hash, so that two state directories never take each other's pins.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// Whether any paused session or snapshot here was made on template `key`.
+    pub fn needs(&self, key: &str) -> bool {
+        lock(&self.paused).values().any(|p| p.key == key)
+            || lock(&self.snapshots).values().any(|s| s.key == key)
+    }
+
+    /// The executor kept for an older template `key` (sessions paused before their
+    /// template was rebuilt resume on it), if one was made.
+    pub fn old_executor(&self, key: &str) -> Option<std::sync::Arc<vmm::Executor>> {
+        lock(&self.old_executors).get(key).cloned()
+    }
+
+    pub fn keep_old_executor(&self, key: &str, e: std::sync::Arc<vmm::Executor>) {
+        lock(&self.old_executors).insert(key.to_owned(), e);
     }
 
     /// What `/metrics` shows of it.

@@ -86,6 +86,8 @@ fn a_paused_session_resumes_at_its_next_request_with_its_state_and_processes() {
     );
     assert_eq!(status, 201, "{p}");
     let pid = p["pid"].as_u64().unwrap();
+    // The guest's clock just before the pause: it must not move while paused.
+    cell(&s, &id, "t0 = time.monotonic()");
 
     let (paused_status, paused) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
     let (again_status, again) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
@@ -615,5 +617,52 @@ fn a_watcher_goes_on_after_a_resume_and_in_a_fork_child() {
         &child,
         wid,
         json!({"type": "create", "path": "in_the_child.txt"}),
+    );
+}
+
+#[test]
+fn a_session_paused_before_its_template_was_rebuilt_resumes_on_the_pinned_old_one() {
+    let dir = state_dir("old-template");
+    let current = common::executor();
+    let key = current.template().key();
+    let root = current.template().dir().parent().unwrap().to_owned();
+    let (id, holder) = {
+        let s = server_on(&dir);
+        let id = session(&s, json!({}));
+        cell(&s, &id, "x = 'made on the old template'");
+        assert_eq!(
+            s.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+            200
+        );
+        let holder = s.state.state_dir().unwrap().holder().to_owned();
+        (id, holder)
+    };
+    let pin = root.join(&key).join("pins").join(&holder);
+    let pinned_while_paused = pin.exists();
+    // A rebuild, as the server sees it: its template `python` now has another key (here
+    // the same files under another name, hard-linked), the old one stays on disk.
+    let rebuilt = root.join(format!("{key}-rebuilt-{}", std::process::id()));
+    std::fs::create_dir_all(&rebuilt).unwrap();
+    for f in ["state", "memory"] {
+        std::fs::hard_link(root.join(&key).join(f), rebuilt.join(f)).unwrap();
+    }
+    let opts = vmm::ExecutorOptions {
+        pool_size: 0,
+        ..vmm::ExecutorOptions::default()
+    };
+    let new = vmm::Executor::new(vmm::Template::load(&rebuilt).unwrap(), opts).unwrap();
+    let mut config = test_config();
+    config.state_dir = Some(dir.clone());
+    let s = TestServer::with_executors(config, &[("python", std::sync::Arc::new(new))]);
+    let printed = cell(&s, &id, "print(x)");
+    let pinned_after = pin.exists();
+    drop(s);
+    std::fs::remove_dir_all(&rebuilt).unwrap();
+
+    assert!(pinned_while_paused, "no pin {}", pin.display());
+    assert_eq!(printed, "made on the old template\n");
+    assert!(
+        !pinned_after,
+        "the pin stayed after the last pause on it resumed"
     );
 }

@@ -157,10 +157,7 @@ impl ChildRecipe<'_> {
 
 /// The key of template `t` (its folder's name), which a session file names.
 fn template_key(t: &crate::Template) -> String {
-    t.dir()
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    t.key()
 }
 
 /// What a fork cost.

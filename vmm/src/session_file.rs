@@ -149,12 +149,7 @@ impl SessionFile {
     /// Checks that it was made on template `t` and this host (a file from another machine
     /// of the same template and CPU loads; any other is refused with why).
     pub fn check_template(&self, t: &crate::Template) -> Result<(), SessionFileError> {
-        let key = t
-            .dir()
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        check_origin(self, &key, t.state().ram_size, &t.state().host_identity)
+        check_origin(self, &t.key(), t.state().ram_size, &t.state().host_identity)
     }
 
     /// Reads every page and checks their CRC-32 against the header's.

@@ -33,6 +33,9 @@ use crate::vm::{Machine, SerialStart, VmError};
 
 const STATE_FILE: &str = "state";
 const MEMORY_FILE: &str = "memory";
+/// A template's pins: one file per holder (a server's state directory) that still needs
+/// the template (sessions paused on it); pruning never removes a pinned template.
+const PINS_DIR: &str = "pins";
 /// Templates kept under a root: building a new one removes all but this many of the most
 /// recent (each holds up to a guest's RAM of sparse data). Processes that still map a removed
 /// template keep working: the file lives until its last mapping goes.
@@ -339,6 +342,9 @@ impl Template {
     /// read-only, and its page tables listed.
     fn open(dir: &Path, state: SnapshotState, origin: Origin) -> Result<Self, TemplateError> {
         let memory = open_memory(dir)?;
+        // Made now, while the process may still make folders (a jailed server may not):
+        // pins are files in it.
+        let _ = fs::create_dir_all(dir.join(PINS_DIR));
         let pristine = GuestRam::pristine(&memory, state.ram_size)?;
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -353,6 +359,25 @@ impl Template {
     /// The template's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The template's key (its directory's name), which session files name.
+    pub fn key(&self) -> String {
+        self.dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    }
+
+    /// Pins the template for `holder` (a name of the caller's, a plain file name): while
+    /// any pin is there, building another template never prunes this one.
+    pub fn pin(&self, holder: &str) -> std::io::Result<()> {
+        fs::write(self.dir.join(PINS_DIR).join(holder), b"")
+    }
+
+    /// Removes `holder`'s pin of the template in `dir`, if there was one.
+    pub fn unpin(dir: &Path, holder: &str) {
+        let _ = fs::remove_file(dir.join(PINS_DIR).join(holder));
     }
 
     /// The frozen state.
@@ -423,8 +448,14 @@ fn page_tables(ram: &GuestRam, s: &SnapshotState) -> Result<Option<Vec<u64>>, Te
     )?))
 }
 
-/// Removes all but the `keep` most recent template directories under `root` (never `current`).
-/// Best effort: a directory that cannot be removed is left for the next time.
+/// Whether the template in `dir` has a pin ([`Template::pin`]).
+fn pinned(dir: &Path) -> bool {
+    fs::read_dir(dir.join(PINS_DIR)).is_ok_and(|mut d| d.next().is_some())
+}
+
+/// Removes all but the `keep` most recent unpinned template directories under `root` (never
+/// `current`, never a pinned one). Best effort: a directory that cannot be removed is left
+/// for the next time.
 fn prune(root: &Path, current: &Path, keep: usize) {
     let Ok(entries) = fs::read_dir(root) else {
         return;
@@ -433,11 +464,44 @@ fn prune(root: &Path, current: &Path, keep: usize) {
         .filter_map(|e| e.ok())
         .map(|e| e.path())
         .filter(|p| p.as_path() != current && p.join(STATE_FILE).exists())
+        .filter(|p| !pinned(p))
         .filter_map(|p| Some((fs::metadata(p.join(STATE_FILE)).ok()?.modified().ok()?, p)))
         .collect();
     dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
     for (_, old) in dirs.into_iter().skip(keep) {
         let _ = fs::remove_dir_all(&old);
         let _ = fs::remove_file(old.with_extension("lock"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pruning_keeps_the_newest_the_current_and_every_pinned_template() {
+        let root = std::env::temp_dir().join(format!("bud-prune-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        for name in ["a", "b", "c", "d"] {
+            let d = root.join(name);
+            fs::create_dir_all(d.join(PINS_DIR)).unwrap();
+            fs::write(d.join(STATE_FILE), name).unwrap();
+            // Distinct modification times, oldest first.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        fs::write(root.join("a").join(PINS_DIR).join("state-1"), b"").unwrap();
+
+        prune(&root, &root.join("d"), 1);
+        let mut left: Vec<String> = fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+
+        assert_eq!(left, ["a", "c", "d"]);
+        fs::remove_file(root.join("a").join(PINS_DIR).join("state-1")).unwrap();
+        prune(&root, &root.join("d"), 1);
+        assert!(!root.join("a").exists(), "an unpinned old template stayed");
+        fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -114,9 +114,12 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
         .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
         .map_err(Error::internal)?;
     let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+    // Kept while this pause needs it (a later build of the template never prunes it).
+    let _ = exec.template().pin(dir.holder());
     dir.add_paused(Paused {
         record,
         bytes,
+        key: exec.template().key(),
         written_here: true,
     });
     if let Some((entry, vm)) = state.sessions().take_out(&e.id) {
@@ -170,7 +173,12 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             .map_err(Error::internal)?;
         drop(busy);
         let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
-        let snap = Snapshot { record, bytes };
+        let _ = exec.template().pin(dir.holder());
+        let snap = Snapshot {
+            record,
+            bytes,
+            key: exec.template().key(),
+        };
         dir.add_snapshot(snap.clone());
         dir.snapshots_taken
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -190,10 +198,14 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
 
 /// Deletes snapshot `id` (sessions started from it go on).
 pub fn delete_snapshot(state: &AppState, id: &str) -> Result<(), Error> {
-    dir(state)?
+    let dir = dir(state)?;
+    let s = dir
         .remove_snapshot(id)
-        .map(drop)
-        .ok_or_else(|| Error::NoSnapshot(id.to_owned()))
+        .ok_or_else(|| Error::NoSnapshot(id.to_owned()))?;
+    if let Ok(exec) = templates::executor_for(state, Some(&s.record.template)) {
+        crate::service::resume::unpin_if_unneeded(&dir, &exec, &s.key);
+    }
+    Ok(())
 }
 
 /// Starts a session from snapshot `snap` with the settings of `req` that it gives (the
@@ -215,7 +227,7 @@ pub async fn start_from(
             format!("snapshot {snap} is of template {}", s.record.template),
         ));
     }
-    let r = s.record;
+    let r = s.record.clone();
     let lim = &state.config().sessions;
     let idle = req.idle_timeout_s.unwrap_or(r.idle_timeout_s);
     let life = req.max_lifetime_s.unwrap_or(lim.default_lifetime_s);
@@ -228,7 +240,7 @@ pub async fn start_from(
             ),
         ));
     }
-    let exec = templates::executor_for(state, Some(&r.template))?;
+    let exec = crate::service::resume::executor_of_key(state, &dir, &r.template, &s.key).await?;
     check_count(state, 1)?;
     check_memory(state)?;
     let mut env = r.env.clone();
@@ -344,6 +356,7 @@ fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Resu
     let exec = templates::executor_for(state, Some(&record.template))?;
     f.check_template(exec.template())
         .map_err(|e| refuse(e.to_string()))?;
+    let key = exec.template().key();
     let id = record.id.clone();
     if !id.starts_with("ses_")
         || id.len() > 64
@@ -363,9 +376,11 @@ fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Resu
             quota,
         });
     }
+    let _ = exec.template().pin(dir.holder());
     Ok(Paused {
         record,
         bytes,
+        key,
         written_here: true,
     })
 }

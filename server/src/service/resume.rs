@@ -56,7 +56,7 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     let Some(p) = dir.paused(id) else {
         return state.sessions().get(id).map_err(|u| unavailable(id, u));
     };
-    let exec = templates::executor_for(state, Some(&p.record.template))?;
+    let exec = executor_of_key(state, &dir, &p.record.template, &p.key).await?;
     check_count(state, 1)?;
     check_memory(state)?;
     let origin = crate::audit::Origin::here("resume", &p.record.template, Some(id));
@@ -72,6 +72,70 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     Ok(e)
 }
 
+/// The executor of template `name` as it was when key `key` was made: the served one if
+/// the key is its own, else one made (once, then kept) over the template directory of that
+/// key, which this server's pins kept (`vmm::Template::pin`) when the template was rebuilt.
+/// 410 `unresumable` if that directory is gone.
+pub async fn executor_of_key(
+    state: &AppState,
+    dir: &Arc<StateDir>,
+    name: &str,
+    key: &str,
+) -> Result<Arc<vmm::Executor>, Error> {
+    let exec = templates::executor_for(state, Some(name))?;
+    if exec.template().key() == key {
+        return Ok(exec);
+    }
+    if let Some(old) = dir.old_executor(key) {
+        return Ok(old);
+    }
+    let Some(path) = exec.template().dir().parent().map(|root| root.join(key)) else {
+        return Err(Error::internal("a template directory has no parent"));
+    };
+    // Not on a job thread: an executor starts threads of its own, which a job thread's
+    // jail forbids.
+    let owned = name.to_owned();
+    let made = tokio::task::spawn_blocking(move || {
+        let name = owned;
+        let t = vmm::Template::load(&path).map_err(|e| {
+            format!(
+                "made on template {name} as it was (key {}), which is no longer on disk: {e}",
+                path.file_name()
+                    .map(|n| n.to_string_lossy())
+                    .unwrap_or_default()
+            )
+        })?;
+        let opts = vmm::ExecutorOptions {
+            pool_size: 0,
+            ..vmm::ExecutorOptions::default()
+        };
+        vmm::Executor::new(t, opts).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(Error::internal)?;
+    match made {
+        Ok(e) => {
+            let e = Arc::new(e);
+            dir.keep_old_executor(key, e.clone());
+            Ok(e)
+        }
+        Err(why) => Err(Error::Unresumable {
+            id: name.to_owned(),
+            why,
+        }),
+    }
+}
+
+/// Removes this state directory's pin of template `key` (made by `exec`'s template root)
+/// once no paused session or snapshot here needs it.
+pub fn unpin_if_unneeded(dir: &StateDir, exec: &vmm::Executor, key: &str) {
+    if !dir.needs(key)
+        && let Some(root) = exec.template().dir().parent()
+    {
+        vmm::Template::unpin(&root.join(key), dir.holder());
+    }
+}
+
 /// Makes paused session `p` again on `exec` (on a job thread).
 fn resume_file(
     state: &AppState,
@@ -80,6 +144,7 @@ fn resume_file(
     p: Paused,
 ) -> Result<Arc<Entry>, Error> {
     let r = p.record;
+    let p_key = p.key;
     let id = r.id.clone();
     let loaded = session_file::read(&dir.paused_path(&id))
         .and_then(|f| {
@@ -128,6 +193,7 @@ fn resume_file(
         e.processes.add_watch(*id, path);
     }
     dir.remove_paused(&id);
+    unpin_if_unneeded(dir, exec, &p_key);
     e.account();
     Ok(e)
 }

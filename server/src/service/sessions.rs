@@ -97,8 +97,11 @@ pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, E
 /// running request's end.
 pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
     if let Some(dir) = state.state_dir()
-        && dir.remove_paused(id).is_some()
+        && let Some(p) = dir.remove_paused(id)
     {
+        if let Ok(exec) = templates::executor_for(state, Some(&p.record.template)) {
+            crate::service::resume::unpin_if_unneeded(dir, &exec, &p.key);
+        }
         return Ok(());
     }
     match state.sessions().get(id) {

@@ -119,16 +119,24 @@ impl TestServer {
     /// A server on which only the templates in `ready` are ready (the others stay
     /// `building`).
     pub fn with_templates(config: Config, ready: &[&str]) -> Self {
+        // The executors first: on a fresh build one builds the image whose facts follow.
+        let executors: Vec<(&str, Arc<Executor>)> = ready
+            .iter()
+            .map(|name| (*name, executor_of(name)))
+            .collect();
+        Self::with_executors(config, &executors)
+    }
+
+    /// A server whose templates `ready` are served by these executors.
+    pub fn with_executors(config: Config, ready: &[(&str, Arc<Executor>)]) -> Self {
         let state = AppState::new(config, None).expect("server state");
-        for name in ready {
-            // The executor first: on a fresh build it builds the image whose facts follow.
-            let executor = executor_of(name);
+        for (name, executor) in ready {
             let (image_bytes, packages) = bud_templates::image_facts(&template_options(name));
             let info = bud_server::state::TemplateInfo {
                 image_bytes,
                 packages,
             };
-            assert!(state.set_template(name, executor, info));
+            assert!(state.set_template(name, executor.clone(), info));
         }
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let (stop, stopped) = oneshot::channel::<()>();
