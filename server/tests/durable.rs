@@ -363,6 +363,7 @@ fn the_e2b_sdk_pauses_connects_snapshots_and_auto_pauses_sandboxes() {
             "snapshot_deleted": [true, false],
             "auto_paused": "paused",
             "auto_resumed": ["paused at its timeout\n"],
+            "auto_resume": ["paused", ["woken by a call\n"], "running"],
             "async": [true, ["async\n"]],
         })
     );

@@ -49,6 +49,10 @@ pub fn exempt_from_keys(path: &str) -> bool {
 
 /// The compat routes over `app`, to merge into the API's router.
 pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
+    let compat = Compat {
+        app,
+        own: Arc::default(),
+    };
     let mut r = Router::new();
     for prefix in ["/api/v2", "/api/v2/piston"] {
         for slash in ["", "/"] {
@@ -81,8 +85,9 @@ pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
         .route("/files", get(envd::read_file).post(envd::write_files))
         .route("/process.Process/{method}", post(envd::process))
         .route("/filesystem.Filesystem/{method}", post(envd::filesystem))
-        .with_state(Compat {
-            app,
-            own: Arc::default(),
-        })
+        .route_layer(axum::middleware::from_fn_with_state(
+            compat.clone(),
+            e2b::lifecycle::auto_resume,
+        ))
+        .with_state(compat)
 }

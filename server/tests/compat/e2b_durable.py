@@ -60,6 +60,18 @@ while time.time() < deadline and Sandbox.get_info(auto.sandbox_id).state != Sand
 seen["auto_paused"] = str(Sandbox.get_info(auto.sandbox_id).state.value)
 seen["auto_resumed"] = Sandbox.connect(auto.sandbox_id, timeout=60).run_code("print(y)").logs.stdout
 
+# autoResume: any in-sandbox call resumes a paused sandbox, no connect needed.
+awake = Sandbox.create(
+    template="base", timeout=60, lifecycle={"on_timeout": "pause", "auto_resume": True}
+)
+awake.run_code("w = 'woken by a call'")
+awake.pause()
+seen["auto_resume"] = [
+    str(Sandbox.get_info(awake.sandbox_id).state.value),
+    awake.run_code("print(w)").logs.stdout,
+    str(Sandbox.get_info(awake.sandbox_id).state.value),
+]
+
 
 async def main():
     s = await AsyncSandbox.create(template="base", timeout=60)
@@ -72,7 +84,7 @@ async def main():
 
 
 seen["async"] = asyncio.run(main())
-for s in (resumed, a, b):
+for s in (resumed, a, b, awake):
     s.kill()
 Sandbox.kill(auto.sandbox_id)
 print(json.dumps(seen))

@@ -323,6 +323,7 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
             metadata: parent.metadata.clone(),
             contexts: Mutex::new(contexts.clone()),
             auto_pause: parent.auto_pause,
+            auto_resume: parent.auto_resume,
         });
         if let Ok(e) = c.app.sessions().get(&child) {
             e.attach(s.clone());

@@ -10,8 +10,9 @@
 //!   with `templateID` = its id; `DELETE /templates/{id}` deletes one (204, 404).
 //! - `autoPause: true` at create: the sandbox pauses at its timeout instead of ending.
 //! - A paused sandbox is listed (`state=paused`) and shown with `"state": "paused"`; its
-//!   in-sandbox routes answer 502 (E2B's proxy says the same) until a connect resumes it.
-//!   E2B's `autoResume` (resume at any in-sandbox request) is not served.
+//!   in-sandbox routes answer 502 (E2B's proxy says the same) until a connect resumes it,
+//!   unless it was made with `autoResume: {"enabled": true}`: then any in-sandbox request
+//!   (with its access token, where the server has keys) resumes it first ([`auto_resume`]).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -172,4 +173,35 @@ pub async fn delete_snapshot(State(c): State<Compat>, Path(id): Path<String>) ->
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e2b_error(e),
     }
+}
+
+/// Resumes a paused sandbox made with `autoResume` before an in-sandbox request for it
+/// (E2B's client proxy does the same); the request then goes on as for a running one.
+pub async fn auto_resume(
+    State(c): State<Compat>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let wanted = super::is_sandbox_route(req.uri().path())
+        .then(|| req.headers().get(super::SANDBOX_ID_HEADER))
+        .flatten()
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| paused(&c, id).is_some())
+        .map(str::to_owned);
+    if let Some(id) = wanted
+        && let Some(s) = sandbox(&c, &id, None)
+        && s.auto_resume
+    {
+        let token = req
+            .headers()
+            .get(super::ACCESS_TOKEN_HEADER)
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        let allowed = c.app.config().api_keys.is_none()
+            || crate::keys::constant_time_eq(token, s.token.as_bytes());
+        if allowed && let Err(e) = durable::resume(&c.app, &id).await {
+            return e2b_error(e);
+        }
+    }
+    next.run(req).await
 }

@@ -78,6 +78,8 @@ pub struct Sandbox {
     pub contexts: Mutex<Contexts>,
     /// Paused rather than killed at its timeout (E2B's `autoPause`).
     pub auto_pause: bool,
+    /// Resumed by any in-sandbox request while paused (E2B's `autoResume`).
+    pub auto_resume: bool,
 }
 
 /// What a paused sandbox keeps of itself (in its session's record, under `e2b`).
@@ -90,6 +92,8 @@ struct SandboxRecord {
     metadata: BTreeMap<String, String>,
     contexts: Contexts,
     auto_pause: bool,
+    #[serde(default)]
+    auto_resume: bool,
 }
 
 impl crate::sessions::Attachment for Sandbox {
@@ -106,6 +110,7 @@ impl crate::sessions::Attachment for Sandbox {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
             auto_pause: self.auto_pause,
+            auto_resume: self.auto_resume,
         };
         json!({ "e2b": r })
     }
@@ -123,6 +128,7 @@ impl Sandbox {
             metadata: r.metadata,
             contexts: Mutex::new(r.contexts),
             auto_pause: r.auto_pause,
+            auto_resume: r.auto_resume,
         })
     }
 }
@@ -220,6 +226,15 @@ pub struct NewSandbox {
     pub env_vars: BTreeMap<String, String>,
     /// Pause instead of kill at the timeout.
     pub auto_pause: Option<bool>,
+    /// `{"enabled": bool}`: resume at any in-sandbox request while paused.
+    pub auto_resume: Option<AutoResume>,
+}
+
+/// E2B's `autoResume` at create.
+#[derive(Debug, Deserialize)]
+pub struct AutoResume {
+    #[serde(default)]
+    pub enabled: bool,
 }
 
 fn body_of(s: &Sandbox, e: &Entry, with_token: bool) -> serde_json::Value {
@@ -280,6 +295,7 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         metadata: req.metadata,
         contexts: Mutex::default(),
         auto_pause: req.auto_pause.unwrap_or(false),
+        auto_resume: req.auto_resume.as_ref().is_some_and(|a| a.enabled),
     });
     e.attach(s.clone());
     let mut map = c.own.e2b.map();
