@@ -667,3 +667,35 @@ fn a_session_paused_before_its_template_was_rebuilt_resumes_on_the_pinned_old_on
         "the pin stayed after the last pause on it resumed"
     );
 }
+
+#[test]
+fn a_session_imported_where_it_had_ended_before_is_served_not_hidden_by_its_end() {
+    let here = server_on(&state_dir("reimport-here"));
+    let there = server_on(&state_dir("reimport-there"));
+    let id = session(&here, json!({"idle_timeout_s": 1}));
+    cell(&here, &id, "back = 'again'");
+    assert_eq!(
+        here.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+        200
+    );
+    let file = here
+        .get(&format!("/v1/sessions/{id}/export"))
+        .bytes()
+        .unwrap()
+        .to_vec();
+    let import =
+        |body: Vec<u8>| there.post_raw("/v1/sessions/import", "application/octet-stream", body);
+    assert_eq!(import(file.clone()).0, 201);
+    cell(&there, &id, "print(back)");
+    // Its idle timeout ends it there: a tombstone says why.
+    let t = Instant::now();
+    while show(&there, &id).0 != 410 {
+        assert!(t.elapsed() < Duration::from_secs(30), "never expired");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (status, r) = import(file);
+    let printed = cell(&there, &id, "print(back)");
+
+    assert_eq!(status, 201, "{r}");
+    assert_eq!(printed, "again\n");
+}

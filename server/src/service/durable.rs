@@ -329,6 +329,9 @@ pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused,
         match checked {
             Ok(p) => {
                 dir.adopt_upload(&tmp, p.clone()).map_err(Error::internal)?;
+                // An id that ended here before is paused here now: its tombstone would
+                // hide it.
+                st.sessions().forget(&p.record.id);
                 Ok(p)
             }
             Err(e) => {
