@@ -276,10 +276,15 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
                         if let crate::jail::Seccomp::Unavailable(why) = &closed.seccomp {
                             warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
                         }
-                        info!(seccomp = closed.jailed(), uid = closed.uid, "{closed}");
+                        let line = closed.to_string();
+                        let (seccomp, uid) = (closed.jailed(), closed.uid);
+                        // Handed to the job threads before the line that says the jail is
+                        // in force: /v1/health's `jailed` reads it, and a client that saw
+                        // the line found `jailed: false` (tests/jail.rs, 1 run in ~6).
                         if let Some(f) = closed.job_filter {
                             prep_state.jobs().set_job_filter(f);
                         }
+                        info!(seccomp, uid, "{line}");
                     }
                     Err(e) => {
                         let e = PrepareError::from(e);
