@@ -111,6 +111,41 @@ pub struct Record {
     pub stderr: Option<String>,
 }
 
+impl Record {
+    /// The record of an event of `origin` that is not a job (a process start, a pause):
+    /// now, `kind`, no code, input or output (their hashes the empty one), status ok, no
+    /// time; the caller fills in what the event has.
+    fn event(origin: &Origin, kind: &str, language: Language) -> Self {
+        let empty = sha256_hex(b"");
+        Self {
+            time: crate::clock::rfc3339(crate::clock::epoch_s(SystemTime::now())),
+            key: origin.key.clone(),
+            route: origin.route.clone(),
+            kind: kind.to_owned(),
+            template: origin.template.clone(),
+            session: origin.session.clone(),
+            language,
+            code_sha256: empty.clone(),
+            code_bytes: 0,
+            stdin_sha256: empty.clone(),
+            stdin_bytes: 0,
+            status: vmm::Status::Ok,
+            exit_code: None,
+            signal: None,
+            queue_ms: 0.0,
+            run_ms: 0.0,
+            total_ms: 0.0,
+            stdout_bytes: 0,
+            stdout_sha256: empty.clone(),
+            stderr_bytes: 0,
+            stderr_sha256: empty,
+            code: None,
+            stdout: None,
+            stderr: None,
+        }
+    }
+}
+
 fn sha256_hex(b: &[u8]) -> String {
     Sha256::digest(b)
         .iter()
@@ -216,68 +251,25 @@ impl AuditLog {
     /// Records the start of a background process (`kind` `process`): who started which
     /// script where; its output and end are not in the trail.
     pub fn process(&self, origin: &Origin, script: &[u8]) {
-        let empty = sha256_hex(b"");
-        let content = self.config.content;
-        let record = Record {
-            time: crate::clock::rfc3339(crate::clock::epoch_s(SystemTime::now())),
-            key: origin.key.clone(),
-            route: origin.route.clone(),
-            kind: "process".to_owned(),
-            template: origin.template.clone(),
-            session: origin.session.clone(),
-            language: Language::Shell,
-            code_sha256: sha256_hex(script),
-            code_bytes: script.len(),
-            stdin_sha256: empty.clone(),
-            stdin_bytes: 0,
-            status: vmm::Status::Ok,
-            exit_code: None,
-            signal: None,
-            queue_ms: 0.0,
-            run_ms: 0.0,
-            total_ms: 0.0,
-            stdout_bytes: 0,
-            stdout_sha256: empty.clone(),
-            stderr_bytes: 0,
-            stderr_sha256: empty,
-            code: content.then(|| capped(script)),
-            stdout: None,
-            stderr: None,
-        };
+        let mut record = Record::event(origin, "process", Language::Shell);
+        record.code_sha256 = sha256_hex(script);
+        record.code_bytes = script.len();
+        record.code = self.config.content.then(|| capped(script));
         self.queue(record);
     }
 
     /// Records a durable-session event (`pause`, `resume`, `snapshot`) of `origin`'s
     /// session that took `took`; `detail` (a snapshot's id) goes in `stdout`.
     pub fn lifecycle(&self, origin: &Origin, kind: &str, took: Duration, detail: Option<&str>) {
-        let empty = sha256_hex(b"");
         let ms = took.as_secs_f64() * 1e3;
-        let record = Record {
-            time: crate::clock::rfc3339(crate::clock::epoch_s(SystemTime::now())),
-            key: origin.key.clone(),
-            route: origin.route.clone(),
-            kind: kind.to_owned(),
-            template: origin.template.clone(),
-            session: origin.session.clone(),
-            language: Language::Python,
-            code_sha256: empty.clone(),
-            code_bytes: 0,
-            stdin_sha256: empty.clone(),
-            stdin_bytes: 0,
-            status: vmm::Status::Ok,
-            exit_code: None,
-            signal: None,
-            queue_ms: 0.0,
-            run_ms: ms,
-            total_ms: ms,
-            stdout_bytes: detail.map_or(0, str::len),
-            stdout_sha256: sha256_hex(detail.unwrap_or_default().as_bytes()),
-            stderr_bytes: 0,
-            stderr_sha256: empty,
-            code: None,
-            stdout: detail.map(str::to_owned),
-            stderr: None,
-        };
+        let mut record = Record::event(origin, kind, Language::Python);
+        record.run_ms = ms;
+        record.total_ms = ms;
+        if let Some(d) = detail {
+            record.stdout_bytes = d.len();
+            record.stdout_sha256 = sha256_hex(d.as_bytes());
+            record.stdout = Some(d.to_owned());
+        }
         self.queue(record);
     }
 

@@ -56,33 +56,15 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DurableError + '_ {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ProcessRecord {
     pub pid: u32,
-    pub cmd: String,
-    pub args: Vec<String>,
-    pub script: String,
-    pub cwd: Option<String>,
-    pub env: BTreeMap<String, String>,
-    pub tag: Option<String>,
-    pub stdin: bool,
-    pub pty: Option<(u16, u16)>,
-    #[serde(default)]
-    pub user: Option<String>,
+    pub start: crate::procs::Start,
     pub started_at_ms: u64,
 }
 
 impl ProcessRecord {
     pub fn of(i: &crate::procs::Info) -> Self {
-        let s = &i.start;
         Self {
             pid: i.pid,
-            cmd: s.cmd.clone(),
-            args: s.args.clone(),
-            script: s.script.clone(),
-            cwd: s.cwd.clone(),
-            env: s.env.clone(),
-            tag: s.tag.clone(),
-            stdin: s.stdin,
-            pty: s.pty,
-            user: s.user.clone(),
+            start: i.start.clone(),
             started_at_ms: epoch_ms(i.started_at),
         }
     }
@@ -90,17 +72,7 @@ impl ProcessRecord {
     pub fn info(&self) -> crate::procs::Info {
         crate::procs::Info {
             pid: self.pid,
-            start: crate::procs::Start {
-                cmd: self.cmd.clone(),
-                args: self.args.clone(),
-                script: self.script.clone(),
-                cwd: self.cwd.clone(),
-                env: self.env.clone(),
-                tag: self.tag.clone(),
-                stdin: self.stdin,
-                pty: self.pty,
-                user: self.user.clone(),
-            },
+            start: self.start.clone(),
             started_at: from_epoch_ms(self.started_at_ms),
         }
     }

@@ -43,8 +43,8 @@ struct Watch {
     tx: broadcast::Sender<(Change, String)>,
 }
 
-/// A process to start.
-#[derive(Debug, Clone, Default)]
+/// A process to start (also kept in a paused session's record: `crate::durable`).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct Start {
     /// The command line as the client gave it (for listings).
     pub cmd: String,

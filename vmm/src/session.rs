@@ -155,11 +155,6 @@ impl ChildRecipe<'_> {
     }
 }
 
-/// The key of template `t` (its folder's name), which a session file names.
-fn template_key(t: &crate::Template) -> String {
-    t.key()
-}
-
 /// What a fork cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ForkStats {
@@ -490,7 +485,7 @@ impl Session {
         }
         let runs = crate::layer::coalesce(set_bits(&pages), crate::layer::MAX_RUNS);
         let header = session_file::Header {
-            template: template_key(t),
+            template: t.key(),
             host_identity: t.state().host_identity.clone(),
             ram_size: t.state().ram_size,
             runs,
@@ -510,12 +505,7 @@ impl Session {
     /// own. Its memory is mapped from the file, which may be removed after.
     pub fn load(ex: &Executor, f: &SessionFile, new_identity: bool) -> Result<Self, SessionError> {
         let t = ex.template();
-        session_file::check_origin(
-            f,
-            &template_key(t),
-            t.state().ram_size,
-            &t.state().host_identity,
-        )?;
+        f.check_template(t)?;
         let file = f.file.try_clone().map_err(|source| SessionFileError::Io {
             path: f.path.clone(),
             source,

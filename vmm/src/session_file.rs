@@ -347,7 +347,7 @@ pub fn read(path: &Path) -> Result<SessionFile, SessionFileError> {
 
 /// Checks that `f` was made on template `key` (a folder name), of RAM `ram_size`, on host
 /// `host_identity`.
-pub(crate) fn check_origin(
+fn check_origin(
     f: &SessionFile,
     key: &str,
     ram_size: u64,
