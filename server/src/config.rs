@@ -243,6 +243,9 @@ pub struct Config {
     /// them.
     #[arg(long)]
     pub pause_on_shutdown: bool,
+    /// This server as one node of many: its id, HAProxy's agent check, Redis.
+    #[command(flatten)]
+    pub cluster: crate::node::ClusterConfig,
     /// Limits on one session.
     #[command(flatten)]
     pub sessions: SessionLimits,
@@ -278,6 +281,7 @@ impl Default for Config {
             state_dir: None,
             state_quota_bytes: 20 << 30,
             pause_on_shutdown: false,
+            cluster: Default::default(),
         }
     }
 }

@@ -70,6 +70,9 @@ pub struct ErrorDetail<'a> {
     pub code: &'a str,
     pub message: String,
     pub field: Option<&'a str>,
+    /// The node that holds what the request named (`wrong_node`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<&'a str>,
 }
 
 impl ApiError {
@@ -136,6 +139,10 @@ impl ApiError {
                 code: self.code(),
                 message: self.to_string(),
                 field: self.field(),
+                node: match self {
+                    ApiError::Service(Error::WrongNode { node, .. }) => Some(node),
+                    _ => None,
+                },
             },
         }
     }
@@ -159,6 +166,7 @@ fn service_status(e: &Error) -> StatusCode {
         Error::NotReady { .. }
         | Error::MemoryBudget { .. }
         | Error::ShuttingDown
+        | Error::Draining { .. }
         | Error::TemplateFailed { .. }
         | Error::AuditUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         Error::NoSession(_) | Error::NoFile(_) | Error::NoProcess { .. } | Error::NoSnapshot(_) => {
@@ -172,6 +180,7 @@ fn service_status(e: &Error) -> StatusCode {
         Error::NoStateDir => StatusCode::NOT_IMPLEMENTED,
         Error::StateQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
         Error::Unresumable { .. } => StatusCode::GONE,
+        Error::WrongNode { .. } => StatusCode::MISDIRECTED_REQUEST,
         Error::SessionGone { .. } => StatusCode::GONE,
         Error::SessionBusy(_) => StatusCode::CONFLICT,
         Error::OutOfMemory { .. } => StatusCode::INSUFFICIENT_STORAGE,
@@ -192,6 +201,8 @@ fn service_code(e: &Error) -> &'static str {
         Error::UnknownTemplate { .. } => "unknown_template",
         Error::TemplateFailed { .. } => "template_failed",
         Error::ShuttingDown => "shutting_down",
+        Error::Draining { .. } => "draining",
+        Error::WrongNode { .. } => "wrong_node",
         Error::NoSession(_) => "no_session",
         Error::SessionGone { .. } => "session_gone",
         Error::SessionBusy(_) => "session_busy",

@@ -249,6 +249,9 @@ const OTHER_THREADS: &[i64] = &[
     libc::SYS_getpeername,
     libc::SYS_setsockopt,
     libc::SYS_getsockopt,
+    // Calls out to other nodes (a drain's hand-over and forwards, `crate::peer`) and to
+    // Redis (`crate::registry`): `socket` itself is checked by domain ([`OTHER_SOCKETS`]).
+    libc::SYS_connect,
     libc::SYS_clone,
     libc::SYS_clone3,
     libc::SYS_set_robust_list,
@@ -273,9 +276,19 @@ const OTHER_IOCTLS: &[(u64, u64)] = &[
     (0xffff_ffff, libc::TIOCGWINSZ),
 ];
 
-/// A filter allowing the system calls `allowed` whole, and `ioctl` only for the requests
-/// `ioctls` (its second argument, 32 bits as the kernel reads it).
-fn filter(allowed: &[i64], ioctls: &[(u64, u64)]) -> Result<BpfProgram, JailError> {
+/// The socket domains the other threads may open: TCP to other nodes and Redis, and what
+/// name resolution opens for a host name (UDP to the resolver, the `nscd` socket) —
+/// measured with `strace -f -e socket,connect` over a drain and a Redis registration.
+const OTHER_SOCKETS: &[i32] = &[libc::AF_INET, libc::AF_INET6, libc::AF_UNIX];
+
+/// A filter allowing the system calls `allowed` whole, `ioctl` only for the requests
+/// `ioctls` (its second argument, 32 bits as the kernel reads it), and `socket` only for
+/// the domains `sockets` (its first argument).
+fn filter(
+    allowed: &[i64],
+    ioctls: &[(u64, u64)],
+    sockets: &[i32],
+) -> Result<BpfProgram, JailError> {
     let error = |e: seccompiler::BackendError| JailError::Filter(e.to_string());
     let mut rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
         allowed.iter().map(|&n| (n, Vec::new())).collect();
@@ -293,6 +306,18 @@ fn filter(allowed: &[i64], ioctls: &[(u64, u64)]) -> Result<BpfProgram, JailErro
         })
         .collect::<Result<Vec<_>, _>>()?;
     rules.insert(libc::SYS_ioctl, requests);
+    if !sockets.is_empty() {
+        let domains = sockets
+            .iter()
+            .map(|&d| {
+                let domain =
+                    SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, d as u64)
+                        .map_err(error)?;
+                SeccompRule::new(vec![domain]).map_err(error)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        rules.insert(libc::SYS_socket, domains);
+    }
     let f = SeccompFilter::new(
         rules,
         SeccompAction::KillProcess,
@@ -309,12 +334,13 @@ pub fn process_filter() -> Result<BpfProgram, JailError> {
     filter(
         &[JOB_THREAD, OTHER_THREADS].concat(),
         &[JOB_THREAD_IOCTLS, OTHER_IOCTLS].concat(),
+        OTHER_SOCKETS,
     )
 }
 
 /// The filter job threads stack on it.
 pub fn job_filter() -> Result<BpfProgram, JailError> {
-    filter(JOB_THREAD, JOB_THREAD_IOCTLS)
+    filter(JOB_THREAD, JOB_THREAD_IOCTLS, &[])
 }
 
 /// Installs `prog` on the calling thread only.
@@ -448,7 +474,11 @@ mod tests {
     /// Forks; the child stacks the job filter and makes `call`, then exits 0 if it was
     /// allowed. Returns the child's wait status.
     fn in_child(call: fn() -> libc::c_long) -> libc::c_int {
-        let prog = job_filter().unwrap();
+        in_child_under(job_filter().unwrap(), call)
+    }
+
+    /// [`in_child`] under `prog`.
+    fn in_child_under(prog: BpfProgram, call: fn() -> libc::c_long) -> libc::c_int {
         // SAFETY: the child only installs the prepared filter (prctl/seccomp calls, no
         // allocation), makes one system call and _exits; the parent waits for it.
         unsafe {
@@ -517,6 +547,25 @@ mod tests {
     }
 
     #[test]
+    fn other_threads_may_open_network_sockets_and_no_others() {
+        fn tcp() -> libc::c_long {
+            // SAFETY: a raw system call without memory arguments; the child exits after.
+            unsafe { libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0) }
+        }
+        fn netlink() -> libc::c_long {
+            // SAFETY: as above.
+            unsafe { libc::syscall(libc::SYS_socket, libc::AF_NETLINK, libc::SOCK_RAW, 0) }
+        }
+        let status = in_child_under(process_filter().unwrap(), tcp);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "AF_INET: {status:#x}"
+        );
+        let status = in_child_under(process_filter().unwrap(), netlink);
+        assert!(killed_by_sigsys(status), "AF_NETLINK: {status:#x}");
+    }
+
+    #[test]
     fn an_allowed_call_under_the_job_filter_runs() {
         fn getpid() -> libc::c_long {
             // SAFETY: a raw system call without memory arguments.
@@ -536,8 +585,7 @@ mod tests {
         assert_eq!(unique.len(), all.len(), "a call is listed twice");
         for forbidden in [
             libc::SYS_execve,
-            libc::SYS_socket,
-            libc::SYS_connect,
+            libc::SYS_socket, // allowed by domain only, and not on job threads
             libc::SYS_ptrace,
             libc::SYS_setuid,
             libc::SYS_mount,
@@ -545,7 +593,12 @@ mod tests {
         ] {
             assert!(!all.contains(&forbidden), "{forbidden}");
         }
-        for forbidden in [libc::SYS_clone, libc::SYS_clone3, libc::SYS_accept4] {
+        for forbidden in [
+            libc::SYS_clone,
+            libc::SYS_clone3,
+            libc::SYS_accept4,
+            libc::SYS_connect,
+        ] {
             assert!(!JOB_THREAD.contains(&forbidden), "{forbidden}");
         }
     }

@@ -34,7 +34,10 @@ pub mod jail;
 pub mod jobs;
 pub mod keys;
 pub mod metrics;
+pub mod node;
+pub mod node_routes;
 pub mod openapi;
+pub mod peer;
 pub mod process_routes;
 pub mod procs;
 pub mod routes;
@@ -59,7 +62,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 37] = [
+pub const ROUTES: [(&str, &str); 39] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -97,6 +100,8 @@ pub const ROUTES: [(&str, &str); 37] = [
     ("delete", "/v1/snapshots/{id}"),
     ("get", "/v1/sessions/{id}/export"),
     ("post", "/v1/sessions/import"),
+    ("post", "/v1/admin/drain"),
+    ("post", "/v1/admin/undrain"),
 ];
 
 /// The API's router over `state`.
@@ -176,9 +181,15 @@ pub fn app(state: AppState) -> Router {
             "/v1/snapshots/{id}",
             get(durable_routes::show).delete(durable_routes::delete),
         )
+        .route("/v1/admin/drain", post(node_routes::drain))
+        .route("/v1/admin/undrain", post(node_routes::undrain))
         .merge(compat::routes(state.clone()))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            node_routes::by_node,
+        ))
         .layer(middleware::from_fn_with_state(
             KeyGate {
                 keys: state.config().api_keys.clone(),

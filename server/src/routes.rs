@@ -128,6 +128,8 @@ pub fn health_of(state: &AppState) -> Health {
             error: a.state.last_error(),
         }),
         jailed: state.jobs().jailed(),
+        node: state.node().id().to_owned(),
+        draining: state.node().draining(),
     }
 }
 

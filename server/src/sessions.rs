@@ -310,18 +310,27 @@ pub struct Sessions {
     pub ended_by: Mutex<BTreeMap<String, u64>>,
     /// The state directory, where running sessions are marked.
     marks: std::sync::OnceLock<Arc<crate::durable::StateDir>>,
-}
-
-/// A new random session id (128 bits from the host's CSPRNG, hex): unguessable, so an id
-/// is the capability to use its session.
-pub fn new_id() -> Result<String, vmm::identity::IdentityError> {
-    let mut b = [0u8; 16];
-    vmm::identity::host_random(&mut b)?;
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    Ok(format!("ses_{hex}"))
+    /// The node whose ids new sessions get.
+    node: std::sync::OnceLock<Arc<crate::node::Node>>,
 }
 
 impl Sessions {
+    /// Issues session ids of `node` from now on (else of a node named after the host).
+    pub fn use_node(&self, node: Arc<crate::node::Node>) {
+        let _ = self.node.set(node);
+    }
+
+    /// This registry's node.
+    pub fn node(&self) -> &Arc<crate::node::Node> {
+        self.node
+            .get_or_init(|| Arc::new(crate::node::Node::of(&Default::default())))
+    }
+
+    /// A new random id of `kind` (`ses`, `snap`) on this node ([`crate::node::Node::new_id`]).
+    pub fn new_id(&self, kind: &str) -> Result<String, vmm::identity::IdentityError> {
+        self.node().new_id(kind)
+    }
+
     /// Marks running sessions in `dir` from now on, and remembers `lost` (sessions that
     /// were running when the last server on it stopped) for a 410.
     pub fn use_state_dir(&self, dir: Arc<crate::durable::StateDir>, lost: &[String]) {
@@ -400,7 +409,7 @@ impl Sessions {
     ) -> Result<Arc<Entry>, vmm::identity::IdentityError> {
         let id = match &settings.again {
             Some((id, _)) => id.clone(),
-            None => new_id()?,
+            None => self.new_id("ses")?,
         };
         let e = Arc::new(Entry::new(id, settings));
         *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);

@@ -69,6 +69,7 @@ struct Shared {
     sessions: Arc<crate::sessions::Sessions>,
     audit: Option<crate::audit::AuditLog>,
     state_dir: Option<Arc<crate::durable::StateDir>>,
+    node: Arc<crate::node::Node>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -117,6 +118,8 @@ impl AppState {
             None => None,
         };
         let sessions: Arc<crate::sessions::Sessions> = Arc::default();
+        let node = Arc::new(crate::node::Node::of(&config.cluster));
+        sessions.use_node(node.clone());
         let state_dir = match &config.state_dir {
             Some(root) => {
                 let (dir, found) = crate::durable::StateDir::open(root, config.state_quota_bytes)?;
@@ -143,7 +146,13 @@ impl AppState {
             sessions,
             audit,
             state_dir,
+            node,
         })))
+    }
+
+    /// This server as a node of a cluster: its id, drain state, hand-overs.
+    pub fn node(&self) -> &Arc<crate::node::Node> {
+        &self.0.node
     }
 
     /// The state directory, if the server has one.

@@ -24,8 +24,8 @@ const LAYERS: [(&str, &[&str]); 5] = [
     (
         "core",
         &[
-            "audit", "clock", "config", "durable", "jail", "jobs", "keys", "metrics", "procs",
-            "sessions", "state",
+            "audit", "clock", "config", "durable", "jail", "jobs", "keys", "metrics", "node",
+            "peer", "procs", "sessions", "state",
         ],
     ),
     ("service error", &["service::error"]),
@@ -39,6 +39,7 @@ const LAYERS: [(&str, &[&str]); 5] = [
             "conn",
             "durable_routes",
             "error",
+            "node_routes",
             "openapi",
             "process_routes",
             "routes",

@@ -30,6 +30,12 @@ pub struct Health {
     /// the host cannot install them), and privileges dropped with `--user`.
     #[serde(default)]
     pub jailed: bool,
+    /// This node's id, which its session and snapshot ids carry (docs/cluster.md).
+    #[serde(default)]
+    pub node: String,
+    /// The node drains: it takes no new sessions or jobs, and still serves its sessions.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// The audit log in `GET /v1/health`.

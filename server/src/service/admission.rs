@@ -147,6 +147,18 @@ pub async fn call<R: Send + 'static>(
         .map_err(|_| lost())
 }
 
+/// Refuses new work (a one-shot job, a new session, an import) while the node drains
+/// (`crate::service::drain`); requests for the sessions it holds go on.
+pub fn check_open(state: &AppState) -> Result<(), Error> {
+    let node = state.node();
+    if node.draining() {
+        return Err(Error::Draining {
+            node: node.id().to_owned(),
+        });
+    }
+    Ok(())
+}
+
 /// The memory cap, before a session is made or forked.
 pub fn check_memory(state: &AppState) -> Result<(), Error> {
     let limit = state.config().sessions.max_memory_bytes;

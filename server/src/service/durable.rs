@@ -143,10 +143,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
     let busy = acquire(state, id).await?;
     let origin = Origin::here("snapshot", &busy.entry().template, Some(id));
     let started = Instant::now();
-    let snap_id = format!(
-        "snap_{}",
-        crate::sessions::new_id().map_err(Error::internal)?[4..].to_owned()
-    );
+    let snap_id = state.sessions().new_id("snap").map_err(Error::internal)?;
     let snap = admission::call(state, move || {
         let e = busy.entry().clone();
         e.account();
@@ -218,7 +215,14 @@ pub async fn start_from(
     let dir = dir(state)?;
     let s = dir
         .snapshot(snap)
-        .ok_or_else(|| Error::NoSnapshot(snap.to_owned()))?;
+        .ok_or_else(|| match state.node().elsewhere(snap) {
+            Some(node) => Error::WrongNode {
+                id: snap.to_owned(),
+                node: node.to_owned(),
+                here: state.node().id().to_owned(),
+            },
+            None => Error::NoSnapshot(snap.to_owned()),
+        })?;
     if let Some(t) = req.template.as_deref()
         && t != s.record.template
     {
@@ -322,6 +326,10 @@ pub async fn pause_all(state: &AppState) {
 /// session) as a paused session here: its pages checked, its template and host this
 /// server's, its id new here. The file is moved into place, or removed if refused.
 pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused, Error> {
+    if let Err(e) = admission::check_open(state) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     let dir = dir(state)?;
     let st = state.clone();
     tokio::task::spawn_blocking(move || {
@@ -361,10 +369,7 @@ fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Resu
         .map_err(|e| refuse(e.to_string()))?;
     let key = exec.template().key();
     let id = record.id.clone();
-    if !id.starts_with("ses_")
-        || id.len() > 64
-        || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-    {
+    if !crate::node::is_session_id(&id) {
         return Err(refuse(format!("{id:?} is not a session id")));
     }
     if state.sessions().get(&id).is_ok() || dir.paused(&id).is_some() {

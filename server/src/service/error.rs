@@ -76,6 +76,16 @@ pub enum Error {
     /// The server is finishing in-flight jobs before it stops.
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The node drains: it takes no new sessions or jobs (another node will).
+    #[error("node {node} is draining: it takes no new sessions or jobs; send them to another node")]
+    Draining { node: String },
+    /// The id names another node, and this one does not hold it.
+    #[error("{id} lives on node {node}; this is node {here}: send its requests to node {node}")]
+    WrongNode {
+        id: String,
+        node: String,
+        here: String,
+    },
     /// No live or ended session has this id.
     #[error("no session {0}")]
     NoSession(String),

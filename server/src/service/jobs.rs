@@ -107,6 +107,7 @@ fn ran(
 /// Runs `one`: its template ready, admitted, on a job thread; its output also goes to
 /// `sink` as it comes. Dropping the future cancels the job.
 pub async fn run(state: &AppState, one: OneShot, sink: Sink) -> Result<Ran, Error> {
+    admission::check_open(state)?;
     let exec = templates::executor_for(state, one.template.as_deref())?;
     let slot = admission::admit(state, 1)?.remove(0);
     submit(state, exec, slot, one, sink, None)?.finish().await
@@ -116,6 +117,7 @@ pub async fn run(state: &AppState, one: OneShot, sink: Sink) -> Result<Ran, Erro
 /// results in order; their output shares `max_batch_output_bytes`. One job bud could not
 /// run fails the whole batch (named `jobs[i]`).
 pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Error> {
+    admission::check_open(state)?;
     let limits = &state.config().limits;
     let n = jobs.len();
     if n == 0 {

@@ -24,6 +24,7 @@
 
 pub mod access;
 pub mod admission;
+pub mod drain;
 pub mod durable;
 pub mod error;
 pub mod files;

@@ -36,6 +36,7 @@ fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Du
 /// Checks `req` against the limits and caps, starts its session on a job thread and
 /// registers it.
 pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, Error> {
+    admission::check_open(state)?;
     if let Some(snap) = req.snapshot.clone() {
         return crate::service::durable::start_from(state, &snap, req).await;
     }
@@ -224,6 +225,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
             format!("count must be 1..={max} (got {count})"),
         ));
     }
+    admission::check_open(state)?;
     let busy = acquire(state, id).await?;
     check_count(state, count)?;
     check_memory(state)?;
