@@ -20,6 +20,7 @@
 //! KVM work never runs on the async runtime's threads: every job runs on a job thread
 //! ([`jobs`]) behind a bounded admission counter ([`service::admission`]).
 
+pub mod agent;
 pub mod api;
 pub mod audit;
 pub mod body;
@@ -40,6 +41,7 @@ pub mod openapi;
 pub mod peer;
 pub mod process_routes;
 pub mod procs;
+pub mod registry;
 pub mod routes;
 pub mod service;
 pub mod session_routes;

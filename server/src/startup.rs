@@ -238,8 +238,18 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
             workers = opts.config.workers,
             queue = opts.config.queue,
             pool = opts.config.pool_size,
+            node = state.node().id(),
             "listening"
         );
+
+        if let Some(port) = opts.config.cluster.agent_port {
+            let addr = SocketAddr::new(opts.listen, port);
+            let agent = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { addr, source })?;
+            info!(addr = %addr, node = state.node().id(), "answering HAProxy's agent checks");
+            tokio::spawn(crate::agent::serve(agent, state.clone()));
+        }
 
         let (prep_done, prep_failed) = oneshot::channel::<()>();
         let prep_state = state.clone();

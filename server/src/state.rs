@@ -70,6 +70,7 @@ struct Shared {
     audit: Option<crate::audit::AuditLog>,
     state_dir: Option<Arc<crate::durable::StateDir>>,
     node: Arc<crate::node::Node>,
+    registry: Option<Arc<crate::registry::Registry>>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -87,6 +88,8 @@ pub enum StateError {
     Audit(std::io::Error),
     #[error(transparent)]
     StateDir(#[from] crate::durable::DurableError),
+    #[error(transparent)]
+    Registry(#[from] crate::registry::RegistryError),
 }
 
 impl AppState {
@@ -119,6 +122,10 @@ impl AppState {
         };
         let sessions: Arc<crate::sessions::Sessions> = Arc::default();
         let node = Arc::new(crate::node::Node::of(&config.cluster));
+        let registry = match &config.cluster.redis {
+            Some(url) => Some(Arc::new(crate::registry::Registry::new(url)?)),
+            None => None,
+        };
         sessions.use_node(node.clone());
         let state_dir = match &config.state_dir {
             Some(root) => {
@@ -147,12 +154,18 @@ impl AppState {
             audit,
             state_dir,
             node,
+            registry,
         })))
     }
 
     /// This server as a node of a cluster: its id, drain state, hand-overs.
     pub fn node(&self) -> &Arc<crate::node::Node> {
         &self.0.node
+    }
+
+    /// The cluster's sandbox registry (`--redis`), if the server has one.
+    pub fn registry(&self) -> Option<&Arc<crate::registry::Registry>> {
+        self.0.registry.as_ref()
     }
 
     /// The state directory, if the server has one.

@@ -25,7 +25,7 @@ const LAYERS: [(&str, &[&str]); 5] = [
         "core",
         &[
             "audit", "clock", "config", "durable", "jail", "jobs", "keys", "metrics", "node",
-            "peer", "procs", "sessions", "state",
+            "peer", "procs", "registry", "sessions", "state",
         ],
     ),
     ("service error", &["service::error"]),

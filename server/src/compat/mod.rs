@@ -53,6 +53,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
         app,
         own: Arc::default(),
     };
+    e2b::cluster::start_publisher(&compat);
     let mut r = Router::new();
     for prefix in ["/api/v2", "/api/v2/piston"] {
         for slash in ["", "/"] {

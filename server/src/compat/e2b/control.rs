@@ -19,6 +19,7 @@
 //!   contexts), alive for `timeout` seconds or what was left of the parent's lifetime.
 //!   201 with one `{"sandbox": ...}` per child, as E2B answers.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -55,10 +56,6 @@ pub struct ListQuery {
 
 /// One sandbox's place in the listing order: its start (ns since the epoch), then its id.
 type Position = (u128, String);
-
-/// A listed sandbox: its place, what E2B clients know of it, its bud template, and what
-/// the listing shows of it.
-type Found = (Position, Arc<Sandbox>, String, Value);
 
 /// The place of `e` in the listing order.
 fn position(e: &Entry) -> Position {
@@ -135,27 +132,72 @@ fn parse_rfc3339(s: &str) -> Option<f64> {
     Some((days * 86_400 + h * 3600 + min * 60 - offset_s) as f64 + sec)
 }
 
-/// The live E2B sandboxes the current request's API key made (all of them without keys),
-/// with their sessions. A sandbox's id is the key to it (as a session's), so a listing must
-/// never show one key another's.
-fn live_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Arc<Entry>)> {
-    let asker = crate::audit::current_key();
+/// A listed sandbox, as the listing filters and orders it and as every node publishes it
+/// to the others (`super::cluster`): its place, the API key that made it, what filters
+/// read, and the listing's JSON of it.
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+pub struct Row {
+    /// Its start, ns since the epoch (the first half of its place).
+    pub at_ns: u64,
+    pub id: String,
+    pub key: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    /// The template name the client asked for, and bud's template.
+    pub template_id: String,
+    pub template: String,
+    pub running: bool,
+    pub body: Value,
+}
+
+impl Row {
+    fn position(&self) -> Position {
+        (u128::from(self.at_ns), self.id.clone())
+    }
+}
+
+/// Every E2B sandbox of this node, running and paused, whoever made it.
+pub fn local_rows(c: &Compat) -> Vec<Row> {
     let all: Vec<Arc<Sandbox>> = c.own.e2b.map().values().cloned().collect();
-    all.into_iter()
-        .filter(|s| s.key == asker)
+    let mut rows: Vec<Row> = all
+        .into_iter()
         .filter_map(|s| {
             let e = c.app.sessions().get(&s.id).ok()?;
-            Some((s, e))
+            let body = super::info_body(c, &s, &e);
+            Some(Row {
+                at_ns: position(&e).0 as u64,
+                id: s.id.clone(),
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                template_id: s.template_id.clone(),
+                template: e.template.clone(),
+                running: true,
+                body,
+            })
         })
-        .collect()
+        .collect();
+    rows.extend(
+        super::lifecycle::paused_sandboxes(c)
+            .into_iter()
+            .map(|(s, p)| Row {
+                at_ns: p.record.created_at_ms.saturating_mul(1_000_000),
+                id: s.id.clone(),
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                template_id: s.template_id.clone(),
+                template: p.record.template.clone(),
+                running: false,
+                body: super::lifecycle::paused_info(c, &s, &p),
+            }),
+    );
+    rows
 }
 
 /// `GET /v2/sandboxes` and `GET /sandboxes`.
 pub async fn list(State(c): State<Compat>, Query(q): Query<ListQuery>) -> Response {
-    list_page(&c, q).unwrap_or_else(e2b_error)
+    list_page(&c, q).await.unwrap_or_else(e2b_error)
 }
 
-fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
+async fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
     let limit = q.limit.unwrap_or(MAX_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(Error::invalid(
@@ -203,47 +245,38 @@ fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
         }
     };
     let from = q.next_token.as_deref().map(parse_token).transpose()?;
-    let mut found: Vec<Found> = Vec::new();
-    if running {
-        found.extend(live_sandboxes(c).into_iter().map(|(s, e)| {
-            let body = super::info_body(c, &s, &e);
-            (position(&e), s, e.template.clone(), body)
-        }));
-    }
-    if paused {
-        found.extend(
-            super::lifecycle::paused_sandboxes(c)
-                .into_iter()
-                .map(|(s, p)| {
-                    let at = u128::from(p.record.created_at_ms) * 1_000_000;
-                    let body = super::lifecycle::paused_info(c, &s, &p);
-                    ((at, s.id.clone()), s, p.record.template.clone(), body)
-                }),
-        );
-    }
-    found.retain(|(p, s, template, _)| {
+    let mut found = local_rows(c);
+    found.extend(super::cluster::other_nodes(c).await?);
+    let asker = crate::audit::current_key();
+    found.retain(|r| {
+        // A sandbox's id is the key to it: a listing never shows one key another's.
+        let key_ok = r.key == asker;
+        let state_ok = if r.running { running } else { paused };
         let metadata_ok = wanted.as_ref().is_none_or(|w| {
             w.iter()
-                .all(|(k, v)| s.metadata.get(k).is_some_and(|have| have == v))
+                .all(|(k, v)| r.metadata.get(k).is_some_and(|have| have == v))
         });
         let template_ok = q
             .template
             .as_deref()
-            .is_none_or(|t| t == s.template_id || t == template);
-        let after_ok = after.is_none_or(|a| p.0 as f64 / 1e9 >= a);
-        metadata_ok && template_ok && after_ok
+            .is_none_or(|t| t == r.template_id || t == r.template);
+        let after_ok = after.is_none_or(|a| r.at_ns as f64 / 1e9 >= a);
+        key_ok && state_ok && metadata_ok && template_ok && after_ok
     });
-    found.sort_by(|a, b| a.0.cmp(&b.0));
+    found.sort_by_key(Row::position);
     if descending {
         found.reverse();
     }
     if let Some(from) = &from {
-        found.retain(|(p, _, _, _)| if descending { p < from } else { p > from });
+        found.retain(|r| {
+            let p = r.position();
+            if descending { &p < from } else { &p > from }
+        });
     }
     let more = found.len() > limit;
     found.truncate(limit);
-    let last = found.last().map(|f| f.0.clone());
-    let body: Vec<Value> = found.into_iter().map(|f| f.3).collect();
+    let last = found.last().map(Row::position);
+    let body: Vec<Value> = found.into_iter().map(|r| r.body).collect();
     let mut response = Json(body).into_response();
     if more && let Some(last) = &last {
         if let Ok(v) = HeaderValue::from_str(&token_of(last)) {

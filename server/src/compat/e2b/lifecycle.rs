@@ -53,16 +53,14 @@ pub fn paused_info(c: &Compat, s: &Sandbox, p: &Paused) -> Value {
     })
 }
 
-/// The paused sandboxes the current request's API key made, for a listing.
+/// Every paused sandbox, for a listing (which filters them by the asker's key).
 pub fn paused_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Paused)> {
-    let asker = crate::audit::current_key();
     let Some(dir) = c.app.state_dir() else {
         return Vec::new();
     };
     dir.list_paused()
         .into_iter()
         .filter_map(|p| Some((sandbox(c, &p.record.id, None)?, p)))
-        .filter(|(s, _)| s.key == asker)
         .collect()
 }
 

@@ -34,6 +34,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
+pub mod cluster;
 pub mod control;
 pub mod lifecycle;
 
@@ -260,7 +261,16 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         .map(|s| s.record.id);
     let template = match snapshot {
         Some(_) => None,
-        None => Some(bud_template(state, &req.template_id)?),
+        None => match state.node().elsewhere(&req.template_id) {
+            Some(node) if req.template_id.starts_with("snap_") => {
+                return Err(Error::WrongNode {
+                    id: req.template_id.clone(),
+                    node: node.to_owned(),
+                    here: state.node().id().to_owned(),
+                });
+            }
+            _ => Some(bud_template(state, &req.template_id)?),
+        },
     };
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let lim = &state.config().sessions;

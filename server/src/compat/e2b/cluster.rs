@@ -1,0 +1,88 @@
+//! E2B's sandbox list across the nodes of a cluster (`--redis`; `crate::registry` says
+//! why Redis and how): this node publishes its listing rows ([`super::control::Row`],
+//! every sandbox whoever made it; no access tokens) and reads the other nodes' for a list.
+//!
+//! The publisher wakes every 100 ms and publishes when this node's sandboxes changed
+//! (their count, a creation, a pause), and at least every [`crate::registry::PUBLISH_EVERY`]
+//! (the rows' end times and expiry need refreshing): another node's list sees a new
+//! sandbox within about 100 ms, a change in a row's fields within a second.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use super::control::{Row, local_rows};
+use crate::compat::Compat;
+use crate::error::Error;
+use crate::registry::PUBLISH_EVERY;
+
+/// The registry's kind for E2B's rows.
+const KIND: &str = "e2b";
+
+/// The other nodes' rows, without any of this node's ids (a session handed over may be
+/// in its old node's rows until that node's next publish). None without a registry.
+pub async fn other_nodes(c: &Compat) -> Result<Vec<Row>, Error> {
+    let Some(reg) = c.app.registry() else {
+        return Ok(Vec::new());
+    };
+    let values = reg
+        .gather(KIND, c.app.node().id())
+        .await
+        .map_err(|e| Error::internal(format!("the cluster-wide list could not be read: {e}")))?;
+    let here: HashSet<String> = local_rows(c).into_iter().map(|r| r.id).collect();
+    let mut rows = Vec::with_capacity(values.len());
+    for v in values {
+        let row: Row = serde_json::from_value(v)
+            .map_err(|e| Error::internal(format!("a node published a row bud cannot read: {e}")))?;
+        if !here.contains(&row.id) {
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Starts publishing this node's rows, if the server has a registry and runs on Tokio.
+pub fn start_publisher(c: &Compat) {
+    let (Some(reg), Ok(rt)) = (
+        c.app.registry().cloned(),
+        tokio::runtime::Handle::try_current(),
+    ) else {
+        return;
+    };
+    let c = c.clone();
+    rt.spawn(async move {
+        let node = c.app.node().id().to_owned();
+        let mut last: Option<(Instant, Vec<(String, bool)>)> = None;
+        let mut failing = false;
+        loop {
+            let rows = local_rows(&c);
+            let mut seen: Vec<(String, bool)> =
+                rows.iter().map(|r| (r.id.clone(), r.running)).collect();
+            seen.sort();
+            let due = last
+                .as_ref()
+                .is_none_or(|(at, before)| at.elapsed() >= PUBLISH_EVERY || *before != seen);
+            if due {
+                let values: Vec<serde_json::Value> = rows
+                    .iter()
+                    .filter_map(|r| serde_json::to_value(r).ok())
+                    .collect();
+                match reg.publish(KIND, &node, &values).await {
+                    Ok(()) => {
+                        if failing {
+                            tracing::info!("publishing to the sandbox registry again");
+                        }
+                        failing = false;
+                        last = Some((Instant::now(), seen));
+                    }
+                    Err(e) => {
+                        if !failing {
+                            tracing::warn!("cannot publish this node's sandboxes: {e}");
+                        }
+                        failing = true;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
