@@ -19,6 +19,7 @@ pub mod recipe;
 pub mod run;
 pub mod site;
 pub mod stage;
+pub mod venv;
 pub mod zip;
 
 pub use lock::BuildLock;

@@ -117,9 +117,33 @@ pub struct Node {
     id: String,
     draining: AtomicBool,
     moved: Mutex<HashMap<String, Moved>>,
-    /// Sessions being handed over now, and the wake-up of requests waiting for them.
+    /// Sessions being handed over now.
     moving: Mutex<HashSet<String>>,
+    /// Requests in progress per session (past the node layer, up to their answer's head).
+    inflight: Mutex<HashMap<String, usize>>,
+    /// Wakes requests waiting for a hand-over, and a hand-over waiting for requests.
     moved_now: tokio::sync::Notify,
+}
+
+/// A request in progress on a session ([`Node::enter`]); leaves on drop.
+#[derive(Debug)]
+pub struct Inflight<'a> {
+    node: &'a Node,
+    id: String,
+}
+
+impl Drop for Inflight<'_> {
+    fn drop(&mut self) {
+        let mut map = self.node.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = map.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.id);
+            }
+        }
+        drop(map);
+        self.node.moved_now.notify_waiters();
+    }
 }
 
 impl Node {
@@ -129,6 +153,7 @@ impl Node {
             draining: AtomicBool::new(false),
             moved: Mutex::default(),
             moving: Mutex::default(),
+            inflight: Mutex::default(),
             moved_now: tokio::sync::Notify::new(),
         }
     }
@@ -186,8 +211,9 @@ impl Node {
             .cloned()
     }
 
-    /// Marks session `id` as being handed over: its requests wait ([`Self::settled`]).
+    /// Marks session `id` as being handed over: new requests wait ([`Self::enter`]).
     pub fn start_moving(&self, id: &str) {
+        let _entering = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         self.moving_set().insert(id.to_owned());
     }
 
@@ -197,13 +223,41 @@ impl Node {
         self.moved_now.notify_waiters();
     }
 
-    /// Waits until session `id` is not being handed over.
-    pub async fn settled(&self, id: &str) {
+    /// Enters a request on session `id`, once no hand-over of it is under way: a
+    /// hand-over starts only when the requests entered before it have left
+    /// ([`Self::quiet`]), and requests that come during one wait for it to end.
+    pub async fn enter(&self, id: &str) -> Inflight<'_> {
         loop {
             let woken = self.moved_now.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            if !self.moving_set().contains(id) {
+            {
+                let mut map = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+                if !self.moving_set().contains(id) {
+                    *map.entry(id.to_owned()).or_default() += 1;
+                    return Inflight {
+                        node: self,
+                        id: id.to_owned(),
+                    };
+                }
+            }
+            woken.await;
+        }
+    }
+
+    /// Waits until no request is entered on session `id` (after [`Self::start_moving`],
+    /// none can enter).
+    pub async fn quiet(&self, id: &str) {
+        loop {
+            let woken = self.moved_now.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let busy = self
+                .inflight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(id);
+            if !busy {
                 return;
             }
             woken.await;
@@ -262,5 +316,41 @@ mod tests {
         assert_eq!(node_of("ses_BAD_ab"), None);
         assert!(is_session_id(&id) && is_session_id("ses_0123") && !is_session_id("ses_"));
         assert!(!is_session_id("ses_a/b") && !is_session_id("snap_n1_ab"));
+    }
+
+    #[tokio::test]
+    async fn a_hand_over_waits_for_requests_in_progress_and_holds_new_ones() {
+        let node = std::sync::Arc::new(Node::new("n1".into()));
+        let first = node.enter("s").await;
+        node.start_moving("s");
+        // The hand-over waits for the request that entered before it...
+        let quiet = {
+            let node = node.clone();
+            tokio::spawn(async move { node.quiet("s").await })
+        };
+        // ...and a request that comes now waits for the hand-over.
+        let later = {
+            let node = node.clone();
+            tokio::spawn(async move {
+                let _in = node.enter("s").await;
+                node.moved("s")
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!quiet.is_finished() && !later.is_finished());
+        // Other sessions are not held.
+        drop(node.enter("other").await);
+        drop(first);
+        quiet.await.unwrap();
+        assert!(!later.is_finished());
+        node.moved_to(
+            "s",
+            Moved {
+                node: "n2".into(),
+                url: "http://127.0.0.1:1".into(),
+            },
+        );
+        node.end_moving("s");
+        assert_eq!(later.await.unwrap().map(|m| m.node), Some("n2".into()));
     }
 }

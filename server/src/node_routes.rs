@@ -5,18 +5,21 @@
 //! `/v1/snapshots/ID`, E2B's `/sandboxes/ID...`, `/v2/sandboxes/ID...`,
 //! `/templates/ID`), E2B's `E2b-Sandbox-Id` header, or E2B's host form `PORT-ID.DOMAIN`.
 //! For such a request the layer
-//! - waits while the session is being handed to another node by a drain;
+//! - waits while the session is being handed to another node by a drain, and holds off
+//!   a hand-over until the requests already on the session have their answer's head (a
+//!   streamed answer holds the session itself, so the hand-over's pause waits for it);
 //! - forwards it to the node the session went to, if it was handed over;
 //! - answers 421 `wrong_node` naming the node, if the id names another node and this one
 //!   does not hold it (a router sent it to the wrong node);
 //! - else lets it through.
 //!
 //! HAProxy reads the same places (`deploy/haproxy/`), so a request lands here only when
-//! the router's map is out of date or a client called a node directly.
+//! the router's map is out of date or a client called a node directly. Every answer
+//! carries `X-Bud-Node`, the node that gave it.
 
 use axum::Json;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, header};
+use axum::http::{HeaderMap, HeaderValue, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -64,18 +67,30 @@ fn holds(state: &AppState, id: &str) -> bool {
         .is_some_and(|d| d.paused(id).is_some() || d.snapshot(id).is_some())
 }
 
-/// The layer (module docs).
+/// The header naming the node that answered (a forwarded answer keeps the other node's).
+pub const NODE_HEADER: &str = "x-bud-node";
+
+/// The layer (module docs); every answer says which node gave it ([`NODE_HEADER`]).
 pub async fn by_node(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let mut response = route(&state, req, next).await;
+    if let Ok(v) = HeaderValue::from_str(state.node().id()) {
+        response.headers_mut().entry(NODE_HEADER).or_insert(v);
+    }
+    response
+}
+
+async fn route(state: &AppState, req: Request, next: Next) -> Response {
     let Some((id, e2b)) = named_id(req.uri().path(), req.headers()) else {
         return next.run(req).await;
     };
     let node = state.node();
-    node.settled(&id).await;
+    let entered = node.enter(&id).await;
     if let Some(m) = node.moved(&id) {
+        drop(entered);
         return peer::forward(&m.url, req).await;
     }
     if let Some(other) = node.elsewhere(&id)
-        && !holds(&state, &id)
+        && !holds(state, &id)
     {
         let e = ApiError::Service(Error::WrongNode {
             id: id.clone(),
@@ -109,7 +124,6 @@ pub async fn undrain(State(state): State<AppState>) -> Json<crate::api::Health> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::HeaderValue;
 
     fn named(path: &str, hdr: &[(&str, &str)]) -> Option<(String, bool)> {
         let mut h = HeaderMap::new();

@@ -221,6 +221,7 @@ async fn hand_over(
 ) -> Result<(), Error> {
     let node = state.node().clone();
     let _moving = Moving::start(node.clone(), id);
+    node.quiet(id).await;
     if state.sessions().get(id).is_ok() {
         durable::pause(state, id).await?;
     }

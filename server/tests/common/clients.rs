@@ -23,37 +23,13 @@ pub fn venv_python() -> PathBuf {
 }
 
 fn make_venv() -> Result<PathBuf, String> {
-    let build = repo_dir().join("build");
-    let _lock = bud_guest::BuildLock::acquire(&build, "the compat client venv", &mut |l| {
-        eprintln!("[compat venv] {l}")
-    })
-    .map_err(|e| error_chain(&e))?;
-    let venv = build.join("compat-venv");
-    let python = venv.join("bin/python");
-    let reqs = repo_dir().join("server/tests/compat/requirements.txt");
-    let stamp = venv.join("requirements.txt");
-    let wanted = std::fs::read(&reqs).map_err(|e| format!("reading {}: {e}", reqs.display()))?;
-    if std::fs::read(&stamp).ok().as_deref() == Some(&wanted[..]) && python.exists() {
-        return Ok(python);
-    }
-    let run = |cmd: &mut Command| {
-        let out = cmd.output().map_err(|e| format!("starting python3: {e}"))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        Err(format!(
-            "{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    };
-    let _ = std::fs::remove_dir_all(&venv);
-    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
-    run(Command::new(&python)
-        .args(["-m", "pip", "install", "-q", "-r"])
-        .arg(&reqs))?;
-    std::fs::write(&stamp, &wanted).map_err(|e| format!("writing the venv stamp: {e}"))?;
-    Ok(python)
+    bud_guest::venv::ensure(
+        &repo_dir().join("build"),
+        "compat-venv",
+        &repo_dir().join("server/tests/compat/requirements.txt"),
+        &mut |l| eprintln!("[compat venv] {l}"),
+    )
+    .map_err(|e| error_chain(&e))
 }
 
 /// Runs client script `name` (in `server/tests/compat/`) with `args` and `env`; its
