@@ -38,18 +38,18 @@ impl Cluster {
         common::require_kvm();
         let dir = common::source_dir().join("target/tmp/cluster").join(name);
         let _ = std::fs::remove_dir_all(&dir);
-        let c = Cluster {
+        let mut c = Cluster {
             dir,
             base,
             front: String::new(),
         };
         let out = c.script(&["up", &nodes.to_string()]);
-        let front = out.lines().last().unwrap_or_default().trim().to_owned();
+        c.front = out.lines().last().unwrap_or_default().trim().to_owned();
         assert!(
-            front.starts_with("http://"),
+            c.front.starts_with("http://"),
             "cluster.sh up printed {out:?}"
         );
-        Cluster { front, ..c }
+        c
     }
 
     /// Runs `scripts/cluster.sh ARGS` for this cluster; its stdout (it must succeed).
