@@ -34,6 +34,7 @@ const LAYERS: [(&str, &[&str]); 5] = [
     (
         "edge",
         &[
+            "agent",
             "body",
             "compat",
             "conn",

@@ -7,13 +7,82 @@
 //! (the rows' end times and expiry need refreshing): another node's list sees a new
 //! sandbox within about 100 ms, a change in a row's fields within a second.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::control::{Row, local_rows};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::Sandbox;
 use crate::compat::Compat;
 use crate::error::Error;
 use crate::registry::PUBLISH_EVERY;
+
+/// A listed sandbox, as the listing filters and orders it and as every node publishes it
+/// to the others (`super::cluster`): its place, the API key that made it, what filters
+/// read, and the listing's JSON of it.
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
+pub struct Row {
+    /// Its start, ns since the epoch (the first half of its place).
+    pub at_ns: u64,
+    pub id: String,
+    pub key: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    /// The template name the client asked for, and bud's template.
+    pub template_id: String,
+    pub template: String,
+    pub running: bool,
+    pub body: Value,
+}
+
+impl Row {
+    /// Its place in the listing order: its start, then its id.
+    pub fn position(&self) -> (u128, String) {
+        (u128::from(self.at_ns), self.id.clone())
+    }
+}
+
+/// Every E2B sandbox of this node, running and paused, whoever made it.
+pub fn local_rows(c: &Compat) -> Vec<Row> {
+    let all: Vec<Arc<Sandbox>> = c.own.e2b.map().values().cloned().collect();
+    let mut rows: Vec<Row> = all
+        .into_iter()
+        .filter_map(|s| {
+            let e = c.app.sessions().get(&s.id).ok()?;
+            let body = super::info_body(c, &s, &e);
+            let at_ns = e
+                .created_at
+                .duration_since(std::time::SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            Some(Row {
+                at_ns,
+                id: s.id.clone(),
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                template_id: s.template_id.clone(),
+                template: e.template.clone(),
+                running: true,
+                body,
+            })
+        })
+        .collect();
+    rows.extend(
+        super::lifecycle::paused_sandboxes(c)
+            .into_iter()
+            .map(|(s, p)| Row {
+                at_ns: p.record.created_at_ms.saturating_mul(1_000_000),
+                id: s.id.clone(),
+                key: s.key.clone(),
+                metadata: s.metadata.clone(),
+                template_id: s.template_id.clone(),
+                template: p.record.template.clone(),
+                running: false,
+                body: super::lifecycle::paused_info(c, &s, &p),
+            }),
+    );
+    rows
+}
 
 /// The registry's kind for E2B's rows.
 const KIND: &str = "e2b";

@@ -19,7 +19,6 @@
 //!   contexts), alive for `timeout` seconds or what was left of the parent's lifetime.
 //!   201 with one `{"sandbox": ...}` per child, as E2B answers.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -31,6 +30,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::cluster::{Row, local_rows};
 use super::{Sandbox, body_of, e2b_error, live, random_hex, set_lifetime};
 use crate::clock::{epoch_s, rfc3339};
 use crate::compat::Compat;
@@ -56,15 +56,6 @@ pub struct ListQuery {
 
 /// One sandbox's place in the listing order: its start (ns since the epoch), then its id.
 type Position = (u128, String);
-
-/// The place of `e` in the listing order.
-fn position(e: &Entry) -> Position {
-    let at = e
-        .created_at
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    (at, e.id.clone())
-}
 
 fn token_of(p: &Position) -> String {
     format!("{}_{}", p.0, p.1)
@@ -130,66 +121,6 @@ fn parse_rfc3339(s: &str) -> Option<f64> {
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
     Some((days * 86_400 + h * 3600 + min * 60 - offset_s) as f64 + sec)
-}
-
-/// A listed sandbox, as the listing filters and orders it and as every node publishes it
-/// to the others (`super::cluster`): its place, the API key that made it, what filters
-/// read, and the listing's JSON of it.
-#[derive(Debug, Clone, serde::Serialize, Deserialize)]
-pub struct Row {
-    /// Its start, ns since the epoch (the first half of its place).
-    pub at_ns: u64,
-    pub id: String,
-    pub key: Option<String>,
-    pub metadata: BTreeMap<String, String>,
-    /// The template name the client asked for, and bud's template.
-    pub template_id: String,
-    pub template: String,
-    pub running: bool,
-    pub body: Value,
-}
-
-impl Row {
-    fn position(&self) -> Position {
-        (u128::from(self.at_ns), self.id.clone())
-    }
-}
-
-/// Every E2B sandbox of this node, running and paused, whoever made it.
-pub fn local_rows(c: &Compat) -> Vec<Row> {
-    let all: Vec<Arc<Sandbox>> = c.own.e2b.map().values().cloned().collect();
-    let mut rows: Vec<Row> = all
-        .into_iter()
-        .filter_map(|s| {
-            let e = c.app.sessions().get(&s.id).ok()?;
-            let body = super::info_body(c, &s, &e);
-            Some(Row {
-                at_ns: position(&e).0 as u64,
-                id: s.id.clone(),
-                key: s.key.clone(),
-                metadata: s.metadata.clone(),
-                template_id: s.template_id.clone(),
-                template: e.template.clone(),
-                running: true,
-                body,
-            })
-        })
-        .collect();
-    rows.extend(
-        super::lifecycle::paused_sandboxes(c)
-            .into_iter()
-            .map(|(s, p)| Row {
-                at_ns: p.record.created_at_ms.saturating_mul(1_000_000),
-                id: s.id.clone(),
-                key: s.key.clone(),
-                metadata: s.metadata.clone(),
-                template_id: s.template_id.clone(),
-                template: p.record.template.clone(),
-                running: false,
-                body: super::lifecycle::paused_info(c, &s, &p),
-            }),
-    );
-    rows
 }
 
 /// `GET /v2/sandboxes` and `GET /sandboxes`.
