@@ -36,7 +36,6 @@ use crate::clock::{epoch_s, rfc3339};
 use crate::compat::Compat;
 use crate::error::{ApiError, Error};
 use crate::service::sessions;
-use crate::sessions::Entry;
 
 /// Most sandboxes one page lists (E2B's own cap).
 pub const MAX_PAGE: usize = 100;
