@@ -12,8 +12,8 @@
 //!    (the HAProxy map `moved.map`). A session the target refused stays here, paused, and
 //!    is reported;
 //! 4. without a target, it waits for the sessions to end, up to the deadline, then ends
-//!    the ones left (paused sessions stay on disk for the next server on this state
-//!    directory) and reports them.
+//!    the ones left (410 `session_gone`, reason `drained`, afterwards; paused sessions stay
+//!    on disk for the next server on this state directory) and reports them.
 //!
 //! The node stays draining until `undrain`.
 
@@ -27,7 +27,8 @@ use serde::{Deserialize, Serialize};
 use crate::node::Moved;
 use crate::peer;
 use crate::service::error::Error;
-use crate::service::{durable, sessions};
+use crate::service::{admission, durable, sessions};
+use crate::sessions::Ended;
 use crate::state::AppState;
 
 /// Longest deadline a drain may be given.
@@ -129,7 +130,16 @@ pub async fn drain(
             let s = state.sessions().clone();
             wait_until(deadline, || s.count() == 0).await;
             for e in state.sessions().list() {
-                match sessions::end(state, &e.id).await {
+                let why = Ended {
+                    reason: "drained".into(),
+                    detail: Some(format!(
+                        "node {} drained and ended the sessions left after {deadline_s} s",
+                        node.id()
+                    )),
+                };
+                let registry = state.sessions().clone();
+                let id = e.id.clone();
+                match admission::call(state, move || registry.end(&id, why)).await {
                     Ok(()) => report.ended.push(e.id.clone()),
                     Err(err) => report.failed.push(Failed {
                         id: e.id.clone(),

@@ -1,0 +1,167 @@
+//! Draining a node (docs/cluster.md) on real servers in this process, on loopback: with no
+//! target it refuses new work, waits for sessions and ends the rest at the deadline; with
+//! a target it hands over live and paused sessions (and E2B sandboxes) to another node,
+//! which serves them with their state, while the drained node forwards their requests.
+//! The same through HAProxy with `bud serve` processes is `tests/cluster.rs`.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{TestServer, test_config};
+use serde_json::{Value, json};
+
+fn state_dir(name: &str) -> PathBuf {
+    let d = common::repo_dir()
+        .join("target/tmp/drain")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn node(id: &str, dir: Option<PathBuf>) -> TestServer {
+    let mut config = test_config();
+    config.cluster.node_id = Some(id.to_owned());
+    config.state_dir = dir;
+    TestServer::with_config(config)
+}
+
+fn session(s: &TestServer) -> String {
+    let (status, r) = s.post("/v1/sessions", &json!({}));
+    assert_eq!(status, 201, "{r}");
+    r["id"].as_str().unwrap().to_owned()
+}
+
+fn cell(s: &TestServer, id: &str, code: &str) -> (u16, Value) {
+    s.post(&format!("/v1/sessions/{id}/exec"), &json!({ "code": code }))
+}
+
+#[test]
+fn a_drain_without_a_target_refuses_new_work_and_ends_the_sessions_left_at_its_deadline() {
+    let a = node("a", None);
+    let id = session(&a);
+    assert!(id.starts_with("ses_a_"), "{id}");
+    assert_eq!(cell(&a, &id, "x = 1").0, 200);
+
+    let (status, report) = a.post("/v1/admin/drain", &json!({ "deadline_s": 1 }));
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["node"], "a");
+    assert_eq!(report["jobs_finished"], true);
+    assert_eq!(report["ended"], json!([id]));
+    assert_eq!(
+        (report["moved"].clone(), report["failed"].clone()),
+        (json!([]), json!([]))
+    );
+    assert!(report["drain_ms"].as_f64().unwrap() >= 1000.0, "{report}");
+
+    let health: Value = a.get("/v1/health").json().unwrap();
+    assert_eq!(
+        (health["node"].clone(), health["draining"].clone()),
+        (json!("a"), json!(true))
+    );
+    for (path, body) in [
+        ("/v1/exec", json!({ "code": "print(1)" })),
+        ("/v1/sessions", json!({})),
+    ] {
+        let (status, r) = a.post(path, &body);
+        assert_eq!(
+            (status, r["error"]["code"].clone()),
+            (503, json!("draining")),
+            "{path}"
+        );
+    }
+    let (status, r) = cell(&a, &id, "print(x)");
+    assert_eq!(
+        (status, r["error"]["code"].clone()),
+        (410, json!("session_gone"))
+    );
+    let message = r["error"]["message"].as_str().unwrap();
+    assert!(message.contains("drained"), "{message}");
+
+    let (status, h) = a.post("/v1/admin/undrain", &json!({}));
+    assert_eq!((status, h["draining"].clone()), (200, json!(false)));
+    let (status, r) = a.exec(json!({ "code": "print(2)" }));
+    assert_eq!((status, r["stdout"].clone()), (200, json!("2\n")));
+}
+
+#[test]
+fn a_drain_hands_live_and_paused_sessions_to_another_node_which_serves_them() {
+    let a = node("a", Some(state_dir("a")));
+    let b = node("b", Some(state_dir("b")));
+    let live = session(&a);
+    assert_eq!(cell(&a, &live, "x = 'kept'").0, 200);
+    let paused = session(&a);
+    assert_eq!(cell(&a, &paused, "y = 7").0, 200);
+    let (status, r) = a.post(&format!("/v1/sessions/{paused}/pause"), &json!({}));
+    assert_eq!(status, 200, "{r}");
+    let (status, sbx) = a.post("/sandboxes", &json!({ "templateID": "python" }));
+    assert_eq!(status, 201, "{sbx}");
+    let sandbox = sbx["sandboxID"].as_str().unwrap().to_owned();
+
+    // Bad targets are refused before anything happens.
+    for (to, why) in [
+        (a.url(""), "is this node"),
+        ("http://127.0.0.1:1".to_owned(), "not ready"),
+        ("https://x".to_owned(), "not an http:// URL"),
+    ] {
+        let (status, r) = a.post("/v1/admin/drain", &json!({ "to": to }));
+        assert_eq!(status, 400, "{to}: {r}");
+        let message = r["error"]["message"].as_str().unwrap();
+        assert!(message.contains(why), "{to}: {message}");
+    }
+    let (status, r) = a.post("/v1/admin/drain", &json!({ "deadline_s": 0 }));
+    assert_eq!(
+        (status, r["error"]["field"].clone()),
+        (400, json!("deadline_s"))
+    );
+    let health: Value = a.get("/v1/health").json().unwrap();
+    assert_eq!(
+        health["draining"], false,
+        "a refused drain leaves the node open"
+    );
+
+    let (status, report) = a.post("/v1/admin/drain", &json!({ "to": b.url("") }));
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["to_node"], "b");
+    let mut moved: Vec<&str> = report["moved"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            assert_eq!(m["node"], "b");
+            m["id"].as_str().unwrap()
+        })
+        .collect();
+    moved.sort();
+    let mut all = vec![live.as_str(), paused.as_str(), sandbox.as_str()];
+    all.sort();
+    assert_eq!(moved, all, "{report}");
+
+    // The drained node forwards; the new one serves them with their state.
+    let resp = common::client()
+        .post(a.url(&format!("/v1/sessions/{live}/exec")))
+        .json(&json!({ "code": "print(x)" }))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(resp.headers()["x-bud-node"], "b");
+    let r: Value = resp.json().unwrap();
+    assert_eq!(r["stdout"], "kept\n");
+    let (status, r) = cell(&b, &paused, "print(y)");
+    assert_eq!((status, r["stdout"].clone()), (200, json!("7\n")));
+    let info: Value = b.get(&format!("/sandboxes/{sandbox}")).json().unwrap();
+    assert_eq!(info["sandboxID"], sandbox, "{info}");
+    // Nothing of them is left on the drained node's disk.
+    let listed: Value = a.get("/v1/sessions").json().unwrap();
+    assert_eq!(listed["sessions"], json!([]), "{listed}");
+
+    // A node asked for an id of another node that it does not hold names that node.
+    let stranger = format!("ses_a_{}", "0".repeat(32));
+    let (status, r) = cell(&b, &stranger, "print(1)");
+    assert_eq!(status, 421, "{r}");
+    assert_eq!(
+        (r["error"]["code"].clone(), r["error"]["node"].clone()),
+        (json!("wrong_node"), json!("a"))
+    );
+}
