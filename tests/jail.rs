@@ -92,6 +92,14 @@ fn a_server_jailed_as_nobody_runs_jobs_resets_vms_and_serves_sessions() {
         &format!("/v1/sessions/{id}/exec"),
         json!({"code": "x * 7"}),
     );
+    // A pause writes into the state directory, made by root before the drop: it was
+    // given to nobody, and the template's pin folder too.
+    let paused = post(&s, &format!("/v1/sessions/{id}/pause"), json!({}));
+    let resumed = post(
+        &s,
+        &format!("/v1/sessions/{id}/exec"),
+        json!({"code": "x * 6"}),
+    );
     let metrics = ureq::get(&format!("{}/metrics", s.base))
         .call()
         .unwrap()
@@ -108,6 +116,9 @@ fn a_server_jailed_as_nobody_runs_jobs_resets_vms_and_serves_sessions() {
     }
     assert_eq!(cell["status"], "ok", "{cell}");
     assert_eq!(cell["result"]["text/plain"], "42");
+    assert_eq!(paused["state"], "paused", "{paused}");
+    assert_eq!(resumed["result"]["text/plain"], "36", "{resumed}");
+
     // Six jobs on two job threads: VMs were reset and reused, none failed to reset.
     let counter = |name: &str| -> u64 {
         metrics

@@ -44,6 +44,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
+use std::path::{Path, PathBuf};
 
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -53,6 +54,11 @@ use seccompiler::{
 /// Why the jail could not be closed (the server then stops: it was asked to be jailed).
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
+    #[error("giving {path} to the --user: {source}")]
+    Give {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("no user named {0}")]
     NoUser(String),
     #[error("{call} failed: {source}")]
@@ -348,6 +354,17 @@ pub fn apply_here(prog: &BpfProgram) -> Result<(), JailError> {
     seccompiler::apply_filter(prog).map_err(|e| JailError::Filter(e.to_string()))
 }
 
+/// Gives `path` and everything under it (not following symbolic links) to `uid`:`gid`.
+fn give(path: &Path, uid: libc::uid_t, gid: libc::gid_t) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid))?;
+    if std::fs::symlink_metadata(path)?.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            give(&entry?.path(), uid, gid)?;
+        }
+    }
+    Ok(())
+}
+
 /// Drops to `user` (module docs).
 pub fn drop_privileges(user: &str) -> Result<(), JailError> {
     let (uid, gid) = lookup(user)?;
@@ -441,9 +458,21 @@ impl std::fmt::Display for Closed {
 
 /// Closes the jail (module docs): user, then, if asked and allowed, the process filter on
 /// every thread; returns what is in force and the job threads' filter.
-pub fn close(config: &JailConfig) -> Result<Closed, JailError> {
+///
+/// With `--user`, the folders `writable` (and everything in them) are first given to that
+/// user: the state directory and the served templates' pin folders, made while the server
+/// was root, are written after the drop (a pause, a pin); left to root, every pause of a
+/// server started with `--user` on a new state directory failed with "Permission denied".
+pub fn close(config: &JailConfig, writable: &[PathBuf]) -> Result<Closed, JailError> {
     let seccomp = plan(config, if config.seccomp { probe() } else { Ok(()) })?;
     if let Some(user) = &config.user {
+        let (uid, gid) = lookup(user)?;
+        for path in writable {
+            give(path, uid, gid).map_err(|source| JailError::Give {
+                path: path.clone(),
+                source,
+            })?;
+        }
         drop_privileges(user)?;
     }
     // SAFETY: geteuid has no preconditions (and is made before the filters, which omit it).

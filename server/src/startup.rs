@@ -210,6 +210,21 @@ pub fn return_large_buffers() {
     }
 }
 
+/// What the server writes after the jail closes, which `--user` must own: the state
+/// directory, and each served template's pin folder (made here if missing).
+fn writable_after_jail(state: &AppState) -> Vec<std::path::PathBuf> {
+    let mut paths: Vec<std::path::PathBuf> = state
+        .ready_executors()
+        .iter()
+        .map(|(_, e)| e.template().dir().join(vmm::template::PINS_DIR))
+        .filter(|pins| std::fs::create_dir_all(pins).is_ok())
+        .collect();
+    if let Some(dir) = state.state_dir() {
+        paths.push(dir.root().to_owned());
+    }
+    paths
+}
+
 /// Runs `bud serve` until a signal (Ok) or a failure to prepare the template (Err).
 pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
     if opts.config.api_keys.is_none() && !opts.listen.is_loopback() {
@@ -281,7 +296,8 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
                     }
                 }
                 // Every template is prepared: nothing needs root or execve any more.
-                match crate::jail::close(&prep_config.jail) {
+                let writable = writable_after_jail(&prep_state);
+                match crate::jail::close(&prep_config.jail, &writable) {
                     Ok(closed) => {
                         if let crate::jail::Seccomp::Unavailable(why) = &closed.seccomp {
                             warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");

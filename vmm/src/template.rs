@@ -35,7 +35,7 @@ const STATE_FILE: &str = "state";
 const MEMORY_FILE: &str = "memory";
 /// A template's pins: one file per holder (a server's state directory) that still needs
 /// the template (sessions paused on it); pruning never removes a pinned template.
-const PINS_DIR: &str = "pins";
+pub const PINS_DIR: &str = "pins";
 /// Templates kept under a root: building a new one removes all but this many of the most
 /// recent (each holds up to a guest's RAM of sparse data). Processes that still map a removed
 /// template keep working: the file lives until its last mapping goes.
