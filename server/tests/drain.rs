@@ -79,10 +79,39 @@ fn a_drain_without_a_target_refuses_new_work_and_ends_the_sessions_left_at_its_d
     let message = r["error"]["message"].as_str().unwrap();
     assert!(message.contains("drained"), "{message}");
 
+    let (status, r) = a.post("/v1/admin/drain", &json!({ "pause": true }));
+    assert_eq!(
+        (status, r["error"]["code"].clone()),
+        (501, json!("no_state_dir"))
+    );
+
     let (status, h) = a.post("/v1/admin/undrain", &json!({}));
     assert_eq!((status, h["draining"].clone()), (200, json!(false)));
     let (status, r) = a.exec(json!({ "code": "print(2)" }));
     assert_eq!((status, r["stdout"].clone()), (200, json!("2\n")));
+}
+
+#[test]
+fn a_drain_that_pauses_leaves_its_sessions_on_disk_for_the_next_server() {
+    let dir = state_dir("pause");
+    let id = {
+        let a = node("a", Some(dir.clone()));
+        let id = session(&a);
+        assert_eq!(cell(&a, &id, "z = 'across'").0, 200);
+        let (status, r) = a.post(
+            "/v1/admin/drain",
+            &json!({ "pause": true, "to": "http://127.0.0.1:1" }),
+        );
+        assert_eq!((status, r["error"]["field"].clone()), (400, json!("pause")));
+        let (status, report) = a.post("/v1/admin/drain", &json!({ "pause": true }));
+        assert_eq!(status, 200, "{report}");
+        assert_eq!(report["paused"], json!([id]));
+        assert_eq!(report["ended"], json!([]));
+        id
+    };
+    let again = node("a", Some(dir));
+    let (status, r) = cell(&again, &id, "print(z)");
+    assert_eq!((status, r["stdout"].clone()), (200, json!("across\n")));
 }
 
 #[test]

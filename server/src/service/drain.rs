@@ -11,7 +11,9 @@
 //!    ([`crate::node::Node::moved`]) until it stops, and a router learns the new place
 //!    (the HAProxy map `moved.map`). A session the target refused stays here, paused, and
 //!    is reported;
-//! 4. without a target, it waits for the sessions to end, up to the deadline, then ends
+//! 4. without a target but with `pause`, it pauses every live session to the state
+//!    directory (a restart on the same machine resumes them: Kubernetes' preStop hook);
+//! 5. without either, it waits for the sessions to end, up to the deadline, then ends
 //!    the ones left (410 `session_gone`, reason `drained`, afterwards; paused sessions stay
 //!    on disk for the next server on this state directory) and reports them.
 //!
@@ -42,8 +44,12 @@ pub const DEFAULT_DEADLINE_S: u64 = 300;
 pub struct DrainRequest {
     /// The node (`http://HOST:PORT`) that takes this node's sessions.
     pub to: Option<String>,
-    /// Seconds to wait for running jobs (and, without `to`, for sessions) to end.
+    /// Seconds to wait for running jobs (and, without `to` or `pause`, for sessions) to end.
     pub deadline_s: Option<u64>,
+    /// Without `to`: pause every live session to the state directory at once, for the next
+    /// server on it (a restart on the same machine), instead of waiting for them to end.
+    #[serde(default)]
+    pub pause: bool,
 }
 
 /// A session handed to another node.
@@ -71,6 +77,8 @@ pub struct DrainReport {
     pub moved: Vec<MovedOut>,
     /// Sessions ended at the deadline (no target).
     pub ended: Vec<String>,
+    /// Sessions paused here (`pause`).
+    pub paused: Vec<String>,
     pub failed: Vec<Failed>,
     pub drain_ms: f64,
 }
@@ -88,8 +96,14 @@ pub async fn drain(
             format!("deadline_s must be 1..={MAX_DEADLINE_S} (got {deadline_s})"),
         ));
     }
-    if req.to.is_some() && state.state_dir().is_none() {
+    if (req.to.is_some() || req.pause) && state.state_dir().is_none() {
         return Err(Error::NoStateDir);
+    }
+    if req.to.is_some() && req.pause {
+        return Err(Error::invalid(
+            "pause",
+            "pause is for a drain without `to` (with `to`, sessions are paused and handed over)",
+        ));
     }
     let target = match &req.to {
         Some(to) => Some(target(state, to, auth.as_ref()).await?),
@@ -108,6 +122,7 @@ pub async fn drain(
         jobs_finished,
         moved: Vec::new(),
         ended: Vec::new(),
+        paused: Vec::new(),
         failed: Vec::new(),
         drain_ms: 0.0,
     };
@@ -122,6 +137,17 @@ pub async fn drain(
                     Err(e) => report.failed.push(Failed {
                         id,
                         error: e.to_string(),
+                    }),
+                }
+            }
+        }
+        None if req.pause => {
+            for e in state.sessions().list() {
+                match durable::pause(state, &e.id).await {
+                    Ok(_) => report.paused.push(e.id.clone()),
+                    Err(err) => report.failed.push(Failed {
+                        id: e.id.clone(),
+                        error: err.to_string(),
                     }),
                 }
             }
@@ -153,6 +179,7 @@ pub async fn drain(
     tracing::info!(
         moved = report.moved.len(),
         ended = report.ended.len(),
+        paused = report.paused.len(),
         failed = report.failed.len(),
         ms = report.drain_ms,
         "drained"
