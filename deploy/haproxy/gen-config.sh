@@ -21,8 +21,8 @@
 # E2b-Sandbox-Id header, its Host `<port>-<id>.<domain>` or the JSON body of a create from a
 # snapshot) goes to backend node_<node>, where <node> is the id's 2nd `_` field, or the node
 # moved.map gives for the id (`<id> <node>` lines; change it at run time with `add map` /
-# `set map` on the socket). Everything else goes to backend `balanced`: leastconn, weighted by
-# each node's agent (`ready up NN%`, `drain`, `down`). Check with `haproxy -c -f FILE`.
+# `set map` on the socket). Everything else goes to backend `balanced`: weighted by
+# each node's agent (`ready up NN%`, `drain`, `down`), round robin. Check with `haproxy -c -f FILE`.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0" >&2; exit 2; }
@@ -185,11 +185,16 @@ frontend bud
     default_backend balanced
 
 # Everything that names no sandbox: the least-loaded node. Each node's agent sets its weight
-# (ready up NN%: NN of 100), drains it (drain) or takes it out (down, until its template is
-# ready). Retried, on another node, only when it never started: the connection failed, or
+# (ready up NN%: NN of 100, the node's idle share, smoothed over about a second), drains it
+# (drain) or takes it out (down, until its template is ready). Round robin over those
+# weights, not leastconn: this backend sees only the requests it balances, not a node's
+# session cells (backend node_<id>) or processes, which the agent's weight does; and
+# leastconn ranks every server with none of its own requests in flight equal whatever its
+# weight (HAProxy's lb_fwlc keys an idle server 0), so a node busy with session cells got
+# its full share of one-shot jobs. Retried, on another node, only when it never started: the connection failed, or
 # bud answered 503 (not ready, draining, memory budget: answered before any job starts).
 backend balanced
-    balance leastconn
+    balance roundrobin
     retry-on conn-failure 503
     # Have the whole request before sending it: HAProxy 2.6 keeps a request for a 503 retry
     # only if it was complete when first sent, and on a reused (keep-alive) server connection
