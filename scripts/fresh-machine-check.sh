@@ -32,6 +32,9 @@ mapfile -t ours < <(
   sed -n '/REQUIRED_TOOLS: &\[/,/\];/p' "$repo/guest/src/host.rs" |
     grep -o '("[^"]*", "[^"]*")' | sed 's/.*, "\(.*\)")/\1/'
 )
+# And what scripts/cluster.sh and tests/deploy.rs install (the cluster tests' front, its
+# registry, the runtime API's client). Not systemd: a machine of this kind has it.
+ours+=(haproxy redis-server socat)
 # What a fresh machine of this kind already has (its Rust toolchain needs a C compiler).
 fresh_has=" gcc make libc6-dev xz-utils patch dpkg binutils bc libssl-dev "
 
