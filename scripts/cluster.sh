@@ -141,16 +141,35 @@ running_any() {
 # --- helpers -------------------------------------------------------------------------------
 need_pkg() { # command package
     command -v "$1" >/dev/null && return 0
-    if [ "$(id -u)" = 0 ]; then
+    [ "$(id -u)" = 0 ] || die "$1 is missing: install Debian's $2 package (as root: apt-get install $2)"
+    # One apt client at a time: bud's first-use steps (the kernel script, the tests' own
+    # installs, other clusters starting at once) take turns under the build lock, and an
+    # apt run outside bud is waited for (dpkg's lock through DPkg::Lock::Timeout; the lists
+    # lock, which Debian 12's apt-get update does not wait for, by retrying).
+    mkdir -p "$REPO/build"
+    exec 8>>"$REPO/build/build.lock"
+    if ! flock -n 8; then
+        log "waiting for the build lock ($REPO/build/build.lock) to install $2"
+        flock 8
+    fi
+    if ! command -v "$1" >/dev/null; then
         log "installing $2 (apt-get)"
-        if ! { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >&2; }; then
+        local waited=0 out
+        until out=$(apt-get update -qq 2>&1); do
+            if ! grep -q "Could not get lock" <<<"$out" || [ "$waited" -ge 600 ]; then
+                echo "$out" >&2
+                die "apt-get update failed"
+            fi
+            sleep 2
+            waited=$((waited + 2))
+        done
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 "$2" >&2 ||
             die "could not install $2 with apt-get"
-        fi
         # Debian's packages enable a system-wide service; this cluster runs its own.
         command -v "$1" >/dev/null || die "$2 installed but $1 is not on PATH"
-    else
-        die "$1 is missing: install Debian's $2 package (as root: apt-get install $2)"
     fi
+    flock -u 8
+    exec 8>&-
 }
 port_busy() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
 http_code() { curl -s -o /dev/null -m "${2:-2}" -w '%{http_code}' "$1" 2>/dev/null || true; }
@@ -329,7 +348,19 @@ cmd_stop_node() {
     check_index "$i"
     pid=$(pid_of "$CLUSTER_DIR/n$i/pid") || die "node n$i is not running"
     kill -KILL "$pid"
-    while [ -e "/proc/$pid" ] && pid_of "$CLUSTER_DIR/n$i/pid" >/dev/null; do sleep 0.02; done
+    # Gone once reaped, or once its main thread is a zombie with no other thread left: only
+    # then are its sockets closed. Its command line empties earlier (the kernel drops a
+    # dying process's memory before its files), and its main thread is a zombie while
+    # others (a vCPU's) still exit, for tens of milliseconds; a connection the front made
+    # meanwhile was accepted by the dying node's listening socket, then cut, and counted
+    # as a job lost in flight (tests/cluster.rs saw it: 502 node_lost after 41 ms).
+    while [ -e "/proc/$pid" ]; do
+        if [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)" = Z ] &&
+            [ "$(find "/proc/$pid/task" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)" -le 1 ]; then
+            break
+        fi
+        sleep 0.02
+    done
     log "node n$i (pid $pid) killed with SIGKILL"
 }
 

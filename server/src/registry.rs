@@ -153,20 +153,4 @@ impl Registry {
         }
         Ok(all)
     }
-
-    /// Takes `node`'s entries of `kind` out at once (a graceful stop).
-    pub async fn withdraw(&self, kind: &str, node: &str) -> Result<(), RegistryError> {
-        let mut c = self.conn().await?;
-        redis::pipe()
-            .cmd("DEL")
-            .arg(format!("bud:{kind}:node:{node}"))
-            .ignore()
-            .cmd("SREM")
-            .arg(format!("bud:{kind}:nodes"))
-            .arg(node)
-            .ignore()
-            .query_async::<()>(&mut c)
-            .await
-            .map_err(|e| self.fail(e))
-    }
 }
