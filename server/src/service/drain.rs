@@ -264,7 +264,7 @@ async fn hand_over(
     }
     let dir = state.state_dir().ok_or(Error::NoStateDir)?.clone();
     let path = dir.paused_path(id);
-    let bytes = tokio::task::spawn_blocking(move || std::fs::read(path))
+    let file = tokio::task::spawn_blocking(move || std::fs::File::open(path))
         .await
         .map_err(Error::internal)?
         .map_err(Error::internal)?;
@@ -274,7 +274,7 @@ async fn hand_over(
         uri,
         auth,
         Some("application/octet-stream"),
-        Body::from(bytes),
+        Body::from_stream(chunks(file)),
     );
     peer::json(req)
         .await
@@ -289,6 +289,33 @@ async fn hand_over(
     sessions::end(state, id).await?;
     Ok(())
 }
+
+/// The bytes of `file` in chunks of [`UPLOAD_CHUNK`], each read on the blocking pool: a
+/// session file is sent as it is read, never held whole (it holds the session's memory).
+fn chunks(
+    file: std::fs::File,
+) -> impl futures_util::Stream<Item = std::io::Result<axum::body::Bytes>> + Send {
+    futures_util::stream::unfold(Some(file), |file| async move {
+        let mut file = file?;
+        let read = tokio::task::spawn_blocking(move || {
+            use std::io::Read;
+            let mut buf = vec![0u8; UPLOAD_CHUNK];
+            let n = file.read(&mut buf)?;
+            buf.truncate(n);
+            Ok::<_, std::io::Error>((file, buf))
+        })
+        .await
+        .map_err(std::io::Error::other);
+        match read {
+            Ok(Ok((_, buf))) if buf.is_empty() => None,
+            Ok(Ok((file, buf))) => Some((Ok(buf.into()), Some(file))),
+            Ok(Err(e)) | Err(e) => Some((Err(e), None)),
+        }
+    })
+}
+
+/// Bytes of a session file read at a time for a hand-over.
+const UPLOAD_CHUNK: usize = 1 << 20;
 
 /// A session marked as being handed over, unmarked on drop (also when the drain fails).
 struct Moving {
