@@ -106,6 +106,19 @@ pub const ROUTES: [(&str, &str); 39] = [
     ("post", "/v1/admin/undrain"),
 ];
 
+/// An error and its sources, `a: b: c` (what a log line or an answer says of a failure
+/// whose cause is a few sources deep: a template build, a call to another node).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// The API's router over `state`.
 pub fn app(state: AppState) -> Router {
     Router::new()

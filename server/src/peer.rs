@@ -62,7 +62,7 @@ pub async fn call(req: Request<Body>) -> Result<(StatusCode, Bytes), PeerError> 
     let resp = client()
         .request(req)
         .await
-        .map_err(|e| fail(error_chain(&e)))?;
+        .map_err(|e| fail(crate::error_chain(&e)))?;
     let status = resp.status();
     let body = resp
         .into_body()
@@ -135,7 +135,7 @@ pub async fn forward(base: &str, mut req: Request<Body>) -> Response<Body> {
         Ok(resp) => resp.map(Body::new),
         Err(e) => bad_gateway(&format!(
             "forwarding to {base}, the node this session moved to: {}",
-            error_chain(&e)
+            crate::error_chain(&e)
         )),
     }
 }
@@ -149,17 +149,6 @@ fn bad_gateway(message: &str) -> Response<Body> {
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from(body.to_string()))
         .expect("a response of valid parts")
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

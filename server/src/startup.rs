@@ -162,18 +162,6 @@ pub fn prepare(
     Ok((executor, template_info))
 }
 
-/// An error and its sources, `a: b: c`.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let ctrl_c = tokio::signal::ctrl_c();
@@ -284,11 +272,11 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
                             prep_state.set_template(&name, Arc::new(e), info);
                         }
                         Err(e) if name != default => {
-                            error!(template = %name, "{}", chain(&e));
-                            prep_state.template_failed(&name, chain(&e));
+                            error!(template = %name, "{}", crate::error_chain(&e));
+                            prep_state.template_failed(&name, crate::error_chain(&e));
                         }
                         Err(e) => {
-                            error!(template = %name, "{}", chain(&e));
+                            error!(template = %name, "{}", crate::error_chain(&e));
                             *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                             let _ = prep_done.send(());
                             return;
@@ -314,7 +302,7 @@ pub fn run(opts: ServeOptions) -> Result<(), ServeError> {
                     }
                     Err(e) => {
                         let e = PrepareError::from(e);
-                        error!("{}", chain(&e));
+                        error!("{}", crate::error_chain(&e));
                         *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                         let _ = prep_done.send(());
                     }

@@ -12,12 +12,7 @@ use common::{TestServer, test_config};
 use serde_json::{Value, json};
 
 fn state_dir(name: &str) -> PathBuf {
-    let d = common::repo_dir()
-        .join("target/tmp/drain")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::empty_dir("drain", name)
 }
 
 fn node(id: &str, dir: Option<PathBuf>) -> TestServer {

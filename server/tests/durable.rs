@@ -14,12 +14,7 @@ use serde_json::{Value, json};
 
 /// An empty state directory of this test's own.
 fn state_dir(name: &str) -> PathBuf {
-    let d = common::repo_dir()
-        .join("target/tmp/durable")
-        .join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::empty_dir("durable", name)
 }
 
 fn mode_of(p: &std::path::Path) -> u32 {

@@ -26,6 +26,18 @@ pub fn repo_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// An empty directory `target/tmp/AREA/NAME-PID` of a test's own (emptied if a run before
+/// left it).
+pub fn empty_dir(area: &str, name: &str) -> PathBuf {
+    let d = repo_dir()
+        .join("target/tmp")
+        .join(area)
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
 pub fn require_kvm() {
     assert!(
         std::path::Path::new("/dev/kvm").exists(),
