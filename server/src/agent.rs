@@ -32,11 +32,13 @@ pub const SAMPLE: Duration = Duration::from_millis(100);
 /// The time constant of the load's average.
 pub const TAU: Duration = Duration::from_secs(1);
 
-/// The node's busy share now: running and queued jobs over job threads, at most 1.
+/// The node's busy share now: running and queued jobs over job threads, at most 1 (read
+/// off the job threads' counters, not `AppState::gauges`, which also sums every template's
+/// VM statistics: this runs every [`SAMPLE`]).
 fn busy_now(state: &AppState) -> f64 {
-    let g = state.gauges();
-    let workers = g.workers.max(1) as f64;
-    ((g.jobs_running + g.jobs_queued) as f64 / workers).min(1.0)
+    let jobs = state.jobs();
+    let workers = state.config().workers.max(1) as f64;
+    ((jobs.running() + jobs.queued()) as f64 / workers).min(1.0)
 }
 
 /// The load average (module docs), as f32 bits.
@@ -65,7 +67,7 @@ impl Load {
 
 /// The line for the node's state now.
 pub fn line(state: &AppState, load: &Load) -> String {
-    if !state.gauges().template_ready {
+    if state.executor_if_ready().is_none() {
         return "down\n".into();
     }
     if state.node().draining() {

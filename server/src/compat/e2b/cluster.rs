@@ -84,12 +84,31 @@ pub fn local_rows(c: &Compat) -> Vec<Row> {
     rows
 }
 
+/// What the publisher compares to see a change, cheaply (without the rows' JSON): each
+/// sandbox's id and whether it runs, sorted.
+fn fingerprint(c: &Compat) -> Vec<(String, bool)> {
+    let ids: Vec<String> = c.own.e2b.map().keys().cloned().collect();
+    let mut seen: Vec<(String, bool)> = ids
+        .into_iter()
+        .filter(|id| c.app.sessions().get(id).is_ok())
+        .map(|id| (id, true))
+        .collect();
+    seen.extend(
+        super::lifecycle::paused_sandboxes(c)
+            .into_iter()
+            .map(|(s, _)| (s.id.clone(), false)),
+    );
+    seen.sort();
+    seen
+}
+
 /// The registry's kind for E2B's rows.
 const KIND: &str = "e2b";
 
-/// The other nodes' rows, without any of this node's ids (a session handed over may be
-/// in its old node's rows until that node's next publish). None without a registry.
-pub async fn other_nodes(c: &Compat) -> Result<Vec<Row>, Error> {
+/// The other nodes' rows, without the ids in `here` (this node's rows: a session handed
+/// over may be in its old node's rows until that node's next publish). None without a
+/// registry.
+pub async fn other_nodes(c: &Compat, here: &[Row]) -> Result<Vec<Row>, Error> {
     let Some(reg) = c.app.registry() else {
         return Ok(Vec::new());
     };
@@ -97,12 +116,12 @@ pub async fn other_nodes(c: &Compat) -> Result<Vec<Row>, Error> {
         .gather(KIND, c.app.node().id())
         .await
         .map_err(|e| Error::internal(format!("the cluster-wide list could not be read: {e}")))?;
-    let here: HashSet<String> = local_rows(c).into_iter().map(|r| r.id).collect();
+    let here: HashSet<&str> = here.iter().map(|r| r.id.as_str()).collect();
     let mut rows = Vec::with_capacity(values.len());
     for v in values {
         let row: Row = serde_json::from_value(v)
             .map_err(|e| Error::internal(format!("a node published a row bud cannot read: {e}")))?;
-        if !here.contains(&row.id) {
+        if !here.contains(row.id.as_str()) {
             rows.push(row);
         }
     }
@@ -123,15 +142,12 @@ pub fn start_publisher(c: &Compat) {
         let mut last: Option<(Instant, Vec<(String, bool)>)> = None;
         let mut failing = false;
         loop {
-            let rows = local_rows(&c);
-            let mut seen: Vec<(String, bool)> =
-                rows.iter().map(|r| (r.id.clone(), r.running)).collect();
-            seen.sort();
+            let seen = fingerprint(&c);
             let due = last
                 .as_ref()
                 .is_none_or(|(at, before)| at.elapsed() >= PUBLISH_EVERY || *before != seen);
             if due {
-                let values: Vec<serde_json::Value> = rows
+                let values: Vec<serde_json::Value> = local_rows(&c)
                     .iter()
                     .filter_map(|r| serde_json::to_value(r).ok())
                     .collect();

@@ -176,7 +176,8 @@ async fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
     };
     let from = q.next_token.as_deref().map(parse_token).transpose()?;
     let mut found = local_rows(c);
-    found.extend(super::cluster::other_nodes(c).await?);
+    let others = super::cluster::other_nodes(c, &found).await?;
+    found.extend(others);
     let asker = crate::audit::current_key();
     found.retain(|r| {
         // A sandbox's id is the key to it: a listing never shows one key another's.
