@@ -180,6 +180,24 @@ fn a_drain_hands_live_and_paused_sessions_to_another_node_which_serves_them() {
     let listed: Value = a.get("/v1/sessions").json().unwrap();
     assert_eq!(listed["sessions"], json!([]), "{listed}");
 
+    // Handed back, a session is served where it is again, not forwarded to where it was
+    // (each node would forward it to the other).
+    let (status, _) = a.post("/v1/admin/undrain", &json!({}));
+    assert_eq!(status, 200);
+    let (status, report) = b.post("/v1/admin/drain", &json!({ "to": a.url("") }));
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["failed"], json!([]), "{report}");
+    let resp = common::client()
+        .post(a.url(&format!("/v1/sessions/{live}/exec")))
+        .timeout(std::time::Duration::from_secs(20))
+        .json(&json!({ "code": "print(x)" }))
+        .send()
+        .expect("an answer, not a forwarding loop");
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(resp.headers()["x-bud-node"], "a");
+    let r: Value = resp.json().unwrap();
+    assert_eq!(r["stdout"], "kept\n");
+
     // A node asked for an id of another node that it does not hold names that node.
     let stranger = format!("ses_a_{}", "0".repeat(32));
     let (status, r) = cell(&b, &stranger, "print(1)");

@@ -340,6 +340,9 @@ pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused,
                 // An id that ended here before is paused here now: its tombstone would
                 // hide it.
                 st.sessions().forget(&p.record.id);
+                // One this node handed to another and now takes back is served here
+                // again, not forwarded to where it was (which would forward it back).
+                st.node().back(&p.record.id);
                 Ok(p)
             }
             Err(e) => {
