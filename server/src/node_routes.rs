@@ -89,14 +89,10 @@ async fn route(state: &AppState, req: Request, next: Next) -> Response {
         drop(entered);
         return peer::forward(&m.url, req).await;
     }
-    if let Some(other) = node.elsewhere(&id)
+    if let Some(e) = Error::wrong_node(node, &id)
         && !holds(state, &id)
     {
-        let e = ApiError::Service(Error::WrongNode {
-            id: id.clone(),
-            node: other.to_owned(),
-            here: node.id().to_owned(),
-        });
+        let e = ApiError::Service(e);
         return if e2b { e2b_error(e) } else { e.into_response() };
     }
     next.run(req).await

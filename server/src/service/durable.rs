@@ -213,16 +213,9 @@ pub async fn start_from(
     req: CreateSession,
 ) -> Result<Arc<Entry>, Error> {
     let dir = dir(state)?;
-    let s = dir
-        .snapshot(snap)
-        .ok_or_else(|| match state.node().elsewhere(snap) {
-            Some(node) => Error::WrongNode {
-                id: snap.to_owned(),
-                node: node.to_owned(),
-                here: state.node().id().to_owned(),
-            },
-            None => Error::NoSnapshot(snap.to_owned()),
-        })?;
+    let s = dir.snapshot(snap).ok_or_else(|| {
+        Error::wrong_node(state.node(), snap).unwrap_or_else(|| Error::NoSnapshot(snap.to_owned()))
+    })?;
     if let Some(t) = req.template.as_deref()
         && t != s.record.template
     {

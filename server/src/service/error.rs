@@ -188,6 +188,15 @@ impl Error {
     }
 
     /// A failure of bud's own (500): `e` says what.
+    /// The error for a request here of `id`, if `id` names a node other than `here`.
+    pub fn wrong_node(here: &crate::node::Node, id: &str) -> Option<Self> {
+        here.elsewhere(id).map(|node| Error::WrongNode {
+            id: id.to_owned(),
+            node: node.to_owned(),
+            here: here.id().to_owned(),
+        })
+    }
+
     pub fn internal(e: impl std::fmt::Display) -> Self {
         Error::Internal {
             field: None,

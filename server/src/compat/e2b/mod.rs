@@ -261,14 +261,8 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         .map(|s| s.record.id);
     let template = match snapshot {
         Some(_) => None,
-        None => match state.node().elsewhere(&req.template_id) {
-            Some(node) if req.template_id.starts_with("snap_") => {
-                return Err(Error::WrongNode {
-                    id: req.template_id.clone(),
-                    node: node.to_owned(),
-                    here: state.node().id().to_owned(),
-                });
-            }
+        None => match Error::wrong_node(state.node(), &req.template_id) {
+            Some(e) if req.template_id.starts_with("snap_") => return Err(e),
             _ => Some(bud_template(state, &req.template_id)?),
         },
     };
