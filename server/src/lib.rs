@@ -279,7 +279,14 @@ pub async fn serve(
     conn::serve_connections(listener, app(state.clone()), header_timeout, shutdown).await;
     reaper.abort();
     if state.config().pause_on_shutdown && state.state_dir().is_some() {
-        service::durable::pause_all(&state).await;
+        for (id, paused) in service::durable::pause_all(&state).await {
+            match paused {
+                Ok(p) => tracing::info!(session = %id, bytes = p.bytes, "paused at shutdown"),
+                Err(err) => {
+                    tracing::warn!(session = %id, error = %err, "could not pause at shutdown")
+                }
+            }
+        }
     }
     // Every request has its answer; jobs of clients that left may still be queued.
     let drained = state.clone();

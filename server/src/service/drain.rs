@@ -142,11 +142,11 @@ pub async fn drain(
             }
         }
         None if req.pause => {
-            for e in state.sessions().list() {
-                match durable::pause(state, &e.id).await {
-                    Ok(_) => report.paused.push(e.id.clone()),
+            for (id, paused) in durable::pause_all(state).await {
+                match paused {
+                    Ok(_) => report.paused.push(id),
                     Err(err) => report.failed.push(Failed {
-                        id: e.id.clone(),
+                        id,
                         error: err.to_string(),
                     }),
                 }

@@ -302,17 +302,16 @@ pub async fn pause_expired(state: &AppState, ids: Vec<String>) {
     }
 }
 
-/// Pauses every running session (a shutdown with `--pause-on-shutdown`); those that cannot
-/// be paused are left to end with the rest.
-pub async fn pause_all(state: &AppState) {
+/// Pauses every running session (a shutdown with `--pause-on-shutdown`, a drain with
+/// `pause`), one after another: each one's id and how its pause went (one that cannot be
+/// paused stays as it is).
+pub async fn pause_all(state: &AppState) -> Vec<(String, Result<PauseResponse, Error>)> {
+    let mut done = Vec::new();
     for e in state.sessions().list() {
-        match pause(state, &e.id).await {
-            Ok(p) => tracing::info!(session = %p.id, bytes = p.bytes, "paused at shutdown"),
-            Err(err) => {
-                tracing::warn!(session = %e.id, error = %err, "could not pause at shutdown")
-            }
-        }
+        let paused = pause(state, &e.id).await;
+        done.push((e.id.clone(), paused));
     }
+    done
 }
 
 /// Imports the session file uploaded to `tmp` (another server's export of a paused
