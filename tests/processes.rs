@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use vmm::job::Stream;
-use vmm::process::{ProcessError, ProcessEvent, ProcessSpec};
+use vmm::process::{ProcessError, ProcessEvent, ProcessSpec, Processes};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
 use vmm::{Cancel, Executor, Job, Status};
 

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use vmm::files::{FileError, FileKind};
+use vmm::files::{FileError, FileKind, Files};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
 use vmm::{Cancel, Executor, Job, JobResult, Language, Status};
 

@@ -7,7 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
-use vmm::process::{ProcessEvent, ProcessSpec};
+use vmm::process::{ProcessEvent, ProcessSpec, Processes};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
 use vmm::session_file::{self, SessionFileError};
 use vmm::{Executor, Job, JobResult, Status};

@@ -131,6 +131,7 @@ class JobRunner:
         self._figures = []  # the figures of the last Python request (bud_session.take_figures)
         self._error = None  # the last cell's exception, when asked for in the display
         self._namespaces = {}  # a session's namespaces other than __main__, by number
+        self.beside = None  # the lane beside (bud_beside.Beside), in a guest
 
     # ---- before READY
 
@@ -255,14 +256,23 @@ class JobRunner:
         """DONE, even if a SIGINT that raises lands now (one not from the watcher: the
         watcher's are held outside a run, see ``on_sigint``), whose KeyboardInterrupt would
         otherwise escape serve and end the worker. If it lands as ``ring`` returns, the host
-        has resumed the VM with a new request: serve it."""
-        while True:
-            try:
-                self.ring(_bud.DONE, 0, 0)
-                return
-            except KeyboardInterrupt:
-                if bud_request.SEQUENCE.unpack_from(self.view, _bud.JOB_SEQUENCE)[0] != sequence:
+        has resumed the VM with a new request: serve it. The lane beside is held across it
+        (``bud_beside``)."""
+        beside = self.beside
+        try:
+            while True:
+                try:
+                    if beside is not None:
+                        beside.before_done()  # no lane request is served across DONE
+                    self.ring(_bud.DONE, 0, 0)
                     return
+                except KeyboardInterrupt:
+                    if bud_request.SEQUENCE.unpack_from(self.view,
+                                                        _bud.JOB_SEQUENCE)[0] != sequence:
+                        return
+        finally:
+            if beside is not None:
+                beside.after_done()
 
     def warn(self, message):
         """One line on the console (not the job's output)."""

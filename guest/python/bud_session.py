@@ -480,6 +480,10 @@ def file_op(op, path, data, write_out):
             full = resolve(relative)
             if os.path.isdir(full):
                 raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is a directory")
+            if os.path.exists(full) and not os.path.isfile(full):
+                # A FIFO or a device would block or never end the write.
+                raise FileError(_bud.FILE_STATUS_WRONG_KIND,
+                                f"{relative!r} is not a regular file")
             _make_dirs(os.path.dirname(full), owner)
             with open(full, "ab" if op == _bud.FILE_OP_APPEND else "wb") as f:
                 f.write(data)

@@ -55,6 +55,7 @@ import sys
 import time
 
 import _bud
+import bud_beside
 import bud_capture
 import bud_io
 import bud_jobs
@@ -315,15 +316,25 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     mailbox = _bud.create_mailbox(_bud.MAILBOX_DEFAULT_SIZE, doorbell=doorbell)
     mark("memory")
     interrupts = None
+    beside = None
     if doorbell:
+        beside = bud_beside.Beside(mailbox, _bud.ring)
         try:
-            _bud.start_interrupt_watcher()
+            _bud.start_interrupt_watcher(lane_fd=beside.watcher_fd)
         except OSError as error:
             interrupts = f"no interrupt watcher ({error}); session cells cannot be interrupted"
+            beside = None
+        if beside is not None:
+            try:
+                beside.start()
+            except OSError as error:
+                interrupts = f"no lane beside ({error}); requests wait for a running cell"
+                beside = None
     # In a guest the capture files live on their own bounded tmpfs (the agent mounts it).
     capture_dir = bud_capture.CAPTURE_DIR if doorbell else "/tmp"
     runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell,
                                 capture_dir=capture_dir)
+    runner.beside = beside
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err
     if doorbell and not interrupts:
         signal.signal(signal.SIGINT, runner.on_sigint)

@@ -144,11 +144,41 @@ struct Table {
 #[derive(Debug, Default)]
 pub struct Processes {
     table: Mutex<Table>,
+    /// Starts (of processes and watchers) under way, which a poll beside a cell must not
+    /// overtake ([`Processes::starting`]).
+    starts: std::sync::atomic::AtomicUsize,
+}
+
+/// A start under way ([`Processes::starting`]), until dropped.
+#[derive(Debug)]
+pub struct Starting<'a>(&'a Processes);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.0
+            .starts
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl Processes {
     fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks a start under way until the guard is dropped, after its record is made: a
+    /// process started beside a cell could otherwise end, and its end be polled, before
+    /// the server knew its pid (events of unknown pids are dropped). The pump polls beside
+    /// a cell only while none is under way ([`Processes::is_starting`]).
+    pub fn starting(&self) -> Starting<'_> {
+        self.starts
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Starting(self)
+    }
+
+    /// Whether a start is under way.
+    pub fn is_starting(&self) -> bool {
+        self.starts.load(std::sync::atomic::Ordering::Acquire) > 0
     }
 
     /// Whether a client is connected to a process that has not ended.

@@ -3,7 +3,9 @@
 //!
 //! - **One at a time**: a session is *busy* while a cell, file operation or fork runs in it;
 //!   a request meanwhile waits for it (at most `--session-max-waiting` at once; past that,
-//!   409). The VM itself is only touched on a job thread.
+//!   409), unless it can go beside the running one ([`Entry::beside`], [`vmm::beside`]):
+//!   file operations beside any request, process operations beside a cell. The VM itself
+//!   is only touched on a job thread.
 //! - **Ended sessions** (deleted, expired, crashed, timed out past the interrupt) leave a
 //!   tombstone saying why, so later calls get 410 Gone with the reason instead of a bare 404;
 //!   a DELETE of an ended session removes its tombstone (204). The tombstones kept are
@@ -69,6 +71,8 @@ pub struct Entry {
     pub run_ns: AtomicU64,
     /// Its background processes (`service::processes`).
     pub processes: crate::procs::Processes,
+    /// The lane beside the request its VM runs ([`vmm::beside`]).
+    beside: vmm::beside::Beside,
     /// While the processes' pump holds the session: the cancel of its wait in the guest,
     /// which a request that wants the session pulls ([`Entry::preempt`]).
     background: Mutex<Option<vmm::Cancel>>,
@@ -152,7 +156,7 @@ pub enum Unavailable {
 }
 
 impl Entry {
-    fn new(id: String, s: NewSession) -> Self {
+    fn new(id: String, s: NewSession, beside: vmm::beside::Beside) -> Self {
         let now = SystemTime::now();
         Self {
             id,
@@ -175,6 +179,7 @@ impl Entry {
             executions: AtomicU64::new(0),
             run_ns: AtomicU64::new(0),
             processes: crate::procs::Processes::default(),
+            beside,
             background: Mutex::new(None),
             auto_pause: AtomicBool::new(s.auto_pause),
             attachment: Mutex::new(Attached::Saved(serde_json::Value::Null)),
@@ -224,6 +229,12 @@ impl Entry {
         {
             c.cancel();
         }
+    }
+
+    /// The lane beside the request running in it now, if one runs that takes a file
+    /// operation (or, `processes`, a process operation) beside it ([`vmm::beside`]).
+    pub fn beside(&self, processes: bool) -> Option<vmm::beside::Beside> {
+        (self.is_busy() && self.beside.open_for(processes)).then(|| self.beside.clone())
     }
 
     /// Whether the session is held by its processes' pump rather than a request.
@@ -411,7 +422,7 @@ impl Sessions {
             Some((id, _)) => id.clone(),
             None => self.new_id("ses")?,
         };
-        let e = Arc::new(Entry::new(id, settings));
+        let e = Arc::new(Entry::new(id, settings, vm.beside()));
         *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);
         if let Some(d) = self.marks.get() {
             d.mark_running(&e.id);

@@ -22,7 +22,7 @@ use serde::Deserialize;
 use crate::executor::Executor;
 use crate::job::{JobResult, Status};
 use crate::protocol::{file_op, file_status};
-use crate::session::{FILE_CHUNK, Session, SessionError};
+use crate::session::{FILE_CHUNK, Requests, SessionError};
 
 /// What a path is, as `lstat` sees it (a final symlink is not followed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
@@ -143,7 +143,9 @@ fn json<T: for<'de> Deserialize<'de>>(path: &str, bytes: &[u8]) -> Result<T, Fil
     })
 }
 
-impl Session {
+/// The typed file operations, on a [`crate::session::Session`] or beside its running request
+/// ([`crate::beside::Beside`]).
+pub trait Files: Requests {
     /// Runs file request `op` on `path` with `data`, and returns its data (at most `limit`
     /// bytes).
     fn file_request(
@@ -161,7 +163,7 @@ impl Session {
 
     /// Creates or truncates `path` (and its parent directories) and writes `data`, in
     /// requests of at most [`FILE_CHUNK`] bytes.
-    pub fn put_file(
+    fn put_file(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -171,9 +173,9 @@ impl Session {
         self.put_file_as(ex, path, data, Owner::Root, timeout)
     }
 
-    /// [`Session::put_file`], the file and the directories made for it belonging to `owner`
+    /// [`Files::put_file`], the file and the directories made for it belonging to `owner`
     /// (an existing file becomes `owner`'s too).
-    pub fn put_file_as(
+    fn put_file_as(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -193,7 +195,7 @@ impl Session {
     }
 
     /// Appends `data` to `path`.
-    pub fn append_file(
+    fn append_file(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -205,7 +207,7 @@ impl Session {
     }
 
     /// The bytes of file `path`; [`FileError::TooLarge`] past `limit`.
-    pub fn get_file(
+    fn get_file(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -216,7 +218,7 @@ impl Session {
     }
 
     /// The entries of directory `path` (`.`: the work directory).
-    pub fn list_dir(
+    fn list_dir(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -227,7 +229,7 @@ impl Session {
     }
 
     /// What `path` is, without following a final symlink.
-    pub fn stat(
+    fn stat(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -239,7 +241,7 @@ impl Session {
 
     /// The regular files matching glob `pattern` (relative to the work directory, `**`
     /// allowed), as paths relative to it.
-    pub fn glob(
+    fn glob(
         &mut self,
         ex: &Executor,
         pattern: &str,
@@ -261,29 +263,19 @@ impl Session {
     }
 
     /// Removes a file, or a directory with everything in it.
-    pub fn remove(
-        &mut self,
-        ex: &Executor,
-        path: &str,
-        timeout: Duration,
-    ) -> Result<(), FileError> {
+    fn remove(&mut self, ex: &Executor, path: &str, timeout: Duration) -> Result<(), FileError> {
         self.file_request(ex, file_op::DELETE, path, Vec::new(), timeout, 64 << 10)
             .map(drop)
     }
 
     /// Creates directory `path` and its parents (an existing directory is no error; an
     /// existing file is [`FileError::WrongKind`]).
-    pub fn make_dir(
-        &mut self,
-        ex: &Executor,
-        path: &str,
-        timeout: Duration,
-    ) -> Result<(), FileError> {
+    fn make_dir(&mut self, ex: &Executor, path: &str, timeout: Duration) -> Result<(), FileError> {
         self.make_dir_as(ex, path, Owner::Root, timeout)
     }
 
-    /// [`Session::make_dir`], the directories it makes belonging to `owner`.
-    pub fn make_dir_as(
+    /// [`Files::make_dir`], the directories it makes belonging to `owner`.
+    fn make_dir_as(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -296,7 +288,7 @@ impl Session {
     }
 
     /// Renames `from` to `to` (the destination's parents are created).
-    pub fn rename(
+    fn rename(
         &mut self,
         ex: &Executor,
         from: &str,
@@ -306,9 +298,9 @@ impl Session {
         self.rename_as(ex, from, to, Owner::Root, timeout)
     }
 
-    /// [`Session::rename`], the destination's parents it makes belonging to `owner` (what
+    /// [`Files::rename`], the destination's parents it makes belonging to `owner` (what
     /// is moved keeps its own owner).
-    pub fn rename_as(
+    fn rename_as(
         &mut self,
         ex: &Executor,
         from: &str,
@@ -322,6 +314,8 @@ impl Session {
             .map(drop)
     }
 }
+
+impl<T: Requests + ?Sized> Files for T {}
 
 #[cfg(test)]
 mod tests {

@@ -29,6 +29,7 @@
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("bud supports x86_64 hosts and guests only");
 
+pub mod beside;
 pub mod boot;
 pub mod cpuid;
 pub mod devices;

@@ -75,6 +75,17 @@ impl Mailbox {
         Self { gva, pages }
     }
 
+    /// The part of the mailbox at `offset` of `len` bytes (whole pages), as a mailbox of its
+    /// own (a [`crate::protocol::lane`]); None if the mailbox is shorter.
+    pub(crate) fn lane(&self, offset: usize, len: usize) -> Option<Self> {
+        let (first, count) = (offset / PAGE_SIZE as usize, len / PAGE_SIZE as usize);
+        let pages = self.pages.get(first..first.checked_add(count)?)?;
+        Some(Self {
+            gva: self.gva + offset as u64,
+            pages: pages.to_vec(),
+        })
+    }
+
     /// The guest-virtual address the worker uses.
     pub fn guest_virtual_address(&self) -> u64 {
         self.gva

@@ -8,7 +8,7 @@
 //! [`ProcessEvent`] and [`ProcessError`].
 //!
 //! Between requests the VM is stopped, and so are its processes: whoever keeps a session
-//! with live processes runs [`Session::poll_processes`] whenever the session has nothing
+//! with live processes runs [`Processes::poll_processes`] whenever the session has nothing
 //! else to do (the server's `service::processes`). A poll waits in the guest until a
 //! process writes or ends, or until its `wait` has passed, or until it is cancelled, which
 //! interrupts the guest's wait so that another request can have the VM; it never loses an
@@ -19,7 +19,7 @@ use std::time::Duration;
 use crate::executor::Executor;
 use crate::job::{Cancel, Job, JobResult, Status, Stream};
 use crate::protocol::{file_status, job_flags, process_event, process_op, watch_event};
-use crate::session::{Session, SessionError};
+use crate::session::{Requests, SessionError};
 
 /// What happened to a background process, in the order it happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub enum ProcessEvent {
         exit_code: Option<i32>,
         signal: Option<i32>,
     },
-    /// A change under a watched directory ([`Session::watch_dir`]).
+    /// A change under a watched directory ([`Processes::watch_dir`]).
     Watch {
         watcher: u32,
         change: Change,
@@ -193,13 +193,11 @@ fn request(code: impl Into<Vec<u8>>, args: Vec<String>, timeout: Duration) -> Jo
     j
 }
 
-impl Session {
+/// The typed process operations, on a [`crate::session::Session`] or beside its running cell
+/// ([`crate::beside::Beside`]).
+pub trait Processes: Requests {
     /// Starts `spec` and returns its pid in the guest.
-    pub fn start_process(
-        &mut self,
-        ex: &Executor,
-        spec: &ProcessSpec,
-    ) -> Result<u32, ProcessError> {
+    fn start_process(&mut self, ex: &Executor, spec: &ProcessSpec) -> Result<u32, ProcessError> {
         let mut args = vec![spec.cwd.clone().unwrap_or_default()];
         let mut flags = if spec.stdin {
             job_flags::PROCESS_STDIN
@@ -221,8 +219,8 @@ impl Session {
     /// Watches directory `path` (absolute, or relative to the work directory; and its
     /// subdirectories if `recursive`): its changes come from polls as
     /// [`ProcessEvent::Watch`] of the returned watcher, which keeps polls waiting as a live
-    /// process does until [`Session::unwatch`].
-    pub fn watch_dir(
+    /// process does until [`Processes::unwatch`].
+    fn watch_dir(
         &mut self,
         ex: &Executor,
         path: &str,
@@ -239,14 +237,14 @@ impl Session {
     }
 
     /// Stops watcher `watcher`.
-    pub fn unwatch(&mut self, ex: &Executor, watcher: u32) -> Result<(), ProcessError> {
+    fn unwatch(&mut self, ex: &Executor, watcher: u32) -> Result<(), ProcessError> {
         let j = request(watcher.to_string(), vec![], OP_TIMEOUT);
         let r = self.process_op(ex, process_op::UNWATCH, 0, &j)?;
         answer(r).map(drop)
     }
 
     /// Sets the terminal size of PTY process `pid` (it gets SIGWINCH).
-    pub fn resize_process(
+    fn resize_process(
         &mut self,
         ex: &Executor,
         pid: u32,
@@ -261,7 +259,7 @@ impl Session {
     /// Waits up to `wait` for output and exits of the live processes (module docs) and
     /// returns them, at most about `budget` bytes of output. `cancel` ends the wait early
     /// with what there is. Nothing live: returns at once, empty.
-    pub fn poll_processes(
+    fn poll_processes(
         &mut self,
         ex: &Executor,
         wait: Duration,
@@ -292,7 +290,7 @@ impl Session {
 
     /// Writes what of `data` process `pid`'s stdin pipe takes now (without blocking) and
     /// returns how many bytes that was; then closes it if `close`.
-    pub fn process_stdin(
+    fn process_stdin(
         &mut self,
         ex: &Executor,
         pid: u32,
@@ -307,12 +305,7 @@ impl Session {
     }
 
     /// Sends `signal` to process `pid` and everything it started (its process group).
-    pub fn signal_process(
-        &mut self,
-        ex: &Executor,
-        pid: u32,
-        signal: i32,
-    ) -> Result<(), ProcessError> {
+    fn signal_process(&mut self, ex: &Executor, pid: u32, signal: i32) -> Result<(), ProcessError> {
         if !(1..=64).contains(&signal) {
             return Err(ProcessError::Invalid(format!("no signal {signal}")));
         }
@@ -321,6 +314,8 @@ impl Session {
         answer(r).map(drop)
     }
 }
+
+impl<T: Requests + ?Sized> Processes for T {}
 
 #[cfg(test)]
 mod tests {

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -31,9 +31,9 @@ pub const DOORBELL_WIDTH: u64 = 4;
 /// Magic at offset 0 of the mailbox: "BUDM" in little endian.
 pub const MAILBOX_MAGIC: u32 = u32::from_le_bytes(*b"BUDM");
 
-/// Mailbox size the worker allocates: 4 MiB (a multiple of the 4 KiB page size). The layout
-/// in [`job`] and [`result`] assumes at least this much.
-pub const MAILBOX_DEFAULT_SIZE: usize = 4 << 20;
+/// Mailbox size the worker allocates: two [`lane`]s of 4 MiB (a multiple of the 4 KiB page
+/// size). The layout in [`job`] and [`result`] is each lane's.
+pub const MAILBOX_DEFAULT_SIZE: usize = 2 * lane::SIZE;
 
 /// Upper bound the host accepts for the mailbox length at READY.
 pub const MAILBOX_MAX_SIZE: usize = 64 << 20;
@@ -58,6 +58,29 @@ pub mod header {
     pub const READY_WALL_NS: usize = 8;
     /// Size of the header; payload (defined by the job protocol) starts here.
     pub const SIZE: usize = 64;
+}
+
+/// The mailbox's two lanes. Lane 0 (offset 0) carries the request the VM runs: the host
+/// writes it and resumes the vCPU, and the worker's main thread answers it at DONE. Lane 1
+/// (offset [`lane::SIZE`]) carries one request *beside* it (a file or process operation
+/// while a cell runs): the host writes it while the vCPU is stopped at any exit of the main
+/// request and puts [`lane::BYTE`] on the console; the worker's lane thread serves it and
+/// rings [`code::FLUSH`] and [`code::DONE`] with [`lane::DOORBELL_BIT`] set. Each lane has
+/// the whole layout of [`job`] and [`result`] at its own offset. The worker's main thread
+/// holds the lane's lock from before it rings DONE until it is resumed, so at the main
+/// request's DONE no lane request is being served: one the host sent that has not been
+/// answered was never started, and the host takes it back by writing 0 to the lane's
+/// `job::SEQUENCE`.
+pub mod lane {
+    /// Bytes of each lane (a request area and two output areas).
+    pub const SIZE: usize = 4 << 20;
+    /// Offset of the lane beside the main request.
+    pub const BESIDE: usize = SIZE;
+    /// Set in a doorbell code rung for the lane beside (`FLUSH | DOORBELL_BIT`, ...).
+    pub const DOORBELL_BIT: u32 = 0x100;
+    /// The console byte that tells the worker's lane thread a request waits in lane 1 (ENQ;
+    /// the interrupt byte is ETX).
+    pub const BYTE: u8 = 0x05;
 }
 
 /// Doorbell codes (the value in `eax` of the 32-bit `out`).

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_clock_data;
 
+use crate::beside::{Accepts, Beside, BesideError};
 use crate::devices::console::ConsoleLog;
 use crate::executor::{ExecError, Executor};
 use crate::identity::{self, IdentityError};
@@ -75,9 +76,23 @@ pub enum SessionError {
     /// The session's VM was already taken away (the session ended meanwhile).
     #[error("the session's VM is gone")]
     Gone,
+    /// A request beside the running one ([`crate::beside`]) did not run there.
+    #[error(transparent)]
+    Beside(#[from] BesideError),
 }
 
-/// Bytes of file data per request of [`Session::put_file`].
+impl SessionError {
+    /// The request did not run beside the running one and may run as the VM's own
+    /// ([`BesideError::NotOpen`], [`BesideError::Full`]).
+    pub fn not_beside(&self) -> bool {
+        matches!(
+            self,
+            SessionError::Beside(BesideError::NotOpen | BesideError::Full(_))
+        )
+    }
+}
+
+/// Bytes of file data per request of [`crate::files::Files::put_file`].
 pub(crate) const FILE_CHUNK: usize = 1 << 20;
 
 /// How long an interrupted cell has to end before its session is over.
@@ -106,6 +121,71 @@ pub struct Session {
     /// for reuse (the reset's proof covers a worker that ran requests, not processes that
     /// outlived them).
     ran_processes: bool,
+    /// The lane beside its running request ([`crate::beside`]).
+    beside: Beside,
+}
+
+/// Where a session's file and process operations go: the session's VM itself (a
+/// [`Session`] its caller holds) or the lane beside the request it runs ([`Beside`]). The
+/// typed operations of [`crate::files::Files`] and [`crate::process::Processes`] work on
+/// either.
+pub trait Requests {
+    /// Runs a file operation ([`crate::protocol::file_op`]) on `path` with `data` as its
+    /// input; its output is the result's stdout, its [`crate::protocol::file_status`] the
+    /// exit code.
+    fn file_op(
+        &mut self,
+        ex: &Executor,
+        op: u32,
+        path: &str,
+        data: Vec<u8>,
+        timeout: Duration,
+        output_limit: usize,
+    ) -> Result<JobResult, SessionError>;
+
+    /// Runs a process operation ([`crate::protocol::process_op`]): `job` carries its code,
+    /// data, args and env.
+    fn process_op(
+        &mut self,
+        ex: &Executor,
+        op: u32,
+        flags: u32,
+        job: &Job,
+    ) -> Result<JobResult, SessionError>;
+}
+
+/// The job of a file operation on `path` with `data`.
+fn file_job(path: &str, data: Vec<u8>, timeout: Duration, output_limit: usize) -> Job {
+    let mut j = Job::python(path.as_bytes().to_vec());
+    j.stdin = data;
+    j.timeout = timeout;
+    j.output_limit = output_limit;
+    j
+}
+
+impl Requests for Beside {
+    fn file_op(
+        &mut self,
+        _: &Executor,
+        op: u32,
+        path: &str,
+        data: Vec<u8>,
+        timeout: Duration,
+        output_limit: usize,
+    ) -> Result<JobResult, SessionError> {
+        let j = file_job(path, data, timeout, output_limit);
+        Ok(self.call(j, Kind::File(op))?)
+    }
+
+    fn process_op(
+        &mut self,
+        _: &Executor,
+        op: u32,
+        flags: u32,
+        job: &Job,
+    ) -> Result<JobResult, SessionError> {
+        Ok(self.call(job.clone(), Kind::Process { op, flags })?)
+    }
 }
 
 /// What a fork child is made from.
@@ -192,6 +272,7 @@ impl Session {
             layers: Vec::new(),
             health: Health::Ready,
             ran_processes: false,
+            beside: Beside::default(),
         })
     }
 
@@ -269,50 +350,16 @@ impl Session {
         self.request(ex, job, Kind::Job, None, on_output)
     }
 
-    /// Runs a file operation ([`crate::protocol::file_op`]) on `path` with `data` as its
-    /// input; its output is the result's stdout, its [`crate::protocol::file_status`] the
-    /// exit code. Callers use the typed operations of [`crate::files`].
-    pub(crate) fn file_op(
-        &mut self,
-        ex: &Executor,
-        op: u32,
-        path: &str,
-        data: Vec<u8>,
-        timeout: Duration,
-        output_limit: usize,
-    ) -> Result<JobResult, SessionError> {
-        let mut j = Job::python(path.as_bytes().to_vec());
-        j.stdin = data;
-        j.timeout = timeout;
-        j.output_limit = output_limit;
-        // Interrupted at the cap or the deadline like a cell, so the session survives a file
-        // larger than the caller's limit.
-        let grace = Some(DEFAULT_INTERRUPT_GRACE);
-        self.request(ex, &j, Kind::File(op), grace, &mut |_, _| {})
+    /// Whether a background process was ever started in it (then it is never reset for
+    /// reuse).
+    fn ran_processes(&self) -> bool {
+        self.ran_processes || self.beside.ran_processes()
     }
 
-    /// Runs a process operation ([`crate::protocol::process_op`]): `job` carries its code,
-    /// data, args and env. Callers use the typed operations of [`crate::process`].
-    pub(crate) fn process_op(
-        &mut self,
-        ex: &Executor,
-        op: u32,
-        flags: u32,
-        job: &Job,
-    ) -> Result<JobResult, SessionError> {
-        if op == crate::protocol::process_op::START {
-            self.ran_processes = true;
-        }
-        // A poll ends by itself when its wait is over: one whose interrupt is slow (the
-        // guest starved on a busy host) is waited for, never taken for a hung request
-        // that ends the session.
-        let grace = if op == crate::protocol::process_op::POLL {
-            job.timeout
-        } else {
-            DEFAULT_INTERRUPT_GRACE
-        };
-        let grace = Some(grace);
-        self.request(ex, job, Kind::Process { op, flags }, grace, &mut |_, _| {})
+    /// The lane beside its running request: file operations (and, beside a cell, process
+    /// operations) given to it run while the request does ([`crate::beside`]).
+    pub fn beside(&self) -> Beside {
+        self.beside.clone()
     }
 
     fn request(
@@ -327,11 +374,17 @@ impl Session {
         let s = ex.template().state();
         self.resume_clock(s)?;
         self.sequence = self.sequence.wrapping_add(1).max(1);
+        let accepts = match kind {
+            Kind::Cell { .. } => Some(Accepts::FilesAndProcesses),
+            Kind::File(_) | Kind::Process { .. } => Some(Accepts::Files),
+            Kind::Job => None,
+        };
         let r = Request {
             job: j,
             kind,
             sequence: self.sequence,
             interrupt_grace: grace,
+            beside: accepts.map(|a| (&self.beside, a)),
         };
         let ran = job::run_request(&mut self.m, s, &r, on_output);
         let (result, health) = match ran {
@@ -423,7 +476,8 @@ impl Session {
                 reseed: true,
                 layers: self.layers.clone(),
                 health: Health::Ready,
-                ran_processes: self.ran_processes,
+                ran_processes: self.ran_processes(),
+                beside: Beside::default(),
             })
             .collect();
         let per_child = children_started
@@ -494,7 +548,7 @@ impl Session {
             sequence: self.sequence,
             executions: self.executions,
             parked_wall_ns: self.parked_wall_ns,
-            ran_processes: self.ran_processes,
+            ran_processes: self.ran_processes(),
             app,
         };
         Ok(session_file::write(path, &self.m.ram, header)?)
@@ -540,16 +594,57 @@ impl Session {
             layers,
             health: Health::Ready,
             ran_processes: h.ran_processes,
+            beside: Beside::default(),
         })
     }
 
     /// Ends the session: a VM on the plain template mapping that stopped at DONE and never
     /// started a background process is reset and reused; any other is closed by the reaper.
     pub fn end(self, ex: &Executor) {
-        if self.health.is_ready() && self.layers.is_empty() && !self.ran_processes {
+        if self.health.is_ready() && self.layers.is_empty() && !self.ran_processes() {
             ex.give_back(self.m);
         } else {
             ex.discard(self.m);
         }
+    }
+}
+
+impl Requests for Session {
+    fn file_op(
+        &mut self,
+        ex: &Executor,
+        op: u32,
+        path: &str,
+        data: Vec<u8>,
+        timeout: Duration,
+        output_limit: usize,
+    ) -> Result<JobResult, SessionError> {
+        let j = file_job(path, data, timeout, output_limit);
+        // Interrupted at the cap or the deadline like a cell, so the session survives a file
+        // larger than the caller's limit.
+        let grace = Some(DEFAULT_INTERRUPT_GRACE);
+        self.request(ex, &j, Kind::File(op), grace, &mut |_, _| {})
+    }
+
+    fn process_op(
+        &mut self,
+        ex: &Executor,
+        op: u32,
+        flags: u32,
+        job: &Job,
+    ) -> Result<JobResult, SessionError> {
+        if op == crate::protocol::process_op::START {
+            self.ran_processes = true;
+        }
+        // A poll ends by itself when its wait is over: one whose interrupt is slow (the
+        // guest starved on a busy host) is waited for, never taken for a hung request
+        // that ends the session.
+        let grace = if op == crate::protocol::process_op::POLL {
+            job.timeout
+        } else {
+            DEFAULT_INTERRUPT_GRACE
+        };
+        let grace = Some(grace);
+        self.request(ex, job, Kind::Process { op, flags }, grace, &mut |_, _| {})
     }
 }

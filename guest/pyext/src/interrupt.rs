@@ -18,6 +18,9 @@
 //! the host's current one: a late signal must never interrupt the next cell. A SIGINT the
 //! watcher did not send (a job's own `os.kill`) records nothing and raises as usual.
 //!
+//! The same thread wakes the worker's lane thread (`bud_beside`): for a [`LANE_BYTE`] it
+//! writes one byte to that thread's pipe (non-blocking: a full pipe already holds a wakeup).
+//!
 //! The thread is plain Rust, not Python: it never needs the GIL, so a cell that holds the
 //! GIL in a long C call is still signalled (Python raises once the call returns). It costs
 //! nothing while nobody writes to the console: it sleeps in the guest kernel. A cell can
@@ -29,10 +32,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::mailbox::Mailbox;
-use crate::protocol::job;
+use crate::protocol::{job, lane};
 
 /// The byte that means "interrupt" (ETX, what a terminal's Ctrl-C sends).
 pub const INTERRUPT_BYTE: u8 = 0x03;
+
+/// The byte that means "a request waits in the lane beside" ([`lane::BYTE`]).
+pub const LANE_BYTE: u8 = lane::BYTE;
 
 /// The request the watcher last sent SIGINT for (0: none since the last [`take_sent`]).
 static SENT: AtomicU32 = AtomicU32::new(0);
@@ -47,8 +53,9 @@ pub fn take_sent() -> u32 {
 const STACK_SIZE: usize = 64 << 10;
 
 /// Opens `tty` raw and starts the watcher thread; must be called on the main thread (the
-/// one that runs cells), which is the one signalled.
-pub fn start(tty: &str, mailbox: &'static Mailbox) -> io::Result<()> {
+/// one that runs cells), which is the one signalled. `lane_fd` (if not negative) is the
+/// write end of the lane thread's pipe, owned by the watcher from here on.
+pub fn start(tty: &str, mailbox: &'static Mailbox, lane_fd: libc::c_int) -> io::Result<()> {
     let path = std::ffi::CString::new(tty).map_err(io::Error::other)?;
     // SAFETY: `path` is a valid C string; open has no other memory effects.
     let raw = unsafe {
@@ -63,12 +70,25 @@ pub fn start(tty: &str, mailbox: &'static Mailbox) -> io::Result<()> {
     // SAFETY: `raw` is a descriptor we just opened and own from here on.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
     make_raw(fd.as_raw_fd())?;
+    let lane = if lane_fd >= 0 {
+        // SAFETY: fcntl on a descriptor the caller passed; a bad one fails with EBADF.
+        let flags = unsafe { libc::fcntl(lane_fd, libc::F_GETFL) };
+        // SAFETY: as above, setting status flags only.
+        if flags < 0 || unsafe { libc::fcntl(lane_fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the caller hands the descriptor over (documented above).
+        Some(unsafe { OwnedFd::from_raw_fd(lane_fd) })
+    } else {
+        None
+    };
     // SAFETY: pthread_self has no preconditions.
     let main = unsafe { libc::pthread_self() };
     std::thread::Builder::new()
         .name("bud-interrupt".into())
         .stack_size(STACK_SIZE)
-        .spawn(move || watch(fd, main, mailbox))?;
+        .spawn(move || watch(fd, main, mailbox, lane))?;
     Ok(())
 }
 
@@ -100,7 +120,7 @@ fn field(mailbox: &Mailbox, offset: usize) -> u32 {
     unsafe { std::ptr::read_volatile(mailbox.as_ptr().add(offset).cast::<u32>()) }
 }
 
-fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox) {
+fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox, lane: Option<OwnedFd>) {
     let mut buf = [0u8; 64];
     loop {
         // SAFETY: `buf` is a valid writable buffer of its length; `fd` is open.
@@ -113,6 +133,14 @@ fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox) {
         }
         if n == 0 {
             return;
+        }
+        match &lane {
+            Some(lane) if buf[..n as usize].contains(&LANE_BYTE) => {
+                // SAFETY: writes one byte from a valid buffer to an open descriptor; EAGAIN
+                // (a full pipe) means the lane thread has wakeups waiting already.
+                unsafe { libc::write(lane.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+            }
+            _ => {}
         }
         let sequence = field(mailbox, job::SEQUENCE);
         if buf[..n as usize].contains(&INTERRUPT_BYTE)

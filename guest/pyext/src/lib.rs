@@ -46,7 +46,7 @@ use doorbell::Doorbell;
 use mailbox::{Mailbox, MailboxError};
 use protocol::{
     MAILBOX_DEFAULT_SIZE, code, failure, file_op, file_status, guest_flags, header, job, job_flags,
-    language, mode, outcome, process_event, process_op, result, watch_event,
+    lane, language, mode, outcome, process_event, process_op, result, watch_event,
 };
 
 /// Every constant of `protocol.rs`, under its Python name: `NAME` for top-level constants and
@@ -67,6 +67,10 @@ const PROTOCOL: &[(&str, u64)] = &[
         "DEFAULT_OUTPUT_LIMIT",
         protocol::DEFAULT_OUTPUT_LIMIT as u64,
     ),
+    ("LANE_SIZE", lane::SIZE as u64),
+    ("LANE_BESIDE", lane::BESIDE as u64),
+    ("LANE_DOORBELL_BIT", lane::DOORBELL_BIT as u64),
+    ("LANE_BYTE", lane::BYTE as u64),
     ("HEADER_MAGIC", header::MAGIC as u64),
     ("HEADER_VERSION", header::VERSION as u64),
     ("HEADER_READY_WALL_NS", header::READY_WALL_NS as u64),
@@ -325,12 +329,13 @@ fn prefault_stack(nbytes: usize) -> PyResult<()> {
 }
 
 /// Starts the thread that turns the host's interrupt byte on `tty` into SIGINT for this
-/// (the main) thread (see `interrupt.rs`). Call before READY, from the main thread.
+/// (the main) thread, and its lane byte into a byte written to `lane_fd` (the lane thread's
+/// pipe; -1: none) (see `interrupt.rs`). Call before READY, from the main thread.
 #[pyfunction]
-#[pyo3(signature = (tty = "/dev/ttyS0"))]
-fn start_interrupt_watcher(tty: &str) -> PyResult<()> {
+#[pyo3(signature = (tty = "/dev/ttyS0", lane_fd = -1))]
+fn start_interrupt_watcher(tty: &str, lane_fd: i32) -> PyResult<()> {
     let mailbox = existing_mailbox()?;
-    interrupt::start(tty, mailbox).map_err(|e| os_error("interrupt watcher", &e))
+    interrupt::start(tty, mailbox, lane_fd).map_err(|e| os_error("interrupt watcher", &e))
 }
 
 /// The request the interrupt watcher last sent SIGINT for, forgotten by this call (0: none;

@@ -32,6 +32,25 @@ pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
     }
 }
 
+/// Runs `op` beside the request session `e` runs now, if one runs that takes it
+/// ([`vmm::beside`]; `processes`: a process operation), on the blocking pool (it only
+/// waits for the guest's answer: no job thread). None: nothing runs that takes it, so it
+/// must run as the session's own request. A result that says it did not run there after
+/// all ([`vmm::session::SessionError::not_beside`]) is the caller's to check.
+pub async fn beside<R: Send + 'static>(
+    e: &Arc<Entry>,
+    processes: bool,
+    op: impl FnOnce(&mut vmm::beside::Beside, &vmm::Executor) -> R + Send + 'static,
+) -> Option<R> {
+    let mut lane = e.beside(processes)?;
+    let ex = e.executor.clone();
+    let r = tokio::task::spawn_blocking(move || op(&mut lane, &ex))
+        .await
+        .ok()?;
+    e.touch();
+    Some(r)
+}
+
 /// Session `id`, live (a paused one is [`Error::Paused`]: the caller that needs it running
 /// resumes it with [`acquire`]).
 pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {

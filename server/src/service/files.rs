@@ -1,18 +1,20 @@
 //! A session's files, and the files of a one-shot job: the server's side of
-//! [`vmm::files`]. Each operation takes its session (busy meanwhile), runs on a job thread,
-//! and maps the typed file errors to the service's.
+//! [`vmm::files`]. Each operation runs beside the request its session runs if one runs
+//! ([`vmm::beside`]: a file read while a cell computes), else takes its session (busy
+//! meanwhile) and runs on a job thread; it maps the typed file errors to the service's.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use vmm::Executor;
-use vmm::files::{FileEntry, FileError, Owner};
+use vmm::files::{FileEntry, FileError, Files, Owner};
 use vmm::job::Stream;
-use vmm::session::{Session, SessionError};
+use vmm::session::{Requests, Session, SessionError};
 use vmm::{Job, JobResult};
 
 use crate::api::JobFiles;
-use crate::service::access::{acquire, end_if_unusable};
+use crate::service::access::{acquire, beside, end_if_unusable, get};
 use crate::service::admission;
 use crate::service::error::Error;
 use crate::state::AppState;
@@ -33,15 +35,28 @@ fn file_error(field: &str, path: &str, e: FileError) -> Error {
     }
 }
 
-/// Runs `op` on session `id`'s VM on a job thread, with the server's file timeout.
+/// Runs `op` in session `id` with the server's file timeout: beside the request it runs, if
+/// one runs, else on its VM on a job thread. An operation of several requests (a large
+/// write) that the running request's end cuts short runs again whole on the VM (a write
+/// starts by truncating).
 async fn in_session<T: Send + 'static>(
     state: &AppState,
     id: &str,
     path: &str,
-    op: impl FnOnce(&mut Session, &Executor, Duration) -> Result<T, FileError> + Send + 'static,
+    op: impl Fn(&mut dyn Requests, &Executor, Duration) -> Result<T, FileError> + Send + Sync + 'static,
 ) -> Result<T, Error> {
-    let busy = acquire(state, id).await?;
     let timeout = Duration::from_millis(state.config().limits.max_timeout_ms);
+    let op = Arc::new(op);
+    let e = get(state, id);
+    if let Ok(e) = e {
+        let o = op.clone();
+        match beside(&e, false, move |lane, ex| o(lane, ex, timeout)).await {
+            Some(Err(FileError::Session(s))) if s.not_beside() => {}
+            Some(done) => return done.map_err(|e| file_error("path", path, e)),
+            None => {}
+        }
+    }
+    let busy = acquire(state, id).await?;
     let st = state.clone();
     let exec = busy.entry().executor.clone();
     let done = admission::call(state, move || {

@@ -1,11 +1,14 @@
 //! A sandbox's background processes: start one, list them, connect to one's output, write
 //! its stdin, signal it; and the pump that keeps the sandbox's VM running while any lives.
 //!
+//! **Beside a cell.** Every operation here runs beside a cell the session runs, if one runs
+//! ([`vmm::beside`]): a command started, fed or killed while a long cell computes.
+//!
 //! **The pump.** A session's VM runs only during a request. While the session has live
 //! processes, a task of its own ([`pump`]) takes the session whenever no request wants it and
 //! runs a poll ([`vmm::process`]): the guest waits in one `select` for output and exits (its
 //! processes run meanwhile) and answers as soon as there is something, or after
-//! [`POLL_WAIT`]. A request for the session pulls the poll's cancel
+//! [`POLL_WAIT`]. While a cell runs it polls beside the cell instead. A request for the session pulls the poll's cancel
 //! ([`crate::sessions::Entry::preempt`]), so it waits for one guest wakeup, not a round; the
 //! pump yields to every waiting request and takes the session back after them. The pump's
 //! polls run on the blocking pool, not on a job thread: a sandbox with a server in the
@@ -19,11 +22,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use vmm::Cancel;
-use vmm::process::{Change, ProcessError, ProcessSpec};
-use vmm::session::SessionError;
+use vmm::process::{Change, ProcessError, ProcessSpec, Processes};
+use vmm::session::{Requests, SessionError};
 
 use crate::procs::{Info, Kept, MAX_STREAMS, Start, Subscription};
-use crate::service::access::{acquire, end_if_unusable, get};
+use crate::service::access::{acquire, beside, end_if_unusable, get};
 use crate::service::admission;
 use crate::service::error::Error;
 use crate::sessions::{Busy, Entry};
@@ -52,8 +55,28 @@ fn failed(e: ProcessError, pid: Option<u32>) -> Error {
     }
 }
 
-/// Runs `op` on session `busy`'s VM on a job thread (admitted like a cell: the server's
-/// refusals are the outer error); a VM it leaves unusable ends the session with why.
+/// Runs `op` in session `id`: beside the cell it runs, if one runs, else on its VM on a job
+/// thread (admitted like a cell: the server's refusals are the outer error; a VM it leaves
+/// unusable ends the session with why).
+async fn in_session<R: Send + 'static>(
+    state: &AppState,
+    id: &str,
+    op: impl Fn(&mut dyn Requests, &vmm::Executor) -> Result<R, ProcessError> + Send + Sync + 'static,
+) -> Result<Result<R, ProcessError>, Error> {
+    let op = Arc::new(op);
+    if let Ok(e) = get(state, id) {
+        let o = op.clone();
+        match beside(&e, true, move |lane, ex| o(lane, ex)).await {
+            Some(Err(ProcessError::Session(s))) if s.not_beside() => {}
+            Some(done) => return Ok(done),
+            None => {}
+        }
+    }
+    let busy = acquire(state, id).await?;
+    on_vm(state, busy, move |s, ex| op(s, ex)).await
+}
+
+/// Runs `op` on session `busy`'s VM on a job thread (see [`in_session`]).
 async fn on_vm<R: Send + 'static>(
     state: &AppState,
     busy: Busy,
@@ -79,10 +102,10 @@ async fn on_vm<R: Send + 'static>(
 /// session ends, whoever listens. `route` names the route in the audit trail, which
 /// records the start (kind `process`).
 pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Result<u32, Error> {
-    let busy = acquire(state, id).await?;
-    let e = busy.entry().clone();
+    let e = live_entry(state, id).await?;
     let origin = crate::audit::Origin::here(route, &e.template, Some(id));
     let limit = state.config().sessions.max_processes;
+    let starting = e.processes.starting();
     if e.processes.live() >= limit {
         return Err(Error::TooManyProcesses { limit });
     }
@@ -98,19 +121,21 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
     };
     let script = req.script.clone();
     let entry = e.clone();
-    // Recorded while the session is still held: the pump's next poll may already bring
-    // the new process's output and end, which a record made later would miss.
-    let (pid, added) = on_vm(state, busy, move |s, ex| {
+    // Recorded before the start is over (`starting`, or the session still held): the
+    // pump's next poll may already bring the new process's output and end, which a record
+    // made later would miss.
+    let (pid, added) = in_session(state, id, move |s, ex| {
         let pid = s.start_process(ex, &spec)?;
         let info = Info {
             pid,
-            start: req,
+            start: req.clone(),
             started_at: SystemTime::now(),
         };
         Ok((pid, entry.processes.add(info)))
     })
     .await?
     .map_err(|e| failed(e, None))?;
+    drop(starting);
     state.audit_process(&origin, script.as_bytes());
     if !added {
         return Err(get(state, id)
@@ -119,6 +144,15 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
     }
     ensure_pump(state, &e);
     Ok(pid)
+}
+
+/// Session `id`, live: resumed first if it is paused.
+async fn live_entry(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
+    match get(state, id) {
+        Ok(e) => Ok(e),
+        Err(Error::Paused(_)) => Ok(acquire(state, id).await?.entry().clone()),
+        Err(e) => Err(e),
+    }
 }
 
 /// The processes of session `id` (running and recently ended), oldest first.
@@ -179,12 +213,11 @@ pub async fn stdin(
     let since = Instant::now();
     let mut rest = data;
     loop {
-        let busy = acquire(state, id).await?;
         let chunk = rest.clone();
         let last = close;
-        let taken = on_vm(state, busy, move |s, ex| {
+        let taken = in_session(state, id, move |s, ex| {
             let n = chunk.len();
-            let taken = s.process_stdin(ex, pid, chunk, false)?;
+            let taken = s.process_stdin(ex, pid, chunk.clone(), false)?;
             if taken == n && last {
                 s.process_stdin(ex, pid, Vec::new(), true)?;
             }
@@ -217,8 +250,7 @@ pub async fn stdin(
 /// Sends `signal` to process `pid` of session `id` and what it started.
 pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result<(), Error> {
     let (e, _) = live(state, id, pid)?;
-    let busy = acquire(state, id).await?;
-    on_vm(state, busy, move |s, ex| s.signal_process(ex, pid, signal))
+    in_session(state, id, move |s, ex| s.signal_process(ex, pid, signal))
         .await?
         .map_err(|err| failed(err, Some(pid)))?;
     // Its end comes through the pump.
@@ -230,16 +262,16 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
 /// returns the watcher's number. Its changes are kept for [`changes`] and sent to
 /// streaming clients ([`crate::procs::Processes::subscribe_watch`]).
 pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> Result<u32, Error> {
-    let busy = acquire(state, id).await?;
-    let e = busy.entry().clone();
+    let e = live_entry(state, id).await?;
+    let starting = e.processes.starting();
     let limit = state.config().sessions.max_processes;
     if e.processes.live() + e.processes.watchers() >= limit {
         return Err(Error::TooManyProcesses { limit });
     }
     let dir = path.to_owned();
     let entry = e.clone();
-    // Recorded while the session is held, for the same reason as a process.
-    let (wid, added) = on_vm(state, busy, move |s, ex| {
+    // Recorded before the start is over, for the same reason as a process.
+    let (wid, added) = in_session(state, id, move |s, ex| {
         let wid = s.watch_dir(ex, &dir, recursive)?;
         Ok((wid, entry.processes.add_watch(wid, &dir)))
     })
@@ -248,6 +280,7 @@ pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> R
         ProcessError::NotFound(m) => Error::NoFile(m),
         other => failed(other, None),
     })?;
+    drop(starting);
     if !added {
         return Err(get(state, id)
             .err()
@@ -282,8 +315,7 @@ pub async fn unwatch(state: &AppState, id: &str, wid: u32) -> Result<(), Error> 
     if !e.processes.remove_watch(wid) {
         return Err(no_watcher(wid));
     }
-    let busy = acquire(state, id).await?;
-    on_vm(state, busy, move |s, ex| s.unwatch(ex, wid))
+    in_session(state, id, move |s, ex| s.unwatch(ex, wid))
         .await?
         .map_err(|err| failed(err, None))
 }
@@ -306,8 +338,7 @@ pub async fn resize(
             format!("process {pid} has no terminal"),
         ));
     }
-    let busy = acquire(state, id).await?;
-    on_vm(state, busy, move |s, ex| {
+    in_session(state, id, move |s, ex| {
         s.resize_process(ex, pid, rows, cols)
     })
     .await?
@@ -324,17 +355,51 @@ pub fn ensure_pump(state: &AppState, e: &Arc<Entry>) {
 /// How often the pump measures the session's memory (its processes grow it).
 const ACCOUNT_EVERY: Duration = Duration::from_secs(1);
 
+/// How long the pump waits for the session before it looks again for a cell to poll
+/// beside (one may start while the session is held by another request).
+const BESIDE_RECHECK: Duration = Duration::from_millis(100);
+
+/// What a poll beside a running cell brought: None if none runs (or it ended first).
+async fn poll_beside(
+    e: &Arc<Entry>,
+) -> Option<Result<Vec<vmm::process::ProcessEvent>, ProcessError>> {
+    if e.processes.is_starting() {
+        // A start beside the cell is under way: its record first (Processes::starting).
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        return Some(Ok(Vec::new()));
+    }
+    match beside(e, true, |lane, ex| {
+        lane.poll_processes(ex, POLL_WAIT, POLL_BUDGET, None)
+    })
+    .await
+    {
+        Some(Err(ProcessError::Session(s))) if s.not_beside() => None,
+        polled => polled,
+    }
+}
+
 /// Keeps session `e`'s VM running while it has live processes (module docs). A client
 /// connected to a process's output counts as use of the session (its idle timeout).
 async fn pump(state: AppState, e: Arc<Entry>) {
     let mut accounted = Instant::now();
     while !e.processes.pump_should_stop() {
+        if let Some(polled) = poll_beside(&e).await {
+            match polled {
+                Ok(events) => e.processes.record(events),
+                Err(err) => {
+                    tracing::warn!(session = %e.id, "polling the sandbox's processes beside its cell failed: {err}");
+                    e.processes
+                        .close(&format!("polling its processes failed: {err}"));
+                }
+            }
+            continue;
+        }
         let cancel = Cancel::new();
-        let Ok(busy) = state
-            .sessions()
-            .acquire_background(&e.id, cancel.clone())
-            .await
-        else {
+        let acquired = tokio::select! {
+            acquired = state.sessions().acquire_background(&e.id, cancel.clone()) => acquired,
+            () = tokio::time::sleep(BESIDE_RECHECK) => continue,
+        };
+        let Ok(busy) = acquired else {
             // The session ended: its processes ended with it (Sessions::end).
             let _ = e.processes.pump_should_stop();
             return;

@@ -9,14 +9,14 @@ use crate::memory::GuestRam;
 use crate::protocol::{guest_flags, job, outcome, result};
 
 /// Output gathered so far, with the cap applied.
-pub(super) struct Collected<'a> {
-    pub(super) stdout: Vec<u8>,
-    pub(super) stderr: Vec<u8>,
-    pub(super) limit: usize,
-    pub(super) over_limit: bool,
-    pub(super) on_output: &'a mut dyn FnMut(Stream, &[u8]),
+pub(crate) struct Collected<'a> {
+    pub(crate) stdout: Vec<u8>,
+    pub(crate) stderr: Vec<u8>,
+    pub(crate) limit: usize,
+    pub(crate) over_limit: bool,
+    pub(crate) on_output: &'a mut dyn FnMut(Stream, &[u8]),
     /// Bytes of each area already taken since the guest's counters were last zeroed.
-    pub(super) taken: [usize; 2],
+    pub(crate) taken: [usize; 2],
 }
 
 impl Collected<'_> {
@@ -25,7 +25,7 @@ impl Collected<'_> {
     /// guest may be stopped anywhere, even mid-write: the guest counts bytes only after
     /// copying them, so the areas up to their counters are always whole, and the counters
     /// only grow until a FLUSH; so this may run at any stop, and takes each byte once.
-    pub(super) fn drain(
+    pub(crate) fn drain(
         &mut self,
         ram: &GuestRam,
         mb: &Mailbox,
@@ -74,11 +74,11 @@ impl Collected<'_> {
 }
 
 /// The result fields of a job that ended, before output and timings are attached.
-pub(super) struct End {
-    pub(super) status: Status,
-    pub(super) exit_code: Option<i32>,
-    pub(super) signal: Option<i32>,
-    pub(super) crash: Option<String>,
+pub(crate) struct End {
+    pub(crate) status: Status,
+    pub(crate) exit_code: Option<i32>,
+    pub(crate) signal: Option<i32>,
+    pub(crate) crash: Option<String>,
 }
 
 impl End {
@@ -115,7 +115,7 @@ const SIGKILL: i32 = 9;
 /// The end of a job from the outcome and value the guest reported at DONE. Hostile input:
 /// an exit status outside 0..=255, a signal outside 1..=64 or an unknown outcome is a
 /// crash (the guest broke the protocol), never a status a job could not have had.
-pub(super) fn end_from_outcome(outcome: u32, value: i32) -> End {
+pub(crate) fn end_from_outcome(outcome: u32, value: i32) -> End {
     match outcome {
         outcome::EXITED if (0..=255).contains(&value) => End::exited(value),
         outcome::SIGNALED if (1..=64).contains(&value) => End {

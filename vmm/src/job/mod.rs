@@ -6,8 +6,9 @@ mod run;
 mod supervise;
 
 pub use decode::decode_result;
+pub(crate) use decode::{Collected, end_from_outcome};
 pub use run::run;
-pub(crate) use run::{Kind, Request, give_identity, run_request};
+pub(crate) use run::{Kind, Request, give_identity, run_request, write_request};
 
 use std::time::Duration;
 

@@ -19,10 +19,11 @@ use super::{
     CRASH_TAIL_LINES, Health, Job, JobError, JobResult, JobTimings, STREAM_TICK, Status, Stream,
     Unusable,
 };
+use crate::beside::{Accepts, Beside, Lane};
 use crate::identity;
 use crate::mailbox::Mailbox;
 use crate::memory::GuestRam;
-use crate::protocol::{code, failure, job, job_flags, language, mode, result};
+use crate::protocol::{code, failure, job, job_flags, lane, language, mode, result};
 use crate::snapshot::{self, SnapshotState};
 use crate::timer;
 use crate::vcpu::{VcpuError, VcpuStop};
@@ -59,6 +60,8 @@ pub(crate) struct Request<'a> {
     /// the VM still usable and the same status; if it does not end, the request ends as a
     /// timeout with the VM unusable.
     pub(crate) interrupt_grace: Option<Duration>,
+    /// The session's lane beside this request, and what may go in it (None: nothing).
+    pub(crate) beside: Option<(&'a Beside, Accepts)>,
 }
 
 /// How long a one-shot job interrupted at its timeout or output cap has to end at DONE:
@@ -75,6 +78,7 @@ impl<'a> Request<'a> {
             kind: Kind::Job,
             sequence: 1,
             interrupt_grace: Some(ONE_SHOT_GRACE),
+            beside: None,
         }
     }
 }
@@ -263,13 +267,34 @@ pub(crate) fn run_request(
     let mut sup = Supervisor::new(deadline, r.interrupt_grace, cell, j.stream_output);
     let exits_before = m.bus.exits();
     let kvm_before = m.stats.as_ref().map(|s| s.read()).unwrap_or_default();
+    let mut lane = r
+        .beside
+        .and_then(|(b, accepts)| Lane::open(b, mb, &m.kicker, accepts));
     let finish = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.ram, &m.kicker)?;
-        let event = event_of(stop, &m.vcpu)?;
+        let event = match (stop, lane.as_mut()) {
+            (VcpuStop::Doorbell(c), Some(l)) if c == code::FLUSH | lane::DOORBELL_BIT => {
+                l.flushed(m)?;
+                Event::Lane
+            }
+            (VcpuStop::Doorbell(c), Some(l)) if c == code::DONE | lane::DOORBELL_BIT => {
+                l.done(m)?;
+                Event::Lane
+            }
+            (stop, _) => event_of(stop, &m.vcpu)?,
+        };
         let kicked = event == Event::Kicked;
         if kicked {
             m.kicker.reset();
         }
+        // A kick that only handed a request to the lane (not a deadline's, a cancel's or a
+        // stream tick's, which the supervisor tells apart by the time and the flags).
+        let woke = kicked && lane.as_ref().is_some_and(Lane::take_woke);
+        let event = if woke && !j.stream_output && !cancelled() && Instant::now() < sup.kick_at() {
+            Event::Lane
+        } else {
+            event
+        };
         if event.takes_output() {
             out.drain(&m.ram, mb, event == Event::Flush)?;
         }
@@ -289,6 +314,9 @@ pub(crate) fn run_request(
         if rearm {
             tick = arm_tick(&m.kicker);
         }
+        if let Some(l) = lane.as_mut() {
+            l.step(m)?;
+        }
         // A timer that fired between the stop and the reset above was cleared with it: a
         // passed deadline (or end of grace) kicks again, so it is never lost.
         if kicked && Instant::now() >= sup.kick_at() {
@@ -300,6 +328,10 @@ pub(crate) fn run_request(
     if let Some(c) = &j.cancel {
         c.detach();
     }
+    if let (Some(l), Finish::Outcome) = (lane.as_mut(), &finish) {
+        l.take_back(m)?;
+    }
+    drop(lane);
     let (end, health) = match finish {
         Finish::Outcome => {
             let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;

@@ -40,6 +40,9 @@ pub(super) enum Event {
     WorkerExited(u64),
     /// The agent rang FAILED for a failure of its own.
     AgentFailed { what: u64, detail: u64 },
+    /// Traffic of the lane beside the request (a request handed in, a lane doorbell):
+    /// nothing for this request, which goes on.
+    Lane,
     /// A doorbell code bud does not know.
     UnknownDoorbell(u32),
     /// Any other stop (reset, shutdown, halt, an emulation failure): how it stopped.
@@ -54,6 +57,7 @@ impl Event {
         matches!(
             self,
             Event::Flush
+                | Event::Lane
                 | Event::Kicked
                 | Event::Done
                 | Event::WorkerExited(_)
@@ -142,7 +146,7 @@ impl Supervisor {
     /// events that [`Event::takes_output`]).
     pub(super) fn next(&mut self, event: Event, facts: Facts) -> Next {
         match event {
-            Event::Flush => self.after_output(facts),
+            Event::Flush | Event::Lane => self.after_output(facts),
             Event::Kicked if self.streaming && !facts.cancelled && facts.now < self.kick_at => {
                 match self.after_output(facts) {
                     Next::Resume { .. } => Next::Resume { tick: true },
