@@ -68,7 +68,8 @@ fn file_operations_run_beside_a_cell_that_waits_for_them() {
         other => panic!("a lane with nothing running answered {other:?}"),
     }
     let code = "import os, time\n\
-                while not os.path.exists('go'):\n    time.sleep(0.02)\n\
+                while not (os.path.exists('go') and os.path.getsize('go')):\n    \
+                time.sleep(0.02)\n\
                 print('cell saw', open('go').read())";
     let (cell, ended) = cell_in_background(s, ex.clone(), code);
     wait_open(&lane);
@@ -224,5 +225,45 @@ fn many_threads_share_the_lane_and_a_cells_end_sends_the_rest_back() {
         "{}",
         text(&again.stderr)
     );
+    s.end(&ex);
+}
+
+/// A poll beside a cell waits for its processes; a request handed to the lane meanwhile
+/// ends that wait and is answered.
+#[test]
+fn a_request_ends_the_wait_of_a_poll_beside_a_cell() {
+    let ex = Arc::new(common::verifying_executor());
+    let s = Session::start(&ex).unwrap();
+    let mut lane = s.beside();
+    let code = "import os, time\nwhile not os.path.exists('go'):\n    time.sleep(0.02)\n";
+    let (cell, _) = cell_in_background(s, ex.clone(), code);
+    wait_open(&lane);
+    let spec = ProcessSpec {
+        script: "sleep 600".into(),
+        env: vec![],
+        cwd: None,
+        stdin: false,
+        pty: None,
+        user: None,
+    };
+    lane.start_process(&ex, &spec).unwrap();
+    for round in 0..5 {
+        let (mut poller, ex2) = (lane.clone(), ex.clone());
+        let poll = thread::spawn(move || {
+            poller.poll_processes(&ex2, Duration::from_secs(60), 1 << 20, None)
+        });
+        // A request sent before the poll runs first, and the poll then waits: requests go
+        // on until one has ended the poll's wait (without that, the cell's own timeout
+        // would end the lane and fail the next request).
+        thread::sleep(Duration::from_millis(20 * round));
+        while !poll.is_finished() {
+            let entry = lane.stat(&ex, ".", T).unwrap();
+            assert_eq!(entry.kind, vmm::files::FileKind::Dir, "round {round}");
+        }
+        assert_eq!(poll.join().unwrap().unwrap(), vec![], "round {round}");
+    }
+    lane.put_file(&ex, "go", b"", T).unwrap();
+    let (s, r) = cell.join().unwrap();
+    assert_eq!(r.status, Status::Ok, "{}", text(&r.stderr));
     s.end(&ex);
 }

@@ -169,10 +169,13 @@ class Beside:
         self.ring(_bud.DONE, 0, 0)
 
     def _wait(self, fds, timeout):
-        """A lane poll's wait: a ``select`` that the pipe ends early (False: woken)."""
+        """A lane poll's wait: a ``select`` that the pipe ends early (False: woken). The host
+        asks for the lane by setting the lane's ``JOB_INTERRUPT`` before it sends the byte
+        (which the lane thread may have read already, with the one that sent the poll),
+        the main thread by setting :attr:`closing` before it writes one."""
         self.waiting = True
         try:
-            if self.closing:
+            if self.closing or bud_request.SEQUENCE.unpack_from(self.view, _bud.JOB_INTERRUPT)[0]:
                 return False
             ready, _, _ = select.select([*fds, self.pipe_r], (), (), timeout)
             return self.pipe_r not in ready

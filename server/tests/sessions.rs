@@ -199,8 +199,10 @@ fn wait_for(s: &TestServer, id: &str, what: &str, ready: impl Fn(&Value) -> bool
     }
 }
 
-/// A request to a busy session waits for its turn (here a cell and a file write behind a
-/// slow cell, both answered after it); one past `--session-max-waiting` gets 409.
+/// A cell for a busy session waits for its turn (here two cells behind a slow one, both
+/// answered after it); one past
+/// `--session-max-waiting` gets 409. A file operation does not wait: it runs beside the
+/// slow cell, which waits for the file it writes (so the cell could not end without it).
 #[test]
 fn requests_to_a_busy_session_wait_their_turn_and_one_past_the_queue_gets_409() {
     let mut config = test_config();
@@ -218,53 +220,47 @@ fn requests_to_a_busy_session_wait_their_turn_and_one_past_the_queue_gets_409() 
             )
         })
     };
-    let put = |path: String, body: &'static str| {
-        let url = s.url(&path);
-        std::thread::spawn(move || {
-            client()
-                .put(url)
-                .body(body)
-                .send()
-                .unwrap()
-                .status()
-                .as_u16()
-        })
-    };
 
     let exec = format!("/v1/sessions/{id}/exec");
     let slow = post(
         exec.clone(),
-        json!({"code": "import time\ntime.sleep(3)\nn = 1\n'slept'"}),
+        json!({"code": "import os, time\nwhile not os.path.exists('release.txt'):\n    time.sleep(0.02)\nn = 1\n'slept'"}),
     );
     // Until the slow cell holds the session (polled, not slept).
     wait_for(&s, &id, "the slow cell's start", |i| {
         i["busy"] == json!(true)
     });
     let next = post(exec.clone(), json!({"code": "n + 1"}));
-    let file = put(
-        format!("/v1/sessions/{id}/files/queued.txt"),
-        "after the slow cell",
-    );
+    wait_for(&s, &id, "one waiting request", |i| i["waiting"] == json!(1));
+    let after = post(exec.clone(), json!({"code": "n + 2"}));
     wait_for(&s, &id, "two waiting requests", |i| {
         i["waiting"] == json!(2)
     });
     let (refused, busy) = s.post(&exec, &json!({"code": "1"}));
-    let (slow, next, file) = (
+    let released = client()
+        .put(s.url(&format!("/v1/sessions/{id}/files/release.txt")))
+        .body("written beside the slow cell")
+        .send()
+        .unwrap()
+        .status()
+        .as_u16();
+    let (slow, next, after) = (
         slow.join().unwrap(),
         next.join().unwrap(),
-        file.join().unwrap(),
+        after.join().unwrap(),
     );
-    let read = cell(&s, &id, "open('queued.txt').read()");
+    let read = cell(&s, &id, "open('release.txt').read()");
 
     assert_eq!(
         (refused, &busy["error"]["code"]),
         (409, &json!("session_busy")),
         "{busy}"
     );
+    assert_eq!(released, 204);
     assert_eq!((slow.0, shown(&slow.1)), (200, &json!("'slept'")));
     assert_eq!((next.0, shown(&next.1)), (200, &json!("2")), "{next:?}");
-    assert_eq!(file, 204);
-    assert_eq!(shown(&read), "'after the slow cell'");
+    assert_eq!((after.0, shown(&after.1)), (200, &json!("3")), "{after:?}");
+    assert_eq!(shown(&read), "'written beside the slow cell'");
     let info: Value = s.get(&format!("/v1/sessions/{id}")).json().unwrap();
     assert_eq!(
         (&info["busy"], &info["waiting"]),

@@ -14,7 +14,8 @@
 //!
 //! One lane request is in the guest at a time; the rest wait in the queue (at most
 //! [`MAX_QUEUED`]). A lane poll waits in the guest until something happens; a queued request
-//! ends that wait (the lane byte again), so it is answered first.
+//! ends that wait (the lane's `job::INTERRUPT` set, and the lane byte again), so it is
+//! answered first.
 //!
 //! What goes beside what ([`Accepts`]): file operations beside any request of a session;
 //! process operations (start, poll, stdin, signal, resize, watch) only beside a cell, as the
@@ -230,7 +231,11 @@ impl<'b> Lane<'b> {
     pub(crate) fn step(&mut self, m: &mut Machine) -> Result<(), JobError> {
         if let Some(f) = &mut self.inflight {
             if f.poll && !f.woken && !self.beside.state().queue.is_empty() {
+                // A flag, not only the byte: the lane thread may have read the byte already
+                // (with the one that sent the poll) before the poll began to wait.
                 f.woken = true;
+                self.mb
+                    .write(&m.ram, job::INTERRUPT as u64, &1u32.to_le_bytes())?;
                 self.ring_guest(m)?;
             }
             return Ok(());

@@ -4,6 +4,7 @@
 //! [`super::processes`] (its background processes), which both take sessions this way.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use vmm::{Health, Status, Unusable};
 
@@ -28,6 +29,57 @@ pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
                 Box::pin(crate::service::resume::resume(state, id)).await?;
             }
             Err(u) => return Err(unavailable(id, u)),
+        }
+    }
+}
+
+/// How long a request that may go beside waits for the session before it looks again
+/// for a lane (the request holding the session may not have reached its VM yet).
+const BESIDE_RECHECK: Duration = Duration::from_millis(50);
+
+/// How a request that may go beside another got its way ([`beside_or_acquire`]).
+#[derive(Debug)]
+pub enum Taken<R> {
+    /// It ran beside the request the session runs: its result.
+    Beside(R),
+    /// The session itself, for the request to run on its VM.
+    Held(Busy),
+}
+
+/// Session `id` for a request that may run beside the one the session runs
+/// ([`vmm::beside`]; `processes`: a process operation, which goes only beside a cell):
+/// `op` runs in the lane as soon as one is open for it (None from `op`: it did not run
+/// there after all, [`vmm::session::SessionError::not_beside`]), or else the session is
+/// taken as by [`acquire`]. While it waits for the session it looks for a lane again every
+/// [`BESIDE_RECHECK`]: a cell that holds the session before its VM runs it opens one soon.
+pub async fn beside_or_acquire<R, F>(
+    state: &AppState,
+    id: &str,
+    processes: bool,
+    op: Arc<F>,
+) -> Result<Taken<R>, Error>
+where
+    R: Send + 'static,
+    F: Fn(&mut vmm::beside::Beside, &vmm::Executor) -> Option<R> + Send + Sync + 'static,
+{
+    loop {
+        let Ok(e) = get(state, id) else {
+            // Paused (resumed here) or gone (its error).
+            return acquire(state, id).await.map(Taken::Held);
+        };
+        let o = op.clone();
+        if let Some(Some(r)) = beside(&e, processes, move |lane, ex| o(lane, ex)).await {
+            return Ok(Taken::Beside(r));
+        }
+        let max = state.config().sessions.max_waiting;
+        // Not `acquire`: a resume must never be dropped half way by the timer.
+        tokio::select! {
+            got = state.sessions().acquire_waiting(id, max) => return match got {
+                Ok(busy) => Ok(Taken::Held(busy)),
+                Err(Unavailable::Unknown) => acquire(state, id).await.map(Taken::Held),
+                Err(u) => Err(unavailable(id, u)),
+            },
+            () = tokio::time::sleep(BESIDE_RECHECK) => {}
         }
     }
 }

@@ -8,13 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use vmm::Executor;
+use vmm::beside::Beside;
 use vmm::files::{FileEntry, FileError, Files, Owner};
 use vmm::job::Stream;
 use vmm::session::{Requests, Session, SessionError};
 use vmm::{Job, JobResult};
 
 use crate::api::JobFiles;
-use crate::service::access::{acquire, beside, end_if_unusable, get};
+use crate::service::access::{Taken, beside_or_acquire, end_if_unusable};
 use crate::service::admission;
 use crate::service::error::Error;
 use crate::state::AppState;
@@ -47,16 +48,17 @@ async fn in_session<T: Send + 'static>(
 ) -> Result<T, Error> {
     let timeout = Duration::from_millis(state.config().limits.max_timeout_ms);
     let op = Arc::new(op);
-    let e = get(state, id);
-    if let Ok(e) = e {
-        let o = op.clone();
-        match beside(&e, false, move |lane, ex| o(lane, ex, timeout)).await {
-            Some(Err(FileError::Session(s))) if s.not_beside() => {}
-            Some(done) => return done.map_err(|e| file_error("path", path, e)),
-            None => {}
-        }
-    }
-    let busy = acquire(state, id).await?;
+    let o = op.clone();
+    let lane_op = Arc::new(
+        move |lane: &mut Beside, ex: &Executor| match o(lane, ex, timeout) {
+            Err(FileError::Session(s)) if s.not_beside() => None,
+            done => Some(done),
+        },
+    );
+    let busy = match beside_or_acquire(state, id, false, lane_op).await? {
+        Taken::Beside(done) => return done.map_err(|e| file_error("path", path, e)),
+        Taken::Held(busy) => busy,
+    };
     let st = state.clone();
     let exec = busy.entry().executor.clone();
     let done = admission::call(state, move || {

@@ -26,7 +26,7 @@ use vmm::process::{Change, ProcessError, ProcessSpec, Processes};
 use vmm::session::{Requests, SessionError};
 
 use crate::procs::{Info, Kept, MAX_STREAMS, Start, Subscription};
-use crate::service::access::{acquire, beside, end_if_unusable, get};
+use crate::service::access::{Taken, acquire, beside, beside_or_acquire, end_if_unusable, get};
 use crate::service::admission;
 use crate::service::error::Error;
 use crate::sessions::{Busy, Entry};
@@ -64,16 +64,18 @@ async fn in_session<R: Send + 'static>(
     op: impl Fn(&mut dyn Requests, &vmm::Executor) -> Result<R, ProcessError> + Send + Sync + 'static,
 ) -> Result<Result<R, ProcessError>, Error> {
     let op = Arc::new(op);
-    if let Ok(e) = get(state, id) {
-        let o = op.clone();
-        match beside(&e, true, move |lane, ex| o(lane, ex)).await {
-            Some(Err(ProcessError::Session(s))) if s.not_beside() => {}
-            Some(done) => return Ok(done),
-            None => {}
-        }
+    let o = op.clone();
+    let lane_op =
+        Arc::new(
+            move |lane: &mut vmm::beside::Beside, ex: &vmm::Executor| match o(lane, ex) {
+                Err(ProcessError::Session(s)) if s.not_beside() => None,
+                done => Some(done),
+            },
+        );
+    match beside_or_acquire(state, id, true, lane_op).await? {
+        Taken::Beside(done) => Ok(done),
+        Taken::Held(busy) => on_vm(state, busy, move |s, ex| op(s, ex)).await,
     }
-    let busy = acquire(state, id).await?;
-    on_vm(state, busy, move |s, ex| op(s, ex)).await
 }
 
 /// Runs `op` on session `busy`'s VM on a job thread (see [`in_session`]).
