@@ -362,3 +362,86 @@ impl Drop for Lane<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn main_mailbox(pages: u64) -> Mailbox {
+        Mailbox::over_pages(0x10_0000, (0..pages).map(|p| p * 4096).collect())
+    }
+
+    fn file_call(b: &Beside) -> Result<JobResult, BesideError> {
+        let mut j = Job::python("x");
+        j.timeout = Duration::from_secs(60);
+        b.call(j, Kind::File(crate::protocol::file_op::STAT))
+    }
+
+    fn start_call(b: &Beside) -> Result<JobResult, BesideError> {
+        b.call(
+            Job::shell("true"),
+            Kind::Process {
+                op: process_op::START,
+                flags: 0,
+            },
+        )
+    }
+
+    #[test]
+    fn nothing_runs_so_nothing_goes_beside() {
+        let b = Beside::default();
+        assert_eq!(file_call(&b).unwrap_err(), BesideError::NotOpen);
+        assert!(!b.open_for(false));
+    }
+
+    #[test]
+    fn a_guest_without_a_second_lane_opens_none() {
+        let b = Beside::default();
+        let k = Kicker::new();
+        let short = main_mailbox((lane::SIZE / 4096) as u64);
+        assert!(Lane::open(&b, &short, &k, Accepts::Files).is_none());
+        assert!(!b.open_for(false));
+    }
+
+    #[test]
+    fn process_operations_go_beside_a_cell_only() {
+        let b = Beside::default();
+        let k = Kicker::new();
+        let mb = main_mailbox((2 * lane::SIZE / 4096) as u64);
+        let lane = Lane::open(&b, &mb, &k, Accepts::Files).unwrap();
+        assert!(b.open_for(false) && !b.open_for(true));
+        assert_eq!(start_call(&b).unwrap_err(), BesideError::NotOpen);
+        assert!(!b.ran_processes(), "a refused start counts as none");
+        drop(lane);
+        let _lane = Lane::open(&b, &mb, &k, Accepts::FilesAndProcesses).unwrap();
+        assert!(b.open_for(true));
+    }
+
+    #[test]
+    fn the_end_of_the_request_sends_queued_calls_back_and_the_queue_is_bounded() {
+        let b = Beside::default();
+        let k = Kicker::new();
+        let mb = main_mailbox((2 * lane::SIZE / 4096) as u64);
+        let lane = Lane::open(&b, &mb, &k, Accepts::FilesAndProcesses).unwrap();
+        let callers: Vec<_> = (0..MAX_QUEUED)
+            .map(|_| {
+                let b = b.clone();
+                std::thread::spawn(move || file_call(&b))
+            })
+            .collect();
+        while b.state().queue.len() < MAX_QUEUED {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(k.is_kicked(), "a call kicks the vCPU");
+        assert!(
+            lane.take_woke() && !lane.take_woke(),
+            "woke once, then forgotten"
+        );
+        assert_eq!(file_call(&b).unwrap_err(), BesideError::Full(MAX_QUEUED));
+        drop(lane);
+        for c in callers {
+            assert_eq!(c.join().unwrap().unwrap_err(), BesideError::NotOpen);
+        }
+        assert!(!b.open_for(false));
+    }
+}

@@ -48,6 +48,7 @@ pub mod memory;
 pub(crate) mod paging;
 pub mod process;
 pub mod protocol;
+pub mod requests;
 pub(crate) mod reset;
 pub mod session;
 pub mod session_file;

@@ -45,6 +45,7 @@ use crate::identity::{self, IdentityError};
 use crate::job::{self, Health, Job, JobError, JobResult, Kind, Request, Stream, Unusable};
 use crate::layer::{Layer, LayerError};
 use crate::memory::{PAGE_SIZE, set_bits};
+pub use crate::requests::Requests;
 use crate::session_file::{self, SessionFile, SessionFileError, WriteStats};
 use crate::snapshot::{self, MsrList, SnapshotError};
 use crate::template::TemplateError;
@@ -123,69 +124,6 @@ pub struct Session {
     ran_processes: bool,
     /// The lane beside its running request ([`crate::beside`]).
     beside: Beside,
-}
-
-/// Where a session's file and process operations go: the session's VM itself (a
-/// [`Session`] its caller holds) or the lane beside the request it runs ([`Beside`]). The
-/// typed operations of [`crate::files::Files`] and [`crate::process::Processes`] work on
-/// either.
-pub trait Requests {
-    /// Runs a file operation ([`crate::protocol::file_op`]) on `path` with `data` as its
-    /// input; its output is the result's stdout, its [`crate::protocol::file_status`] the
-    /// exit code.
-    fn file_op(
-        &mut self,
-        ex: &Executor,
-        op: u32,
-        path: &str,
-        data: Vec<u8>,
-        timeout: Duration,
-        output_limit: usize,
-    ) -> Result<JobResult, SessionError>;
-
-    /// Runs a process operation ([`crate::protocol::process_op`]): `job` carries its code,
-    /// data, args and env.
-    fn process_op(
-        &mut self,
-        ex: &Executor,
-        op: u32,
-        flags: u32,
-        job: &Job,
-    ) -> Result<JobResult, SessionError>;
-}
-
-/// The job of a file operation on `path` with `data`.
-fn file_job(path: &str, data: Vec<u8>, timeout: Duration, output_limit: usize) -> Job {
-    let mut j = Job::python(path.as_bytes().to_vec());
-    j.stdin = data;
-    j.timeout = timeout;
-    j.output_limit = output_limit;
-    j
-}
-
-impl Requests for Beside {
-    fn file_op(
-        &mut self,
-        _: &Executor,
-        op: u32,
-        path: &str,
-        data: Vec<u8>,
-        timeout: Duration,
-        output_limit: usize,
-    ) -> Result<JobResult, SessionError> {
-        let j = file_job(path, data, timeout, output_limit);
-        Ok(self.call(j, Kind::File(op))?)
-    }
-
-    fn process_op(
-        &mut self,
-        _: &Executor,
-        op: u32,
-        flags: u32,
-        job: &Job,
-    ) -> Result<JobResult, SessionError> {
-        Ok(self.call(job.clone(), Kind::Process { op, flags })?)
-    }
 }
 
 /// What a fork child is made from.
@@ -350,6 +288,11 @@ impl Session {
         self.request(ex, job, Kind::Job, None, on_output)
     }
 
+    /// A background process is started in it: at its end it is discarded, never reset.
+    pub(crate) fn mark_ran_processes(&mut self) {
+        self.ran_processes = true;
+    }
+
     /// Whether a background process was ever started in it (then it is never reset for
     /// reuse).
     fn ran_processes(&self) -> bool {
@@ -362,7 +305,7 @@ impl Session {
         self.beside.clone()
     }
 
-    fn request(
+    pub(crate) fn request(
         &mut self,
         ex: &Executor,
         j: &Job,
@@ -606,45 +549,5 @@ impl Session {
         } else {
             ex.discard(self.m);
         }
-    }
-}
-
-impl Requests for Session {
-    fn file_op(
-        &mut self,
-        ex: &Executor,
-        op: u32,
-        path: &str,
-        data: Vec<u8>,
-        timeout: Duration,
-        output_limit: usize,
-    ) -> Result<JobResult, SessionError> {
-        let j = file_job(path, data, timeout, output_limit);
-        // Interrupted at the cap or the deadline like a cell, so the session survives a file
-        // larger than the caller's limit.
-        let grace = Some(DEFAULT_INTERRUPT_GRACE);
-        self.request(ex, &j, Kind::File(op), grace, &mut |_, _| {})
-    }
-
-    fn process_op(
-        &mut self,
-        ex: &Executor,
-        op: u32,
-        flags: u32,
-        job: &Job,
-    ) -> Result<JobResult, SessionError> {
-        if op == crate::protocol::process_op::START {
-            self.ran_processes = true;
-        }
-        // A poll ends by itself when its wait is over: one whose interrupt is slow (the
-        // guest starved on a busy host) is waited for, never taken for a hung request
-        // that ends the session.
-        let grace = if op == crate::protocol::process_op::POLL {
-            job.timeout
-        } else {
-            DEFAULT_INTERRUPT_GRACE
-        };
-        let grace = Some(grace);
-        self.request(ex, job, Kind::Process { op, flags }, grace, &mut |_, _| {})
     }
 }

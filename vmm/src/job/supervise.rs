@@ -278,6 +278,23 @@ mod tests {
     }
 
     #[test]
+    fn lane_traffic_resumes_the_request_and_only_its_cap_interrupts_it() {
+        let t0 = Instant::now();
+        let mut s = sup(t0, Some(GRACE), true, false);
+
+        assert_eq!(s.next(Event::Lane, at(t0)), Next::Resume { tick: false });
+        assert_eq!(s.host_reason(), None);
+        assert_eq!(
+            s.next(Event::Lane, over(t0)),
+            Next::Interrupt {
+                until: t0 + GRACE,
+                tick: false
+            }
+        );
+        assert_eq!(s.host_reason(), Some(Status::OutputLimit));
+    }
+
+    #[test]
     fn a_timeout_interrupts_once_and_done_within_the_grace_ends_as_timeout() {
         let t0 = Instant::now();
         let deadline = t0 + TIMEOUT;
