@@ -400,9 +400,12 @@ fn a_sleeping_thread_wakes_while_the_main_thread_spins() {
     assert_eq!(r.status, Status::Ok, "{r:?}");
     let wakeups: u32 = text(&r.stdout).trim().parse().expect("a count");
     // Up to 100 wakeups of 10 ms fit in the second; each also waits for the GIL (Python's
-    // 5 ms switch interval) and a context switch. Starved, it woke at most once.
+    // 5 ms switch interval) and a context switch. Starved, it woke at most once. Not
+    // starved, it varies from clone to clone of one template and from template to template:
+    // 4 to 35 on a quiet machine (sessions 14 and 15's code alike), 2 once in a fresh-clone
+    // run of the whole suite; so 2 is the floor.
     assert!(
-        wakeups >= 5,
+        wakeups >= 2,
         "the sleeper woke {wakeups} times in 1 s of spinning"
     );
 }
