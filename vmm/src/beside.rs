@@ -178,10 +178,8 @@ impl Beside {
 /// A request in lane 1, sent and not answered yet.
 struct InFlight {
     call: Call,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-    taken: [usize; 2],
-    over_limit: bool,
+    /// Its output so far.
+    out: Collected<'static>,
     /// A poll (which waits in the guest until woken).
     poll: bool,
     /// The lane byte was sent again to end the poll's wait for a queued request.
@@ -265,11 +263,8 @@ impl<'b> Lane<'b> {
         }
         let poll = matches!(call.kind, Kind::Process { op, .. } if op == process_op::POLL);
         self.inflight = Some(InFlight {
+            out: Collected::new(call.job.output_limit, None),
             call,
-            stdout: Vec::new(),
-            stderr: Vec::new(),
-            taken: [0, 0],
-            over_limit: false,
             poll,
             woken: false,
         });
@@ -289,21 +284,7 @@ impl<'b> Lane<'b> {
         let Some(f) = &mut self.inflight else {
             return Ok(()); // a guest ringing out of turn: nothing of ours to take
         };
-        let mut ignore = |_: crate::job::Stream, _: &[u8]| {};
-        let mut out = Collected {
-            stdout: std::mem::take(&mut f.stdout),
-            stderr: std::mem::take(&mut f.stderr),
-            limit: f.call.job.output_limit,
-            over_limit: f.over_limit,
-            on_output: &mut ignore,
-            taken: f.taken,
-        };
-        let drained = out.drain(&m.ram, &self.mb, reset);
-        f.stdout = out.stdout;
-        f.stderr = out.stderr;
-        f.over_limit = out.over_limit;
-        f.taken = out.taken;
-        drained.map_err(JobError::from)
+        Ok(f.out.drain(&m.ram, &self.mb, reset)?)
     }
 
     /// The lane's FLUSH doorbell.
@@ -320,7 +301,7 @@ impl<'b> Lane<'b> {
         let oc = self.mb.read_u32(&m.ram, result::OUTCOME as u64)?;
         let value = self.mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
         let end = end_from_outcome(oc, value);
-        let mut r = JobResult::never_ran(if f.over_limit {
+        let mut r = JobResult::never_ran(if f.out.over_limit {
             Status::OutputLimit
         } else {
             end.status
@@ -328,8 +309,8 @@ impl<'b> Lane<'b> {
         r.exit_code = end.exit_code;
         r.signal = end.signal;
         r.crash = end.crash;
-        r.stdout = f.stdout;
-        r.stderr = f.stderr;
+        r.stdout = f.out.stdout;
+        r.stderr = f.out.stderr;
         let _ = f.call.reply.send(Ok(r));
         Ok(())
     }

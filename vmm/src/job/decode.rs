@@ -8,18 +8,34 @@ use crate::mailbox::{Mailbox, MailboxError};
 use crate::memory::GuestRam;
 use crate::protocol::{guest_flags, job, outcome, result};
 
+/// Who sees output chunks as they are taken (for streaming).
+pub(crate) type OnOutput<'a> = &'a mut dyn FnMut(Stream, &[u8]);
+
 /// Output gathered so far, with the cap applied.
 pub(crate) struct Collected<'a> {
     pub(crate) stdout: Vec<u8>,
     pub(crate) stderr: Vec<u8>,
     pub(crate) limit: usize,
     pub(crate) over_limit: bool,
-    pub(crate) on_output: &'a mut dyn FnMut(Stream, &[u8]),
+    /// Sees each chunk as it is taken (for streaming), if anyone does.
+    pub(crate) on_output: Option<OnOutput<'a>>,
     /// Bytes of each area already taken since the guest's counters were last zeroed.
     pub(crate) taken: [usize; 2],
 }
 
-impl Collected<'_> {
+impl<'a> Collected<'a> {
+    /// Nothing taken yet, at most `limit` bytes to keep.
+    pub(crate) fn new(limit: usize, on_output: Option<OnOutput<'a>>) -> Self {
+        Self {
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            limit,
+            over_limit: false,
+            on_output,
+            taken: [0, 0],
+        }
+    }
+
     /// Takes what each area holds past what was already taken. `reset` zeroes the guest's
     /// fill counters (after a FLUSH, the guest waiting at the doorbell). Without it the
     /// guest may be stopped anywhere, even mid-write: the guest counts bytes only after
@@ -58,8 +74,8 @@ impl Collected<'_> {
             let mut chunk = vec![0u8; take];
             mb.read(ram, (area + from) as u64, &mut chunk)?;
             self.taken[stream as usize] = if reset { 0 } else { from + take };
-            if !chunk.is_empty() {
-                (self.on_output)(stream, &chunk);
+            if let Some(f) = self.on_output.as_mut().filter(|_| !chunk.is_empty()) {
+                f(stream, &chunk);
             }
             match stream {
                 Stream::Stdout => self.stdout.extend_from_slice(&chunk),
@@ -215,14 +231,7 @@ pub(super) fn read_display(ram: &GuestRam, mb: &Mailbox) -> Result<Shown, JobErr
 pub fn decode_result(ram: &GuestRam, mb: &Mailbox, limit: usize) -> Result<usize, JobError> {
     let mut seen = 0usize;
     let mut count = |_: Stream, b: &[u8]| seen += b.len();
-    let mut out = Collected {
-        stdout: Vec::new(),
-        stderr: Vec::new(),
-        limit,
-        over_limit: false,
-        on_output: &mut count,
-        taken: [0, 0],
-    };
+    let mut out = Collected::new(limit, Some(&mut count));
     out.drain(ram, mb, false)?;
     out.drain(ram, mb, true)?;
     out.drain(ram, mb, false)?;

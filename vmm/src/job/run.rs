@@ -248,14 +248,7 @@ pub(crate) fn run_request(
     if let Some(c) = &j.cancel {
         c.attach(&m.kicker);
     }
-    let mut out = Collected {
-        stdout: Vec::new(),
-        stderr: Vec::new(),
-        limit: j.output_limit,
-        over_limit: false,
-        on_output,
-        taken: [0, 0],
-    };
+    let mut out = Collected::new(j.output_limit, Some(on_output));
     // A streamed job's output is also taken every STREAM_TICK while it runs: the guest
     // FLUSHes only when it writes again, so a job that goes quiet after a line would hold
     // it back until it writes or ends.
