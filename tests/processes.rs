@@ -398,10 +398,10 @@ fn a_watched_directory_reports_its_changes_recursively() {
     };
     shell(&mut s, "mkdir -p w/old");
     assert!(matches!(
-        s.watch_dir(&ex, "nope", false),
+        s.watch_dir(&ex, "nope", false, false),
         Err(ProcessError::NotFound(_))
     ));
-    let w = s.watch_dir(&ex, "w", true).expect("watch");
+    let w = s.watch_dir(&ex, "w", true, false).expect("watch");
     let mut changes = Vec::new();
     let mut wait_for = |s: &mut Session, what: (Change, &str)| {
         let what = (what.0, what.1.to_string());
@@ -415,14 +415,10 @@ fn a_watched_directory_reports_its_changes_recursively() {
                 .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
                 .unwrap()
             {
-                if let ProcessEvent::Watch {
-                    watcher,
-                    change,
-                    path,
-                } = e
-                {
+                if let ProcessEvent::Watch { watcher, changed } = e {
                     assert_eq!(watcher, w);
-                    changes.push((change, path));
+                    assert_eq!(changed.entry, None, "a watcher without entries");
+                    changes.push((changed.change, changed.path));
                 }
             }
         }
@@ -467,6 +463,143 @@ fn a_watched_directory_reports_its_changes_recursively() {
 }
 
 #[test]
+fn file_metadata_is_set_replaced_read_and_carried_by_watch_entries() {
+    use std::collections::BTreeMap;
+    use vmm::files::{FileError, FileKind, Files, Owner};
+    use vmm::process::Change;
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let t = Duration::from_secs(10);
+    let meta = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    s.make_dir(&ex, "w", t).unwrap();
+    let w = s
+        .watch_dir(&ex, "w", false, true)
+        .expect("watch with entries");
+    let set = meta(&[("author", "ada"), ("n", "1")]);
+    s.put_file_with_metadata(&ex, "w/m.txt", b"hello", Owner::User, &set, t)
+        .unwrap();
+    let st = s.stat_with_metadata(&ex, "w/m.txt", t).unwrap();
+    assert_eq!(st.metadata.as_ref(), Some(&set));
+    assert_eq!((st.size, st.owner.as_str()), (5, "user"));
+    // The watcher's events carry the entry as the poll that takes them finds it.
+    let mut seen = Vec::new();
+    let started = Instant::now();
+    while !seen
+        .iter()
+        .any(|c: &vmm::process::Changed| c.change == Change::Create)
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "{seen:?}");
+        for e in s
+            .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
+            .unwrap()
+        {
+            if let ProcessEvent::Watch { watcher, changed } = e {
+                assert_eq!(watcher, w);
+                seen.push(changed);
+            }
+        }
+    }
+    for c in &seen {
+        let e = c.entry.as_ref().expect("an entry: the file is there");
+        assert_eq!((c.path.as_str(), e.name.as_str()), ("m.txt", "m.txt"));
+        assert_eq!(
+            (e.kind, e.size, e.metadata.as_ref()),
+            (FileKind::File, 5, Some(&set))
+        );
+    }
+    assert_eq!(
+        s.stat(&ex, "w/m.txt", t).unwrap().metadata,
+        None,
+        "not asked for"
+    );
+    let listed = s.list_dir_with_metadata(&ex, "w", t).unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].metadata.as_ref(), Some(&set));
+    // Code in the guest sees the attributes, and what it sets is read back.
+    let r = s
+        .exec(
+            &ex,
+            &Job::python(
+                "import os\n\
+                 print(os.getxattr('w/m.txt', 'user.e2b.author').decode())\n\
+                 os.setxattr('w/m.txt', 'user.e2b.by', b'code')\n\
+                 os.setxattr('w/m.txt', 'user.other', b'not metadata')",
+            ),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+    assert_eq!((r.status, r.stdout.as_slice()), (Status::Ok, &b"ada\n"[..]));
+    let st = s.stat_with_metadata(&ex, "w/m.txt", t).unwrap();
+    assert_eq!(
+        st.metadata,
+        Some(meta(&[("author", "ada"), ("by", "code"), ("n", "1")]))
+    );
+    // A write with metadata replaces the set (over 2 chunks: set at the first); {} clears it.
+    // (1 MiB is the size of one request's chunk.)
+    let big = vec![b'x'; (1 << 20) + 10];
+    s.put_file_with_metadata(&ex, "w/m.txt", &big, Owner::Root, &meta(&[("n", "2")]), t)
+        .unwrap();
+    let st = s.stat_with_metadata(&ex, "w/m.txt", t).unwrap();
+    assert_eq!(
+        (st.size as usize, st.metadata),
+        (big.len(), Some(meta(&[("n", "2")])))
+    );
+    s.put_file_with_metadata(&ex, "w/m.txt", b"kept", Owner::Root, &BTreeMap::new(), t)
+        .unwrap();
+    let st = s.stat_with_metadata(&ex, "w/m.txt", t).unwrap();
+    assert_eq!(st.metadata, Some(BTreeMap::new()));
+    // A key the guest cannot store is refused, and the file is untouched.
+    let nul = meta(&[("a\0b", "v")]);
+    assert!(matches!(
+        s.put_file_with_metadata(&ex, "w/m.txt", b"new", Owner::Root, &nul, t),
+        Err(FileError::BadPath(_))
+    ));
+    assert_eq!(s.get_file(&ex, "w/m.txt", 1 << 10, t).unwrap(), b"kept");
+    // A remove carries no entry; events taken after the file is gone carry none either.
+    let r = s
+        .exec(
+            &ex,
+            &Job::shell("chmod 600 w/m.txt && rm w/m.txt"),
+            DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .unwrap();
+    assert_eq!(r.status, Status::Ok);
+    let mut changes = Vec::new();
+    let started = Instant::now();
+    while !changes
+        .iter()
+        .any(|c: &vmm::process::Changed| c.change == Change::Remove)
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "{changes:?}");
+        for e in s
+            .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
+            .unwrap()
+        {
+            if let ProcessEvent::Watch { watcher, changed } = e {
+                assert_eq!(watcher, w);
+                changes.push(changed);
+            }
+        }
+    }
+    for c in &changes {
+        assert_eq!((c.path.as_str(), &c.entry), ("m.txt", &None), "{changes:?}");
+    }
+    assert!(
+        changes.iter().any(|c| c.change == Change::Chmod),
+        "{changes:?}"
+    );
+    s.unwatch(&ex, w).unwrap();
+    s.end(&ex);
+}
+
+#[test]
 fn a_session_that_started_a_process_is_discarded_never_reset_for_reuse() {
     let ex = executor();
     let before = ex.stats();
@@ -504,7 +637,7 @@ fn a_large_tree_moved_under_a_recursive_watcher_is_reported_within_bounds() {
         "{}",
         String::from_utf8_lossy(&r.stderr)
     );
-    let w = s.watch_dir(&ex, "w", true).expect("watch");
+    let w = s.watch_dir(&ex, "w", true, false).expect("watch");
     let r = s
         .exec(
             &ex,
@@ -521,10 +654,7 @@ fn a_large_tree_moved_under_a_recursive_watcher_is_reported_within_bounds() {
             .poll_processes(&ex, Duration::from_secs(2), 16 << 10, None)
             .unwrap()
         {
-            if let ProcessEvent::Watch {
-                change: Change::Create,
-                ..
-            } = e
+            if matches!(e, ProcessEvent::Watch { changed, .. } if changed.change == Change::Create)
             {
                 created += 1;
             }

@@ -32,6 +32,8 @@ output, its clients and its end; this module only holds the pipes.
   (``_bud.inotify_*``); the descriptor is one more fd in the poll's ``select``, its events
   become ``WATCH`` events (E2B's create / write / remove / rename / chmod, the path relative
   to the watched directory). A recursive watcher adds each new subdirectory as it appears.
+  One made with ``entries`` adds the entry (``bud_session.entry_of``: lstat, owner and
+  group, metadata) to each create, write and chmod event, read when the poll takes it.
 - A process is reported ended only after its pipes are drained to EOF or it is reaped and
   its pipes have nothing more (a child it left behind may hold them open: its output after
   that is dropped with the pipes).
@@ -43,6 +45,7 @@ exec of busybox ``sh`` (~0.4 s measured, most of it the exec); a poll with nothi
 
 import errno
 import fcntl
+import json
 import os
 import select
 import struct
@@ -51,6 +54,7 @@ import termios
 import time
 
 import _bud
+import bud_session
 import bud_users
 
 # The event header (``process_event::HEADER``): pid, kind, value, length.
@@ -181,6 +185,9 @@ WATCH_KINDS = ((IN_CREATE | IN_MOVED_TO, _bud.WATCH_EVENT_CREATE),
                (IN_MODIFY, _bud.WATCH_EVENT_WRITE), (IN_DELETE, _bud.WATCH_EVENT_REMOVE),
                (IN_MOVED_FROM, _bud.WATCH_EVENT_RENAME), (IN_ATTRIB, _bud.WATCH_EVENT_CHMOD))
 INOTIFY_EVENT = struct.Struct("iIII")
+# The events that carry their entry for a watcher made with ``entries`` (envd's too).
+ENTRY_KINDS = frozenset({_bud.WATCH_EVENT_CREATE, _bud.WATCH_EVENT_WRITE,
+                         _bud.WATCH_EVENT_CHMOD})
 
 # Directories one recursive watcher may watch.
 WATCH_DIRS_MAX = 4096
@@ -193,9 +200,11 @@ ADOPT_MAX = 1000
 class Watcher:
     """A watched directory: its inotify descriptor and what each watch descriptor is."""
 
-    def __init__(self, wid, root, recursive):
+    def __init__(self, wid, root, recursive, entries=False):
         self.wid = wid
+        self.root = root
         self.recursive = recursive
+        self.entries = entries  # create, write and chmod events carry the entry
         self.fd = _bud.inotify_init()
         self.dirs = {}
         try:
@@ -251,6 +260,12 @@ class Watcher:
 
     def _report(self, write_out, kind, rel):
         b = rel.encode("utf-8", "surrogateescape")
+        if self.entries and kind in ENTRY_KINDS:
+            try:
+                entry = bud_session.entry_of(os.path.join(self.root, rel), True)
+                b += b"\0" + json.dumps(entry).encode("utf-8", "surrogateescape")
+            except OSError:
+                pass  # gone again: the event without its entry, as envd sends it
         write_out(EVENT.pack(self.wid, _bud.PROCESS_EVENT_WATCH, kind, len(b)) + b)
         return EVENT.size + len(b)
 
@@ -306,7 +321,8 @@ class Table:
         elif op == _bud.PROCESS_OP_SIGNAL:
             self.signal(self._process(request.code), int(args[0]))
         elif op == _bud.PROCESS_OP_WATCH:
-            write_out(str(self.watch(request.code, args[:1] == ["recursive"])).encode())
+            wid = self.watch(request.code, args[:1] == ["recursive"], args[1:2] == ["entries"])
+            write_out(str(wid).encode())
         elif op == _bud.PROCESS_OP_UNWATCH:
             w = self.watchers.pop(_number(request.code), None)
             if w is None:
@@ -321,7 +337,7 @@ class Table:
             raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"unknown process operation {op}")
         return _bud.FILE_STATUS_OK
 
-    def watch(self, code, recursive):
+    def watch(self, code, recursive, entries=False):
         path = os.path.join(WORKDIR, code.decode("utf-8", "surrogateescape"))
         if not os.path.exists(path):
             raise ProcessError(_bud.FILE_STATUS_NOT_FOUND, f"{path} does not exist")
@@ -329,7 +345,7 @@ class Table:
             raise ProcessError(_bud.FILE_STATUS_BAD_PATH, f"{path} is not a directory")
         wid = self.next_watcher
         self.next_watcher += 1
-        self.watchers[wid] = (Watcher(wid, path, recursive), path)
+        self.watchers[wid] = (Watcher(wid, path, recursive, entries), path)
         return wid
 
     def _process(self, code):

@@ -419,6 +419,66 @@ def _entry(name, st):
             "mtime_ns": st.st_mtime_ns, "uid": st.st_uid, "gid": st.st_gid}
 
 
+# E2B's file metadata: user.e2b.<key> extended attributes (envd 0.6.2's namespace).
+METADATA_PREFIX = "user.e2b."
+
+
+def metadata_of(path):
+    """``{key: value}`` of ``path``'s ``user.e2b.*`` attributes (a final symlink's own, not
+    followed); ``{}`` where there are none or the file system keeps none. A key or value
+    that is not UTF-8 (set inside the sandbox) is left out, as envd does."""
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        if not name.startswith(METADATA_PREFIX):
+            continue
+        try:
+            key = name[len(METADATA_PREFIX):]
+            key.encode("utf-8")  # a name that was not UTF-8 holds surrogates
+            found[key] = os.getxattr(path, name, follow_symlinks=False).decode("utf-8")
+        except (OSError, UnicodeError):
+            continue
+    return found
+
+
+def _set_metadata(fd, metadata):
+    """Makes open file ``fd``'s ``user.e2b.*`` attributes exactly ``metadata``."""
+    for name in os.listxattr(fd):
+        if name.startswith(METADATA_PREFIX) and name[len(METADATA_PREFIX):] not in metadata:
+            os.removexattr(fd, name)
+    for key, value in metadata.items():
+        os.setxattr(fd, METADATA_PREFIX + key, value.encode("utf-8"))
+
+
+def _metadata_request(data):
+    """The metadata object of a WRITE with FILE_OP_METADATA (the part of its path after
+    the NUL)."""
+    try:
+        metadata = json.loads(data)
+    except ValueError as error:
+        raise FileError(_bud.FILE_STATUS_BAD_PATH, f"bad metadata: {error}") from None
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and k and "\0" not in k and isinstance(v, str)
+            for k, v in metadata.items()):
+        raise FileError(_bud.FILE_STATUS_BAD_PATH,
+                        "metadata is an object of non-empty keys and strings")
+    return metadata
+
+
+def entry_of(full, with_metadata):
+    """The STAT entry of absolute path ``full`` (a final symlink not followed), owner and
+    group named, with the link's target and, if asked, its metadata."""
+    st = os.lstat(full)
+    entry = _named([_entry(os.path.basename(full), st)])[0]
+    entry["target"] = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+    if with_metadata:
+        entry["metadata"] = metadata_of(full)
+    return entry
+
+
 def _named(entries):
     """Adds ``owner`` and ``group`` names to ``entries`` (from the guest's passwd)."""
     users, groups = bud_users.TABLE.names({e["uid"] for e in entries},
@@ -449,7 +509,7 @@ def _kind(mode):
     return "other"
 
 
-def _listing(path):
+def _listing(path, with_metadata):
     entries = []
     with os.scandir(path) as it:
         for entry in it:
@@ -463,6 +523,8 @@ def _listing(path):
                     item["target"] = os.readlink(entry.path)
                 except OSError:
                     pass
+            if with_metadata:
+                item["metadata"] = metadata_of(entry.path)
             entries.append(item)
     entries.sort(key=lambda e: e["name"])
     return json.dumps(_named(entries)).encode()
@@ -471,10 +533,16 @@ def _listing(path):
 def file_op(op, path, data, write_out):
     """Runs one file operation; returns a FILE_STATUS_* code (and says why on failure with
     FileError). ``write_out(bytes)`` sends stdout. With ``FILE_OP_AS_USER`` in ``op`` what
-    it writes or makes belongs to the guest's user AS_USER (the write itself runs as root)."""
+    it writes or makes belongs to the guest's user AS_USER (the write itself runs as root).
+    With ``FILE_OP_METADATA`` entries carry their metadata, and a write sets the file's."""
     relative = path.decode("utf-8", "surrogateescape")
     owner = _owner(op & _bud.FILE_OP_AS_USER)
-    op &= ~_bud.FILE_OP_AS_USER
+    with_metadata = bool(op & _bud.FILE_OP_METADATA)
+    op &= ~(_bud.FILE_OP_AS_USER | _bud.FILE_OP_METADATA)
+    metadata = None
+    if with_metadata and op == _bud.FILE_OP_WRITE:
+        relative, _, data_of_metadata = relative.partition("\0")
+        metadata = _metadata_request(data_of_metadata)
     try:
         if op in (_bud.FILE_OP_WRITE, _bud.FILE_OP_APPEND):
             full = resolve(relative)
@@ -491,6 +559,8 @@ def file_op(op, path, data, write_out):
                 # envd does); later chunks of it are appends to the user's file.
                 if owner is not None and op == _bud.FILE_OP_WRITE:
                     os.fchown(f.fileno(), *owner)
+                if metadata is not None:
+                    _set_metadata(f.fileno(), metadata)
         elif op == _bud.FILE_OP_READ:
             full = resolve(relative, must_exist=True)
             if not os.path.isfile(full):
@@ -502,7 +572,7 @@ def file_op(op, path, data, write_out):
             full = WORKDIR if relative in ("", ".") else resolve(relative, must_exist=True)
             if not os.path.isdir(full):
                 raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a directory")
-            write_out(_listing(full))
+            write_out(_listing(full, with_metadata))
         elif op == _bud.FILE_OP_DELETE:
             full = resolve(relative, must_exist=True)
             if full == WORKDIR:
@@ -525,9 +595,7 @@ def file_op(op, path, data, write_out):
             write_out(b"\0".join(names))
         elif op == _bud.FILE_OP_STAT:
             full = WORKDIR if relative in ("", ".") else _resolve_parent(relative)
-            st = os.lstat(full)
-            entry = _named([_entry(os.path.basename(full), st)])[0]
-            entry["target"] = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+            entry = entry_of(full, with_metadata)
             write_out(json.dumps(entry).encode("utf-8", "surrogateescape"))
         elif op == _bud.FILE_OP_MKDIR:
             full = resolve(relative)

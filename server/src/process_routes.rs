@@ -211,7 +211,7 @@ pub async fn watch(
     JsonBody(req): JsonBody<CreateWatcher>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     check_relative("path", &req.path)?;
-    let wid = processes::watch(&state, &id, &req.path, req.recursive).await?;
+    let wid = processes::watch(&state, &id, &req.path, req.recursive, false).await?;
     let body = serde_json::json!({"id": wid, "path": req.path, "recursive": req.recursive});
     Ok((StatusCode::CREATED, Json(body)))
 }
@@ -224,7 +224,7 @@ pub async fn changes(
     let (changes, dropped) = processes::changes(&state, &id, wid)?;
     let changes: Vec<WatchChange> = changes
         .into_iter()
-        .map(|(c, p)| WatchChange::of(c, p))
+        .map(|c| WatchChange::of(c.change, c.path))
         .collect();
     Ok(Json(
         serde_json::json!({"changes": changes, "dropped": dropped}),

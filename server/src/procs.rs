@@ -15,7 +15,7 @@ use axum::body::Bytes;
 use serde::Serialize;
 use tokio::sync::broadcast;
 use vmm::job::Stream;
-use vmm::process::{Change, ProcessEvent};
+use vmm::process::{Changed, ProcessEvent};
 
 /// Output kept per process for clients that connect later (the oldest goes first).
 pub const OUTPUT_KEPT: usize = 1 << 20;
@@ -38,9 +38,9 @@ pub const CHANGES_KEPT: usize = 10_000;
 #[derive(Debug)]
 struct Watch {
     path: String,
-    changes: VecDeque<(Change, String)>,
+    changes: VecDeque<Changed>,
     dropped: u64,
-    tx: broadcast::Sender<(Change, String)>,
+    tx: broadcast::Sender<Changed>,
 }
 
 /// A process to start (also kept in a paused session's record: `crate::durable`).
@@ -248,16 +248,12 @@ impl Processes {
                         p.dropped += old.len() as u64;
                     }
                 }
-                ProcessEvent::Watch {
-                    watcher,
-                    change,
-                    path,
-                } => {
+                ProcessEvent::Watch { watcher, changed } => {
                     let Some(w) = t.watches.get_mut(&watcher) else {
                         continue;
                     };
-                    let _ = w.tx.send((change, path.clone()));
-                    w.changes.push_back((change, path));
+                    let _ = w.tx.send(changed.clone());
+                    w.changes.push_back(changed);
                     if w.changes.len() > CHANGES_KEPT {
                         w.changes.pop_front();
                         w.dropped += 1;
@@ -299,7 +295,7 @@ impl Processes {
 
     /// Watcher `id`'s changes since the last take (and how many were dropped over
     /// [`CHANGES_KEPT`]); None if there is no such watcher.
-    pub fn take_changes(&self, id: u32) -> Option<(Vec<(Change, String)>, u64)> {
+    pub fn take_changes(&self, id: u32) -> Option<(Vec<Changed>, u64)> {
         let mut t = self.table();
         let w = t.watches.get_mut(&id)?;
         let dropped = std::mem::take(&mut w.dropped);
@@ -307,7 +303,7 @@ impl Processes {
     }
 
     /// A streaming client of watcher `id`: every change from now on.
-    pub fn subscribe_watch(&self, id: u32) -> Option<broadcast::Receiver<(Change, String)>> {
+    pub fn subscribe_watch(&self, id: u32) -> Option<broadcast::Receiver<Changed>> {
         Some(self.table().watches.get(&id)?.tx.subscribe())
     }
 

@@ -360,6 +360,35 @@ fn the_e2b_sdk_runs_background_commands_stdin_connect_list_kill_terminals_and_wa
 }
 
 #[test]
+fn the_e2b_sdk_keeps_file_metadata_and_gets_entries_with_watch_events() {
+    let s = TestServer::start();
+    let seen = client_script("e2b_metadata.py", &[], &e2b_env(&s, "e2b_any"));
+    assert_eq!(
+        seen,
+        json!({
+            "written": {"author": "ada", "purpose": "test"},
+            "get_info": {"author": "ada", "purpose": "test"},
+            "listed": [["m.txt", {"author": "ada", "purpose": "test"}]],
+            "in_guest": "['user.e2b.author', 'user.e2b.purpose'] ada",
+            "replaced": {"purpose": "second"},
+            "moved": {"purpose": "second"},
+            "cleared": null,
+            "set_in_guest": {"by": "code"},
+            "long_key": "InvalidArgumentException",
+            "bad_not_written": false,
+            "watch": [
+                ["e.txt", "chmod", "e.txt", "/home/user/w/e.txt"],
+                ["e.txt", "create", "e.txt", "/home/user/w/e.txt"],
+                ["e.txt", "remove", false, false],
+                ["e.txt", "write", "e.txt", "/home/user/w/e.txt"],
+            ],
+            "chmod_entry": [["user", 5, "file", {"tag": "watched"}]],
+            "async": [{"k": "v"}, {"k": "v"}, [2, {"side": "async"}]],
+        })
+    );
+}
+
+#[test]
 fn a_fork_child_has_its_own_copy_of_each_running_process() {
     let s = TestServer::start();
     let id = session(&s, json!({}));

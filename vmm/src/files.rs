@@ -15,6 +15,7 @@
 //! A request past its deadline or over its output cap is interrupted like a cell, so a
 //! file larger than the caller's limit leaves the session usable.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -61,6 +62,11 @@ pub struct FileEntry {
     pub gid: u32,
     #[serde(default)]
     pub group: String,
+    /// Its E2B metadata, `user.e2b.<key>` extended attributes as `{key: value}`: only in
+    /// entries asked for with it ([`Files::stat_with_metadata`],
+    /// [`Files::list_dir_with_metadata`], a watcher's entries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<BTreeMap<String, String>>,
 }
 
 /// Whom what a file operation writes or makes belongs to. Every operation runs as root in
@@ -194,6 +200,32 @@ pub trait Files: Requests {
         Ok(())
     }
 
+    /// [`Files::put_file_as`], the file's E2B metadata then exactly `metadata`
+    /// (`user.e2b.<key>` extended attributes; the others removed, so `{}` clears them).
+    fn put_file_with_metadata(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        data: &[u8],
+        owner: Owner,
+        metadata: &BTreeMap<String, String>,
+        timeout: Duration,
+    ) -> Result<(), FileError> {
+        let meta = serde_json::to_string(metadata).expect("a map of strings is JSON");
+        let first = format!("{path}\0{meta}");
+        let mut op = file_op::WRITE | file_op::METADATA | owner.flag();
+        let mut at = first.as_str();
+        for chunk in data
+            .chunks(FILE_CHUNK)
+            .chain(data.is_empty().then_some(&[][..]))
+        {
+            self.file_request(ex, op, at, chunk.to_vec(), timeout, 64 << 10)?;
+            op = file_op::APPEND | owner.flag();
+            at = path;
+        }
+        Ok(())
+    }
+
     /// Appends `data` to `path`.
     fn append_file(
         &mut self,
@@ -225,6 +257,30 @@ pub trait Files: Requests {
         timeout: Duration,
     ) -> Result<Vec<FileEntry>, FileError> {
         let out = self.file_request(ex, file_op::LIST, path, Vec::new(), timeout, LISTING_LIMIT)?;
+        json(path, &out)
+    }
+
+    /// [`Files::list_dir`], each entry with its metadata.
+    fn list_dir_with_metadata(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<Vec<FileEntry>, FileError> {
+        let op = file_op::LIST | file_op::METADATA;
+        let out = self.file_request(ex, op, path, Vec::new(), timeout, LISTING_LIMIT)?;
+        json(path, &out)
+    }
+
+    /// [`Files::stat`] with the entry's metadata.
+    fn stat_with_metadata(
+        &mut self,
+        ex: &Executor,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<FileEntry, FileError> {
+        let op = file_op::STAT | file_op::METADATA;
+        let out = self.file_request(ex, op, path, Vec::new(), timeout, LISTING_LIMIT)?;
         json(path, &out)
     }
 

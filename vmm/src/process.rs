@@ -17,6 +17,7 @@
 use std::time::Duration;
 
 use crate::executor::Executor;
+use crate::files::FileEntry;
 use crate::job::{Cancel, Job, JobResult, Status, Stream};
 use crate::protocol::{file_status, job_flags, process_event, process_op, watch_event};
 use crate::session::{Requests, SessionError};
@@ -37,12 +38,18 @@ pub enum ProcessEvent {
         signal: Option<i32>,
     },
     /// A change under a watched directory ([`Processes::watch_dir`]).
-    Watch {
-        watcher: u32,
-        change: Change,
-        /// Relative to the watched directory.
-        path: String,
-    },
+    Watch { watcher: u32, changed: Changed },
+}
+
+/// One change under a watched directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changed {
+    pub change: Change,
+    /// Relative to the watched directory.
+    pub path: String,
+    /// The entry as the guest saw it when it read the event: only for a watcher made with
+    /// `entries`, and only on a create, write or chmod of an entry still there.
+    pub entry: Option<Box<FileEntry>>,
 }
 
 /// What changed under a watched directory (E2B's kinds).
@@ -154,10 +161,23 @@ pub fn decode_events(mut bytes: &[u8]) -> Result<Vec<ProcessEvent>, ProcessError
                     watch_event::CHMOD => Change::Chmod,
                     other => return Err(ProcessError::Malformed(format!("change {other}"))),
                 };
+                // The path, then for a watcher with entries a NUL and the entry's JSON.
+                let (path, entry) = match data.iter().position(|b| *b == 0) {
+                    Some(at) => (&data[..at], Some(&data[at + 1..])),
+                    None => (data, None),
+                };
+                let entry = entry
+                    .map(serde_json::from_slice::<FileEntry>)
+                    .transpose()
+                    .map_err(|e| ProcessError::Malformed(format!("a watch entry: {e}")))?
+                    .map(Box::new);
                 events.push(ProcessEvent::Watch {
                     watcher: pid,
-                    change,
-                    path: String::from_utf8_lossy(data).into_owned(),
+                    changed: Changed {
+                        change,
+                        path: String::from_utf8_lossy(path).into_owned(),
+                        entry,
+                    },
                 });
                 bytes = &bytes[process_event::HEADER + len..];
                 continue;
@@ -219,18 +239,19 @@ pub trait Processes: Requests {
     /// Watches directory `path` (absolute, or relative to the work directory; and its
     /// subdirectories if `recursive`): its changes come from polls as
     /// [`ProcessEvent::Watch`] of the returned watcher, which keeps polls waiting as a live
-    /// process does until [`Processes::unwatch`].
+    /// process does until [`Processes::unwatch`]. With `entries`, a create, write or chmod
+    /// carries the entry with its metadata ([`Changed::entry`]).
     fn watch_dir(
         &mut self,
         ex: &Executor,
         path: &str,
         recursive: bool,
+        entries: bool,
     ) -> Result<u32, ProcessError> {
-        let args = if recursive {
-            vec!["recursive".into()]
-        } else {
-            vec![]
-        };
+        let mut args = vec![if recursive { "recursive" } else { "" }.into()];
+        if entries {
+            args.push("entries".into());
+        }
         let j = request(path.as_bytes(), args, OP_TIMEOUT);
         let r = self.process_op(ex, process_op::WATCH, 0, &j)?;
         number(&answer(r)?)

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -180,6 +180,13 @@ pub mod file_op {
     /// `user` (its uid and gid in the guest's `/etc/passwd`), not to root. The operation
     /// itself runs as root either way.
     pub const AS_USER: u32 = 1 << 16;
+    /// A flag on LIST and STAT: each entry also has `"metadata"`, `{key: value}` of its
+    /// `user.e2b.<key>` extended attributes (E2B's file metadata; a final symlink's own,
+    /// which the guest never has: the link is not followed). On WRITE: the request's path
+    /// is `PATH\0JSON`, JSON an object of string keys and values, and after the write the
+    /// file's `user.e2b.*` attributes are exactly those keys (others removed; `{}` clears
+    /// them).
+    pub const METADATA: u32 = 1 << 17;
 }
 
 /// Process operations (`job::FILE_OP` of a `language::PROCESS` request). Exit codes are
@@ -215,7 +222,9 @@ pub mod process_op {
     /// Watch directory `CODE` (absolute, or relative to the work directory), and its
     /// subdirectories if `args[0]` is `recursive`: its changes come as
     /// [`super::process_event::WATCH`] events of the watcher, whose number (decimal) is
-    /// the answer. A watcher counts as a live process for polls.
+    /// the answer. With `entries` in `args[1]`, a create, write or chmod event also
+    /// carries the entry as it is when the guest reads the event (see
+    /// [`super::process_event::WATCH`]). A watcher counts as a live process for polls.
     pub const WATCH: u32 = 6;
     /// Stop watcher `CODE`.
     pub const UNWATCH: u32 = 7;
@@ -234,7 +243,10 @@ pub mod process_event {
     /// Output on its terminal (a PTY process).
     pub const PTY: u32 = 4;
     /// A change under a watched directory: `pid` is the watcher, `value` one of
-    /// [`super::watch_event`], the data the path relative to the watched directory.
+    /// [`super::watch_event`], the data the path relative to the watched directory; for a
+    /// watcher made with `entries`, then a NUL and the entry's JSON as a
+    /// [`super::file_op::STAT`] with [`super::file_op::METADATA`] writes it (none when the
+    /// entry is gone again).
     pub const WATCH: u32 = 5;
     /// Size of an event's header.
     pub const HEADER: usize = 16;

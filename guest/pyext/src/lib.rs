@@ -125,6 +125,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("FILE_OP_MKDIR", file_op::MKDIR as u64),
     ("FILE_OP_MOVE", file_op::MOVE as u64),
     ("FILE_OP_AS_USER", file_op::AS_USER as u64),
+    ("FILE_OP_METADATA", file_op::METADATA as u64),
     ("FILE_STATUS_OK", file_status::OK as u64),
     ("FILE_STATUS_BAD_PATH", file_status::BAD_PATH as u64),
     ("FILE_STATUS_NOT_FOUND", file_status::NOT_FOUND as u64),

@@ -104,6 +104,22 @@ pub async fn write_as(
     .await
 }
 
+/// [`write_as`], the file's E2B metadata then exactly `metadata` (`{}` clears it).
+pub async fn write_with_metadata(
+    state: &AppState,
+    id: &str,
+    path: &str,
+    data: Vec<u8>,
+    owner: Owner,
+    metadata: BTreeMap<String, String>,
+) -> Result<(), Error> {
+    let p = path.to_owned();
+    in_session(state, id, path, move |s, ex, t| {
+        s.put_file_with_metadata(ex, &p, &data, owner, &metadata, t)
+    })
+    .await
+}
+
 /// Removes a file, or a directory with everything in it.
 pub async fn remove(state: &AppState, id: &str, path: &str) -> Result<(), Error> {
     let p = path.to_owned();
@@ -116,10 +132,26 @@ pub async fn list(state: &AppState, id: &str, dir: &str) -> Result<Vec<FileEntry
     in_session(state, id, dir, move |s, ex, t| s.list_dir(ex, &p, t)).await
 }
 
-/// What `path` is (a final symlink not followed).
+/// [`list`], each entry with its E2B metadata.
+pub async fn list_with_metadata(
+    state: &AppState,
+    id: &str,
+    dir: &str,
+) -> Result<Vec<FileEntry>, Error> {
+    let p = dir.to_owned();
+    in_session(state, id, dir, move |s, ex, t| {
+        s.list_dir_with_metadata(ex, &p, t)
+    })
+    .await
+}
+
+/// What `path` is (a final symlink not followed), with its E2B metadata.
 pub async fn stat(state: &AppState, id: &str, path: &str) -> Result<FileEntry, Error> {
     let p = path.to_owned();
-    in_session(state, id, path, move |s, ex, t| s.stat(ex, &p, t)).await
+    in_session(state, id, path, move |s, ex, t| {
+        s.stat_with_metadata(ex, &p, t)
+    })
+    .await
 }
 
 /// Makes directory `path` and its parents, the ones it makes belonging to `owner`.

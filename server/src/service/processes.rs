@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use vmm::Cancel;
-use vmm::process::{Change, ProcessError, ProcessSpec, Processes};
+use vmm::process::{Changed, ProcessError, ProcessSpec, Processes};
 use vmm::session::{Requests, SessionError};
 
 use crate::procs::{Info, Kept, MAX_STREAMS, Start, Subscription};
@@ -262,8 +262,15 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
 
 /// Watches directory `path` of session `id` (and its subdirectories if `recursive`);
 /// returns the watcher's number. Its changes are kept for [`changes`] and sent to
-/// streaming clients ([`crate::procs::Processes::subscribe_watch`]).
-pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> Result<u32, Error> {
+/// streaming clients ([`crate::procs::Processes::subscribe_watch`]); with `entries` a
+/// create, write or chmod carries the entry (E2B's `include_entry`).
+pub async fn watch(
+    state: &AppState,
+    id: &str,
+    path: &str,
+    recursive: bool,
+    entries: bool,
+) -> Result<u32, Error> {
     let e = live_entry(state, id).await?;
     let starting = e.processes.starting();
     let limit = state.config().sessions.max_processes;
@@ -274,7 +281,7 @@ pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> R
     let entry = e.clone();
     // Recorded before the start is over, for the same reason as a process.
     let (wid, added) = in_session(state, id, move |s, ex| {
-        let wid = s.watch_dir(ex, &dir, recursive)?;
+        let wid = s.watch_dir(ex, &dir, recursive, entries)?;
         Ok((wid, entry.processes.add_watch(wid, &dir)))
     })
     .await?
@@ -293,14 +300,18 @@ pub async fn watch(state: &AppState, id: &str, path: &str, recursive: bool) -> R
 }
 
 /// Watcher `wid`'s changes since the last call, and how many were dropped meanwhile.
-pub fn changes(
-    state: &AppState,
-    id: &str,
-    wid: u32,
-) -> Result<(Vec<(Change, String)>, u64), Error> {
+pub fn changes(state: &AppState, id: &str, wid: u32) -> Result<(Vec<Changed>, u64), Error> {
     get(state, id)?
         .processes
         .take_changes(wid)
+        .ok_or_else(|| no_watcher(wid))
+}
+
+/// The directory watcher `wid` of session `id` watches, as it was given.
+pub fn watched(state: &AppState, id: &str, wid: u32) -> Result<String, Error> {
+    get(state, id)?
+        .processes
+        .watch_path(wid)
         .ok_or_else(|| no_watcher(wid))
 }
 

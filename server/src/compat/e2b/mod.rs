@@ -19,9 +19,9 @@
 //! template name they asked for, the access token, and the code contexts. A sandbox whose
 //! session ended by itself (lifetime, crash) is dropped from it on its next use.
 //!
-//! `envdVersion` is `0.5.7`: the SDK then uses what bud implements (commands with stdin
-//! off by default, multipart and octet-stream uploads) and nothing newer (file metadata,
-//! watchers).
+//! `envdVersion` is `0.6.4`: the SDK then uses what bud implements, up to file metadata
+//! (0.6.2), entries on watch events (0.6.3) and watchers allowed on network mounts (0.6.4;
+//! the guest has none, so that flag changes nothing).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -52,7 +52,7 @@ pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
 /// The header carrying the sandbox's access token.
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 /// The envd version bud's compat layer speaks (module docs).
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout, seconds.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 

@@ -24,7 +24,7 @@ use crate::compat::e2b::sandbox_of;
 use crate::error::{ApiError, Error};
 use crate::service::{files, processes};
 use crate::state::AppState;
-use vmm::process::Change;
+use vmm::process::{Change, Changed};
 
 /// E2B's `EventType` name of a change.
 pub(super) fn event_name(c: Change) -> &'static str {
@@ -84,7 +84,34 @@ fn entry_info(rel: &str, st: &FileEntry) -> Value {
     if let Some(t) = &st.target {
         v["symlinkTarget"] = json!(t);
     }
+    if let Some(m) = st.metadata.as_ref().filter(|m| !m.is_empty()) {
+        v["metadata"] = json!(m);
+    }
     v
+}
+
+/// A watcher's change as E2B's `FilesystemEvent`: the name relative to the watched
+/// directory `dir` (guest-relative), and the entry when the watcher asked for entries.
+fn event_json(dir: &str, c: &Changed) -> Value {
+    let mut v = json!({"name": c.path, "type": event_name(c.change)});
+    if let Some(entry) = &c.entry {
+        let rel = if dir == "." {
+            c.path.clone()
+        } else {
+            format!("{dir}/{}", c.path)
+        };
+        v["entry"] = entry_info(&rel, entry);
+    }
+    v
+}
+
+/// `recursive` and `includeEntry` of a watcher request. `allowNetworkMounts` needs
+/// nothing: the guest mounts no network file system.
+fn watch_options(body: &Value) -> (bool, bool) {
+    (
+        body["recursive"].as_bool() == Some(true),
+        body["includeEntry"].as_bool() == Some(true),
+    )
 }
 
 async fn stat(state: &AppState, id: &str, rel: &str) -> Result<Value, Error> {
@@ -149,16 +176,15 @@ pub async fn filesystem(
             }
             "CreateWatcher" => {
                 let rel = guest_path(&field(&body, "path")?)?;
-                let recursive = body["recursive"].as_bool() == Some(true);
-                let wid = processes::watch(state, id, &rel, recursive).await?;
+                let (recursive, entries) = watch_options(&body);
+                let wid = processes::watch(state, id, &rel, recursive, entries).await?;
                 json!({"watcherId": wid.to_string()})
             }
             "GetWatcherEvents" => {
-                let (changes, _) = processes::changes(state, id, watcher_id(&body)?)?;
-                let events: Vec<Value> = changes
-                    .into_iter()
-                    .map(|(c, name)| json!({"name": name, "type": event_name(c)}))
-                    .collect();
+                let wid = watcher_id(&body)?;
+                let dir = processes::watched(state, id, wid)?;
+                let (changes, _) = processes::changes(state, id, wid)?;
+                let events: Vec<Value> = changes.iter().map(|c| event_json(&dir, c)).collect();
                 json!({ "events": events })
             }
             "RemoveWatcher" => {
@@ -184,7 +210,7 @@ async fn list(state: &AppState, id: &str, rel: &str, depth: u64) -> Result<Vec<V
     for _ in 0..depth {
         let mut next = Vec::new();
         for dir in level {
-            for item in files::list(state, id, &dir).await? {
+            for item in files::list_with_metadata(state, id, &dir).await? {
                 let name = &item.name;
                 let child = if dir == "." {
                     name.to_owned()
@@ -218,7 +244,7 @@ async fn watch_dir(
         .as_str()
         .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
     let rel = guest_path(path)?;
-    let recursive = req["recursive"].as_bool() == Some(true);
+    let (recursive, entries) = watch_options(&req);
     let limit = crate::procs::MAX_STREAMS;
     if crate::service::sessions::get(&c.app, id)?
         .processes
@@ -227,7 +253,7 @@ async fn watch_dir(
     {
         return Err(Error::TooManyStreams { limit }.into());
     }
-    let wid = processes::watch(&c.app, id, &rel, recursive).await?;
+    let wid = processes::watch(&c.app, id, &rel, recursive, entries).await?;
     let e = crate::service::sessions::get(&c.app, id)?;
     let rx = e
         .processes
@@ -247,16 +273,19 @@ async fn watch_dir(
     let timing = Timing::of(headers);
     // WatchDirResponse's oneof is flat in proto JSON: {"start": {}}, {"filesystem": ...}.
     let started = envelope(0, &json!({"start": {}}));
-    let rest = stream::unfold(Some((rx, guard)), move |st| async move {
-        let (mut rx, guard) = st?;
-        Some(match next(&mut rx, timing).await {
-            Next::Event((change, name)) => {
-                let ev = json!({"filesystem": {"name": name, "type": event_name(change)}});
-                (envelope(0, &ev), Some((rx, guard)))
-            }
-            Next::Keepalive => (envelope(0, &json!({"keepalive": {}})), Some((rx, guard))),
-            Next::Deadline | Next::Closed => (envelope(2, &json!({})), None),
-        })
+    let rest = stream::unfold(Some((rx, guard)), move |st| {
+        let rel = rel.clone();
+        async move {
+            let (mut rx, guard) = st?;
+            Some(match next(&mut rx, timing).await {
+                Next::Event(changed) => {
+                    let ev = json!({"filesystem": event_json(&rel, &changed)});
+                    (envelope(0, &ev), Some((rx, guard)))
+                }
+                Next::Keepalive => (envelope(0, &json!({"keepalive": {}})), Some((rx, guard))),
+                Next::Deadline | Next::Closed => (envelope(2, &json!({})), None),
+            })
+        }
     });
     Ok(stream_response(started, rest))
 }
@@ -278,6 +307,7 @@ mod tests {
             owner: "user".into(),
             gid: 1234,
             group: String::new(),
+            metadata: None,
         };
         let v = entry_info("d/a.txt", &st);
         assert_eq!(v["type"], "FILE_TYPE_FILE");

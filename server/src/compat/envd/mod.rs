@@ -13,7 +13,10 @@
 //!   (`already_exists` when it does), `Remove`, `Move`, and watchers ([`filesystem`]).
 //! - `GET /files?path=` reads a file; `POST /files` writes files from a multipart form
 //!   (field `file`, the path as its filename or `?path=`) or an octet-stream body with
-//!   `?path=`, answering `[{"name", "type": "file", "path"}]`. Signed URLs (the SDK's
+//!   `?path=`, answering `[{"name", "type": "file", "path", "metadata"}]`: as envd 0.6.2,
+//!   the `X-Metadata-<key>` headers become the file's metadata (`user.e2b.<key>` extended
+//!   attributes, replaced at each upload), which `Stat`, `ListDir` and watcher entries
+//!   report. Signed URLs (the SDK's
 //!   `download_url` / `upload_url`: `signature`, `signature_expiration`, `username` in the
 //!   query, no header) name no sandbox: the sandbox whose token makes the signature is the
 //!   one (`crate::compat::e2b::signed`); a signed upload writes only the signed path.
@@ -43,6 +46,7 @@ mod connect;
 pub mod filesystem;
 pub mod process;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Json;
@@ -339,6 +343,7 @@ pub async fn write_files(
 async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, ApiError> {
     let (_, e) = file_sandbox(c, req.headers(), &q, "write")?;
     let owner = EnvdUser::of_files(req.headers(), &q)?.owner();
+    let metadata = upload_metadata(req.headers())?;
     // A signature covers one path: every part goes there, whatever its file name says.
     let signed_path = q.signature.as_ref().and(q.path.clone());
     let state = &c.app;
@@ -412,11 +417,62 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
     let mut written = Vec::with_capacity(files.len());
     for (path, data) in files {
         let rel = guest_path(&path)?;
-        files::write_as(state, &e.id, &rel, data, owner).await?;
+        files::write_with_metadata(state, &e.id, &rel, data, owner, metadata.clone()).await?;
         let name = rel.rsplit('/').next().unwrap_or(&rel).to_owned();
-        written.push(json!({"name": name, "type": "file", "path": e2b_path(&rel)}));
+        let mut info = json!({"name": name, "type": "file", "path": e2b_path(&rel)});
+        if !metadata.is_empty() {
+            info["metadata"] = json!(metadata);
+        }
+        written.push(info);
     }
     Ok(written)
+}
+
+/// Prefix of the upload headers that carry E2B file metadata (`X-Metadata-<key>: value`).
+const METADATA_HEADER: &str = "x-metadata-";
+/// envd's bounds: a key fits in an xattr name after `user.e2b.` (255 bytes), and all of a
+/// file's metadata (each key with that prefix, plus its value) in 4 KiB.
+const METADATA_KEY_MAX: usize = 255 - "user.e2b.".len();
+const METADATA_TOTAL_MAX: usize = 4096;
+
+/// The metadata an upload sets, as envd reads it: every `X-Metadata-<key>` header (the key
+/// lowercased, the first value of a repeated header), keys and values printable ASCII,
+/// within envd's bounds. No such header: `{}`, which clears the file's metadata.
+fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Error> {
+    let printable = |s: &[u8]| s.iter().all(|b| (0x20..=0x7e).contains(b));
+    let mut metadata = BTreeMap::new();
+    let mut total = 0;
+    for name in headers.keys() {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
+            continue;
+        };
+        if key.is_empty() || metadata.contains_key(key) {
+            continue;
+        }
+        let value = headers.get(name).map(|v| v.as_bytes()).unwrap_or_default();
+        if key.len() > METADATA_KEY_MAX || !printable(key.as_bytes()) {
+            return Err(Error::invalid(
+                "metadata",
+                format!("a metadata key is printable ASCII of at most {METADATA_KEY_MAX} bytes"),
+            ));
+        }
+        if !printable(value) {
+            return Err(Error::invalid(
+                "metadata",
+                format!("the value of metadata key {key:?} is not printable ASCII"),
+            ));
+        }
+        total += "user.e2b.".len() + key.len() + value.len();
+        let value = String::from_utf8_lossy(value).into_owned();
+        metadata.insert(key.to_owned(), value);
+    }
+    if total > METADATA_TOTAL_MAX {
+        return Err(Error::invalid(
+            "metadata",
+            format!("a file's metadata is at most {METADATA_TOTAL_MAX} bytes ({total} given)"),
+        ));
+    }
+    Ok(metadata)
 }
 
 #[cfg(test)]
@@ -453,6 +509,36 @@ mod tests {
         assert!(!with("gzip;q=0"));
         assert!(!with("identity"));
         assert!(!accepts_gzip(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn upload_metadata_is_read_as_envd_reads_it() {
+        let with = |pairs: &[(&str, &str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(
+                    header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    v.parse().unwrap(),
+                );
+            }
+            upload_metadata(&h)
+        };
+        let got = with(&[
+            ("X-Metadata-Author", "ada"),
+            ("x-metadata-author", "second"),
+            ("X-Metadata-", "ignored"),
+            ("X-Other", "not metadata"),
+        ])
+        .unwrap();
+        assert_eq!(got, BTreeMap::from([("author".into(), "ada".into())]));
+        assert!(with(&[]).unwrap().is_empty());
+        let long = format!("x-metadata-{}", "k".repeat(247));
+        assert!(with(&[(&long, "v")]).is_err());
+        let ok = format!("x-metadata-{}", "k".repeat(246));
+        assert!(with(&[(&ok, "v")]).is_ok());
+        assert!(with(&[("x-metadata-tab", "a\tb")]).is_err());
+        let big = "v".repeat(3000);
+        assert!(with(&[("x-metadata-a", &big), ("x-metadata-b", &big)]).is_err());
     }
 
     #[test]
