@@ -191,6 +191,7 @@ fn the_e2b_sdk_moves_files_and_runs_commands() {
     assert_eq!(seen["cmd_exit"], json!([3, "partial\n"]));
     assert_eq!(seen["cmd_cwd"], json!("2"));
     assert_eq!(seen["users"], json!(["user\n", "root\n"]));
+    assert_eq!(seen["context"], json!(["42", 1, 0]));
     assert_eq!(seen["mkdir"], json!([true, false]));
     assert_eq!(seen["moved"], json!("one\ntwo\n"));
     assert_eq!(seen["exists"], json!([false, true]));
@@ -545,8 +546,25 @@ fn with_keys_every_client_needs_one_and_e2b_sandboxes_their_token() {
         .collect();
     assert_eq!(lines[0]["text"], json!("42"));
     assert_eq!(lines.last().unwrap()["type"], json!("end_of_execution"));
+    // The code interpreter's context calls carry only the traffic access token: bud's is
+    // the sandbox's token.
+    assert_eq!(made["trafficAccessToken"], json!(token));
+    let contexts = |header: Option<(&str, &str)>| {
+        let mut req = client()
+            .get(s.url("/contexts"))
+            .header("e2b-sandbox-id", &id);
+        if let Some((h, v)) = header {
+            req = req.header(h, v);
+        }
+        req.send().unwrap().status().as_u16()
+    };
+    assert_eq!(contexts(None), 401);
+    assert_eq!(contexts(Some(("e2b-traffic-access-token", "0000"))), 401);
+    assert_eq!(contexts(Some(("e2b-traffic-access-token", &token))), 200);
+    assert_eq!(contexts(Some(("x-access-token", &token))), 200);
     let seen = client_script("e2b_sandbox.py", &[], &e2b_env(&s, key));
     assert_eq!(seen["connected"], json!("2"));
+    assert_eq!(seen["context"], json!(["42", 1, 0]));
     // The user's Authorization header (root here) is no key, and no key is asked for there.
     assert_eq!(seen["users"], json!(["user\n", "root\n"]));
 }

@@ -1,5 +1,5 @@
 """The E2B SDK's files and commands against bud: write/read, list, make_dir, rename, remove,
-exists, commands with output, exit codes, env and cwd, a timeout change. Prints what it saw
+exists, commands with output, exit codes, env and cwd, a code context, a timeout change. Prints what it saw
 as one JSON object (asserted by server/tests/compat.rs)."""
 
 import json
@@ -56,6 +56,14 @@ try:
     seen["missing"] = "no exception"
 except NotFoundException:
     seen["missing"] = "NotFoundException"
+
+# A code context: its calls carry only the traffic access token (with keys, the one the
+# server checks).
+ctx = sbx.create_code_context()
+in_ctx = sbx.run_code("x = 41\nx + 1", context=ctx).text
+listed = [c.id for c in sbx.list_code_contexts()].count(ctx.id)
+sbx.remove_code_context(ctx)
+seen["context"] = [in_ctx, listed, [c.id for c in sbx.list_code_contexts()].count(ctx.id)]
 
 sbx.set_timeout(60)
 seen["connected"] = Sandbox.connect(sbx.sandbox_id).run_code("1 + 1").text

@@ -190,13 +190,7 @@ pub async fn auto_resume(
         && let Some(s) = sandbox(&c, &id, None)
         && s.auto_resume
     {
-        let token = req
-            .headers()
-            .get(super::ACCESS_TOKEN_HEADER)
-            .map(|v| v.as_bytes())
-            .unwrap_or_default();
-        let allowed = c.app.config().api_keys.is_none()
-            || crate::keys::constant_time_eq(token, s.token.as_bytes());
+        let allowed = c.app.config().api_keys.is_none() || super::token_of(req.headers(), &s);
         if allowed && let Err(e) = durable::resume(&c.app, &id).await {
             return e2b_error(e);
         }

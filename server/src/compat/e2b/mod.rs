@@ -51,6 +51,8 @@ use crate::state::AppState;
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
 /// The header carrying the sandbox's access token.
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
+/// The header the code interpreter's context calls carry the traffic access token in.
+pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 /// The envd version bud's compat layer speaks (module docs).
 pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout, seconds.
@@ -247,7 +249,11 @@ fn body_of(s: &Sandbox, e: &Entry, with_token: bool) -> serde_json::Value {
         "alias": e.template,
     });
     if with_token {
+        // The same secret under both names: the code interpreter's context calls send only
+        // the traffic token (`E2B-Traffic-Access-Token`), `run_code` and envd's the access
+        // token; `sandbox_of` takes either.
         v["envdAccessToken"] = json!(s.token);
+        v["trafficAccessToken"] = json!(s.token);
     }
     v
 }
@@ -390,16 +396,20 @@ pub fn sandbox_of(c: &Compat, headers: &HeaderMap) -> Result<(Arc<Sandbox>, Arc<
             )
         })?;
     let (s, e) = live(c, id).map_err(|_| ApiError::SandboxGone(id.to_owned()))?;
-    if c.app.config().api_keys.is_some() {
-        let token = headers
-            .get(ACCESS_TOKEN_HEADER)
-            .map(|v| v.as_bytes())
-            .unwrap_or_default();
-        if !constant_time_eq(token, s.token.as_bytes()) {
-            return Err(ApiError::Unauthorized);
-        }
+    if c.app.config().api_keys.is_some() && !token_of(headers, &s) {
+        return Err(ApiError::Unauthorized);
     }
     Ok((s, e))
+}
+
+/// Whether `headers` carry sandbox `s`'s token, as its access token or its traffic access
+/// token (the same secret, see `body_of`), compared in constant time.
+pub fn token_of(headers: &HeaderMap, s: &Sandbox) -> bool {
+    [ACCESS_TOKEN_HEADER, TRAFFIC_TOKEN_HEADER].iter().any(|h| {
+        headers
+            .get(*h)
+            .is_some_and(|v| constant_time_eq(v.as_bytes(), s.token.as_bytes()))
+    })
 }
 
 /// What a signed file URL says (E2B's v1 signatures, `download_url` / `upload_url`).
