@@ -515,6 +515,88 @@ fn files_round_trip_and_paths_stay_inside_the_work_directory() {
     s.end(&ex);
 }
 
+#[test]
+fn reads_and_writes_follow_links_inside_and_refuse_what_is_not_a_file() {
+    use vmm::process::Processes;
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let t = Duration::from_secs(10);
+    s.put_file(&ex, "d/target.txt", b"target", t).unwrap();
+    let made = cell(
+        &mut s,
+        &ex,
+        "import os\n\
+         os.symlink('d/target.txt', 'rel')\n\
+         os.symlink('/tmp/d/target.txt', 'abs')\n\
+         os.symlink('/home/user/d/target.txt', 'home')\n\
+         os.symlink('../etc/passwd', 'up')\n\
+         os.symlink('d/new.txt', 'dangling')\n\
+         os.mkfifo('fifo')\n\
+         os.mkfifo('busy')\n\
+         os.mknod('null', 0o20666, os.makedev(1, 3))\n\
+         'made'",
+    );
+    assert_eq!(plain(&made), Some("'made'"), "{made:?}");
+    // A reader on one FIFO, so opening it for writing does not fail for want of one.
+    let reader = s
+        .start_process(
+            &ex,
+            &vmm::process::ProcessSpec {
+                script: "cat busy > /dev/null".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    for link in ["rel", "abs", "home"] {
+        let got = s.get_file(&ex, link, 1 << 10, t);
+        assert_eq!(
+            got.ok().as_deref(),
+            Some(&b"target"[..]),
+            "read through {link}"
+        );
+    }
+    s.put_file(&ex, "rel", b"via rel", t).unwrap();
+    s.append_file(&ex, "abs", b", via abs".to_vec(), t).unwrap();
+    s.put_file(&ex, "dangling", b"made through a link", t)
+        .unwrap();
+    let up = s.get_file(&ex, "up", 1 << 10, t);
+    assert!(matches!(up, Err(FileError::BadPath(_))), "{up:?}");
+    let up = s.put_file(&ex, "up", b"x", t);
+    assert!(matches!(up, Err(FileError::BadPath(_))), "{up:?}");
+    for special in ["fifo", "busy", "null", "d"] {
+        let read = s.get_file(&ex, special, 1 << 10, t);
+        assert!(
+            matches!(read, Err(FileError::WrongKind(_))),
+            "read {special}: {read:?}"
+        );
+        let write = s.put_file(&ex, special, b"x", t);
+        assert!(
+            matches!(write, Err(FileError::WrongKind(_))),
+            "write {special}: {write:?}"
+        );
+        let append = s.append_file(&ex, special, b"x".to_vec(), t);
+        assert!(
+            matches!(append, Err(FileError::WrongKind(_))),
+            "append {special}: {append:?}"
+        );
+    }
+    let under_file = s.put_file(&ex, "d/target.txt/x", b"x", t);
+    assert!(under_file.is_err(), "{under_file:?}");
+    let seen = cell(
+        &mut s,
+        &ex,
+        "import os\n\
+         (open('d/target.txt').read(), open('d/new.txt').read(), os.path.islink('rel'),\n\
+          os.stat('null').st_rdev == os.makedev(1, 3))",
+    );
+    assert_eq!(
+        plain(&seen),
+        Some("('via rel, via abs', 'made through a link', True, True)")
+    );
+    s.signal_process(&ex, reader, 9).unwrap();
+    s.end(&ex);
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(data)

@@ -9,7 +9,8 @@ use std::io;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-fn last_error(op: &str) -> PyErr {
+/// The last OS error as Python's `OSError` (with its errno), named after `op`.
+pub(crate) fn last_error(op: &str) -> PyErr {
     let e = io::Error::last_os_error();
     match e.raw_os_error() {
         Some(errno) => pyo3::exceptions::PyOSError::new_err((errno, format!("{op}: {e}"))),

@@ -12,6 +12,8 @@
 //!   `use_arena_region`);
 //! - **whom a process runs as** ([`creds`]): the calling thread's ids switched around a
 //!   spawn, so `vfork` stays;
+//! - **`open_beneath`** ([`beneath`]): a path of the work directory opened in one
+//!   `openat2` that cannot leave it, for the file operations;
 //! - **`Hooked`** ([`hooked`]): a frame-less stand-in for an `os` function that runs a hook
 //!   first (how the job runner notices fd-level output without showing up in tracebacks).
 //!
@@ -26,6 +28,7 @@
 mod protocol;
 
 mod arenas;
+mod beneath;
 mod capture;
 mod creds;
 #[path = "../../agent/src/doorbell.rs"]
@@ -382,6 +385,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ring, m)?)?;
     m.add_function(wrap_pyfunction!(ready, m)?)?;
     m.add_function(wrap_pyfunction!(inotify::inotify_init, m)?)?;
+    m.add_function(wrap_pyfunction!(beneath::open_beneath, m)?)?;
     m.add_function(wrap_pyfunction!(creds::thread_as_user, m)?)?;
     m.add_function(wrap_pyfunction!(creds::thread_as_root, m)?)?;
     m.add_function(wrap_pyfunction!(inotify::inotify_add_watch, m)?)?;
