@@ -587,9 +587,13 @@ def _kind(mode):
     return "other"
 
 
-def _listing(path, with_metadata):
+def _listing(where, full, with_metadata):
+    """The JSON listing of a directory: ``where`` is its path or an open descriptor of it
+    (its entries then stat'ed relative to it, a shorter path walk each), ``full`` its path
+    (for the metadata, read by path)."""
+    dir_fd = where if isinstance(where, int) else None
     entries = []
-    with os.scandir(path) as it:
+    with os.scandir(where) as it:
         for entry in it:
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -598,14 +602,30 @@ def _listing(path, with_metadata):
             item = _entry(entry.name, st)
             if stat.S_ISLNK(st.st_mode):
                 try:
-                    item["target"] = os.readlink(entry.path)
+                    item["target"] = os.readlink(entry.name, dir_fd=dir_fd) if dir_fd \
+                        is not None else os.readlink(entry.path)
                 except OSError:
                     pass
             if with_metadata:
-                item["metadata"] = metadata_of(entry.path)
+                item["metadata"] = metadata_of(os.path.join(full, entry.name))
             entries.append(item)
     entries.sort(key=lambda e: e["name"])
     return json.dumps(_named(entries)).encode()
+
+
+def _list_fast(relative, with_metadata):
+    """LIST through one open of the directory: its listing, or None for the resolving path."""
+    top = relative in ("", ".")
+    fd = _open_fast("." if top else relative, os.O_RDONLY | os.O_DIRECTORY)
+    if fd is None:
+        return None
+    try:
+        full = None
+        if with_metadata:
+            full = WORKDIR if top else resolve(relative)
+        return _listing(fd, full, with_metadata)
+    finally:
+        os.close(fd)
 
 
 def file_op(op, path, data, write_out):
@@ -651,10 +671,14 @@ def file_op(op, path, data, write_out):
                 while chunk := f.read(1 << 20):
                     write_out(chunk)
         elif op == _bud.FILE_OP_LIST:
-            full = WORKDIR if relative in ("", ".") else resolve(relative, must_exist=True)
-            if not os.path.isdir(full):
-                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a directory")
-            write_out(_listing(full, with_metadata))
+            listing = _list_fast(relative, with_metadata)
+            if listing is None:
+                full = WORKDIR if relative in ("", ".") else resolve(relative, must_exist=True)
+                if not os.path.isdir(full):
+                    raise FileError(_bud.FILE_STATUS_WRONG_KIND,
+                                    f"{relative!r} is not a directory")
+                listing = _listing(full, full, with_metadata)
+            write_out(listing)
         elif op == _bud.FILE_OP_DELETE:
             full = resolve(relative, must_exist=True)
             if full == WORKDIR:
