@@ -8,8 +8,7 @@ lets them through: the host writes one request there while the vCPU is stopped a
 of the main request, and puts the lane byte on the console; the interrupt watcher
 (``interrupt.rs``) writes a byte to this thread's pipe; this thread (a daemon, started and
 parked in ``os.read`` before READY, so it costs nothing until used) reads the request,
-serves it with the same code as the main thread (``bud_session.file_op``,
-``bud_procs.TABLE``), writes its output and outcome into the lane, and rings FLUSH and DONE
+serves it with the same code as the main thread (``bud_procs.run_operation``), writes its output and outcome into the lane, and rings FLUSH and DONE
 with the lane's doorbell bit. Python's GIL lets it run between the cell's bytecodes (every
 5 ms at most) and whenever the cell blocks.
 
@@ -39,7 +38,6 @@ import _bud
 import bud_io
 import bud_procs
 import bud_request
-import bud_session
 
 STACK_SIZE = 256 << 10  # the lane thread's stack: file and process code, no deep recursion
 EXIT_INTERNAL = 70  # as bud_jobs': the worker failed to run the request
@@ -144,17 +142,9 @@ class Beside:
                 raise _OverCap()  # the host has seen the cap crossed
 
         try:
-            if request.language == _bud.LANGUAGE_FILES:
-                code = bud_session.file_op(request.file_op, request.code, request.stdin,
-                                           write_out)
-            elif request.language == _bud.LANGUAGE_PROCESS:
-                code = bud_procs.TABLE.run(request, write_out, self._wait)
-            else:
-                raise bud_session.FileError(_bud.FILE_STATUS_BAD_PATH,
-                                            f"language {request.language} not served beside")
-        except (bud_session.FileError, bud_procs.ProcessError) as error:
-            self.areas.write(bud_io.STDERR, f"{error}\n".encode("utf-8", "backslashreplace"))
-            code = error.status
+            code = bud_procs.run_operation(request, write_out,
+                                           lambda b: self.areas.write(bud_io.STDERR, b),
+                                           self._wait)
         except _OverCap:
             code = _bud.FILE_STATUS_OK  # the host answers "too large" itself
         except BaseException as error:  # noqa: BLE001 - a bug of ours: answer, never die

@@ -304,10 +304,8 @@ class JobRunner:
             return self._run_python(request, context, warm)
         if request.language == _bud.LANGUAGE_SHELL:
             return self._run_shell(request)
-        if request.language == _bud.LANGUAGE_FILES:
-            return self._run_file_op(request)
-        if request.language == _bud.LANGUAGE_PROCESS:
-            return self._run_process_op(request)
+        if request.language in (_bud.LANGUAGE_FILES, _bud.LANGUAGE_PROCESS):
+            return self._run_operation(request)
         return self._internal_failure(f"unknown job language {request.language}")
 
     # ---- Python jobs
@@ -375,21 +373,14 @@ class JobRunner:
                              __annotations__={})
         return namespace
 
-    def _run_file_op(self, request):
+    def _run_operation(self, request):
+        """A file request, or a request about the sandbox's background processes
+        (``bud_procs.run_operation``)."""
         def write_out(data):
             self.areas.write(bud_io.STDOUT, data)
 
-        try:
-            return _bud.OUTCOME_EXITED, bud_session.file_op(
-                request.file_op, request.code, request.stdin, write_out)
-        except bud_session.FileError as error:
-            self.areas.write(bud_io.STDERR, f"{error}\n".encode("utf-8", "backslashreplace"))
-            return _bud.OUTCOME_EXITED, error.status
-
-    def _run_process_op(self, request):
-        """A request about the sandbox's background processes (``bud_procs``)."""
-        def write_out(data):
-            self.areas.write(bud_io.STDOUT, data)
+        def write_err(data):
+            self.areas.write(bud_io.STDERR, data)
 
         def wait(fds, timeout):
             # The interrupt is held (on_sigint) everywhere else in the request.
@@ -405,12 +396,12 @@ class JobRunner:
             finally:
                 self._interruptible = False
 
-        self._interruptible = False
-        try:
-            return _bud.OUTCOME_EXITED, bud_procs.TABLE.run(request, write_out, wait)
-        except bud_procs.ProcessError as error:
-            self.areas.write(bud_io.STDERR, f"{error}\n".encode("utf-8", "backslashreplace"))
-            return _bud.OUTCOME_EXITED, error.status
+        if request.language == _bud.LANGUAGE_PROCESS:
+            # Only a poll's wait may be interrupted (it could lose an event it has taken
+            # anywhere else); a file request stays interruptible throughout, so one past its
+            # deadline or its output cap ends.
+            self._interruptible = False
+        return _bud.OUTCOME_EXITED, bud_procs.run_operation(request, write_out, write_err, wait)
 
     def _finish_python(self, outcome, code, context, run_atexit):
         """Interpreter exit, in ``Py_FinalizeEx``'s order."""

@@ -81,6 +81,23 @@ class ProcessError(Exception):
         self.status = status
 
 
+def run_operation(request, write_out, write_err, wait):
+    """Runs a file request (``bud_session.file_op``) or a process request (``TABLE.run``),
+    as the worker's main thread and the lane beside it both do; returns its exit code. A
+    refusal (``FileError``, ``ProcessError``) is its message on ``write_err`` and its
+    status. ``wait``: a process poll's wait (see ``Table.run``)."""
+    try:
+        if request.language == _bud.LANGUAGE_FILES:
+            return bud_session.file_op(request.file_op, request.code, request.stdin, write_out)
+        if request.language == _bud.LANGUAGE_PROCESS:
+            return TABLE.run(request, write_out, wait)
+        raise ProcessError(_bud.FILE_STATUS_BAD_PATH,
+                           f"language {request.language} is not a file or process request")
+    except (bud_session.FileError, ProcessError) as error:
+        write_err(f"{error}\n".encode("utf-8", "backslashreplace"))
+        return error.status
+
+
 def _size(text):
     """``ROWSxCOLS`` as the ``struct winsize`` of TIOCSWINSZ."""
     try:
