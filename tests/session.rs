@@ -597,6 +597,54 @@ fn reads_and_writes_follow_links_inside_and_refuse_what_is_not_a_file() {
     s.end(&ex);
 }
 
+#[test]
+fn each_namespace_keeps_its_own_working_directory() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let in_ns = |s: &mut Session, ns: u32, code: &str| {
+        let mut job = Job::python(code);
+        job.cell.namespace = ns;
+        let r = cell_job(s, &ex, &job);
+        assert_eq!(r.status, Status::Ok, "{code}: {r:?}");
+        plain(&r).map(str::to_owned)
+    };
+    let getcwd = "__import__('os').getcwd()";
+    in_ns(
+        &mut s,
+        0,
+        "import os\nos.makedirs('a', exist_ok=True)\nos.makedirs('b', exist_ok=True)",
+    );
+    // A context (namespace 1) starts where the process is, then keeps where it went.
+    assert_eq!(in_ns(&mut s, 1, getcwd).as_deref(), Some("'/tmp'"));
+    in_ns(&mut s, 1, "__import__('os').chdir('/tmp/a')");
+    assert_eq!(
+        in_ns(&mut s, 0, getcwd).as_deref(),
+        Some("'/tmp'"),
+        "not the context's"
+    );
+    in_ns(&mut s, 0, "__import__('os').chdir('/tmp/b')");
+    assert_eq!(in_ns(&mut s, 1, getcwd).as_deref(), Some("'/tmp/a'"));
+    assert_eq!(
+        in_ns(&mut s, 1, "open('here.txt', 'w').write('1')").as_deref(),
+        Some("1")
+    );
+    assert_eq!(in_ns(&mut s, 0, getcwd).as_deref(), Some("'/tmp/b'"));
+    assert_eq!(
+        in_ns(&mut s, 0, "__import__('os').path.exists('/tmp/a/here.txt')").as_deref(),
+        Some("True")
+    );
+    // A directory removed while its namespace is away: the namespace stays where it lands.
+    in_ns(&mut s, 1, "__import__('os').chdir('/tmp')");
+    in_ns(
+        &mut s,
+        2,
+        "import os\nos.makedirs('/tmp/gone', exist_ok=True)\nos.chdir('/tmp/gone')",
+    );
+    in_ns(&mut s, 0, "__import__('shutil').rmtree('/tmp/gone')");
+    assert_eq!(in_ns(&mut s, 2, getcwd).as_deref(), Some("'/tmp/b'"));
+    s.end(&ex);
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(data)

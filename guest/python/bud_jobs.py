@@ -131,6 +131,8 @@ class JobRunner:
         self._figures = []  # the figures of the last Python request (bud_session.take_figures)
         self._error = None  # the last cell's exception, when asked for in the display
         self._namespaces = {}  # a session's namespaces other than __main__, by number
+        self._cwds = {}  # each namespace's working directory, kept while another's runs
+        self._cwd_of = 0  # the namespace whose working directory the process has
         self.beside = None  # the lane beside (bud_beside.Beside), in a guest
 
     # ---- before READY
@@ -343,6 +345,7 @@ class JobRunner:
         sys.modules["__main__"] = context.main
         context.streams.install()
         namespace = self._namespace(request, context)
+        self._enter_cwd(request.namespace)
         report = None
         if request.flags & _bud.JOB_FLAGS_ERROR_IN_DISPLAY:
             def report(error):
@@ -356,6 +359,23 @@ class JobRunner:
         if not bud_exec.flush_text(context) and outcome == _bud.OUTCOME_EXITED:
             code = 120
         return outcome, code
+
+    def _enter_cwd(self, number):
+        """Gives the process the working directory of namespace ``number`` (E2B's contexts:
+        each its own kernel, with a directory of its own that its cells may change). The
+        one leaving keeps the directory it was in. Only a switch between namespaces costs
+        anything (a ``getcwd`` and a ``chdir``); a session that uses one namespace pays
+        nothing. A namespace met for the first time starts where the process is (its first
+        cell, the host's, changes to the context's directory)."""
+        if number == self._cwd_of:
+            return
+        try:
+            self._cwds[self._cwd_of] = os.getcwd()
+            if number in self._cwds:
+                os.chdir(self._cwds[number])
+        except OSError:
+            pass  # its directory is gone: it stays where the process is
+        self._cwd_of = number
 
     def _namespace(self, request, context):
         """The globals a cell runs in (``job::NAMESPACE``): the session's ``__main__`` or a
