@@ -1,9 +1,12 @@
 """What a file operation costs in the guest, where every system call is emulated guest
 kernel work: bud_session.file_op (what the host's file requests run) on a 1 KiB file and a
 directory of 100 files (half with an E2B metadata key), each the way it runs now (paths
-opened with one openat2 beneath the work directory) and the resolving way it ran before
-(realpath and a stat per check; what it still does for a path the one open cannot take),
-medians of 20 rounds (5 for listings). Run in the guest:
+opened with one openat2 beneath the work directory) and the resolving way (realpath and a
+stat per check), which every path took before session 16 and a path the one open cannot
+take still does, medians of 20 rounds (5 for listings). Since session 16's review the
+resolving way also reads and lists through a descriptor, so its column is no longer the
+old cost of reads (~14 ms) and listings (259 ms for 100 entries at 95522aa). Run in the
+guest:
     target/release/bud run --local --timeout-ms 120000 scripts/bench_file_ops.py
 (docs/measurements.md, "File operations in the guest")."""
 

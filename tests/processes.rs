@@ -462,6 +462,34 @@ fn a_watched_directory_reports_its_changes_recursively() {
     s.end(&ex);
 }
 
+/// Watcher `w`'s changes, polled until one is a `last` (at most 60 s); a change of
+/// another watcher fails the test.
+fn changes_until(
+    s: &mut Session,
+    ex: &Executor,
+    w: u32,
+    last: vmm::process::Change,
+) -> Vec<vmm::process::Changed> {
+    let mut changes = Vec::new();
+    let started = Instant::now();
+    while !changes
+        .iter()
+        .any(|c: &vmm::process::Changed| c.change == last)
+    {
+        assert!(started.elapsed() < Duration::from_secs(60), "{changes:?}");
+        for e in s
+            .poll_processes(ex, Duration::from_secs(5), 1 << 20, None)
+            .unwrap()
+        {
+            if let ProcessEvent::Watch { watcher, changed } = e {
+                assert_eq!(watcher, w);
+                changes.push(changed);
+            }
+        }
+    }
+    changes
+}
+
 #[test]
 fn file_metadata_is_set_replaced_read_and_carried_by_watch_entries() {
     use std::collections::BTreeMap;
@@ -487,23 +515,7 @@ fn file_metadata_is_set_replaced_read_and_carried_by_watch_entries() {
     assert_eq!(st.metadata.as_ref(), Some(&set));
     assert_eq!((st.size, st.owner.as_str()), (5, "user"));
     // The watcher's events carry the entry as the poll that takes them finds it.
-    let mut seen = Vec::new();
-    let started = Instant::now();
-    while !seen
-        .iter()
-        .any(|c: &vmm::process::Changed| c.change == Change::Create)
-    {
-        assert!(started.elapsed() < Duration::from_secs(60), "{seen:?}");
-        for e in s
-            .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
-            .unwrap()
-        {
-            if let ProcessEvent::Watch { watcher, changed } = e {
-                assert_eq!(watcher, w);
-                seen.push(changed);
-            }
-        }
-    }
+    let seen = changes_until(&mut s, &ex, w, Change::Create);
     for c in &seen {
         let e = c.entry.as_ref().expect("an entry: the file is there");
         assert_eq!((c.path.as_str(), e.name.as_str()), ("m.txt", "m.txt"));
@@ -571,23 +583,7 @@ fn file_metadata_is_set_replaced_read_and_carried_by_watch_entries() {
         )
         .unwrap();
     assert_eq!(r.status, Status::Ok);
-    let mut changes = Vec::new();
-    let started = Instant::now();
-    while !changes
-        .iter()
-        .any(|c: &vmm::process::Changed| c.change == Change::Remove)
-    {
-        assert!(started.elapsed() < Duration::from_secs(60), "{changes:?}");
-        for e in s
-            .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
-            .unwrap()
-        {
-            if let ProcessEvent::Watch { watcher, changed } = e {
-                assert_eq!(watcher, w);
-                changes.push(changed);
-            }
-        }
-    }
+    let changes = changes_until(&mut s, &ex, w, Change::Remove);
     for c in &changes {
         assert_eq!((c.path.as_str(), &c.entry), ("m.txt", &None), "{changes:?}");
     }

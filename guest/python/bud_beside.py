@@ -8,9 +8,10 @@ lets them through: the host writes one request there while the vCPU is stopped a
 of the main request, and puts the lane byte on the console; the interrupt watcher
 (``interrupt.rs``) writes a byte to this thread's pipe; this thread (a daemon, started and
 parked in ``os.read`` before READY, so it costs nothing until used) reads the request,
-serves it with the same code as the main thread (``bud_procs.run_operation``), writes its output and outcome into the lane, and rings FLUSH and DONE
-with the lane's doorbell bit. Python's GIL lets it run between the cell's bytecodes (every
-5 ms at most) and whenever the cell blocks.
+serves it with the same code as the main thread (``bud_procs.run_operation``), writes its
+output and outcome into the lane, and rings FLUSH and DONE with the lane's doorbell bit.
+Python's GIL lets it run between the cell's bytecodes (every 5 ms at most) and whenever the
+cell blocks.
 
 Which requests come here is the host's choice: file operations beside any request, process
 operations only beside a cell (the main thread's process requests use ``bud_procs.TABLE``

@@ -395,8 +395,8 @@ def _open_fast(relative, flags):
     """``relative`` opened under the work directory in one system call, or None where the
     resolving path must decide (see ``_RESOLVE_AGAIN``). A directory opened for writing is
     WRONG_KIND at once."""
-    if _WORKDIR_FD is None or not relative or "\0" in relative or relative.startswith("/"):
-        return None
+    if _WORKDIR_FD is None or "\0" in relative:
+        return None  # (an empty or absolute path fails the open: ENOENT, EXDEV)
     try:
         # openat2 takes a mode only with O_CREAT.
         return _bud.open_beneath(_WORKDIR_FD, os.fsencode(relative),
@@ -410,16 +410,19 @@ def _open_fast(relative, flags):
         raise
 
 
-def _read_fast(relative, write_out):
-    """READ in one open: True when done, False for the resolving path."""
-    fd = _open_fast(relative, os.O_RDONLY)
-    if fd is None:
-        return False
+def _write_flags(op):
+    """open(2) flags of a WRITE (truncates) or an APPEND."""
+    return os.O_WRONLY | os.O_CREAT | (os.O_APPEND if op == _bud.FILE_OP_APPEND else os.O_TRUNC)
+
+
+def _read_from(fd, relative, write_out):
+    """Sends what regular file ``fd`` holds (as much as it held when opened), then closes
+    it; anything else is WRONG_KIND."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a file")
-        left = st.st_size  # a snapshot: what the file held when opened
+        left = st.st_size
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
@@ -428,30 +431,26 @@ def _read_fast(relative, write_out):
             left -= len(chunk)
     finally:
         os.close(fd)
-    return True
 
 
-def _write_fast(relative, op, data, owner, metadata):
-    """WRITE or APPEND in one open (the parent must exist): True when done, False for the
-    resolving path. A FIFO or a device is opened without blocking and refused before
-    anything is written (O_TRUNC leaves them alone)."""
-    mode = os.O_APPEND if op == _bud.FILE_OP_APPEND else os.O_TRUNC
-    fd = _open_fast(relative, os.O_WRONLY | os.O_CREAT | mode)
-    if fd is None:
-        return False
+def _write_to(fd, relative, op, data, owner, metadata):
+    """Writes ``data`` into regular file ``fd`` (a FIFO or a device is refused before
+    anything is written), gives a WRITE's file to ``owner`` and sets its metadata, then
+    closes it."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a regular file")
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+        # The file written is the user's (an upload of an existing file too, as envd
+        # does); later chunks of it are appends to the user's file.
         if owner is not None and op == _bud.FILE_OP_WRITE:
             os.fchown(fd, *owner)
         if metadata is not None:
             _set_metadata(fd, metadata)
     finally:
         os.close(fd)
-    return True
 
 
 def _in_workdir(full):
@@ -587,45 +586,31 @@ def _kind(mode):
     return "other"
 
 
-def _listing(where, full, with_metadata):
-    """The JSON listing of a directory: ``where`` is its path or an open descriptor of it
-    (its entries then stat'ed relative to it, a shorter path walk each), ``full`` its path
-    (for the metadata, read by path)."""
-    dir_fd = where if isinstance(where, int) else None
+def _listing(fd, full, with_metadata):
+    """The JSON listing of open directory ``fd`` (closed after; each entry stat'ed
+    relative to it, a one-component path walk), ``full`` its path (for the metadata, which
+    is read by path)."""
     entries = []
-    with os.scandir(where) as it:
-        for entry in it:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            item = _entry(entry.name, st)
-            if stat.S_ISLNK(st.st_mode):
-                try:
-                    item["target"] = os.readlink(entry.name, dir_fd=dir_fd) if dir_fd \
-                        is not None else os.readlink(entry.path)
-                except OSError:
-                    pass
-            if with_metadata:
-                item["metadata"] = metadata_of(os.path.join(full, entry.name))
-            entries.append(item)
-    entries.sort(key=lambda e: e["name"])
-    return json.dumps(_named(entries)).encode()
-
-
-def _list_fast(relative, with_metadata):
-    """LIST through one open of the directory: its listing, or None for the resolving path."""
-    top = relative in ("", ".")
-    fd = _open_fast("." if top else relative, os.O_RDONLY | os.O_DIRECTORY)
-    if fd is None:
-        return None
     try:
-        full = None
-        if with_metadata:
-            full = WORKDIR if top else resolve(relative)
-        return _listing(fd, full, with_metadata)
+        with os.scandir(fd) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                item = _entry(entry.name, st)
+                if stat.S_ISLNK(st.st_mode):
+                    try:
+                        item["target"] = os.readlink(entry.name, dir_fd=fd)
+                    except OSError:
+                        pass
+                if with_metadata:
+                    item["metadata"] = metadata_of(os.path.join(full, entry.name))
+                entries.append(item)
     finally:
         os.close(fd)
+    entries.sort(key=lambda e: e["name"])
+    return json.dumps(_named(entries)).encode()
 
 
 def file_op(op, path, data, write_out):
@@ -643,42 +628,39 @@ def file_op(op, path, data, write_out):
         metadata = _metadata_request(data_of_metadata)
     try:
         if op in (_bud.FILE_OP_WRITE, _bud.FILE_OP_APPEND):
-            if _write_fast(relative, op, data, owner, metadata):
-                return _bud.FILE_STATUS_OK
-            full = resolve(relative)
-            if os.path.isdir(full):
-                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is a directory")
-            if os.path.exists(full) and not os.path.isfile(full):
-                # A FIFO or a device would block or never end the write.
-                raise FileError(_bud.FILE_STATUS_WRONG_KIND,
-                                f"{relative!r} is not a regular file")
-            _make_dirs(os.path.dirname(full), owner)
-            with open(full, "ab" if op == _bud.FILE_OP_APPEND else "wb") as f:
-                f.write(data)
-                # The file written is the user's (an upload of an existing file too, as
-                # envd does); later chunks of it are appends to the user's file.
-                if owner is not None and op == _bud.FILE_OP_WRITE:
-                    os.fchown(f.fileno(), *owner)
-                if metadata is not None:
-                    _set_metadata(f.fileno(), metadata)
+            fd = _open_fast(relative, _write_flags(op))
+            if fd is None:
+                full = resolve(relative)
+                if os.path.isdir(full):
+                    raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is a directory")
+                if os.path.exists(full) and not os.path.isfile(full):
+                    # A FIFO or a device would block or never end the write.
+                    raise FileError(_bud.FILE_STATUS_WRONG_KIND,
+                                    f"{relative!r} is not a regular file")
+                _make_dirs(os.path.dirname(full), owner)
+                fd = os.open(full, _write_flags(op) | os.O_CLOEXEC, 0o666)
+            _write_to(fd, relative, op, data, owner, metadata)
         elif op == _bud.FILE_OP_READ:
-            if _read_fast(relative, write_out):
-                return _bud.FILE_STATUS_OK
-            full = resolve(relative, must_exist=True)
-            if not os.path.isfile(full):
-                raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a file")
-            with open(full, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    write_out(chunk)
+            fd = _open_fast(relative, os.O_RDONLY)
+            if fd is None:
+                full = resolve(relative, must_exist=True)
+                if not os.path.isfile(full):
+                    raise FileError(_bud.FILE_STATUS_WRONG_KIND, f"{relative!r} is not a file")
+                fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+            _read_from(fd, relative, write_out)
         elif op == _bud.FILE_OP_LIST:
-            listing = _list_fast(relative, with_metadata)
-            if listing is None:
-                full = WORKDIR if relative in ("", ".") else resolve(relative, must_exist=True)
+            top = relative in ("", ".")
+            fd = _open_fast("." if top else relative, os.O_RDONLY | os.O_DIRECTORY)
+            full = WORKDIR if top else None
+            if fd is None:
+                full = full or resolve(relative, must_exist=True)
                 if not os.path.isdir(full):
                     raise FileError(_bud.FILE_STATUS_WRONG_KIND,
                                     f"{relative!r} is not a directory")
-                listing = _listing(full, full, with_metadata)
-            write_out(listing)
+                fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            elif with_metadata and full is None:
+                full = resolve(relative)  # metadata is read by path
+            write_out(_listing(fd, full, with_metadata))
         elif op == _bud.FILE_OP_DELETE:
             full = resolve(relative, must_exist=True)
             if full == WORKDIR:

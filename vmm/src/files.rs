@@ -189,15 +189,7 @@ pub trait Files: Requests {
         owner: Owner,
         timeout: Duration,
     ) -> Result<(), FileError> {
-        let mut op = file_op::WRITE | owner.flag();
-        for chunk in data
-            .chunks(FILE_CHUNK)
-            .chain(data.is_empty().then_some(&[][..]))
-        {
-            self.file_request(ex, op, path, chunk.to_vec(), timeout, 64 << 10)?;
-            op = file_op::APPEND | owner.flag();
-        }
-        Ok(())
+        put_chunks(self, ex, path, file_op::WRITE, data, owner, timeout)
     }
 
     /// [`Files::put_file_as`], the file's E2B metadata then exactly `metadata`
@@ -213,17 +205,8 @@ pub trait Files: Requests {
     ) -> Result<(), FileError> {
         let meta = serde_json::to_string(metadata).expect("a map of strings is JSON");
         let first = format!("{path}\0{meta}");
-        let mut op = file_op::WRITE | file_op::METADATA | owner.flag();
-        let mut at = first.as_str();
-        for chunk in data
-            .chunks(FILE_CHUNK)
-            .chain(data.is_empty().then_some(&[][..]))
-        {
-            self.file_request(ex, op, at, chunk.to_vec(), timeout, 64 << 10)?;
-            op = file_op::APPEND | owner.flag();
-            at = path;
-        }
-        Ok(())
+        let op = file_op::WRITE | file_op::METADATA;
+        put_chunks(self, ex, &first, op, data, owner, timeout)
     }
 
     /// Appends `data` to `path`.
@@ -256,8 +239,7 @@ pub trait Files: Requests {
         path: &str,
         timeout: Duration,
     ) -> Result<Vec<FileEntry>, FileError> {
-        let out = self.file_request(ex, file_op::LIST, path, Vec::new(), timeout, LISTING_LIMIT)?;
-        json(path, &out)
+        entries(self, ex, file_op::LIST, path, timeout)
     }
 
     /// [`Files::list_dir`], each entry with its metadata.
@@ -267,9 +249,7 @@ pub trait Files: Requests {
         path: &str,
         timeout: Duration,
     ) -> Result<Vec<FileEntry>, FileError> {
-        let op = file_op::LIST | file_op::METADATA;
-        let out = self.file_request(ex, op, path, Vec::new(), timeout, LISTING_LIMIT)?;
-        json(path, &out)
+        entries(self, ex, file_op::LIST | file_op::METADATA, path, timeout)
     }
 
     /// [`Files::stat`] with the entry's metadata.
@@ -279,9 +259,7 @@ pub trait Files: Requests {
         path: &str,
         timeout: Duration,
     ) -> Result<FileEntry, FileError> {
-        let op = file_op::STAT | file_op::METADATA;
-        let out = self.file_request(ex, op, path, Vec::new(), timeout, LISTING_LIMIT)?;
-        json(path, &out)
+        entries(self, ex, file_op::STAT | file_op::METADATA, path, timeout)
     }
 
     /// What `path` is, without following a final symlink.
@@ -291,8 +269,7 @@ pub trait Files: Requests {
         path: &str,
         timeout: Duration,
     ) -> Result<FileEntry, FileError> {
-        let out = self.file_request(ex, file_op::STAT, path, Vec::new(), timeout, LISTING_LIMIT)?;
-        json(path, &out)
+        entries(self, ex, file_op::STAT, path, timeout)
     }
 
     /// The regular files matching glob `pattern` (relative to the work directory, `**`
@@ -372,6 +349,42 @@ pub trait Files: Requests {
 }
 
 impl<T: Requests + ?Sized> Files for T {}
+
+/// A LIST or STAT request (`op`, with its flags) on `path`, its JSON answer parsed.
+fn entries<S: Files + ?Sized, T: for<'de> Deserialize<'de>>(
+    s: &mut S,
+    ex: &Executor,
+    op: u32,
+    path: &str,
+    timeout: Duration,
+) -> Result<T, FileError> {
+    let out = s.file_request(ex, op, path, Vec::new(), timeout, LISTING_LIMIT)?;
+    json(path, &out)
+}
+
+/// Writes `data` in requests of at most [`FILE_CHUNK`] bytes: the first is `first_op` on
+/// `first` (the path, or the path, a NUL and what that request carries with it), the rest
+/// appends to the path; each belongs to `owner`.
+fn put_chunks<S: Files + ?Sized>(
+    s: &mut S,
+    ex: &Executor,
+    first: &str,
+    first_op: u32,
+    data: &[u8],
+    owner: Owner,
+    timeout: Duration,
+) -> Result<(), FileError> {
+    let path = first.split('\0').next().unwrap_or(first);
+    let (mut op, mut at) = (first_op | owner.flag(), first);
+    for chunk in data
+        .chunks(FILE_CHUNK)
+        .chain(data.is_empty().then_some(&[][..]))
+    {
+        s.file_request(ex, op, at, chunk.to_vec(), timeout, 64 << 10)?;
+        (op, at) = (file_op::APPEND | owner.flag(), path);
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {

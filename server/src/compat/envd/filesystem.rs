@@ -95,14 +95,18 @@ fn entry_info(rel: &str, st: &FileEntry) -> Value {
 fn event_json(dir: &str, c: &Changed) -> Value {
     let mut v = json!({"name": c.path, "type": event_name(c.change)});
     if let Some(entry) = &c.entry {
-        let rel = if dir == "." {
-            c.path.clone()
-        } else {
-            format!("{dir}/{}", c.path)
-        };
-        v["entry"] = entry_info(&rel, entry);
+        v["entry"] = entry_info(&child(dir, &c.path), entry);
     }
     v
+}
+
+/// The guest-relative path of `name` in directory `dir` (`.`: the work directory).
+fn child(dir: &str, name: &str) -> String {
+    if dir == "." {
+        name.to_owned()
+    } else {
+        format!("{dir}/{name}")
+    }
 }
 
 /// `recursive` and `includeEntry` of a watcher request. `allowNetworkMounts` needs
@@ -211,16 +215,11 @@ async fn list(state: &AppState, id: &str, rel: &str, depth: u64) -> Result<Vec<V
         let mut next = Vec::new();
         for dir in level {
             for item in files::list_with_metadata(state, id, &dir).await? {
-                let name = &item.name;
-                let child = if dir == "." {
-                    name.to_owned()
-                } else {
-                    format!("{dir}/{name}")
-                };
+                let path = child(&dir, &item.name);
                 if item.kind == FileKind::Dir {
-                    next.push(child.clone());
+                    next.push(path.clone());
                 }
-                entries.push(entry_info(&child, &item));
+                entries.push(entry_info(&path, &item));
                 if entries.len() >= MAX_ENTRIES {
                     return Ok(entries);
                 }

@@ -16,10 +16,10 @@
 //!   `?path=`, answering `[{"name", "type": "file", "path", "metadata"}]`: as envd 0.6.2,
 //!   the `X-Metadata-<key>` headers become the file's metadata (`user.e2b.<key>` extended
 //!   attributes, replaced at each upload), which `Stat`, `ListDir` and watcher entries
-//!   report. Signed URLs (the SDK's
-//!   `download_url` / `upload_url`: `signature`, `signature_expiration`, `username` in the
-//!   query, no header) name no sandbox: the sandbox whose token makes the signature is the
-//!   one (`crate::compat::e2b::signed`); a signed upload writes only the signed path.
+//!   report. Signed URLs (the SDK's `download_url` / `upload_url`: `signature`,
+//!   `signature_expiration`, `username` in the query, no header) name no sandbox: the
+//!   sandbox whose token makes the signature is the one (`crate::compat::e2b::signed`); a
+//!   signed upload writes only the signed path.
 //!   gzip both ways: a read answers gzip to `Accept-Encoding: gzip`, an octet-stream upload
 //!   may come with `Content-Encoding: gzip` (decoded up to the file size limit).
 //! - `GET /health`: 204 while the sandbox runs, 502 once it does not.
@@ -430,9 +430,11 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
 
 /// Prefix of the upload headers that carry E2B file metadata (`X-Metadata-<key>: value`).
 const METADATA_HEADER: &str = "x-metadata-";
-/// envd's bounds: a key fits in an xattr name after `user.e2b.` (255 bytes), and all of a
-/// file's metadata (each key with that prefix, plus its value) in 4 KiB.
-const METADATA_KEY_MAX: usize = 255 - "user.e2b.".len();
+/// The extended-attribute namespace of E2B's metadata keys in the guest.
+const METADATA_XATTR: &str = "user.e2b.";
+/// envd's bounds: a key fits in an xattr name after [`METADATA_XATTR`] (255 bytes), and all
+/// of a file's metadata (each key with that prefix, plus its value) in 4 KiB.
+const METADATA_KEY_MAX: usize = 255 - METADATA_XATTR.len();
 const METADATA_TOTAL_MAX: usize = 4096;
 
 /// The metadata an upload sets, as envd reads it: every `X-Metadata-<key>` header (the key
@@ -462,7 +464,7 @@ fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Erro
                 format!("the value of metadata key {key:?} is not printable ASCII"),
             ));
         }
-        total += "user.e2b.".len() + key.len() + value.len();
+        total += METADATA_XATTR.len() + key.len() + value.len();
         let value = String::from_utf8_lossy(value).into_owned();
         metadata.insert(key.to_owned(), value);
     }
