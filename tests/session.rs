@@ -645,6 +645,73 @@ fn each_namespace_keeps_its_own_working_directory() {
     s.end(&ex);
 }
 
+#[test]
+fn a_namespace_starts_in_its_directory_and_goes_back_there_when_reset() {
+    let ex = executor();
+    let mut s = Session::start(&ex).unwrap();
+    let run = |s: &mut Session, mut job: Job, ns: u32, dir: Option<&str>, reset: bool| {
+        job.cell.namespace = ns;
+        job.cell.directory = dir.map(str::to_owned);
+        job.cell.reset = reset;
+        let r = cell_job(s, &ex, &job);
+        assert_eq!(r.status, Status::Ok, "{:?}: {r:?}", text(&job.code));
+        r
+    };
+    let getcwd = |s: &mut Session, ns: u32, dir: Option<&str>| {
+        let r = run(s, Job::python("__import__('os').getcwd()"), ns, dir, false);
+        plain(&r).map(str::to_owned)
+    };
+    let proj = Some("/home/user/proj");
+    run(
+        &mut s,
+        Job::python("__import__('os').makedirs('proj')"),
+        0,
+        None,
+        false,
+    );
+
+    // The default namespace, then a context, each entering its own directory.
+    assert_eq!(
+        getcwd(&mut s, 0, Some("/home/user")).as_deref(),
+        Some("'/home/user'")
+    );
+    assert_eq!(
+        getcwd(&mut s, 3, proj).as_deref(),
+        Some("'/home/user/proj'")
+    );
+    // Entered once: a cell's chdir stays, and a shell cell of the namespace runs there too,
+    // with its own args intact.
+    run(
+        &mut s,
+        Job::python("__import__('os').chdir('/tmp')"),
+        3,
+        proj,
+        false,
+    );
+    assert_eq!(getcwd(&mut s, 3, proj).as_deref(), Some("'/tmp'"));
+    let mut sh = Job::shell("echo \"$(pwd) $1 $#\"");
+    sh.args = vec!["one".into()];
+    let r = run(&mut s, sh, 3, proj, false);
+    assert_eq!(text(&r.stdout), "/tmp one 1\n");
+    assert_eq!(
+        getcwd(&mut s, 0, Some("/home/user")).as_deref(),
+        Some("'/home/user'")
+    );
+    // A reset goes back to the start directory.
+    run(&mut s, Job::python(""), 3, proj, true);
+    assert_eq!(
+        getcwd(&mut s, 3, proj).as_deref(),
+        Some("'/home/user/proj'")
+    );
+    // A directory that cannot be entered leaves the namespace where the process is: here
+    // where namespace 3 just was.
+    assert_eq!(
+        getcwd(&mut s, 4, Some("/home/user/missing")).as_deref(),
+        Some("'/home/user/proj'")
+    );
+    s.end(&ex);
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(data)

@@ -133,6 +133,7 @@ class JobRunner:
         self._namespaces = {}  # a session's namespaces other than __main__, by number
         self._cwds = {}  # each namespace's working directory, kept while another's runs
         self._cwd_of = 0  # the namespace whose working directory the process has
+        self._started = set()  # namespaces that have entered their start directory
         self.beside = None  # the lane beside (bud_beside.Beside), in a guest
 
     # ---- before READY
@@ -300,6 +301,8 @@ class JobRunner:
         self.active = True
         self.areas.start()
         MARKS["started"] = time.perf_counter()
+        if request.mode == _bud.MODE_CELL:
+            self._enter_cwd(request)
         if request.language == _bud.LANGUAGE_PYTHON and request.mode == _bud.MODE_CELL:
             return self._run_cell(request, context)
         if request.language == _bud.LANGUAGE_PYTHON:
@@ -345,7 +348,6 @@ class JobRunner:
         sys.modules["__main__"] = context.main
         context.streams.install()
         namespace = self._namespace(request, context)
-        self._enter_cwd(request.namespace)
         report = None
         if request.flags & _bud.JOB_FLAGS_ERROR_IN_DISPLAY:
             def report(error):
@@ -360,22 +362,38 @@ class JobRunner:
             code = 120
         return outcome, code
 
-    def _enter_cwd(self, number):
-        """Gives the process the working directory of namespace ``number`` (E2B's contexts:
+    def _enter_cwd(self, request):
+        """Gives the process the working directory of the cell's namespace (E2B's contexts:
         each its own kernel, with a directory of its own that its cells may change). The
         one leaving keeps the directory it was in. Only a switch between namespaces costs
         anything (a ``getcwd`` and a ``chdir``); a session that uses one namespace pays
-        nothing. A namespace met for the first time starts where the process is (its first
-        cell, the host's, changes to the context's directory)."""
-        if number == self._cwd_of:
-            return
-        try:
-            self._cwds[self._cwd_of] = os.getcwd()
-            if number in self._cwds:
-                os.chdir(self._cwds[number])
-        except OSError:
-            pass  # its directory is gone: it stays where the process is
-        self._cwd_of = number
+        nothing. With ``JOB_FLAGS_START_DIRECTORY``, ``args[0]`` (taken off the cell's
+        args) is where the namespace starts: entered before its first cell and again after
+        a reset. Without one, or one that cannot be entered, a namespace starts where the
+        process is."""
+        number = request.namespace
+        start = None
+        if request.flags & _bud.JOB_FLAGS_START_DIRECTORY and request.args:
+            start = request.args.pop(0)
+        if request.flags & _bud.JOB_FLAGS_RESET_NAMESPACE:
+            self._started.discard(number)
+        if number != self._cwd_of:
+            leaving, self._cwd_of = self._cwd_of, number
+            try:
+                self._cwds[leaving] = os.getcwd()
+            except OSError:  # removed under it: back, it stays where the process is
+                self._cwds.pop(leaving, None)
+            try:
+                if number in self._cwds:
+                    os.chdir(self._cwds[number])
+            except OSError:
+                pass  # its directory is gone: it stays where the process is
+        if start is not None and number not in self._started:
+            self._started.add(number)
+            try:
+                os.chdir(start)
+            except OSError:
+                pass  # as IPython's %cd, which only prints the error
 
     def _namespace(self, request, context):
         """The globals a cell runs in (``job::NAMESPACE``): the session's ``__main__`` or a

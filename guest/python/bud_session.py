@@ -326,9 +326,9 @@ def error_of(error):
     return {"name": type(error).__name__, "value": value[:_ERROR_ROOM], "traceback": text}
 
 
-def write_display(view, shown, figures=(), error=None):
-    """Writes the display JSON, ``{"value": [...], "figures": [...], "error": {...}}``,
-    over the request area and its length. ``figures`` from :func:`take_figures` adds its
+def display_json(shown, figures=(), error=None):
+    """The display JSON, ``{"value": [...], "figures": [...], "error": {...}}``, as bytes of
+    at most the display area's room. ``figures`` from :func:`take_figures` adds its
     outputs to the value as one MIME_OUTPUTS item (JSON ``{"before": [...], "after":
     [...]}``: what was displayed before and after the value, each a {MIME: data} dict, a
     figure's naming its PNG by index in ``figures`` under FIGURE_KEY). Items that do not
@@ -349,8 +349,12 @@ def write_display(view, shown, figures=(), error=None):
             figures.pop()
         else:
             shown.pop()
-    if len(data) > _DISPLAY_ROOM:
-        data = b"{}"
+    return data if len(data) <= _DISPLAY_ROOM else b"{}"
+
+
+def write_display(view, shown, figures=(), error=None):
+    """Writes :func:`display_json` over the request area and its length."""
+    data = display_json(shown, figures, error)
     view[_bud.JOB_DATA : _bud.JOB_DATA + len(data)] = data
     view[_bud.RESULT_DISPLAY_LEN : _bud.RESULT_DISPLAY_LEN + 4] = len(data).to_bytes(4, "little")
 

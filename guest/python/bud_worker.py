@@ -59,6 +59,7 @@ import bud_beside
 import bud_capture
 import bud_io
 import bud_jobs
+import bud_procs
 
 # Exit statuses (the agent forwards the wait status in FAILED(WORKER_EXITED, status)).
 # 1 stays Python's own "uncaught exception" (a bug here; the traceback is on the console).
@@ -164,6 +165,9 @@ ARENA_REGION = 8 << 30
 # The template manifest the image builder writes (guest/src/site.rs): the template's name,
 # the modules to import before READY, its warm-up code and its packages.
 TEMPLATE_MANIFEST = "/usr/lib/bud/template.json"
+# Code-context kernels started before READY (``bud_procs.Table.prepare_kernels``): the
+# first context of a sandbox finds one ready.
+KERNEL_POOL = 1
 # Set before a template's modules are imported: matplotlib draws with the non-interactive
 # Agg backend (there is no display) and keeps its font cache outside the job's work
 # directory (/tmp, which a session's file API lists).
@@ -339,6 +343,9 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     if doorbell and not interrupts:
         signal.signal(signal.SIGINT, runner.on_sigint)
     job_problems = runner.prepare()
+    if doorbell:
+        job_problems += bud_procs.TABLE.prepare_kernels(KERNEL_POOL)
+    mark("kernels")
     if interrupts:
         job_problems.append(interrupts)
     mark("jobs")

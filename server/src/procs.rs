@@ -63,6 +63,10 @@ pub struct Start {
     /// Run it as this user of the guest (`user`, `root`, ...; its ids and its `HOME`,
     /// `USER`, `LOGNAME`, `SHELL`); None: as the guest's worker, root, with its environment.
     pub user: Option<String>,
+    /// bud's own (a code context's kernel, `crate::service::kernels`): left out of the
+    /// sandbox's process listings, as E2B's kernels are not envd's processes.
+    #[serde(default)]
+    pub internal: bool,
 }
 
 /// How a process ended.

@@ -166,8 +166,22 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["context"], json!(["in the context", "41"]));
     assert_eq!(seen["contexts"], json!([false, true]));
     assert_eq!(seen["restarted"], json!("NameError"));
+    assert_eq!(
+        seen["cwds"],
+        json!([
+            "/home/user",
+            "/home/user/proj",
+            "/tmp",
+            "/home/user",
+            "/home/user/proj"
+        ])
+    );
+    assert_eq!(
+        seen["overlap"],
+        json!(["ctx/default", "ctx/other", "default/other"])
+    );
     assert_eq!(seen["removed"], json!(["default"]));
-    assert_eq!(seen["bash"], json!(["42\n"]));
+    assert_eq!(seen["bash"], json!(["42 /home/user\n"]));
     assert_eq!(seen["running"], json!(true));
     assert_eq!(seen["running_after_kill"], json!(false));
     assert_eq!(seen["kill_again"], json!(false));

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -146,6 +146,11 @@ pub mod job_flags {
     pub const PROCESS_STDIN: u32 = 8;
     /// A [`super::process_op::START`]: run it on a terminal (`args[1]` is its size).
     pub const PROCESS_PTY: u32 = 16;
+    /// A cell: `args[0]` is the directory its namespace starts in (not one of the cell's
+    /// args). The worker enters it before the namespace's first cell and again after a
+    /// [`RESET_NAMESPACE`]; a directory it cannot enter leaves the namespace where the
+    /// process is, without a word (as IPython's `%cd`, which E2B uses, only prints).
+    pub const START_DIRECTORY: u32 = 32;
 }
 
 /// File operations (`job::FILE_OP` of a `language::FILES` request). Paths are relative to

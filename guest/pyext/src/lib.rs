@@ -102,6 +102,10 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("WATCH_EVENT_CHMOD", watch_event::CHMOD as u64),
     ("PROCESS_EVENT_PTY", process_event::PTY as u64),
     ("JOB_FLAGS_PROCESS_PTY", job_flags::PROCESS_PTY as u64),
+    (
+        "JOB_FLAGS_START_DIRECTORY",
+        job_flags::START_DIRECTORY as u64,
+    ),
     ("PROCESS_EVENT_STDOUT", process_event::STDOUT as u64),
     ("PROCESS_EVENT_STDERR", process_event::STDERR as u64),
     ("PROCESS_EVENT_EXIT", process_event::EXIT as u64),

@@ -121,6 +121,7 @@ impl StartProcess {
             stdin: self.stdin,
             pty: self.pty.map(TerminalSize::checked).transpose()?,
             user: self.user,
+            internal: false,
         })
     }
 }

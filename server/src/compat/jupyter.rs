@@ -22,7 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -39,12 +39,15 @@ use super::Compat;
 use super::e2b::{Context, e2b_error, sandbox_of};
 use crate::api::{CellResponse, ExecRequest};
 use crate::error::{ApiError, Error};
-use crate::service::{sessions, task};
+use crate::service::{kernels, processes, sessions, task};
 
 /// The default context's id in `GET /contexts`.
 pub const DEFAULT_CONTEXT: &str = "default";
-/// The sandbox's home, as E2B names it (a link to bud's work directory, /tmp).
+/// The sandbox's home, as E2B names it: bud's work directory, /tmp, mounted there again.
+/// Where the default context's cells start, and a new context's without a `cwd`.
 pub const HOME: &str = "/home/user";
+/// The longest context `cwd` (Linux's `PATH_MAX`).
+const MAX_CWD: usize = 4096;
 
 #[derive(Debug, Deserialize)]
 pub struct ExecuteRequest {
@@ -54,11 +57,18 @@ pub struct ExecuteRequest {
     pub env_vars: Option<BTreeMap<String, String>>,
 }
 
-/// How a cell runs: its language and namespace.
-fn target(
-    contexts: &super::e2b::Contexts,
-    req: &ExecuteRequest,
-) -> Result<(Language, u32), ApiError> {
+/// Where a cell runs: a made Python context's kernel, or the session (a namespace).
+enum Target {
+    Kernel(Context),
+    Session {
+        language: Language,
+        namespace: u32,
+        /// Where the namespace starts.
+        directory: String,
+    },
+}
+
+fn target(contexts: &super::e2b::Contexts, req: &ExecuteRequest) -> Result<Target, ApiError> {
     let language = match req.context_id.as_deref() {
         Some(DEFAULT_CONTEXT) => "python",
         Some(id) => {
@@ -66,11 +76,23 @@ fn target(
                 .made
                 .get(id)
                 .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
-            return Ok((language_of(&c.language)?, c.namespace));
+            let language = language_of(&c.language)?;
+            if language == Language::Python {
+                return Ok(Target::Kernel(c.clone()));
+            }
+            return Ok(Target::Session {
+                language,
+                namespace: c.namespace,
+                directory: c.cwd.clone(),
+            });
         }
         None => req.language.as_deref().unwrap_or("python"),
     };
-    Ok((language_of(language)?, 0))
+    Ok(Target::Session {
+        language: language_of(language)?,
+        namespace: 0,
+        directory: HOME.into(),
+    })
 }
 
 fn language_of(name: &str) -> Result<Language, Error> {
@@ -336,33 +358,61 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
     let state = c.app;
     let req: ExecuteRequest = serde_json::from_slice(&body)
         .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?;
-    let (language, namespace) = {
+    let target = {
         let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
         target(&contexts, &req)?
     };
-    let native = ExecRequest {
-        language: Some(language),
-        code: Some(req.code),
-        env: req.env_vars.unwrap_or_default(),
-        timeout_ms: Some(state.config().limits.max_timeout_ms),
-        cell: CellOptions {
-            namespace,
-            reset: false,
-            error_in_display: true,
-        },
-        stream: true,
-        ..ExecRequest::default()
-    };
+    let timeout_ms = state.config().limits.max_timeout_ms;
+    let env = req.env_vars.unwrap_or_default();
     // The audit trail names the key that made the sandbox (its routes carry no API key).
     let key = s.key.clone();
-    let end = move |r: Result<sessions::Cell, Error>| {
-        let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
-        Event::End(Box::new(r), language)
-    };
     let id = e.id.clone();
-    let mut rx = task::spawn(key, Event::Output, end, move |sink| async move {
-        sessions::cell(&state, &id, native, "/execute", sink).await
-    });
+    let mut rx = match target {
+        Target::Kernel(ctx) => {
+            let end = |r: Result<kernels::Ran, Error>| {
+                let r = r
+                    .map(|c| CellResponse::new(c.result, Duration::ZERO, c.execution_count, false));
+                Event::End(Box::new(r), Language::Python)
+            };
+            let cell = kernels::KernelCell {
+                code: req.code,
+                env,
+                cwd: ctx.cwd,
+                timeout: Duration::from_millis(timeout_ms),
+                name: ctx.id,
+            };
+            task::spawn(key, Event::Output, end, move |sink| async move {
+                kernels::run(&state, &id, ctx.kernel, cell, "/execute", sink).await
+            })
+        }
+        Target::Session {
+            language,
+            namespace,
+            directory,
+        } => {
+            let native = ExecRequest {
+                language: Some(language),
+                code: Some(req.code),
+                env,
+                timeout_ms: Some(timeout_ms),
+                cell: CellOptions {
+                    namespace,
+                    reset: false,
+                    directory: Some(directory),
+                    error_in_display: true,
+                },
+                stream: true,
+                ..ExecRequest::default()
+            };
+            let end = move |r: Result<sessions::Cell, Error>| {
+                let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
+                Event::End(Box::new(r), language)
+            };
+            task::spawn(key, Event::Output, end, move |sink| async move {
+                sessions::cell(&state, &id, native, "/execute", sink).await
+            })
+        }
+    };
     // The first event decides the status: a cell that could not run is an HTTP error.
     let first = task::first(&mut rx, |ev| match ev {
         Event::End(r, l) => (*r).map(|ok| Event::End(Box::new(Ok(ok)), l)),
@@ -408,7 +458,17 @@ pub async fn create_context(State(c): State<Compat>, headers: HeaderMap, body: B
         };
         let language = req.language.unwrap_or_else(|| "python".into());
         language_of(&language)?;
-        let cwd = req.cwd.unwrap_or_else(|| HOME.into());
+        // As E2B's server: an empty cwd is the home.
+        let cwd = req
+            .cwd
+            .filter(|d| !d.is_empty())
+            .unwrap_or_else(|| HOME.into());
+        if cwd.contains('\0') || cwd.len() > MAX_CWD {
+            return Err(ApiError::invalid(
+                "cwd",
+                format!("a directory is at most {MAX_CWD} bytes, without a NUL byte"),
+            ));
+        }
         let mut contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
         let c = contexts.add(&language, &cwd)?;
         Ok(Json(context_json(&c)).into_response())
@@ -428,31 +488,57 @@ pub async fn list_contexts(State(c): State<Compat>, headers: HeaderMap) -> Respo
     run().unwrap_or_else(e2b_error)
 }
 
-/// Empties context `id`'s namespace with an empty cell (and forgets it if `forget`).
+/// Empties context `id` (and forgets it if `forget`): a Python context's kernel is killed
+/// (its next cell starts a new one), a namespace is emptied by an empty cell.
 async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Response {
     let run = async {
         let (s, e) = sandbox_of(&c, &headers)?;
-        let namespace = if id == DEFAULT_CONTEXT {
+        let kernel = {
+            let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            contexts
+                .made
+                .get(&id)
+                .filter(|c| language_of(&c.language).ok() == Some(Language::Python))
+                .map(|c| c.kernel.clone())
+        };
+        if let Some(kernel) = kernel {
+            if let Some(pid) = kernel.take_pid() {
+                match processes::signal(&c.app, &e.id, pid, libc::SIGKILL).await {
+                    Ok(()) | Err(Error::NoProcess { .. }) => {}
+                    Err(err) => return Err(err.into()),
+                }
+            }
+            if forget {
+                s.contexts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .made
+                    .remove(&id);
+            }
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        let (namespace, directory) = if id == DEFAULT_CONTEXT {
             if forget {
                 return Err(ApiError::invalid(
                     "id",
                     "the default context cannot be removed",
                 ));
             }
-            0
+            (0, HOME.to_owned())
         } else {
             let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
             let c = contexts
                 .made
                 .get(&id)
                 .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
-            c.namespace
+            (c.namespace, c.cwd.clone())
         };
         let native = ExecRequest {
             code: Some(String::new()),
             cell: CellOptions {
                 namespace,
                 reset: true,
+                directory: Some(directory),
                 error_in_display: true,
             },
             ..ExecRequest::default()

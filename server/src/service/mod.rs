@@ -10,6 +10,7 @@
 //! - [`sessions`]: start, cell, fork, end, expiry;
 //! - [`durable`]: pause, snapshots, auto-pause (the state directory); [`resume`]: a
 //!   paused session made again, at the request that wants it;
+//! - [`kernels`]: code contexts as kernel processes (a client's contexts run side by side);
 //! - [`processes`]: a session's background processes and the pump that runs its VM
 //!   while they live;
 //! - [`files`]: a session's files, a one-shot job's files;
@@ -29,6 +30,7 @@ pub mod durable;
 pub mod error;
 pub mod files;
 pub mod jobs;
+pub mod kernels;
 pub mod processes;
 pub mod record;
 pub mod resume;

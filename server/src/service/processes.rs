@@ -157,9 +157,20 @@ async fn live_entry(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     }
 }
 
-/// The processes of session `id` (running and recently ended), oldest first.
+/// The processes of session `id` (running and recently ended), oldest first; bud's own
+/// (kernels) left out.
 pub fn list(state: &AppState, id: &str) -> Result<Vec<Kept>, Error> {
-    Ok(get(state, id)?.processes.list())
+    let mut all = get(state, id)?.processes.list();
+    all.retain(|(info, _)| !info.start.internal);
+    Ok(all)
+}
+
+/// Whether process `pid` of session `id` is known and has not ended.
+pub fn is_running(state: &AppState, id: &str, pid: u32) -> bool {
+    get(state, id)
+        .ok()
+        .and_then(|e| e.processes.get(pid))
+        .is_some_and(|(_, end, _)| end.is_none())
 }
 
 /// A client's connection to process `pid` of session `id`: its output so far (if

@@ -5,6 +5,7 @@ Rust test (server/tests/compat.rs) asserts every value."""
 
 import base64
 import json
+import threading
 import time
 
 from e2b_code_interpreter import Sandbox
@@ -124,16 +125,51 @@ seen["display_only"] = [
 ]
 seen["json_value"] = sbx.run_code("{'a': [1, 2.5], 'b': None}").results[0].json
 
-ctx = sbx.create_code_context()
+# A context starts in its cwd (the default one in /home/user), keeps its own chdir, and is
+# back in its cwd after a restart.
+sbx.files.make_dir("proj")
+ctx = sbx.create_code_context(cwd="/home/user/proj")
+started = time.perf_counter()
 sbx.run_code("x = 'in the context'", context=ctx)
+timings["context_first_cell"] = time.perf_counter() - started
+started = time.perf_counter()
 seen["context"] = [sbx.run_code("x", context=ctx).text, sbx.run_code("x").text]
+timings["context_next_cell"] = time.perf_counter() - started
 seen["contexts"] = sorted(c.id == ctx.id for c in sbx.list_code_contexts())
+GETCWD = "__import__('os').getcwd()"
+cwds = [sbx.run_code(GETCWD).text, sbx.run_code(GETCWD, context=ctx).text]
+sbx.run_code("__import__('os').chdir('/tmp')", context=ctx)
+cwds += [sbx.run_code(GETCWD, context=ctx).text, sbx.run_code(GETCWD).text]
 sbx.restart_code_context(ctx)
 seen["restarted"] = sbx.run_code("x", context=ctx).error.name
+seen["cwds"] = cwds + [sbx.run_code(GETCWD, context=ctx).text]
+# Cells of two contexts and of the default one run at the same time: each reports when it
+# started and ended (the guest's clock), and every two of the three overlap.
+other = sbx.create_code_context()
+sbx.run_code("import time", context=other)  # its kernel started (the template had one)
+SPAN = "import time\nt0 = time.time()\ntime.sleep(1.5)\n[t0, time.time()]"
+spans = {}
+
+
+def span(name, context):
+    spans[name] = sbx.run_code(SPAN, context=context).results[0].json
+
+
+runs = [threading.Thread(target=span, args=(n, c))
+        for n, c in (("default", None), ("ctx", ctx), ("other", other))]
+for t in runs:
+    t.start()
+for t in runs:
+    t.join()
+seen["overlap"] = sorted(
+    f"{a}/{b}" for a in spans for b in spans
+    if a < b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+)
+sbx.remove_code_context(other)
 sbx.remove_code_context(ctx)
 seen["removed"] = [c.id for c in sbx.list_code_contexts()]
 
-seen["bash"] = sbx.run_code("echo $((6 * 7))", language="bash").logs.stdout
+seen["bash"] = sbx.run_code("echo $((6 * 7)) $(pwd)", language="bash").logs.stdout
 seen["running"] = sbx.is_running()
 sbx.kill()
 seen["running_after_kill"] = sbx.is_running()

@@ -72,14 +72,21 @@ pub struct Job {
     pub stream_output: bool,
 }
 
-/// How a session cell runs: in which Python namespace, and how it reports an exception.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// How a session cell runs: in which Python namespace and directory, and how it reports an
+/// exception.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CellOptions {
     /// 0: the session's `__main__`; another number: an independent namespace (a context of
     /// a code-interpreter client), made empty on first use.
     pub namespace: u32,
     /// Empty the namespace before the cell runs (a restarted context).
     pub reset: bool,
+    /// The working directory the namespace starts in (a context's `cwd`): the guest enters
+    /// it before the namespace's first cell and again after a [`CellOptions::reset`]; a
+    /// directory it cannot enter leaves the namespace where the process is. `None`: the
+    /// namespace starts where the process is. Later cells keep what the namespace's own
+    /// cells made of it (`os.chdir`).
+    pub directory: Option<String>,
     /// Report an uncaught exception as [`JobResult::error`] instead of printing its
     /// traceback on stderr.
     pub error_in_display: bool,
@@ -113,9 +120,10 @@ impl Job {
     }
 
     /// Checks the job fits the protocol; on success returns the encoded args and env blobs.
-    fn encode(&self) -> Result<(Vec<u8>, Vec<u8>), JobError> {
+    /// The args and env blobs. `lead` goes before the args (a cell's start directory).
+    fn encode(&self, lead: Option<&str>) -> Result<(Vec<u8>, Vec<u8>), JobError> {
         let mut args = Vec::new();
-        for a in &self.args {
+        for a in lead.into_iter().chain(self.args.iter().map(String::as_str)) {
             if a.contains('\0') {
                 return Err(JobError::Nul("args"));
             }
@@ -313,6 +321,29 @@ impl JobResult {
     }
 }
 
+impl JobResult {
+    /// A cell's result put together outside a request (a code context's kernel process):
+    /// how it ended, its output, and the guest's display JSON (`bud_session.display_json`,
+    /// as at [`crate::protocol::result::DISPLAY_LEN`]). Hostile input: anything but that
+    /// JSON is dropped whole, as a request's is.
+    pub fn of_cell(
+        status: Status,
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        display: &[u8],
+    ) -> Self {
+        let shown: decode::Shown = serde_json::from_slice(display).unwrap_or_default();
+        Self {
+            exit_code,
+            signal,
+            display: shown.value,
+            figures: shown.figures,
+            error: shown.error,
+            ..Self::never_ran(status)
+        }
+    }
+}
+
 /// An uncaught exception of a cell, as Jupyter reports it: the exception's class name, its
 /// `str`, and the formatted traceback.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -424,14 +455,18 @@ mod tests {
         j.args = vec!["a".into(), "bc".into()];
         j.env = vec![("K".into(), "v=1".into())];
 
-        let (args, env) = j.encode().unwrap();
+        let (args, env) = j.encode(None).unwrap();
+        let (led, _) = j.encode(Some("/home/user")).unwrap();
+        let bad_lead = j.encode(Some("/t\0")).unwrap_err();
         j.env = vec![("A=B".into(), "x".into())];
-        let bad_env = j.encode().unwrap_err();
+        let bad_env = j.encode(None).unwrap_err();
         j.env.clear();
         j.args = vec!["a\0b".into()];
-        let bad_arg = j.encode().unwrap_err();
+        let bad_arg = j.encode(None).unwrap_err();
 
         assert_eq!(args, b"a\0bc\0");
+        assert_eq!(led, b"/home/user\0a\0bc\0");
+        assert!(matches!(bad_lead, JobError::Nul("args")));
         assert_eq!(env, b"K=v=1\0");
         assert!(matches!(bad_env, JobError::BadEnv(_)));
         assert!(matches!(bad_arg, JobError::Nul("args")));
@@ -442,6 +477,6 @@ mod tests {
         let mut j = Job::python("x");
         j.stdin = vec![0; job::DATA_END];
 
-        assert!(matches!(j.encode(), Err(JobError::TooLarge { .. })));
+        assert!(matches!(j.encode(None), Err(JobError::TooLarge { .. })));
     }
 }

@@ -86,7 +86,11 @@ impl<'a> Request<'a> {
 /// Writes `r` into the mailbox, with fresh randomness and the host's wall-clock time.
 pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Result<(), JobError> {
     let j = r.job;
-    let (args, env) = j.encode()?;
+    let directory = match r.kind {
+        Kind::Cell { .. } => j.cell.directory.as_deref(),
+        _ => None,
+    };
+    let (args, env) = j.encode(directory)?;
     let mut seed = [0u8; job::SEED_LEN];
     identity::host_random(&mut seed)?;
     let wall_ns = identity::host_wall_ns() as u64;
@@ -101,7 +105,8 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
                 mode::CELL,
                 bit(reseed, job_flags::RESEED)
                     | bit(c.reset, job_flags::RESET_NAMESPACE)
-                    | bit(c.error_in_display, job_flags::ERROR_IN_DISPLAY),
+                    | bit(c.error_in_display, job_flags::ERROR_IN_DISPLAY)
+                    | bit(directory.is_some(), job_flags::START_DIRECTORY),
                 0,
             )
         }
@@ -118,7 +123,7 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
     put32(result::DISPLAY_LEN, 0)?;
     put32(job::CODE_LEN, j.code.len())?;
     put32(job::STDIN_LEN, j.stdin.len())?;
-    put32(job::ARGC, j.args.len())?;
+    put32(job::ARGC, j.args.len() + usize::from(directory.is_some()))?;
     put32(job::ARGS_LEN, args.len())?;
     put32(job::ENVC, j.env.len())?;
     put32(job::ENV_LEN, env.len())?;

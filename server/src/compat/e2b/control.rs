@@ -272,7 +272,7 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
         .contexts
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .clone();
+        .copy();
     let mut results = Vec::with_capacity(forked.ids.len());
     for child in forked.ids {
         let e = sessions::get(&c.app, &child)?;
@@ -285,7 +285,7 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
             token: random_hex(16)?,
             key: crate::audit::current_key(),
             metadata: parent.metadata.clone(),
-            contexts: Mutex::new(contexts.clone()),
+            contexts: Mutex::new(contexts.copy()),
             auto_pause: parent.auto_pause,
             auto_resume: parent.auto_resume,
         });

@@ -43,6 +43,7 @@ use crate::api::CreateSession;
 use crate::clock::{epoch_s, rfc3339};
 use crate::error::{ApiError, Error};
 use crate::keys::constant_time_eq;
+use crate::service::kernels::Kernel;
 use crate::service::sessions;
 use crate::sessions::Entry;
 use crate::state::AppState;
@@ -58,15 +59,19 @@ pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout, seconds.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
-/// One code context: an independent Python namespace (or the shell) in the sandbox.
+/// One code context: a Python kernel of its own (`crate::service::kernels`), or for
+/// `bash` shell cells of the session in a namespace of their own.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct Context {
     pub id: String,
     /// `python` or `bash`.
     pub language: String,
     pub cwd: String,
-    /// The guest namespace of its cells (`vmm::CellOptions::namespace`).
+    /// The guest namespace of a `bash` context's cells (`vmm::CellOptions::namespace`).
     pub namespace: u32,
+    /// A `python` context's kernel (a handle: clones of the context share it).
+    #[serde(default)]
+    pub kernel: Kernel,
 }
 
 /// What E2B clients know of a sandbox besides its session.
@@ -144,6 +149,16 @@ pub struct Contexts {
 }
 
 impl Contexts {
+    /// A forked sandbox's contexts: the same, each kernel a copy (the child's VM has its
+    /// own copy of each kernel process).
+    pub fn copy(&self) -> Self {
+        let mut c = self.clone();
+        for ctx in c.made.values_mut() {
+            ctx.kernel = ctx.kernel.copy();
+        }
+        c
+    }
+
     /// Most contexts a sandbox may have (each holds a namespace in the guest).
     pub const MAX: usize = 64;
 
@@ -160,6 +175,7 @@ impl Contexts {
             language: language.to_owned(),
             cwd: cwd.to_owned(),
             namespace: self.next_namespace,
+            kernel: Kernel::default(),
         };
         self.made.insert(c.id.clone(), c.clone());
         Ok(c)

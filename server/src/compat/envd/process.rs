@@ -189,6 +189,7 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
         tag: req["tag"].as_str().map(str::to_owned),
         stdin: req["stdin"].as_bool() == Some(true),
         user: Some(user.name().to_owned()),
+        internal: false,
     };
     let pid = processes::start(&c.app, &e.id, start, "/process.Process/Start").await?;
     let sub = processes::connect(&c.app, &e.id, pid, true)?;

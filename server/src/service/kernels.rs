@@ -1,0 +1,477 @@
+//! Code contexts as kernels: each context of a code-interpreter client (E2B's
+//! `create_code_context`) runs its cells in a Python process of its own, as E2B runs a
+//! Jupyter kernel per context. So cells of different contexts run at the same time, beside
+//! each other and beside a cell of the session itself, and each context has its own
+//! interpreter: modules, working directory, environment, `__main__`.
+//!
+//! A kernel is one of the session's background processes ([`crate::service::processes`]):
+//! `python3 -m bud_kernel` (`guest/python/bud_kernel.py`) with a stdin pipe, started at the
+//! context's first cell, hidden from process listings ([`crate::procs::Start::internal`]).
+//! A cell is one JSON line written to its stdin; its output comes back as the process's
+//! output, streamed as it comes (the pump's polls), and its end as a frame on stderr,
+//! behind a mark only this kernel knows, carrying the displayed value, figures, exception
+//! and the context's execution count. One cell of a context runs at a time ([`Kernel`]'s
+//! turn); the next waits for it.
+//!
+//! **Time limits and clients that leave.** Past the cell's time limit, or when the client
+//! goes away, the kernel gets SIGINT (the cell's `KeyboardInterrupt`); a kernel that has
+//! not answered [`INTERRUPT_GRACE`] later is killed, and the context's next cell starts a
+//! new one, empty. A kernel that dies (`os._exit`, the OOM killer, a restart) leaves its
+//! cell with a `DeadKernelError`, as Jupyter's clients call it.
+//!
+//! Why a process and not a thread of the worker: a cell's output below Python's level
+//! (child processes, `os.write`) and a blocking call's interrupt are per process; a thread
+//! could keep neither apart. Its cost is a process start and a fresh interpreter at a
+//! context's first cell (measured in `docs/measurements.md`, "Code contexts as kernels").
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{broadcast, mpsc, oneshot};
+use vmm::job::Stream;
+use vmm::protocol::outcome;
+use vmm::{CellError, JobResult, Status};
+
+use crate::procs::{Event, Start};
+use crate::service::error::Error;
+use crate::service::processes;
+use crate::service::record::finished;
+use crate::service::task::Sink;
+use crate::state::AppState;
+
+/// How long a kernel has to answer an interrupt before it is killed.
+pub const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
+
+/// What a kernel is started as (`python3` finds `bud_kernel` on the guest's PYTHONPATH).
+const SCRIPT: &str = "exec python3 -m bud_kernel";
+
+/// The kernel of one context: the process, if one was started, and the turn its cells
+/// take. A handle: clones share it. [`Kernel::copy`] makes another (a forked sandbox's
+/// context, whose VM has its own copy of the process).
+#[derive(Debug, Clone, Default)]
+pub struct Kernel(Arc<Inner>);
+
+#[derive(Debug, Default)]
+struct Inner {
+    turn: tokio::sync::Mutex<()>,
+    state: Mutex<KernelState>,
+}
+
+/// What a kernel keeps between cells (and in a paused sandbox's record).
+#[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KernelState {
+    /// The kernel process; None before the first cell and after it died or was killed.
+    pub pid: Option<u32>,
+    /// The mark before its end-of-cell frames.
+    pub mark: String,
+    /// Cells run by this kernel (E2B's `execution_count`, per context as per kernel).
+    pub count: u64,
+}
+
+impl PartialEq for Kernel {
+    fn eq(&self, other: &Self) -> bool {
+        self.state() == other.state()
+    }
+}
+
+impl Eq for Kernel {}
+
+impl Serialize for Kernel {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.state().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Kernel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Self::with(KernelState::deserialize(d)?))
+    }
+}
+
+impl Kernel {
+    fn with(state: KernelState) -> Self {
+        Self(Arc::new(Inner {
+            turn: tokio::sync::Mutex::new(()),
+            state: Mutex::new(state),
+        }))
+    }
+
+    /// Another kernel with this one's state (not its turn).
+    pub fn copy(&self) -> Self {
+        Self::with(self.state())
+    }
+
+    pub fn state(&self) -> KernelState {
+        self.0
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set(&self, f: impl FnOnce(&mut KernelState)) {
+        f(&mut self.0.state.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// Forgets the kernel's process and returns it (to be killed: a restarted or removed
+    /// context). A cell running in it ends with `DeadKernelError`.
+    pub fn take_pid(&self) -> Option<u32> {
+        let mut pid = None;
+        self.set(|k| {
+            pid = k.pid.take();
+            k.count = 0;
+        });
+        pid
+    }
+}
+
+/// A cell for a kernel.
+#[derive(Debug)]
+pub struct KernelCell {
+    pub code: String,
+    pub env: BTreeMap<String, String>,
+    /// Where a new kernel starts (the context's `cwd`).
+    pub cwd: String,
+    pub timeout: Duration,
+    /// The context's name, for the process's tag.
+    pub name: String,
+}
+
+/// A kernel cell's end: the result (output, display data, error) and the context's
+/// execution count.
+#[derive(Debug)]
+pub struct Ran {
+    pub result: JobResult,
+    pub execution_count: u64,
+}
+
+/// Runs `cell` in `kernel` of session `id`, starting the kernel first if it has none,
+/// output to `sink` as it comes. The cell runs on a task of its own, which finishes it
+/// even if this future is dropped (a client gone: the cell is interrupted), so a kernel
+/// never starts a cell before the last one's end.
+pub async fn run(
+    state: &AppState,
+    id: &str,
+    kernel: Kernel,
+    cell: KernelCell,
+    route: &str,
+    mut sink: Sink,
+) -> Result<Ran, Error> {
+    let e = crate::service::access::get(state, id)?;
+    let origin = crate::audit::Origin::here(route, &e.template, Some(id));
+    let job = vmm::Job::python(cell.code.clone());
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel();
+    let (end_tx, end_rx) = oneshot::channel();
+    let (st, sid) = (state.clone(), id.to_owned());
+    tokio::spawn(async move {
+        let mut end_tx = end_tx;
+        let _turn = kernel.0.turn.lock().await;
+        let ran = in_turn(&st, &sid, &kernel, cell, out_tx, &mut end_tx).await;
+        // Recorded here, so that a cell whose client left is recorded too.
+        match &ran {
+            Ok(r) => finished(&st, &origin, "cell", &job, Ok(&r.result), Duration::ZERO),
+            Err(e) => finished(&st, &origin, "cell", &job, Err(e), Duration::ZERO),
+        }
+        let _ = end_tx.send(ran);
+    });
+    while let Some((stream, bytes)) = out_rx.recv().await {
+        sink(stream, &bytes);
+    }
+    end_rx
+        .await
+        .unwrap_or_else(|_| Err(Error::internal("the kernel's task ended without an answer")))
+}
+
+type Out = mpsc::UnboundedSender<(Stream, Vec<u8>)>;
+
+async fn in_turn(
+    state: &AppState,
+    id: &str,
+    kernel: &Kernel,
+    cell: KernelCell,
+    out: Out,
+    end: &mut oneshot::Sender<Result<Ran, Error>>,
+) -> Result<Ran, Error> {
+    let seq = kernel.state().count + 1;
+    // A kernel the session no longer has (it died, or was lost with a pause it did not
+    // survive) is started anew, once.
+    let mut fresh = false;
+    let (pid, sub) = loop {
+        let pid = match kernel.state().pid {
+            Some(pid) if processes::is_running(state, id, pid) => pid,
+            _ => {
+                fresh = true;
+                start(state, id, kernel, &cell).await?
+            }
+        };
+        // A new kernel's first cell also brings the session's environment (a kernel taken
+        // from the template has the worker's).
+        let mut env = if fresh {
+            crate::service::access::get(state, id)?.env.clone()
+        } else {
+            BTreeMap::new()
+        };
+        env.extend(cell.env.clone());
+        let line = serde_json::json!({
+            "seq": seq,
+            "code": cell.code,
+            "env": env,
+            "mark": kernel.state().mark,
+            "cwd": cell.cwd,
+        });
+        let sub = processes::connect(state, id, pid, false)?;
+        let line = (line.to_string() + "\n").into_bytes();
+        match processes::stdin(state, id, pid, line, false).await {
+            Ok(()) => break (pid, sub),
+            Err(Error::NoProcess { .. } | Error::StdinClosed(_)) if !fresh => {
+                kernel.set(|k| k.pid = None);
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let mark = kernel.state().mark.into_bytes();
+    let mut frames = Frames::new(mark);
+    let mut rx = sub.rx;
+    let mut deadline = Instant::now() + cell.timeout;
+    let mut stopped: Option<Status> = None;
+    let ended = loop {
+        let ev = tokio::select! {
+            ev = rx.recv() => ev,
+            () = tokio::time::sleep_until(deadline.into()) => {
+                if stopped.is_some() {
+                    // No answer to the interrupt: the kernel goes, with its state.
+                    let _ = processes::signal(state, id, pid, libc::SIGKILL).await;
+                    kernel.set(|k| k.pid = None);
+                    return Ok(lost(kernel, Status::Timeout, "the cell ran past its time limit and did not stop at the interrupt; its context's kernel was killed, and the context's next cell starts a new one"));
+                }
+                stopped = Some(Status::Timeout);
+                deadline = Instant::now() + INTERRUPT_GRACE;
+                let _ = processes::signal(state, id, pid, libc::SIGINT).await;
+                continue;
+            }
+            () = end.closed(), if stopped.is_none() => {
+                stopped = Some(Status::Cancelled);
+                deadline = Instant::now() + INTERRUPT_GRACE;
+                let _ = processes::signal(state, id, pid, libc::SIGINT).await;
+                continue;
+            }
+        };
+        match ev {
+            Ok(Event::Output(Stream::Stdout, b)) => {
+                let _ = out.send((Stream::Stdout, b.to_vec()));
+            }
+            Ok(Event::Output(Stream::Stderr, b)) => {
+                let (text, frame) = frames.push(&b);
+                if !text.is_empty() {
+                    let _ = out.send((Stream::Stderr, text));
+                }
+                if let Some(frame) = frame {
+                    // Output of the same poll that came after the frame's bytes.
+                    while let Ok(Event::Output(s, b)) = rx.try_recv() {
+                        if s == Stream::Stdout {
+                            let _ = out.send((s, b.to_vec()));
+                        }
+                    }
+                    break Ok(frame);
+                }
+            }
+            Ok(Event::End(exit)) => break Err(exit),
+            Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Err(broadcast::error::RecvError::Closed) => {
+                break Err(crate::procs::Exit {
+                    exit_code: None,
+                    signal: None,
+                    lost: Some("the sandbox ended".into()),
+                    ended_at: std::time::SystemTime::now(),
+                });
+            }
+        }
+    };
+    match ended {
+        Ok(frame) => Ok(finish(kernel, frame, stopped)),
+        Err(exit) => {
+            kernel.set(|k| k.pid = None);
+            let how = match (exit.exit_code, exit.signal, &exit.lost) {
+                (_, _, Some(why)) => why.clone(),
+                (Some(c), _, _) => format!("exited with status {c}"),
+                (_, Some(s), _) => format!("was killed by signal {s}"),
+                _ => "ended".into(),
+            };
+            Ok(lost(
+                kernel,
+                stopped.unwrap_or(Status::Error),
+                &format!(
+                    "the context's kernel {how} during the cell; its state is lost, and the context's next cell starts a new one"
+                ),
+            ))
+        }
+    }
+}
+
+/// Starts a kernel for `kernel` in session `id` (the guest hands over the one it started
+/// before READY, if it still has it).
+async fn start(
+    state: &AppState,
+    id: &str,
+    kernel: &Kernel,
+    cell: &KernelCell,
+) -> Result<u32, Error> {
+    let mut token = [0u8; 16];
+    vmm::identity::host_random(&mut token).map_err(Error::internal)?;
+    let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
+    let mark = format!("\u{1e}bud-kernel-{hex} ");
+    let req = Start {
+        cmd: "python3".into(),
+        args: vec!["-m".into(), "bud_kernel".into()],
+        script: SCRIPT.into(),
+        cwd: None,
+        env: BTreeMap::new(),
+        tag: Some(format!("kernel of context {}", cell.name)),
+        stdin: true,
+        pty: None,
+        user: None,
+        internal: true,
+    };
+    let pid = processes::start(state, id, req, "/contexts").await?;
+    kernel.set(|k| {
+        k.pid = Some(pid);
+        k.mark = mark;
+    });
+    Ok(pid)
+}
+
+/// The end of a cell a kernel did not finish.
+fn lost(kernel: &Kernel, status: Status, why: &str) -> Ran {
+    let mut result = JobResult::of_cell(status, None, None, b"{}");
+    result.error = Some(CellError {
+        name: "DeadKernelError".into(),
+        value: why.to_owned(),
+        traceback: String::new(),
+    });
+    result.crash = Some(why.to_owned());
+    let execution_count = kernel.state().count;
+    Ran {
+        result,
+        execution_count,
+    }
+}
+
+/// A kernel's end-of-cell frame.
+#[derive(Debug, Deserialize)]
+struct Frame {
+    outcome: u32,
+    status: i32,
+    count: u64,
+    #[serde(default)]
+    display: serde_json::Value,
+}
+
+fn finish(kernel: &Kernel, frame: Frame, stopped: Option<Status>) -> Ran {
+    let (status, exit_code, signal) = match (frame.outcome, frame.status) {
+        (outcome::EXITED, 0) => (Status::Ok, Some(0), None),
+        (outcome::EXITED, code) => (Status::Error, Some(code), None),
+        (outcome::OUT_OF_MEMORY, _) => (Status::MemoryLimit, Some(1), None),
+        (_, sig) => (stopped.unwrap_or(Status::Error), None, Some(sig)),
+    };
+    let display = serde_json::to_vec(&frame.display).unwrap_or_default();
+    kernel.set(|k| k.count = frame.count);
+    Ran {
+        result: JobResult::of_cell(status, exit_code, signal, &display),
+        execution_count: frame.count,
+    }
+}
+
+/// Cuts a kernel's end-of-cell frame out of its stderr: what comes before the mark is the
+/// cell's stderr; the frame is the line after it.
+#[derive(Debug)]
+struct Frames {
+    mark: Vec<u8>,
+    held: Vec<u8>,
+    in_frame: bool,
+}
+
+impl Frames {
+    fn new(mark: Vec<u8>) -> Self {
+        Self {
+            mark,
+            held: Vec::new(),
+            in_frame: false,
+        }
+    }
+
+    /// Takes `bytes` of stderr: the cell's stderr that is surely not the mark, and the
+    /// frame once it is whole (a frame that does not parse ends the cell as a broken one).
+    fn push(&mut self, bytes: &[u8]) -> (Vec<u8>, Option<Frame>) {
+        self.held.extend_from_slice(bytes);
+        let mut text = Vec::new();
+        if !self.in_frame {
+            match find(&self.held, &self.mark) {
+                Some(at) => {
+                    text.extend_from_slice(&self.held[..at]);
+                    self.held.drain(..at + self.mark.len());
+                    self.in_frame = true;
+                }
+                None => {
+                    // Keep what could be the start of the mark.
+                    let keep = (1..self.mark.len().min(self.held.len() + 1))
+                        .rev()
+                        .find(|&n| self.held.ends_with(&self.mark[..n]))
+                        .unwrap_or(0);
+                    let cut = self.held.len() - keep;
+                    text.extend(self.held.drain(..cut));
+                    return (text, None);
+                }
+            }
+        }
+        let Some(nl) = self.held.iter().position(|&b| b == b'\n') else {
+            return (text, None);
+        };
+        let frame = serde_json::from_slice(&self.held[..nl]).unwrap_or(Frame {
+            outcome: outcome::EXITED,
+            status: 70,
+            count: 0,
+            display: serde_json::Value::Null,
+        });
+        (text, Some(frame))
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_frame_is_cut_out_of_stderr_whatever_the_chunks() {
+        let mark = b"\x1ebud-kernel-ab ".to_vec();
+        let whole = b"err 1\nhalf\x1ebud-kernel-ab {\"seq\": 1, \"outcome\": 1, \"status\": 3, \"count\": 4, \"display\": {}}\n";
+        for size in [1, 2, 5, 17, whole.len()] {
+            let mut f = Frames::new(mark.clone());
+            let mut text = Vec::new();
+            let mut got = None;
+            for chunk in whole.chunks(size) {
+                let (t, frame) = f.push(chunk);
+                text.extend(t);
+                if let Some(frame) = frame {
+                    got = Some(frame);
+                    break;
+                }
+            }
+            let frame = got.expect("a frame");
+            assert_eq!(text, b"err 1\nhalf", "chunks of {size}");
+            assert_eq!((frame.outcome, frame.status, frame.count), (1, 3, 4));
+        }
+        // A near-mark is passed through once it cannot be the mark.
+        let mut f = Frames::new(mark);
+        let (t, frame) = f.push(b"\x1ebud-kern");
+        assert!(t.is_empty() && frame.is_none());
+        let (t, frame) = f.push(b"el! done");
+        assert_eq!(t, b"\x1ebud-kernel! done");
+        assert!(frame.is_none());
+    }
+}
