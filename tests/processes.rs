@@ -661,3 +661,73 @@ fn a_large_tree_moved_under_a_recursive_watcher_is_reported_within_bounds() {
     assert!(s.usable());
     s.end(&ex);
 }
+
+#[test]
+fn a_kernel_runs_cells_over_its_stdin_and_ends_each_with_a_frame() {
+    // A code context's kernel (bud_kernel) as the server drives it: cells as lines on its
+    // stdin, each ending with a frame behind the mark the cell's line gave. The python
+    // template holds no kernel (its recipe asks for none), so this one starts fresh, after
+    // a process started just before (the datascience template's is taken instead: tested
+    // through E2B's SDK in server/tests/compat.rs).
+    let ex = executor();
+    let mut s = Session::start(&ex).expect("session");
+    let kernel = ProcessSpec {
+        script: "exec python3 -m bud_kernel".into(),
+        stdin: true,
+        ..ProcessSpec::default()
+    };
+    let sleeper = s.start_process(&ex, &spec("sleep 60")).expect("sleep");
+    let pid = s.start_process(&ex, &kernel).expect("kernel");
+    assert!(pid > sleeper, "a kernel ({pid}) older than {sleeper}");
+
+    let mark = "\u{1e}test-mark ";
+    let mut seen = Seen::default();
+    let cell = |s: &mut Session, seen: &mut Seen, seq: u32, code: &str| {
+        let line = serde_json::json!({
+            "seq": seq, "code": code, "env": {"K": "v"}, "mark": mark, "cwd": "/home/user",
+        });
+        let data = (line.to_string() + "\n").into_bytes();
+        let n = data.len();
+        assert_eq!(s.process_stdin(&ex, pid, data, false).expect("stdin"), n);
+        let t = Instant::now();
+        loop {
+            let err = String::from_utf8_lossy(&seen.out.get(&pid).map_or(vec![], |p| p.1.clone()))
+                .into_owned();
+            if let Some(at) = err.rfind(mark) {
+                if err.ends_with('\n') && at + mark.len() < err.len() {
+                    let frame: serde_json::Value =
+                        serde_json::from_str(&err[at + mark.len()..]).expect("a frame");
+                    seen.out.get_mut(&pid).unwrap().1.clear();
+                    return (err[..at].to_owned(), frame);
+                }
+            }
+            assert!(t.elapsed() < Duration::from_secs(120), "no frame: {seen:?}");
+            let ev = s
+                .poll_processes(&ex, Duration::from_secs(5), 1 << 20, None)
+                .expect("poll");
+            seen.take(ev);
+        }
+    };
+    let (err, frame) = cell(
+        &mut s,
+        &mut seen,
+        1,
+        "import os\nprint('out', os.environ['K'])\nos.getcwd()",
+    );
+    assert_eq!(err, "");
+    assert_eq!(frame["seq"], 1);
+    assert_eq!(frame["count"], 1);
+    assert_eq!(frame["outcome"], 1);
+    assert_eq!(frame["status"], 0);
+    assert_eq!(
+        frame["display"]["value"][0],
+        serde_json::json!({"type": "text/plain", "data": "'/home/user'"})
+    );
+    assert_eq!(seen.stdout(pid), "out v\n");
+    // Its stdin is not the cell's; an exception comes back in the frame.
+    let (_, frame) = cell(&mut s, &mut seen, 2, "input()");
+    assert_eq!(frame["count"], 2);
+    assert_eq!(frame["status"], 1);
+    assert_eq!(frame["display"]["error"]["name"], "EOFError");
+    s.end(&ex);
+}

@@ -165,9 +165,7 @@ ARENA_REGION = 8 << 30
 # The template manifest the image builder writes (guest/src/site.rs): the template's name,
 # the modules to import before READY, its warm-up code and its packages.
 TEMPLATE_MANIFEST = "/usr/lib/bud/template.json"
-# Code-context kernels started before READY (``bud_procs.Table.prepare_kernels``): the
-# first context of a sandbox finds one ready.
-KERNEL_POOL = 1
+
 # Set before a template's modules are imported: matplotlib draws with the non-interactive
 # Agg backend (there is no display) and keeps its font cache outside the job's work
 # directory (/tmp, which a session's file API lists).
@@ -267,6 +265,18 @@ def warm_template(path=TEMPLATE_MANIFEST):
     return name, None
 
 
+def template_kernels(path=TEMPLATE_MANIFEST):
+    """How many code-context kernels the template holds (its manifest's ``kernels``; see
+    ``bud_procs.Table.prepare_kernels``)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            return int(json.load(f).get("kernels", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
 def reserve_memory():
     """Tunes malloc and leaves pymalloc arenas and malloc heap mapped and free for jobs."""
     for name, value in MALLOC_SETTINGS:
@@ -315,6 +325,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     code_failure = warm_code_paths()
     mark("code")
     template, template_failure = warm_template()
+    kernels = template_kernels()
     mark("template")
     reserve_memory()
     mailbox = _bud.create_mailbox(_bud.MAILBOX_DEFAULT_SIZE, doorbell=doorbell)
@@ -343,9 +354,9 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     if doorbell and not interrupts:
         signal.signal(signal.SIGINT, runner.on_sigint)
     job_problems = runner.prepare()
-    if doorbell:
-        job_problems += bud_procs.TABLE.prepare_kernels(KERNEL_POOL)
-    mark("kernels")
+    if doorbell and kernels:
+        job_problems += bud_procs.TABLE.prepare_kernels(kernels)
+        mark("kernels")
     if interrupts:
         job_problems.append(interrupts)
     mark("jobs")

@@ -97,6 +97,11 @@ pub struct Site {
     pub share: Vec<String>,
     /// Modules the worker imports before READY.
     pub preload: Vec<String>,
+    /// Code-context kernels the worker starts before READY, so that as many contexts of a
+    /// session start at once (`guest/python/bud_kernel.py`; each holds guest memory in
+    /// every clone and costs its start at the template's build).
+    #[serde(default)]
+    pub kernels: u32,
     /// Python code (a file next to the template recipe) the worker runs before READY, after
     /// the imports: it drives the common code paths once.
     pub warm: Option<String>,
@@ -279,6 +284,7 @@ mod tests {
         assert!(load_site(&dir, BASE_TEMPLATE).unwrap().is_none());
         assert!(ds.debs.iter().any(|d| d == "python3-pandas"), "{ds:?}");
         assert_eq!(ds.preload[0], "numpy");
+        assert_eq!(ds.kernels, 1);
         assert!(dir.join(TEMPLATES_DIR).join(ds.warm.unwrap()).is_file());
         assert!(tools.share.iter().any(|p| p == "bin/bash"), "{tools:?}");
         assert!(

@@ -209,6 +209,7 @@ pub fn write_manifest(
     let manifest = serde_json::json!({
         "name": name,
         "preload": site.map(|s| s.preload.clone()).unwrap_or_default(),
+        "kernels": site.map_or(0, |s| s.kernels),
         "warm": warm,
         "packages": versions,
     });

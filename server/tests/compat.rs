@@ -176,6 +176,8 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
             "/home/user/proj"
         ])
     );
+    assert_eq!(seen["kernel"], json!([true, true]));
+    assert_eq!(seen["fresh_kernel"], json!([true, false]));
     assert_eq!(
         seen["overlap"],
         json!(["ctx/default", "ctx/other", "default/other"])

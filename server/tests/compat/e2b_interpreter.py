@@ -126,12 +126,18 @@ seen["display_only"] = [
 seen["json_value"] = sbx.run_code("{'a': [1, 2.5], 'b': None}").results[0].json
 
 # A context starts in its cwd (the default one in /home/user), keeps its own chdir, and is
-# back in its cwd after a restart.
+# back in its cwd after a restart. The first one's kernel is the one the template holds
+# (older than a command started now), with the template's modules imported; the next
+# one's is new.
 sbx.files.make_dir("proj")
 ctx = sbx.create_code_context(cwd="/home/user/proj")
+shell_pid = int(sbx.commands.run("echo $$").stdout)
 started = time.perf_counter()
 sbx.run_code("x = 'in the context'", context=ctx)
 timings["context_first_cell"] = time.perf_counter() - started
+PID = "import os, sys\n[os.getpid(), 'pandas' in sys.modules]"
+kernel = sbx.run_code(PID, context=ctx).results[0].json
+seen["kernel"] = [kernel[0] < shell_pid, kernel[1]]
 started = time.perf_counter()
 seen["context"] = [sbx.run_code("x", context=ctx).text, sbx.run_code("x").text]
 timings["context_next_cell"] = time.perf_counter() - started
@@ -146,7 +152,10 @@ seen["cwds"] = cwds + [sbx.run_code(GETCWD, context=ctx).text]
 # Cells of two contexts and of the default one run at the same time: each reports when it
 # started and ended (the guest's clock), and every two of the three overlap.
 other = sbx.create_code_context()
-sbx.run_code("import time", context=other)  # its kernel started (the template had one)
+started = time.perf_counter()
+fresh = sbx.run_code(PID, context=other).results[0].json
+timings["context_fresh_kernel_first_cell"] = time.perf_counter() - started
+seen["fresh_kernel"] = [fresh[0] > shell_pid, fresh[1]]
 SPAN = "import time\nt0 = time.time()\ntime.sleep(1.5)\n[t0, time.time()]"
 spans = {}
 
