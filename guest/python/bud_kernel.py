@@ -3,10 +3,11 @@ kernel per context, so that cells of different contexts run at the same time and
 context has its own interpreter (modules, working directory, environment).
 
 The host starts it as one of the sandbox's processes (``server/src/service/kernels.rs``):
-``python3 -m bud_kernel`` with a stdin pipe. The worker starts one before READY
-(``bud_procs.Table.prepare_kernels``, with ``BUD_KERNEL_POOL`` set): that one imports the
-template's modules, says ``ready`` on stdout and waits in the template for a context's
-first cell, which then costs no process start.
+``python3 -m bud_kernel`` with a stdin pipe. In a template whose manifest asks for kernels
+(``datascience``), the worker starts them before READY (``bud_procs.Table.prepare_kernels``,
+with ``BUD_KERNEL_POOL`` set): such a kernel imports the template's modules, says ``ready``
+on stdout and waits in the template for a context's first cell, which then costs no process
+start.
 
 **The wire.** Each request is one line of JSON on stdin, ``{"seq": N, "code": SOURCE,
 "env": {NAME: VALUE}, "mark": MARK, "cwd": DIR}``. The kernel enters ``cwd`` at its first

@@ -34,10 +34,11 @@ output, its clients and its end; this module only holds the pipes.
   to the watched directory). A recursive watcher adds each new subdirectory as it appears.
   One made with ``entries`` adds the entry (``bud_session.entry_of``: lstat, owner and
   group, metadata) to each create, write and chmod event, read when the poll takes it.
-- **Kernels** (a code context's, ``bud_kernel``): the worker starts one before READY
-  (:meth:`Table.prepare_kernels`), so every clone has one with its imports done; the first
-  START of the kernel's script takes it (a pid like any other) instead of paying a fresh
-  ``python3``. Later ones start as any process does.
+- **Kernels** (a code context's, ``bud_kernel``): in a template whose manifest asks for
+  them (``kernels``), the worker starts them before READY (:meth:`Table.prepare_kernels`),
+  so every clone has them with their imports done; a START of the kernel's script takes one
+  (a pid like any other) instead of paying a fresh ``python3``. Others start as any process
+  does.
 - A process is reported ended only after its pipes are drained to EOF or it is reaped and
   its pipes have nothing more (a child it left behind may hold them open: its output after
   that is dropped with the pipes).
