@@ -382,8 +382,12 @@ fn a_shell_cell_past_its_timeout_keeps_its_output_and_the_session_goes_on() {
     let mut looping = Job::shell("echo started; while :; do :; done");
     looping.timeout = Duration::from_millis(1000);
 
+    // The grace covers the shell's kill (0.1-0.3 s of guest kernel work alone), competing
+    // with the busy loop for the vCPU: in session 17's fresh-clone run, on a machine twice
+    // as slow as usual with the suite's other VMs beside it, 2 s (the default) ran out.
+    // What is tested is the output kept and the session going on, not the grace's length.
     let r = s
-        .exec(&ex, &looping, DEFAULT_INTERRUPT_GRACE, &mut |_, _| {})
+        .exec(&ex, &looping, Duration::from_secs(10), &mut |_, _| {})
         .unwrap();
     let next = s
         .exec(
