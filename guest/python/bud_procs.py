@@ -122,6 +122,10 @@ class Process:
         self.popen = popen
         self.pid = popen.pid
         self.pipes = {}
+        # The file objects of the pipes (fd -> object): a pipe is closed through its object,
+        # never by number alone, or the object would close the number again when collected,
+        # by then another open's (a file operation's read failed with EBADF so).
+        self._streams = {}
         self.master = master
         if master is not None:
             os.set_blocking(master, False)
@@ -133,6 +137,7 @@ class Process:
                 fd = stream.fileno()
                 os.set_blocking(fd, False)
                 self.pipes[fd] = kind
+                self._streams[fd] = stream
             self.stdin = popen.stdin
         if self.stdin is not None:
             os.set_blocking(self.stdin.fileno(), False)
@@ -158,10 +163,19 @@ class Process:
             self.popen.returncode = self.status  # so Popen never waits for it again
         return self.status
 
+    def close_pipe(self, fd):
+        """Closes output pipe ``fd`` (not the terminal's) and forgets it."""
+        stream = self._streams.pop(fd, None)
+        if stream is not None:
+            stream.close()
+        elif fd != self.master:
+            os.close(fd)
+        self.pipes.pop(fd, None)
+
     def close(self):
         for fd in list(self.pipes):
             if fd != self.master:
-                os.close(fd)
+                self.close_pipe(fd)
         self.pipes.clear()
         if self.master is not None:
             self.stdin = None
@@ -501,8 +515,8 @@ class Table:
                         data = b""  # a terminal whose other side is all closed: EIO
                     if not data:
                         if fd != p.master:  # the terminal stays open for input
-                            os.close(fd)
-                        del p.pipes[fd]
+                            p.close_pipe(fd)
+                        p.pipes.pop(fd, None)
                         break
                     write_out(EVENT.pack(pid, kind, 0, len(data)) + data)
                     taken += len(data)
