@@ -508,43 +508,36 @@ async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Respo
                     Err(err) => return Err(err.into()),
                 }
             }
-            if forget {
-                s.contexts
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .made
-                    .remove(&id);
-            }
-            return Ok(StatusCode::NO_CONTENT.into_response());
-        }
-        let (namespace, directory) = if id == DEFAULT_CONTEXT {
-            if forget {
-                return Err(ApiError::invalid(
-                    "id",
-                    "the default context cannot be removed",
-                ));
-            }
-            (0, HOME.to_owned())
         } else {
-            let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
-            let c = contexts
-                .made
-                .get(&id)
-                .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
-            (c.namespace, c.cwd.clone())
-        };
-        let native = ExecRequest {
-            code: Some(String::new()),
-            cell: CellOptions {
-                namespace,
-                reset: true,
-                directory: Some(directory),
-                error_in_display: true,
-            },
-            ..ExecRequest::default()
-        };
-        let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
-        crate::audit::KEY.scope(s.key.clone(), reset).await?;
+            let (namespace, directory) = if id == DEFAULT_CONTEXT {
+                if forget {
+                    return Err(ApiError::invalid(
+                        "id",
+                        "the default context cannot be removed",
+                    ));
+                }
+                (0, HOME.to_owned())
+            } else {
+                let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
+                let c = contexts
+                    .made
+                    .get(&id)
+                    .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
+                (c.namespace, c.cwd.clone())
+            };
+            let native = ExecRequest {
+                code: Some(String::new()),
+                cell: CellOptions {
+                    namespace,
+                    reset: true,
+                    directory: Some(directory),
+                    error_in_display: true,
+                },
+                ..ExecRequest::default()
+            };
+            let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
+            crate::audit::KEY.scope(s.key.clone(), reset).await?;
+        }
         if forget {
             s.contexts
                 .lock()
