@@ -7,7 +7,7 @@ With --server-pid, waiting for the template stops as soon as that process has ex
 
 Waits for the server's template, then sends JOBS one-shot jobs in a fixed round robin of
 kinds (Python and shell output, exit codes, stdin/args/env, an exception, a fork, files in
-and out, a large output, a batch; every 20th job a timeout, a memory bomb or an output
+and out, a large output, a batch; every 10th job a timeout, a memory bomb or an output
 flood), runs session scenarios (state across cells, a shell cell, files, a fork of two whose
 children keep their own state, deletion), then 50 trivial jobs one after another for the
 warm-job latency. Every answer is checked against its exact expected status and output. At
@@ -106,9 +106,9 @@ def b64(s):
 
 def job_for(i):
     """The i-th one-shot job: (kind, request, check(result) -> problem or None)."""
-    rare = i % 20 == 19
+    rare = i % 10 == 9
     if rare:
-        kind = ["timeout", "memory_limit", "output_limit"][(i // 20) % 3]
+        kind = ["timeout", "memory_limit", "output_limit"][(i // 10) % 3]
         if kind == "timeout":
             return kind, {"code": "while True:\n    pass", "timeout_ms": 500}, \
                 lambda r: expect(r, "timeout")
