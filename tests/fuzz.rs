@@ -1,6 +1,7 @@
 //! Runs every cargo-fuzz target of `fuzz/` (what a guest or a client controls: the mailbox
 //! announcement, the result decoder, request bodies and paths, the template state file)
-//! for a bounded time each (`BUD_FUZZ_SECONDS`: CI 5; `scripts/fuzz.sh 300` for minutes),
+//! for a bounded time each (`BUD_FUZZ_SECONDS`: CI 5, built unoptimized, whose build is
+//! quicker; `scripts/fuzz.sh 300` for minutes, built optimized),
 //! with libFuzzer's coverage guidance, on the machine's one (stable) toolchain
 //! (`--sanitizer none`: no `-Z` flags).
 //! cargo-fuzz is installed from crates.io into `build/tools` on first use; the corpus
@@ -70,6 +71,10 @@ fn every_fuzz_target_runs_clean_for_its_time() {
     let bin = tools(&root);
     // Positive: libFuzzer reads a total time of 0 as "no limit".
     let seconds = common::size("BUD_FUZZ_SECONDS", 5);
+    // A short run's time is its build's: unoptimized (with debug assertions and overflow
+    // checks, as cargo-fuzz's default) it builds in a fraction of cargo-fuzz's default
+    // release build with one codegen unit. Runs of a minute and more fuzz optimized code.
+    let mode: &[&str] = if seconds < 60 { &["--dev"] } else { &[] };
     let path = format!(
         "{}:{}",
         bin.display(),
@@ -87,7 +92,9 @@ fn every_fuzz_target_runs_clean_for_its_time() {
         let out = Command::new(env!("CARGO"))
             .current_dir(&root)
             .env("PATH", &path)
-            .args(["fuzz", "run", "--sanitizer", "none", "--target-dir"])
+            .args(["fuzz", "run", "--sanitizer", "none"])
+            .args(mode)
+            .arg("--target-dir")
             .arg(root.join("build/fuzz/target"))
             .arg(target)
             .arg(&corpus)
