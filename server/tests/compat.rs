@@ -184,6 +184,20 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     );
     assert_eq!(seen["removed"], json!(["default"]));
     assert_eq!(seen["bash"], json!(["42 /home/user\n"]));
+    assert_eq!(seen["bash_state"], json!(["7 /home/user/b\n"]));
+    assert_eq!(
+        seen["bash_context"],
+        json!([["/tmp\n"], ["1unset /\n"], ["7 /home/user/b\n"]])
+    );
+    assert_eq!(
+        seen["bash_error"],
+        json!([["out\n"], "CommandExitError", "exit status 1"])
+    );
+    assert_eq!(seen["bash_interrupt"], json!("TimeoutException"));
+    assert_eq!(seen["bash_kept"], json!([["1 x1 /\n"], true]));
+    assert_eq!(seen["bash_exit"], json!([["bye\n"], "DeadKernelError"]));
+    assert_eq!(seen["bash_new_shell"], json!(["gone /tmp\n"]));
+    assert_eq!(seen["async"], json!([true, ["/tmp\n"], ["/tmp\n"]]));
     assert_eq!(seen["running"], json!(true));
     assert_eq!(seen["running_after_kill"], json!(false));
     assert_eq!(seen["kill_again"], json!(false));

@@ -14,10 +14,12 @@
 //! exit status, a timeout past the interrupt, the output cap) gets an `error` line named
 //! after how it ended.
 //!
-//! Contexts: `context_id` picks a context made by `POST /contexts` (its own Python
-//! namespace, `vmm::CellOptions::namespace`); without one, `language` `python` (default) is
-//! the session's `__main__` and `bash` / `sh` runs a shell cell. Restarting a context empties
-//! its namespace; deleting one empties it and forgets it. A cell's time limit is the
+//! Contexts: `context_id` picks a context made by `POST /contexts`, a kernel of its own
+//! (`crate::service::kernels`: a Python interpreter, or a shell whose `cd` and variables
+//! carry from cell to cell); without one, `language` `python` (default) is the session's
+//! `__main__` and `bash` / `sh` the sandbox's default bash kernel. Restarting a context
+//! kills its kernel (the next cell starts a new one) or empties the default namespace;
+//! deleting one kills its kernel and forgets it. A cell's time limit is the
 //! server's `max_timeout_ms` (E2B's own limit is the client's HTTP timeout).
 
 use std::collections::BTreeMap;
@@ -39,7 +41,8 @@ use super::Compat;
 use super::e2b::{Context, e2b_error, sandbox_of};
 use crate::api::{CellResponse, ExecRequest};
 use crate::error::{ApiError, Error};
-use crate::service::{kernels, processes, sessions, task};
+use crate::service::kernels::{self, Kernel};
+use crate::service::{processes, sessions, task};
 
 /// The default context's id in `GET /contexts`.
 pub const DEFAULT_CONTEXT: &str = "default";
@@ -57,41 +60,43 @@ pub struct ExecuteRequest {
     pub env_vars: Option<BTreeMap<String, String>>,
 }
 
-/// Where a cell runs: a made Python context's kernel, or the session (a namespace).
+/// Where a cell runs: a kernel (a made context's, or the default bash context's), or the
+/// session's `__main__` (the default Python context).
 enum Target {
-    Kernel(Context),
-    Session {
+    Kernel {
         language: Language,
-        namespace: u32,
-        /// Where the namespace starts.
-        directory: String,
+        kernel: Kernel,
+        cwd: String,
+        name: String,
     },
+    Session,
 }
 
 fn target(contexts: &super::e2b::Contexts, req: &ExecuteRequest) -> Result<Target, ApiError> {
     let language = match req.context_id.as_deref() {
-        Some(DEFAULT_CONTEXT) => "python",
+        Some(DEFAULT_CONTEXT) => Language::Python,
         Some(id) => {
             let c = contexts
                 .made
                 .get(id)
                 .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
-            let language = language_of(&c.language)?;
-            if language == Language::Python {
-                return Ok(Target::Kernel(c.clone()));
-            }
-            return Ok(Target::Session {
-                language,
-                namespace: c.namespace,
-                directory: c.cwd.clone(),
+            return Ok(Target::Kernel {
+                language: language_of(&c.language)?,
+                kernel: c.kernel.clone(),
+                cwd: c.cwd.clone(),
+                name: c.id.clone(),
             });
         }
-        None => req.language.as_deref().unwrap_or("python"),
+        None => language_of(req.language.as_deref().unwrap_or("python"))?,
     };
-    Ok(Target::Session {
-        language: language_of(language)?,
-        namespace: 0,
-        directory: HOME.into(),
+    Ok(match language {
+        Language::Python => Target::Session,
+        Language::Shell => Target::Kernel {
+            language,
+            kernel: contexts.bash.clone(),
+            cwd: HOME.into(),
+            name: "bash".into(),
+        },
     })
 }
 
@@ -368,37 +373,39 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
     let key = s.key.clone();
     let id = e.id.clone();
     let mut rx = match target {
-        Target::Kernel(ctx) => {
-            let end = |r: Result<kernels::Ran, Error>| {
+        Target::Kernel {
+            language,
+            kernel,
+            cwd,
+            name,
+        } => {
+            let end = move |r: Result<kernels::Ran, Error>| {
                 let r = r
                     .map(|c| CellResponse::new(c.result, Duration::ZERO, c.execution_count, false));
-                Event::End(Box::new(r), Language::Python)
+                Event::End(Box::new(r), language)
             };
             let cell = kernels::KernelCell {
+                language,
                 code: req.code,
                 env,
-                cwd: ctx.cwd,
+                cwd,
                 timeout: Duration::from_millis(timeout_ms),
-                name: ctx.id,
+                name,
             };
             task::spawn(key, Event::Output, end, move |sink| async move {
-                kernels::run(&state, &id, ctx.kernel, cell, "/execute", sink).await
+                kernels::run(&state, &id, kernel, cell, "/execute", sink).await
             })
         }
-        Target::Session {
-            language,
-            namespace,
-            directory,
-        } => {
+        Target::Session => {
             let native = ExecRequest {
-                language: Some(language),
+                language: Some(Language::Python),
                 code: Some(req.code),
                 env,
                 timeout_ms: Some(timeout_ms),
                 cell: CellOptions {
-                    namespace,
+                    namespace: 0,
                     reset: false,
-                    directory: Some(directory),
+                    directory: Some(HOME.into()),
                     error_in_display: true,
                 },
                 stream: true,
@@ -406,7 +413,7 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
             };
             let end = move |r: Result<sessions::Cell, Error>| {
                 let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
-                Event::End(Box::new(r), language)
+                Event::End(Box::new(r), Language::Python)
             };
             task::spawn(key, Event::Output, end, move |sink| async move {
                 sessions::cell(&state, &id, native, "/execute", sink).await
@@ -446,7 +453,7 @@ pub struct NewContext {
     pub cwd: Option<String>,
 }
 
-/// `POST /contexts`: a new context with its own namespace.
+/// `POST /contexts`: a new context, with a kernel of its own from its first cell.
 pub async fn create_context(State(c): State<Compat>, headers: HeaderMap, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let (s, _) = sandbox_of(&c, &headers)?;
@@ -488,55 +495,45 @@ pub async fn list_contexts(State(c): State<Compat>, headers: HeaderMap) -> Respo
     run().unwrap_or_else(e2b_error)
 }
 
-/// Empties context `id` (and forgets it if `forget`): a Python context's kernel is killed
-/// (its next cell starts a new one), a namespace is emptied by an empty cell.
+/// Empties context `id` (and forgets it if `forget`): a made context's kernel is killed
+/// (its next cell starts a new one), the default context's namespace emptied by a cell.
 async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Response {
     let run = async {
         let (s, e) = sandbox_of(&c, &headers)?;
-        let kernel = {
-            let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
-            contexts
-                .made
-                .get(&id)
-                .filter(|c| language_of(&c.language).ok() == Some(Language::Python))
-                .map(|c| c.kernel.clone())
-        };
-        if let Some(kernel) = kernel {
-            if let Some(pid) = kernel.take_pid() {
-                match processes::signal(&c.app, &e.id, pid, libc::SIGKILL).await {
-                    Ok(()) | Err(Error::NoProcess { .. }) => {}
-                    Err(err) => return Err(err.into()),
-                }
+        if id == DEFAULT_CONTEXT {
+            if forget {
+                return Err(ApiError::invalid(
+                    "id",
+                    "the default context cannot be removed",
+                ));
             }
-        } else {
-            let (namespace, directory) = if id == DEFAULT_CONTEXT {
-                if forget {
-                    return Err(ApiError::invalid(
-                        "id",
-                        "the default context cannot be removed",
-                    ));
-                }
-                (0, HOME.to_owned())
-            } else {
-                let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
-                let c = contexts
-                    .made
-                    .get(&id)
-                    .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
-                (c.namespace, c.cwd.clone())
-            };
             let native = ExecRequest {
                 code: Some(String::new()),
                 cell: CellOptions {
-                    namespace,
+                    namespace: 0,
                     reset: true,
-                    directory: Some(directory),
+                    directory: Some(HOME.into()),
                     error_in_display: true,
                 },
                 ..ExecRequest::default()
             };
             let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
             crate::audit::KEY.scope(s.key.clone(), reset).await?;
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        let kernel = {
+            let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            contexts
+                .made
+                .get(&id)
+                .map(|c| c.kernel.clone())
+                .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?
+        };
+        if let Some(pid) = kernel.take_pid() {
+            match processes::signal(&c.app, &e.id, pid, libc::SIGKILL).await {
+                Ok(()) | Err(Error::NoProcess { .. }) => {}
+                Err(err) => return Err(err.into()),
+            }
         }
         if forget {
             s.contexts
@@ -550,7 +547,7 @@ async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Respo
     run.await.unwrap_or_else(e2b_error)
 }
 
-/// `POST /contexts/{id}/restart`: its namespace emptied.
+/// `POST /contexts/{id}/restart`: its kernel killed, or the default namespace emptied.
 pub async fn restart_context(
     State(c): State<Compat>,
     headers: HeaderMap,

@@ -1,8 +1,9 @@
 //! Code contexts as kernels: each context of a code-interpreter client (E2B's
-//! `create_code_context`) runs its cells in a Python process of its own, as E2B runs a
-//! Jupyter kernel per context. So cells of different contexts run at the same time, beside
-//! each other and beside a cell of the session itself, and each context has its own
-//! interpreter: modules, working directory, environment, `__main__`.
+//! `create_code_context`) runs its cells in a process of its own, as E2B runs a Jupyter
+//! kernel per context: a Python interpreter for a Python context, a shell for a bash one.
+//! So cells of different contexts run at the same time, beside each other and beside a cell
+//! of the session itself, and each context has its own interpreter: modules (or shell
+//! variables and functions), working directory, environment, `__main__`.
 //!
 //! A kernel is one of the session's background processes ([`crate::service::processes`]):
 //! `python3 -m bud_kernel` (`guest/python/bud_kernel.py`) with a stdin pipe, started at the
@@ -19,6 +20,15 @@
 //! new one, empty. A kernel that dies (`os._exit`, the OOM killer, a restart) leaves its
 //! cell with a `DeadKernelError`, as Jupyter's clients call it.
 //!
+//! **Shell kernels.** A bash context's kernel is `bash` (busybox `sh` where the template has
+//! no bash) running [`SHELL_LOOP`], which sources each cell in the shell itself, so what a
+//! cell changes in the shell (`cd`, variables, functions, aliases) is there for the next, as
+//! in E2B's bash kernel. A cell comes over stdin in large reads (a shell's `read` takes a
+//! byte a system call, and under kvm_pvm a system call costs ~1 ms). The frame carries the
+//! status of the cell's last command; an interrupt ends the cell (`return` from the sourced
+//! code) and leaves the shell. busybox `sh` ends at a syntax error in sourced code (bash
+//! does not): the cell ends with `DeadKernelError` and the next starts a new shell.
+//!
 //! Why a process and not a thread of the worker: a cell's output below Python's level
 //! (child processes, `os.write`) and a blocking call's interrupt are per process; a thread
 //! could keep neither apart. Its cost is a process start and a fresh interpreter at a
@@ -32,7 +42,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use vmm::job::Stream;
 use vmm::protocol::outcome;
-use vmm::{CellError, JobResult, Status};
+use vmm::{CellError, JobResult, Language, Status};
 
 use crate::procs::{Event, Start};
 use crate::service::error::Error;
@@ -46,6 +56,59 @@ pub const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
 
 /// What a kernel is started as (`python3` finds `bud_kernel` on the guest's PYTHONPATH).
 const SCRIPT: &str = "exec python3 -m bud_kernel";
+
+/// What a shell kernel is started as: bash where the template has it, else `/bin/sh`,
+/// running [`SHELL_LOOP`] (passed in its environment, which the loop then empties).
+const SHELL_SCRIPT: &str = "command -v bash >/dev/null 2>&1 && exec bash -c \"$BUD_KERNEL_LOOP\" bud-kernel; exec /bin/sh -c \"$BUD_KERNEL_LOOP\" bud-kernel";
+
+/// A shell kernel's loop (bash and busybox `sh` alike). Requests come on fd 3 (its stdin
+/// pipe): a header line, `MARK SEQ LEN` (the kernel's mark without its leading control
+/// character), the cell's LEN bytes of code, then [`SHELL_TRAILER`]. bash reads the code with
+/// `read -N` (a few large reads) and sources it from a here-string (in an `eval`, which
+/// busybox `sh` does not parse); busybox `sh`, whose `read` takes a byte a system call,
+/// sources the pipe itself (buffered reads) up to the trailer's `return`. Either way the
+/// cell runs in the shell itself, with an empty stdin. A line that is not a header is
+/// skipped (what an interrupted cell left unread). Between cells SIGINT only runs a trap
+/// (which ends a waiting `read`, and the loop reads again; a trap, not an ignore, which the
+/// cell's commands would inherit); during a cell it ends the cell. The loop's names start
+/// with `__bud_`.
+pub const SHELL_LOOP: &str = r#"__bud_mark=$BUD_KERNEL_MARK
+unset BUD_KERNEL_MARK BUD_KERNEL_LOOP
+__bud_sync=${__bud_mark#?}
+__bud_sync=${__bud_sync% }
+exec 3<&0 </dev/null
+__bud_n=0
+while :; do
+  __bud_late=0
+  trap __bud_late=1 INT
+  if read -r __bud_h <&3; then :; elif [ "$__bud_late" = 1 ]; then continue; else exit 0; fi
+  case $__bud_h in "$__bud_sync "*) ;; *) continue ;; esac
+  __bud_h=${__bud_h#"$__bud_sync "}
+  __bud_seq=${__bud_h%% *} __bud_len=${__bud_h#* }
+  __bud_n=$((__bud_n + 1)) __bud_intr=0
+  if [ -n "$BASH_VERSION" ]; then
+    LC_ALL=C IFS= read -r -d '' -N "$__bud_len" __bud_code <&3
+    LC_ALL=C IFS= read -r -d '' -N 8 __bud_t <&3
+    trap '__bud_intr=1; return 130' INT
+    eval '. /dev/fd/4 4<<<"$__bud_code"'
+  else
+    trap '__bud_intr=1; return 130' INT
+    . /dev/fd/3
+  fi
+  __bud_s=$?
+  trap __bud_late=1 INT
+  __bud_o=1
+  if [ "$__bud_intr" = 1 ]; then __bud_o=2 __bud_s=2; fi
+  printf '%s{"seq": %s, "outcome": %s, "status": %s, "count": %s, "display": {}}\n' "$__bud_mark" "$__bud_seq" "$__bud_o" "$__bud_s" "$__bud_n" >&2
+done
+"#;
+
+/// What follows a shell cell's code on the pipe: ends busybox `sh`'s sourcing of it, with
+/// the status of the cell's last command (bash reads it and drops it).
+const SHELL_TRAILER: &str = "\nreturn\n";
+
+/// A kernel's mark: this, a fresh random token in hex, and a space.
+const MARK_PREFIX: &str = "\u{1e}bud-kernel-";
 
 /// The kernel of one context: the process, if one was started, and the turn its cells
 /// take. A handle: clones share it. [`Kernel::copy`] makes another (a forked sandbox's
@@ -130,6 +193,8 @@ impl Kernel {
 /// A cell for a kernel.
 #[derive(Debug)]
 pub struct KernelCell {
+    /// Python or shell: what the kernel is (a context's language, which never changes).
+    pub language: Language,
     pub code: String,
     pub env: BTreeMap<String, String>,
     /// Where a new kernel starts (the context's `cwd`).
@@ -161,7 +226,10 @@ pub async fn run(
 ) -> Result<Ran, Error> {
     let e = crate::service::access::get(state, id)?;
     let origin = crate::audit::Origin::here(route, &e.template, Some(id));
-    let job = vmm::Job::python(cell.code.clone());
+    let job = match cell.language {
+        Language::Python => vmm::Job::python(cell.code.clone()),
+        Language::Shell => vmm::Job::shell(cell.code.clone()),
+    };
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let (end_tx, end_rx) = oneshot::channel();
     let (st, sid) = (state.clone(), id.to_owned());
@@ -214,15 +282,8 @@ async fn in_turn(
             BTreeMap::new()
         };
         env.extend(cell.env.clone());
-        let line = serde_json::json!({
-            "seq": seq,
-            "code": cell.code,
-            "env": env,
-            "mark": kernel.state().mark,
-            "cwd": cell.cwd,
-        });
+        let line = request(&kernel.state().mark, &cell, seq, &env, fresh)?;
         let sub = processes::connect(state, id, pid, false)?;
-        let line = (line.to_string() + "\n").into_bytes();
         match processes::stdin(state, id, pid, line, false).await {
             Ok(()) => break (pid, sub),
             Err(Error::NoProcess { .. } | Error::StdinClosed(_)) if !fresh => {
@@ -310,6 +371,62 @@ async fn in_turn(
     }
 }
 
+/// What asks a kernel with this `mark` to run `cell` as its cell `seq`, with `env` set, and
+/// in a new kernel the context's directory entered.
+fn request(
+    mark: &str,
+    cell: &KernelCell,
+    seq: u64,
+    env: &BTreeMap<String, String>,
+    fresh: bool,
+) -> Result<Vec<u8>, Error> {
+    let line = match cell.language {
+        Language::Python => serde_json::json!({
+            "seq": seq,
+            "code": cell.code,
+            "env": env,
+            "mark": mark,
+            "cwd": cell.cwd,
+        })
+        .to_string(),
+        Language::Shell => {
+            let mut code = String::new();
+            if fresh {
+                code += &format!("cd -- {} 2>/dev/null\n", sh_quote(&cell.cwd));
+            }
+            // The shell has the session's environment from its start (no kernel is held).
+            for (name, value) in &cell.env {
+                if !is_shell_name(name) {
+                    return Err(Error::invalid(
+                        "env_vars",
+                        format!(
+                            "{name:?} is not a shell variable's name (letters, digits and _, not first a digit)"
+                        ),
+                    ));
+                }
+                code += &format!("export {name}={}\n", sh_quote(value));
+            }
+            code += &cell.code;
+            let sync = mark.trim_start_matches('\u{1e}').trim_end();
+            return Ok(format!("{sync} {seq} {}\n{code}{SHELL_TRAILER}", code.len()).into_bytes());
+        }
+    };
+    Ok((line + "\n").into_bytes())
+}
+
+/// `s` as one word of a POSIX shell, as it is.
+fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+fn is_shell_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+        && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
+}
+
 /// Starts a kernel for `kernel` in session `id` (the guest hands over the one it started
 /// before READY, if it still has it).
 async fn start(
@@ -321,18 +438,36 @@ async fn start(
     let mut token = [0u8; 16];
     vmm::identity::host_random(&mut token).map_err(Error::internal)?;
     let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-    let mark = format!("\u{1e}bud-kernel-{hex} ");
-    let req = Start {
-        cmd: "python3".into(),
-        args: vec!["-m".into(), "bud_kernel".into()],
-        script: SCRIPT.into(),
-        cwd: None,
-        env: BTreeMap::new(),
-        tag: Some(format!("kernel of context {}", cell.name)),
-        stdin: true,
-        pty: None,
-        user: None,
-        internal: true,
+    let mark = format!("{MARK_PREFIX}{hex} ");
+    let tag = Some(format!("kernel of context {}", cell.name));
+    let req = match cell.language {
+        Language::Python => Start {
+            cmd: "python3".into(),
+            args: vec!["-m".into(), "bud_kernel".into()],
+            script: SCRIPT.into(),
+            cwd: None,
+            env: BTreeMap::new(),
+            tag,
+            stdin: true,
+            pty: None,
+            user: None,
+            internal: true,
+        },
+        Language::Shell => Start {
+            cmd: "bash".into(),
+            args: Vec::new(),
+            script: SHELL_SCRIPT.into(),
+            cwd: None,
+            env: BTreeMap::from([
+                ("BUD_KERNEL_LOOP".to_owned(), SHELL_LOOP.to_owned()),
+                ("BUD_KERNEL_MARK".to_owned(), mark.clone()),
+            ]),
+            tag,
+            stdin: true,
+            pty: None,
+            user: None,
+            internal: true,
+        },
     };
     let pid = processes::start(state, id, req, "/contexts").await?;
     kernel.set(|k| {

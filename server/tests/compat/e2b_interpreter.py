@@ -1,14 +1,16 @@
 """The unmodified E2B code-interpreter SDK against bud (E2B_API_URL / E2B_SANDBOX_URL point
 at it): a sandbox, stateful cells, streaming callbacks, an error with its traceback, a
-matplotlib figure, a DataFrame (with its data), charts, display(), contexts, kill. Prints what it saw as one JSON object; the
+matplotlib figure, a DataFrame (with its data), charts, display(), Python and bash contexts,
+the async SDK, kill. Prints what it saw as one JSON object; the
 Rust test (server/tests/compat.rs) asserts every value."""
 
+import asyncio
 import base64
 import json
 import threading
 import time
 
-from e2b_code_interpreter import Sandbox
+from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 seen = {}
 sbx = Sandbox.create()
@@ -178,10 +180,58 @@ sbx.remove_code_context(other)
 sbx.remove_code_context(ctx)
 seen["removed"] = [c.id for c in sbx.list_code_contexts()]
 
+started = time.perf_counter()
 seen["bash"] = sbx.run_code("echo $((6 * 7)) $(pwd)", language="bash").logs.stdout
+timings["bash_first_cell"] = time.perf_counter() - started
+# bash: the default bash context and a made one are shells of their own, whose `cd` and
+# variables carry from one cell to the next, as E2B's bash kernels. A cell whose client
+# leaves is interrupted, and the shell stays; `exit` ends the shell, and the next cell
+# gets a new one, in the context's cwd.
+sbx.run_code("mkdir -p /home/user/b && cd /home/user/b && N=7", language="bash")
+started = time.perf_counter()
+seen["bash_state"] = sbx.run_code('echo "$N $(pwd)"', language="bash").logs.stdout
+timings["bash_next_cell"] = time.perf_counter() - started
+bctx = sbx.create_code_context(language="bash", cwd="/tmp")
+seen["bash_context"] = [
+    sbx.run_code("pwd; M=1; cd /", context=bctx).logs.stdout,
+    sbx.run_code('echo "$M${N:-unset} $(pwd)"', context=bctx).logs.stdout,
+    sbx.run_code('echo "$N $(pwd)"', language="bash").logs.stdout,
+]
+e = sbx.run_code("echo out; false", context=bctx)
+seen["bash_error"] = [e.logs.stdout, e.error.name, e.error.value]
+try:
+    sbx.run_code("sleep 30; echo never", context=bctx, timeout=3)
+    seen["bash_interrupt"] = "ran to its end"
+except Exception as err:  # noqa: BLE001 - the name is what is checked
+    seen["bash_interrupt"] = type(err).__name__
+e = sbx.run_code('echo "$M $X $(pwd)"', context=bctx, envs={"X": "x1"})
+seen["bash_kept"] = [e.logs.stdout, e.error is None]
+e = sbx.run_code("echo bye; exit 3", context=bctx)
+seen["bash_exit"] = [e.logs.stdout, e.error.name]
+seen["bash_new_shell"] = sbx.run_code('echo "${M:-gone} $(pwd)"', context=bctx).logs.stdout
+sbx.remove_code_context(bctx)
 seen["running"] = sbx.is_running()
 sbx.kill()
 seen["running_after_kill"] = sbx.is_running()
 seen["kill_again"] = Sandbox.kill(sbx.sandbox_id)
+
+
+async def async_part():
+    """The async SDK: cells of the default context and of a made one, sent together, run
+    at the same time; a bash cell beside them."""
+    a = await AsyncSandbox.create()
+    actx = await a.create_code_context()
+    started = time.perf_counter()
+    ran = await asyncio.gather(
+        a.run_code(SPAN), a.run_code(SPAN, context=actx),
+        a.run_code("cd /tmp && echo $PWD", language="bash"))
+    timings["async_three_cells"] = time.perf_counter() - started
+    (d0, d1), (c0, c1) = [r.results[0].json for r in ran[:2]]
+    seen["async"] = [d0 < c1 and c0 < d1, ran[2].logs.stdout,
+                     (await a.run_code("pwd", language="bash")).logs.stdout]
+    await a.kill()
+
+
+asyncio.run(async_part())
 seen["timings"] = {k: round(v, 3) for k, v in timings.items()}
 print(json.dumps(seen))

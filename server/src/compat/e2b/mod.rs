@@ -59,17 +59,15 @@ pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout, seconds.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
-/// One code context: a Python kernel of its own (`crate::service::kernels`), or for
-/// `bash` shell cells of the session in a namespace of their own.
+/// One code context: a kernel of its own (`crate::service::kernels`), a Python interpreter
+/// or a shell after its language.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
 pub struct Context {
     pub id: String,
     /// `python` or `bash`.
     pub language: String,
     pub cwd: String,
-    /// The guest namespace of a `bash` context's cells (`vmm::CellOptions::namespace`).
-    pub namespace: u32,
-    /// A `python` context's kernel (a handle: clones of the context share it).
+    /// The context's kernel (a handle: clones of the context share it).
     #[serde(default)]
     pub kernel: Kernel,
 }
@@ -141,11 +139,14 @@ impl Sandbox {
     }
 }
 
-/// A sandbox's contexts: the default one (namespace 0) and those made by clients.
+/// A sandbox's contexts: the default Python one (the session's namespace 0), the default
+/// bash one (a kernel) and those made by clients (each a kernel).
 #[derive(Debug, Default, Clone, serde::Serialize, Deserialize)]
 pub struct Contexts {
     pub made: BTreeMap<String, Context>,
-    next_namespace: u32,
+    /// The default bash context's kernel (cells with `language` bash and no context).
+    #[serde(default)]
+    pub bash: Kernel,
 }
 
 impl Contexts {
@@ -156,10 +157,11 @@ impl Contexts {
         for ctx in c.made.values_mut() {
             ctx.kernel = ctx.kernel.copy();
         }
+        c.bash = self.bash.copy();
         c
     }
 
-    /// Most contexts a sandbox may have (each holds a namespace in the guest).
+    /// Most contexts a sandbox may have (each may hold a kernel process in the guest).
     pub const MAX: usize = 64;
 
     pub fn add(&mut self, language: &str, cwd: &str) -> Result<Context, Error> {
@@ -169,12 +171,10 @@ impl Contexts {
                 format!("a sandbox has at most {} contexts", Self::MAX),
             ));
         }
-        self.next_namespace += 1;
         let c = Context {
             id: format!("ctx_{}", random_hex(8)?),
             language: language.to_owned(),
             cwd: cwd.to_owned(),
-            namespace: self.next_namespace,
             kernel: Kernel::default(),
         };
         self.made.insert(c.id.clone(), c.clone());
@@ -576,12 +576,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn contexts_get_their_own_namespaces_up_to_the_cap() {
+    fn contexts_get_their_own_ids_up_to_the_cap() {
         let mut c = Contexts::default();
         let a = c.add("python", "/home/user").unwrap();
-        let b = c.add("python", "/tmp").unwrap();
-        assert_eq!((a.namespace, b.namespace), (1, 2));
+        let b = c.add("bash", "/tmp").unwrap();
         assert_ne!(a.id, b.id);
+        assert_eq!((a.language.as_str(), b.cwd.as_str()), ("python", "/tmp"));
         for _ in 2..Contexts::MAX {
             c.add("python", "/").unwrap();
         }
