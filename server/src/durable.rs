@@ -101,8 +101,11 @@ pub struct SessionRecord {
     /// Its directory watchers, (id, directory).
     #[serde(default)]
     pub watches: Vec<(u32, String)>,
-    /// What an API dialect keeps of it (E2B's sandbox: token, contexts, ...).
+    /// What an API dialect keeps of it (E2B's sandbox: token, metadata, ...).
     pub attachment: serde_json::Value,
+    /// Its code contexts (older records kept them in E2B's attachment).
+    #[serde(default)]
+    pub contexts: crate::contexts::Contexts,
 }
 
 /// What a snapshot is besides its VM.
@@ -122,6 +125,8 @@ pub struct SnapshotRecord {
     #[serde(default)]
     pub watches: Vec<(u32, String)>,
     pub attachment: serde_json::Value,
+    #[serde(default)]
+    pub contexts: crate::contexts::Contexts,
 }
 
 /// A paused session known to the server.

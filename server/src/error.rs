@@ -169,9 +169,11 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::Draining { .. }
         | Error::TemplateFailed { .. }
         | Error::AuditUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-        Error::NoSession(_) | Error::NoFile(_) | Error::NoProcess { .. } | Error::NoSnapshot(_) => {
-            StatusCode::NOT_FOUND
-        }
+        Error::NoSession(_)
+        | Error::NoFile(_)
+        | Error::NoContext(_)
+        | Error::NoProcess { .. }
+        | Error::NoSnapshot(_) => StatusCode::NOT_FOUND,
         Error::StdinClosed(_)
         | Error::StdinFull { .. }
         | Error::Paused(_)
@@ -209,6 +211,7 @@ fn service_code(e: &Error) -> &'static str {
         Error::TooManySessions { .. } => "too_many_sessions",
         Error::OutOfMemory { .. } => "out_of_memory",
         Error::NoFile(_) => "no_file",
+        Error::NoContext(_) => "no_context",
         Error::NoProcess { .. } => "no_process",
         Error::TooManyProcesses { .. } => "too_many_processes",
         Error::TooManyStreams { .. } => "too_many_streams",

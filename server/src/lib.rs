@@ -28,6 +28,8 @@ pub mod clock;
 pub mod compat;
 pub mod config;
 pub mod conn;
+pub mod context_routes;
+pub mod contexts;
 pub mod durable;
 pub mod durable_routes;
 pub mod error;
@@ -64,7 +66,7 @@ pub use startup::{ServeOptions, TemplateSource, init_logging, run};
 pub use state::AppState;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 39] = [
+pub const ROUTES: [(&str, &str); 44] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -91,6 +93,11 @@ pub const ROUTES: [(&str, &str); 39] = [
     ("post", "/v1/sessions/{id}/processes/{pid}/stdin"),
     ("post", "/v1/sessions/{id}/processes/{pid}/signal"),
     ("post", "/v1/sessions/{id}/processes/{pid}/resize"),
+    ("post", "/v1/sessions/{id}/contexts"),
+    ("get", "/v1/sessions/{id}/contexts"),
+    ("post", "/v1/sessions/{id}/contexts/{context}/exec"),
+    ("post", "/v1/sessions/{id}/contexts/{context}/restart"),
+    ("delete", "/v1/sessions/{id}/contexts/{context}"),
     ("post", "/v1/sessions/{id}/watchers"),
     ("delete", "/v1/sessions/{id}/watchers/{wid}"),
     ("get", "/v1/sessions/{id}/watchers/{wid}/changes"),
@@ -173,6 +180,22 @@ pub fn app(state: AppState) -> Router {
         .route(
             "/v1/sessions/{id}/processes/{pid}/resize",
             post(process_routes::resize),
+        )
+        .route(
+            "/v1/sessions/{id}/contexts",
+            post(context_routes::create).get(context_routes::list),
+        )
+        .route(
+            "/v1/sessions/{id}/contexts/{context}",
+            delete(context_routes::remove),
+        )
+        .route(
+            "/v1/sessions/{id}/contexts/{context}/exec",
+            post(context_routes::exec),
+        )
+        .route(
+            "/v1/sessions/{id}/contexts/{context}/restart",
+            post(context_routes::restart),
         )
         .route("/v1/sessions/{id}/watchers", post(process_routes::watch))
         .route(

@@ -148,6 +148,7 @@ mod tests {
             },
             Error::OutOfMemory { used: 1, limit: 1 },
             Error::NoFile(String::new()),
+            Error::NoContext(String::new()),
             Error::NoProcess {
                 pid: 1,
                 message: String::new(),

@@ -80,6 +80,8 @@ pub struct Entry {
     pub auto_pause: AtomicBool,
     /// What an API dialect keeps of it (E2B's sandbox), saved with it when it pauses.
     attachment: Mutex<Attached>,
+    /// Its code contexts (`crate::service::contexts`), saved with it when it pauses.
+    pub contexts: Mutex<crate::contexts::Contexts>,
 }
 
 /// What an API dialect keeps of a session besides the session (E2B's sandbox: its token,
@@ -183,7 +185,13 @@ impl Entry {
             background: Mutex::new(None),
             auto_pause: AtomicBool::new(s.auto_pause),
             attachment: Mutex::new(Attached::Saved(serde_json::Value::Null)),
+            contexts: Mutex::default(),
         }
+    }
+
+    /// Its code contexts now.
+    pub fn contexts(&self) -> std::sync::MutexGuard<'_, crate::contexts::Contexts> {
+        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Attaches a dialect's record of the session.

@@ -24,8 +24,8 @@ const LAYERS: [(&str, &[&str]); 5] = [
     (
         "core",
         &[
-            "audit", "clock", "config", "durable", "jail", "jobs", "keys", "metrics", "node",
-            "peer", "procs", "registry", "sessions", "state",
+            "audit", "clock", "config", "contexts", "durable", "jail", "jobs", "keys", "metrics",
+            "node", "peer", "procs", "registry", "sessions", "state",
         ],
     ),
     ("service error", &["service::error"]),
@@ -38,6 +38,7 @@ const LAYERS: [(&str, &[&str]); 5] = [
             "body",
             "compat",
             "conn",
+            "context_routes",
             "durable_routes",
             "error",
             "node_routes",

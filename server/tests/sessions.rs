@@ -615,3 +615,134 @@ fn the_stream_of_a_cell_ends_with_its_result() {
     );
     assert_eq!(last["execution_count"], 1);
 }
+
+/// The guest's clock at a cell's start and end, from a Python context and a shell one.
+const PY_SPAN: &str = "import time\nup = lambda: float(open('/proc/uptime').read().split()[0])\nt0 = up()\ntime.sleep(1.5)\n[t0, up()]";
+const SH_SPAN: &str =
+    "read a _ < /proc/uptime; sleep 1.5; read b _ < /proc/uptime; echo \"[$a, $b]\"";
+
+#[test]
+fn code_contexts_run_beside_each_other_keep_their_own_state_and_restart_and_go() {
+    let s = TestServer::start();
+    let id = create(&s, json!({}));
+    let base = format!("/v1/sessions/{id}/contexts");
+    let (status, py) = s.post(&base, &json!({"cwd": "/"}));
+    assert_eq!(status, 201, "{py}");
+    assert_eq!(
+        (&py["language"], &py["cwd"]),
+        (&json!("python"), &json!("/"))
+    );
+    let (status, sh) = s.post(&base, &json!({"language": "bash"}));
+    assert_eq!(status, 201, "{sh}");
+    assert_eq!(sh["cwd"], "/tmp");
+    let (py, sh) = (py["id"].as_str().unwrap(), sh["id"].as_str().unwrap());
+    let run = |ctx: &str, body: Value| s.post(&format!("{base}/{ctx}/exec"), &body);
+    let ok = |ctx: &str, code: &str| {
+        let (status, r) = run(ctx, json!({ "code": code }));
+        assert_eq!(status, 200, "{r}");
+        r
+    };
+
+    // Bad requests lose nothing.
+    let (status, r) = s.post(&base, &json!({"language": "ruby"}));
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (400, &json!("invalid_request")),
+        "{r}"
+    );
+    let (status, r) = run("ctx_none", json!({"code": "1"}));
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (404, &json!("no_context")),
+        "{r}"
+    );
+    let (status, r) = run(sh, json!({"code": "1", "stdin": "x"}));
+    assert_eq!(status, 400, "{r}");
+    let (status, r) = run(sh, json!({"code": "1", "timeout_ms": 0}));
+    assert_eq!(
+        (status, &r["error"]["field"]),
+        (400, &json!("timeout_ms")),
+        "{r}"
+    );
+
+    // A Python context is an interpreter of its own, in its cwd, with its own count.
+    let r = ok(py, "import os\nx = 41\nos.getcwd()");
+    assert_eq!(
+        (shown(&r), &r["execution_count"]),
+        (&json!("'/'"), &json!(1))
+    );
+    let r = ok(py, "x + 1");
+    assert_eq!(
+        (shown(&r), &r["execution_count"]),
+        (&json!("42"), &json!(2))
+    );
+    assert_eq!(shown(&cell(&s, &id, "'x' in globals()")), "False");
+    let r = ok(py, "1 / 0");
+    assert_eq!(
+        (&r["status"], &r["error"]["name"]),
+        (&json!("error"), &json!("ZeroDivisionError")),
+        "{r}"
+    );
+
+    // A shell context keeps its directory and variables; its status is its last command's.
+    let r = ok(sh, "pwd; cd /; N=5");
+    assert_eq!(
+        (&r["stdout"], &r["status"]),
+        (&json!("/tmp\n"), &json!("ok")),
+        "{r}"
+    );
+    let r = ok(sh, "echo \"$N $(pwd)\"");
+    assert_eq!(r["stdout"], "5 /\n", "{r}");
+    let r = ok(sh, "echo no >&2; false");
+    assert_eq!(
+        (&r["status"], &r["exit_code"], &r["stderr"]),
+        (&json!("error"), &json!(1), &json!("no\n")),
+        "{r}"
+    );
+    let (status, r) = run(sh, json!({"code": "sleep 30", "timeout_ms": 1000}));
+    assert_eq!((status, &r["status"]), (200, &json!("timeout")), "{r}");
+    assert_eq!(
+        ok(sh, "echo $N").get("stdout"),
+        Some(&json!("5\n")),
+        "the shell stayed"
+    );
+
+    // A cell of each context, sent together, run at the same time (the guest's clock).
+    let (a, b) = std::thread::scope(|t| {
+        let a = t.spawn(|| ok(py, PY_SPAN));
+        let b = t.spawn(|| ok(sh, SH_SPAN));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    let a: Vec<f64> = serde_json::from_str(shown(&a).as_str().unwrap()).unwrap();
+    let b: Vec<f64> = serde_json::from_str(b["stdout"].as_str().unwrap()).unwrap();
+    assert!(a[0] < b[1] && b[0] < a[1], "the cells overlap: {a:?} {b:?}");
+
+    let (status, listed) = get_json(&s, &base);
+    assert_eq!(status, 200);
+    let mut ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    let mut want = vec![py, sh];
+    want.sort();
+    assert_eq!(ids, want);
+
+    // Restart: a new, empty kernel, back in the context's cwd; remove: gone.
+    let (status, _) = s.post(&format!("{base}/{sh}/restart"), &json!({}));
+    assert_eq!(status, 204);
+    let r = ok(sh, "echo \"${N:-unset} $(pwd)\"");
+    assert_eq!(r["stdout"], "unset /tmp\n", "{r}");
+    assert_eq!(s.delete(&format!("{base}/{py}")), 204);
+    let (status, r) = run(py, json!({"code": "x"}));
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (404, &json!("no_context")),
+        "{r}"
+    );
+    assert_eq!(s.delete(&format!("{base}/{py}")), 404);
+    // The session's own cells went on all along.
+    assert_eq!(shown(&cell(&s, &id, "6 * 7")), "42");
+}

@@ -16,4 +16,7 @@ pub use exec::{
     check_relative, text_and_b64,
 };
 pub use health::{AuditHealth, Health};
-pub use sessions::{CellResponse, CreateSession, ForkRequest, ForkResponse, SessionInfo};
+pub use sessions::{
+    CellResponse, ContextCell, ContextInfo, CreateContext, CreateSession, ForkRequest,
+    ForkResponse, SessionInfo,
+};

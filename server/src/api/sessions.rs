@@ -243,3 +243,75 @@ impl ForkResponse {
         }
     }
 }
+
+/// `POST /v1/sessions/{id}/contexts`: a code context, a kernel of its own.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateContext {
+    /// `python` (default) or `bash`.
+    pub language: Option<String>,
+    /// Where its kernel starts (default: the session's work directory, `/tmp`).
+    pub cwd: Option<String>,
+}
+
+/// A code context as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContextInfo {
+    pub id: String,
+    pub language: String,
+    pub cwd: String,
+}
+
+impl From<&crate::contexts::Context> for ContextInfo {
+    fn from(c: &crate::contexts::Context) -> Self {
+        Self {
+            id: c.id.clone(),
+            language: c.language.clone(),
+            cwd: c.cwd.clone(),
+        }
+    }
+}
+
+/// `POST /v1/sessions/{id}/contexts/{context}/exec`: a cell for a context's kernel.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextCell {
+    pub code: String,
+    /// Variables set in the kernel before the cell (they stay set, as in a notebook).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Past it the cell is interrupted (default: the server's default timeout).
+    pub timeout_ms: Option<u64>,
+}
+
+impl ContextCell {
+    /// Checks the cell against `limits`: its code, environment and time limit.
+    pub fn checked(
+        self,
+        limits: &crate::config::Limits,
+    ) -> Result<(String, BTreeMap<String, String>, std::time::Duration), crate::service::error::Error>
+    {
+        use crate::service::error::Error;
+        if self.code.len() > limits.max_code_bytes {
+            return Err(Error::invalid(
+                "code",
+                format!("code is at most {} bytes", limits.max_code_bytes),
+            ));
+        }
+        let timeout_ms = self.timeout_ms.unwrap_or(limits.default_timeout_ms);
+        if !(1..=limits.max_timeout_ms).contains(&timeout_ms) {
+            return Err(Error::invalid(
+                "timeout_ms",
+                format!(
+                    "timeout_ms must be 1..={} (got {timeout_ms})",
+                    limits.max_timeout_ms
+                ),
+            ));
+        }
+        Ok((
+            self.code,
+            self.env,
+            std::time::Duration::from_millis(timeout_ms),
+        ))
+    }
+}

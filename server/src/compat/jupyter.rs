@@ -38,19 +38,17 @@ use vmm::job::Stream;
 use vmm::{CellOptions, Language, Status};
 
 use super::Compat;
-use super::e2b::{Context, e2b_error, sandbox_of};
+use super::e2b::{e2b_error, sandbox_of};
 use crate::api::{CellResponse, ExecRequest};
+use crate::contexts::Context;
 use crate::error::{ApiError, Error};
-use crate::service::kernels::{self, Kernel};
-use crate::service::{processes, sessions, task};
+use crate::service::{contexts, kernels, sessions, task};
 
 /// The default context's id in `GET /contexts`.
 pub const DEFAULT_CONTEXT: &str = "default";
 /// The sandbox's home, as E2B names it: bud's work directory, /tmp, mounted there again.
 /// Where the default context's cells start, and a new context's without a `cwd`.
 pub const HOME: &str = "/home/user";
-/// The longest context `cwd` (Linux's `PATH_MAX`).
-const MAX_CWD: usize = 4096;
 
 #[derive(Debug, Deserialize)]
 pub struct ExecuteRequest {
@@ -60,55 +58,23 @@ pub struct ExecuteRequest {
     pub env_vars: Option<BTreeMap<String, String>>,
 }
 
-/// Where a cell runs: a kernel (a made context's, or the default bash context's), or the
+/// Where a cell runs: a context's kernel (a made one, or the default bash context), or the
 /// session's `__main__` (the default Python context).
 enum Target {
-    Kernel {
-        language: Language,
-        kernel: Kernel,
-        cwd: String,
-        name: String,
-    },
+    Kernel(Language, String),
     Session,
 }
 
-fn target(contexts: &super::e2b::Contexts, req: &ExecuteRequest) -> Result<Target, ApiError> {
-    let language = match req.context_id.as_deref() {
-        Some(DEFAULT_CONTEXT) => Language::Python,
-        Some(id) => {
-            let c = contexts
-                .made
-                .get(id)
-                .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
-            return Ok(Target::Kernel {
-                language: language_of(&c.language)?,
-                kernel: c.kernel.clone(),
-                cwd: c.cwd.clone(),
-                name: c.id.clone(),
-            });
-        }
-        None => language_of(req.language.as_deref().unwrap_or("python"))?,
-    };
-    Ok(match language {
-        Language::Python => Target::Session,
-        Language::Shell => Target::Kernel {
-            language,
-            kernel: contexts.bash.clone(),
-            cwd: HOME.into(),
-            name: "bash".into(),
+/// Which context `req` asks for; a made one's language is known when its cell runs.
+fn target(req: &ExecuteRequest) -> Result<Target, Error> {
+    Ok(match req.context_id.as_deref() {
+        Some(DEFAULT_CONTEXT) => Target::Session,
+        Some(id) => Target::Kernel(Language::Python, id.to_owned()),
+        None => match contexts::language_of(req.language.as_deref().unwrap_or("python"))? {
+            Language::Python => Target::Session,
+            Language::Shell => Target::Kernel(Language::Shell, String::new()),
         },
     })
-}
-
-fn language_of(name: &str) -> Result<Language, Error> {
-    match name {
-        "python" | "python3" => Ok(Language::Python),
-        "bash" | "sh" => Ok(Language::Shell),
-        other => Err(Error::invalid(
-            "language",
-            format!("bud runs python and bash (busybox sh) code, not {other}"),
-        )),
-    }
 }
 
 fn micros_now() -> u64 {
@@ -363,9 +329,13 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
     let state = c.app;
     let req: ExecuteRequest = serde_json::from_slice(&body)
         .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?;
-    let target = {
-        let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        target(&contexts, &req)?
+    let target = match target(&req)? {
+        // A made context: its language, or 404 before the stream starts.
+        Target::Kernel(_, ctx) if !ctx.is_empty() => {
+            let c = contexts::get(&state, &e.id, &ctx)?;
+            Target::Kernel(contexts::language_of(&c.language)?, ctx)
+        }
+        t => t,
     };
     let timeout_ms = state.config().limits.max_timeout_ms;
     let env = req.env_vars.unwrap_or_default();
@@ -373,27 +343,24 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
     let key = s.key.clone();
     let id = e.id.clone();
     let mut rx = match target {
-        Target::Kernel {
-            language,
-            kernel,
-            cwd,
-            name,
-        } => {
+        Target::Kernel(language, ctx) => {
             let end = move |r: Result<kernels::Ran, Error>| {
                 let r = r
                     .map(|c| CellResponse::new(c.result, Duration::ZERO, c.execution_count, false));
                 Event::End(Box::new(r), language)
             };
-            let cell = kernels::KernelCell {
-                language,
+            let cell = contexts::Cell {
                 code: req.code,
                 env,
-                cwd,
                 timeout: Duration::from_millis(timeout_ms),
-                name,
             };
             task::spawn(key, Event::Output, end, move |sink| async move {
-                kernels::run(&state, &id, kernel, cell, "/execute", sink).await
+                let which = if ctx.is_empty() {
+                    contexts::Which::DefaultBash(HOME)
+                } else {
+                    contexts::Which::Made(&ctx)
+                };
+                contexts::run(&state, &id, which, cell, "/execute", sink).await
             })
         }
         Target::Session => {
@@ -453,32 +420,25 @@ pub struct NewContext {
     pub cwd: Option<String>,
 }
 
-/// `POST /contexts`: a new context, with a kernel of its own from its first cell.
+/// `POST /contexts`: a new context, with a kernel of its own from its first cell (an empty
+/// `cwd` is the home, as E2B's server has it).
 pub async fn create_context(State(c): State<Compat>, headers: HeaderMap, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
-        let (s, _) = sandbox_of(&c, &headers)?;
+        let (_, e) = sandbox_of(&c, &headers)?;
         let req: NewContext = if body.is_empty() {
             NewContext::default()
         } else {
             serde_json::from_slice(&body)
                 .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?
         };
-        let language = req.language.unwrap_or_else(|| "python".into());
-        language_of(&language)?;
-        // As E2B's server: an empty cwd is the home.
-        let cwd = req
-            .cwd
-            .filter(|d| !d.is_empty())
-            .unwrap_or_else(|| HOME.into());
-        if cwd.contains('\0') || cwd.len() > MAX_CWD {
-            return Err(ApiError::invalid(
-                "cwd",
-                format!("a directory is at most {MAX_CWD} bytes, without a NUL byte"),
-            ));
-        }
-        let mut contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        let c = contexts.add(&language, &cwd)?;
-        Ok(Json(context_json(&c)).into_response())
+        let made = contexts::create(
+            &c.app,
+            &e.id,
+            req.language.as_deref(),
+            req.cwd.as_deref(),
+            HOME,
+        )?;
+        Ok(Json(context_json(&made)).into_response())
     };
     run().unwrap_or_else(e2b_error)
 }
@@ -486,10 +446,9 @@ pub async fn create_context(State(c): State<Compat>, headers: HeaderMap, body: B
 /// `GET /contexts`: the default context, then those made.
 pub async fn list_contexts(State(c): State<Compat>, headers: HeaderMap) -> Response {
     let run = || -> Result<Response, ApiError> {
-        let (s, _) = sandbox_of(&c, &headers)?;
-        let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        let (_, e) = sandbox_of(&c, &headers)?;
         let mut all = vec![json!({"id": DEFAULT_CONTEXT, "language": "python", "cwd": HOME})];
-        all.extend(contexts.made.values().map(context_json));
+        all.extend(contexts::list(&c.app, &e.id)?.iter().map(context_json));
         Ok(Json(all).into_response())
     };
     run().unwrap_or_else(e2b_error)
@@ -500,48 +459,32 @@ pub async fn list_contexts(State(c): State<Compat>, headers: HeaderMap) -> Respo
 async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Response {
     let run = async {
         let (s, e) = sandbox_of(&c, &headers)?;
-        if id == DEFAULT_CONTEXT {
+        if id != DEFAULT_CONTEXT {
             if forget {
-                return Err(ApiError::invalid(
-                    "id",
-                    "the default context cannot be removed",
-                ));
+                contexts::remove(&c.app, &e.id, &id).await?;
+            } else {
+                contexts::restart(&c.app, &e.id, &id).await?;
             }
-            let native = ExecRequest {
-                code: Some(String::new()),
-                cell: CellOptions {
-                    namespace: 0,
-                    reset: true,
-                    directory: Some(HOME.into()),
-                    error_in_display: true,
-                },
-                ..ExecRequest::default()
-            };
-            let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
-            crate::audit::KEY.scope(s.key.clone(), reset).await?;
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
-        let kernel = {
-            let contexts = s.contexts.lock().unwrap_or_else(|p| p.into_inner());
-            contexts
-                .made
-                .get(&id)
-                .map(|c| c.kernel.clone())
-                .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?
-        };
-        if let Some(pid) = kernel.take_pid() {
-            match processes::signal(&c.app, &e.id, pid, libc::SIGKILL).await {
-                Ok(()) | Err(Error::NoProcess { .. }) => {}
-                Err(err) => return Err(err.into()),
-            }
-        }
         if forget {
-            s.contexts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .made
-                .remove(&id);
+            return Err(ApiError::invalid(
+                "id",
+                "the default context cannot be removed",
+            ));
         }
+        let native = ExecRequest {
+            code: Some(String::new()),
+            cell: CellOptions {
+                namespace: 0,
+                reset: true,
+                directory: Some(HOME.into()),
+                error_in_display: true,
+            },
+            ..ExecRequest::default()
+        };
+        let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
+        crate::audit::KEY.scope(s.key.clone(), reset).await?;
         Ok(StatusCode::NO_CONTENT.into_response())
     };
     run.await.unwrap_or_else(e2b_error)

@@ -105,6 +105,7 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
         processes: processes_of(&e),
         watches: e.processes.watch_list(),
         attachment: e.attachment_record(),
+        contexts: e.contexts().clone(),
     };
     let app = serde_json::to_vec(&record).map_err(Error::internal)?;
     let path = dir.paused_path(&e.id);
@@ -161,6 +162,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             processes: processes_of(&e),
             watches: e.processes.watch_list(),
             attachment: e.attachment_record(),
+            contexts: e.contexts().clone(),
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
         let path = dir.snapshot_path(&snap_id);
@@ -272,6 +274,7 @@ pub async fn start_from(
         })?;
         let e = sessions.insert(settings, vm).map_err(Error::internal)?;
         e.keep_record(r.attachment);
+        *e.contexts() = r.contexts.copy();
         for p in &r.processes {
             e.processes.add(p.info());
         }

@@ -129,6 +129,9 @@ pub enum Error {
     /// No such file in the session.
     #[error("{0}")]
     NoFile(String),
+    /// No such code context in the session.
+    #[error("{0}")]
+    NoContext(String),
     /// The server has no state directory, so nothing is paused or snapshotted.
     #[error(
         "this server keeps no state directory (--state-dir): it cannot pause, resume or snapshot"

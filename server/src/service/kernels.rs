@@ -35,15 +35,15 @@
 //! context's first cell (measured in `docs/measurements.md`, "Code contexts as kernels").
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use vmm::job::Stream;
 use vmm::protocol::outcome;
 use vmm::{CellError, JobResult, Language, Status};
 
+pub use crate::contexts::Kernel;
 use crate::procs::{Event, Start};
 use crate::service::error::Error;
 use crate::service::processes;
@@ -110,86 +110,6 @@ const SHELL_TRAILER: &str = "\nreturn\n";
 /// A kernel's mark: this, a fresh random token in hex, and a space.
 const MARK_PREFIX: &str = "\u{1e}bud-kernel-";
 
-/// The kernel of one context: the process, if one was started, and the turn its cells
-/// take. A handle: clones share it. [`Kernel::copy`] makes another (a forked sandbox's
-/// context, whose VM has its own copy of the process).
-#[derive(Debug, Clone, Default)]
-pub struct Kernel(Arc<Inner>);
-
-#[derive(Debug, Default)]
-struct Inner {
-    turn: tokio::sync::Mutex<()>,
-    state: Mutex<KernelState>,
-}
-
-/// What a kernel keeps between cells (and in a paused sandbox's record).
-#[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct KernelState {
-    /// The kernel process; None before the first cell and after it died or was killed.
-    pub pid: Option<u32>,
-    /// The mark before its end-of-cell frames.
-    pub mark: String,
-    /// Cells run by this kernel (E2B's `execution_count`, per context as per kernel).
-    pub count: u64,
-}
-
-impl PartialEq for Kernel {
-    fn eq(&self, other: &Self) -> bool {
-        self.state() == other.state()
-    }
-}
-
-impl Eq for Kernel {}
-
-impl Serialize for Kernel {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.state().serialize(s)
-    }
-}
-
-impl<'de> Deserialize<'de> for Kernel {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(Self::with(KernelState::deserialize(d)?))
-    }
-}
-
-impl Kernel {
-    fn with(state: KernelState) -> Self {
-        Self(Arc::new(Inner {
-            turn: tokio::sync::Mutex::new(()),
-            state: Mutex::new(state),
-        }))
-    }
-
-    /// Another kernel with this one's state (not its turn).
-    pub fn copy(&self) -> Self {
-        Self::with(self.state())
-    }
-
-    pub fn state(&self) -> KernelState {
-        self.0
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    fn set(&self, f: impl FnOnce(&mut KernelState)) {
-        f(&mut self.0.state.lock().unwrap_or_else(|p| p.into_inner()));
-    }
-
-    /// Forgets the kernel's process and returns it (to be killed: a restarted or removed
-    /// context). A cell running in it ends with `DeadKernelError`.
-    pub fn take_pid(&self) -> Option<u32> {
-        let mut pid = None;
-        self.set(|k| {
-            pid = k.pid.take();
-            k.count = 0;
-        });
-        pid
-    }
-}
-
 /// A cell for a kernel.
 #[derive(Debug)]
 pub struct KernelCell {
@@ -235,7 +155,7 @@ pub async fn run(
     let (st, sid) = (state.clone(), id.to_owned());
     tokio::spawn(async move {
         let mut end_tx = end_tx;
-        let _turn = kernel.0.turn.lock().await;
+        let _turn = kernel.turn().await;
         let ran = in_turn(&st, &sid, &kernel, cell, out_tx, &mut end_tx).await;
         // Recorded here, so that a cell whose client left is recorded too.
         match &ran {

@@ -10,6 +10,7 @@
 //! - [`sessions`]: start, cell, fork, end, expiry;
 //! - [`durable`]: pause, snapshots, auto-pause (the state directory); [`resume`]: a
 //!   paused session made again, at the request that wants it;
+//! - [`contexts`]: code contexts (make, list, run a cell, restart, remove), whoever asks;
 //! - [`kernels`]: code contexts as kernel processes (a client's contexts run side by side);
 //! - [`processes`]: a session's background processes and the pump that runs its VM
 //!   while they live;
@@ -25,6 +26,7 @@
 
 pub mod access;
 pub mod admission;
+pub mod contexts;
 pub mod drain;
 pub mod durable;
 pub mod error;

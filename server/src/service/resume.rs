@@ -186,6 +186,7 @@ fn resume_file(
         .insert(settings, vm)
         .map_err(Error::internal)?;
     e.keep_record(r.attachment);
+    *e.contexts() = r.contexts;
     for proc_ in &r.processes {
         e.processes.add(proc_.info());
     }

@@ -263,8 +263,8 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
             .forked
             .fetch_add(made.len() as u64, std::sync::atomic::Ordering::Relaxed);
         e.account();
-        // Each child has its own copy of the parent's live processes (and their pipes) and
-        // watchers (the guest's inotify): they are its own from now on.
+        // Each child has its own copy of the parent's live processes (and their pipes),
+        // watchers (the guest's inotify) and code contexts' kernels: its own from now on.
         let live: Vec<_> = e
             .processes
             .list()
@@ -272,7 +272,9 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
             .filter(|(_, end)| end.is_none())
             .collect();
         let watches = e.processes.watch_list();
+        let contexts = e.contexts().clone();
         for child in &made {
+            *child.contexts() = contexts.copy();
             for (info, _) in &live {
                 child.processes.add((**info).clone());
             }

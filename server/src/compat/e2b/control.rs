@@ -19,7 +19,7 @@
 //!   contexts), alive for `timeout` seconds or what was left of the parent's lifetime.
 //!   201 with one `{"sandbox": ...}` per child, as E2B answers.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use axum::Json;
@@ -268,11 +268,6 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
             .map_err(|err| Error::invalid("body", format!("bad JSON body: {err}")))?
     };
     let forked = sessions::fork(&c.app, id, req.count.unwrap_or(1)).await?;
-    let contexts = parent
-        .contexts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .copy();
     let mut results = Vec::with_capacity(forked.ids.len());
     for child in forked.ids {
         let e = sessions::get(&c.app, &child)?;
@@ -285,7 +280,6 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
             token: random_hex(16)?,
             key: crate::audit::current_key(),
             metadata: parent.metadata.clone(),
-            contexts: Mutex::new(contexts.copy()),
             auto_pause: parent.auto_pause,
             auto_resume: parent.auto_resume,
         });

@@ -43,7 +43,6 @@ use crate::api::CreateSession;
 use crate::clock::{epoch_s, rfc3339};
 use crate::error::{ApiError, Error};
 use crate::keys::constant_time_eq;
-use crate::service::kernels::Kernel;
 use crate::service::sessions;
 use crate::sessions::Entry;
 use crate::state::AppState;
@@ -59,19 +58,6 @@ pub const ENVD_VERSION: &str = "0.6.4";
 /// E2B's default sandbox timeout, seconds.
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 
-/// One code context: a kernel of its own (`crate::service::kernels`), a Python interpreter
-/// or a shell after its language.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
-pub struct Context {
-    pub id: String,
-    /// `python` or `bash`.
-    pub language: String,
-    pub cwd: String,
-    /// The context's kernel (a handle: clones of the context share it).
-    #[serde(default)]
-    pub kernel: Kernel,
-}
-
 /// What E2B clients know of a sandbox besides its session.
 #[derive(Debug)]
 pub struct Sandbox {
@@ -81,7 +67,6 @@ pub struct Sandbox {
     /// The name of the API key that made it (its routes carry none; for the audit trail).
     pub key: Option<String>,
     pub metadata: BTreeMap<String, String>,
-    pub contexts: Mutex<Contexts>,
     /// Paused rather than killed at its timeout (E2B's `autoPause`).
     pub auto_pause: bool,
     /// Resumed by any in-sandbox request while paused (E2B's `autoResume`).
@@ -96,7 +81,10 @@ struct SandboxRecord {
     token: String,
     key: Option<String>,
     metadata: BTreeMap<String, String>,
-    contexts: Contexts,
+    /// Its code contexts, in records older than contexts of the session's own
+    /// (`crate::contexts`): taken over by the session when read.
+    #[serde(default, skip_serializing)]
+    contexts: Option<crate::contexts::Contexts>,
     auto_pause: bool,
     #[serde(default)]
     auto_resume: bool,
@@ -110,11 +98,7 @@ impl crate::sessions::Attachment for Sandbox {
             token: self.token.clone(),
             key: self.key.clone(),
             metadata: self.metadata.clone(),
-            contexts: self
-                .contexts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+            contexts: None,
             auto_pause: self.auto_pause,
             auto_resume: self.auto_resume,
         };
@@ -123,62 +107,25 @@ impl crate::sessions::Attachment for Sandbox {
 }
 
 impl Sandbox {
-    /// The sandbox `record` (a session's saved attachment) keeps, if it is sandbox `id`'s.
-    fn from_record(id: &str, record: &serde_json::Value) -> Option<Self> {
+    /// The sandbox `record` (a session's saved attachment) keeps, if it is sandbox `id`'s,
+    /// and the contexts an older record kept.
+    fn from_record(
+        id: &str,
+        record: &serde_json::Value,
+    ) -> Option<(Self, Option<crate::contexts::Contexts>)> {
         let r: SandboxRecord = serde_json::from_value(record.get("e2b")?.clone()).ok()?;
-        (r.id == id).then(|| Self {
-            id: r.id,
-            template_id: r.template_id,
-            token: r.token,
-            key: r.key,
-            metadata: r.metadata,
-            contexts: Mutex::new(r.contexts),
-            auto_pause: r.auto_pause,
-            auto_resume: r.auto_resume,
+        (r.id == id).then(|| {
+            let s = Self {
+                id: r.id,
+                template_id: r.template_id,
+                token: r.token,
+                key: r.key,
+                metadata: r.metadata,
+                auto_pause: r.auto_pause,
+                auto_resume: r.auto_resume,
+            };
+            (s, r.contexts)
         })
-    }
-}
-
-/// A sandbox's contexts: the default Python one (the session's namespace 0), the default
-/// bash one (a kernel) and those made by clients (each a kernel).
-#[derive(Debug, Default, Clone, serde::Serialize, Deserialize)]
-pub struct Contexts {
-    pub made: BTreeMap<String, Context>,
-    /// The default bash context's kernel (cells with `language` bash and no context).
-    #[serde(default)]
-    pub bash: Kernel,
-}
-
-impl Contexts {
-    /// A forked sandbox's contexts: the same, each kernel a copy (the child's VM has its
-    /// own copy of each kernel process).
-    pub fn copy(&self) -> Self {
-        let mut c = self.clone();
-        for ctx in c.made.values_mut() {
-            ctx.kernel = ctx.kernel.copy();
-        }
-        c.bash = self.bash.copy();
-        c
-    }
-
-    /// Most contexts a sandbox may have (each may hold a kernel process in the guest).
-    pub const MAX: usize = 64;
-
-    pub fn add(&mut self, language: &str, cwd: &str) -> Result<Context, Error> {
-        if self.made.len() >= Self::MAX {
-            return Err(Error::invalid(
-                "contexts",
-                format!("a sandbox has at most {} contexts", Self::MAX),
-            ));
-        }
-        let c = Context {
-            id: format!("ctx_{}", random_hex(8)?),
-            language: language.to_owned(),
-            cwd: cwd.to_owned(),
-            kernel: Kernel::default(),
-        };
-        self.made.insert(c.id.clone(), c.clone());
-        Ok(c)
     }
 }
 
@@ -319,7 +266,6 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         token: random_hex(16)?,
         key: crate::audit::current_key(),
         metadata: req.metadata,
-        contexts: Mutex::default(),
         auto_pause: req.auto_pause.unwrap_or(false),
         auto_resume: req.auto_resume.as_ref().is_some_and(|a| a.enabled),
     });
@@ -363,9 +309,16 @@ fn sandbox(c: &Compat, id: &str, e: Option<&Entry>) -> Option<Arc<Sandbox>> {
         Some(e) => e.attachment_record(),
         None => paused(c, id)?.record.attachment,
     };
-    let s = Arc::new(Sandbox::from_record(id, &record)?);
+    let (s, contexts) = Sandbox::from_record(id, &record)?;
+    let s = Arc::new(s);
     if let Some(e) = e {
         e.attach(s.clone());
+        if let Some(old) = contexts {
+            let mut now = e.contexts();
+            if now.made.is_empty() {
+                *now = old;
+            }
+        }
     }
     c.own.e2b.map().insert(id.to_owned(), s.clone());
     Some(s)
@@ -569,22 +522,4 @@ pub async fn set_timeout(
         Ok(StatusCode::NO_CONTENT.into_response())
     };
     run().unwrap_or_else(e2b_error)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn contexts_get_their_own_ids_up_to_the_cap() {
-        let mut c = Contexts::default();
-        let a = c.add("python", "/home/user").unwrap();
-        let b = c.add("bash", "/tmp").unwrap();
-        assert_ne!(a.id, b.id);
-        assert_eq!((a.language.as_str(), b.cwd.as_str()), ("python", "/tmp"));
-        for _ in 2..Contexts::MAX {
-            c.add("python", "/").unwrap();
-        }
-        assert!(c.add("python", "/").is_err());
-    }
 }
