@@ -14,6 +14,12 @@
 //! and the context's execution count. One cell of a context runs at a time ([`Kernel`]'s
 //! turn); the next waits for it.
 //!
+//! **A kernel's start is not its first cell's time.** A new kernel first gets a request
+//! without code (it enters the context's directory and sets the session's environment),
+//! and the cell is sent once that one's frame says the kernel is ready: a fresh `python3`
+//! takes ~14 s under kvm_pvm, longer than a cell's default time limit. The start may take
+//! [`START_LIMIT`]. Execution counts are kept here, per kernel, from 1.
+//!
 //! **Time limits and clients that leave.** Past the cell's time limit, or when the client
 //! goes away, the kernel gets SIGINT (the cell's `KeyboardInterrupt`); a kernel that has
 //! not answered [`INTERRUPT_GRACE`] later is killed, and the context's next cell starts a
@@ -111,7 +117,7 @@ const SHELL_TRAILER: &str = "\nreturn\n";
 const MARK_PREFIX: &str = "\u{1e}bud-kernel-";
 
 /// A cell for a kernel.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KernelCell {
     /// Python or shell: what the kernel is (a context's language, which never changes).
     pub language: Language,
@@ -182,40 +188,77 @@ async fn in_turn(
     out: Out,
     end: &mut oneshot::Sender<Result<Ran, Error>>,
 ) -> Result<Ran, Error> {
-    let seq = kernel.state().count + 1;
-    // A kernel the session no longer has (it died, or was lost with a pause it did not
-    // survive) is started anew, once.
-    let mut fresh = false;
-    let (pid, sub) = loop {
-        let pid = match kernel.state().pid {
-            Some(pid) if processes::is_running(state, id, pid) => pid,
-            _ => {
-                fresh = true;
-                start(state, id, kernel, &cell).await?
+    // A kernel the session no longer has (it died, was killed, or was lost with a pause it
+    // did not survive) is started anew.
+    let running = kernel
+        .state()
+        .pid
+        .filter(|&pid| processes::is_running(state, id, pid));
+    let fresh = running.is_none();
+    let (pid, rx) = match running {
+        Some(pid) => (pid, processes::connect(state, id, pid, false)?.rx),
+        None => {
+            let pid = start(state, id, kernel, &cell).await?;
+            let rx = processes::connect(state, id, pid, false)?.rx;
+            // Its start is not the cell's time: a request without code enters the context's
+            // directory and sets the session's environment (a kernel taken from the
+            // template has the worker's), and its frame says the kernel is ready.
+            let env = crate::service::access::get(state, id)?.env.clone();
+            let probe = KernelCell {
+                code: String::new(),
+                env: BTreeMap::new(),
+                ..cell.clone()
+            };
+            let line = request(&kernel.state().mark, &probe, 0, &env, true)?;
+            processes::stdin(state, id, pid, line, false).await?;
+            match wait(state, id, kernel, pid, rx, START_LIMIT, &out, end).await {
+                Ok((_, rx)) => (pid, rx),
+                Err(lost) => return Ok(lost),
             }
-        };
-        // A new kernel's first cell also brings the session's environment (a kernel taken
-        // from the template has the worker's).
-        let mut env = if fresh {
-            crate::service::access::get(state, id)?.env.clone()
-        } else {
-            BTreeMap::new()
-        };
-        env.extend(cell.env.clone());
-        let line = request(&kernel.state().mark, &cell, seq, &env, fresh)?;
-        let sub = processes::connect(state, id, pid, false)?;
-        match processes::stdin(state, id, pid, line, false).await {
-            Ok(()) => break (pid, sub),
-            Err(Error::NoProcess { .. } | Error::StdinClosed(_)) if !fresh => {
-                kernel.set(|k| k.pid = None);
-            }
-            Err(e) => return Err(e),
         }
     };
-    let mark = kernel.state().mark.into_bytes();
-    let mut frames = Frames::new(mark);
-    let mut rx = sub.rx;
-    let mut deadline = Instant::now() + cell.timeout;
+    let seq = kernel.state().count + 1;
+    let line = request(&kernel.state().mark, &cell, seq, &cell.env, false)?;
+    match processes::stdin(state, id, pid, line, false).await {
+        Ok(()) => {}
+        // Gone since it was looked at: its state is lost, as if it died during the cell.
+        Err(Error::NoProcess { .. } | Error::StdinClosed(_)) if !fresh => {
+            kernel.set(|k| k.pid = None);
+            return Ok(lost(
+                kernel,
+                Status::Error,
+                "the context's kernel had ended; its state is lost, and the context's next cell starts a new one",
+            ));
+        }
+        Err(e) => return Err(e),
+    }
+    match wait(state, id, kernel, pid, rx, cell.timeout, &out, end).await {
+        Ok(((frame, stopped), _)) => Ok(finish(kernel, frame, stopped)),
+        Err(lost) => Ok(lost),
+    }
+}
+
+/// How long a new kernel may take to start (a fresh `python3` with its imports took ~14 s
+/// under kvm_pvm, about twice that on a slow day).
+const START_LIMIT: Duration = Duration::from_secs(300);
+
+/// Waits for the frame of the request just sent to kernel `pid`, its output to `out`: past
+/// `limit` (or when the cell's client leaves) the kernel gets SIGINT, and
+/// [`INTERRUPT_GRACE`] later SIGKILL. The frame and how the cell was stopped, or the cell's
+/// end if the kernel did not answer.
+#[allow(clippy::too_many_arguments)]
+async fn wait(
+    state: &AppState,
+    id: &str,
+    kernel: &Kernel,
+    pid: u32,
+    mut rx: broadcast::Receiver<Event>,
+    limit: Duration,
+    out: &Out,
+    end: &mut oneshot::Sender<Result<Ran, Error>>,
+) -> Result<((Frame, Option<Status>), broadcast::Receiver<Event>), Ran> {
+    let mut frames = Frames::new(kernel.state().mark.into_bytes());
+    let mut deadline = Instant::now() + limit;
     let mut stopped: Option<Status> = None;
     let ended = loop {
         let ev = tokio::select! {
@@ -225,7 +268,7 @@ async fn in_turn(
                     // No answer to the interrupt: the kernel goes, with its state.
                     let _ = processes::signal(state, id, pid, libc::SIGKILL).await;
                     kernel.set(|k| k.pid = None);
-                    return Ok(lost(kernel, Status::Timeout, "the cell ran past its time limit and did not stop at the interrupt; its context's kernel was killed, and the context's next cell starts a new one"));
+                    return Err(lost(kernel, Status::Timeout, "the cell ran past its time limit and did not stop at the interrupt; its context's kernel was killed, and the context's next cell starts a new one"));
                 }
                 stopped = Some(Status::Timeout);
                 deadline = Instant::now() + INTERRUPT_GRACE;
@@ -271,7 +314,7 @@ async fn in_turn(
         }
     };
     match ended {
-        Ok(frame) => Ok(finish(kernel, frame, stopped)),
+        Ok(frame) => Ok(((frame, stopped), rx)),
         Err(exit) => {
             kernel.set(|k| k.pid = None);
             let how = match (exit.exit_code, exit.signal, &exit.lost) {
@@ -280,7 +323,7 @@ async fn in_turn(
                 (_, Some(s), _) => format!("was killed by signal {s}"),
                 _ => "ended".into(),
             };
-            Ok(lost(
+            Err(lost(
                 kernel,
                 stopped.unwrap_or(Status::Error),
                 &format!(
@@ -393,6 +436,7 @@ async fn start(
     kernel.set(|k| {
         k.pid = Some(pid);
         k.mark = mark;
+        k.count = 0;
     });
     Ok(pid)
 }
@@ -418,7 +462,6 @@ fn lost(kernel: &Kernel, status: Status, why: &str) -> Ran {
 struct Frame {
     outcome: u32,
     status: i32,
-    count: u64,
     #[serde(default)]
     display: serde_json::Value,
 }
@@ -431,10 +474,15 @@ fn finish(kernel: &Kernel, frame: Frame, stopped: Option<Status>) -> Ran {
         (_, sig) => (stopped.unwrap_or(Status::Error), None, Some(sig)),
     };
     let display = serde_json::to_vec(&frame.display).unwrap_or_default();
-    kernel.set(|k| k.count = frame.count);
+    // Counted here, not by the kernel (whose count includes its start's empty request).
+    let mut count = 0;
+    kernel.set(|k| {
+        k.count += 1;
+        count = k.count;
+    });
     Ran {
         result: JobResult::of_cell(status, exit_code, signal, &display),
-        execution_count: frame.count,
+        execution_count: count,
     }
 }
 
@@ -486,7 +534,6 @@ impl Frames {
         let frame = serde_json::from_slice(&self.held[..nl]).unwrap_or(Frame {
             outcome: outcome::EXITED,
             status: 70,
-            count: 0,
             display: serde_json::Value::Null,
         });
         (text, Some(frame))
@@ -519,7 +566,7 @@ mod tests {
             }
             let frame = got.expect("a frame");
             assert_eq!(text, b"err 1\nhalf", "chunks of {size}");
-            assert_eq!((frame.outcome, frame.status, frame.count), (1, 3, 4));
+            assert_eq!((frame.outcome, frame.status), (1, 3));
         }
         // A near-mark is passed through once it cannot be the mark.
         let mut f = Frames::new(mark);
