@@ -731,8 +731,11 @@ fn code_contexts_run_beside_each_other_keep_their_own_state_and_restart_and_go()
     assert_eq!(ids, want);
 
     // Restart: a new, empty kernel, back in the context's cwd; remove: gone.
-    let (status, _) = s.post(&format!("{base}/{sh}/restart"), &json!({}));
-    assert_eq!(status, 204);
+    let restarted = client()
+        .post(s.url(&format!("{base}/{sh}/restart")))
+        .send()
+        .expect("request failed");
+    assert_eq!(restarted.status().as_u16(), 204);
     let r = ok(sh, "echo \"${N:-unset} $(pwd)\"");
     assert_eq!(r["stdout"], "unset /tmp\n", "{r}");
     assert_eq!(s.delete(&format!("{base}/{py}")), 204);

@@ -170,12 +170,23 @@ pub async fn run(
         }
         let _ = end_tx.send(ran);
     });
+    // The output goes to the sink as it comes, and into the answer up to the server's
+    // output cap a stream (the cell is not stopped there; what is past it is left out).
+    let cap = state.config().limits.max_output_bytes;
+    let mut kept = [Vec::new(), Vec::new()];
     while let Some((stream, bytes)) = out_rx.recv().await {
         sink(stream, &bytes);
+        let buf = &mut kept[stream as usize];
+        let room = cap.saturating_sub(buf.len());
+        buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
-    end_rx
+    let mut ran = end_rx
         .await
-        .unwrap_or_else(|_| Err(Error::internal("the kernel's task ended without an answer")))
+        .unwrap_or_else(|_| Err(Error::internal("the kernel's task ended without an answer")))?;
+    let [stdout, stderr] = kept;
+    ran.result.stdout = stdout;
+    ran.result.stderr = stderr;
+    Ok(ran)
 }
 
 type Out = mpsc::UnboundedSender<(Stream, Vec<u8>)>;
