@@ -354,7 +354,7 @@ fn the_e2b_sdk_runs_background_commands_stdin_connect_list_kill_terminals_and_wa
             "pty": [true, true, true, true],
             "watch": [true, true, true, true, true],
             "watch_stopped": "SandboxException",
-            "async": [["async hi\n", 0], true, true, true],
+            "async": [["async hi\n", 0], true, true, true, true, 4, true],
         })
     );
 }

@@ -168,8 +168,21 @@ async def async_part():
     while ("async.txt", "create") not in got and time.monotonic() - t < 60:
         await asyncio.sleep(0.2)
     await w.stop()
+    # A terminal through the async SDK: a command typed, its output on the screen, the
+    # shell's exit status; then the control plane: info, a new timeout.
+    screen = []
+    term = await a.pty.create(PtySize(rows=24, cols=80), on_data=screen.append, timeout=0)
+    await a.pty.send_stdin(term.pid, b"echo async-pty; exit 4\n")
+    try:
+        await term.wait()
+        pty_end = "no exception"
+    except CommandExitException as e:
+        pty_end = e.exit_code
+    info = await a.get_info()
+    await a.set_timeout(90)
     await a.kill()
-    return out, bg.pid in listed, killed, ("async.txt", "create") in got
+    return (out, bg.pid in listed, killed, ("async.txt", "create") in got,
+            b"async-pty" in b"".join(screen), pty_end, info.sandbox_id == a.sandbox_id)
 
 
 seen["async"] = list(asyncio.run(async_part()))
