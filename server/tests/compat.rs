@@ -356,6 +356,10 @@ fn the_e2b_sdk_lists_filters_pages_measures_and_forks_sandboxes() {
     assert_eq!(seen["fork_state"], json!(["42", "42"]));
     assert_eq!(seen["fork_isolated"], json!(["41", "41"]));
     assert_eq!(seen["fork_listed"], json!(3));
+    assert_eq!(
+        seen["async"],
+        json!([true, true, [200, "async\n"], ["42"], true])
+    );
     assert_eq!(seen["after_kill"], json!([[]]));
 }
 

@@ -2,13 +2,14 @@
 template filters and pages, a sandbox's metrics, and forks that keep the parent's state.
 Prints what it saw as one JSON object (asserted by server/tests/compat.rs)."""
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
 
 import httpx
 from e2b import SandboxQuery, SandboxState
-from e2b_code_interpreter import Sandbox
+from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 seen = {}
 alice = Sandbox.create(template="base", timeout=120, metadata={"user": "alice", "k&": "v=1 x"})
@@ -80,6 +81,29 @@ children[0].run_code("x = 0")
 seen["fork_isolated"] = [alice.run_code("x").text, children[1].run_code("x").text]
 mine |= {c.sandbox_id for c in children}
 seen["fork_listed"] = len(listed(SandboxQuery(metadata={"user": "alice"}))[0])
+
+
+async def async_part():
+    """The control plane through the async SDK: a listing by metadata, metrics, a signed
+    download URL, a fork that keeps the parent's state, connect by id."""
+    a = await AsyncSandbox.create(template="base", timeout=120, metadata={"user": "async"})
+    ids = [s.sandbox_id for s in await AsyncSandbox.list(
+        query=SandboxQuery(metadata={"user": "async"})).next_items()]
+    metrics = await a.get_metrics()
+    await a.files.write("/home/user/a.txt", "async\n")
+    got = fetch(a.download_url("/home/user/a.txt"))
+    await a.run_code("y = 6")
+    children = await a.fork(count=1)
+    forked = [(await c.run_code("y * 7")).text for c in children]
+    again = await AsyncSandbox.connect(a.sandbox_id)
+    info = await again.get_info()
+    for c in children:
+        await c.kill()
+    await a.kill()
+    return [ids == [a.sandbox_id], len(metrics) > 0, got, forked, info.sandbox_id == a.sandbox_id]
+
+
+seen["async"] = asyncio.run(async_part())
 
 for s in [alice, bob, *children]:
     s.kill()
