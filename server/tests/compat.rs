@@ -358,7 +358,15 @@ fn the_e2b_sdk_lists_filters_pages_measures_and_forks_sandboxes() {
     assert_eq!(seen["fork_listed"], json!(3));
     assert_eq!(
         seen["async"],
-        json!([true, true, [200, "async\n"], ["42"], true])
+        json!([
+            true,
+            true,
+            [200, "async\n"],
+            [200, "up\n"],
+            true,
+            ["42"],
+            true
+        ])
     );
     assert_eq!(seen["after_kill"], json!([[]]));
 }

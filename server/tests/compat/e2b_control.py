@@ -84,14 +84,20 @@ seen["fork_listed"] = len(listed(SandboxQuery(metadata={"user": "alice"}))[0])
 
 
 async def async_part():
-    """The control plane through the async SDK: a listing by metadata, metrics, a signed
-    download URL, a fork that keeps the parent's state, connect by id."""
+    """The control plane through the async SDK: a listing by metadata, metrics, signed
+    download and upload URLs, gzip bodies, a fork that keeps the parent's state, connect by
+    id."""
     a = await AsyncSandbox.create(template="base", timeout=120, metadata={"user": "async"})
     ids = [s.sandbox_id for s in await AsyncSandbox.list(
         query=SandboxQuery(metadata={"user": "async"})).next_items()]
     metrics = await a.get_metrics()
     await a.files.write("/home/user/a.txt", "async\n")
     got = fetch(a.download_url("/home/user/a.txt"))
+    async with httpx.AsyncClient() as http:
+        r = await http.post(a.upload_url("/home/user/up.txt"), files={"file": ("x", b"up\n")})
+    up = [r.status_code, await a.files.read("/home/user/up.txt")]
+    await a.files.write("/home/user/z.txt", "gz " * 100, gzip=True)
+    gz = await a.files.read("/home/user/z.txt", gzip=True) == "gz " * 100
     await a.run_code("y = 6")
     children = await a.fork(count=1)
     forked = [(await c.run_code("y * 7")).text for c in children]
@@ -100,7 +106,8 @@ async def async_part():
     for c in children:
         await c.kill()
     await a.kill()
-    return [ids == [a.sandbox_id], len(metrics) > 0, got, forked, info.sandbox_id == a.sandbox_id]
+    return [ids == [a.sandbox_id], len(metrics) > 0, got, up, gz, forked,
+            info.sandbox_id == a.sandbox_id]
 
 
 seen["async"] = asyncio.run(async_part())
