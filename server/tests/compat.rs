@@ -198,6 +198,10 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["bash_exit"], json!([["bye\n"], "DeadKernelError"]));
     assert_eq!(seen["bash_new_shell"], json!(["gone /tmp\n"]));
     assert_eq!(seen["async"], json!([true, ["/tmp\n"], ["/tmp\n"]]));
+    assert_eq!(
+        seen["async_rich"],
+        json!([{"n": [1, 2]}, "symlink", "t.txt"])
+    );
     assert_eq!(seen["running"], json!(true));
     assert_eq!(seen["running_after_kill"], json!(false));
     assert_eq!(seen["kill_again"], json!(false));

@@ -229,6 +229,11 @@ async def async_part():
     (d0, d1), (c0, c1) = [r.results[0].json for r in ran[:2]]
     seen["async"] = [d0 < c1 and c0 < d1, ran[2].logs.stdout,
                      (await a.run_code("pwd", language="bash")).logs.stdout]
+    # Rich results and a symlink's entry, through the async SDK too.
+    frame = await a.run_code("import pandas as pd\npd.DataFrame({'n': [1, 2]})")
+    await a.run_code("ln -s t.txt /home/user/l.txt; echo t > /home/user/t.txt", language="bash")
+    entry = await a.files.get_info("/home/user/l.txt")
+    seen["async_rich"] = [frame.results[0].data, entry.type.value, entry.symlink_target]
     await a.kill()
 
 
