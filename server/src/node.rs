@@ -175,10 +175,7 @@ impl Node {
     /// A new random id of `kind` (`ses`, `snap`) on this node: 128 bits from the host's
     /// CSPRNG, so an id is the capability to use what it names.
     pub fn new_id(&self, kind: &str) -> Result<String, vmm::identity::IdentityError> {
-        let mut b = [0u8; 16];
-        vmm::identity::host_random(&mut b)?;
-        let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        Ok(format!("{kind}_{}_{hex}", self.id))
+        Ok(format!("{kind}_{}_{}", self.id, random_hex(16)?))
     }
 
     /// The other node `id` names, if it names one that is not this one.
@@ -275,6 +272,13 @@ impl Node {
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
     }
+}
+
+/// `bytes` bytes from the host's CSPRNG, in hex: ids, tokens, marks.
+pub fn random_hex(bytes: usize) -> Result<String, vmm::identity::IdentityError> {
+    let mut b = vec![0u8; bytes];
+    vmm::identity::host_random(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
 #[cfg(test)]

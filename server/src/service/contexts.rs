@@ -51,9 +51,7 @@ pub fn create(
             format!("a directory is at most {MAX_CWD} bytes, without a NUL byte"),
         ));
     }
-    let mut token = [0u8; 8];
-    vmm::identity::host_random(&mut token).map_err(Error::internal)?;
-    let name: String = token.iter().map(|b| format!("{b:02x}")).collect();
+    let name = crate::node::random_hex(8).map_err(Error::internal)?;
     e.contexts()
         .add(language, cwd, format!("ctx_{name}"))
         .ok_or_else(|| {

@@ -409,9 +409,7 @@ async fn start(
     kernel: &Kernel,
     cell: &KernelCell,
 ) -> Result<u32, Error> {
-    let mut token = [0u8; 16];
-    vmm::identity::host_random(&mut token).map_err(Error::internal)?;
-    let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = crate::node::random_hex(16).map_err(Error::internal)?;
     let mark = format!("{MARK_PREFIX}{hex} ");
     let tag = Some(format!("kernel of context {}", cell.name));
     let req = match cell.language {

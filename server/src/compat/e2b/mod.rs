@@ -146,9 +146,7 @@ impl Registry {
 }
 
 fn random_hex(bytes: usize) -> Result<String, Error> {
-    let mut b = vec![0u8; bytes];
-    vmm::identity::host_random(&mut b).map_err(Error::internal)?;
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+    crate::node::random_hex(bytes).map_err(Error::internal)
 }
 
 /// E2B's error shape over a native error's status.
