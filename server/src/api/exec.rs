@@ -279,7 +279,12 @@ fn bytes_field(
     }
 }
 
-fn check_size(prefix: &str, name: &str, bytes: usize, limit: usize) -> Result<(), Error> {
+pub(crate) fn check_size(
+    prefix: &str,
+    name: &str,
+    bytes: usize,
+    limit: usize,
+) -> Result<(), Error> {
     if bytes > limit {
         return Err(Error::TooLarge {
             field: format!("{prefix}{name}"),
@@ -288,6 +293,25 @@ fn check_size(prefix: &str, name: &str, bytes: usize, limit: usize) -> Result<()
         });
     }
     Ok(())
+}
+
+/// A request's `timeout_ms` (the server's default if none), checked against `limits`.
+pub(crate) fn check_timeout(
+    prefix: &str,
+    timeout_ms: Option<u64>,
+    limits: &Limits,
+) -> Result<u64, Error> {
+    let timeout_ms = timeout_ms.unwrap_or(limits.default_timeout_ms);
+    if !(1..=limits.max_timeout_ms).contains(&timeout_ms) {
+        return Err(Error::invalid(
+            format!("{prefix}timeout_ms"),
+            format!(
+                "timeout_ms must be 1..={} (got {timeout_ms})",
+                limits.max_timeout_ms
+            ),
+        ));
+    }
+    Ok(timeout_ms)
 }
 
 impl ExecRequest {
@@ -332,16 +356,7 @@ impl ExecRequest {
         let stdin = bytes_field(prefix, "stdin", self.stdin, self.stdin_b64, false)?;
         check_size(prefix, "stdin", stdin.len(), limits.max_stdin_bytes)?;
 
-        let timeout_ms = self.timeout_ms.unwrap_or(limits.default_timeout_ms);
-        if !(1..=limits.max_timeout_ms).contains(&timeout_ms) {
-            return Err(Error::invalid(
-                format!("{prefix}timeout_ms"),
-                format!(
-                    "timeout_ms must be 1..={} (got {timeout_ms})",
-                    limits.max_timeout_ms
-                ),
-            ));
-        }
+        let timeout_ms = check_timeout(prefix, self.timeout_ms, limits)?;
         let output_limit = self.output_limit.unwrap_or(limits.max_output_bytes as u64);
         if !(1..=limits.max_output_bytes as u64).contains(&output_limit) {
             return Err(Error::invalid(

@@ -291,23 +291,9 @@ impl ContextCell {
         limits: &crate::config::Limits,
     ) -> Result<(String, BTreeMap<String, String>, std::time::Duration), crate::service::error::Error>
     {
-        use crate::service::error::Error;
-        if self.code.len() > limits.max_code_bytes {
-            return Err(Error::invalid(
-                "code",
-                format!("code is at most {} bytes", limits.max_code_bytes),
-            ));
-        }
-        let timeout_ms = self.timeout_ms.unwrap_or(limits.default_timeout_ms);
-        if !(1..=limits.max_timeout_ms).contains(&timeout_ms) {
-            return Err(Error::invalid(
-                "timeout_ms",
-                format!(
-                    "timeout_ms must be 1..={} (got {timeout_ms})",
-                    limits.max_timeout_ms
-                ),
-            ));
-        }
+        use crate::api::exec::{check_size, check_timeout};
+        check_size("", "code", self.code.len(), limits.max_code_bytes)?;
+        let timeout_ms = check_timeout("", self.timeout_ms, limits)?;
         Ok((
             self.code,
             self.env,
