@@ -43,6 +43,7 @@ use crate::api::{CellResponse, ExecRequest};
 use crate::contexts::Context;
 use crate::error::{ApiError, Error};
 use crate::service::{contexts, kernels, sessions, task};
+use crate::state::AppState;
 
 /// The default context's id in `GET /contexts`.
 pub const DEFAULT_CONTEXT: &str = "default";
@@ -61,18 +62,23 @@ pub struct ExecuteRequest {
 /// Where a cell runs: a context's kernel (a made one, or the default bash context), or the
 /// session's `__main__` (the default Python context).
 enum Target {
-    Kernel(Language, String),
+    /// A kernel: a made context's (by id), or the default bash context (None).
+    Kernel(Language, Option<String>),
     Session,
 }
 
-/// Which context `req` asks for; a made one's language is known when its cell runs.
-fn target(req: &ExecuteRequest) -> Result<Target, Error> {
+/// Which context `req` asks for in session `id` (an unknown context is 404 here, before
+/// the stream starts).
+fn target(state: &AppState, id: &str, req: &ExecuteRequest) -> Result<Target, Error> {
     Ok(match req.context_id.as_deref() {
         Some(DEFAULT_CONTEXT) => Target::Session,
-        Some(id) => Target::Kernel(Language::Python, id.to_owned()),
+        Some(ctx) => {
+            let c = contexts::get(state, id, ctx)?;
+            Target::Kernel(contexts::language_of(&c.language)?, Some(c.id))
+        }
         None => match contexts::language_of(req.language.as_deref().unwrap_or("python"))? {
             Language::Python => Target::Session,
-            Language::Shell => Target::Kernel(Language::Shell, String::new()),
+            Language::Shell => Target::Kernel(Language::Shell, None),
         },
     })
 }
@@ -329,14 +335,7 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
     let state = c.app;
     let req: ExecuteRequest = serde_json::from_slice(&body)
         .map_err(|err| ApiError::invalid("body", format!("bad JSON body: {err}")))?;
-    let target = match target(&req)? {
-        // A made context: its language, or 404 before the stream starts.
-        Target::Kernel(_, ctx) if !ctx.is_empty() => {
-            let c = contexts::get(&state, &e.id, &ctx)?;
-            Target::Kernel(contexts::language_of(&c.language)?, ctx)
-        }
-        t => t,
-    };
+    let target = target(&state, &e.id, &req)?;
     let timeout_ms = state.config().limits.max_timeout_ms;
     let env = req.env_vars.unwrap_or_default();
     // The audit trail names the key that made the sandbox (its routes carry no API key).
@@ -355,10 +354,9 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
                 timeout: Duration::from_millis(timeout_ms),
             };
             task::spawn(key, Event::Output, end, move |sink| async move {
-                let which = if ctx.is_empty() {
-                    contexts::Which::DefaultBash(HOME)
-                } else {
-                    contexts::Which::Made(&ctx)
+                let which = match &ctx {
+                    Some(ctx) => contexts::Which::Made(ctx),
+                    None => contexts::Which::DefaultBash(HOME),
                 };
                 contexts::run(&state, &id, which, cell, "/execute", sink).await
             })

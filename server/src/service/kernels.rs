@@ -212,9 +212,13 @@ async fn in_turn(
             let pid = start(state, id, kernel, &cell).await?;
             let rx = processes::connect(state, id, pid, false)?.rx;
             // Its start is not the cell's time: a request without code enters the context's
-            // directory and sets the session's environment (a kernel taken from the
-            // template has the worker's), and its frame says the kernel is ready.
-            let env = crate::service::access::get(state, id)?.env.clone();
+            // directory and sets the session's environment, and its frame says the kernel
+            // is ready. (A Python kernel taken from the template has the worker's
+            // environment; a shell has the session's from its start.)
+            let env = match cell.language {
+                Language::Python => crate::service::access::get(state, id)?.env.clone(),
+                Language::Shell => BTreeMap::new(),
+            };
             let probe = KernelCell {
                 code: String::new(),
                 env: BTreeMap::new(),
@@ -368,8 +372,7 @@ fn request(
             if fresh {
                 code += &format!("cd -- {} 2>/dev/null\n", sh_quote(&cell.cwd));
             }
-            // The shell has the session's environment from its start (no kernel is held).
-            for (name, value) in &cell.env {
+            for (name, value) in env {
                 if !is_shell_name(name) {
                     return Err(Error::invalid(
                         "env_vars",
