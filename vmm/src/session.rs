@@ -460,12 +460,14 @@ impl Session {
     }
 
     /// Writes the session to `path` (module docs of [`crate::session_file`]) with `app`,
-    /// the caller's own record, in it. The session goes on; to pause it, end it after.
+    /// the caller's own record, in it, signed with `keys`' first key. The session goes on;
+    /// to pause it, end it after.
     pub fn save(
         &mut self,
         ex: &Executor,
         path: &std::path::Path,
         app: Vec<u8>,
+        keys: &session_file::SessionKeys,
     ) -> Result<WriteStats, SessionError> {
         self.refuse()?;
         let t = ex.template();
@@ -486,7 +488,7 @@ impl Session {
             host_identity: t.state().host_identity.clone(),
             ram_size: t.state().ram_size,
             runs,
-            pages_crc: 0,
+            pages_sha256: [0; 32],
             machine,
             sequence: self.sequence,
             executions: self.executions,
@@ -494,12 +496,15 @@ impl Session {
             ran_processes: self.ran_processes(),
             app,
         };
-        Ok(session_file::write(path, &self.m.ram, header)?)
+        Ok(session_file::write(path, &self.m.ram, header, keys)?)
     }
 
-    /// Makes a session from `f` (read with [`session_file::read`]) on `ex`'s template: the
-    /// same session again, or with `new_identity` a new one with a CRNG and `random` of its
-    /// own. Its memory is mapped from the file, which may be removed after.
+    /// Makes a session from `f` (read with [`session_file::read`], so its MAC verified) on
+    /// `ex`'s template: the same session again, or with `new_identity` a new one with a CRNG
+    /// and `random` of its own. Its memory is mapped from the file, which may be removed
+    /// after. Its machine state is checked against the template's first
+    /// ([`SessionFile::check_template`]): the VM gets the template's CPUID and MSR list, and
+    /// nothing out of range reaches KVM.
     pub fn load(ex: &Executor, f: &SessionFile, new_identity: bool) -> Result<Self, SessionError> {
         let t = ex.template();
         f.check_template(t)?;
