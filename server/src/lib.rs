@@ -46,6 +46,7 @@ pub mod procs;
 pub mod registry;
 pub mod routes;
 pub mod service;
+pub mod session_keys;
 pub mod session_routes;
 pub mod sessions;
 pub mod startup;

@@ -9,8 +9,6 @@
 //! sessions through `access`.
 
 use std::sync::Arc;
-use std::time::Duration;
-
 use vmm::session::Session;
 use vmm::session_file;
 
@@ -146,7 +144,7 @@ fn resume_file(
     let r = p.record;
     let p_key = p.key;
     let id = r.id.clone();
-    let loaded = session_file::read(&dir.paused_path(&id))
+    let loaded = session_file::read(&dir.paused_path(&id), dir.keys())
         .and_then(|f| {
             if !p.written_here {
                 f.verify_pages()?;
@@ -169,11 +167,12 @@ fn resume_file(
             return Err(Error::Unresumable { id, why });
         }
     };
+    let (idle_timeout, max_lifetime) = crate::service::import_check::clamp(state, &r);
     let settings = NewSession {
         language: r.language,
         env: r.env,
-        idle_timeout: Duration::from_secs(r.idle_timeout_s),
-        max_lifetime: Duration::from_millis(r.lifetime_left_ms).max(Duration::from_secs(1)),
+        idle_timeout,
+        max_lifetime,
         metadata: r.metadata,
         parent: r.parent,
         template: r.template,
