@@ -366,7 +366,8 @@ pub(crate) mod tests {
 
     #[test]
     fn vcpu_fields_out_of_range_are_refused() {
-        let cases: [(&str, Box<dyn FnOnce(&mut MachineState)>); 10] = [
+        type Change = Box<dyn FnOnce(&mut MachineState)>;
+        let cases: [(&str, Change); 10] = [
             ("RFLAGS", Box::new(|f| f.regs.rflags = 0x200)),
             ("RFLAGS", Box::new(|f| f.regs.rflags = u64::MAX)),
             ("virtualization", Box::new(|f| f.sregs.cr4 |= CR4_VMXE)),
