@@ -227,6 +227,8 @@ pub struct StateDir {
     /// The keys session files are signed and checked with.
     keys: vmm::session_file::SessionKeys,
     damaged_keep: Duration,
+    /// Files in `damaged/`: path, bytes, when set aside.
+    damaged: Mutex<Vec<(PathBuf, u64, SystemTime)>>,
     paused: Mutex<HashMap<String, Paused>>,
     snapshots: Mutex<HashMap<String, Snapshot>>,
     /// Sessions being resumed now (a second request for one waits for the first).
@@ -327,6 +329,7 @@ impl StateDir {
             used: AtomicU64::new(0),
             keys,
             damaged_keep: opts.damaged_keep,
+            damaged: Mutex::default(),
             paused: Mutex::default(),
             snapshots: Mutex::default(),
             resuming: Mutex::default(),
@@ -418,42 +421,42 @@ impl StateDir {
         Ok(())
     }
 
-    /// Removes damaged files older than `--damaged-keep-hours` (by when they were set
-    /// aside: a rename sets a file's ctime) and counts the others' bytes in the quota.
+    /// Lists `damaged/` (at open: a jailed server may not list folders) into
+    /// [`StateDir::damaged`], its bytes counted in the quota, then prunes it.
     fn count_damaged(&self) {
         let d = self.root.join("damaged");
         let Ok(entries) = std::fs::read_dir(&d) else {
             return;
         };
-        let now = SystemTime::now();
         for entry in entries.flatten() {
             let Ok(m) = entry.metadata() else { continue };
             use std::os::unix::fs::MetadataExt;
+            // When it was set aside: a rename sets a file's ctime.
             let aside = SystemTime::UNIX_EPOCH + Duration::from_secs(m.ctime().max(0) as u64);
-            let age = now.duration_since(aside).unwrap_or_default();
-            if age >= self.damaged_keep && std::fs::remove_file(entry.path()).is_ok() {
-                continue;
-            }
-            self.used.fetch_add(m.len(), Ordering::Relaxed);
+            self.used.fetch_add(m.len(), Ordering::SeqCst);
+            lock(&self.damaged).push((entry.path(), m.len(), aside));
         }
+        self.prune_damaged();
     }
 
-    /// Prunes `damaged/` again (module docs): its bytes counted afresh.
+    /// Removes the damaged files kept longer than `--damaged-keep-hours` (no folder
+    /// listing: it runs on job threads too, which the jail does not let list folders).
     pub fn prune_damaged(&self) {
-        static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-        let _one = lock(&ONE_AT_A_TIME);
-        let d = self.root.join("damaged");
-        let before: u64 = std::fs::read_dir(&d)
-            .map(|es| {
-                es.flatten()
-                    .filter_map(|e| e.metadata().ok())
-                    .map(|m| m.len())
-                    .sum()
-            })
-            .unwrap_or(0);
-        self.used
-            .fetch_sub(before.min(self.used()), Ordering::Relaxed);
-        self.count_damaged();
+        let now = SystemTime::now();
+        let mut gone = 0;
+        lock(&self.damaged).retain(|(path, bytes, aside)| {
+            let old = now.duration_since(*aside).unwrap_or_default() >= self.damaged_keep;
+            let removed = old
+                && match std::fs::remove_file(path) {
+                    Ok(()) => true,
+                    Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+                };
+            if removed {
+                gone += bytes;
+            }
+            !removed
+        });
+        self.give_back(gone);
     }
 
     /// The keys session files are signed and checked with.
@@ -638,9 +641,13 @@ impl StateDir {
     /// Moves paused session `id`'s file to `damaged/` and forgets it (it cannot be
     /// resumed); its bytes stay counted until `damaged/` is pruned.
     pub fn set_aside_paused(&self, id: &str) {
-        if lock(&self.paused).remove(id).is_some() {
+        if let Some(p) = lock(&self.paused).remove(id) {
             let aside = self.root.join("damaged").join(format!("paused-{id}.bud"));
-            let _ = std::fs::rename(self.paused_path(id), aside);
+            if std::fs::rename(self.paused_path(id), &aside).is_ok() {
+                lock(&self.damaged).push((aside, p.bytes, SystemTime::now()));
+            } else {
+                self.give_back(p.bytes);
+            }
             self.prune_damaged();
         }
     }

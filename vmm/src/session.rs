@@ -272,7 +272,7 @@ impl Session {
         };
         let r = self.request(ex, job, kind, Some(grace), on_output)?;
         self.reseed = false;
-        self.executions += 1;
+        self.executions = self.executions.saturating_add(1);
         Ok(r)
     }
 
@@ -315,7 +315,12 @@ impl Session {
     ) -> Result<JobResult, SessionError> {
         self.refuse()?;
         let s = ex.template().state();
-        self.resume_clock(s)?;
+        if let Err(e) = self.resume_clock(s) {
+            // The guest's memory does not hold a clock bud can set (a session file whose
+            // pages are not a guest's): this VM runs nothing more.
+            self.health = Health::Discard(Unusable::Failed(e.to_string()));
+            return Err(e);
+        }
         self.sequence = self.sequence.wrapping_add(1).max(1);
         let accepts = match kind {
             Kind::Cell { .. } => Some(Accepts::FilesAndProcesses),

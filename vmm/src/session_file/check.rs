@@ -57,6 +57,10 @@ const MAX_XCRS: u32 = 16;
 /// PIT channel modes 0-5; counts up to 0x10000 (0 means 0x10000).
 const PIT_MAX_MODE: u8 = 5;
 const PIT_MAX_COUNT: u32 = 0x1_0000;
+/// The mode KVM gives a channel at reset, until the guest programs it.
+const PIT_UNPROGRAMMED: u8 = 0xff;
+/// KVM's PIT access states: LSB 1, MSB 2, WORD0 3, WORD1 4 (0 before any access).
+const PIT_MAX_RW_STATE: u8 = 4;
 /// vm-superio's receive FIFO.
 const SERIAL_FIFO: usize = 64;
 /// Most guest monotonic time a session can have run past its template: ten years.
@@ -195,13 +199,20 @@ fn cpu(file: &MachineState) -> Result<(), String> {
 /// The devices' state, in the ranges they accept.
 fn devices(file: &MachineState, t: &MachineState) -> Result<(), String> {
     let pit = &file.pit;
-    if pit.flags & !(KVM_PIT_FLAGS_HPET_LEGACY | PIT_FLAGS_SPEAKER_DUMMY) != 0
-        || pit
-            .channels
-            .iter()
-            .any(|c| c.mode > PIT_MAX_MODE || c.count > PIT_MAX_COUNT || c.rw_mode > 3)
-    {
-        return Err("its PIT state is out of range".into());
+    if pit.flags & !(KVM_PIT_FLAGS_HPET_LEGACY | PIT_FLAGS_SPEAKER_DUMMY) != 0 {
+        return Err(format!("its PIT flags {:#x} are unknown", pit.flags));
+    }
+    if let Some((i, c)) = pit.channels.iter().enumerate().find(|(_, c)| {
+        (c.mode > PIT_MAX_MODE && c.mode != PIT_UNPROGRAMMED)
+            || c.count > PIT_MAX_COUNT
+            || c.rw_mode > PIT_MAX_RW_STATE
+            || c.read_state > PIT_MAX_RW_STATE
+            || c.write_state > PIT_MAX_RW_STATE
+    }) {
+        return Err(format!(
+            "its PIT channel {i} is out of range (mode {}, count {:#x}, access {}/{}/{})",
+            c.mode, c.count, c.rw_mode, c.read_state, c.write_state
+        ));
     }
     let clock = file.clock.clock;
     if clock < t.clock.clock || clock - t.clock.clock > MAX_GUEST_NS_PAST_TEMPLATE {
@@ -322,6 +333,9 @@ pub(crate) mod tests {
         later.msrs[2].data = 77; // TSC_DEADLINE: guest state
         later.clock.clock += 5_000_000_000;
         later.serial.in_buffer = vec![b'x'; 64];
+        later.pit.channels[0].rw_mode = 4; // WORD1: between the two bytes of a count
+        later.pit.channels[0].count = 0x1_0000;
+        later.pit.channels[1].mode = PIT_UNPROGRAMMED;
 
         assert_eq!(machine(&t, &t), Ok(()));
         assert_eq!(machine(&later, &t), Ok(()));
@@ -389,6 +403,7 @@ pub(crate) mod tests {
     #[test]
     fn device_fields_out_of_range_are_refused() {
         let pit_mode = refused(|f| f.pit.channels[0].mode = 6);
+        let pit_access = refused(|f| f.pit.channels[1].rw_mode = 5);
         let pit_count = refused(|f| f.pit.channels[2].count = u32::MAX);
         let pit_flags = refused(|f| f.pit.flags = u32::MAX);
         let clock_back = refused(|f| f.clock.clock = 1);
@@ -396,6 +411,7 @@ pub(crate) mod tests {
         let serial = refused(|f| f.serial.in_buffer = vec![0; 65]);
 
         assert!(pit_mode.contains("PIT"), "{pit_mode}");
+        assert!(pit_access.contains("PIT channel 1"), "{pit_access}");
         assert!(pit_count.contains("PIT"), "{pit_count}");
         assert!(pit_flags.contains("PIT"), "{pit_flags}");
         assert!(clock_back.contains("clock"), "{clock_back}");
