@@ -351,19 +351,6 @@ pub(crate) fn write(
 /// Reads and checks a session file's footer, MAC (with `keys`) and header (module docs),
 /// not its pages.
 pub fn read(path: &Path, keys: &SessionKeys) -> Result<SessionFile, SessionFileError> {
-    let file = File::open(path).map_err(|source| SessionFileError::Io {
-        path: path.to_owned(),
-        source,
-    })?;
-    read_file(path, file, keys)
-}
-
-/// [`read`] of an open file (`path` names it in errors' [`SessionFileError::path`]).
-pub fn read_file(
-    path: &Path,
-    file: File,
-    keys: &SessionKeys,
-) -> Result<SessionFile, SessionFileError> {
     let io = |source| SessionFileError::Io {
         path: path.to_owned(),
         source,
@@ -372,6 +359,7 @@ pub fn read_file(
         path: path.to_owned(),
         what,
     };
+    let file = File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
     if len < FOOTER_LEN {
         return Err(SessionFileError::NotOurs {
