@@ -8,21 +8,19 @@
 //! 2. Its record: this server's version, a well-formed id not in use here, and the limits
 //!    a session started here gets ([`check_record`]): lifetime, idle timeout, memory,
 //!    metadata, environment names and sizes, processes and contexts. The same limits are
-//!    applied again when a paused session resumes ([`clamp`]), so a file found at start
-//!    written under looser flags runs under today's.
+//!    applied again when a paused session resumes (`service::resume`'s `clamp`), so a file
+//!    found at start written under looser flags runs under today's.
 //!
 //! Every refusal is 400 `invalid_request` (field `body`) saying what was wrong, never a
 //! path of the state directory.
 
-use std::time::Duration;
-
 use vmm::session_file;
 
-use crate::api::exec::ExecRequest;
-use crate::durable::{Paused, RECORD_VERSION, SessionRecord, StateDir};
+use crate::core::durable::{Paused, RECORD_VERSION, SessionRecord, StateDir};
+use crate::core::state::AppState;
 use crate::service::error::Error;
+use crate::service::jobs::ExecRequest;
 use crate::service::templates;
-use crate::state::AppState;
 
 /// Most bytes of a record's JSON metadata (as `POST /v1/sessions` allows).
 const MAX_METADATA_BYTES: usize = 4096;
@@ -47,10 +45,10 @@ pub fn check_import(
         )));
     }
     let id = record.id.clone();
-    if !crate::node::is_session_id(&id) {
+    if !crate::core::node::is_session_id(&id) {
         return Err(refuse(format!(
             "its id is not a session id (ses_ and at most {} letters, digits, _ and -)",
-            crate::node::MAX_ID_LEN
+            crate::core::node::MAX_ID_LEN
         )));
     }
     check_record(state, &record, f.page_bytes())?;
@@ -108,16 +106,16 @@ pub fn check_record(state: &AppState, r: &SessionRecord, page_bytes: u64) -> Res
             lim.max_processes
         )));
     }
-    if r.contexts.made.len() > crate::contexts::Contexts::MAX {
+    if r.contexts.made.len() > crate::core::contexts::Contexts::MAX {
         return Err(refuse(format!(
             "it has {} code contexts, at most {}",
             r.contexts.made.len(),
-            crate::contexts::Contexts::MAX
+            crate::core::contexts::Contexts::MAX
         )));
     }
     if r.parent
         .as_ref()
-        .is_some_and(|p| p.len() > crate::node::MAX_ID_LEN)
+        .is_some_and(|p| p.len() > crate::core::node::MAX_ID_LEN)
     {
         return Err(refuse("its parent's id is too long"));
     }
@@ -135,15 +133,4 @@ pub fn check_env(
         ..ExecRequest::default()
     };
     probe.into_job(&state.config().limits, "").map(|_| ())
-}
-
-/// A resumed session's idle timeout and lifetime under this server's limits (a file
-/// written under looser flags, or before they were checked, gets today's).
-pub fn clamp(state: &AppState, r: &SessionRecord) -> (Duration, Duration) {
-    let lim = &state.config().sessions;
-    let idle = r.idle_timeout_s.clamp(1, lim.max_idle_timeout_s);
-    let life_ms = r
-        .lifetime_left_ms
-        .clamp(1000, lim.max_lifetime_s.saturating_mul(1000));
-    (Duration::from_secs(idle), Duration::from_millis(life_ms))
 }

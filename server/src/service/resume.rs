@@ -9,15 +9,16 @@
 //! sessions through `access`.
 
 use std::sync::Arc;
+use std::time::Duration;
 use vmm::session::Session;
 use vmm::session_file;
 
-use crate::durable::{Paused, StateDir, from_epoch_ms};
+use crate::core::durable::{Paused, StateDir, from_epoch_ms};
+use crate::core::sessions::{Ended, Entry, NewSession, Unavailable};
+use crate::core::state::AppState;
 use crate::service::admission::{self, check_count, check_memory};
 use crate::service::error::{Error, unavailable};
 use crate::service::templates;
-use crate::sessions::{Ended, Entry, NewSession, Unavailable};
-use crate::state::AppState;
 
 /// Releases a claimed resume when dropped.
 struct Claim<'a>(&'a StateDir, &'a str);
@@ -57,7 +58,7 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     let exec = executor_of_key(state, &dir, &p.record.template, &p.key).await?;
     check_count(state, 1)?;
     check_memory(state)?;
-    let origin = crate::audit::Origin::here("resume", &p.record.template, Some(id));
+    let origin = crate::core::audit::Origin::here("resume", &p.record.template, Some(id));
     let started = std::time::Instant::now();
     let st = state.clone();
     let d = dir.clone();
@@ -167,7 +168,7 @@ fn resume_file(
             return Err(Error::Unresumable { id, why });
         }
     };
-    let (idle_timeout, max_lifetime) = crate::service::import_check::clamp(state, &r);
+    let (idle_timeout, max_lifetime) = clamp(state, &r);
     let settings = NewSession {
         language: r.language,
         env: r.env,
@@ -196,4 +197,15 @@ fn resume_file(
     unpin_if_unneeded(dir, exec, &p_key);
     e.account();
     Ok(e)
+}
+
+/// A resumed session's idle timeout and lifetime under this server's limits (a file
+/// written under looser flags, or before imports were checked against them, gets today's).
+fn clamp(state: &AppState, r: &crate::core::durable::SessionRecord) -> (Duration, Duration) {
+    let lim = &state.config().sessions;
+    let idle = r.idle_timeout_s.clamp(1, lim.max_idle_timeout_s);
+    let life_ms = r
+        .lifetime_left_ms
+        .clamp(1000, lim.max_lifetime_s.saturating_mul(1000));
+    (Duration::from_secs(idle), Duration::from_millis(life_ms))
 }
