@@ -395,3 +395,40 @@ fn walk(dir: &PathBuf) -> u64 {
     }
     total
 }
+
+/// A file on the node's own disk is checked as an import is: a snapshot found at start
+/// whose page was changed on disk is refused at its first start (its pages read back once),
+/// with why, and the server goes on.
+#[test]
+fn a_snapshot_changed_on_disk_is_refused_at_its_first_start_after_a_restart() {
+    let dir = common::empty_dir("import-hostile", "snapshot-on-disk");
+    let snap = {
+        let s = server(&dir, None);
+        let (status, r) = s.post("/v1/sessions", &json!({}));
+        assert_eq!(status, 201, "{r}");
+        let id = r["id"].as_str().unwrap().to_owned();
+        let (status, r) = s.post(
+            &format!("/v1/sessions/{id}/exec"),
+            &json!({"code": "data = bytes(1 << 20)"}),
+        );
+        assert_eq!(status, 200, "{r}");
+        let (status, r) = s.post(&format!("/v1/sessions/{id}/snapshots"), &json!({}));
+        assert_eq!(status, 201, "{r}");
+        r["id"].as_str().unwrap().to_owned()
+    };
+    let file = dir.join(format!("snapshots/{snap}.bud"));
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[5000] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+
+    let s = server(&dir, None);
+    let (status, r) = s.post("/v1/sessions", &json!({"snapshot": snap}));
+
+    assert_eq!(
+        (status, r["error"]["code"].clone()),
+        (410, json!("unresumable")),
+        "{r}"
+    );
+    assert!(message(&r).contains("checksum"), "{r}");
+    s.assert_still_serving();
+}

@@ -199,6 +199,9 @@ pub struct Snapshot {
     pub bytes: u64,
     /// The key of the template its file was made on.
     pub key: String,
+    /// Its pages are known good: written by this server, or read back and checked once
+    /// (a file found at start is, at the first session started from it).
+    pub pages_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What [`StateDir::open`] found.
@@ -364,7 +367,14 @@ impl StateDir {
                     record.id, record.version
                 ));
             }
-            lock(&d.snapshots).insert(id.to_owned(), Snapshot { record, bytes, key });
+            let pages_checked = Default::default();
+            let s = Snapshot {
+                record,
+                bytes,
+                key,
+                pages_checked,
+            };
+            lock(&d.snapshots).insert(id.to_owned(), s);
             Ok(())
         })?;
         dir.count_damaged();

@@ -177,6 +177,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             record,
             bytes,
             key: exec.template().key(),
+            pages_checked: std::sync::Arc::new(true.into()),
         };
         dir.add_snapshot(snap.clone());
         dir.snapshots_taken
@@ -265,11 +266,22 @@ pub async fn start_from(
     let sessions = state.sessions().clone();
     let snap_id = snap.to_owned();
     let keys = dir.keys().clone();
+    let pages_checked = s.pages_checked.clone();
     let e = admission::call(state, move || {
-        let f = session_file::read(&path, &keys).map_err(|e| Error::Unresumable {
-            id: snap_id.clone(),
-            why: e.to_string(),
-        })?;
+        let f = session_file::read(&path, &keys)
+            .and_then(|f| {
+                // A file found at start: its pages read back and checked once.
+                use std::sync::atomic::Ordering::SeqCst;
+                if !pages_checked.load(SeqCst) {
+                    f.verify_pages()?;
+                    pages_checked.store(true, SeqCst);
+                }
+                Ok(f)
+            })
+            .map_err(|e| Error::Unresumable {
+                id: snap_id.clone(),
+                why: e.to_string(),
+            })?;
         let vm = Session::load(&exec, &f, true).map_err(|e| Error::Unresumable {
             id: snap_id,
             why: e.to_string(),
