@@ -87,6 +87,8 @@ pub enum PrepareError {
     Executor(#[from] vmm::ExecError),
     #[error("closing the jail")]
     Jail(#[from] crate::core::jail::JailError),
+    #[error("after closing the jail")]
+    StateDir(#[from] crate::core::durable::DurableError),
 }
 
 /// Logs to stderr; `RUST_LOG` filters (default `info`). Does nothing if logging is set up.
@@ -285,7 +287,15 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                 }
                 // Every template is prepared: nothing needs root or execve any more.
                 let writable = writable_after_jail(&prep_state);
-                match crate::core::jail::close(&prep_config.jail, &writable) {
+                // The state directory, written by the jailed server (`--user`): a folder
+                // it cannot reach is an error now, not a 500 at the first pause.
+                let closed = crate::core::jail::close(&prep_config.jail, &writable)
+                    .map_err(PrepareError::from)
+                    .and_then(|closed| match prep_state.state_dir() {
+                        Some(dir) => dir.probe_writable().map(|()| closed).map_err(PrepareError::from),
+                        None => Ok(closed),
+                    });
+                match closed {
                     Ok(closed) => {
                         if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
                             warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
@@ -301,7 +311,6 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                         info!(seccomp, uid, "{line}");
                     }
                     Err(e) => {
-                        let e = PrepareError::from(e);
                         error!("{}", crate::core::error_chain(&e));
                         *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                         let _ = prep_done.send(());
