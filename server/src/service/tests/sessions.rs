@@ -419,3 +419,52 @@ async fn a_shutdown_ends_every_session_as_shutdown() {
     );
     assert_eq!(engine.counts().ended, 2);
 }
+
+/// A state directory of its own for one test (removed when dropped).
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("bud-fake-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[tokio::test]
+async fn a_session_that_asked_to_pause_is_handed_back_by_the_reaper_not_ended() {
+    let dir = TempDir::new("auto-pause");
+    let (state, engine) = server_with(Config {
+        state_dir: Some(dir.0.clone()),
+        ..Config::default()
+    });
+    let req = CreateSession {
+        auto_pause: Some(true),
+        ..CreateSession::default()
+    };
+    let id = start_fresh(&state, req).await.unwrap().id.clone();
+    let plain = new_session(&state).await;
+    for s in [&id, &plain] {
+        state
+            .sessions()
+            .get(s)
+            .unwrap()
+            .set_lifetime(Duration::ZERO);
+    }
+
+    let to_pause = state.sessions().reap();
+
+    assert_eq!(to_pause, [id.as_str()]);
+    assert!(state.sessions().get(&id).is_ok());
+    assert!(matches!(
+        state.sessions().get(&plain),
+        Err(Unavailable::Gone(_))
+    ));
+    assert_eq!(engine.counts().ended, 1);
+}
