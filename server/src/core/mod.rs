@@ -1,8 +1,9 @@
 //! The core: the data the service reads and the machinery under it, whoever asks and
 //! whatever the transport. Configuration ([`config`]), the server's state ([`state`]:
-//! templates, executors, limits), the session registry ([`sessions`]) with its code
+//! templates, their engines, limits), the session registry ([`sessions`]) with its code
 //! contexts ([`contexts`]) and background processes ([`processes`]), the job threads
-//! ([`jobs`]), durable state on disk ([`durable`]), the audit trail ([`audit`]), metrics
+//! ([`jobs`]), the engine that runs work on VMs ([`engine`]: the VMM's, or a test's),
+//! durable state on disk ([`durable`]), the audit trail ([`audit`]), metrics
 //! ([`metrics`]), API keys ([`keys`]), the jail ([`jail`]), this node and its peers
 //! ([`node`], [`peer`], [`registry`]), the clock ([`clock`]).
 //!
@@ -14,6 +15,7 @@ pub mod clock;
 pub mod config;
 pub mod contexts;
 pub mod durable;
+pub mod engine;
 pub mod jail;
 pub mod jobs;
 pub mod keys;

@@ -29,6 +29,8 @@ use serde::Serialize;
 use vmm::Executor;
 use vmm::session::Session;
 
+use crate::core::engine::{Engine, SessionVm};
+
 /// Ended sessions remembered for a 410.
 pub const TOMBSTONES_KEPT: usize = 4096;
 
@@ -51,9 +53,9 @@ pub struct Entry {
     pub env: BTreeMap<String, String>,
     pub metadata: serde_json::Value,
     pub parent: Option<String>,
-    /// The template the session was made from, and its executor (the VM goes back to it).
+    /// The template the session was made from, and its engine.
     pub template: String,
-    pub executor: Arc<Executor>,
+    pub engine: Arc<dyn Engine>,
     /// When it ends whatever it does (its lifetime), as an instant and on the wall clock.
     deadline: Mutex<(Instant, SystemTime)>,
     last_used: Mutex<Instant>,
@@ -62,7 +64,7 @@ pub struct Entry {
     waiting: AtomicUsize,
     freed: tokio::sync::Notify,
     /// The VM; None once the session ended.
-    vm: Mutex<Option<Session>>,
+    vm: Mutex<Option<Box<dyn SessionVm>>>,
     pub private_bytes: AtomicU64,
     pub layer_bytes: AtomicU64,
     pub executions: AtomicU64,
@@ -109,7 +111,7 @@ pub struct NewSession {
     pub metadata: serde_json::Value,
     pub parent: Option<String>,
     pub template: String,
-    pub executor: Arc<Executor>,
+    pub engine: Arc<dyn Engine>,
     pub auto_pause: bool,
     /// The id and start of a session made again (resumed): None for a new one.
     pub again: Option<(String, SystemTime)>,
@@ -169,7 +171,7 @@ impl Entry {
             metadata: s.metadata,
             parent: s.parent,
             template: s.template,
-            executor: s.executor,
+            engine: s.engine,
             deadline: Mutex::new((Instant::now() + s.max_lifetime, now + s.max_lifetime)),
             last_used: Mutex::new(Instant::now()),
             busy: AtomicBool::new(false),
@@ -270,12 +272,22 @@ impl Entry {
     }
 
     /// Runs `f` on the session's VM (on a job thread). None if the session has ended.
-    pub fn with_vm<R>(&self, f: impl FnOnce(&mut Session) -> R) -> Option<R> {
+    /// The one way to a session's VM: the request holds the session ([`Busy`]), or the
+    /// VM is only read.
+    pub fn with_vm<R>(&self, f: impl FnOnce(&mut dyn SessionVm) -> R) -> Option<R> {
         let mut vm = self.vm.lock().unwrap_or_else(|e| e.into_inner());
         let s = vm.as_mut()?;
-        let r = f(s);
+        let r = f(s.as_mut());
         self.executions.store(s.executions(), Ordering::Relaxed);
         Some(r)
+    }
+
+    /// Runs `f` on the session's VMM session and its executor, for the operations not
+    /// behind the engine's seam yet (files, processes, pause; [`crate::core::engine`]).
+    /// None if the session has ended, or if its engine has no VMM (a test's).
+    pub fn with_vmm<R>(&self, f: impl FnOnce(&mut Session, &Executor) -> R) -> Option<R> {
+        self.with_vm(|vm| vm.vmm().map(|(s, ex)| f(s, ex)))
+            .flatten()
     }
 
     /// Records the memory the session holds (its private pages, its layers).
@@ -284,7 +296,7 @@ impl Entry {
             if let Ok(bytes) = s.private_bytes() {
                 self.private_bytes.store(bytes, Ordering::Relaxed);
             }
-            let layers = s.layers().iter().map(|l| l.bytes()).sum();
+            let layers = s.layers().iter().map(|l| l.bytes).sum();
             self.layer_bytes.store(layers, Ordering::Relaxed);
         });
     }
@@ -313,7 +325,7 @@ impl Entry {
     }
 
     /// The session's VM, taken out (it has ended).
-    fn take_vm(&self) -> Option<Session> {
+    fn take_vm(&self) -> Option<Box<dyn SessionVm>> {
         self.vm.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
@@ -408,8 +420,8 @@ impl Sessions {
         for e in live.values() {
             if let Ok(vm) = e.vm.try_lock() {
                 for l in vm.iter().flat_map(|s| s.layers()) {
-                    if seen.insert(Arc::as_ptr(l) as usize) {
-                        layers += l.bytes();
+                    if seen.insert(l.id) {
+                        layers += l.bytes;
                     }
                 }
             } else {
@@ -424,7 +436,7 @@ impl Sessions {
     pub fn insert(
         &self,
         settings: NewSession,
-        vm: Session,
+        vm: Box<dyn SessionVm>,
     ) -> Result<Arc<Entry>, vmm::identity::IdentityError> {
         let id = match &settings.again {
             Some((id, _)) => id.clone(),
@@ -544,14 +556,14 @@ impl Sessions {
         // Requests waiting for it learn that it ended.
         e.freed.notify_waiters();
         if let Some(vm) = e.take_vm() {
-            vm.end(&e.executor);
+            vm.end();
         }
     }
 
     /// Takes session `id` out of the registry to be paused (the caller holds it busy):
     /// its entry and VM. Its processes' clients are told it paused; requests waiting for it
     /// find it gone from the live ones (and resume it).
-    pub fn take_out(&self, id: &str) -> Option<(Arc<Entry>, Session)> {
+    pub fn take_out(&self, id: &str) -> Option<(Arc<Entry>, Box<dyn SessionVm>)> {
         let e = self.live().remove(id)?;
         e.processes.close("paused");
         e.preempt();

@@ -13,6 +13,8 @@ use std::sync::{Arc, OnceLock};
 
 use vmm::Executor;
 
+use crate::core::engine::Engine;
+
 use crate::core::config::{Config, ConfigError};
 use crate::core::jobs::JobThreads;
 use crate::core::metrics::{Gauges, Metrics};
@@ -30,7 +32,7 @@ pub struct TemplateInfo {
 #[derive(Debug, Clone)]
 pub enum TemplateState {
     Building,
-    Ready(Arc<Executor>),
+    Ready(Arc<dyn Engine>),
     Failed(String),
 }
 
@@ -38,7 +40,7 @@ pub enum TemplateState {
 #[derive(Debug)]
 struct Served {
     name: String,
-    executor: OnceLock<Arc<Executor>>,
+    engine: OnceLock<Arc<dyn Engine>>,
     info: OnceLock<TemplateInfo>,
     failed: OnceLock<String>,
 }
@@ -103,7 +105,7 @@ impl AppState {
             .iter()
             .map(|name| Served {
                 name: name.clone(),
-                executor: OnceLock::new(),
+                engine: OnceLock::new(),
                 info: OnceLock::new(),
                 failed: OnceLock::new(),
             })
@@ -114,7 +116,7 @@ impl AppState {
                 .iter()
                 .find(|t| t.name == config.default_template()),
         ) {
-            let _ = t.executor.set(e);
+            let _ = t.engine.set(Arc::new(e));
         }
         let audit = match &config.audit {
             Some(a) => {
@@ -232,11 +234,17 @@ impl AppState {
     /// Makes template `name` ready. Returns `false` (and drops `e`) if it is not served or
     /// already had one.
     pub fn set_template(&self, name: &str, e: Arc<Executor>, info: TemplateInfo) -> bool {
+        self.set_engine(name, Arc::new(e), info)
+    }
+
+    /// Makes template `name` ready on `engine` (the VMM's, or a test's). Returns `false`
+    /// (and drops it) if it is not served or already had one.
+    pub fn set_engine(&self, name: &str, engine: Arc<dyn Engine>, info: TemplateInfo) -> bool {
         let Some(t) = self.served(name) else {
             return false;
         };
         let _ = t.info.set(info);
-        t.executor.set(e).is_ok()
+        t.engine.set(engine).is_ok()
     }
 
     /// Records that template `name` could not be prepared.
@@ -265,25 +273,38 @@ impl AppState {
     /// The state of template `name`, or None if it is not served.
     pub fn template_state(&self, name: &str) -> Option<TemplateState> {
         let t = self.served(name)?;
-        Some(match (t.executor.get(), t.failed.get()) {
+        Some(match (t.engine.get(), t.failed.get()) {
             (Some(e), _) => TemplateState::Ready(e.clone()),
             (None, Some(why)) => TemplateState::Failed(why.clone()),
             (None, None) => TemplateState::Building,
         })
     }
 
-    /// The default template's executor if it is ready (no rejection counted).
-    pub fn executor_if_ready(&self) -> Option<Arc<Executor>> {
+    /// The default template's engine if it is ready (no rejection counted).
+    pub fn engine_if_ready(&self) -> Option<Arc<dyn Engine>> {
         self.served(self.config().default_template())
-            .and_then(|t| t.executor.get().cloned())
+            .and_then(|t| t.engine.get().cloned())
     }
 
-    /// Every ready template's executor, by name.
-    pub fn ready_executors(&self) -> Vec<(String, Arc<Executor>)> {
+    /// The default template's VMM executor if it is ready (none on a test engine).
+    pub fn executor_if_ready(&self) -> Option<Arc<Executor>> {
+        self.engine_if_ready()?.executor().cloned()
+    }
+
+    /// Every ready template's engine, by name.
+    pub fn ready_engines(&self) -> Vec<(String, Arc<dyn Engine>)> {
         self.0
             .templates
             .iter()
-            .filter_map(|t| Some((t.name.clone(), t.executor.get()?.clone())))
+            .filter_map(|t| Some((t.name.clone(), t.engine.get()?.clone())))
+            .collect()
+    }
+
+    /// Every ready template's VMM executor, by name (none on a test engine).
+    pub fn ready_executors(&self) -> Vec<(String, Arc<Executor>)> {
+        self.ready_engines()
+            .into_iter()
+            .filter_map(|(n, e)| Some((n, e.executor()?.clone())))
             .collect()
     }
 
@@ -294,7 +315,7 @@ impl AppState {
             .templates
             .iter()
             .map(|t| {
-                let e = t.executor.get();
+                let e = t.engine.get();
                 TemplateStatus {
                     name: t.name.clone(),
                     status: match (e, t.failed.get()) {
@@ -305,8 +326,8 @@ impl AppState {
                     default: t.name == default,
                     error: t.failed.get().cloned(),
                     info: t.info.get().cloned().unwrap_or_default(),
-                    ram_bytes: e.map(|e| e.template().state().ram_size),
-                    memory_file_bytes: e.map(|e| e.template().memory_file_bytes()),
+                    ram_bytes: e.map(|e| e.sizes().0),
+                    memory_file_bytes: e.map(|e| e.sizes().1),
                 }
             })
             .collect()
@@ -319,8 +340,8 @@ impl AppState {
 
     pub fn gauges(&self) -> Gauges {
         // Every ready template's VMs together; the server is ready with its default one.
-        let ready = self.ready_executors();
-        let stats = self.executor_if_ready().map(|_| {
+        let ready = self.ready_engines();
+        let stats = self.engine_if_ready().map(|_| {
             let mut sum = vmm::executor::ExecutorStats::default();
             for (_, e) in &ready {
                 sum += e.stats();

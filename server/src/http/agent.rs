@@ -67,7 +67,7 @@ impl Load {
 
 /// The line for the node's state now.
 pub fn line(state: &AppState, load: &Load) -> String {
-    if state.executor_if_ready().is_none() {
+    if state.engine_if_ready().is_none() {
         return "down\n".into();
     }
     if state.node().draining() {

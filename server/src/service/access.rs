@@ -95,12 +95,22 @@ pub async fn beside<R: Send + 'static>(
     op: impl FnOnce(&mut vmm::beside::Beside, &vmm::Executor) -> R + Send + 'static,
 ) -> Option<R> {
     let mut lane = e.beside(processes)?;
-    let ex = e.executor.clone();
+    let ex = e.engine.executor()?.clone();
     let r = tokio::task::spawn_blocking(move || op(&mut lane, &ex))
         .await
         .ok()?;
     e.touch();
     Some(r)
+}
+
+/// The VMM executor of session `e`, for an operation not behind the engine's seam yet
+/// ([`crate::core::engine`]): a session on a test engine has none (its VM is gone, as far
+/// as the operation can tell).
+pub fn executor(e: &Entry) -> Result<Arc<vmm::Executor>, Error> {
+    e.engine
+        .executor()
+        .cloned()
+        .ok_or_else(|| Error::internal(vmm::session::SessionError::Gone))
 }
 
 /// Session `id`, live (a paused one is [`Error::Paused`]: the caller that needs it running
@@ -119,7 +129,7 @@ pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
 pub fn end_if_unusable(state: &AppState, busy: &Busy) {
     let e = busy.entry();
     let health = e
-        .with_vm(|s| s.health().clone())
+        .with_vm(|s| s.health())
         .unwrap_or(Health::Discard(Unusable::Failed(
             "the session's VM is gone".into(),
         )));

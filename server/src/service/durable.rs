@@ -109,9 +109,9 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
     };
     let app = serde_json::to_vec(&record).map_err(Error::internal)?;
     let path = dir.paused_path(&e.id);
-    let exec = e.executor.clone();
+    let exec = crate::service::access::executor(&e)?;
     let saved = e
-        .with_vm(|s| s.save(&exec, &path, app, dir.keys()))
+        .with_vmm(|s, exec| s.save(exec, &path, app, dir.keys()))
         .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
         .map_err(Error::internal)?;
     let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
@@ -124,7 +124,8 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         written_here: true,
     });
     if let Some((entry, vm)) = state.sessions().take_out(&e.id) {
-        vm.end(&entry.executor);
+        drop(entry);
+        vm.end();
     }
     drop(busy);
     dir.pauses
@@ -166,8 +167,8 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
         let path = dir.snapshot_path(&snap_id);
-        let exec = e.executor.clone();
-        e.with_vm(|s| s.save(&exec, &path, app, dir.keys()))
+        let exec = crate::service::access::executor(&e)?;
+        e.with_vmm(|s, exec| s.save(exec, &path, app, dir.keys()))
             .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
             .map_err(Error::internal)?;
         drop(busy);
@@ -258,7 +259,7 @@ pub async fn start_from(
         },
         parent: Some(r.source.clone()),
         template: r.template.clone(),
-        executor: exec.clone(),
+        engine: crate::core::engine::vmm::engine(&exec),
         auto_pause: req.auto_pause.unwrap_or(false),
         again: None,
     };
@@ -286,6 +287,7 @@ pub async fn start_from(
             id: snap_id,
             why: e.to_string(),
         })?;
+        let vm = crate::core::engine::vmm::session(vm, &exec);
         let e = sessions.insert(settings, vm).map_err(Error::internal)?;
         e.keep_record(r.attachment);
         *e.contexts() = r.contexts.copy();

@@ -59,11 +59,10 @@ async fn in_session<T: Send + 'static>(
         Taken::Held(busy) => busy,
     };
     let st = state.clone();
-    let exec = busy.entry().executor.clone();
     let done = admission::call(state, move || {
         let done = busy
             .entry()
-            .with_vm(|s| op(s, &exec, timeout))
+            .with_vmm(|s, exec| op(s, exec, timeout))
             .unwrap_or(Err(FileError::Session(SessionError::Gone)));
         busy.entry().account();
         end_if_unusable(&st, &busy);

@@ -41,3 +41,6 @@ pub mod resume;
 pub mod sessions;
 pub mod task;
 pub mod templates;
+
+#[cfg(test)]
+mod tests;

@@ -177,13 +177,13 @@ fn resume_file(
         metadata: r.metadata,
         parent: r.parent,
         template: r.template,
-        executor: exec.clone(),
+        engine: crate::core::engine::vmm::engine(exec),
         auto_pause: r.auto_pause,
         again: Some((id.clone(), from_epoch_ms(r.created_at_ms))),
     };
     let e = state
         .sessions()
-        .insert(settings, vm)
+        .insert(settings, crate::core::engine::vmm::session(vm, exec))
         .map_err(Error::internal)?;
     e.keep_record(r.attachment);
     *e.contexts() = r.contexts;

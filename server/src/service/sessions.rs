@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use vmm::session::{DEFAULT_INTERRUPT_GRACE, ForkStats, Session, SessionError};
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, ForkStats, SessionError};
 use vmm::{JobResult, Language};
 
 use crate::core::audit::Origin;
@@ -68,7 +68,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
         ..ExecRequest::default()
     };
     probe.into_job(&state.config().limits, "")?;
-    let exec = templates::executor_for(state, req.template.as_deref())?;
+    let engine = templates::engine_for(state, req.template.as_deref())?;
     check_count(state, 1)?;
     check_memory(state)?;
     let settings = NewSession {
@@ -79,13 +79,14 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
         metadata: req.metadata,
         parent: None,
         template: state.template_name(req.template.as_deref()).to_owned(),
-        executor: exec.clone(),
+        engine: engine.clone(),
         auto_pause: req.auto_pause.unwrap_or(false),
         again: None,
     };
     let sessions = state.sessions().clone();
     admission::call(state, move || {
-        let made = Session::start(&exec)
+        let made = engine
+            .start()
             .map_err(Error::internal)
             .and_then(|vm| sessions.insert(settings, vm).map_err(Error::internal))?;
         made.account();
@@ -172,14 +173,13 @@ pub async fn cell(
     let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
     let origin = Origin::here(route, &busy.entry().template, Some(id));
     let st = state.clone();
-    let exec = busy.entry().executor.clone();
     let slot = admission::admit(state, 1)?.remove(0);
     let rx = admission::spawn(state, slot, move |reply: Reply<Result<Cell, Error>>| {
         let waited = reply.waited();
         let ran = busy
             .entry()
             .with_vm(|s| {
-                s.exec(&exec, &job, DEFAULT_INTERRUPT_GRACE, &mut *sink)
+                s.exec(&job, DEFAULT_INTERRUPT_GRACE, &mut *sink)
                     .map(|r| (r, s.executions()))
             })
             .unwrap_or(Err(SessionError::Gone));
@@ -231,11 +231,10 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     check_count(state, count)?;
     check_memory(state)?;
     let sessions = state.sessions().clone();
-    let exec = busy.entry().executor.clone();
     let forked = admission::call(state, move || {
         let e = busy.entry().clone();
         let forked = e
-            .with_vm(|s| s.fork(&exec, count))
+            .with_vm(|s| s.fork(count))
             .unwrap_or(Err(SessionError::Gone));
         let (children, stats) = forked.map_err(Error::internal)?;
         let mut made = Vec::with_capacity(children.len());
@@ -252,7 +251,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
                 metadata: e.metadata.clone(),
                 parent: Some(e.id.clone()),
                 template: e.template.clone(),
-                executor: e.executor.clone(),
+                engine: e.engine.clone(),
                 auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
                 again: None,
             };

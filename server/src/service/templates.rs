@@ -1,16 +1,19 @@
-//! Templates: which executor a request runs on.
+//! Templates: which engine (and, for the operations not behind the engine's seam yet,
+//! which VMM executor) a request runs on.
 
 use std::sync::Arc;
 
 use vmm::Executor;
 
+use crate::core::engine::Engine;
+
 use crate::core::metrics::Rejection;
 use crate::core::state::{AppState, TemplateState};
 use crate::service::error::Error;
 
-/// The executor of template `asked` (`None`: the default one): unknown if it is not
+/// The engine of template `asked` (`None`: the default one): unknown if it is not
 /// served; not ready (retry later) while it is built or loaded; failed if it could not be.
-pub fn executor_for(state: &AppState, asked: Option<&str>) -> Result<Arc<Executor>, Error> {
+pub fn engine_for(state: &AppState, asked: Option<&str>) -> Result<Arc<dyn Engine>, Error> {
     let name = state.template_name(asked);
     match state.template_state(name) {
         None => Err(Error::UnknownTemplate {
@@ -34,6 +37,15 @@ pub fn executor_for(state: &AppState, asked: Option<&str>) -> Result<Arc<Executo
             })
         }
     }
+}
+
+/// The VMM executor of template `asked`, as [`engine_for`] finds it; a template on a test
+/// engine has none.
+pub fn executor_for(state: &AppState, asked: Option<&str>) -> Result<Arc<Executor>, Error> {
+    engine_for(state, asked)?
+        .executor()
+        .cloned()
+        .ok_or_else(|| Error::internal("this template's engine has no VMM"))
 }
 
 /// The default template's executor.

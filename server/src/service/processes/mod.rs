@@ -89,11 +89,10 @@ async fn on_vm<R: Send + 'static>(
     + 'static,
 ) -> Result<Result<R, ProcessError>, Error> {
     let st = state.clone();
-    let exec = busy.entry().executor.clone();
     admission::call(state, move || {
         let r = busy
             .entry()
-            .with_vm(|s| op(s, &exec))
+            .with_vmm(|s, exec| op(s, exec))
             .unwrap_or(Err(ProcessError::Session(SessionError::Gone)));
         end_if_unusable(&st, &busy);
         drop(busy);
@@ -430,7 +429,6 @@ async fn pump(state: AppState, e: Arc<Entry>) {
             let _ = e.processes.pump_should_stop();
             return;
         };
-        let exec = e.executor.clone();
         let st = state.clone();
         let account = accounted.elapsed() >= ACCOUNT_EVERY;
         if account {
@@ -439,7 +437,7 @@ async fn pump(state: AppState, e: Arc<Entry>) {
         let polled = tokio::task::spawn_blocking(move || {
             let r = busy
                 .entry()
-                .with_vm(|s| s.poll_processes(&exec, POLL_WAIT, POLL_BUDGET, Some(cancel)))
+                .with_vmm(|s, exec| s.poll_processes(exec, POLL_WAIT, POLL_BUDGET, Some(cancel)))
                 .unwrap_or(Err(ProcessError::Session(SessionError::Gone)));
             end_if_unusable(&st, &busy);
             if account {
