@@ -24,9 +24,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use crate::core::peer;
 use crate::core::sessions::Unavailable;
 use crate::core::state::AppState;
+use crate::core::{metrics, peer};
 use crate::http::body::JsonBody;
 use crate::http::error::ApiError;
 use crate::service::drain::{self, DrainReport, DrainRequest};
@@ -296,17 +296,13 @@ pub async fn health(State(state): State<AppState>) -> Response {
     (code, Json(h)).into_response()
 }
 
-/// `GET /metrics`.
-pub async fn metrics(State(state): State<AppState>) -> Response {
-    let text = state.metrics().render(&state.gauges());
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+/// `GET /metrics`: the Prometheus text of `core::metrics`, the gauges read now.
+pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let text = state
+        .metrics()
+        .render(&state.gauges())
+        .map_err(Error::internal)?;
+    Ok(([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response())
 }
 
 #[cfg(test)]

@@ -223,7 +223,9 @@ fn event_of(stop: VcpuStop, vcpu: &kvm_ioctls::VcpuFd) -> Result<Event, JobError
 pub(crate) const INTERRUPT_BYTE: u8 = 0x03;
 
 /// Runs request `r` in `m`, a VM whose worker is at READY or at the DONE of its last
-/// request, with its identity and clock already given by the caller.
+/// request, with its identity and clock already given by the caller: writes it, arms its
+/// deadline and cancel, runs the vCPU until the supervisor ends it ([`supervise`]), then
+/// reads how it ended ([`end_of`]) and what it left ([`result_of`]).
 pub(crate) fn run_request(
     m: &mut Machine,
     s: &SnapshotState,
@@ -232,10 +234,9 @@ pub(crate) fn run_request(
 ) -> Result<(JobResult, Health), JobError> {
     let mb = &s.mailbox;
     let j = r.job;
-    let cancelled = || j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled);
-    // A session cell (or process request) is cancelled as it is timed out (see the loop).
+    // A session cell (or process request) is cancelled as it is timed out (see supervise).
     let cell = matches!(r.kind, Kind::Cell { .. } | Kind::Process { .. });
-    if cell && cancelled() {
+    if cell && cancelled(j) {
         // Cancelled while it waited: the session's VM never sees it (an interrupt sent now
         // could reach the guest before it starts the cell, where it cannot be taken).
         return Ok((JobResult::never_ran(Status::Cancelled), Health::Ready));
@@ -249,11 +250,60 @@ pub(crate) fn run_request(
     m.kicker.reset();
     let started = Instant::now();
     let deadline = started + j.timeout;
-    let mut timer = timer::arm(deadline, m.kicker.clone());
+    let timer = timer::arm(deadline, m.kicker.clone());
     if let Some(c) = &j.cancel {
         c.attach(&m.kicker);
     }
     let mut out = Collected::new(j.output_limit, Some(on_output));
+    let mut sup = Supervisor::new(deadline, r.interrupt_grace, cell, j.stream_output);
+    let before = Before {
+        started,
+        exits: m.bus.exits(),
+        kvm: m.stats.as_ref().map(|s| s.read()).unwrap_or_default(),
+    };
+    let mut lane = r
+        .beside
+        .and_then(|(b, accepts)| Lane::open(b, mb, &m.kicker, accepts));
+    let finish = supervise(m, mb, r, &mut sup, &mut out, lane.as_mut(), timer)?;
+    if let Some(c) = &j.cancel {
+        c.detach();
+    }
+    if let (Some(l), Finish::Outcome) = (lane.as_mut(), &finish) {
+        l.take_back(m)?;
+    }
+    drop(lane);
+    let (end, health) = end_of(m, mb, finish, sup.host_reason())?;
+    let result = result_of(m, mb, r.kind, end, &health, out, &before)?;
+    Ok((result, health))
+}
+
+/// Whether the job has been cancelled by its caller.
+fn cancelled(j: &Job) -> bool {
+    j.cancel.as_ref().is_some_and(super::Cancel::is_cancelled)
+}
+
+/// The VM's counters as a request started, to take the request's share from.
+struct Before {
+    started: Instant,
+    exits: u64,
+    kvm: crate::kvm_stats::VcpuCounters,
+}
+
+/// Runs the vCPU until the supervisor ends request `r`: serves the doorbells (the
+/// request's and the lane's beside it), takes output as it comes (and every
+/// [`STREAM_TICK`] of a streamed job), and sends the interrupt the supervisor asks for at a
+/// timeout, the output cap or a cancel. `timer` (the deadline's) and the stream tick are
+/// dropped as the request ends.
+fn supervise(
+    m: &mut Machine,
+    mb: &Mailbox,
+    r: &Request<'_>,
+    sup: &mut Supervisor,
+    out: &mut Collected<'_>,
+    mut lane: Option<&mut Lane<'_>>,
+    mut timer: timer::Armed,
+) -> Result<Finish, JobError> {
+    let j = r.job;
     // A streamed job's output is also taken every STREAM_TICK while it runs: the guest
     // FLUSHes only when it writes again, so a job that goes quiet after a line would hold
     // it back until it writes or ends.
@@ -262,15 +312,9 @@ pub(crate) fn run_request(
             .then(|| timer::arm(Instant::now() + STREAM_TICK, k.clone()))
     };
     let mut tick = arm_tick(&m.kicker);
-    let mut sup = Supervisor::new(deadline, r.interrupt_grace, cell, j.stream_output);
-    let exits_before = m.bus.exits();
-    let kvm_before = m.stats.as_ref().map(|s| s.read()).unwrap_or_default();
-    let mut lane = r
-        .beside
-        .and_then(|(b, accepts)| Lane::open(b, mb, &m.kicker, accepts));
     let finish = loop {
         let stop = crate::vcpu::run(&mut m.vcpu, &mut m.bus, &m.ram, &m.kicker)?;
-        let event = match (stop, lane.as_mut()) {
+        let event = match (stop, lane.as_deref_mut()) {
             (VcpuStop::Doorbell(c), Some(l)) if c == code::FLUSH | lane::DOORBELL_BIT => {
                 l.flushed(m)?;
                 Event::Lane
@@ -287,8 +331,8 @@ pub(crate) fn run_request(
         }
         // A kick that only handed a request to the lane (not a deadline's, a cancel's or a
         // stream tick's, which the supervisor tells apart by the time and the flags).
-        let woke = kicked && lane.as_ref().is_some_and(Lane::take_woke);
-        let event = if woke && !j.stream_output && !cancelled() && Instant::now() < sup.kick_at() {
+        let woke = kicked && lane.as_deref().is_some_and(Lane::take_woke);
+        let event = if woke && !j.stream_output && !cancelled(j) && Instant::now() < sup.kick_at() {
             Event::Lane
         } else {
             event
@@ -298,7 +342,7 @@ pub(crate) fn run_request(
         }
         let facts = Facts {
             now: Instant::now(),
-            cancelled: cancelled(),
+            cancelled: cancelled(j),
             over_limit: out.over_limit,
         };
         let rearm = match sup.next(event, facts) {
@@ -312,7 +356,7 @@ pub(crate) fn run_request(
         if rearm {
             tick = arm_tick(&m.kicker);
         }
-        if let Some(l) = lane.as_mut() {
+        if let Some(l) = lane.as_deref_mut() {
             l.step(m)?;
         }
         // A timer that fired between the stop and the reset above was cleared with it: a
@@ -323,19 +367,24 @@ pub(crate) fn run_request(
     };
     drop(timer);
     drop(tick);
-    if let Some(c) = &j.cancel {
-        c.detach();
-    }
-    if let (Some(l), Finish::Outcome) = (lane.as_mut(), &finish) {
-        l.take_back(m)?;
-    }
-    drop(lane);
-    let (end, health) = match finish {
+    Ok(finish)
+}
+
+/// How the request ended and whether its VM may run again, from how the supervisor
+/// finished it: at DONE the guest's outcome decides, unless the host interrupted it
+/// (`host_reason`); a worker that ended, the host's stop or a crash leave the VM unusable.
+fn end_of(
+    m: &Machine,
+    mb: &Mailbox,
+    finish: Finish,
+    host_reason: Option<Status>,
+) -> Result<(End, Health), JobError> {
+    Ok(match finish {
         Finish::Outcome => {
             let oc = mb.read_u32(&m.ram, result::OUTCOME as u64)?;
             let value = mb.read_u32(&m.ram, result::EXIT_CODE as u64)? as i32;
             let end = end_from_outcome(oc, value);
-            match (end.status, sup.host_reason()) {
+            match (end.status, host_reason) {
                 (Status::Crashed, _) => {
                     let why = end.crash.clone().unwrap_or_default();
                     (end, Health::Discard(Unusable::Crashed(why)))
@@ -369,12 +418,25 @@ pub(crate) fn run_request(
             End::crashed(why.clone()),
             Health::Discard(Unusable::Crashed(why)),
         ),
-    };
-    let run = started.elapsed();
+    })
+}
+
+/// The request's result: its end, its output, and what the guest left in the mailbox
+/// (phases, the value shown) when its VM is still usable; the console's tail of a crash.
+fn result_of(
+    m: &Machine,
+    mb: &Mailbox,
+    kind: Kind,
+    end: End,
+    health: &Health,
+    out: Collected<'_>,
+    before: &Before,
+) -> Result<JobResult, JobError> {
+    let run = before.started.elapsed();
     let kvm = m
         .stats
         .as_ref()
-        .map(|s| s.read().since(&kvm_before))
+        .map(|s| s.read().since(&before.kvm))
         .unwrap_or_default();
     let guest = if health.is_ready() {
         read_phases(&m.ram, mb)?
@@ -386,12 +448,12 @@ pub(crate) fn run_request(
     } else {
         Vec::new()
     };
-    let shown = if health.is_ready() && matches!(r.kind, Kind::Job | Kind::Cell { .. }) {
+    let shown = if health.is_ready() && matches!(kind, Kind::Job | Kind::Cell { .. }) {
         read_display(&m.ram, mb)?
     } else {
         Shown::default()
     };
-    let result = JobResult {
+    Ok(JobResult {
         status: end.status,
         exit_code: end.exit_code,
         signal: end.signal,
@@ -407,9 +469,8 @@ pub(crate) fn run_request(
             run,
             total: run,
             guest,
-            exits: m.bus.exits() - exits_before,
+            exits: m.bus.exits() - before.exits,
             kvm,
         },
-    };
-    Ok((result, health))
+    })
 }
