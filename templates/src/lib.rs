@@ -78,26 +78,16 @@ impl TemplateOptions {
 }
 
 /// What the image of `opts`' template holds, as its builder recorded it: the image's size
-/// and the Python packages its manifest lists (name to version). Zero and empty when the
+/// and the Debian packages its manifest lists (name to version). Zero and empty when the
 /// image or its manifest is missing.
 pub fn image_facts(opts: &TemplateOptions) -> (u64, std::collections::BTreeMap<String, String>) {
     let (_, image) = bud_guest::pipeline::artifact_paths(&opts.build.build_dir, opts.name());
     let size = image.metadata().map_or(0, |m| m.len());
-    let manifest = image
-        .parent()
-        .map(|dir| dir.join("rootfs").join(bud_guest::site::MANIFEST_PATH))
-        .and_then(|p| std::fs::read(p).ok())
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-    let packages = manifest
-        .as_ref()
-        .and_then(|m| m["packages"].as_object())
-        .map(|p| {
-            p.iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-                .collect()
-        })
-        .unwrap_or_default();
-    (size, packages)
+    let manifest = vmm::Manifest::load(&bud_guest::manifest_path(
+        &opts.build.build_dir,
+        opts.name(),
+    ));
+    (size, manifest.map(|m| m.packages).unwrap_or_default())
 }
 
 /// The guest (found or built), then its template (loaded, or booted and saved: about a
