@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use vmm::devices::console::EchoFn;
 use vmm::{BootConfig, Template, TemplateSpec};
 
-use bud_guest::pipeline::{BuildError, BuildOptions, RECIPE_DIR, built_or_ensure, ensure};
+use bud_guest::pipeline::{
+    BuildError, BuildOptions, RECIPE_DIR, artifact_paths, built_or_ensure, ensure,
+};
 
 /// How much to trust an existing guest build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +22,9 @@ pub enum GuestBuild {
     /// Bring them up to date with their inputs first (tests and benchmarks: a changed patch
     /// or recipe must not go unnoticed).
     Current,
+    /// Use them as they are and never build: missing ones are an error (a template added
+    /// to a running server, which may no longer run a build).
+    Built,
 }
 
 /// Errors of getting a template.
@@ -31,6 +36,8 @@ pub enum TemplateSetupError {
     Template(#[from] vmm::template::TemplateError),
     #[error("{0}")]
     Recipe(#[from] bud_guest::recipe::RecipeError),
+    #[error("template {0} has no guest build (`bud guest build --template {0}` makes one)")]
+    NotBuilt(String),
 }
 
 /// What to prepare.
@@ -104,6 +111,14 @@ pub fn template(
         GuestBuild::Current => {
             let a = ensure(&opts.build, progress).map_err(Box::new)?;
             (a.kernel, a.initramfs)
+        }
+        GuestBuild::Built => {
+            let (kernel, initramfs) = artifact_paths(&opts.build.build_dir, opts.name());
+            let manifest = bud_guest::manifest_path(&opts.build.build_dir, opts.name());
+            if !(kernel.is_file() && initramfs.is_file() && manifest.is_file()) {
+                return Err(TemplateSetupError::NotBuilt(opts.name().to_owned()));
+            }
+            (kernel, initramfs)
         }
     };
     let mut boot = BootConfig::new(kernel, initramfs);

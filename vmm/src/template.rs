@@ -231,6 +231,11 @@ impl Template {
             true => match Self::load(dir) {
                 Err(TemplateError::WrongIdentity { .. }) => None,
                 loaded => Some(loaded.map(|mut t| {
+                    // The copy of a template made before manifests (or before the
+                    // builder's derivation changed) brought up to date. Best effort: the
+                    // template in hand has it, and only `load` of the bare directory
+                    // (a paused session's template, gone from the build) reads the copy.
+                    let _ = manifest.write(&dir.join(MANIFEST_FILE));
                     t.manifest = manifest.clone();
                     t
                 })),
