@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use bud_server::audit::Record;
+use bud_server::core::audit::Record;
 
 #[derive(Debug, clap::Args)]
 pub struct AuditArgs {

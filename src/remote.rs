@@ -13,7 +13,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use bud_server::api::{ExecRequest, ExecResponse};
+use bud_server::http::jobs::ExecResponse;
+use bud_server::service::jobs::ExecRequest;
 use vmm::{Job, JobResult};
 
 /// Where `bud serve` listens by default.

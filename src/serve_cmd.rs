@@ -46,13 +46,15 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
     config.audit = args
         .audit_log
         .clone()
-        .map(|path| bud_server::audit::AuditConfig {
+        .map(|path| bud_server::core::audit::AuditConfig {
             path,
             content: args.audit_content,
             required: args.audit_required,
         });
     if let Some(path) = &args.api_keys_file {
-        config.api_keys = Some(std::sync::Arc::new(bud_server::keys::ApiKeys::load(path)?));
+        config.api_keys = Some(std::sync::Arc::new(bud_server::core::keys::ApiKeys::load(
+            path,
+        )?));
     }
     let build = cli.build_options();
     // One state directory per port by default: a server started again on its port finds
@@ -76,11 +78,11 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             };
             let template = bud_templates::template(
                 &opts,
-                &mut bud_server::startup::log_build_line,
-                Some(bud_server::startup::console_echo()),
+                &mut bud_server::http::startup::log_build_line,
+                Some(bud_server::http::startup::console_echo()),
             )?;
             let (image_bytes, packages) = bud_templates::image_facts(&opts);
-            let info = bud_server::state::TemplateInfo {
+            let info = bud_server::core::state::TemplateInfo {
                 image_bytes,
                 packages,
             };

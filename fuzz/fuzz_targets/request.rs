@@ -5,15 +5,15 @@
 #![no_main]
 
 use bud_server::Limits;
-use bud_server::api::{BatchRequest, ExecRequest};
+use bud_server::service::jobs::{BatchRequest, ExecRequest};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let limits = Limits::default();
-    if let Ok(req) = bud_server::body::parse::<ExecRequest>(data) {
+    if let Ok(req) = bud_server::http::body::parse::<ExecRequest>(data) {
         let _ = req.into_job(&limits, "");
     }
-    if let Ok(batch) = bud_server::body::parse::<BatchRequest>(data) {
+    if let Ok(batch) = bud_server::http::body::parse::<BatchRequest>(data) {
         for (i, req) in batch.jobs.into_iter().enumerate() {
             let _ = req.into_job(&limits, &format!("jobs[{i}]."));
         }

@@ -4,229 +4,58 @@
 //! `tower::ServiceExt::oneshot`); [`serve`] runs it on a listener until a shutdown future
 //! resolves, then lets in-flight jobs finish; [`run`] is the whole `bud serve`.
 //!
-//! Three layers, each using only those below it (a test checks that no module imports
-//! form a cycle, `tests/layers.rs`):
-//! - **edge**: the native routes ([`routes`], [`session_routes`], [`stream`]), the compat
-//!   dialects ([`compat`]: E2B, envd, Jupyter, Piston, with their own router state), the
-//!   request body ([`body`]), errors as HTTP ([`error`]), the API shapes ([`api`]), the
-//!   API-key gate ([`keys`]), the OpenAPI document ([`openapi`]), the accept loop
-//!   ([`conn`]), startup ([`startup`]);
-//! - **service** ([`service`]): what bud does, whoever asks: admission, jobs, sessions,
-//!   files, templates, with its own error type;
-//! - **core**: the data the service reads: [`state`] (configuration, templates,
-//!   executors), [`sessions`] (the registry), [`jobs`] (the job threads), [`metrics`],
-//!   [`audit`], [`config`], [`jail`], [`clock`]. The core names no dialect.
+//! Four layers, one folder each, each using only those below it (`tests/layers.rs` reads
+//! the layer of a file from its path and fails on an import that points up or a cycle):
+//! - [`core`]: the data the service reads (configuration, state, sessions, job threads,
+//!   durable state, audit, metrics, keys, jail, node, clock); names no dialect;
+//! - [`service`]: what bud does, whoever asks: admission, jobs, sessions, processes,
+//!   contexts, files, durable sessions, drain, templates; its own input and output types
+//!   and its own error type;
+//! - [`http`]: bud's own routes, bodies, errors as HTTP, streaming, the OpenAPI document,
+//!   the accept loop, startup;
+//! - [`compat`]: the dialects (E2B, envd, Jupyter, Piston), adapters over the service
+//!   that share the edge's bodies and errors.
+//!
+//! This file, the root, only puts them together.
 //!
 //! KVM work never runs on the async runtime's threads: every job runs on a job thread
-//! ([`jobs`]) behind a bounded admission counter ([`service::admission`]).
+//! ([`core::jobs`]) behind a bounded admission counter ([`service::admission`]).
 
-pub mod agent;
-pub mod api;
-pub mod audit;
-pub mod body;
-pub mod clock;
 pub mod compat;
-pub mod config;
-pub mod conn;
-pub mod context_routes;
-pub mod contexts;
-pub mod durable;
-pub mod durable_routes;
-pub mod error;
-pub mod jail;
-pub mod jobs;
-pub mod keys;
-pub mod metrics;
-pub mod node;
-pub mod node_routes;
-pub mod openapi;
-pub mod peer;
-pub mod process_routes;
-pub mod procs;
-pub mod registry;
-pub mod routes;
+pub mod core;
+pub mod http;
 pub mod service;
-pub mod session_routes;
-pub mod sessions;
-pub mod startup;
-pub mod state;
-pub mod stream;
 
 use std::future::Future;
 
 use axum::Router;
-use axum::extract::{Request, State};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::middleware;
 
-pub use config::{Config, Limits};
-pub use error::ApiError;
-pub use startup::{ServeOptions, TemplateSource, init_logging, run};
-pub use state::AppState;
+pub use crate::core::config::{Config, Limits};
+pub use crate::core::error_chain;
+pub use crate::core::state::AppState;
+pub use crate::http::error::ApiError;
+pub use crate::http::startup::{ServeOptions, TemplateSource, init_logging};
+pub use crate::http::{KeyGate, ROUTES, require_key};
 
-/// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 44] = [
-    ("post", "/v1/exec"),
-    ("post", "/v1/exec/batch"),
-    ("post", "/v1/exec/stream"),
-    ("get", "/v1/health"),
-    ("get", "/metrics"),
-    ("get", "/v1/openapi.json"),
-    ("get", "/v1/templates"),
-    ("post", "/v1/sessions"),
-    ("get", "/v1/sessions"),
-    ("get", "/v1/sessions/{id}"),
-    ("delete", "/v1/sessions/{id}"),
-    ("post", "/v1/sessions/{id}/exec"),
-    ("post", "/v1/sessions/{id}/exec/stream"),
-    ("post", "/v1/sessions/{id}/fork"),
-    ("get", "/v1/sessions/{id}/files"),
-    ("put", "/v1/sessions/{id}/files/{path}"),
-    ("get", "/v1/sessions/{id}/files/{path}"),
-    ("delete", "/v1/sessions/{id}/files/{path}"),
-    ("post", "/v1/sessions/{id}/processes"),
-    ("get", "/v1/sessions/{id}/processes"),
-    ("get", "/v1/sessions/{id}/processes/{pid}"),
-    ("delete", "/v1/sessions/{id}/processes/{pid}"),
-    ("get", "/v1/sessions/{id}/processes/{pid}/output"),
-    ("post", "/v1/sessions/{id}/processes/{pid}/stdin"),
-    ("post", "/v1/sessions/{id}/processes/{pid}/signal"),
-    ("post", "/v1/sessions/{id}/processes/{pid}/resize"),
-    ("post", "/v1/sessions/{id}/contexts"),
-    ("get", "/v1/sessions/{id}/contexts"),
-    ("post", "/v1/sessions/{id}/contexts/{context}/exec"),
-    ("post", "/v1/sessions/{id}/contexts/{context}/restart"),
-    ("delete", "/v1/sessions/{id}/contexts/{context}"),
-    ("post", "/v1/sessions/{id}/watchers"),
-    ("delete", "/v1/sessions/{id}/watchers/{wid}"),
-    ("get", "/v1/sessions/{id}/watchers/{wid}/changes"),
-    ("post", "/v1/sessions/{id}/pause"),
-    ("post", "/v1/sessions/{id}/resume"),
-    ("post", "/v1/sessions/{id}/snapshots"),
-    ("get", "/v1/snapshots"),
-    ("get", "/v1/snapshots/{id}"),
-    ("delete", "/v1/snapshots/{id}"),
-    ("get", "/v1/sessions/{id}/export"),
-    ("post", "/v1/sessions/import"),
-    ("post", "/v1/admin/drain"),
-    ("post", "/v1/admin/undrain"),
-];
+/// Where every dialect's requests name a sandbox, E2B's first (its header wins over a
+/// path), for the node's routing and for a router in front (`bud routes`).
+pub const SANDBOX_PLACES: &[http::node::SandboxPlaces] =
+    &[compat::e2b::SANDBOX_PLACES, http::node::NATIVE];
 
-/// An error and its sources, `a: b: c` (what a log line or an answer says of a failure
-/// whose cause is a few sources deep: a template build, a call to another node).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
-/// The API's router over `state`.
+/// The API's router over `state`: bud's own routes and the dialects', behind the node's
+/// routing, the API-key gate and the response counter.
 pub fn app(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/exec", post(routes::exec))
-        .route("/v1/exec/batch", post(routes::batch))
-        .route("/v1/exec/stream", post(stream::exec_stream))
-        .route("/v1/health", get(routes::health))
-        .route("/metrics", get(routes::metrics))
-        .route("/v1/openapi.json", get(routes::openapi))
-        .route("/v1/templates", get(routes::templates))
-        .route(
-            "/v1/sessions",
-            post(session_routes::create).get(session_routes::list),
-        )
-        .route(
-            "/v1/sessions/{id}",
-            get(session_routes::show).delete(session_routes::delete),
-        )
-        .route("/v1/sessions/{id}/exec", post(session_routes::exec))
-        .route(
-            "/v1/sessions/{id}/exec/stream",
-            post(stream::session_stream),
-        )
-        .route("/v1/sessions/{id}/fork", post(session_routes::fork))
-        .route("/v1/sessions/{id}/files", get(session_routes::list_files))
-        .route(
-            "/v1/sessions/{id}/files/{*path}",
-            get(session_routes::get_file)
-                .put(session_routes::put_file)
-                .delete(session_routes::delete_file),
-        )
-        .route(
-            "/v1/sessions/{id}/processes",
-            get(process_routes::list).post(process_routes::start),
-        )
-        .route(
-            "/v1/sessions/{id}/processes/{pid}",
-            get(process_routes::show).delete(process_routes::kill),
-        )
-        .route(
-            "/v1/sessions/{id}/processes/{pid}/output",
-            get(process_routes::output),
-        )
-        .route(
-            "/v1/sessions/{id}/processes/{pid}/stdin",
-            post(process_routes::stdin),
-        )
-        .route(
-            "/v1/sessions/{id}/processes/{pid}/signal",
-            post(process_routes::signal),
-        )
-        .route(
-            "/v1/sessions/{id}/processes/{pid}/resize",
-            post(process_routes::resize),
-        )
-        .route(
-            "/v1/sessions/{id}/contexts",
-            post(context_routes::create).get(context_routes::list),
-        )
-        .route(
-            "/v1/sessions/{id}/contexts/{context}",
-            delete(context_routes::remove),
-        )
-        .route(
-            "/v1/sessions/{id}/contexts/{context}/exec",
-            post(context_routes::exec),
-        )
-        .route(
-            "/v1/sessions/{id}/contexts/{context}/restart",
-            post(context_routes::restart),
-        )
-        .route("/v1/sessions/{id}/watchers", post(process_routes::watch))
-        .route(
-            "/v1/sessions/{id}/watchers/{wid}",
-            delete(process_routes::unwatch),
-        )
-        .route(
-            "/v1/sessions/{id}/watchers/{wid}/changes",
-            get(process_routes::changes),
-        )
-        .route("/v1/sessions/{id}/pause", post(durable_routes::pause))
-        .route("/v1/sessions/{id}/resume", post(durable_routes::resume))
-        .route(
-            "/v1/sessions/{id}/snapshots",
-            post(durable_routes::snapshot),
-        )
-        .route("/v1/sessions/{id}/export", get(durable_routes::export))
-        .route("/v1/sessions/import", post(durable_routes::import))
-        .route("/v1/snapshots", get(durable_routes::list))
-        .route(
-            "/v1/snapshots/{id}",
-            get(durable_routes::show).delete(durable_routes::delete),
-        )
-        .route("/v1/admin/drain", post(node_routes::drain))
-        .route("/v1/admin/undrain", post(node_routes::undrain))
+    http::routes()
         .merge(compat::routes(state.clone()))
-        .fallback(routes::not_found)
-        .method_not_allowed_fallback(routes::method_not_allowed)
+        .fallback(http::error::not_found)
+        .method_not_allowed_fallback(http::error::method_not_allowed)
         .layer(middleware::from_fn_with_state(
-            state.clone(),
-            node_routes::by_node,
+            http::node::Routing {
+                state: state.clone(),
+                dialects: SANDBOX_PLACES,
+            },
+            http::node::by_node,
         ))
         .layer(middleware::from_fn_with_state(
             KeyGate {
@@ -237,90 +66,24 @@ pub fn app(state: AppState) -> Router {
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
-            count_responses,
+            http::count_responses,
         ))
         .with_state(state)
 }
 
-/// What the key middleware checks: the keys (None: the server is open), and the routes
-/// that need none (the edge names them: health, and the compat dialects' routes that
-/// carry a credential of their own).
-#[derive(Debug, Clone)]
-pub struct KeyGate {
-    pub keys: Option<std::sync::Arc<keys::ApiKeys>>,
-    pub exempt: fn(&str) -> bool,
-}
-
-/// The key middleware: 401 unless the request presents a configured key ([`keys`]).
-pub async fn require_key(State(gate): State<KeyGate>, req: Request, next: Next) -> Response {
-    let Some(keys) = gate.keys.as_deref() else {
-        return crate::audit::KEY.scope(None, next.run(req)).await;
-    };
-    let exempt = (gate.exempt)(req.uri().path());
-    let name = keys::presented(req.headers()).and_then(|k| keys.name_of(k).map(str::to_owned));
-    if exempt || name.is_some() {
-        // The key's name goes with the request, for the audit trail.
-        return crate::audit::KEY.scope(name, next.run(req)).await;
-    }
-    ApiError::Unauthorized.into_response()
-}
-
-async fn count_responses(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let response = next.run(req).await;
-    state.metrics().response(response.status().as_u16());
-    response
-}
-
-/// Serves `state` on `listener` until `shutdown` resolves; then stops accepting, waits for
-/// every in-flight request (so every running job) to finish, and stops the job threads.
+/// Serves [`app`] over `state` on `listener` until `shutdown` resolves ([`http::serve`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let reaper = tokio::spawn(service::sessions::reaper(state.clone()));
-    let header_timeout = state.config().limits.header_timeout();
-    // Once the shutdown starts, running and queued jobs get the grace period to finish;
-    // then whatever is left is cancelled, so their requests end and the server stops.
-    let (started, start) = tokio::sync::oneshot::channel::<()>();
-    let grace = std::time::Duration::from_secs(state.config().shutdown_grace_s);
-    let late = state.clone();
-    let canceller = tokio::spawn(async move {
-        if start.await.is_ok() {
-            tokio::time::sleep(grace).await;
-            let n = late.jobs().cancel_all();
-            tracing::info!(
-                jobs = n,
-                "shutdown grace period over: cancelled what still ran"
-            );
-        }
-    });
-    let shutdown = async move {
-        shutdown.await;
-        let _ = started.send(());
-    };
-    conn::serve_connections(listener, app(state.clone()), header_timeout, shutdown).await;
-    reaper.abort();
-    if state.config().pause_on_shutdown && state.state_dir().is_some() {
-        for (id, paused) in service::durable::pause_all(&state).await {
-            match paused {
-                Ok(p) => tracing::info!(session = %id, bytes = p.bytes, "paused at shutdown"),
-                Err(err) => {
-                    tracing::warn!(session = %id, error = %err, "could not pause at shutdown")
-                }
-            }
-        }
-    }
-    // Every request has its answer; jobs of clients that left may still be queued.
-    let drained = state.clone();
-    tokio::task::spawn_blocking(move || {
-        drained.drain();
-        drained.sessions().end_all();
-    })
-    .await
-    .map_err(std::io::Error::other)?;
-    canceller.abort();
-    Ok(())
+    let router = app(state.clone());
+    http::serve(listener, state, router, shutdown).await
+}
+
+/// The whole `bud serve` ([`http::startup::run`] over [`app`]).
+pub fn run(opts: ServeOptions) -> Result<(), http::startup::ServeError> {
+    http::startup::run(opts, app)
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bud_server::audit::{AuditConfig, Record};
-use bud_server::keys::ApiKeys;
+use bud_server::core::audit::{AuditConfig, Record};
+use bud_server::core::keys::ApiKeys;
 use common::*;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};

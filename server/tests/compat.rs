@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 
 use bud_server::Config;
-use bud_server::keys::ApiKeys;
+use bud_server::core::keys::ApiKeys;
 use common::clients::{client_script, e2b_env};
 use common::*;
 use serde_json::{Value, json};

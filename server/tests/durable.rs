@@ -418,7 +418,7 @@ fn pauses_resumes_and_snapshots_are_counted_and_recorded_in_the_audit_trail() {
     let log = dir.join("audit.jsonl");
     let mut config = test_config();
     config.state_dir = Some(dir.join("state"));
-    config.audit = Some(bud_server::audit::AuditConfig {
+    config.audit = Some(bud_server::core::audit::AuditConfig {
         path: log.clone(),
         content: false,
         required: true,

@@ -1,4 +1,4 @@
-//! The server's modules form layers, and their imports no cycle.
+//! The server's modules form layers, one folder each, and their imports no cycle.
 //!
 //! Read from the source: every file under `src/` is a module; a `crate::...` or
 //! `super::...` path in its code (tests and comments left out) is an edge to the module
@@ -6,51 +6,21 @@
 //! ancestors or descendants are not counted: a parent declares its children and
 //! re-exports them, a child uses what its parent shares; that is one unit.
 //!
-//! The layers, lowest first; a module may use its own layer and those below:
-//! 0. core: the data the service reads (state, the session registry, the job threads,
+//! A module's layer is the folder it lives in, the first part of its path; lowest first,
+//! a module may use its own layer and those below:
+//! 0. `core/`: the data the service reads (state, the session registry, the job threads,
 //!    metrics, audit, configuration, keys, the jail, the clock); names no dialect;
-//! 1. the service's error type;
-//! 2. the API's shapes (the requests every dialect builds for the service);
-//! 3. the service;
-//! 4. the edge: HTTP routes, streaming, bodies and errors as HTTP, the compat dialects,
-//!    startup.
+//! 1. `service/`: what bud does, with its own input, output and error types;
+//! 2. `http/`: bud's own routes, streaming, bodies and errors as HTTP, startup;
+//! 3. `compat/`: the dialects (E2B, envd, Jupyter, Piston).
 //!
-//! A new module must be placed in a layer here, or this test fails.
+//! The root (`lib.rs`) puts them together and is the only file directly under `src/`.
+//! A new folder must be placed in a layer here, or this test fails.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-const LAYERS: [(&str, &[&str]); 5] = [
-    (
-        "core",
-        &[
-            "audit", "clock", "config", "contexts", "durable", "jail", "jobs", "keys", "metrics",
-            "node", "peer", "procs", "registry", "sessions", "state",
-        ],
-    ),
-    ("service error", &["service::error"]),
-    ("api shapes", &["api"]),
-    ("service", &["service"]),
-    (
-        "edge",
-        &[
-            "agent",
-            "body",
-            "compat",
-            "conn",
-            "context_routes",
-            "durable_routes",
-            "error",
-            "node_routes",
-            "openapi",
-            "process_routes",
-            "routes",
-            "session_routes",
-            "startup",
-            "stream",
-        ],
-    ),
-];
+const LAYERS: [&str; 4] = ["core", "service", "http", "compat"];
 
 fn files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("reading server/src") {
@@ -164,19 +134,10 @@ fn related(a: &str, b: &str) -> bool {
     a == b || under(a, b) || under(b, a)
 }
 
-/// The layer of `m`: that of the longest module it is (or is under) in [`LAYERS`].
+/// The layer of `m`: the place in [`LAYERS`] of the folder its path starts with.
 fn layer_of(m: &str) -> Option<usize> {
-    let mut best: Option<(usize, usize)> = None;
-    for (i, (_, mods)) in LAYERS.iter().enumerate() {
-        for name in *mods {
-            if (m == *name || m.starts_with(&format!("{name}::")))
-                && best.is_none_or(|(len, _)| name.len() > len)
-            {
-                best = Some((name.len(), i));
-            }
-        }
-    }
-    best.map(|(_, i)| i)
+    let top = m.split("::").next()?;
+    LAYERS.iter().position(|l| *l == top)
 }
 
 fn graph() -> BTreeMap<String, BTreeSet<String>> {
@@ -253,7 +214,7 @@ fn every_module_uses_only_its_own_layer_and_those_below() {
             match layer_of(d) {
                 Some(theirs) if theirs > mine => upward.push(format!(
                     "{m} ({}) uses {d} ({})",
-                    LAYERS[mine].0, LAYERS[theirs].0
+                    LAYERS[mine], LAYERS[theirs]
                 )),
                 Some(_) => {}
                 None => unplaced.push(d.clone()),
@@ -263,6 +224,29 @@ fn every_module_uses_only_its_own_layer_and_those_below() {
 
     assert_eq!(unplaced, Vec::<String>::new(), "modules without a layer");
     assert_eq!(upward, Vec::<String>::new(), "uses of a higher layer");
+}
+
+#[test]
+fn no_file_but_the_root_lies_directly_under_src() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut loose: Vec<String> = std::fs::read_dir(&src)
+        .expect("reading server/src")
+        .map(|e| e.expect("a directory entry").path())
+        .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "rs"))
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    loose.sort();
+
+    assert_eq!(loose, vec!["lib.rs".to_owned()]);
+}
+
+#[test]
+fn a_layer_is_read_from_the_path() {
+    assert_eq!(layer_of("core::sessions"), Some(0));
+    assert_eq!(layer_of("service"), Some(1));
+    assert_eq!(layer_of("http::jobs"), Some(2));
+    assert_eq!(layer_of("compat::e2b::control"), Some(3));
+    assert_eq!(layer_of("routes"), None);
 }
 
 #[test]

@@ -39,11 +39,12 @@ use vmm::{CellOptions, Language, Status};
 
 use super::Compat;
 use super::e2b::{e2b_error, sandbox_of};
-use crate::api::{CellResponse, ExecRequest};
-use crate::contexts::Context;
-use crate::error::{ApiError, Error};
+use crate::core::contexts::Context;
+use crate::core::state::AppState;
+use crate::http::error::{ApiError, Error};
+use crate::http::sessions::CellResponse;
+use crate::service::jobs::ExecRequest;
 use crate::service::{contexts, kernels, sessions, task};
-use crate::state::AppState;
 
 /// The default context's id in `GET /contexts`.
 pub const DEFAULT_CONTEXT: &str = "default";
@@ -109,7 +110,7 @@ impl Lines {
         let cut = if last {
             held.len()
         } else {
-            held.len() - crate::stream::incomplete_tail(held)
+            held.len() - crate::http::stream::incomplete_tail(held)
         };
         let ready: Vec<u8> = held.drain(..cut).collect();
         if ready.is_empty() {
@@ -482,7 +483,7 @@ async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Respo
             ..ExecRequest::default()
         };
         let reset = sessions::cell(&c.app, &e.id, native, "/contexts", task::no_sink());
-        crate::audit::KEY.scope(s.key.clone(), reset).await?;
+        crate::core::audit::KEY.scope(s.key.clone(), reset).await?;
         Ok(StatusCode::NO_CONTENT.into_response())
     };
     run.await.unwrap_or_else(e2b_error)

@@ -7,7 +7,7 @@
 //! - [`piston`]: Piston's v2 API, over one-shot jobs.
 //!
 //! Every route here is an adapter over [`crate::service`]: the same checks, limits and
-//! admission as the native API, and the same API-key check ([`crate::keys`]). What only a
+//! admission as the native API, and the same API-key check ([`crate::core::keys`]). What only a
 //! dialect knows (E2B's sandboxes and contexts, Piston's runtimes) lives in [`Compat`], this
 //! layer's own router state; the core knows nothing of it. E2B's in-sandbox routes (envd
 //! and the code interpreter) are found by the `E2b-Sandbox-Id` header, as E2B's own proxy
@@ -23,7 +23,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::routing::{delete, get, post};
 
-use crate::state::AppState;
+use crate::core::state::AppState;
 
 /// What the compat layers keep between requests.
 #[derive(Debug, Default)]

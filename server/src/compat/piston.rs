@@ -34,11 +34,12 @@ use serde::{Deserialize, Serialize};
 use vmm::{Language, Status};
 
 use super::Compat;
-use crate::api::{ExecRequest, ExecResponse};
-use crate::error::{ApiError, Error};
-use crate::routes::{one_shot, response};
+use crate::core::state::AppState;
+use crate::http::error::{ApiError, Error};
+use crate::http::jobs::ExecResponse;
+use crate::http::jobs::{one_shot, response};
+use crate::service::jobs::ExecRequest;
 use crate::service::{jobs, task};
-use crate::state::AppState;
 
 /// The runtimes bud offers, with their versions as read off the guest.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -286,7 +287,7 @@ fn native(
     for (i, f) in files.iter().enumerate() {
         let bytes = decode(i, f)?;
         if let Some(n) = f.name.as_deref().filter(|n| !n.is_empty()) {
-            crate::api::check_relative(&format!("files[{i}].name"), n)?;
+            crate::service::files::check_relative(&format!("files[{i}].name"), n)?;
             put.insert(n.to_owned(), b64.encode(&bytes));
         }
         if i == 0 {
@@ -368,7 +369,7 @@ async fn run(c: &Compat, body: Body) -> Result<serde_json::Value, ApiError> {
     let state = &c.app;
     let limits = &state.config().limits;
     let bytes =
-        crate::body::read_limited(body, limits.max_body_bytes, limits.body_timeout()).await?;
+        crate::http::body::read_limited(body, limits.max_body_bytes, limits.body_timeout()).await?;
     let req: Execute =
         serde_json::from_slice(&bytes).map_err(|e| bad(format!("bad JSON body: {e}")))?;
     let v = versions(c).await?;

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use vmm::{Health, Status, Unusable};
 
+use crate::core::sessions::{Busy, Ended, Entry, Unavailable};
+use crate::core::state::AppState;
 use crate::service::error::Error;
-use crate::sessions::{Busy, Ended, Entry, Unavailable};
-use crate::state::AppState;
 
 pub use crate::service::error::unavailable;
 

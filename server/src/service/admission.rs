@@ -1,7 +1,7 @@
 //! Admission and the way to a job thread: the one place that decides whether work may
 //! enter (the audit log, the memory budget, the server's and the API key's capacity, the
 //! caps on sessions: [`check_count`], [`check_memory`]) and
-//! that hands it to a job thread ([`crate::jobs`]) with a channel back.
+//! that hands it to a job thread ([`crate::core::jobs`]) with a channel back.
 //!
 //! Work on a job thread answers through a [`Reply`], which it may send before it is done
 //! (a one-shot job's result goes out before its VM is reset for the next job).
@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::jobs::{AdmitError, CancelOnDrop, Slot};
-use crate::metrics::Rejection;
+use crate::core::jobs::{AdmitError, CancelOnDrop, Slot};
+use crate::core::metrics::Rejection;
+use crate::core::state::AppState;
 use crate::service::error::Error;
-use crate::state::AppState;
 
 /// `n` admission slots for the current request's key, all or none.
 pub fn admit(state: &AppState, n: usize) -> Result<Vec<Slot>, Error> {
@@ -25,7 +25,7 @@ pub fn admit(state: &AppState, n: usize) -> Result<Vec<Slot>, Error> {
         ));
     }
     if let Some(budget) = state.config().memory_budget_bytes {
-        let used = crate::metrics::private_bytes();
+        let used = crate::core::metrics::private_bytes();
         if used > budget {
             state.metrics().rejected(Rejection::MemoryBudget);
             return Err(Error::MemoryBudget {
@@ -35,7 +35,7 @@ pub fn admit(state: &AppState, n: usize) -> Result<Vec<Slot>, Error> {
             });
         }
     }
-    let client = crate::audit::current_key().map(std::sync::Arc::from);
+    let client = crate::core::audit::current_key().map(std::sync::Arc::from);
     state.jobs().admit(client, n).map_err(|e| refused(state, e))
 }
 

@@ -2,20 +2,21 @@
 //! interpreter): make one, list them, run a cell in one, restart or remove one. A context is
 //! a kernel of its own ([`crate::service::kernels`]): a Python interpreter or a shell, so
 //! cells of different contexts run at the same time, beside the session's own cells and
-//! commands. The contexts are the session's ([`crate::contexts`]): paused, snapshotted and
+//! commands. The contexts are the session's ([`crate::core::contexts`]): paused, snapshotted and
 //! forked with it.
 
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use vmm::Language;
 
-use crate::contexts::{Context, Contexts, Kernel};
+use crate::core::contexts::{Context, Contexts, Kernel};
+use crate::core::state::AppState;
 use crate::service::error::Error;
 use crate::service::kernels::{self, KernelCell, Ran};
 use crate::service::task::Sink;
 use crate::service::{access, processes};
-use crate::state::AppState;
 
 /// The longest context `cwd` (Linux's `PATH_MAX`).
 pub const MAX_CWD: usize = 4096;
@@ -51,7 +52,7 @@ pub fn create(
             format!("a directory is at most {MAX_CWD} bytes, without a NUL byte"),
         ));
     }
-    let name = crate::node::random_hex(8).map_err(Error::internal)?;
+    let name = crate::core::node::random_hex(8).map_err(Error::internal)?;
     e.contexts()
         .add(language, cwd, format!("ctx_{name}"))
         .ok_or_else(|| {
@@ -156,4 +157,44 @@ async fn kill(state: &AppState, id: &str, kernel: Kernel) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// `POST /v1/sessions/{id}/contexts`: a code context, a kernel of its own.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateContext {
+    /// `python` (default) or `bash`.
+    pub language: Option<String>,
+    /// Where its kernel starts (default: the session's work directory, `/tmp`).
+    pub cwd: Option<String>,
+}
+
+/// `POST /v1/sessions/{id}/contexts/{context}/exec`: a cell for a context's kernel.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextCell {
+    pub code: String,
+    /// Variables set in the kernel before the cell (they stay set, as in a notebook).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Past it the cell is interrupted (default: the server's default timeout).
+    pub timeout_ms: Option<u64>,
+}
+
+impl ContextCell {
+    /// Checks the cell against `limits`: its code, environment and time limit.
+    pub fn checked(
+        self,
+        limits: &crate::core::config::Limits,
+    ) -> Result<(String, BTreeMap<String, String>, std::time::Duration), crate::service::error::Error>
+    {
+        use crate::service::jobs::{check_size, check_timeout};
+        check_size("", "code", self.code.len(), limits.max_code_bytes)?;
+        let timeout_ms = check_timeout("", self.timeout_ms, limits)?;
+        Ok((
+            self.code,
+            self.env,
+            std::time::Duration::from_millis(timeout_ms),
+        ))
+    }
 }

@@ -8,7 +8,7 @@
 //!    is paused (a live one waits for its running cell), its file is imported by the
 //!    target (same id), and the local file removed. Requests for a session being handed
 //!    over wait until it is done; afterwards this node forwards them to the target
-//!    ([`crate::node::Node::moved`]) until it stops, and a router learns the new place
+//!    ([`crate::core::node::Node::moved`]) until it stops, and a router learns the new place
 //!    (the HAProxy map `moved.map`). A session the target refused stays here, paused, and
 //!    is reported;
 //! 4. without a target but with `pause`, it pauses every live session to the state
@@ -26,12 +26,12 @@ use axum::body::Body;
 use axum::http::HeaderValue;
 use serde::{Deserialize, Serialize};
 
-use crate::node::Moved;
-use crate::peer;
+use crate::core::node::Moved;
+use crate::core::peer;
+use crate::core::sessions::Ended;
+use crate::core::state::AppState;
 use crate::service::error::Error;
 use crate::service::{admission, durable, sessions};
-use crate::sessions::Ended;
-use crate::state::AppState;
 
 /// Longest deadline a drain may be given.
 pub const MAX_DEADLINE_S: u64 = 3600;
@@ -319,12 +319,12 @@ const UPLOAD_CHUNK: usize = 1 << 20;
 
 /// A session marked as being handed over, unmarked on drop (also when the drain fails).
 struct Moving {
-    node: Arc<crate::node::Node>,
+    node: Arc<crate::core::node::Node>,
     id: String,
 }
 
 impl Moving {
-    fn start(node: Arc<crate::node::Node>, id: &str) -> Self {
+    fn start(node: Arc<crate::core::node::Node>, id: &str) -> Self {
         node.start_moving(id);
         Self {
             node,

@@ -1,7 +1,7 @@
 //! Durable sessions: pause a session to the state directory and resume it (explicitly, or
 //! at the next request that wants it), snapshot a running one and start sessions from the
 //! snapshot, and pause instead of end where asked (at expiry, at shutdown). The files and
-//! their records are [`crate::durable`]'s; the VM's part is vmm's `Session::save` and
+//! their records are [`crate::core::durable`]'s; the VM's part is vmm's `Session::save` and
 //! `Session::load`.
 //!
 //! - **Pause**: the session is taken like any request takes it, its file written
@@ -15,25 +15,25 @@
 //!   started from a snapshot gets the snapshot's memory, files and processes and an
 //!   identity of its own; many share its pages in the page cache.
 
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use vmm::session::Session;
 use vmm::session_file;
 
-use crate::api::CreateSession;
-use crate::api::sessions::PauseResponse;
-use crate::audit::Origin;
-use crate::durable::{
+use crate::core::audit::Origin;
+use crate::core::durable::{
     Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot, SnapshotRecord, StateDir,
     epoch_ms,
 };
+use crate::core::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
+use crate::core::state::AppState;
 use crate::service::access::{acquire, unavailable};
 use crate::service::admission::{self, check_count, check_memory};
 use crate::service::error::Error;
+use crate::service::sessions::CreateSession;
 use crate::service::templates;
-use crate::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
-use crate::state::AppState;
 
 /// Session `id`, running, resumed if it was paused, with its processes' pump going.
 pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
@@ -367,7 +367,7 @@ fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Resu
         .map_err(|e| refuse(e.to_string()))?;
     let key = exec.template().key();
     let id = record.id.clone();
-    if !crate::node::is_session_id(&id) {
+    if !crate::core::node::is_session_id(&id) {
         return Err(refuse(format!("{id:?} is not a session id")));
     }
     if state.sessions().get(&id).is_ok() || dir.paused(&id).is_some() {
@@ -389,4 +389,16 @@ fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Resu
         key,
         written_here: true,
     })
+}
+
+/// What a pause wrote.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PauseResponse {
+    pub id: String,
+    pub state: String,
+    /// Size of its file in the state directory; of it, guest memory.
+    pub bytes: u64,
+    pub memory_bytes: u64,
+    /// How long the session was held: state, pages, fsync, and ending its VM.
+    pub pause_ms: f64,
 }

@@ -1,5 +1,5 @@
 //! Why the service did not do what it was asked: the errors of jobs, sessions, files and
-//! templates, in the service's own words. No HTTP here: the edge ([`crate::error`]) gives
+//! templates, in the service's own words. No HTTP here: the edge ([`crate::http::error`]) gives
 //! each its status and code, and every compat dialect its own shape.
 //!
 //! A job that ran and failed (a non-zero exit, a timeout, ...) is not an error: it is a
@@ -169,8 +169,8 @@ pub enum Error {
 }
 
 /// The service's error for a session that cannot take a request.
-pub fn unavailable(id: &str, u: crate::sessions::Unavailable) -> Error {
-    use crate::sessions::Unavailable;
+pub fn unavailable(id: &str, u: crate::core::sessions::Unavailable) -> Error {
+    use crate::core::sessions::Unavailable;
     match u {
         Unavailable::Unknown => Error::NoSession(id.to_owned()),
         Unavailable::Busy => Error::SessionBusy(id.to_owned()),
@@ -192,7 +192,7 @@ impl Error {
 
     /// A failure of bud's own (500): `e` says what.
     /// The error for a request here of `id`, if `id` names a node other than `here`.
-    pub fn wrong_node(here: &crate::node::Node, id: &str) -> Option<Self> {
+    pub fn wrong_node(here: &crate::core::node::Node, id: &str) -> Option<Self> {
         here.elsewhere(id).map(|node| Error::WrongNode {
             id: id.to_owned(),
             node: node.to_owned(),

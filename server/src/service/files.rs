@@ -14,11 +14,10 @@ use vmm::job::Stream;
 use vmm::session::{Requests, Session, SessionError};
 use vmm::{Job, JobResult};
 
-use crate::api::JobFiles;
+use crate::core::state::AppState;
 use crate::service::access::{Taken, beside_or_acquire, end_if_unusable};
 use crate::service::admission;
 use crate::service::error::Error;
-use crate::state::AppState;
 
 /// The service's error for `e`, a failed operation on `path` (named `field` in requests).
 fn file_error(field: &str, path: &str, e: FileError) -> Error {
@@ -248,4 +247,33 @@ fn files_job(
         }
     }
     Ok((r, Some(back)))
+}
+
+/// The files of a job: what goes in, and the patterns of what comes back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobFiles {
+    pub put: Vec<(String, Vec<u8>)>,
+    pub return_globs: Vec<String>,
+}
+
+impl JobFiles {
+    pub fn is_empty(&self) -> bool {
+        self.put.is_empty() && self.return_globs.is_empty()
+    }
+}
+
+/// A relative path (or pattern) inside the work directory: not empty, not absolute, no
+/// `..` component, no NUL.
+pub fn check_relative(field: &str, path: &str) -> Result<(), Error> {
+    let bad = path.is_empty()
+        || path.starts_with('/')
+        || path.contains('\0')
+        || path.split('/').any(|c| c == "..");
+    if bad {
+        return Err(Error::invalid(
+            field,
+            format!("{path:?} must be a relative path without '..'"),
+        ));
+    }
+    Ok(())
 }

@@ -3,23 +3,35 @@
 //! reset) clone of its template, is cancelled when the caller goes away, and is recorded
 //! once (metrics, log, audit) on the job thread, so it counts even if the caller left.
 //! Streaming is a sink: the output chunks go to it as the job writes them.
+//!
+//! What a job request says ([`ExecRequest`]: the body of `POST /v1/exec` and of each
+//! batch entry, also built by the dialects) and the checks that turn it into a [`Job`]
+//! (limits, fields, bytes: `code` and `stdin` as UTF-8 text or base64, one or the other)
+//! are the service's own: the edge deserializes into them, the service checks them.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde::{Deserialize, Serialize};
+use vmm::Language;
+
 use vmm::{ExecError, Executor, Job, JobResult};
 
-use crate::api::JobFiles;
-use crate::audit::Origin;
-use crate::jobs::{CancelOnDrop, Slot};
+use crate::core::audit::Origin;
+use crate::core::config::Limits;
+use crate::core::jobs::{CancelOnDrop, Slot};
+use crate::core::state::AppState;
 use crate::service::admission::{self, Pending, Reply};
 use crate::service::error::Error;
+use crate::service::files::{JobFiles, check_relative};
 use crate::service::record::finished;
 use crate::service::task::Sink;
 use crate::service::{files, templates};
-use crate::state::AppState;
 
-/// A one-shot job as the service takes it: checked (see [`crate::api::ExecRequest`]).
+/// A one-shot job as the service takes it: checked (see [`ExecRequest`]).
 #[derive(Debug)]
 pub struct OneShot {
     pub job: Job,
@@ -156,4 +168,299 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
         results.push(p.finish().await?);
     }
     Ok(results)
+}
+
+/// `POST /v1/exec` and `/v1/exec/stream`, and each entry of a batch.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    /// `python` (default) or `shell`.
+    #[serde(default)]
+    pub language: Option<Language>,
+    pub code: Option<String>,
+    pub code_b64: Option<String>,
+    pub stdin: Option<String>,
+    pub stdin_b64: Option<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub timeout_ms: Option<u64>,
+    /// Cap on stdout + stderr bytes.
+    pub output_limit: Option<u64>,
+    /// Always return `stdout_b64` and `stderr_b64`.
+    #[serde(default)]
+    pub output_b64: bool,
+    /// Files put in the job's working directory (/tmp) before it runs: relative path ->
+    /// content in base64 (`POST /v1/exec` only).
+    #[serde(default)]
+    pub files: BTreeMap<String, String>,
+    /// Glob patterns (relative to /tmp, `**` allowed) of files to return after the job, in
+    /// the answer's `files` (`POST /v1/exec` only).
+    #[serde(default)]
+    pub return_files: Vec<String>,
+    /// The template to run in (`GET /v1/templates`; default: the server's default). Not for
+    /// session cells: a session keeps the template it was created from.
+    pub template: Option<String>,
+    /// How a session cell runs (set by the code-interpreter compat layer, not by clients).
+    #[serde(skip)]
+    pub cell: vmm::CellOptions,
+    /// Its output is streamed to the client (set by the streaming routes).
+    #[serde(skip)]
+    pub stream: bool,
+}
+
+/// `POST /v1/exec/batch`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRequest {
+    pub jobs: Vec<ExecRequest>,
+}
+
+/// One of `text` / `b64` as bytes: exactly one for required fields, at most one otherwise.
+fn bytes_field(
+    prefix: &str,
+    name: &str,
+    text: Option<String>,
+    b64: Option<String>,
+    required: bool,
+) -> Result<Vec<u8>, Error> {
+    match (text, b64) {
+        (Some(_), Some(_)) => Err(Error::invalid(
+            format!("{prefix}{name}"),
+            format!("give {name} or {name}_b64, not both"),
+        )),
+        (Some(t), None) => Ok(t.into_bytes()),
+        (None, Some(b)) => BASE64.decode(b.as_bytes()).map_err(|e| {
+            Error::invalid(
+                format!("{prefix}{name}_b64"),
+                format!("{name}_b64 is not valid base64: {e}"),
+            )
+        }),
+        (None, None) if required => Err(Error::invalid(
+            format!("{prefix}{name}"),
+            format!("{name} (or {name}_b64) is required"),
+        )),
+        (None, None) => Ok(Vec::new()),
+    }
+}
+
+pub(crate) fn check_size(
+    prefix: &str,
+    name: &str,
+    bytes: usize,
+    limit: usize,
+) -> Result<(), Error> {
+    if bytes > limit {
+        return Err(Error::TooLarge {
+            field: format!("{prefix}{name}"),
+            bytes,
+            limit,
+        });
+    }
+    Ok(())
+}
+
+/// A request's `timeout_ms` (the server's default if none), checked against `limits`.
+pub(crate) fn check_timeout(
+    prefix: &str,
+    timeout_ms: Option<u64>,
+    limits: &Limits,
+) -> Result<u64, Error> {
+    let timeout_ms = timeout_ms.unwrap_or(limits.default_timeout_ms);
+    if !(1..=limits.max_timeout_ms).contains(&timeout_ms) {
+        return Err(Error::invalid(
+            format!("{prefix}timeout_ms"),
+            format!(
+                "timeout_ms must be 1..={} (got {timeout_ms})",
+                limits.max_timeout_ms
+            ),
+        ));
+    }
+    Ok(timeout_ms)
+}
+
+impl ExecRequest {
+    /// Takes the request's files out (checked: paths, base64, total size against the body
+    /// limit). Routes that do not take files leave them in, and [`ExecRequest::into_job`]
+    /// refuses them.
+    pub fn take_files(&mut self, limits: &Limits) -> Result<JobFiles, Error> {
+        let files = std::mem::take(&mut self.files);
+        let globs = std::mem::take(&mut self.return_files);
+        let mut put = Vec::with_capacity(files.len());
+        let mut total = 0;
+        for (name, b64) in files {
+            let field = format!("files[{name:?}]");
+            check_relative(&field, &name)?;
+            let bytes = BASE64
+                .decode(b64.as_bytes())
+                .map_err(|e| Error::invalid(&field, format!("not valid base64: {e}")))?;
+            total += bytes.len();
+            put.push((name, bytes));
+        }
+        check_size("", "files", total, limits.max_body_bytes)?;
+        for (i, g) in globs.iter().enumerate() {
+            check_relative(&format!("return_files[{i}]"), g)?;
+        }
+        Ok(JobFiles {
+            put,
+            return_globs: globs,
+        })
+    }
+
+    /// Checks the request against `limits` and builds the job; `prefix` names this request in
+    /// error fields (`""`, or `"jobs[3]."` in a batch).
+    pub fn into_job(self, limits: &Limits, prefix: &str) -> Result<Job, Error> {
+        if !(self.files.is_empty() && self.return_files.is_empty()) {
+            return Err(Error::invalid(
+                format!("{prefix}files"),
+                "files and return_files are taken by POST /v1/exec only",
+            ));
+        }
+        let code = bytes_field(prefix, "code", self.code, self.code_b64, true)?;
+        check_size(prefix, "code", code.len(), limits.max_code_bytes)?;
+        let stdin = bytes_field(prefix, "stdin", self.stdin, self.stdin_b64, false)?;
+        check_size(prefix, "stdin", stdin.len(), limits.max_stdin_bytes)?;
+
+        let timeout_ms = check_timeout(prefix, self.timeout_ms, limits)?;
+        let output_limit = self.output_limit.unwrap_or(limits.max_output_bytes as u64);
+        if !(1..=limits.max_output_bytes as u64).contains(&output_limit) {
+            return Err(Error::invalid(
+                format!("{prefix}output_limit"),
+                format!(
+                    "output_limit must be 1..={} (got {output_limit})",
+                    limits.max_output_bytes
+                ),
+            ));
+        }
+
+        if let Some(i) = self.args.iter().position(|a| a.contains('\0')) {
+            return Err(Error::invalid(
+                format!("{prefix}args[{i}]"),
+                "arguments must not contain NUL bytes",
+            ));
+        }
+        for (k, v) in &self.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(Error::invalid(
+                    format!("{prefix}env"),
+                    format!(
+                        "variable {k:?}: names must be non-empty without '=' or NUL, values without NUL"
+                    ),
+                ));
+            }
+        }
+        let args_bytes: usize = self.args.iter().map(|a| a.len() + 1).sum();
+        let env_bytes: usize = self.env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        let field = if args_bytes >= env_bytes {
+            "args"
+        } else {
+            "env"
+        };
+        check_size(
+            prefix,
+            field,
+            args_bytes + env_bytes,
+            limits.max_args_env_bytes,
+        )?;
+
+        let mut job = Job::new(self.language.unwrap_or(Language::Python), code);
+        job.stdin = stdin;
+        job.args = self.args;
+        job.env = self.env.into_iter().collect();
+        job.timeout = Duration::from_millis(timeout_ms);
+        job.output_limit = output_limit as usize;
+        job.cell = self.cell;
+        job.stream_output = self.stream;
+        Ok(job)
+    }
+}
+
+#[cfg(test)]
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(code: &str) -> ExecRequest {
+        ExecRequest {
+            code: Some(code.into()),
+            ..ExecRequest::default()
+        }
+    }
+
+    #[test]
+    fn defaults_make_a_python_job_with_default_limits() {
+        let job = req("print(1)").into_job(&Limits::default(), "").unwrap();
+
+        assert_eq!(job.language, Language::Python);
+        assert_eq!(job.timeout, vmm::job::DEFAULT_TIMEOUT);
+        assert_eq!(job.output_limit, Limits::default().max_output_bytes);
+    }
+
+    #[test]
+    fn base64_stdin_is_decoded_byte_exact() {
+        let mut r = req("x");
+        r.stdin_b64 = Some(BASE64.encode([0u8, 0xff, 0x80]));
+
+        let job = r.into_job(&Limits::default(), "").unwrap();
+
+        assert_eq!(job.stdin, vec![0, 0xff, 0x80]);
+    }
+
+    #[test]
+    fn missing_code_names_the_field() {
+        let e = ExecRequest::default()
+            .into_job(&Limits::default(), "jobs[2].")
+            .unwrap_err();
+
+        assert_eq!(e.field(), Some("jobs[2].code"));
+        assert!(matches!(e, Error::Invalid { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn oversized_stdin_is_413_naming_stdin() {
+        let mut r = req("x");
+        r.stdin = Some("a".repeat(11));
+        let limits = Limits {
+            max_stdin_bytes: 10,
+            ..Limits::default()
+        };
+
+        let e = r.into_job(&limits, "").unwrap_err();
+
+        assert!(matches!(e, Error::TooLarge { .. }), "{e:?}");
+        assert_eq!(e.field(), Some("stdin"));
+    }
+
+    #[test]
+    fn timeout_out_of_range_is_400_naming_timeout_ms() {
+        let mut zero = req("x");
+        zero.timeout_ms = Some(0);
+        let mut huge = req("x");
+        huge.timeout_ms = Some(10_000_000);
+
+        let zero = zero.into_job(&Limits::default(), "").unwrap_err();
+        let huge = huge.into_job(&Limits::default(), "").unwrap_err();
+
+        assert_eq!(zero.field(), Some("timeout_ms"));
+        assert_eq!(huge.field(), Some("timeout_ms"));
+    }
+
+    #[test]
+    fn bad_env_and_args_are_refused() {
+        let mut env = req("x");
+        env.env.insert("A=B".into(), "v".into());
+        let mut args = req("x");
+        args.args = vec!["ok".into(), "nul\0".into()];
+        let mut both = req("x");
+        both.code_b64 = Some("eA==".into());
+
+        let env = env.into_job(&Limits::default(), "").unwrap_err();
+        let args = args.into_job(&Limits::default(), "").unwrap_err();
+        let both = both.into_job(&Limits::default(), "").unwrap_err();
+
+        assert_eq!(env.field(), Some("env"));
+        assert_eq!(args.field(), Some("args[1]"));
+        assert_eq!(both.field(), Some("code"));
+    }
 }

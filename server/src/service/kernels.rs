@@ -7,7 +7,7 @@
 //!
 //! A kernel is one of the session's background processes ([`crate::service::processes`]):
 //! `python3 -m bud_kernel` (`guest/python/bud_kernel.py`) with a stdin pipe, started at the
-//! context's first cell, hidden from process listings ([`crate::procs::Start::internal`]).
+//! context's first cell, hidden from process listings ([`crate::core::processes::Start::internal`]).
 //! A cell is one JSON line written to its stdin; its output comes back as the process's
 //! output, streamed as it comes (the pump's polls), and its end as a frame on stderr,
 //! behind a mark only this kernel knows, carrying the displayed value, figures, exception
@@ -49,13 +49,13 @@ use vmm::job::Stream;
 use vmm::protocol::outcome;
 use vmm::{CellError, JobResult, Language, Status};
 
-pub use crate::contexts::Kernel;
-use crate::procs::{Event, Start};
+pub use crate::core::contexts::Kernel;
+use crate::core::processes::{Event, Start};
+use crate::core::state::AppState;
 use crate::service::error::Error;
 use crate::service::processes;
 use crate::service::record::finished;
 use crate::service::task::Sink;
-use crate::state::AppState;
 
 /// How long a kernel has to answer an interrupt before it is killed.
 pub const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
@@ -151,7 +151,7 @@ pub async fn run(
     mut sink: Sink,
 ) -> Result<Ran, Error> {
     let e = crate::service::access::get(state, id)?;
-    let origin = crate::audit::Origin::here(route, &e.template, Some(id));
+    let origin = crate::core::audit::Origin::here(route, &e.template, Some(id));
     let job = match cell.language {
         Language::Python => vmm::Job::python(cell.code.clone()),
         Language::Shell => vmm::Job::shell(cell.code.clone()),
@@ -319,7 +319,7 @@ async fn wait(
             Ok(Event::End(exit)) => break Err(exit),
             Err(broadcast::error::RecvError::Lagged(_)) => {}
             Err(broadcast::error::RecvError::Closed) => {
-                break Err(crate::procs::Exit {
+                break Err(crate::core::processes::Exit {
                     exit_code: None,
                     signal: None,
                     lost: Some("the sandbox ended".into()),
@@ -412,7 +412,7 @@ async fn start(
     kernel: &Kernel,
     cell: &KernelCell,
 ) -> Result<u32, Error> {
-    let hex = crate::node::random_hex(16).map_err(Error::internal)?;
+    let hex = crate::core::node::random_hex(16).map_err(Error::internal)?;
     let mark = format!("{MARK_PREFIX}{hex} ");
     let tag = Some(format!("kernel of context {}", cell.name));
     let req = match cell.language {

@@ -21,8 +21,8 @@
 //!   its own task;
 //! - [`error`]: why a call was refused or failed.
 //!
-//! The service reads the core ([`crate::state`], [`crate::sessions`], [`crate::jobs`],
-//! [`crate::audit`], [`crate::metrics`]) and never an edge module.
+//! The service reads the core ([`crate::core::state`], [`crate::core::sessions`], [`crate::core::jobs`],
+//! [`crate::core::audit`], [`crate::core::metrics`]) and never an edge module.
 
 pub mod access;
 pub mod admission;
@@ -33,6 +33,7 @@ pub mod error;
 pub mod files;
 pub mod jobs;
 pub mod kernels;
+pub mod lifecycle;
 pub mod processes;
 pub mod record;
 pub mod resume;

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use vmm::{Job, JobResult};
 
-use crate::audit::Origin;
-use crate::state::AppState;
+use crate::core::audit::Origin;
+use crate::core::state::AppState;
 
 /// Records a finished job (on its job thread): metrics, log, and the audit trail.
 pub fn finished(

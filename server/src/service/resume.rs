@@ -14,12 +14,12 @@ use std::time::Duration;
 use vmm::session::Session;
 use vmm::session_file;
 
-use crate::durable::{Paused, StateDir, from_epoch_ms};
+use crate::core::durable::{Paused, StateDir, from_epoch_ms};
+use crate::core::sessions::{Ended, Entry, NewSession, Unavailable};
+use crate::core::state::AppState;
 use crate::service::admission::{self, check_count, check_memory};
 use crate::service::error::{Error, unavailable};
 use crate::service::templates;
-use crate::sessions::{Ended, Entry, NewSession, Unavailable};
-use crate::state::AppState;
 
 /// Releases a claimed resume when dropped.
 struct Claim<'a>(&'a StateDir, &'a str);
@@ -59,7 +59,7 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     let exec = executor_of_key(state, &dir, &p.record.template, &p.key).await?;
     check_count(state, 1)?;
     check_memory(state)?;
-    let origin = crate::audit::Origin::here("resume", &p.record.template, Some(id));
+    let origin = crate::core::audit::Origin::here("resume", &p.record.template, Some(id));
     let started = std::time::Instant::now();
     let st = state.clone();
     let d = dir.clone();

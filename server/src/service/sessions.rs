@@ -4,23 +4,25 @@
 //! and an admission slot, and runs on a job thread like a job; a VM that a request left
 //! unusable ends its session with why ([`end_if_unusable`]).
 
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, ForkStats, Session, SessionError};
 use vmm::{JobResult, Language};
 
-use crate::api::{CreateSession, ExecRequest};
-use crate::audit::Origin;
-use crate::jobs::CancelOnDrop;
+use crate::core::audit::Origin;
+use crate::core::jobs::CancelOnDrop;
+use crate::core::sessions::{Ended, Entry, NewSession, Unavailable};
+use crate::core::state::AppState;
 pub use crate::service::access::{acquire, end_if_unusable, get, unavailable};
 use crate::service::admission::{self, Pending, Reply, check_count, check_memory};
 use crate::service::error::Error;
+use crate::service::jobs::ExecRequest;
 use crate::service::record::finished;
 use crate::service::task::Sink;
 use crate::service::templates;
-use crate::sessions::{Ended, Entry, NewSession, Unavailable};
-use crate::state::AppState;
 
 fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Duration, Error> {
     let s = asked.unwrap_or(default);
@@ -33,13 +35,11 @@ fn seconds(field: &str, asked: Option<u64>, default: u64, max: u64) -> Result<Du
     Ok(Duration::from_secs(s))
 }
 
-/// Checks `req` against the limits and caps, starts its session on a job thread and
-/// registers it.
-pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, Error> {
+/// Checks `req` (one without a snapshot: [`crate::service::lifecycle::start`] takes
+/// both) against the limits and caps, starts its session from its template on a job
+/// thread and registers it.
+pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, Error> {
     admission::check_open(state)?;
-    if let Some(snap) = req.snapshot.clone() {
-        return crate::service::durable::start_from(state, &snap, req).await;
-    }
     if req.auto_pause == Some(true) && state.state_dir().is_none() {
         return Err(Error::NoStateDir);
     }
@@ -294,22 +294,38 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     Ok(Forked { ids, stats })
 }
 
-/// Ends expired sessions every second until the server stops (spawned by `serve`), pauses
-/// those that asked for it, and starts the processes' pump of a resumed session.
-pub async fn reaper(state: AppState) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tick.tick().await;
-        // A session resumed at a request (below the processes' service) gets its pump here,
-        // within a tick; elsewhere every pump is started where its processes are.
-        for e in state.sessions().list() {
-            crate::service::processes::ensure_pump(&state, &e);
-        }
-        let sessions: Arc<_> = state.sessions().clone();
-        if let Ok(to_pause) = tokio::task::spawn_blocking(move || sessions.reap()).await
-            && !to_pause.is_empty()
-        {
-            crate::service::durable::pause_expired(&state, to_pause).await;
-        }
-    }
+/// `POST /v1/sessions`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// Default language of its cells (`python` unless given).
+    pub language: Option<Language>,
+    /// Environment of every cell.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub idle_timeout_s: Option<u64>,
+    pub max_lifetime_s: Option<u64>,
+    /// Anything the client wants back in `GET` (at most 4 KiB of JSON).
+    #[serde(default)]
+    pub metadata: serde_json::Value,
+    /// The template to start from (default: the server's default template).
+    pub template: Option<String>,
+    /// Start from this snapshot instead of the template: its memory, files and processes,
+    /// with an identity of its own (settings not given here are the snapshot's).
+    pub snapshot: Option<String>,
+    /// Pause the session instead of ending it when its idle timeout or lifetime is up
+    /// (needs the server's state directory).
+    pub auto_pause: Option<bool>,
+}
+
+/// `POST /v1/sessions/{id}/fork`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    #[serde(default = "one")]
+    pub count: usize,
+}
+
+fn one() -> usize {
+    1
 }

@@ -41,7 +41,7 @@ where
         let _ = out.send(output(s, bytes.to_vec()));
     });
     let running = call(sink);
-    tokio::spawn(crate::audit::KEY.scope(key, async move {
+    tokio::spawn(crate::core::audit::KEY.scope(key, async move {
         tokio::select! {
             r = running => {
                 let _ = tx.send(end(r));

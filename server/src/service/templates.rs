@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use vmm::Executor;
 
-use crate::metrics::Rejection;
+use crate::core::metrics::Rejection;
+use crate::core::state::{AppState, TemplateState};
 use crate::service::error::Error;
-use crate::state::{AppState, TemplateState};
 
 /// The executor of template `asked` (`None`: the default one): unknown if it is not
 /// served; not ready (retry later) while it is built or loaded; failed if it could not be.

@@ -144,7 +144,7 @@ impl TestServer {
         let state = AppState::new(config, None).expect("server state");
         for (name, executor) in ready {
             let (image_bytes, packages) = bud_templates::image_facts(&template_options(name));
-            let info = bud_server::state::TemplateInfo {
+            let info = bud_server::core::state::TemplateInfo {
                 image_bytes,
                 packages,
             };

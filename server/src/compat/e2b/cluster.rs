@@ -1,9 +1,9 @@
-//! E2B's sandbox list across the nodes of a cluster (`--redis`; `crate::registry` says
+//! E2B's sandbox list across the nodes of a cluster (`--redis`; `crate::core::registry` says
 //! why Redis and how): this node publishes its listing rows ([`super::control::Row`],
 //! every sandbox whoever made it; no access tokens) and reads the other nodes' for a list.
 //!
 //! The publisher wakes every 100 ms and publishes when this node's sandboxes changed
-//! (their count, a creation, a pause), and at least every [`crate::registry::PUBLISH_EVERY`]
+//! (their count, a creation, a pause), and at least every [`crate::core::registry::PUBLISH_EVERY`]
 //! (the rows' end times and expiry need refreshing): another node's list sees a new
 //! sandbox within about 100 ms, a change in a row's fields within a second.
 
@@ -16,8 +16,8 @@ use serde_json::Value;
 
 use super::Sandbox;
 use crate::compat::Compat;
-use crate::error::Error;
-use crate::registry::PUBLISH_EVERY;
+use crate::core::registry::PUBLISH_EVERY;
+use crate::http::error::Error;
 
 /// A listed sandbox, as the listing filters and orders it and as every node publishes it
 /// to the others (`super::cluster`): its place, the API key that made it, what filters

@@ -32,9 +32,9 @@ use serde_json::{Value, json};
 
 use super::cluster::{Row, local_rows};
 use super::{Sandbox, body_of, e2b_error, live, random_hex, set_lifetime};
-use crate::clock::{epoch_s, rfc3339};
 use crate::compat::Compat;
-use crate::error::{ApiError, Error};
+use crate::core::clock::{epoch_s, rfc3339};
+use crate::http::error::{ApiError, Error};
 use crate::service::sessions;
 
 /// Most sandboxes one page lists (E2B's own cap).
@@ -111,7 +111,7 @@ fn parse_rfc3339(s: &str) -> Option<f64> {
         min.parse::<i64>().ok()?,
         sec.parse::<f64>().ok()?,
     );
-    // Days from the civil date (the inverse of crate::clock::rfc3339's).
+    // Days from the civil date (the inverse of crate::core::clock::rfc3339's).
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
     let yoe = y - era * 400;
@@ -178,7 +178,7 @@ async fn list_page(c: &Compat, q: ListQuery) -> Result<Response, Error> {
     let mut found = local_rows(c);
     let others = super::cluster::other_nodes(c, &found).await?;
     found.extend(others);
-    let asker = crate::audit::current_key();
+    let asker = crate::core::audit::current_key();
     found.retain(|r| {
         // A sandbox's id is the key to it: a listing never shows one key another's.
         let key_ok = r.key == asker;
@@ -278,7 +278,7 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
             id: child.clone(),
             template_id: parent.template_id.clone(),
             token: random_hex(16)?,
-            key: crate::audit::current_key(),
+            key: crate::core::audit::current_key(),
             metadata: parent.metadata.clone(),
             auto_pause: parent.auto_pause,
             auto_resume: parent.auto_resume,

@@ -26,10 +26,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{Sandbox, Timeout, body_of, e2b_error, live, paused, sandbox, set_lifetime};
-use crate::clock::{epoch_s, rfc3339};
 use crate::compat::Compat;
-use crate::durable::{Paused, from_epoch_ms};
-use crate::error::{ApiError, Error};
+use crate::core::clock::{epoch_s, rfc3339};
+use crate::core::durable::{Paused, from_epoch_ms};
+use crate::http::error::{ApiError, Error};
 use crate::service::durable;
 
 /// What `GET /sandboxes/{id}` (and a listing) shows of a paused sandbox.

@@ -39,16 +39,25 @@ pub mod control;
 pub mod lifecycle;
 
 use super::Compat;
-use crate::api::CreateSession;
-use crate::clock::{epoch_s, rfc3339};
-use crate::error::{ApiError, Error};
-use crate::keys::constant_time_eq;
+use crate::core::clock::{epoch_s, rfc3339};
+use crate::core::keys::constant_time_eq;
+use crate::core::sessions::Entry;
+use crate::core::state::AppState;
+use crate::http::error::{ApiError, Error};
 use crate::service::sessions;
-use crate::sessions::Entry;
-use crate::state::AppState;
+use crate::service::sessions::CreateSession;
 
 /// The header E2B's SDK names the sandbox with on in-sandbox routes.
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
+/// Where E2B's requests name a sandbox, for the node's routing
+/// ([`crate::http::node::SandboxPlaces`]): its paths, its header, its per-port host names.
+pub const SANDBOX_PLACES: crate::http::node::SandboxPlaces = crate::http::node::SandboxPlaces {
+    prefixes: &["/sandboxes/", "/v2/sandboxes/", "/templates/"],
+    not_ids: &[],
+    header: Some(SANDBOX_ID_HEADER),
+    host_form: true,
+    error: |e| e2b_error(e),
+};
 /// The header carrying the sandbox's access token.
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 /// The header the code interpreter's context calls carry the traffic access token in.
@@ -82,15 +91,15 @@ struct SandboxRecord {
     key: Option<String>,
     metadata: BTreeMap<String, String>,
     /// Its code contexts, in records older than contexts of the session's own
-    /// (`crate::contexts`): taken over by the session when read.
+    /// (`crate::core::contexts`): taken over by the session when read.
     #[serde(default, skip_serializing)]
-    contexts: Option<crate::contexts::Contexts>,
+    contexts: Option<crate::core::contexts::Contexts>,
     auto_pause: bool,
     #[serde(default)]
     auto_resume: bool,
 }
 
-impl crate::sessions::Attachment for Sandbox {
+impl crate::core::sessions::Attachment for Sandbox {
     fn record(&self) -> serde_json::Value {
         let r = SandboxRecord {
             id: self.id.clone(),
@@ -112,7 +121,7 @@ impl Sandbox {
     fn from_record(
         id: &str,
         record: &serde_json::Value,
-    ) -> Option<(Self, Option<crate::contexts::Contexts>)> {
+    ) -> Option<(Self, Option<crate::core::contexts::Contexts>)> {
         let r: SandboxRecord = serde_json::from_value(record.get("e2b")?.clone()).ok()?;
         (r.id == id).then(|| {
             let s = Self {
@@ -146,7 +155,7 @@ impl Registry {
 }
 
 fn random_hex(bytes: usize) -> Result<String, Error> {
-    crate::node::random_hex(bytes).map_err(Error::internal)
+    crate::core::node::random_hex(bytes).map_err(Error::internal)
 }
 
 /// E2B's error shape over a native error's status.
@@ -245,24 +254,26 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         auto_pause: req.auto_pause,
         ..CreateSession::default()
     };
-    let e = sessions::start(state, native).await.map_err(|e| match e {
-        Error::Invalid { field, message } => Error::Invalid {
-            field: field.map(|f| {
-                if f == "max_lifetime_s" {
-                    "timeout".into()
-                } else {
-                    f
-                }
-            }),
-            message: message.replace("max_lifetime_s", "timeout"),
-        },
-        other => other,
-    })?;
+    let e = crate::service::lifecycle::start(state, native)
+        .await
+        .map_err(|e| match e {
+            Error::Invalid { field, message } => Error::Invalid {
+                field: field.map(|f| {
+                    if f == "max_lifetime_s" {
+                        "timeout".into()
+                    } else {
+                        f
+                    }
+                }),
+                message: message.replace("max_lifetime_s", "timeout"),
+            },
+            other => other,
+        })?;
     let s = Arc::new(Sandbox {
         id: e.id.clone(),
         template_id: req.template_id,
         token: random_hex(16)?,
-        key: crate::audit::current_key(),
+        key: crate::core::audit::current_key(),
         metadata: req.metadata,
         auto_pause: req.auto_pause.unwrap_or(false),
         auto_resume: req.auto_resume.as_ref().is_some_and(|a| a.enabled),
@@ -293,7 +304,7 @@ pub async fn create_v1(c: State<Compat>, body: axum::body::Bytes) -> Response {
 }
 
 /// Paused sandbox `id`'s session record, if it is paused.
-pub fn paused(c: &Compat, id: &str) -> Option<crate::durable::Paused> {
+pub fn paused(c: &Compat, id: &str) -> Option<crate::core::durable::Paused> {
     c.app.state_dir()?.paused(id)
 }
 

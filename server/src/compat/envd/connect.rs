@@ -14,7 +14,7 @@ use serde_json::Value;
 use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::time::Instant;
 
-use crate::error::Error;
+use crate::http::error::Error;
 
 /// One Connect envelope: flags, big-endian length, the JSON.
 pub(super) fn envelope(flags: u8, v: &Value) -> Bytes {

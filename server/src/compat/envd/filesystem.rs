@@ -18,12 +18,12 @@ use vmm::files::{FileEntry, FileKind};
 
 use super::connect::{Next, Timing, envelope, next, stream_response, unwrap_envelope};
 use super::{EnvdUser, MAX_ENTRIES, connect_error, e2b_path, from_api, guest_path};
-use crate::clock::rfc3339;
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
-use crate::error::{ApiError, Error};
+use crate::core::clock::rfc3339;
+use crate::core::state::AppState;
+use crate::http::error::{ApiError, Error};
 use crate::service::{files, processes};
-use crate::state::AppState;
 use vmm::process::{Change, Changed};
 
 /// E2B's `EventType` name of a change.
@@ -244,7 +244,7 @@ async fn watch_dir(
         .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
     let rel = guest_path(path)?;
     let (recursive, entries) = watch_options(&req);
-    let limit = crate::procs::MAX_STREAMS;
+    let limit = crate::core::processes::MAX_STREAMS;
     if crate::service::sessions::get(&c.app, id)?
         .processes
         .streams()

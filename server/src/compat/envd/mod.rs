@@ -60,9 +60,9 @@ use serde_json::{Value, json};
 use super::Compat;
 use super::e2b::{Sandbox, e2b_error, sandbox_of};
 use super::jupyter::HOME;
-use crate::error::{ApiError, Error};
+use crate::core::sessions::Entry;
+use crate::http::error::{ApiError, Error};
 use crate::service::files;
-use crate::sessions::Entry;
 use vmm::files::Owner;
 
 pub use filesystem::filesystem;
@@ -161,7 +161,7 @@ pub fn guest_path(p: &str) -> Result<String, Error> {
         p
     };
     if rel != "." {
-        crate::api::check_relative("path", rel)?;
+        crate::service::files::check_relative("path", rel)?;
     }
     Ok(rel.to_owned())
 }
@@ -406,7 +406,7 @@ async fn write(c: &Compat, q: FileQuery, req: Request) -> Result<Vec<Value>, Api
             .clone()
             .ok_or_else(|| ApiError::invalid("path", "path is required"))?;
         let timeout = state.config().limits.body_timeout();
-        let data = crate::body::read_limited(req.into_body(), limit, timeout)
+        let data = crate::http::body::read_limited(req.into_body(), limit, timeout)
             .await
             .map_err(|err| match err {
                 ApiError::BodyTooLarge { limit } => too_large(limit + 1),

@@ -34,13 +34,13 @@ use super::connect::{
     Next, Timing, envelope, next, stream_response, unwrap_envelope, unwrap_envelopes,
 };
 use super::{EnvdUser, connect_error, from_api};
-use crate::api::processes::{TerminalSize, check_env};
 use crate::compat::Compat;
 use crate::compat::e2b::sandbox_of;
 use crate::compat::jupyter::HOME;
-use crate::error::{ApiError, Error};
-use crate::procs::{Event, Exit, Start, Subscription};
+use crate::core::processes::{Event, Exit, Start, Subscription};
+use crate::http::error::{ApiError, Error};
 use crate::service::processes;
+use crate::service::processes::requests::{TerminalSize, check_env};
 
 /// Single-quotes `s` for the shell.
 fn quote(s: &str) -> String {
@@ -117,7 +117,7 @@ pub async fn process(
             )),
         }
     };
-    crate::audit::KEY
+    crate::core::audit::KEY
         .scope(key, call)
         .await
         .unwrap_or_else(from_api)

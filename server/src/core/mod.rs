@@ -1,0 +1,39 @@
+//! The core: the data the service reads and the machinery under it, whoever asks and
+//! whatever the transport. Configuration ([`config`]), the server's state ([`state`]:
+//! templates, executors, limits), the session registry ([`sessions`]) with its code
+//! contexts ([`contexts`]) and background processes ([`processes`]), the job threads
+//! ([`jobs`]), durable state on disk ([`durable`]), the audit trail ([`audit`]), metrics
+//! ([`metrics`]), API keys ([`keys`]), the jail ([`jail`]), this node and its peers
+//! ([`node`], [`peer`], [`registry`]), the clock ([`clock`]).
+//!
+//! The core imports nothing from the layers above it (`service`, `http`, `compat`) and
+//! names no dialect; `server/tests/layers.rs` checks it from the paths.
+
+pub mod audit;
+pub mod clock;
+pub mod config;
+pub mod contexts;
+pub mod durable;
+pub mod jail;
+pub mod jobs;
+pub mod keys;
+pub mod metrics;
+pub mod node;
+pub mod peer;
+pub mod processes;
+pub mod registry;
+pub mod sessions;
+pub mod state;
+
+/// An error and its sources, `a: b: c` (what a log line or an answer says of a failure
+/// whose cause is a few sources deep: a template build, a call to another node).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,645 @@
+//! The live sessions of the server: a registry of [`vmm::session::Session`]s with their
+//! settings, one request at a time each, expiry, caps, and what is left of ended ones.
+//!
+//! - **One at a time**: a session is *busy* while a cell, file operation or fork runs in it;
+//!   a request meanwhile waits for it (at most `--session-max-waiting` at once; past that,
+//!   409), unless it can go beside the running one ([`Entry::beside`], [`vmm::beside`]):
+//!   file operations beside any request, process operations beside a cell. The VM itself
+//!   is only touched on a job thread.
+//! - **Ended sessions** (deleted, expired, crashed, timed out past the interrupt) leave a
+//!   tombstone saying why, so later calls get 410 Gone with the reason instead of a bare 404;
+//!   a DELETE of an ended session removes its tombstone (204). The tombstones kept are
+//!   bounded ([`TOMBSTONES_KEPT`], oldest dropped first).
+//! - **Caps**: live sessions (`max_sessions`, 429) and the host memory they hold
+//!   (`max_sessions_memory_bytes`: every session's private pages plus every fork layer once,
+//!   checked before a session is created or forked, 507).
+//! - **Expiry**: [`Sessions::reap`] ends sessions idle past their idle timeout or past their
+//!   maximum lifetime (or hands them back to be paused, if they asked for that); `bud
+//!   serve` runs it every second, and ends every session at shutdown.
+//! - **On disk** (with a state directory, [`crate::core::durable`]): a running session has a mark
+//!   there from its start to its end or pause, so that a server started after a crash
+//!   reports it lost; [`Sessions::take_out`] takes a session out to be paused.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
+use vmm::Executor;
+use vmm::session::Session;
+
+/// Ended sessions remembered for a 410.
+pub const TOMBSTONES_KEPT: usize = 4096;
+
+/// Why a session ended.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Ended {
+    /// `deleted`, `idle_timeout`, `max_lifetime`, `crashed`, `timeout`, `shutdown`.
+    pub reason: String,
+    /// What happened; for a crash, with the last console lines.
+    pub detail: Option<String>,
+}
+
+/// A session's settings and bookkeeping (the VM is in `vm`).
+#[derive(Debug)]
+pub struct Entry {
+    pub id: String,
+    pub created_at: SystemTime,
+    pub idle_timeout: Duration,
+    pub language: vmm::Language,
+    pub env: BTreeMap<String, String>,
+    pub metadata: serde_json::Value,
+    pub parent: Option<String>,
+    /// The template the session was made from, and its executor (the VM goes back to it).
+    pub template: String,
+    pub executor: Arc<Executor>,
+    /// When it ends whatever it does (its lifetime), as an instant and on the wall clock.
+    deadline: Mutex<(Instant, SystemTime)>,
+    last_used: Mutex<Instant>,
+    busy: AtomicBool,
+    /// Requests waiting for it to be free, and how they learn it is (or that it ended).
+    waiting: AtomicUsize,
+    freed: tokio::sync::Notify,
+    /// The VM; None once the session ended.
+    vm: Mutex<Option<Session>>,
+    pub private_bytes: AtomicU64,
+    pub layer_bytes: AtomicU64,
+    pub executions: AtomicU64,
+    /// Time its VM ran requests, nanoseconds (between them it runs only while it has
+    /// live background processes).
+    pub run_ns: AtomicU64,
+    /// Its background processes (`service::processes`).
+    pub processes: crate::core::processes::Processes,
+    /// The lane beside the request its VM runs ([`vmm::beside`]).
+    beside: vmm::beside::Beside,
+    /// While the processes' pump holds the session: the cancel of its wait in the guest,
+    /// which a request that wants the session pulls ([`Entry::preempt`]).
+    background: Mutex<Option<vmm::Cancel>>,
+    /// Paused rather than ended when its time is up.
+    pub auto_pause: AtomicBool,
+    /// What an API dialect keeps of it (E2B's sandbox), saved with it when it pauses.
+    attachment: Mutex<Attached>,
+    /// Its code contexts (`crate::service::contexts`), saved with it when it pauses.
+    pub contexts: Mutex<crate::core::contexts::Contexts>,
+}
+
+/// What an API dialect keeps of a session besides the session (E2B's sandbox: its token,
+/// contexts, ...): its record is saved with the session when it pauses or is snapshotted.
+pub trait Attachment: Send + Sync + std::fmt::Debug {
+    /// Its record now, as JSON (a dialect's own shape, under its own key).
+    fn record(&self) -> serde_json::Value;
+}
+
+/// A session's attachment: the dialect's live one, or a record saved with the session
+/// that no dialect has taken back yet (a resumed session).
+#[derive(Debug, Clone)]
+enum Attached {
+    Saved(serde_json::Value),
+    Live(Arc<dyn Attachment>),
+}
+
+/// Settings a new session starts with.
+#[derive(Debug, Clone)]
+pub struct NewSession {
+    pub language: vmm::Language,
+    pub env: BTreeMap<String, String>,
+    pub idle_timeout: Duration,
+    pub max_lifetime: Duration,
+    pub metadata: serde_json::Value,
+    pub parent: Option<String>,
+    pub template: String,
+    pub executor: Arc<Executor>,
+    pub auto_pause: bool,
+    /// The id and start of a session made again (resumed): None for a new one.
+    pub again: Option<(String, SystemTime)>,
+}
+
+/// Held while a request uses a session (or, the flag set, while its processes' pump does,
+/// which neither counts as use for the idle timeout nor keeps the reaper away); frees it
+/// on drop.
+#[derive(Debug)]
+pub struct Busy(Arc<Entry>, bool);
+
+impl Busy {
+    pub fn entry(&self) -> &Arc<Entry> {
+        &self.0
+    }
+}
+
+impl Drop for Busy {
+    /// The request is over: the session is free for the next one.
+    fn drop(&mut self) {
+        if self.1 {
+            *self.0.background.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        } else {
+            *self.0.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        }
+        self.0.busy.store(false, Ordering::Release);
+        self.0.freed.notify_waiters();
+    }
+}
+
+/// A request counted among a session's waiting ones until dropped.
+struct Waiting(Arc<Entry>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why a session cannot be used now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unavailable {
+    Unknown,
+    Gone(Ended),
+    Busy,
+}
+
+impl Entry {
+    fn new(id: String, s: NewSession, beside: vmm::beside::Beside) -> Self {
+        let now = SystemTime::now();
+        Self {
+            id,
+            created_at: s.again.map_or(now, |a| a.1),
+            idle_timeout: s.idle_timeout,
+            language: s.language,
+            env: s.env,
+            metadata: s.metadata,
+            parent: s.parent,
+            template: s.template,
+            executor: s.executor,
+            deadline: Mutex::new((Instant::now() + s.max_lifetime, now + s.max_lifetime)),
+            last_used: Mutex::new(Instant::now()),
+            busy: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
+            freed: tokio::sync::Notify::new(),
+            vm: Mutex::new(None),
+            private_bytes: AtomicU64::new(0),
+            layer_bytes: AtomicU64::new(0),
+            executions: AtomicU64::new(0),
+            run_ns: AtomicU64::new(0),
+            processes: crate::core::processes::Processes::default(),
+            beside,
+            background: Mutex::new(None),
+            auto_pause: AtomicBool::new(s.auto_pause),
+            attachment: Mutex::new(Attached::Saved(serde_json::Value::Null)),
+            contexts: Mutex::default(),
+        }
+    }
+
+    /// Its code contexts now.
+    pub fn contexts(&self) -> std::sync::MutexGuard<'_, crate::core::contexts::Contexts> {
+        self.contexts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Attaches a dialect's record of the session.
+    pub fn attach(&self, a: Arc<dyn Attachment>) {
+        *self.attachment.lock().unwrap_or_else(|e| e.into_inner()) = Attached::Live(a);
+    }
+
+    /// Keeps `record` (saved with the session) until a dialect attaches itself again.
+    pub fn keep_record(&self, record: serde_json::Value) {
+        *self.attachment.lock().unwrap_or_else(|e| e.into_inner()) = Attached::Saved(record);
+    }
+
+    /// The attachment's record now (to be saved with the session).
+    pub fn attachment_record(&self) -> serde_json::Value {
+        let a = self
+            .attachment
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match a {
+            Attached::Saved(v) => v,
+            Attached::Live(a) => a.record(),
+        }
+    }
+
+    /// What is left of its lifetime.
+    pub fn lifetime_left(&self) -> Duration {
+        self.deadline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// Ends the pump's wait in the guest, if the pump holds the session, so that a request
+    /// gets it within a guest wakeup.
+    pub fn preempt(&self) {
+        if let Some(c) = self
+            .background
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            c.cancel();
+        }
+    }
+
+    /// The lane beside the request running in it now, if one runs that takes a file
+    /// operation (or, `processes`, a process operation) beside it ([`vmm::beside`]).
+    pub fn beside(&self, processes: bool) -> Option<vmm::beside::Beside> {
+        (self.is_busy() && self.beside.open_for(processes)).then(|| self.beside.clone())
+    }
+
+    /// Whether the session is held by its processes' pump rather than a request.
+    fn busy_in_background(&self) -> bool {
+        self.background
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// When its lifetime ends (wall clock).
+    pub fn expires_at(&self) -> SystemTime {
+        self.deadline.lock().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    /// Moves the end of its lifetime to `lifetime` from now (an E2B sandbox's
+    /// `set_timeout`; it may come sooner than the old one).
+    pub fn set_lifetime(&self, lifetime: Duration) {
+        *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) =
+            (Instant::now() + lifetime, SystemTime::now() + lifetime);
+    }
+
+    fn past_deadline(&self, now: Instant) -> bool {
+        now >= self.deadline.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    /// Runs `f` on the session's VM (on a job thread). None if the session has ended.
+    pub fn with_vm<R>(&self, f: impl FnOnce(&mut Session) -> R) -> Option<R> {
+        let mut vm = self.vm.lock().unwrap_or_else(|e| e.into_inner());
+        let s = vm.as_mut()?;
+        let r = f(s);
+        self.executions.store(s.executions(), Ordering::Relaxed);
+        Some(r)
+    }
+
+    /// Records the memory the session holds (its private pages, its layers).
+    pub fn account(&self) {
+        let _ = self.with_vm(|s| {
+            if let Ok(bytes) = s.private_bytes() {
+                self.private_bytes.store(bytes, Ordering::Relaxed);
+            }
+            let layers = s.layers().iter().map(|l| l.bytes()).sum();
+            self.layer_bytes.store(layers, Ordering::Relaxed);
+        });
+    }
+
+    /// Whether a request is running in it.
+    /// Counts as use for the idle timeout (a client reading a process's output).
+    pub fn touch(&self) {
+        *self.last_used.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    pub fn is_busy(&self) -> bool {
+        self.busy.load(Ordering::Acquire)
+    }
+
+    /// Requests waiting for it now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+
+    /// When it was last used (end of its last request, or its creation).
+    pub fn idle_for(&self) -> Duration {
+        self.last_used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+    }
+
+    /// The session's VM, taken out (it has ended).
+    fn take_vm(&self) -> Option<Session> {
+        self.vm.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// The registry (module docs).
+#[derive(Debug, Default)]
+pub struct Sessions {
+    live: Mutex<HashMap<String, Arc<Entry>>>,
+    ended: Mutex<(HashMap<String, Ended>, VecDeque<String>)>,
+    pub created: AtomicU64,
+    pub forked: AtomicU64,
+    /// Ended sessions by reason (for metrics).
+    pub ended_by: Mutex<BTreeMap<String, u64>>,
+    /// The state directory, where running sessions are marked.
+    marks: std::sync::OnceLock<Arc<crate::core::durable::StateDir>>,
+    /// The node whose ids new sessions get.
+    node: std::sync::OnceLock<Arc<crate::core::node::Node>>,
+}
+
+impl Sessions {
+    /// Issues session ids of `node` from now on (else of a node named after the host).
+    pub fn use_node(&self, node: Arc<crate::core::node::Node>) {
+        let _ = self.node.set(node);
+    }
+
+    /// This registry's node.
+    pub fn node(&self) -> &Arc<crate::core::node::Node> {
+        self.node
+            .get_or_init(|| Arc::new(crate::core::node::Node::of(&Default::default())))
+    }
+
+    /// A new random id of `kind` (`ses`, `snap`) on this node ([`crate::core::node::Node::new_id`]).
+    pub fn new_id(&self, kind: &str) -> Result<String, vmm::identity::IdentityError> {
+        self.node().new_id(kind)
+    }
+
+    /// Marks running sessions in `dir` from now on, and remembers `lost` (sessions that
+    /// were running when the last server on it stopped) for a 410.
+    pub fn use_state_dir(&self, dir: Arc<crate::core::durable::StateDir>, lost: &[String]) {
+        let _ = self.marks.set(dir);
+        for id in lost {
+            self.tombstone(
+                id,
+                Ended {
+                    reason: "lost".into(),
+                    detail: Some(
+                        "the server stopped while this session was running (it was not paused)"
+                            .into(),
+                    ),
+                },
+            );
+        }
+    }
+
+    /// Remembers that session `id` ended, and why, for a 410.
+    pub fn tombstone(&self, id: &str, why: Ended) {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        ended.0.insert(id.to_owned(), why);
+        ended.1.push_back(id.to_owned());
+        while ended.1.len() > TOMBSTONES_KEPT {
+            if let Some(old) = ended.1.pop_front() {
+                ended.0.remove(&old);
+            }
+        }
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Live sessions now.
+    pub fn count(&self) -> usize {
+        self.live().len()
+    }
+
+    /// Every live session.
+    pub fn list(&self) -> Vec<Arc<Entry>> {
+        let mut all: Vec<_> = self.live().values().cloned().collect();
+        all.sort_by_key(|e| e.created_at);
+        all
+    }
+
+    /// Host memory held by all sessions: private pages, and each layer once.
+    pub fn memory_bytes(&self) -> u64 {
+        let live = self.live();
+        let private: u64 = live
+            .values()
+            .map(|e| e.private_bytes.load(Ordering::Relaxed))
+            .sum();
+        let mut seen = std::collections::HashSet::new();
+        let mut layers = 0;
+        for e in live.values() {
+            if let Ok(vm) = e.vm.try_lock() {
+                for l in vm.iter().flat_map(|s| s.layers()) {
+                    if seen.insert(Arc::as_ptr(l) as usize) {
+                        layers += l.bytes();
+                    }
+                }
+            } else {
+                // Busy: count its layers as last recorded (maybe twice; errs on the safe side).
+                layers += e.layer_bytes.load(Ordering::Relaxed);
+            }
+        }
+        private + layers
+    }
+
+    /// Registers a started session.
+    pub fn insert(
+        &self,
+        settings: NewSession,
+        vm: Session,
+    ) -> Result<Arc<Entry>, vmm::identity::IdentityError> {
+        let id = match &settings.again {
+            Some((id, _)) => id.clone(),
+            None => self.new_id("ses")?,
+        };
+        let e = Arc::new(Entry::new(id, settings, vm.beside()));
+        *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);
+        if let Some(d) = self.marks.get() {
+            d.mark_running(&e.id);
+        }
+        self.live().insert(e.id.clone(), e.clone());
+        self.created.fetch_add(1, Ordering::Relaxed);
+        Ok(e)
+    }
+
+    /// The session, if it is live.
+    pub fn get(&self, id: &str) -> Result<Arc<Entry>, Unavailable> {
+        if let Some(e) = self.live().get(id) {
+            return Ok(e.clone());
+        }
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        match ended.0.get(id) {
+            Some(why) => Err(Unavailable::Gone(why.clone())),
+            None => Err(Unavailable::Unknown),
+        }
+    }
+
+    /// Session `id` for a request, waiting while another holds it, with at most
+    /// `max_waiting` requests waiting at once (past that: [`Unavailable::Busy`]). Waiters
+    /// are woken together when it is freed, and the first to claim it runs (no order is
+    /// promised); one that ends meanwhile wakes them with why. Dropping the future leaves
+    /// the queue.
+    pub async fn acquire_waiting(&self, id: &str, max_waiting: usize) -> Result<Busy, Unavailable> {
+        let e = self.get(id)?;
+        let mut queued: Option<Waiting> = None;
+        loop {
+            // Enabled before the claim: a release between the two still wakes this one.
+            let freed = e.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            self.get(id)?; // ended meanwhile: why
+            let claimed = e
+                .busy
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok();
+            if claimed {
+                return Ok(Busy(Arc::clone(&e), false));
+            }
+            e.preempt();
+            if queued.is_none() {
+                // The processes' pump yields at once: waiting for it is never refused.
+                let limit = if e.busy_in_background() {
+                    usize::MAX
+                } else {
+                    max_waiting
+                };
+                if e.waiting.fetch_add(1, Ordering::AcqRel) >= limit {
+                    e.waiting.fetch_sub(1, Ordering::AcqRel);
+                    return Err(Unavailable::Busy);
+                }
+                queued = Some(Waiting(e.clone()));
+            }
+            freed.await;
+        }
+    }
+
+    /// Ends a session: out of the registry, tombstone kept, VM ended (reset and reused, or
+    /// closed; see [`Session::end`]). Call off the async runtime (a reset runs the VMM).
+    /// Session `id` for its processes' pump, whose wait `cancel` ends: only when no
+    /// request waits for it (they go first), and never while a request holds it.
+    pub async fn acquire_background(
+        &self,
+        id: &str,
+        cancel: vmm::Cancel,
+    ) -> Result<Busy, Unavailable> {
+        let e = self.get(id)?;
+        loop {
+            let freed = e.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            self.get(id)?;
+            if e.waiting() == 0
+                && e.busy
+                    .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                *e.background.lock().unwrap_or_else(|e| e.into_inner()) = Some(cancel);
+                // A request that queued between the check and now must not wait a whole
+                // round: it finds the cancel set, or sees it pulled here.
+                if e.waiting() > 0 {
+                    e.preempt();
+                }
+                return Ok(Busy(Arc::clone(&e), true));
+            }
+            freed.await;
+        }
+    }
+
+    pub fn end(&self, id: &str, why: Ended) {
+        let Some(e) = self.live().remove(id) else {
+            return;
+        };
+        e.processes.close(&why.reason);
+        e.preempt();
+        *self
+            .ended_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(why.reason.clone())
+            .or_default() += 1;
+        if why.reason != "deleted" {
+            self.tombstone(id, why);
+        }
+        if let Some(d) = self.marks.get() {
+            d.unmark_running(id);
+        }
+        // Requests waiting for it learn that it ended.
+        e.freed.notify_waiters();
+        if let Some(vm) = e.take_vm() {
+            vm.end(&e.executor);
+        }
+    }
+
+    /// Takes session `id` out of the registry to be paused (the caller holds it busy):
+    /// its entry and VM. Its processes' clients are told it paused; requests waiting for it
+    /// find it gone from the live ones (and resume it).
+    pub fn take_out(&self, id: &str) -> Option<(Arc<Entry>, Session)> {
+        let e = self.live().remove(id)?;
+        e.processes.close("paused");
+        e.preempt();
+        if let Some(d) = self.marks.get() {
+            d.unmark_running(id);
+        }
+        let vm = e.take_vm();
+        e.freed.notify_waiters();
+        vm.map(|vm| (e, vm))
+    }
+
+    /// Forgets an ended session's tombstone; true if there was one.
+    pub fn forget(&self, id: &str) -> bool {
+        let mut ended = self.ended.lock().unwrap_or_else(|e| e.into_inner());
+        let had = ended.0.remove(id).is_some();
+        if had {
+            ended.1.retain(|x| x != id);
+        }
+        had
+    }
+
+    /// Ends sessions idle past their timeout or past their lifetime (not busy ones: a
+    /// running request ends on its own deadline first), but for those that asked to be
+    /// paused instead: their ids are returned, for the caller to pause.
+    pub fn reap(&self) -> Vec<String> {
+        let now = Instant::now();
+        let due: Vec<(String, &'static str)> = self
+            .live()
+            .values()
+            .filter(|e| !e.is_busy() || e.busy_in_background())
+            .filter_map(|e| {
+                if e.past_deadline(now) {
+                    Some((e.id.clone(), "max_lifetime"))
+                } else if e.idle_for() >= e.idle_timeout {
+                    Some((e.id.clone(), "idle_timeout"))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let mut to_pause = Vec::new();
+        for (id, reason) in due {
+            let pause = self
+                .live()
+                .get(&id)
+                .is_some_and(|e| e.auto_pause.load(Ordering::Relaxed));
+            if pause {
+                to_pause.push(id);
+                continue;
+            }
+            self.end(
+                &id,
+                Ended {
+                    reason: reason.into(),
+                    detail: None,
+                },
+            );
+        }
+        to_pause
+    }
+
+    /// Counts for `/metrics`.
+    pub fn gauges(&self) -> crate::core::metrics::SessionGauges {
+        crate::core::metrics::SessionGauges {
+            live: self.count(),
+            memory_bytes: self.memory_bytes(),
+            created: self.created.load(Ordering::Relaxed),
+            forked: self.forked.load(Ordering::Relaxed),
+            ended: self
+                .ended_by
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            state: self.marks.get().map(|d| d.gauges()),
+        }
+    }
+
+    /// Ends every session (shutdown).
+    pub fn end_all(&self) {
+        let ids: Vec<String> = self.live().keys().cloned().collect();
+        for id in ids {
+            self.end(
+                &id,
+                Ended {
+                    reason: "shutdown".into(),
+                    detail: None,
+                },
+            );
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! What every handler shares: the configuration, one executor per served template (once
+//! it is ready), the job threads and the metrics.
+//!
+//! The server answers before its templates exist (health says `starting`, jobs get 503 with
+//! `Retry-After`); [`AppState::set_template`] makes one ready, [`AppState::template_failed`]
+//! records why one never will be.
+//!
+//! This is the core's data, read by the service ([`crate::service`]) and the edges; it
+//! decides nothing and names no API dialect.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use vmm::Executor;
+
+use crate::core::config::{Config, ConfigError};
+use crate::core::jobs::JobThreads;
+use crate::core::metrics::{Gauges, Metrics};
+
+/// What `GET /v1/templates` tells about a template besides its state: from its image.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TemplateInfo {
+    /// Size of the initramfs, bytes.
+    pub image_bytes: u64,
+    /// Debian packages of Python the template offers, name to version.
+    pub packages: BTreeMap<String, String>,
+}
+
+/// Where a served template is.
+#[derive(Debug, Clone)]
+pub enum TemplateState {
+    Building,
+    Ready(Arc<Executor>),
+    Failed(String),
+}
+
+/// One served template.
+#[derive(Debug)]
+struct Served {
+    name: String,
+    executor: OnceLock<Arc<Executor>>,
+    info: OnceLock<TemplateInfo>,
+    failed: OnceLock<String>,
+}
+
+/// A served template's state, as `GET /v1/templates` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TemplateStatus {
+    pub name: String,
+    /// `ready`, `building` or `failed`.
+    pub status: &'static str,
+    pub default: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(flatten)]
+    pub info: TemplateInfo,
+    /// Guest RAM of its VMs, bytes.
+    pub ram_bytes: Option<u64>,
+    /// Size of the template's memory file (the snapshot every VM maps), bytes.
+    pub memory_file_bytes: Option<u64>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    config: Config,
+    templates: Vec<Served>,
+    jobs: JobThreads,
+    metrics: Arc<Metrics>,
+    sessions: Arc<crate::core::sessions::Sessions>,
+    audit: Option<crate::core::audit::AuditLog>,
+    state_dir: Option<Arc<crate::core::durable::StateDir>>,
+    node: Arc<crate::core::node::Node>,
+    registry: Option<Arc<crate::core::registry::Registry>>,
+}
+
+/// Cheap to clone: one `Arc`.
+#[derive(Debug, Clone)]
+pub struct AppState(Arc<Shared>);
+
+/// Why a state could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("invalid configuration")]
+    Config(#[from] ConfigError),
+    #[error("cannot start the job threads: {0}")]
+    Threads(std::io::Error),
+    #[error("cannot start the audit writer: {0}")]
+    Audit(std::io::Error),
+    #[error(transparent)]
+    StateDir(#[from] crate::core::durable::DurableError),
+    #[error(transparent)]
+    Registry(#[from] crate::core::registry::RegistryError),
+}
+
+impl AppState {
+    /// A state with its job threads running; ready for jobs once it has an executor.
+    pub fn new(config: Config, executor: Option<Arc<Executor>>) -> Result<Self, StateError> {
+        config.validate()?;
+        let jobs = JobThreads::start(config.workers, config.capacity(), config.key_quota())
+            .map_err(StateError::Threads)?;
+        let templates: Vec<Served> = config
+            .templates
+            .iter()
+            .map(|name| Served {
+                name: name.clone(),
+                executor: OnceLock::new(),
+                info: OnceLock::new(),
+                failed: OnceLock::new(),
+            })
+            .collect();
+        if let (Some(e), Some(t)) = (
+            executor,
+            templates
+                .iter()
+                .find(|t| t.name == config.default_template()),
+        ) {
+            let _ = t.executor.set(e);
+        }
+        let audit = match &config.audit {
+            Some(a) => {
+                Some(crate::core::audit::AuditLog::start(a.clone()).map_err(StateError::Audit)?)
+            }
+            None => None,
+        };
+        let sessions: Arc<crate::core::sessions::Sessions> = Arc::default();
+        let node = Arc::new(crate::core::node::Node::of(&config.cluster));
+        let registry = match &config.cluster.redis {
+            Some(url) => Some(Arc::new(crate::core::registry::Registry::new(url)?)),
+            None => None,
+        };
+        sessions.use_node(node.clone());
+        let state_dir = match &config.state_dir {
+            Some(root) => {
+                let (dir, found) =
+                    crate::core::durable::StateDir::open(root, config.state_quota_bytes)?;
+                for (path, why) in &found.damaged {
+                    tracing::warn!(path = %path.display(), why, "set aside a damaged state file");
+                }
+                if !found.lost.is_empty() {
+                    tracing::warn!(
+                        count = found.lost.len(),
+                        "sessions were running when the last server on this state directory stopped: lost"
+                    );
+                }
+                let dir = Arc::new(dir);
+                sessions.use_state_dir(dir.clone(), &found.lost);
+                Some(dir)
+            }
+            None => None,
+        };
+        Ok(Self(Arc::new(Shared {
+            config,
+            templates,
+            jobs,
+            metrics: Arc::default(),
+            sessions,
+            audit,
+            state_dir,
+            node,
+            registry,
+        })))
+    }
+
+    /// This server as a node of a cluster: its id, drain state, hand-overs.
+    pub fn node(&self) -> &Arc<crate::core::node::Node> {
+        &self.0.node
+    }
+
+    /// The cluster's sandbox registry (`--redis`), if the server has one.
+    pub fn registry(&self) -> Option<&Arc<crate::core::registry::Registry>> {
+        self.0.registry.as_ref()
+    }
+
+    /// The state directory, if the server has one.
+    pub fn state_dir(&self) -> Option<&Arc<crate::core::durable::StateDir>> {
+        self.0.state_dir.as_ref()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.0.config
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.0.metrics
+    }
+
+    /// The metrics, to record from a job thread.
+    pub fn metrics_handle(&self) -> Arc<Metrics> {
+        self.0.metrics.clone()
+    }
+
+    /// The live sessions.
+    pub fn sessions(&self) -> &Arc<crate::core::sessions::Sessions> {
+        &self.0.sessions
+    }
+
+    /// The audit log, when configured.
+    pub fn audit(&self) -> Option<&crate::core::audit::AuditLog> {
+        self.0.audit.as_ref()
+    }
+
+    /// Queues the audit record of a background process's start (no-op without an audit
+    /// log).
+    pub fn audit_process(&self, origin: &crate::core::audit::Origin, script: &[u8]) {
+        if let Some(a) = self.audit() {
+            a.process(origin, script);
+        }
+    }
+
+    /// Queues the audit record of `job` (no-op without an audit log). On a job thread.
+    pub fn audit_job(
+        &self,
+        origin: &crate::core::audit::Origin,
+        kind: &str,
+        job: &vmm::Job,
+        r: &vmm::JobResult,
+        waited: std::time::Duration,
+    ) {
+        if let Some(a) = self.audit() {
+            a.job(origin, kind, job, r, waited);
+        }
+    }
+
+    pub fn jobs(&self) -> &JobThreads {
+        &self.0.jobs
+    }
+
+    /// Makes template `name` ready. Returns `false` (and drops `e`) if it is not served or
+    /// already had one.
+    pub fn set_template(&self, name: &str, e: Arc<Executor>, info: TemplateInfo) -> bool {
+        let Some(t) = self.served(name) else {
+            return false;
+        };
+        let _ = t.info.set(info);
+        t.executor.set(e).is_ok()
+    }
+
+    /// Records that template `name` could not be prepared.
+    pub fn template_failed(&self, name: &str, why: String) {
+        if let Some(t) = self.served(name) {
+            let _ = t.failed.set(why);
+        }
+    }
+
+    /// Whether template `name` has Debian package `package` (known once it is prepared).
+    pub fn template_has(&self, name: &str, package: &str) -> bool {
+        self.served(name)
+            .and_then(|t| t.info.get())
+            .is_some_and(|i| i.packages.contains_key(package))
+    }
+
+    fn served(&self, name: &str) -> Option<&Served> {
+        self.0.templates.iter().find(|t| t.name == name)
+    }
+
+    /// The name a request's `template` resolves to: its own, or the default one.
+    pub fn template_name<'a>(&'a self, asked: Option<&'a str>) -> &'a str {
+        asked.unwrap_or_else(|| self.config().default_template())
+    }
+
+    /// The state of template `name`, or None if it is not served.
+    pub fn template_state(&self, name: &str) -> Option<TemplateState> {
+        let t = self.served(name)?;
+        Some(match (t.executor.get(), t.failed.get()) {
+            (Some(e), _) => TemplateState::Ready(e.clone()),
+            (None, Some(why)) => TemplateState::Failed(why.clone()),
+            (None, None) => TemplateState::Building,
+        })
+    }
+
+    /// The default template's executor if it is ready (no rejection counted).
+    pub fn executor_if_ready(&self) -> Option<Arc<Executor>> {
+        self.served(self.config().default_template())
+            .and_then(|t| t.executor.get().cloned())
+    }
+
+    /// Every ready template's executor, by name.
+    pub fn ready_executors(&self) -> Vec<(String, Arc<Executor>)> {
+        self.0
+            .templates
+            .iter()
+            .filter_map(|t| Some((t.name.clone(), t.executor.get()?.clone())))
+            .collect()
+    }
+
+    /// The served templates and their states, in the configured order.
+    pub fn templates(&self) -> Vec<TemplateStatus> {
+        let default = self.config().default_template();
+        self.0
+            .templates
+            .iter()
+            .map(|t| {
+                let e = t.executor.get();
+                TemplateStatus {
+                    name: t.name.clone(),
+                    status: match (e, t.failed.get()) {
+                        (Some(_), _) => "ready",
+                        (None, Some(_)) => "failed",
+                        (None, None) => "building",
+                    },
+                    default: t.name == default,
+                    error: t.failed.get().cloned(),
+                    info: t.info.get().cloned().unwrap_or_default(),
+                    ram_bytes: e.map(|e| e.template().state().ram_size),
+                    memory_file_bytes: e.map(|e| e.template().memory_file_bytes()),
+                }
+            })
+            .collect()
+    }
+
+    /// Stops admitting jobs and waits for the job threads to finish what they hold.
+    pub fn drain(&self) {
+        self.0.jobs.join();
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        // Every ready template's VMs together; the server is ready with its default one.
+        let ready = self.ready_executors();
+        let stats = self.executor_if_ready().map(|_| {
+            let mut sum = vmm::executor::ExecutorStats::default();
+            for (_, e) in &ready {
+                sum += e.stats();
+            }
+            sum
+        });
+        Gauges {
+            workers: self.config().workers,
+            queue_capacity: self.0.jobs.capacity(),
+            jobs_running: self.0.jobs.running(),
+            jobs_queued: self.0.jobs.queued(),
+            pool_size: stats.map_or(self.config().pool_size, |s| s.pool_size),
+            pool_ready: stats.map_or(0, |s| s.ready),
+            live_clones: stats.map_or(0, |s| s.live),
+            warm_vms: stats.map_or(0, |s| s.warm),
+            template_ready: stats.is_some(),
+            executor: stats.unwrap_or_default(),
+            sessions: self.0.sessions.gauges(),
+            audit: self.audit().map(|a| {
+                let s = &a.state;
+                (
+                    s.written.load(std::sync::atomic::Ordering::Relaxed),
+                    s.dropped.load(std::sync::atomic::Ordering::Relaxed),
+                    s.failing(),
+                )
+            }),
+        }
+    }
+}

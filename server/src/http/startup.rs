@@ -1,0 +1,336 @@
+//! `bud serve` from start to stop: logging, the listener, the template, signals.
+//!
+//! The server listens first and prepares its templates on one thread of their own, the
+//! default one first, then the others in the configured order (finding or building each
+//! guest image, then loading or booting its template, all logged), so health answers
+//! `starting` until the default one is ready and a template's jobs get 503 until it is. A
+//! default template that cannot be prepared stops the server; another one is marked failed
+//! (its requests get 503 saying why). Once every template is prepared the jail closes
+//! ([`crate::core::jail`]; on by default), with one log line saying what is in force. SIGINT or
+//! SIGTERM starts a graceful shutdown: no new connections, in-flight jobs finish and are
+//! answered; a second signal exits at once.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tracing::{error, info, warn};
+use vmm::Executor;
+use vmm::devices::console::{ConsoleLine, EchoFn};
+use vmm::template::Origin;
+
+use crate::core::config::Config;
+use crate::core::state::{AppState, StateError, TemplateInfo};
+
+/// Everything `bud serve` needs.
+pub struct ServeOptions {
+    pub listen: IpAddr,
+    pub port: u16,
+    pub config: Config,
+    /// Where each template of `config.templates` comes from (the `bud` binary passes
+    /// `bud_templates::template`).
+    pub template: TemplateSource,
+}
+
+/// Produces the named template and what its image holds. Called once per served template,
+/// on a background thread, after the server listens (a first call may build the guest
+/// image and boot the template: minutes).
+pub type TemplateSource = Box<
+    dyn Fn(&str) -> Result<(vmm::Template, TemplateInfo), Box<dyn std::error::Error + Send + Sync>>
+        + Send,
+>;
+
+impl std::fmt::Debug for ServeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeOptions")
+            .field("listen", &self.listen)
+            .field("port", &self.port)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why `bud serve` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("cannot listen on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("serving: {0}")]
+    Serve(std::io::Error),
+    #[error(
+        "bud serve without API keys listens on loopback only ({0} is not): give --api-keys-file"
+    )]
+    OpenBeyondLoopback(IpAddr),
+    #[error("cannot start the template thread: {0}")]
+    Thread(std::io::Error),
+    #[error(transparent)]
+    Prepare(#[from] Box<PrepareError>),
+    #[error(transparent)]
+    Jail(#[from] crate::core::jail::JailError),
+}
+
+/// Why the template could not be made ready.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("preparing the template: {0}")]
+    Template(Box<dyn std::error::Error + Send + Sync>),
+    #[error("starting the executor")]
+    Executor(#[from] vmm::ExecError),
+    #[error("closing the jail")]
+    Jail(#[from] crate::core::jail::JailError),
+}
+
+/// Logs to stderr; `RUST_LOG` filters (default `info`). Does nothing if logging is set up.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+/// A console echo for a template boot, into the log (target `bud::guest_console`).
+pub fn console_echo() -> EchoFn {
+    Box::new(
+        |line: &ConsoleLine| info!(target: "bud::guest_console", at_ms = line.at.as_millis() as u64, "{}", line.text),
+    )
+}
+
+/// A guest build progress line, into the log (target `bud::guest_build`).
+pub fn log_build_line(line: &str) {
+    info!(target: "bud::guest_build", "{line}");
+}
+
+/// Gets template `name` from `source`, then starts its executor.
+pub fn prepare(
+    source: &TemplateSource,
+    name: &str,
+    config: &Config,
+) -> Result<(Executor, TemplateInfo), PrepareError> {
+    let started = Instant::now();
+    info!(
+        template = name,
+        "loading the template (a first build boots the guest: minutes)"
+    );
+    let (template, template_info) = source(name).map_err(PrepareError::Template)?;
+    match template.origin() {
+        Origin::Built {
+            boot,
+            capture,
+            write,
+        } => info!(
+            template = name,
+            dir = %template.dir().display(),
+            ready_s = boot.to_ready.as_secs_f64(),
+            capture_ms = capture.as_secs_f64() * 1e3,
+            write_ms = write.as_secs_f64() * 1e3,
+            "template built"
+        ),
+        Origin::Loaded { load } => info!(
+            template = name,
+            dir = %template.dir().display(),
+            load_ms = load.as_secs_f64() * 1e3,
+            "template loaded"
+        ),
+    }
+    let executor = Executor::new(
+        template,
+        vmm::ExecutorOptions {
+            pool_size: config.pool_size,
+            reuse: config.reuse,
+            verify: config.verify_resets,
+            ..vmm::ExecutorOptions::default()
+        },
+    )?;
+    info!(
+        template = name,
+        pool = config.pool_size,
+        total_s = started.elapsed().as_secs_f64(),
+        "ready for jobs"
+    );
+    Ok((executor, template_info))
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!("cannot watch SIGTERM: {e}");
+            let _ = ctrl_c.await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Allocations at least this large get their own mapping (see [`return_large_buffers`]).
+pub const MMAP_THRESHOLD: i32 = 128 << 10;
+
+/// Makes glibc's malloc give large buffers back to the kernel when they are freed. The
+/// server's large allocations are short-lived (a request body, a job's output, an answer's
+/// JSON: up to tens of MiB each), and by default glibc raises its mmap threshold after the
+/// first such buffer is freed and then serves the next ones from its arenas, which keep
+/// the memory: measured, the server's own memory (outside guest RAM) went from 8 MiB to
+/// 87 MiB after four 8 MiB outputs and a 20 MiB request, and stayed there. A fixed
+/// threshold keeps every buffer from 128 KiB up in its own mapping, unmapped on free.
+pub fn return_large_buffers() {
+    // SAFETY: mallopt only sets allocator parameters; called before the runtime and the
+    // job threads start, so no other thread is in malloc.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, MMAP_THRESHOLD);
+    }
+}
+
+/// What the server writes after the jail closes, which `--user` must own: the state
+/// directory, and each served template's pin folder (made here if missing).
+fn writable_after_jail(state: &AppState) -> Vec<std::path::PathBuf> {
+    let mut paths: Vec<std::path::PathBuf> = state
+        .ready_executors()
+        .iter()
+        .map(|(_, e)| e.template().dir().join(vmm::template::PINS_DIR))
+        .filter(|pins| std::fs::create_dir_all(pins).is_ok())
+        .collect();
+    if let Some(dir) = state.state_dir() {
+        paths.push(dir.root().to_owned());
+    }
+    paths
+}
+
+/// Runs `bud serve` until a signal (Ok) or a failure to prepare the template (Err).
+pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), ServeError> {
+    if opts.config.api_keys.is_none() && !opts.listen.is_loopback() {
+        return Err(ServeError::OpenBeyondLoopback(opts.listen));
+    }
+    return_large_buffers();
+    let state = AppState::new(opts.config.clone(), None)?;
+    // A jail that must close and cannot: say so now, not after minutes of template builds.
+    if opts.config.jail.requires_seccomp() && opts.config.jail.seccomp {
+        crate::core::jail::probe().map_err(crate::core::jail::JailError::from)?;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("bud-http")
+        .build()
+        .map_err(ServeError::Runtime)?;
+    let failed: Arc<Mutex<Option<PrepareError>>> = Arc::default();
+    runtime.block_on(async {
+        let addr = SocketAddr::new(opts.listen, opts.port);
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })?;
+        let local = listener.local_addr().map_err(ServeError::Serve)?;
+        info!(
+            addr = %local,
+            workers = opts.config.workers,
+            queue = opts.config.queue,
+            pool = opts.config.pool_size,
+            node = state.node().id(),
+            "listening"
+        );
+
+        if let Some(port) = opts.config.cluster.agent_port {
+            let addr = SocketAddr::new(opts.listen, port);
+            let agent = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { addr, source })?;
+            info!(addr = %addr, node = state.node().id(), "answering HAProxy's agent checks");
+            tokio::spawn(crate::http::agent::serve(agent, state.clone()));
+        }
+
+        let (prep_done, prep_failed) = oneshot::channel::<()>();
+        let prep_state = state.clone();
+        let prep_config = opts.config.clone();
+        let source = opts.template;
+        let prep_error = failed.clone();
+        // Detached: a signal during a long guest build must not wait for it.
+        std::thread::Builder::new()
+            .name("bud-template".into())
+            .spawn(move || {
+                let default = prep_config.default_template().to_owned();
+                let mut order = vec![default.clone()];
+                order.extend(prep_config.templates.iter().filter(|t| **t != default).cloned());
+                for name in order {
+                    match prepare(&source, &name, &prep_config) {
+                        Ok((e, info)) => {
+                            prep_state.set_template(&name, Arc::new(e), info);
+                        }
+                        Err(e) if name != default => {
+                            error!(template = %name, "{}", crate::core::error_chain(&e));
+                            prep_state.template_failed(&name, crate::core::error_chain(&e));
+                        }
+                        Err(e) => {
+                            error!(template = %name, "{}", crate::core::error_chain(&e));
+                            *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                            let _ = prep_done.send(());
+                            return;
+                        }
+                    }
+                }
+                // Every template is prepared: nothing needs root or execve any more.
+                let writable = writable_after_jail(&prep_state);
+                match crate::core::jail::close(&prep_config.jail, &writable) {
+                    Ok(closed) => {
+                        if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
+                            warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
+                        }
+                        let line = closed.to_string();
+                        let (seccomp, uid) = (closed.jailed(), closed.uid);
+                        // Handed to the job threads before the line that says the jail is
+                        // in force: /v1/health's `jailed` reads it, and a client that saw
+                        // the line found `jailed: false` (tests/jail.rs, 1 run in ~6).
+                        if let Some(f) = closed.job_filter {
+                            prep_state.jobs().set_job_filter(f);
+                        }
+                        info!(seccomp, uid, "{line}");
+                    }
+                    Err(e) => {
+                        let e = PrepareError::from(e);
+                        error!("{}", crate::core::error_chain(&e));
+                        *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        let _ = prep_done.send(());
+                    }
+                }
+            })
+            .map_err(ServeError::Thread)?;
+
+        let shutdown = async move {
+            tokio::select! {
+                _ = shutdown_signal() => info!("shutting down: finishing in-flight jobs (signal again to exit now)"),
+                Ok(()) = prep_failed => info!("shutting down: the template could not be prepared"),
+            }
+            tokio::spawn(async {
+                shutdown_signal().await;
+                warn!("second signal: exiting now");
+                std::process::exit(130);
+            });
+        };
+        { let router = app(state.clone()); crate::http::serve(listener, state, router, shutdown) }
+            .await
+            .map_err(ServeError::Serve)?;
+        info!("stopped");
+        Ok::<(), ServeError>(())
+    })?;
+    // Do not wait for a template thread that may still be building.
+    runtime.shutdown_background();
+    match failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(e) => Err(Box::new(e).into()),
+        None => Ok(()),
+    }
+}

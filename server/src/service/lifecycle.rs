@@ -1,0 +1,43 @@
+//! A session's life from outside its cells: the one way to start a session (from its
+//! template, [`sessions::start_fresh`], or from a snapshot, [`durable::start_from`]) and
+//! the reaper that ends or pauses the expired ones. It sits above both features, so
+//! neither needs the other to start or expire a session.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::core::sessions::Entry;
+use crate::core::state::AppState;
+use crate::service::error::Error;
+use crate::service::sessions::CreateSession;
+use crate::service::{admission, durable, processes, sessions};
+
+/// Starts the session `req` asks for: from its snapshot when it names one, else from
+/// its template.
+pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, Error> {
+    admission::check_open(state)?;
+    match req.snapshot.clone() {
+        Some(snap) => durable::start_from(state, &snap, req).await,
+        None => sessions::start_fresh(state, req).await,
+    }
+}
+
+/// Ends expired sessions every second until the server stops (spawned by `serve`), pauses
+/// those that asked for it, and starts the processes' pump of a resumed session.
+pub async fn reaper(state: AppState) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        // A session resumed at a request (below the processes' service) gets its pump here,
+        // within a tick; elsewhere every pump is started where its processes are.
+        for e in state.sessions().list() {
+            processes::ensure_pump(&state, &e);
+        }
+        let sessions: Arc<_> = state.sessions().clone();
+        if let Ok(to_pause) = tokio::task::spawn_blocking(move || sessions.reap()).await
+            && !to_pause.is_empty()
+        {
+            durable::pause_expired(&state, to_pause).await;
+        }
+    }
+}
