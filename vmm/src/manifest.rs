@@ -32,6 +32,17 @@ pub enum Language {
     Shell,
 }
 
+impl Language {
+    /// The mode's name in a manifest (`python`, `shell`): also the name of the runtime of
+    /// that mode in the images bud builds.
+    pub fn name(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::Shell => "shell",
+        }
+    }
+}
+
 /// Whether a template's guest reaches a network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -262,6 +273,7 @@ mod tests {
 
         assert!(text.contains(r#""run": "python""#), "{text}");
         assert!(text.contains(r#""network": "none""#), "{text}");
+        assert_eq!(Language::Shell.name(), "shell");
         assert!(text.ends_with("}\n"), "{text}");
     }
 
