@@ -105,6 +105,13 @@ pub fn template(
     progress: &mut dyn FnMut(&str),
     echo: Option<EchoFn>,
 ) -> Result<Template, TemplateSetupError> {
+    if opts.guest == GuestBuild::Built {
+        let (kernel, initramfs) = artifact_paths(&opts.build.build_dir, opts.name());
+        let manifest = bud_guest::manifest_path(&opts.build.build_dir, opts.name());
+        if !(kernel.is_file() && initramfs.is_file() && manifest.is_file()) {
+            return Err(TemplateSetupError::NotBuilt(opts.name().to_owned()));
+        }
+    }
     let site = bud_guest::recipe::load_site(&opts.build.source_dir.join(RECIPE_DIR), opts.name())?;
     let (kernel, initramfs) = match opts.guest {
         GuestBuild::Existing => built_or_ensure(&opts.build, progress).map_err(Box::new)?,
@@ -112,14 +119,7 @@ pub fn template(
             let a = ensure(&opts.build, progress).map_err(Box::new)?;
             (a.kernel, a.initramfs)
         }
-        GuestBuild::Built => {
-            let (kernel, initramfs) = artifact_paths(&opts.build.build_dir, opts.name());
-            let manifest = bud_guest::manifest_path(&opts.build.build_dir, opts.name());
-            if !(kernel.is_file() && initramfs.is_file() && manifest.is_file()) {
-                return Err(TemplateSetupError::NotBuilt(opts.name().to_owned()));
-            }
-            (kernel, initramfs)
-        }
+        GuestBuild::Built => artifact_paths(&opts.build.build_dir, opts.name()),
     };
     let mut boot = BootConfig::new(kernel, initramfs);
     boot.ram_size = opts.ram_size.unwrap_or_else(|| {

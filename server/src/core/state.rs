@@ -46,7 +46,7 @@ pub enum SourceError {
     /// There is no such template to load (no guest build of it).
     #[error("{0}")]
     NotFound(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Failed(Box<dyn std::error::Error + Send + Sync>),
 }
 

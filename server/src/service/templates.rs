@@ -24,7 +24,7 @@ use crate::service::error::Error;
 /// Why a template could not be made ready.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
-    #[error("preparing the template: {0}")]
+    #[error("preparing the template")]
     Template(#[from] SourceError),
     #[error("starting the executor")]
     Executor(#[from] vmm::ExecError),
@@ -180,6 +180,7 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
             state.set_template(name, Arc::new(executor), info);
             Ok(Added::Now(status(state).ok_or_else(|| gone(name))?))
         }
+        // Not served after all: a later PUT tries again.
         Err(PrepareError::Template(SourceError::NotFound(why))) => {
             state.remove_template(name);
             Err(Error::NoTemplate(why))
@@ -187,7 +188,7 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
         Err(e) => {
             let why = crate::core::error_chain(&e);
             tracing::error!(template = %name, "{why}");
-            state.template_failed(name, why.clone());
+            state.remove_template(name);
             Err(Error::TemplateFailed {
                 name: name.to_owned(),
                 why,
