@@ -292,4 +292,53 @@ mod tests {
         assert!(text.contains("# TYPE bud_job_total_seconds histogram"));
         assert!(text.contains("bud_template_ready 0\n"));
     }
+
+    #[test]
+    fn haproxys_sandbox_places_are_the_servers() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/haproxy/sandbox-places"
+        );
+        let file = std::fs::read_to_string(path).unwrap();
+        let lines: Vec<&str> = file
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .collect();
+
+        assert_eq!(lines, http::node::sandbox_places(SANDBOX_PLACES));
+    }
+
+    #[test]
+    fn the_kubernetes_front_reads_every_sandbox_place() {
+        // The ConfigMap's haproxy.cfg is written by hand (it reads node addresses from the
+        // ids, unlike gen-config.sh's fixed node list): each place must be in its rules.
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/k8s/front-config.yaml"
+        );
+        let yaml = std::fs::read_to_string(path).unwrap();
+        let rules: Vec<&str> = yaml
+            .lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with("http-request") || l.starts_with("acl"))
+            .collect();
+        let has = |needle: &str| rules.iter().any(|r| r.contains(needle));
+        let token = |t: &str| rules.iter().any(|r| r.split_whitespace().any(|w| w == t));
+
+        let missing: Vec<String> = http::node::sandbox_places(SANDBOX_PLACES)
+            .into_iter()
+            .filter(|line| {
+                let parts: Vec<&str> = line.split(' ').collect();
+                !match parts.as_slice() {
+                    ["header", h] => has(&format!("req.hdr({h})")),
+                    ["prefix", p] => token(p),
+                    ["host", _] => has("req.hdr(host)"),
+                    ["create", p, f] => token(p) && has(&format!("$.{f}")),
+                    _ => false,
+                }
+            })
+            .collect();
+
+        assert_eq!(missing, Vec::<String>::new());
+    }
 }

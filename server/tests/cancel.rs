@@ -22,6 +22,7 @@ fn one_worker() -> TestServer {
     // returned, so a client's next request may arrive before that.
     config.queue = 1;
     config.limits.max_timeout_ms = 30_000;
+    config.limits.default_timeout_ms = 30_000;
     config.limits.max_batch_jobs = 1;
     TestServer::with_config(config)
 }
@@ -141,6 +142,7 @@ fn a_shutdown_cancels_what_still_runs_after_its_grace_period() {
     config.workers = 1;
     config.queue = 1;
     config.limits.max_timeout_ms = 30_000;
+    config.limits.default_timeout_ms = 30_000;
     config.limits.max_batch_jobs = 1;
     config.shutdown_grace_s = 1;
     let mut s = TestServer::with_config(config);

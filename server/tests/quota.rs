@@ -77,6 +77,7 @@ fn a_key_past_its_quota_gets_429_and_waiting_jobs_run_round_robin_between_keys()
     config.key_max_jobs = Some(3);
     config.limits.max_batch_jobs = 1;
     config.limits.max_timeout_ms = 30_000;
+    config.limits.default_timeout_ms = 30_000;
     config.api_keys = Some(Arc::new(
         ApiKeys::parse(&format!("alice {ALICE}\nbob {BOB}\n")).unwrap(),
     ));

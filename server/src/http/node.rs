@@ -44,8 +44,13 @@ pub struct SandboxPlaces {
     pub not_ids: &'static [&'static str],
     /// A header carrying the id.
     pub header: Option<&'static str>,
-    /// Whether the Host may be `PORT-ID.DOMAIN` (E2B's per-port host names).
+    /// Whether the Host may be `PORT-ID.DOMAIN` (E2B's per-port host names); the id then
+    /// goes in [`Self::header`] on its way to the node.
     pub host_form: bool,
+    /// Creates that may name a snapshot in their JSON body: (the `POST` path, the field).
+    /// The node needs no routing for them (a create runs where it lands, fetching the
+    /// snapshot from its node); a router in front sends them to the snapshot's node.
+    pub creates: &'static [(&'static str, &'static str)],
     /// How this dialect words an error (the 421 of a request sent to the wrong node).
     pub error: fn(ApiError) -> Response,
 }
@@ -56,6 +61,7 @@ pub const NATIVE: SandboxPlaces = SandboxPlaces {
     not_ids: &["import"],
     header: None,
     host_form: false,
+    creates: &[("/v1/sessions", "snapshot")],
     error: native_error,
 };
 
@@ -109,16 +115,22 @@ pub fn named_id<'a>(
         .find_map(|d| d.named_id(path, headers).map(|id| (id, d)))
 }
 
-/// Every place of `dialects` as lines a router can read: `prefix PATH`, `header NAME`,
-/// `host PORT-ID` (`bud routes`; docs/cluster.md).
+/// Every place of `dialects` as lines a router reads, in the order they are checked here
+/// (the first that names an id wins): `header NAME`, `prefix PATH`, `host HEADER` (the
+/// host form, its id put in HEADER), and `create PATH FIELD`. HAProxy's configuration
+/// (`deploy/haproxy/gen-config.sh`) is generated from these lines, kept in
+/// `deploy/haproxy/sandbox-places` (a test checks that the file is this function's output).
 pub fn sandbox_places(dialects: &[SandboxPlaces]) -> Vec<String> {
     let mut lines = Vec::new();
     for d in dialects {
-        lines.extend(d.prefixes.iter().map(|p| format!("prefix {p}")));
         lines.extend(d.header.iter().map(|h| format!("header {h}")));
+        lines.extend(d.prefixes.iter().map(|p| format!("prefix {p}")));
         if d.host_form {
-            lines.push("host PORT-ID".to_owned());
+            lines.push(format!("host {}", d.header.unwrap_or_default()));
         }
+    }
+    for d in dialects {
+        lines.extend(d.creates.iter().map(|(p, f)| format!("create {p} {f}")));
     }
     lines
 }
@@ -307,6 +319,7 @@ mod tests {
         not_ids: &[],
         header: Some("e2b-sandbox-id"),
         host_form: true,
+        creates: &[("/sandboxes", "templateID")],
         error: native_error,
     };
 
@@ -347,17 +360,19 @@ mod tests {
 
     #[test]
     fn the_places_print_as_lines_for_a_router() {
-        let lines = sandbox_places(&[NATIVE, OTHER]);
+        let lines = sandbox_places(&[OTHER, NATIVE]);
 
         assert_eq!(
             lines,
             [
-                "prefix /v1/sessions/",
-                "prefix /v1/snapshots/",
+                "header e2b-sandbox-id",
                 "prefix /sandboxes/",
                 "prefix /v2/sandboxes/",
-                "header e2b-sandbox-id",
-                "host PORT-ID",
+                "host e2b-sandbox-id",
+                "prefix /v1/sessions/",
+                "prefix /v1/snapshots/",
+                "create /sandboxes templateID",
+                "create /v1/sessions snapshot",
             ]
         );
     }

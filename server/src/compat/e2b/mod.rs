@@ -56,6 +56,10 @@ pub const SANDBOX_PLACES: crate::http::node::SandboxPlaces = crate::http::node::
     not_ids: &[],
     header: Some(SANDBOX_ID_HEADER),
     host_form: true,
+    creates: &[
+        ("/sandboxes", "templateID"),
+        ("/v2/sandboxes", "templateID"),
+    ],
     error: |e| e2b_error(e),
 };
 /// The header carrying the sandbox's access token.
