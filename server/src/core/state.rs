@@ -13,7 +13,7 @@
 //! decides nothing and names no API dialect.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use vmm::Executor;
 use vmm::manifest::{Kernel, Manifest, Network, Runtime};
@@ -135,6 +135,10 @@ struct Shared {
     /// The served templates, in the order they were configured or added.
     templates: RwLock<Vec<Arc<Served>>>,
     source: OnceLock<Source>,
+    /// Held while a template is added, and while the jail closes; true once the jail's
+    /// filters are on, after which no template is added (loading one opens files and
+    /// `/dev/kvm`, which the filters do not allow).
+    fixed: Mutex<bool>,
     jobs: JobThreads,
     metrics: Arc<Metrics>,
     sessions: Arc<crate::core::sessions::Sessions>,
@@ -218,6 +222,7 @@ impl AppState {
             config,
             templates: RwLock::new(templates),
             source: OnceLock::new(),
+            fixed: Mutex::new(false),
             jobs,
             metrics: Arc::default(),
             sessions,
@@ -326,6 +331,20 @@ impl AppState {
         let mut all = self.0.templates.write().unwrap_or_else(|p| p.into_inner());
         let at = all.iter().position(|t| t.name == name)?;
         Some(all.remove(at).state())
+    }
+
+    /// Runs `add` (the loading of an added template) unless the served templates are fixed
+    /// (`None`); no jail closes meanwhile.
+    pub fn while_adding<R>(&self, add: impl FnOnce() -> R) -> Option<R> {
+        let fixed = self.0.fixed.lock().unwrap_or_else(|p| p.into_inner());
+        (!*fixed).then(add)
+    }
+
+    /// Runs `close` (closing the jail) once no template is being added; the served
+    /// templates are fixed from then on if it returns true (the filters are on).
+    pub fn fix_templates_if(&self, close: impl FnOnce() -> bool) {
+        let mut fixed = self.0.fixed.lock().unwrap_or_else(|p| p.into_inner());
+        *fixed = close();
     }
 
     /// Where templates come from (set once, at start).
@@ -459,5 +478,43 @@ impl AppState {
                 )
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> AppState {
+        AppState::new(Config::default(), None).unwrap()
+    }
+
+    #[test]
+    fn templates_are_added_and_removed_by_name_in_order() {
+        let s = state();
+
+        let added = s.add_template("tools");
+        let again = s.add_template("tools");
+        let names = s.template_names();
+        let removed = s.remove_template("tools");
+        let twice = s.remove_template("tools");
+
+        assert!(added && !again);
+        assert_eq!(names, ["python", "tools"]);
+        assert!(matches!(removed, Some(TemplateState::Building)));
+        assert!(twice.is_none());
+        assert_eq!(s.template_names(), ["python"]);
+    }
+
+    #[test]
+    fn no_template_is_added_once_the_jails_filters_are_on() {
+        let open = state();
+        let jailed = state();
+
+        open.fix_templates_if(|| false);
+        jailed.fix_templates_if(|| true);
+
+        assert_eq!(open.while_adding(|| 1), Some(1));
+        assert_eq!(jailed.while_adding(|| 1), None);
     }
 }

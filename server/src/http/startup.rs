@@ -215,29 +215,35 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                     }
                 }
                 // Every template is prepared: nothing needs root or execve any more.
-                let writable = writable_after_jail(&prep_state);
-                match crate::core::jail::close(&prep_config.jail, &writable) {
-                    Ok(closed) => {
-                        if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
-                            warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
+                // Not while a template is added (loading one needs what the filters forbid);
+                // none is added once they are on.
+                prep_state.fix_templates_if(|| {
+                    let writable = writable_after_jail(&prep_state);
+                    match crate::core::jail::close(&prep_config.jail, &writable) {
+                        Ok(closed) => {
+                            if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
+                                warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
+                            }
+                            let line = closed.to_string();
+                            let (seccomp, uid) = (closed.jailed(), closed.uid);
+                            // Handed to the job threads before the line that says the jail is
+                            // in force: /v1/health's `jailed` reads it, and a client that saw
+                            // the line found `jailed: false` (tests/jail.rs, 1 run in ~6).
+                            if let Some(f) = closed.job_filter {
+                                prep_state.jobs().set_job_filter(f);
+                            }
+                            info!(seccomp, uid, "{line}");
+                            seccomp
                         }
-                        let line = closed.to_string();
-                        let (seccomp, uid) = (closed.jailed(), closed.uid);
-                        // Handed to the job threads before the line that says the jail is
-                        // in force: /v1/health's `jailed` reads it, and a client that saw
-                        // the line found `jailed: false` (tests/jail.rs, 1 run in ~6).
-                        if let Some(f) = closed.job_filter {
-                            prep_state.jobs().set_job_filter(f);
+                        Err(e) => {
+                            let e = PrepareError::from(e);
+                            error!("{}", crate::core::error_chain(&e));
+                            *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                            let _ = prep_done.send(());
+                            false
                         }
-                        info!(seccomp, uid, "{line}");
                     }
-                    Err(e) => {
-                        let e = PrepareError::from(e);
-                        error!("{}", crate::core::error_chain(&e));
-                        *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        let _ = prep_done.send(());
-                    }
-                }
+                });
             })
             .map_err(ServeError::Thread)?;
 

@@ -151,7 +151,8 @@ pub enum Added {
 
 /// Serves template `name` from now on: loads it from the server's source (its guest must be
 /// built; its template is loaded, or booted on first use) and waits until it is ready. A
-/// template served already is left as it is.
+/// template served already is left as it is. Refused once the jail's filters are on (the
+/// jail never closes while one is loaded: [`AppState::fix_templates_if`]).
 pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
     if !valid_template_name(name) {
         return Err(Error::invalid(
@@ -160,9 +161,6 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
         ));
     }
     let status = |state: &AppState| state.templates().into_iter().find(|t| t.name == name);
-    if state.jobs().jailed() {
-        return Err(Error::Jailed);
-    }
     let source = state
         .template_source()
         .cloned()
@@ -171,21 +169,26 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
         return Ok(Added::Already(status(state).ok_or_else(|| gone(name))?));
     }
     let (st, owned) = (state.clone(), name.to_owned());
-    let prepared =
-        tokio::task::spawn_blocking(move || prepare(&source, &owned, Moment::Added, st.config()))
-            .await
-            .map_err(Error::internal)?;
+    let prepared = tokio::task::spawn_blocking(move || {
+        st.while_adding(|| prepare(&source, &owned, Moment::Added, st.config()))
+    })
+    .await
+    .map_err(Error::internal)?;
     match prepared {
-        Ok((executor, info)) => {
+        None => {
+            state.remove_template(name);
+            Err(Error::Jailed)
+        }
+        Some(Ok((executor, info))) => {
             state.set_template(name, Arc::new(executor), info);
             Ok(Added::Now(status(state).ok_or_else(|| gone(name))?))
         }
         // Not served after all: a later PUT tries again.
-        Err(PrepareError::Template(SourceError::NotFound(why))) => {
+        Some(Err(PrepareError::Template(SourceError::NotFound(why)))) => {
             state.remove_template(name);
             Err(Error::NoTemplate(why))
         }
-        Err(e) => {
+        Some(Err(e)) => {
             let why = crate::core::error_chain(&e);
             tracing::error!(template = %name, "{why}");
             state.remove_template(name);
@@ -205,9 +208,6 @@ fn gone(name: &str) -> Error {
 /// session runs on it (sessions are not drained: they are the client's to end or pause).
 /// Jobs already admitted on it finish; its executor goes with the last of them.
 pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
-    if state.jobs().jailed() {
-        return Err(Error::Jailed);
-    }
     if state.template_state(name).is_none() {
         return Err(Error::NoTemplate(format!(
             "template {name} is not served; this server serves: {}",
