@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
-use vmm::session_file;
+use vmm::session_file::{self, SessionKeys};
 use vmm::{Executor, ExecutorOptions, Job, Status};
 
 fn cell(s: &mut Session, ex: &Executor, code: &str) {
@@ -28,6 +28,7 @@ fn benches(c: &mut Criterion) {
     let ex = Executor::new(common::template(), ExecutorOptions::default()).expect("executor");
     let dir = common::source_dir().join("target/tmp/bench-durable");
     std::fs::create_dir_all(&dir).expect("bench folder");
+    let keys = SessionKeys::generate().expect("a key");
     let mut g = c.benchmark_group("durable");
     g.sample_size(10).measurement_time(Duration::from_secs(10));
 
@@ -40,10 +41,10 @@ fn benches(c: &mut Criterion) {
             &format!("import random\ndata = random.randbytes(1 << 20) * {mib}\nx = 1"),
         );
         let path = dir.join(format!("{mib}.bud"));
-        let w = s.save(&ex, &path, Vec::new()).expect("save");
+        let w = s.save(&ex, &path, Vec::new(), &keys).expect("save");
         eprintln!("[durable] {mib} MiB session: first save {w:?}");
         g.bench_function(format!("save, {mib} MiB"), |b| {
-            b.iter(|| s.save(&ex, &path, Vec::new()).expect("save"))
+            b.iter(|| s.save(&ex, &path, Vec::new(), &keys).expect("save"))
         });
         s.end(&ex);
 
@@ -52,7 +53,7 @@ fn benches(c: &mut Criterion) {
                 let mut spent = Duration::ZERO;
                 for _ in 0..n {
                     let t = Instant::now();
-                    let f = session_file::read(&path).expect("read");
+                    let f = session_file::read(&path, &keys).expect("read");
                     let s = Session::load(&ex, &f, false).expect("load");
                     spent += t.elapsed();
                     s.end(&ex);
@@ -65,7 +66,7 @@ fn benches(c: &mut Criterion) {
                 let mut spent = Duration::ZERO;
                 for _ in 0..n {
                     let t = Instant::now();
-                    let f = session_file::read(&path).expect("read");
+                    let f = session_file::read(&path, &keys).expect("read");
                     let mut s = Session::load(&ex, &f, false).expect("load");
                     cell(&mut s, &ex, "x += 1");
                     spent += t.elapsed();
@@ -75,7 +76,7 @@ fn benches(c: &mut Criterion) {
             })
         });
         g.bench_function(format!("check every page, {mib} MiB"), |b| {
-            let f = session_file::read(&path).expect("read");
+            let f = session_file::read(&path, &keys).expect("read");
             b.iter(|| f.verify_pages().expect("verify"))
         });
     }

@@ -289,12 +289,19 @@ EOF
 
     # The nodes: the first alone (a fresh machine builds the guest and the template once, in
     # the shared build dir), then the others.
+    # The session key the nodes share (docs/durable.md): a session paused on one node is
+    # imported by another (drain, hand-over) only if both hold the key that signed it.
+    local keys=$CLUSTER_DIR/session.keys
+    if [ ! -s "$keys" ]; then
+        (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$keys" && echo >>"$keys")
+    fi
     local extra=() args
     start_node() {
         local i=$1 dir=$CLUSTER_DIR/n$1
         mkdir -p "$dir/state"
         args=(serve --port "$(node_port "$i")" --node-id "n$i" --agent-port "$(agent_port "$i")"
-            --workers "$WORKERS" --state-dir "$dir/state" --redis "redis://$HOST:$rp/0")
+            --workers "$WORKERS" --state-dir "$dir/state" --redis "redis://$HOST:$rp/0"
+            --session-key-file "$keys")
         # shellcheck disable=SC2206 # BUD_ARGS is a list of options
         extra=($BUD_ARGS)
         log "starting n$i on port $(node_port "$i") (agent $(agent_port "$i"))"

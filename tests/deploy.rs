@@ -287,6 +287,7 @@ fn the_nodes_are_set_up_as_the_front_and_the_docs_expect() {
         ),
         "--pause-on-shutdown",
         "--api-keys-file /etc/bud/keys/api-keys",
+        "--session-key-file /etc/bud/keys/session-keys",
         "--redis redis://bud-redis.bud.svc.cluster.local:6379",
         "exec /usr/local/bin/bud serve",
     ] {

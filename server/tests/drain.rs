@@ -15,10 +15,13 @@ fn state_dir(name: &str) -> PathBuf {
     common::empty_dir("drain", name)
 }
 
+/// A node with the session key the nodes of these tests share (a hand-over imports the
+/// drained node's files).
 fn node(id: &str, dir: Option<PathBuf>) -> TestServer {
     let mut config = test_config();
     config.cluster.node_id = Some(id.to_owned());
     config.state_dir = dir;
+    config.session_key_file = Some(common::shared_key_file());
     TestServer::with_config(config)
 }
 

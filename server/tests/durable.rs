@@ -22,9 +22,12 @@ fn mode_of(p: &std::path::Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o777
 }
 
+/// A server on state directory `dir`, with the session key the servers of these tests
+/// share (an export from one imports on another).
 fn server_on(dir: &std::path::Path) -> TestServer {
     let mut config = test_config();
     config.state_dir = Some(dir.to_owned());
+    config.session_key_file = Some(common::shared_key_file());
     TestServer::with_config(config)
 }
 
@@ -554,6 +557,7 @@ fn a_graceful_stop_with_pause_on_shutdown_pauses_running_sessions_for_the_next_s
     let id = {
         let mut config = test_config();
         config.state_dir = Some(dir.clone());
+        config.session_key_file = Some(common::shared_key_file());
         config.pause_on_shutdown = true;
         let mut s = TestServer::with_config(config);
         let id = session(&s, json!({}));
@@ -657,6 +661,7 @@ fn a_session_paused_before_its_template_was_rebuilt_resumes_on_the_pinned_old_on
     let new = vmm::Executor::new(vmm::Template::load(&rebuilt).unwrap(), opts).unwrap();
     let mut config = test_config();
     config.state_dir = Some(dir.clone());
+    config.session_key_file = Some(common::shared_key_file());
     let s = TestServer::with_executors(config, &[("python", std::sync::Arc::new(new))]);
     let printed = cell(&s, &id, "print(x)");
     let pinned_after = pin.exists();

@@ -272,7 +272,7 @@ impl Session {
         };
         let r = self.request(ex, job, kind, Some(grace), on_output)?;
         self.reseed = false;
-        self.executions += 1;
+        self.executions = self.executions.saturating_add(1);
         Ok(r)
     }
 
@@ -315,7 +315,12 @@ impl Session {
     ) -> Result<JobResult, SessionError> {
         self.refuse()?;
         let s = ex.template().state();
-        self.resume_clock(s)?;
+        if let Err(e) = self.resume_clock(s) {
+            // The guest's memory does not hold a clock bud can set (a session file whose
+            // pages are not a guest's): this VM runs nothing more.
+            self.health = Health::Discard(Unusable::Failed(e.to_string()));
+            return Err(e);
+        }
         self.sequence = self.sequence.wrapping_add(1).max(1);
         let accepts = match kind {
             Kind::Cell { .. } => Some(Accepts::FilesAndProcesses),
@@ -460,12 +465,14 @@ impl Session {
     }
 
     /// Writes the session to `path` (module docs of [`crate::session_file`]) with `app`,
-    /// the caller's own record, in it. The session goes on; to pause it, end it after.
+    /// the caller's own record, in it, signed with `keys`' first key. The session goes on;
+    /// to pause it, end it after.
     pub fn save(
         &mut self,
         ex: &Executor,
         path: &std::path::Path,
         app: Vec<u8>,
+        keys: &session_file::SessionKeys,
     ) -> Result<WriteStats, SessionError> {
         self.refuse()?;
         let t = ex.template();
@@ -486,7 +493,7 @@ impl Session {
             host_identity: t.state().host_identity.clone(),
             ram_size: t.state().ram_size,
             runs,
-            pages_crc: 0,
+            pages_sha256: [0; 32],
             machine,
             sequence: self.sequence,
             executions: self.executions,
@@ -494,12 +501,15 @@ impl Session {
             ran_processes: self.ran_processes(),
             app,
         };
-        Ok(session_file::write(path, &self.m.ram, header)?)
+        Ok(session_file::write(path, &self.m.ram, header, keys)?)
     }
 
-    /// Makes a session from `f` (read with [`session_file::read`]) on `ex`'s template: the
-    /// same session again, or with `new_identity` a new one with a CRNG and `random` of its
-    /// own. Its memory is mapped from the file, which may be removed after.
+    /// Makes a session from `f` (read with [`session_file::read`], so its MAC verified) on
+    /// `ex`'s template: the same session again, or with `new_identity` a new one with a CRNG
+    /// and `random` of its own. Its memory is mapped from the file, which may be removed
+    /// after. Its machine state is checked against the template's first
+    /// ([`SessionFile::check_template`]): the VM gets the template's CPUID and MSR list, and
+    /// nothing out of range reaches KVM.
     pub fn load(ex: &Executor, f: &SessionFile, new_identity: bool) -> Result<Self, SessionError> {
         let t = ex.template();
         f.check_template(t)?;

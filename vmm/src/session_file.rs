@@ -8,13 +8,19 @@
 //!
 //! ```text
 //! [pages of run 0][pages of run 1]...   page-aligned from offset 0
-//! [header: bincode of Header]           runs, checksum of the pages, machine state, ...
-//! [footer: 32 bytes]                    magic, format version, header length and CRC,
-//!                                       length of the pages
+//! [header: bincode of Header]           runs, SHA-256 of the pages, machine state, ...
+//! [footer: 72 bytes]                    magic, format version, header CRC-32 and length,
+//!                                       length of the pages, key id, MAC
 //! ```
 //!
 //! The pages come first so that each run can be mapped straight from the file; the header
 //! after them because its checksum of the pages is known only once they are written.
+//!
+//! **Authenticated** ([`mac`]): the footer ends with an HMAC-SHA256 of the footer's fields
+//! and the header, made with the caller's [`SessionKeys`]; the header holds the pages'
+//! SHA-256. A file is read only if one of the reader's keys verifies it: files leave the
+//! process (a state directory, an export, another node's import) and anyone can recompute
+//! a CRC. Even then its machine state must be its template's ([`check`]).
 //!
 //! **Writing** ([`write`]) goes to a temporary file (mode 0600: it is guest memory) in the
 //! same folder, `fsync`s it, renames
@@ -22,9 +28,14 @@
 //! or none (the old one, if any), never a torn one under the final name.
 //!
 //! **Reading** ([`read`]) checks the footer's magic and version, the header's length and
-//! CRC-32, that every run lies inside guest RAM and the pages fill exactly the space before
-//! the header, and that the file was made on this template and host. [`verify_pages`] reads
-//! every page back and checks their CRC-32 (the one check that reads the whole file).
+//! CRC-32 (a torn file), its MAC (a forged or altered one), that every run lies inside guest
+//! RAM and the pages fill exactly the space before the header;
+//! [`SessionFile::check_template`] that the file was made on this template and host and
+//! that its machine state is the template's. [`SessionFile::verify_pages`] reads every page
+//! back and checks their SHA-256 (the one check that reads the whole file).
+//!
+//! Errors never name the file's path (they reach HTTP answers); [`SessionFileError::path`]
+//! gives it to a log.
 //!
 //! **Loading** maps the runs copy-on-write over a fresh clone of the template, as a fork
 //! child maps its parent's layers ([`crate::layer`]): it costs a few mmaps, and the pages
@@ -37,63 +48,107 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::memory::{GuestRam, PAGE_SIZE};
 use crate::snapshot::MachineState;
 
+mod check;
+pub mod mac;
+
+pub(crate) use check::xsave_fits;
+pub use mac::{KeyError, SessionKeys};
+
 /// The footer's first bytes.
 const MAGIC: [u8; 8] = *b"BUDSESS\0";
 /// Version of the format (of [`Header`] and of [`MachineState`] in it). Bump on any change;
-/// a file of another version is refused, never guessed at.
-pub const FORMAT_VERSION: u32 = 1;
-const FOOTER_LEN: u64 = 32;
+/// a file of another version is refused, never guessed at. (2: the MAC in the footer, the
+/// pages' SHA-256 in the header.)
+pub const FORMAT_VERSION: u32 = 2;
+/// Magic, version, header CRC-32 and length, pages' length, key id, MAC.
+const FOOTER_LEN: u64 = 32 + (mac::KEY_ID_LEN + mac::MAC_LEN) as u64;
+/// The footer's bytes the MAC covers (all but the MAC).
+const FOOTER_SIGNED: usize = FOOTER_LEN as usize - mac::MAC_LEN;
+/// The first and last wall clock (ns since the epoch) a parked session can hold:
+/// 2000-01-01, and a day past the host's now (clocks of two nodes differ).
+const MIN_PARKED_WALL_NS: i128 = 946_684_800 * 1_000_000_000;
+const PARKED_WALL_SLACK_NS: i128 = 24 * 3600 * 1_000_000_000;
 /// Largest header read (runs are at most [`crate::layer::MAX_RUNS`], the state a few KiB,
 /// the caller's record what it chooses): a bigger one is not a file of ours.
 const MAX_HEADER: u64 = 16 << 20;
 /// Bytes read or written per call.
 const CHUNK: usize = 1 << 20;
 
-/// Errors reading or writing a session file.
+/// Errors reading or writing a session file. Their messages never name the file's path
+/// (they reach HTTP answers); [`SessionFileError::path`] gives it where there is one.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionFileError {
-    #[error("{path}: {source}")]
+    #[error("{source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path}: not a bud session file (no footer)")]
+    #[error("not a bud session file (no footer)")]
     NotOurs { path: PathBuf },
-    #[error("{path}: session file format version {found}, this bud reads version {FORMAT_VERSION}")]
+    #[error("session file format version {found}, this bud reads version {FORMAT_VERSION}")]
     Version { path: PathBuf, found: u32 },
-    #[error("{path}: corrupt session file: {what}")]
+    #[error("corrupt session file: {what}")]
     Corrupt { path: PathBuf, what: String },
-    #[error("{path}: made on template {found}, not on this one ({want})")]
+    #[error(
+        "the session file is signed with a key this server does not hold (key id {key_id}): \
+         export and import need the same session key on both servers"
+    )]
+    UnknownKey { path: PathBuf, key_id: String },
+    #[error("the session file's MAC does not verify: it was altered after it was signed")]
+    BadMac { path: PathBuf },
+    #[error("made on template {found}, not on this one ({want})")]
     OtherTemplate {
         path: PathBuf,
         found: String,
         want: String,
     },
-    #[error("{path}: made on another host ({found}), not on this one ({want})")]
+    #[error("made on another host ({found}), not on this one ({want})")]
     OtherHost {
         path: PathBuf,
         found: String,
         want: String,
     },
+    #[error("the session file's machine state is not its template's: {what}")]
+    Machine { path: PathBuf, what: String },
     #[error("encoding the session's state: {0}")]
     Encode(bincode::Error),
 }
 
-/// What a session file says besides its pages.
+impl SessionFileError {
+    /// The file it is about, if any (for a log; the message leaves it out).
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Self::Io { path, .. }
+            | Self::NotOurs { path }
+            | Self::Version { path, .. }
+            | Self::Corrupt { path, .. }
+            | Self::UnknownKey { path, .. }
+            | Self::BadMac { path }
+            | Self::OtherTemplate { path, .. }
+            | Self::OtherHost { path, .. }
+            | Self::Machine { path, .. } => Some(path),
+            Self::Encode(_) => None,
+        }
+    }
+}
+
+/// What a session file says besides its pages (public for [`rewrite`]; its encoding is
+/// [`FORMAT_VERSION`]'s).
 #[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct Header {
+pub struct Header {
     /// The template's key (its folder's name) and the host it was captured on.
     pub template: String,
     pub host_identity: String,
     pub ram_size: u64,
     /// (first guest page, page count), ascending, disjoint; stored one after another.
     pub runs: Vec<(u64, u64)>,
-    /// CRC-32 of all the pages, in file order.
-    pub pages_crc: u32,
+    /// SHA-256 of all the pages, in file order.
+    pub pages_sha256: [u8; 32],
     pub machine: MachineState,
     pub sequence: u32,
     pub executions: u64,
@@ -147,19 +202,35 @@ impl SessionFile {
     }
 
     /// Checks that it was made on template `t` and this host (a file from another machine
-    /// of the same template and CPU loads; any other is refused with why).
+    /// of the same template and CPU loads; any other is refused with why), and that its
+    /// machine state and counters are the template's or in range ([`check`]).
     pub fn check_template(&self, t: &crate::Template) -> Result<(), SessionFileError> {
-        check_origin(self, &t.key(), t.state().ram_size, &t.state().host_identity)
+        let s = t.state();
+        check_origin(self, &t.key(), s.ram_size, &s.host_identity)?;
+        let machine = |what: String| SessionFileError::Machine {
+            path: self.path.clone(),
+            what,
+        };
+        check::machine(&self.header.machine, &s.machine).map_err(machine)?;
+        let now = crate::identity::host_wall_ns();
+        let wall = self.header.parked_wall_ns;
+        if !(MIN_PARKED_WALL_NS..=now.saturating_add(PARKED_WALL_SLACK_NS)).contains(&wall) {
+            return Err(machine(format!(
+                "it was parked at {wall} ns since the epoch, not between 2000 and now"
+            )));
+        }
+        Ok(())
     }
 
-    /// Reads every page and checks their CRC-32 against the header's.
+    /// Reads every page and checks their SHA-256 against the header's (which the MAC
+    /// covers).
     pub fn verify_pages(&self) -> Result<(), SessionFileError> {
         let io = |source| SessionFileError::Io {
             path: self.path.clone(),
             source,
         };
         let len = self.page_bytes();
-        let mut h = crc32fast::Hasher::new();
+        let mut h = Sha256::new();
         let mut buf = vec![0u8; CHUNK];
         let mut at = 0u64;
         while at < len {
@@ -168,7 +239,7 @@ impl SessionFile {
             h.update(&buf[..n]);
             at += n as u64;
         }
-        if h.finalize() != self.header.pages_crc {
+        if h.finalize()[..] != self.header.pages_sha256 {
             return Err(SessionFileError::Corrupt {
                 path: self.path.clone(),
                 what: "the pages' checksum does not match".into(),
@@ -189,12 +260,29 @@ pub struct WriteStats {
     pub sync: std::time::Duration,
 }
 
-/// Writes `header` (its `pages_crc` filled in here) and the pages of `ram` it lists to
-/// `path`, atomically (module docs).
+/// The footer of a file of `header_len` bytes of header (`encoded`) after `pages_len` of
+/// pages, signed with `keys`' first key.
+fn footer(encoded: &[u8], pages_len: u64, keys: &SessionKeys) -> Vec<u8> {
+    let (m, key_id) = keys.sign();
+    let mut footer = Vec::with_capacity(FOOTER_LEN as usize);
+    footer.extend_from_slice(&MAGIC);
+    footer.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    footer.extend_from_slice(&crc32fast::hash(encoded).to_le_bytes());
+    footer.extend_from_slice(&(encoded.len() as u64).to_le_bytes());
+    footer.extend_from_slice(&pages_len.to_le_bytes());
+    footer.extend_from_slice(&key_id);
+    let tag = mac::mac_of(m, &footer, encoded);
+    footer.extend_from_slice(&tag);
+    footer
+}
+
+/// Writes `header` (its `pages_sha256` filled in here) and the pages of `ram` it lists to
+/// `path`, atomically, signed with `keys`' first key (module docs).
 pub(crate) fn write(
     path: &Path,
     ram: &GuestRam,
     mut header: Header,
+    keys: &SessionKeys,
 ) -> Result<WriteStats, SessionFileError> {
     let io = |source| SessionFileError::Io {
         path: path.to_owned(),
@@ -212,7 +300,7 @@ pub(crate) fn write(
             .truncate(true)
             .mode(0o600)
             .open(&tmp)?;
-        let mut h = crc32fast::Hasher::new();
+        let mut h = Sha256::new();
         let mut buf = vec![0u8; CHUNK];
         let mut at = 0u64;
         for &(first, pages) in &header.runs {
@@ -228,14 +316,9 @@ pub(crate) fn write(
                 at += n as u64;
             }
         }
-        header.pages_crc = h.finalize();
+        header.pages_sha256 = h.finalize().into();
         let encoded = bincode::serialize(&header).map_err(std::io::Error::other)?;
-        let mut footer = Vec::with_capacity(FOOTER_LEN as usize);
-        footer.extend_from_slice(&MAGIC);
-        footer.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        footer.extend_from_slice(&crc32fast::hash(&encoded).to_le_bytes());
-        footer.extend_from_slice(&(encoded.len() as u64).to_le_bytes());
-        footer.extend_from_slice(&at.to_le_bytes());
+        let footer = footer(&encoded, at, keys);
         f.write_all_at(&encoded, at)?;
         f.write_all_at(&footer, at + encoded.len() as u64)?;
         f.flush()?;
@@ -265,8 +348,9 @@ pub(crate) fn write(
     })
 }
 
-/// Reads and checks a session file's footer and header (module docs), not its pages.
-pub fn read(path: &Path) -> Result<SessionFile, SessionFileError> {
+/// Reads and checks a session file's footer, MAC (with `keys`) and header (module docs),
+/// not its pages.
+pub fn read(path: &Path, keys: &SessionKeys) -> Result<SessionFile, SessionFileError> {
     let io = |source| SessionFileError::Io {
         path: path.to_owned(),
         source,
@@ -286,8 +370,18 @@ pub fn read(path: &Path) -> Result<SessionFile, SessionFileError> {
     file.read_exact_at(&mut footer, len - FOOTER_LEN)
         .map_err(io)?;
     if footer[..8] != MAGIC {
-        return Err(SessionFileError::NotOurs {
-            path: path.to_owned(),
+        // A file of format 1 had a shorter footer: its magic is elsewhere.
+        let mut old = [0u8; 12];
+        let v1 = file.read_exact_at(&mut old, len - 32).is_ok() && old[..8] == MAGIC;
+        return Err(if v1 {
+            SessionFileError::Version {
+                path: path.to_owned(),
+                found: u32::from_le_bytes([old[8], old[9], old[10], old[11]]),
+            }
+        } else {
+            SessionFileError::NotOurs {
+                path: path.to_owned(),
+            }
         });
     }
     let word = |at: usize| {
@@ -318,6 +412,19 @@ pub fn read(path: &Path) -> Result<SessionFile, SessionFileError> {
     if crc32fast::hash(&encoded) != header_crc {
         return Err(corrupt("the header's checksum does not match".into()));
     }
+    let (signed, tag) = footer.split_at(FOOTER_SIGNED);
+    let key_id = &signed[FOOTER_SIGNED - mac::KEY_ID_LEN..];
+    let Some(m) = keys.verifier(key_id) else {
+        return Err(SessionFileError::UnknownKey {
+            path: path.to_owned(),
+            key_id: key_id.iter().map(|b| format!("{b:02x}")).collect(),
+        });
+    };
+    if !mac::verify(m, signed, &encoded, tag) {
+        return Err(SessionFileError::BadMac {
+            path: path.to_owned(),
+        });
+    }
     let header: Header =
         bincode::deserialize(&encoded).map_err(|e| corrupt(format!("header: {e}")))?;
     let ram_pages = header.ram_size / PAGE_SIZE;
@@ -343,6 +450,33 @@ pub fn read(path: &Path) -> Result<SessionFile, SessionFileError> {
         file,
         header,
     })
+}
+
+/// Writes a copy of `f` to `path` with its header and pages as `edit` leaves them (the
+/// pages' SHA-256 recomputed), signed with `keys`: for tests and tools that craft files, such
+/// as a hostile import's. Not atomic; never used on a path a server serves.
+pub fn rewrite(
+    f: &SessionFile,
+    path: &Path,
+    keys: &SessionKeys,
+    edit: impl FnOnce(&mut Header, &mut Vec<u8>),
+) -> Result<(), SessionFileError> {
+    let io = |source| SessionFileError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut pages = vec![0u8; f.page_bytes() as usize];
+    f.file.read_exact_at(&mut pages, 0).map_err(io)?;
+    let mut header: Header =
+        bincode::deserialize(&bincode::serialize(&f.header).map_err(SessionFileError::Encode)?)
+            .map_err(SessionFileError::Encode)?;
+    edit(&mut header, &mut pages);
+    header.pages_sha256 = Sha256::digest(&pages).into();
+    let encoded = bincode::serialize(&header).map_err(SessionFileError::Encode)?;
+    let footer = footer(&encoded, pages.len() as u64, keys);
+    pages.extend_from_slice(&encoded);
+    pages.extend_from_slice(&footer);
+    std::fs::write(path, pages).map_err(io)
 }
 
 /// Checks that `f` was made on template `key` (a folder name), of RAM `ram_size`, on host
@@ -374,27 +508,176 @@ fn check_origin(
 mod tests {
     use super::*;
 
+    const KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+    const OTHER: &str = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100";
+
+    fn keys(text: &str) -> SessionKeys {
+        SessionKeys::parse(text).unwrap()
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("bud-session-file-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A file as `write` makes it, of two pages of 0x5a at guest pages 3 and 4, signed with
+    /// `keys`; its header's encoding is `edit`ed first.
+    fn file_bytes(keys: &SessionKeys, edit: impl FnOnce(&mut Header)) -> Vec<u8> {
+        let pages = vec![0x5au8; 2 * PAGE_SIZE as usize];
+        let mut header = Header {
+            template: "python-1".into(),
+            host_identity: "host".into(),
+            ram_size: 64 * PAGE_SIZE,
+            runs: vec![(3, 2)],
+            pages_sha256: Sha256::digest(&pages).into(),
+            machine: check::tests::state(),
+            sequence: 1,
+            executions: 1,
+            parked_wall_ns: crate::identity::host_wall_ns(),
+            ran_processes: false,
+            app: b"record".to_vec(),
+        };
+        edit(&mut header);
+        let encoded = bincode::serialize(&header).unwrap();
+        let mut out = pages;
+        let footer = footer(&encoded, out.len() as u64, keys);
+        out.extend_from_slice(&encoded);
+        out.extend_from_slice(&footer);
+        out
+    }
+
+    fn read_bytes(
+        d: &Path,
+        name: &str,
+        bytes: &[u8],
+        k: &SessionKeys,
+    ) -> Result<SessionFile, SessionFileError> {
+        let path = d.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        read(&path, k)
+    }
+
     #[test]
     fn short_or_foreign_files_are_not_ours_and_a_missing_one_is_an_io_error() {
-        let dir = std::env::temp_dir().join(format!("bud-session-file-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = dir("foreign");
+        let k = keys(KEY);
         let short = dir.join("short");
         std::fs::write(&short, b"hello").unwrap();
         let foreign = dir.join("foreign");
         std::fs::write(&foreign, vec![7u8; 4096]).unwrap();
 
         assert!(matches!(
-            read(&short),
+            read(&short, &k),
             Err(SessionFileError::NotOurs { .. })
         ));
         assert!(matches!(
-            read(&foreign),
+            read(&foreign, &k),
             Err(SessionFileError::NotOurs { .. })
         ));
         assert!(matches!(
-            read(&dir.join("none")),
+            read(&dir.join("none"), &k),
             Err(SessionFileError::Io { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_signed_file_reads_back_with_its_key_or_a_rotation_that_holds_it() {
+        let d = dir("signed");
+        let old = keys(KEY);
+        let bytes = file_bytes(&old, |_| {});
+
+        let f = read_bytes(&d, "a.bud", &bytes, &old).unwrap();
+        let rotated = read_bytes(&d, "b.bud", &bytes, &keys(&format!("{OTHER}\n{KEY}\n")));
+
+        assert_eq!(f.app(), b"record");
+        assert_eq!(f.page_bytes(), 2 * PAGE_SIZE);
+        f.verify_pages().unwrap();
+        assert!(rotated.is_ok());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn no_key_another_key_or_a_recomputed_crc_is_refused() {
+        let d = dir("forged");
+        let k = keys(KEY);
+        let other = keys(OTHER);
+        let by_other = file_bytes(&other, |_| {});
+        // An attacker's edit: a header byte changed and its CRC recomputed; the MAC kept.
+        let good = file_bytes(&k, |_| {});
+        let header_at = 2 * PAGE_SIZE as usize;
+        let footer_at = good.len() - FOOTER_LEN as usize;
+        let mut forged = good.clone();
+        forged[footer_at - 1] ^= 0x20; // the record's last byte: "recorD"
+        let crc = crc32fast::hash(&forged[header_at..footer_at]);
+        forged[footer_at + 12..footer_at + 16].copy_from_slice(&crc.to_le_bytes());
+        let mut flipped_mac = good.clone();
+        let last = flipped_mac.len() - 1;
+        flipped_mac[last] ^= 1;
+        let mut torn = good.clone();
+        torn[header_at + 3] ^= 0x40;
+
+        let unknown = read_bytes(&d, "other.bud", &by_other, &k);
+        let bad = read_bytes(&d, "forged.bud", &forged, &k);
+        let bad_tag = read_bytes(&d, "mac.bud", &flipped_mac, &k);
+        let torn = read_bytes(&d, "torn.bud", &torn, &k);
+
+        assert!(
+            matches!(unknown, Err(SessionFileError::UnknownKey { .. })),
+            "{unknown:?}"
+        );
+        assert!(
+            matches!(bad, Err(SessionFileError::BadMac { .. })),
+            "{bad:?}"
+        );
+        assert!(
+            matches!(bad_tag, Err(SessionFileError::BadMac { .. })),
+            "{bad_tag:?}"
+        );
+        assert!(
+            matches!(torn, Err(SessionFileError::Corrupt { .. })),
+            "{torn:?}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_changed_page_fails_verification_and_messages_name_no_path() {
+        let d = dir("pages");
+        let k = keys(KEY);
+        let mut bytes = file_bytes(&k, |_| {});
+        bytes[100] ^= 1;
+
+        let f = read_bytes(&d, "secret-dir-name.bud", &bytes, &k).unwrap();
+        let err = f.verify_pages().unwrap_err();
+        let missing = read(&d.join("secret-dir-name-2.bud"), &k).unwrap_err();
+
+        assert!(matches!(err, SessionFileError::Corrupt { .. }));
+        for e in [&err, &missing] {
+            let shown = e.to_string();
+            assert!(!shown.contains("secret-dir-name"), "{shown}");
+            assert!(e.path().is_some_and(|p| p.starts_with(&d)));
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_of_format_1_is_refused_as_such() {
+        let d = dir("v1");
+        // Format 1's 32-byte footer: magic, version 1, header CRC and length, pages' length.
+        let mut v1 = vec![0u8; 4096];
+        v1.extend_from_slice(&MAGIC);
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        v1.extend_from_slice(&[0; 20]);
+
+        let r = read_bytes(&d, "v1.bud", &v1, &keys(KEY));
+
+        assert!(
+            matches!(r, Err(SessionFileError::Version { found: 1, .. })),
+            "{r:?}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }

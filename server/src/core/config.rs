@@ -239,6 +239,21 @@ pub struct Config {
         default_value_t = Config::default().state_quota_bytes >> 20
     )]
     pub state_quota_bytes: u64,
+    /// The keys that sign and check session files (pauses, snapshots, exports and
+    /// imports): one hex key per line (at least 16 bytes), the first signs, every one
+    /// verifies. Nodes that move sessions between them share it. None: the state
+    /// directory's own `session.key`, made at its first start (docs/durable.md).
+    #[arg(long, alias = "import-key-file", env = "BUD_SESSION_KEY_FILE")]
+    pub session_key_file: Option<std::path::PathBuf>,
+    /// Hours a file set aside in the state directory's `damaged/` is kept (it counts in
+    /// the quota meanwhile); 0: removed at once.
+    #[arg(
+        long = "damaged-keep-hours",
+        value_name = "HOURS",
+        value_parser = hours,
+        default_value = "24"
+    )]
+    pub damaged_keep: std::time::Duration,
     /// At shutdown, pause the running sessions (to the state directory) instead of ending
     /// them.
     #[arg(long)]
@@ -280,10 +295,22 @@ impl Default for Config {
             audit: None,
             state_dir: None,
             state_quota_bytes: 20 << 30,
+            session_key_file: None,
+            damaged_keep: std::time::Duration::from_secs(24 * 3600),
             pause_on_shutdown: false,
             cluster: Default::default(),
         }
     }
+}
+
+/// A duration given in hours (`--damaged-keep-hours`).
+fn hours(h: &str) -> Result<std::time::Duration, String> {
+    let h: u64 = h
+        .parse()
+        .map_err(|e: std::num::ParseIntError| e.to_string())?;
+    h.checked_mul(3600)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(|| format!("{h} hours is too long"))
 }
 
 /// A size given in MiB (`--sessions-memory-mib`, `--memory-budget-mib`), in bytes.

@@ -9,8 +9,15 @@
 //!   snapshots/SNAP.bud   a snapshot: sessions start from it, it stays
 //!   running/ID           a running session's mark, removed when it ends or pauses;
 //!                        found at start, it was running when its server died: lost
-//!   damaged/             files found torn, foreign or of another version, moved aside
+//!   damaged/             files found torn, foreign or of another version, moved aside;
+//!                        counted in the quota, removed after `--damaged-keep-hours`
+//!   session.key          the key that signs session files, when no `--session-key-file`
+//!                        is given (made at the first start, mode 0600)
 //! ```
+//!
+//! Every session file is signed with the server's session key (vmm's `session_file::mac`)
+//! and read only if a key of the server verifies it: a file another node exported, and
+//! files found here at start, the same way (`session_keys`).
 //!
 //! The directory is made mode 0700 and its files 0600: they hold sessions' memory (their
 //! variables, files and secrets). A session file is written atomically (vmm's `session_file`: temporary file, fsync,
@@ -43,6 +50,50 @@ pub enum DurableError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("state directory {dir} cannot be written by this server: {source}")]
+    NotWritable {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Keys(#[from] crate::core::session_keys::SessionKeyError),
+}
+
+impl DurableError {
+    /// What went wrong without the state directory's paths (for an HTTP answer).
+    pub fn without_path(&self) -> String {
+        match self {
+            DurableError::Locked { holder, .. } => {
+                format!("the state directory is in use ({holder})")
+            }
+            DurableError::Io { source, .. } | DurableError::NotWritable { source, .. } => {
+                format!("the state directory: {source}")
+            }
+            DurableError::Keys(_) => "the session key could not be read".to_owned(),
+        }
+    }
+}
+
+/// How a state directory is kept (`bud serve`'s flags).
+#[derive(Debug, Clone)]
+pub struct StateOptions {
+    /// Bytes its files may take (`--state-quota-mib`).
+    pub quota: u64,
+    /// The session keys' file (`--session-key-file`); None: `session.key` in the directory.
+    pub key_file: Option<PathBuf>,
+    /// How long a damaged file is kept (`--damaged-keep-hours`).
+    pub damaged_keep: Duration,
+}
+
+impl StateOptions {
+    /// A quota, the directory's own key, damaged files kept a day.
+    pub fn quota(quota: u64) -> Self {
+        Self {
+            quota,
+            key_file: None,
+            damaged_keep: Duration::from_secs(24 * 3600),
+        }
+    }
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DurableError + '_ {
@@ -148,6 +199,9 @@ pub struct Snapshot {
     pub bytes: u64,
     /// The key of the template its file was made on.
     pub key: String,
+    /// Its pages are known good: written by this server, or read back and checked once
+    /// (a file found at start is, at the first session started from it).
+    pub pages_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What [`StateDir::open`] found.
@@ -168,7 +222,13 @@ pub struct StateDir {
     holder: String,
     _lock: File,
     quota: u64,
+    /// Bytes of its files (damaged ones too) and of the reservations held now.
     used: AtomicU64,
+    /// The keys session files are signed and checked with.
+    keys: vmm::session_file::SessionKeys,
+    damaged_keep: Duration,
+    /// Files in `damaged/`: path, bytes, when set aside.
+    damaged: Mutex<Vec<(PathBuf, u64, SystemTime)>>,
     paused: Mutex<HashMap<String, Paused>>,
     snapshots: Mutex<HashMap<String, Snapshot>>,
     /// Sessions being resumed now (a second request for one waits for the first).
@@ -207,9 +267,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Ids are made by the server (`ses_` or `snap_` and hex): anything else is no file of ours.
+/// The same length limit as an import's ([`crate::core::node::MAX_ID_LEN`]).
 fn plain_id(name: &str) -> bool {
     !name.is_empty()
-        && name.len() <= 64
+        && name.len() <= crate::core::node::MAX_ID_LEN
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
@@ -219,11 +280,16 @@ impl StateDir {
     /// Opens (creating it) and locks `root`, reads the paused sessions and snapshots in it
     /// (their headers and records, not their pages), sets aside damaged files and collects
     /// the marks of sessions that were running.
-    pub fn open(root: &Path, quota: u64) -> Result<(Self, Found), DurableError> {
+    /// Says so at once if it cannot write in it (not at the first pause).
+    pub fn open(root: &Path, opts: &StateOptions) -> Result<(Self, Found), DurableError> {
         for sub in ["paused", "snapshots", "running", "damaged"] {
             let d = root.join(sub);
-            std::fs::create_dir_all(&d).map_err(io(&d))?;
+            std::fs::create_dir_all(&d).map_err(|source| DurableError::NotWritable {
+                dir: root.to_owned(),
+                source,
+            })?;
         }
+        probe_writable(root)?;
         // Its files are sessions' memory: the serving user's alone.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700)).map_err(io(root))?;
@@ -254,12 +320,16 @@ impl StateDir {
             let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
             format!("state-{hex}")
         };
+        let keys = crate::core::session_keys::load(root, opts.key_file.as_deref())?;
         let dir = Self {
             holder,
             root: root.to_owned(),
             _lock: lock_file,
-            quota,
+            quota: opts.quota,
             used: AtomicU64::new(0),
+            keys,
+            damaged_keep: opts.damaged_keep,
+            damaged: Mutex::default(),
             paused: Mutex::default(),
             snapshots: Mutex::default(),
             resuming: Mutex::default(),
@@ -297,9 +367,17 @@ impl StateDir {
                     record.id, record.version
                 ));
             }
-            lock(&d.snapshots).insert(id.to_owned(), Snapshot { record, bytes, key });
+            let pages_checked = Default::default();
+            let s = Snapshot {
+                record,
+                bytes,
+                key,
+                pages_checked,
+            };
+            lock(&d.snapshots).insert(id.to_owned(), s);
             Ok(())
         })?;
+        dir.count_damaged();
         let running = root.join("running");
         for entry in std::fs::read_dir(&running).map_err(io(&running))? {
             let entry = entry.map_err(io(&running))?;
@@ -332,7 +410,7 @@ impl StateDir {
             let id = name.strip_suffix(".bud").filter(|id| plain_id(id));
             let checked = match id {
                 None => Err("not a session file's name".to_owned()),
-                Some(id) => vmm::session_file::read(&path)
+                Some(id) => vmm::session_file::read(&path, &self.keys)
                     .map_err(|e| e.to_string())
                     .and_then(|f| {
                         let bytes = entry.metadata().map_or(0, |m| m.len());
@@ -348,6 +426,140 @@ impl StateDir {
             }
         }
         Ok(())
+    }
+
+    /// Lists `damaged/` (at open: a jailed server may not list folders) into
+    /// [`StateDir::damaged`], its bytes counted in the quota, then prunes it.
+    fn count_damaged(&self) {
+        let d = self.root.join("damaged");
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Ok(m) = entry.metadata() else { continue };
+            use std::os::unix::fs::MetadataExt;
+            // When it was set aside: a rename sets a file's ctime.
+            let aside = SystemTime::UNIX_EPOCH + Duration::from_secs(m.ctime().max(0) as u64);
+            self.used.fetch_add(m.len(), Ordering::SeqCst);
+            lock(&self.damaged).push((entry.path(), m.len(), aside));
+        }
+        self.prune_damaged();
+    }
+
+    /// Removes the damaged files kept longer than `--damaged-keep-hours` (no folder
+    /// listing: it runs on job threads too, which the jail does not let list folders).
+    pub fn prune_damaged(&self) {
+        let now = SystemTime::now();
+        let mut gone = 0;
+        lock(&self.damaged).retain(|(path, bytes, aside)| {
+            let old = now.duration_since(*aside).unwrap_or_default() >= self.damaged_keep;
+            let removed = old
+                && match std::fs::remove_file(path) {
+                    Ok(()) => true,
+                    Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+                };
+            if removed {
+                gone += bytes;
+            }
+            !removed
+        });
+        self.give_back(gone);
+    }
+
+    /// The keys session files are signed and checked with.
+    pub fn keys(&self) -> &vmm::session_file::SessionKeys {
+        &self.keys
+    }
+
+    /// Holds `bytes` of the quota for a file about to be written (`None` past the quota):
+    /// the check and the count are one step, so two writers never both pass.
+    pub fn reserve(self: &std::sync::Arc<Self>, bytes: u64) -> Option<Reservation> {
+        let r = Reservation {
+            dir: self.clone(),
+            bytes: 0,
+        };
+        r.grown(bytes)
+    }
+
+    fn take(&self, bytes: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
+                used.checked_add(bytes).filter(|&n| n <= self.quota)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, bytes: u64) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
+                Some(used.saturating_sub(bytes))
+            });
+    }
+}
+
+/// Bytes of a state directory's quota held for a file being written (an upload as it
+/// streams, a pause), given back when dropped; the file's own bytes are counted when it is
+/// recorded (`add_paused`, `add_snapshot`).
+#[derive(Debug)]
+pub struct Reservation {
+    dir: std::sync::Arc<StateDir>,
+    bytes: u64,
+}
+
+impl Reservation {
+    /// `more` bytes held too, if they fit.
+    pub fn grow(&mut self, more: u64) -> bool {
+        if !self.dir.take(more) {
+            return false;
+        }
+        self.bytes += more;
+        true
+    }
+
+    fn grown(mut self, more: u64) -> Option<Self> {
+        self.grow(more).then_some(self)
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.dir.give_back(self.bytes);
+    }
+}
+
+/// Creates and removes a file in each folder of `root`: a directory this server cannot
+/// write is an error at start, not at the first pause.
+fn probe_writable(root: &Path) -> Result<(), DurableError> {
+    for sub in ["paused", "snapshots", "running", "damaged"] {
+        let probe = root
+            .join(sub)
+            .join(format!(".probe-{}.tmp", std::process::id()));
+        let made = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&probe)
+            .and_then(|_| std::fs::remove_file(&probe));
+        if let Err(source) = made {
+            return Err(DurableError::NotWritable {
+                dir: root.to_owned(),
+                source,
+            });
+        }
+    }
+    Ok(())
+}
+
+impl StateDir {
+    /// [`probe_writable`] again (after the server dropped to `--user`).
+    pub fn probe_writable(&self) -> Result<(), DurableError> {
+        probe_writable(&self.root)
     }
 
     pub fn root(&self) -> &Path {
@@ -433,13 +645,17 @@ impl StateDir {
         Some(s)
     }
 
-    /// Moves paused session `id`'s file to `damaged/` and forgets it (it cannot be resumed).
+    /// Moves paused session `id`'s file to `damaged/` and forgets it (it cannot be
+    /// resumed); its bytes stay counted until `damaged/` is pruned.
     pub fn set_aside_paused(&self, id: &str) {
         if let Some(p) = lock(&self.paused).remove(id) {
             let aside = self.root.join("damaged").join(format!("paused-{id}.bud"));
-            let _ = std::fs::rename(self.paused_path(id), aside);
-            self.used
-                .fetch_sub(p.bytes.min(self.used()), Ordering::Relaxed);
+            if std::fs::rename(self.paused_path(id), &aside).is_ok() {
+                lock(&self.damaged).push((aside, p.bytes, SystemTime::now()));
+            } else {
+                self.give_back(p.bytes);
+            }
+            self.prune_damaged();
         }
     }
 
@@ -450,16 +666,23 @@ impl StateDir {
     }
 
     /// Moves verified upload `tmp` into place as paused session `p`'s file (renamed, the
-    /// folder fsync'd) and records it.
-    pub fn adopt_upload(&self, tmp: &Path, p: Paused) -> Result<(), DurableError> {
+    /// folder fsync'd) and records it, unless a paused session of its id is here already
+    /// (`Ok(false)`): the check and the rename are one step. Its bytes are counted here;
+    /// the caller's reservation for the upload is given back after.
+    pub fn adopt_upload(&self, tmp: &Path, p: Paused) -> Result<bool, DurableError> {
+        let mut paused = lock(&self.paused);
+        if paused.contains_key(&p.record.id) {
+            return Ok(false);
+        }
         let path = self.paused_path(&p.record.id);
         std::fs::rename(tmp, &path).map_err(io(&path))?;
         let dir = self.root.join("paused");
         File::open(&dir)
             .and_then(|d| d.sync_all())
             .map_err(io(&dir))?;
-        self.add_paused(p);
-        Ok(())
+        self.used.fetch_add(p.bytes, Ordering::SeqCst);
+        paused.insert(p.record.id.clone(), p);
+        Ok(true)
     }
 
     /// The name this directory pins templates under (`vmm::Template::pin`): its path's
@@ -515,23 +738,23 @@ mod tests {
     fn a_second_server_on_one_directory_is_refused_and_marks_become_lost_sessions() {
         let root = std::env::temp_dir().join(format!("bud-durable-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
-        let (first, found) = StateDir::open(&root, 1 << 30).unwrap();
+        let (first, found) = StateDir::open(&root, &StateOptions::quota(1 << 30)).unwrap();
         first.mark_running("ses_1");
         first.mark_running("ses_2");
         first.unmark_running("ses_2");
         std::fs::write(root.join("paused/ses_9.bud"), b"not a session").unwrap();
 
-        let second = StateDir::open(&root, 1 << 30);
+        let second = StateDir::open(&root, &StateOptions::quota(1 << 30));
         drop(first);
         // Other tests of this binary fork children (the jail's), which hold a copy of the
         // lock's file description until they exit: a moment.
-        let mut third = StateDir::open(&root, 1 << 30);
+        let mut third = StateDir::open(&root, &StateOptions::quota(1 << 30));
         for _ in 0..200 {
             if !matches!(third, Err(DurableError::Locked { .. })) {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(25));
-            third = StateDir::open(&root, 1 << 30);
+            third = StateDir::open(&root, &StateOptions::quota(1 << 30));
         }
         let (_third, again) = third.unwrap();
 
@@ -544,5 +767,102 @@ mod tests {
         assert_eq!(again.damaged.len(), 1);
         assert!(root.join("damaged/paused-ses_9.bud").exists());
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let root = std::env::temp_dir().join(format!("bud-durable-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        root
+    }
+
+    #[test]
+    fn reservations_never_pass_the_quota_together_and_are_given_back() {
+        let root = scratch("reserve");
+        let (dir, _) = StateDir::open(&root, &StateOptions::quota(1000)).unwrap();
+        let dir = std::sync::Arc::new(dir);
+
+        let first = dir.reserve(600);
+        let second = dir.reserve(600);
+        let (first_held, second_held) = (first.is_some(), second.is_some());
+        let mut growing = dir.reserve(0).unwrap();
+        let grew = growing.grow(400);
+        let past = growing.grow(1);
+        drop(first);
+        drop(growing);
+        let after = dir.usage().0;
+
+        assert!(
+            first_held && !second_held,
+            "two reservations passed the quota"
+        );
+        assert!(grew && !past);
+        assert_eq!(after, 0);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn damaged_files_count_in_the_quota_and_old_ones_are_pruned() {
+        let root = scratch("damaged");
+        let (dir, _) = StateDir::open(&root, &StateOptions::quota(1 << 20)).unwrap();
+        std::fs::write(root.join("paused/ses_x.bud"), vec![1u8; 3000]).unwrap();
+        drop(dir);
+        let keep = StateOptions::quota(1 << 20);
+        let prune = StateOptions {
+            damaged_keep: Duration::ZERO,
+            ..StateOptions::quota(1 << 20)
+        };
+
+        let (kept, found) = StateDir::open(&root, &keep).unwrap();
+        let counted = kept.usage().0;
+        drop(kept);
+        let (pruned, _) = StateDir::open(&root, &prune).unwrap();
+
+        assert_eq!(found.damaged.len(), 1, "not a signed file: set aside");
+        assert_eq!(counted, 3000);
+        assert_eq!(pruned.usage().0, 0);
+        assert!(!root.join("damaged/paused-ses_x.bud").exists());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_state_directory_that_cannot_be_written_is_an_error_at_open() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = scratch("readonly");
+        for sub in ["paused", "snapshots", "running", "damaged"] {
+            std::fs::create_dir_all(root.join(sub)).unwrap();
+        }
+        std::fs::set_permissions(root.join("paused"), std::fs::Permissions::from_mode(0o500))
+            .unwrap();
+        // Root writes anywhere: the folder is taken away instead.
+        let as_root = unsafe_is_root();
+        if as_root {
+            std::fs::remove_dir_all(root.join("paused")).unwrap();
+            std::fs::write(root.join("paused"), b"a file, not a folder").unwrap();
+        }
+
+        let opened = StateDir::open(&root, &StateOptions::quota(1 << 20));
+
+        assert!(
+            matches!(opened, Err(DurableError::NotWritable { .. })),
+            "{opened:?}"
+        );
+        let _ =
+            std::fs::set_permissions(root.join("paused"), std::fs::Permissions::from_mode(0o700));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    fn unsafe_is_root() -> bool {
+        // SAFETY: geteuid has no preconditions and touches no memory.
+        unsafe { libc::geteuid() == 0 }
+    }
+
+    #[test]
+    fn ids_of_a_long_node_id_are_plain_ids_and_the_limit_is_an_imports() {
+        let long = format!("ses_{}_{}", "n".repeat(63), "0".repeat(32));
+        let too_long = format!("ses_{}", "a".repeat(crate::core::node::MAX_ID_LEN));
+
+        assert_eq!(long.len(), 100);
+        assert!(plain_id(&long) && crate::core::node::is_session_id(&long));
+        assert!(!plain_id(&too_long) && !crate::core::node::is_session_id(&too_long));
     }
 }

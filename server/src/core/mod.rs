@@ -22,6 +22,7 @@ pub mod node;
 pub mod peer;
 pub mod processes;
 pub mod registry;
+pub mod session_keys;
 pub mod sessions;
 pub mod state;
 

@@ -92,9 +92,13 @@ pub fn node_of(id: &str) -> Option<&str> {
     Some(node)
 }
 
+/// Longest id of a session or snapshot, everywhere: an import, a file found at start.
+/// (`ses_`, a node id of up to 63 characters, `_`, 32 hex digits: 100.)
+pub const MAX_ID_LEN: usize = 128;
+
 /// Whether `id` is a well-formed session id (what an import accepts).
 pub fn is_session_id(id: &str) -> bool {
-    id.len() <= 128
+    id.len() <= MAX_ID_LEN
         && id.starts_with("ses_")
         && id[4..]
             .bytes()

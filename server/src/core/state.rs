@@ -201,8 +201,12 @@ impl AppState {
         sessions.use_node(node.clone());
         let state_dir = match &config.state_dir {
             Some(root) => {
-                let (dir, found) =
-                    crate::core::durable::StateDir::open(root, config.state_quota_bytes)?;
+                let opts = crate::core::durable::StateOptions {
+                    quota: config.state_quota_bytes,
+                    key_file: config.session_key_file.clone(),
+                    damaged_keep: config.damaged_keep,
+                };
+                let (dir, found) = crate::core::durable::StateDir::open(root, &opts)?;
                 for (path, why) in &found.damaged {
                     tracing::warn!(path = %path.display(), why, "set aside a damaged state file");
                 }

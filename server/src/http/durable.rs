@@ -132,8 +132,12 @@ pub async fn import(
 ) -> Result<(StatusCode, Json<SessionInfo>), ApiError> {
     static UPLOADS: AtomicU64 = AtomicU64::new(0);
     let dir = state.state_dir().ok_or(Error::NoStateDir)?.clone();
-    let (used, quota) = dir.usage();
-    let room = quota.saturating_sub(used);
+    // The upload holds its bytes of the quota as they arrive: two at once never pass it.
+    let mut held = dir.reserve(0).ok_or(Error::StateQuota {
+        used: dir.usage().0,
+        need: 0,
+        quota: dir.usage().1,
+    })?;
     let tmp = dir
         .upload_path(u64::from(std::process::id()) << 32 | UPLOADS.fetch_add(1, Ordering::Relaxed));
     let mut out = std::fs::OpenOptions::new()
@@ -144,17 +148,16 @@ pub async fn import(
         .open(&tmp)
         .map_err(Error::internal)?;
     let mut body = req.into_body();
-    let mut got = 0u64;
     let timeout = state.config().limits.body_timeout();
     let received = tokio::time::timeout(timeout, async {
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| ApiError::Body(e.to_string()))?;
             if let Ok(data) = frame.into_data() {
-                got += data.len() as u64;
-                if got > room {
+                if !held.grow(data.len() as u64) {
+                    let (used, quota) = dir.usage();
                     return Err(Error::StateQuota {
                         used,
-                        need: got,
+                        need: held.bytes() + data.len() as u64,
                         quota,
                     }
                     .into());
@@ -174,7 +177,7 @@ pub async fn import(
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    let p = durable::import(&state, tmp).await?;
+    let p = durable::import(&state, tmp, held).await?;
     Ok((StatusCode::CREATED, Json(SessionInfo::paused(&p))))
 }
 

@@ -219,7 +219,18 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                 // none is added once they are on.
                 prep_state.fix_templates_if(|| {
                     let writable = writable_after_jail(&prep_state);
-                    match crate::core::jail::close(&prep_config.jail, &writable) {
+                    // The state directory, written by the jailed server (`--user`): a folder
+                    // it cannot reach is an error now, not a 500 at the first pause.
+                    let closed = crate::core::jail::close(&prep_config.jail, &writable)
+                        .map_err(PrepareError::from)
+                        .and_then(|closed| match prep_state.state_dir() {
+                            Some(dir) => dir
+                                .probe_writable()
+                                .map(|()| closed)
+                                .map_err(PrepareError::from),
+                            None => Ok(closed),
+                        });
+                    match closed {
                         Ok(closed) => {
                             if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
                                 warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
@@ -235,12 +246,13 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                             info!(seccomp, uid, "{line}");
                             seccomp
                         }
+                        // The server stops; whether the filters are on or not, nothing is
+                        // added meanwhile.
                         Err(e) => {
-                            let e = PrepareError::from(e);
                             error!("{}", crate::core::error_chain(&e));
                             *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                             let _ = prep_done.send(());
-                            false
+                            true
                         }
                     }
                 });

@@ -24,8 +24,8 @@ use vmm::session_file;
 
 use crate::core::audit::Origin;
 use crate::core::durable::{
-    Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot, SnapshotRecord, StateDir,
-    epoch_ms,
+    Paused, ProcessRecord, RECORD_VERSION, Reservation, SessionRecord, Snapshot, SnapshotRecord,
+    StateDir, epoch_ms,
 };
 use crate::core::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
 use crate::core::state::AppState;
@@ -55,15 +55,15 @@ fn processes_of(e: &Entry) -> Vec<ProcessRecord> {
         .collect()
 }
 
-/// The quota, for a file about the size of the memory `e` holds.
-fn check_quota(dir: &StateDir, e: &Entry) -> Result<(), Error> {
+/// The quota, for a file about the size of the memory `e` holds: held until the file is
+/// recorded (two pauses never both pass it).
+fn check_quota(dir: &Arc<StateDir>, e: &Entry) -> Result<Reservation, Error> {
     use std::sync::atomic::Ordering::Relaxed;
     let need = e.private_bytes.load(Relaxed) + e.layer_bytes.load(Relaxed);
-    if !dir.fits(need) {
+    dir.reserve(need).ok_or_else(|| {
         let (used, quota) = dir.usage();
-        return Err(Error::StateQuota { used, need, quota });
-    }
-    Ok(())
+        Error::StateQuota { used, need, quota }
+    })
 }
 
 /// Pauses session `id` (module docs).
@@ -84,11 +84,11 @@ pub async fn pause(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
 }
 
 /// Pauses the session `busy` holds (on a job thread).
-fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseResponse, Error> {
+fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<PauseResponse, Error> {
     let started = Instant::now();
     let e = busy.entry().clone();
     e.account();
-    check_quota(dir, &e)?;
+    let _held = check_quota(dir, &e)?;
     let record = SessionRecord {
         version: RECORD_VERSION,
         id: e.id.clone(),
@@ -111,7 +111,7 @@ fn pause_held(state: &AppState, dir: &StateDir, busy: Busy) -> Result<PauseRespo
     let path = dir.paused_path(&e.id);
     let exec = e.executor.clone();
     let saved = e
-        .with_vm(|s| s.save(&exec, &path, app))
+        .with_vm(|s| s.save(&exec, &path, app, dir.keys()))
         .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
         .map_err(Error::internal)?;
     let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
@@ -148,7 +148,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
     let snap = admission::call(state, move || {
         let e = busy.entry().clone();
         e.account();
-        check_quota(&dir, &e)?;
+        let _held = check_quota(&dir, &e)?;
         let record = SnapshotRecord {
             version: RECORD_VERSION,
             id: snap_id.clone(),
@@ -167,7 +167,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
         let path = dir.snapshot_path(&snap_id);
         let exec = e.executor.clone();
-        e.with_vm(|s| s.save(&exec, &path, app))
+        e.with_vm(|s| s.save(&exec, &path, app, dir.keys()))
             .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
             .map_err(Error::internal)?;
         drop(busy);
@@ -177,6 +177,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             record,
             bytes,
             key: exec.template().key(),
+            pages_checked: std::sync::Arc::new(true.into()),
         };
         dir.add_snapshot(snap.clone());
         dir.snapshots_taken
@@ -244,6 +245,7 @@ pub async fn start_from(
     check_memory(state)?;
     let mut env = r.env.clone();
     env.extend(req.env);
+    crate::service::import_check::check_env(state, &env)?;
     let settings = NewSession {
         language: match req.language.as_deref() {
             None => r.language,
@@ -266,11 +268,23 @@ pub async fn start_from(
     let path = dir.snapshot_path(snap);
     let sessions = state.sessions().clone();
     let snap_id = snap.to_owned();
+    let keys = dir.keys().clone();
+    let pages_checked = s.pages_checked.clone();
     let e = admission::call(state, move || {
-        let f = session_file::read(&path).map_err(|e| Error::Unresumable {
-            id: snap_id.clone(),
-            why: e.to_string(),
-        })?;
+        let f = session_file::read(&path, &keys)
+            .and_then(|f| {
+                // A file found at start: its pages read back and checked once.
+                use std::sync::atomic::Ordering::SeqCst;
+                if !pages_checked.load(SeqCst) {
+                    f.verify_pages()?;
+                    pages_checked.store(true, SeqCst);
+                }
+                Ok(f)
+            })
+            .map_err(|e| Error::Unresumable {
+                id: snap_id.clone(),
+                why: e.to_string(),
+            })?;
         let vm = Session::load(&exec, &f, true).map_err(|e| Error::Unresumable {
             id: snap_id,
             why: e.to_string(),
@@ -321,9 +335,15 @@ pub async fn pause_all(state: &AppState) -> Vec<(String, Result<PauseResponse, E
 }
 
 /// Imports the session file uploaded to `tmp` (another server's export of a paused
-/// session) as a paused session here: its pages checked, its template and host this
-/// server's, its id new here. The file is moved into place, or removed if refused.
-pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused, Error> {
+/// session) as a paused session here: its MAC, pages, machine state and record checked
+/// ([`crate::service::import_check`]), its template and host this server's, its id new
+/// here. The file is moved into place, or removed if refused. `held` is the quota the
+/// upload holds, given back once the file is counted.
+pub async fn import(
+    state: &AppState,
+    tmp: std::path::PathBuf,
+    held: Reservation,
+) -> Result<Paused, Error> {
     if let Err(e) = admission::check_open(state) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
@@ -331,10 +351,18 @@ pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused,
     let dir = dir(state)?;
     let st = state.clone();
     tokio::task::spawn_blocking(move || {
-        let checked = check_import(&st, &dir, &tmp);
-        match checked {
+        let checked = crate::service::import_check::check_import(&st, &dir, &tmp);
+        let adopted = checked.and_then(|p| match dir.adopt_upload(&tmp, p.clone()) {
+            Ok(true) => Ok(p),
+            Ok(false) => Err(Error::Exists(p.record.id.clone())),
+            Err(e) => {
+                tracing::error!(error = %e, "an import could not be moved into place");
+                Err(Error::internal(e.without_path()))
+            }
+        });
+        drop(held);
+        match adopted {
             Ok(p) => {
-                dir.adopt_upload(&tmp, p.clone()).map_err(Error::internal)?;
                 // An id that ended here before is paused here now: its tombstone would
                 // hide it.
                 st.sessions().forget(&p.record.id);
@@ -351,47 +379,6 @@ pub async fn import(state: &AppState, tmp: std::path::PathBuf) -> Result<Paused,
     })
     .await
     .map_err(Error::internal)?
-}
-
-fn check_import(state: &AppState, dir: &StateDir, tmp: &std::path::Path) -> Result<Paused, Error> {
-    let refuse = |why: String| Error::invalid("body", why);
-    let f = session_file::read(tmp).map_err(|e| refuse(e.to_string()))?;
-    f.verify_pages().map_err(|e| refuse(e.to_string()))?;
-    let record: SessionRecord = serde_json::from_slice(f.app())
-        .map_err(|e| refuse(format!("not a paused session's file: {e}")))?;
-    if record.version != RECORD_VERSION {
-        return Err(refuse(format!(
-            "record version {}, this server reads {RECORD_VERSION}",
-            record.version
-        )));
-    }
-    let exec = templates::executor_for(state, Some(&record.template))?;
-    f.check_template(exec.template())
-        .map_err(|e| refuse(e.to_string()))?;
-    let key = exec.template().key();
-    let id = record.id.clone();
-    if !crate::core::node::is_session_id(&id) {
-        return Err(refuse(format!("{id:?} is not a session id")));
-    }
-    if state.sessions().get(&id).is_ok() || dir.paused(&id).is_some() {
-        return Err(Error::Exists(id));
-    }
-    let bytes = std::fs::metadata(tmp).map_or(0, |m| m.len());
-    if !dir.fits(bytes) {
-        let (used, quota) = dir.usage();
-        return Err(Error::StateQuota {
-            used,
-            need: bytes,
-            quota,
-        });
-    }
-    let _ = exec.template().pin(dir.holder());
-    Ok(Paused {
-        record,
-        bytes,
-        key,
-        written_here: true,
-    })
 }
 
 /// What a pause wrote.

@@ -212,6 +212,19 @@ impl Error {
         })
     }
 
+    /// A session request's failure: a VM whose guest memory holds no clock or identity
+    /// bud can set (a session file's pages that are not a guest's) is 410 `unresumable`,
+    /// the session ended; anything else is bud's own failure.
+    pub fn of_session(id: &str, e: vmm::session::SessionError) -> Self {
+        match e {
+            vmm::session::SessionError::Identity(_) => Error::Unresumable {
+                id: id.to_owned(),
+                why: e.to_string(),
+            },
+            e => Error::internal(e),
+        }
+    }
+
     pub fn internal(e: impl std::fmt::Display) -> Self {
         Error::Internal {
             field: None,

@@ -31,6 +31,7 @@ pub mod drain;
 pub mod durable;
 pub mod error;
 pub mod files;
+pub mod import_check;
 pub mod jobs;
 pub mod kernels;
 pub mod lifecycle;

@@ -10,7 +10,6 @@
 
 use std::sync::Arc;
 use std::time::Duration;
-
 use vmm::session::Session;
 use vmm::session_file;
 
@@ -146,7 +145,7 @@ fn resume_file(
     let r = p.record;
     let p_key = p.key;
     let id = r.id.clone();
-    let loaded = session_file::read(&dir.paused_path(&id))
+    let loaded = session_file::read(&dir.paused_path(&id), dir.keys())
         .and_then(|f| {
             if !p.written_here {
                 f.verify_pages()?;
@@ -169,11 +168,12 @@ fn resume_file(
             return Err(Error::Unresumable { id, why });
         }
     };
+    let (idle_timeout, max_lifetime) = clamp(state, &r);
     let settings = NewSession {
         language: r.language,
         env: r.env,
-        idle_timeout: Duration::from_secs(r.idle_timeout_s),
-        max_lifetime: Duration::from_millis(r.lifetime_left_ms).max(Duration::from_secs(1)),
+        idle_timeout,
+        max_lifetime,
         metadata: r.metadata,
         parent: r.parent,
         template: r.template,
@@ -197,4 +197,15 @@ fn resume_file(
     unpin_if_unneeded(dir, exec, &p_key);
     e.account();
     Ok(e)
+}
+
+/// A resumed session's idle timeout and lifetime under this server's limits (a file
+/// written under looser flags, or before imports were checked against them, gets today's).
+fn clamp(state: &AppState, r: &crate::core::durable::SessionRecord) -> (Duration, Duration) {
+    let lim = &state.config().sessions;
+    let idle = r.idle_timeout_s.clamp(1, lim.max_idle_timeout_s);
+    let life_ms = r
+        .lifetime_left_ms
+        .clamp(1000, lim.max_lifetime_s.saturating_mul(1000));
+    (Duration::from_secs(idle), Duration::from_millis(life_ms))
 }

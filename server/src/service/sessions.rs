@@ -200,6 +200,7 @@ pub async fn cell(
         // that grew must meet the memory cap with that growth counted. Freed before the
         // answer too, so its next cell never finds it busy.
         busy.entry().account();
+        let id = busy.entry().id.clone();
         drop(busy);
         reply.send(
             ran.map(|(result, execution_count)| Cell {
@@ -207,7 +208,7 @@ pub async fn cell(
                 waited,
                 execution_count,
             })
-            .map_err(Error::internal),
+            .map_err(|e| Error::of_session(&id, e)),
         );
     })?;
     Pending::new(rx, cancel).finish().await

@@ -30,6 +30,8 @@ pub enum PrepareError {
     Executor(#[from] vmm::ExecError),
     #[error("closing the jail")]
     Jail(#[from] crate::core::jail::JailError),
+    #[error("after closing the jail")]
+    StateDir(#[from] crate::core::durable::DurableError),
 }
 
 /// The executor of template `asked` (`None`: the default one): unknown if it is not

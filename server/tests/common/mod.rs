@@ -98,6 +98,23 @@ pub fn executor() -> Arc<Executor> {
     executor_of("python")
 }
 
+/// The session key the nodes of a test share (hex, 32 bytes): what `--session-key-file`
+/// would hold on both servers of an export and an import.
+pub const SHARED_SESSION_KEY: &str =
+    "b0d5e551011f11e5b0d5e551011f11e5b0d5e551011f11e5b0d5e551011f11e5";
+
+/// A key file holding [`SHARED_SESSION_KEY`] (under `target/tmp/keys`, written once per
+/// test binary).
+pub fn shared_key_file() -> PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = empty_dir("keys", "shared").join("session.keys");
+        std::fs::write(&path, format!("{SHARED_SESSION_KEY}\n")).unwrap();
+        path
+    })
+    .clone()
+}
+
 /// The configuration the tests use unless they need another: defaults, two job threads.
 /// The tests' server: two job threads, and jobs that give no `timeout_ms` get the longest
 /// one the server allows (60 s), not the 10 s default. Guest-kernel work runs emulated on

@@ -74,6 +74,8 @@ pub enum SnapshotError {
     },
     #[error("capture: the vCPU did not stop cleanly to complete pending I/O: {0}")]
     CompleteIo(String),
+    #[error("restore: the CPUID offers an XSAVE area larger than KVM_SET_XSAVE's 4 KiB")]
+    XsaveTooLarge,
     #[error("too many MSRs or CPUID entries for KVM's fixed-size arrays")]
     TooManyEntries,
     #[error("not a bud snapshot state (bad magic)")]

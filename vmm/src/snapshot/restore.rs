@@ -99,9 +99,15 @@ pub fn restore(
     res("KVM_SET_SREGS", vcpu.set_sregs(&sregs))?;
     match (&s.xsave, &s.xcrs) {
         (Some(xsave), Some(xcrs)) => {
-            // SAFETY: `xsave` was read by KVM_GET_XSAVE (a full 4 KiB `kvm_xsave`) on a vCPU
-            // with the same CPUID, whose policy keeps the XSAVE area within 4 KiB (no AMX), so
-            // KVM reads no more than the struct holds.
+            // KVM_SET_XSAVE reads as many bytes as this vCPU's XSAVE area, which its CPUID
+            // sizes: on a new VM `s.cpuid`, set above; on a reset the template's, which is
+            // `s` (the warm pool holds only VMs with their template's CPUID: session files
+            // are checked against it, `session_file::check`). Checked here, not assumed.
+            if !crate::session_file::xsave_fits(&s.cpuid) {
+                return Err(SnapshotError::XsaveTooLarge);
+            }
+            // SAFETY: `xsave` is a whole 4 KiB `kvm_xsave`, and KVM reads no more than the
+            // XSAVE area of this vCPU's CPUID, which was just checked to fit in 4 KiB.
             res("KVM_SET_XSAVE", unsafe { vcpu.set_xsave(xsave) })?;
             res("KVM_SET_XCRS", vcpu.set_xcrs(xcrs))?;
         }
