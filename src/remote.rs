@@ -47,7 +47,7 @@ fn default_addr() -> Option<SocketAddr> {
 pub fn run(url: &str, job: &Job, template: &str) -> anyhow::Result<JobResult> {
     let req = ExecRequest {
         template: Some(template.to_owned()),
-        language: Some(job.language),
+        language: Some(job.language.name().to_owned()),
         code_b64: Some(BASE64.encode(&job.code)),
         stdin_b64: (!job.stdin.is_empty()).then(|| BASE64.encode(&job.stdin)),
         args: job.args.clone(),

@@ -7,6 +7,8 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use bud_server::core::state::{Moment, SourceError};
+
 use crate::Cli;
 
 #[derive(Debug, clap::Args)]
@@ -68,19 +70,30 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         listen: args.listen,
         port: args.port,
         config,
-        template: Box::new(move |name: &str| {
+        template: std::sync::Arc::new(move |name: &str, moment: Moment| {
             let mut build = build.clone();
             build.template = name.to_owned();
             let opts = bud_templates::TemplateOptions {
                 build,
-                guest: bud_templates::GuestBuild::Existing,
+                // Added to a running server: its guest must be built (the server may not
+                // run a build any more).
+                guest: match moment {
+                    Moment::Start => bud_templates::GuestBuild::Existing,
+                    Moment::Added => bud_templates::GuestBuild::Built,
+                },
                 ram_size,
             };
             let template = bud_templates::template(
                 &opts,
                 &mut bud_server::http::startup::log_build_line,
                 Some(bud_server::http::startup::console_echo()),
-            )?;
+            )
+            .map_err(|e| match e {
+                e @ bud_templates::TemplateSetupError::NotBuilt(_) => {
+                    SourceError::NotFound(e.to_string())
+                }
+                e => SourceError::Failed(e.into()),
+            })?;
             let (image_bytes, packages) = bud_templates::image_facts(&opts);
             let info = bud_server::core::state::TemplateInfo {
                 image_bytes,

@@ -626,3 +626,40 @@ fn the_template_memory_file_is_read_only_and_unchanged_by_jobs() {
         "template memory file is writable: {mode:o}"
     );
 }
+
+/// The template's manifest (written by the image builder, read with the template) names
+/// the runtimes the guest really has, at the versions it really runs, and its copy in the
+/// template's directory reads back the same.
+#[test]
+fn the_template_manifest_names_the_guests_own_runtimes_and_versions() {
+    let manifest = executor().template().manifest().clone();
+    let copy = vmm::Template::load(executor().template().dir())
+        .expect("the template loads from its directory")
+        .manifest()
+        .clone();
+
+    let py = python("import platform; print(platform.python_version())");
+    let sh = shell("busybox | head -1");
+
+    let version = |name: &str| {
+        manifest
+            .runtime(name)
+            .map(|r| (r.run, r.version.clone()))
+            .unwrap_or_else(|| panic!("no {name} runtime in {manifest:?}"))
+    };
+    assert_eq!(manifest.runtime_names(), ["python", "shell"]);
+    assert_eq!(
+        version("python"),
+        (Language::Python, text(&py.stdout).trim().to_owned())
+    );
+    let (run, busybox) = version("shell");
+    assert_eq!(run, Language::Shell);
+    assert!(
+        text(&sh.stdout).starts_with(&format!("BusyBox v{busybox} ")),
+        "{:?} against {busybox}",
+        text(&sh.stdout)
+    );
+    assert!(manifest.has_tool("busybox") && !manifest.has_tool("bash"));
+    assert_eq!(manifest.network, vmm::manifest::Network::None);
+    assert_eq!(copy, manifest);
+}

@@ -13,6 +13,7 @@ pub mod host;
 pub mod image;
 pub mod libs;
 pub mod lock;
+pub mod manifest;
 pub mod pipeline;
 pub mod python;
 pub mod recipe;
@@ -25,4 +26,5 @@ pub mod zip;
 pub use lock::BuildLock;
 pub use pipeline::{
     BuildError, BuildOptions, GuestArtifacts, artifact_paths, built_or_ensure, ensure,
+    manifest_path,
 };

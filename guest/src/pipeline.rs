@@ -19,6 +19,7 @@ use crate::hashes::{HashCache, HashError};
 use crate::host::{self, Apt, HostError};
 use crate::image::{self, Image, ImageError, ImageInputs, ImageReport};
 use crate::lock::{BuildLock, LockError};
+use crate::manifest::{self, MANIFEST_FILE, ManifestError};
 use crate::recipe::{Recipe, RecipeError};
 use crate::run::{self, RunError};
 
@@ -63,6 +64,10 @@ pub enum BuildError {
     Lock(#[source] LockError),
     #[error("artifact key")]
     Hash(#[source] HashError),
+    #[error("manifest step: the staged image {0} is gone (remove its image directory to rebuild)")]
+    StagedImageMissing(PathBuf),
+    #[error("manifest step")]
+    Manifest(#[source] ManifestError),
 }
 
 /// Where to build from and to.
@@ -98,6 +103,8 @@ pub struct GuestArtifacts {
     pub kernel: PathBuf,
     /// The uncompressed `newc` initramfs.
     pub initramfs: PathBuf,
+    /// What the image can run (`manifest.json` beside the initramfs).
+    pub manifest: manifest::Manifest,
     /// sha256 over the kernel's and the initramfs' sha256: names a template.
     pub key: String,
     pub image_size: u64,
@@ -147,6 +154,15 @@ pub fn ensure(
     host::ensure_tools(&mut apt, &mut p.stream("host tools")).map_err(BuildError::HostTools)?;
     let (image, packages) =
         build_image(opts, &agent, &extension, &mut apt, &mut p.stream("image"))?;
+    let manifest = write_manifest(opts, &packages)?;
+    p.say(
+        "manifest",
+        &format!(
+            "runtimes {}; tools {}",
+            manifest.runtime_names().join(", "),
+            manifest.tools.join(", ")
+        ),
+    );
     if let Some(report) = &image.report {
         p.say(
             "image",
@@ -164,12 +180,19 @@ pub fn ensure(
     Ok(GuestArtifacts {
         kernel,
         initramfs: image.path,
+        manifest,
         key,
         image_size: image.size,
         image_sha256: image.sha256,
         packages,
         image_report: image.report,
     })
+}
+
+/// Where a build under `build_dir` leaves the manifest of `template`'s image (beside the
+/// initramfs; it may not exist).
+pub fn manifest_path(build_dir: &Path, template: &str) -> PathBuf {
+    image_dir(build_dir, template).join(MANIFEST_FILE)
 }
 
 /// Where a build under `build_dir` leaves the kernel and the initramfs of `template` (they
@@ -192,13 +215,14 @@ fn image_dir(build_dir: &Path, template: &str) -> PathBuf {
 
 /// The kernel and initramfs already under `opts.build_dir`, taken as they are (no check that
 /// they are current, so a caller that starts often stays fast); builds them with [`ensure`]
-/// when either is missing.
+/// when either is missing, or the manifest beside the initramfs is.
 pub fn built_or_ensure(
     opts: &BuildOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(PathBuf, PathBuf), BuildError> {
     let (kernel, initramfs) = artifact_paths(&opts.build_dir, &opts.template);
-    if kernel.is_file() && initramfs.is_file() {
+    let manifest = manifest_path(&opts.build_dir, &opts.template);
+    if kernel.is_file() && initramfs.is_file() && manifest.is_file() {
         return Ok((kernel, initramfs));
     }
     progress("no guest build found: building the kernel and image (minutes on first use)");
@@ -330,6 +354,26 @@ pub fn build_image(
         progress(&format!("up to date ({})", megabytes(image.size)));
     }
     Ok((image, all))
+}
+
+/// Step 5: the manifest of the image (derived from its staged files and packages, module
+/// `manifest`), written beside it; also when the image was current, so that a build from
+/// before manifests gets one without a rebuild.
+fn write_manifest(
+    opts: &BuildOptions,
+    packages: &[Package],
+) -> Result<manifest::Manifest, BuildError> {
+    let dir = image_dir(&opts.build_dir, &opts.template);
+    let rootfs = dir.join(image::ROOTFS_DIR);
+    if !rootfs.join(image::INIT_PATH).is_file() {
+        return Err(BuildError::StagedImageMissing(rootfs));
+    }
+    let site = crate::recipe::load_site(&opts.source_dir.join(RECIPE_DIR), &opts.template)
+        .map_err(BuildError::Recipe)?;
+    let m = manifest::derive(&opts.template, site.as_ref(), packages, &rootfs);
+    m.write(&dir.join(MANIFEST_FILE))
+        .map_err(BuildError::Manifest)?;
+    Ok(m)
 }
 
 /// sha256 over the kernel's and the image's sha256.

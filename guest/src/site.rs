@@ -16,10 +16,11 @@
 //!   40 ms per entry on kvm_pvm). Symlinks are followed inside the unpacked tree (Debian
 //!   links `matplotlib/mpl-data` to `/usr/share/matplotlib`, and its fonts to
 //!   `fonts-dejavu-core`) and staged as the files they point at.
-//! - **The template manifest** ([`write_manifest`]), `/usr/lib/bud/template.json`: the
-//!   template's name, the modules the worker imports before READY, its warm-up code, and the
-//!   packages with their versions (what `GET /v1/templates` shows). The base image has one
-//!   too, with nothing to preload.
+//! - **The worker's manifest** ([`write_manifest`]), `/usr/lib/bud/template.json` in the
+//!   image: the template's name, the modules the worker imports before READY, its warm-up
+//!   code, and the Python packages with their versions. The base image has one too, with
+//!   nothing to preload. (What the host reads of a template, its runtimes, tools and
+//!   packages, is the other manifest, beside the image: `crate::manifest`.)
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

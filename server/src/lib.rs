@@ -191,9 +191,10 @@ mod tests {
             (timeout, &t["error"]["field"]),
             (StatusCode::BAD_REQUEST, &"timeout_ms".into())
         );
+        // A runtime is the template's (its manifest's): not known before it is ready.
         assert_eq!(
-            (language, &l["error"]["field"]),
-            (StatusCode::BAD_REQUEST, &"language".into())
+            (language, &l["error"]["code"]),
+            (StatusCode::SERVICE_UNAVAILABLE, &"not_ready".into())
         );
         assert_eq!(
             (batch, &b["error"]["code"]),

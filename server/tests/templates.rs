@@ -474,3 +474,156 @@ fn the_tools_template_runs_bash_git_and_curl_without_a_network() {
         "{sandbox}"
     );
 }
+
+/// PUTs `path` (no body); returns the status and the JSON answer (null when it has none).
+fn put(s: &TestServer, path: &str) -> (u16, Value) {
+    let r = client().put(s.url(path)).send().expect("request failed");
+    let status = r.status().as_u16();
+    (status, r.json().unwrap_or(Value::Null))
+}
+
+/// DELETEs `path`; returns the status and the JSON answer (null when it has none).
+fn delete(s: &TestServer, path: &str) -> (u16, Value) {
+    let r = client().delete(s.url(path)).send().expect("request failed");
+    let status = r.status().as_u16();
+    (status, r.json().unwrap_or(Value::Null))
+}
+
+/// The served templates' entries in `GET /v1/templates`, by name.
+fn listed(s: &TestServer) -> Vec<Value> {
+    let all = s.get("/v1/templates").json::<Value>().unwrap();
+    all["templates"].as_array().unwrap().clone()
+}
+
+/// The registry is not fixed at start: a template whose guest is built is added to a
+/// running server, lists its manifest (runtimes, tools), runs jobs at once, cannot be
+/// removed while a session runs on it, then is removed; all without a restart.
+#[test]
+fn a_template_is_added_to_a_running_server_runs_jobs_and_is_removed() {
+    // Built and booted once for this binary, so that the PUT below loads it.
+    executor_of("tools");
+    let s = TestServer::start();
+    let tools_job = json!({"template": "tools", "language": "shell", "timeout_ms": 60_000,
+                           "code": "command -v bash; bash -c 'echo ${BASH_VERSION%%.*}'"});
+
+    let (before, b) = s.exec(tools_job.clone());
+    let (added, entry) = put(&s, "/v1/templates/tools");
+    let (again, _) = put(&s, "/v1/templates/tools");
+    let (ran, r) = s.exec(tools_job.clone());
+    let (ruby, rb) = s.exec(json!({"template": "tools", "language": "ruby", "code": "1"}));
+    let names: Vec<Value> = listed(&s).iter().map(|t| t["name"].clone()).collect();
+    let (made, session) = s.post("/v1/sessions", &json!({"template": "tools"}));
+    let id = session["id"].as_str().unwrap_or_default().to_owned();
+    let (busy, in_use) = delete(&s, "/v1/templates/tools");
+    let ended = s.delete(&format!("/v1/sessions/{id}"));
+    let (removed, _) = delete(&s, "/v1/templates/tools");
+    let (after, a) = s.exec(tools_job);
+    let (twice, _) = delete(&s, "/v1/templates/tools");
+    let (default, d) = delete(&s, "/v1/templates/python");
+    let (unbuilt, u) = put(&s, "/v1/templates/nope");
+    let (bad_name, _) = put(&s, "/v1/templates/No%20Such");
+    let still_python = s.exec(json!({"code": "print(6 * 7)"}));
+
+    assert_eq!(
+        (before, &b["error"]["code"]),
+        (400, &json!("unknown_template")),
+        "{b}"
+    );
+    assert_eq!(
+        (added, &entry["name"], &entry["status"]),
+        (201, &json!("tools"), &json!("ready")),
+        "{entry}"
+    );
+    let runtimes: Vec<&Value> = entry["runtimes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["name"])
+        .collect();
+    assert_eq!(runtimes, [&json!("python"), &json!("shell")], "{entry}");
+    assert_eq!(
+        entry["tools"],
+        json!(["bash", "busybox", "curl", "git"]),
+        "{entry}"
+    );
+    assert_eq!(entry["network"], json!("none"), "{entry}");
+    assert_eq!(again, 200);
+    assert_eq!(
+        (ran, &r["status"], &r["stdout"]),
+        (200, &json!("ok"), &json!("/bin/bash\n5\n")),
+        "{r}"
+    );
+    assert_eq!(
+        (ruby, &rb["error"]["code"], &rb["error"]["field"]),
+        (400, &json!("invalid_request"), &json!("language")),
+        "{rb}"
+    );
+    assert!(
+        rb["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("python, shell"),
+        "{rb}"
+    );
+    assert_eq!(names, [json!("python"), json!("tools")]);
+    assert_eq!(made, 201, "{session}");
+    assert_eq!(
+        (busy, &in_use["error"]["code"]),
+        (409, &json!("template_in_use")),
+        "{in_use}"
+    );
+    assert_eq!(ended, 204);
+    assert_eq!(removed, 204);
+    assert_eq!(
+        (after, &a["error"]["code"]),
+        (400, &json!("unknown_template")),
+        "{a}"
+    );
+    assert_eq!(twice, 404);
+    assert_eq!(
+        (default, &d["error"]["code"]),
+        (409, &json!("template_in_use")),
+        "{d}"
+    );
+    assert_eq!(
+        (unbuilt, &u["error"]["code"]),
+        (404, &json!("unknown_template")),
+        "{u}"
+    );
+    assert_eq!(bad_name, 400);
+    assert_eq!(
+        (still_python.0, &still_python.1["stdout"]),
+        (200, &json!("42\n"))
+    );
+}
+
+/// `GET /v1/templates` shows each ready template's manifest: the base template's runtimes
+/// at its guest's versions, busybox as its only tool, no network.
+#[test]
+fn the_template_list_shows_each_templates_runtimes_and_tools() {
+    let s = TestServer::start();
+
+    let all = listed(&s);
+    let (status, version) =
+        s.exec(json!({"code": "import platform; print(platform.python_version(), end='')"}));
+
+    let python = &all[0];
+    assert_eq!(status, 200, "{version}");
+    assert_eq!(
+        (
+            &python["name"],
+            &python["runtimes"][0]["name"],
+            &python["runtimes"][0]["version"]
+        ),
+        (&json!("python"), &json!("python"), &version["stdout"]),
+        "{python}"
+    );
+    assert_eq!(python["runtimes"][1]["name"], json!("shell"), "{python}");
+    assert_eq!(python["tools"], json!(["busybox"]), "{python}");
+    assert_eq!(python["network"], json!("none"), "{python}");
+    assert_eq!(
+        python["kernels"][0]["language"],
+        json!("python"),
+        "{python}"
+    );
+}

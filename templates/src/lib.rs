@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use vmm::devices::console::EchoFn;
 use vmm::{BootConfig, Template, TemplateSpec};
 
-use bud_guest::pipeline::{BuildError, BuildOptions, RECIPE_DIR, built_or_ensure, ensure};
+use bud_guest::pipeline::{
+    BuildError, BuildOptions, RECIPE_DIR, artifact_paths, built_or_ensure, ensure,
+};
 
 /// How much to trust an existing guest build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +22,9 @@ pub enum GuestBuild {
     /// Bring them up to date with their inputs first (tests and benchmarks: a changed patch
     /// or recipe must not go unnoticed).
     Current,
+    /// Use them as they are and never build: missing ones are an error (a template added
+    /// to a running server, which may no longer run a build).
+    Built,
 }
 
 /// Errors of getting a template.
@@ -31,6 +36,8 @@ pub enum TemplateSetupError {
     Template(#[from] vmm::template::TemplateError),
     #[error("{0}")]
     Recipe(#[from] bud_guest::recipe::RecipeError),
+    #[error("template {0} has no guest build (`bud guest build --template {0}` makes one)")]
+    NotBuilt(String),
 }
 
 /// What to prepare.
@@ -78,26 +85,16 @@ impl TemplateOptions {
 }
 
 /// What the image of `opts`' template holds, as its builder recorded it: the image's size
-/// and the Python packages its manifest lists (name to version). Zero and empty when the
+/// and the Debian packages its manifest lists (name to version). Zero and empty when the
 /// image or its manifest is missing.
 pub fn image_facts(opts: &TemplateOptions) -> (u64, std::collections::BTreeMap<String, String>) {
     let (_, image) = bud_guest::pipeline::artifact_paths(&opts.build.build_dir, opts.name());
     let size = image.metadata().map_or(0, |m| m.len());
-    let manifest = image
-        .parent()
-        .map(|dir| dir.join("rootfs").join(bud_guest::site::MANIFEST_PATH))
-        .and_then(|p| std::fs::read(p).ok())
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-    let packages = manifest
-        .as_ref()
-        .and_then(|m| m["packages"].as_object())
-        .map(|p| {
-            p.iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-                .collect()
-        })
-        .unwrap_or_default();
-    (size, packages)
+    let manifest = vmm::Manifest::load(&bud_guest::manifest_path(
+        &opts.build.build_dir,
+        opts.name(),
+    ));
+    (size, manifest.map(|m| m.packages).unwrap_or_default())
 }
 
 /// The guest (found or built), then its template (loaded, or booted and saved: about a
@@ -108,6 +105,13 @@ pub fn template(
     progress: &mut dyn FnMut(&str),
     echo: Option<EchoFn>,
 ) -> Result<Template, TemplateSetupError> {
+    if opts.guest == GuestBuild::Built {
+        let (kernel, initramfs) = artifact_paths(&opts.build.build_dir, opts.name());
+        let manifest = bud_guest::manifest_path(&opts.build.build_dir, opts.name());
+        if !(kernel.is_file() && initramfs.is_file() && manifest.is_file()) {
+            return Err(TemplateSetupError::NotBuilt(opts.name().to_owned()));
+        }
+    }
     let site = bud_guest::recipe::load_site(&opts.build.source_dir.join(RECIPE_DIR), opts.name())?;
     let (kernel, initramfs) = match opts.guest {
         GuestBuild::Existing => built_or_ensure(&opts.build, progress).map_err(Box::new)?,
@@ -115,6 +119,7 @@ pub fn template(
             let a = ensure(&opts.build, progress).map_err(Box::new)?;
             (a.kernel, a.initramfs)
         }
+        GuestBuild::Built => artifact_paths(&opts.build.build_dir, opts.name()),
     };
     let mut boot = BootConfig::new(kernel, initramfs);
     boot.ram_size = opts.ram_size.unwrap_or_else(|| {

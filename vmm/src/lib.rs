@@ -10,6 +10,8 @@
 //! - [`host`]: hardware virtualization or kvm_pvm; [`cpuid`]: what the guest vCPU sees.
 //! - [`mod@boot`]: boot protocol, MP table, entry state, boot to READY; [`devices`]: serial
 //!   console, i8042, doorbell; [`vcpu`]: the run loop and kicks; [`vm`]: VM setup.
+//! - [`manifest`]: what a template's image can run (runtimes, tools, kernels, packages,
+//!   network), written by the image builder, shared verbatim with it.
 //! - [`snapshot`]: capture and restore of CPU and device state; [`template`]: templates on
 //!   disk and clones of them; [`session`]: VMs kept between requests, forked, and saved to
 //!   and loaded from [`session_file`]s; [`reset`]: returning a VM that ran a job to its template's
@@ -44,6 +46,7 @@ pub mod kvm_stats;
 pub(crate) mod layer;
 pub mod layout;
 pub mod mailbox;
+pub mod manifest;
 pub mod memory;
 pub(crate) mod paging;
 pub mod process;
@@ -62,4 +65,5 @@ pub use boot::{BootConfig, BootError, ReadyGuest, boot};
 pub use executor::{ExecError, Executor, ExecutorOptions, Reuse};
 pub use host::HostKind;
 pub use job::{Cancel, CellError, CellOptions, Health, Job, JobResult, Language, Status, Unusable};
+pub use manifest::{Manifest, ManifestError};
 pub use template::{Template, TemplateSpec};

@@ -3,11 +3,15 @@
 //! A template lives in its own directory, named by a hash of everything that shapes it
 //! (kernel and initramfs bytes, command line, RAM size, host kind, snapshot format and
 //! protocol versions), so a changed input makes a new template instead of reusing a stale
-//! one. It holds two files:
+//! one. It holds three files:
 //! - `state`: the [`SnapshotState`] (magic, format version, bincode);
 //! - `memory`: guest RAM, sparse, read-only. It is written once, fsynced and renamed into
 //!   place; afterwards nothing writes it: clones map it `MAP_PRIVATE`, so their writes land in
-//!   private copy-on-write pages of the clone.
+//!   private copy-on-write pages of the clone;
+//! - `manifest.json`: what the image can run ([`Manifest`]), copied from beside the
+//!   initramfs, where the image builder writes it. [`Template::load_or_build`] reads the one
+//!   beside the initramfs (a function of the image's contents, so not part of the key);
+//!   [`Template::load`] of a bare directory reads the copy.
 //!
 //! A new `bud` process finds the directory and loads the template without booting.
 
@@ -26,6 +30,7 @@ use crate::devices::console::{ConsoleLog, EchoFn};
 use crate::host::HostKind;
 use crate::host_identity::host_identity;
 use crate::kernel_layout::KernelLayout;
+use crate::manifest::{MANIFEST_FILE, Manifest, ManifestError};
 use crate::memory::{GuestRam, MemoryError};
 use crate::protocol::{PROTOCOL_VERSION, header};
 use crate::snapshot::{self, SNAPSHOT_FORMAT_VERSION, SnapshotError, SnapshotState};
@@ -83,6 +88,8 @@ pub enum TemplateError {
     Mailbox(#[from] crate::mailbox::MailboxError),
     #[error("listing the template's page tables: {0}")]
     Paging(#[from] crate::paging::PagingError),
+    #[error("template manifest (`bud guest build` writes it)")]
+    Manifest(#[from] ManifestError),
 }
 
 /// Where a template is made or found.
@@ -119,6 +126,13 @@ pub struct Template {
     /// changed one of these pages (see [`crate::reset`]).
     page_tables: Option<Vec<u64>>,
     origin: Origin,
+    /// What the image can run.
+    manifest: Manifest,
+}
+
+/// Where the image builder leaves the manifest of `initramfs`: beside it.
+pub fn manifest_path(initramfs: &Path) -> PathBuf {
+    initramfs.with_file_name(MANIFEST_FILE)
 }
 
 fn hash_file(h: &mut Sha256, path: &Path) -> Result<(), TemplateError> {
@@ -208,6 +222,7 @@ impl Template {
     /// Processes that ask for the same template at once (a server and a `bud run`, two test
     /// binaries) take turns on a lock file beside it: one boots, the others then load.
     pub fn load_or_build(spec: &TemplateSpec, echo: Option<EchoFn>) -> Result<Self, TemplateError> {
+        let manifest = Manifest::load(&manifest_path(&spec.boot.initramfs))?;
         let key = template_key(&spec.boot)?;
         let dir = spec.root.join(&key);
         // A template made under another CPU/KVM identity (which the key should have kept
@@ -215,7 +230,15 @@ impl Template {
         let found = |dir: &Path| match dir.join(STATE_FILE).exists() {
             true => match Self::load(dir) {
                 Err(TemplateError::WrongIdentity { .. }) => None,
-                loaded => Some(loaded),
+                loaded => Some(loaded.map(|mut t| {
+                    // The copy of a template made before manifests (or before the
+                    // builder's derivation changed) brought up to date. Best effort: the
+                    // template in hand has it, and only `load` of the bare directory
+                    // (a paused session's template, gone from the build) reads the copy.
+                    let _ = manifest.write(&dir.join(MANIFEST_FILE));
+                    t.manifest = manifest.clone();
+                    t
+                })),
             },
             false => None,
         };
@@ -226,13 +249,14 @@ impl Template {
         if let Some(loaded) = found(&dir) {
             return loaded;
         }
-        Self::build(&spec.boot, &dir, echo)
+        Self::build(&spec.boot, &dir, manifest, echo)
     }
 
     /// Boots the guest to READY, captures it and writes the template into `dir`.
     pub(crate) fn build(
         cfg: &BootConfig,
         dir: &Path,
+        manifest: Manifest,
         echo: Option<EchoFn>,
     ) -> Result<Self, TemplateError> {
         // A kernel without bud's layouts cannot give clones their identity: fail before booting.
@@ -282,6 +306,7 @@ impl Template {
         })?;
         let ram = &ready.machine.ram;
         write_file(&dir.join(MEMORY_FILE), |f| ram.write_sparse(f).map(|_| ()))?;
+        manifest.write(&dir.join(MANIFEST_FILE))?;
         let bytes = state.to_bytes()?;
         // The state file goes last: its presence marks a complete template.
         write_file(&dir.join(STATE_FILE), |mut f| {
@@ -294,6 +319,7 @@ impl Template {
         Self::open(
             dir,
             state,
+            manifest,
             Origin::Built {
                 boot: boot_timings,
                 capture,
@@ -302,7 +328,8 @@ impl Template {
         )
     }
 
-    /// Loads a template directory written by [`Template::build`].
+    /// Loads a template directory written by [`Template::build`], with the manifest copied
+    /// into it (an empty one for a template made before manifests were).
     pub fn load(dir: &Path) -> Result<Self, TemplateError> {
         let started = Instant::now();
         let state_path = dir.join(STATE_FILE);
@@ -325,9 +352,15 @@ impl Template {
                 this: here,
             });
         }
+        let copy = dir.join(MANIFEST_FILE);
+        let manifest = match copy.exists() {
+            true => Manifest::load(&copy)?,
+            false => Manifest::default(),
+        };
         let mut template = Self::open(
             dir,
             state,
+            manifest,
             Origin::Loaded {
                 load: Duration::ZERO,
             },
@@ -340,7 +373,12 @@ impl Template {
 
     /// The template in `dir` around its decoded state: its memory file opened and mapped
     /// read-only, and its page tables listed.
-    fn open(dir: &Path, state: SnapshotState, origin: Origin) -> Result<Self, TemplateError> {
+    fn open(
+        dir: &Path,
+        state: SnapshotState,
+        manifest: Manifest,
+        origin: Origin,
+    ) -> Result<Self, TemplateError> {
         let memory = open_memory(dir)?;
         // Made now, while the process may still make folders (a jailed server may not):
         // pins are files in it.
@@ -353,7 +391,13 @@ impl Template {
             state,
             memory,
             origin,
+            manifest,
         })
+    }
+
+    /// What the template's image can run.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
     }
 
     /// The template's directory.

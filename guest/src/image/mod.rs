@@ -47,6 +47,8 @@ pub const EXTENSION_PATH: &str = "usr/lib/bud/_bud.abi3.so";
 /// busybox itself; its applets are symlinks to this path.
 pub const BUSYBOX_PATH: &str = "bin/busybox";
 
+/// The staged files inside the image work directory (what the archive is made of; kept).
+pub const ROOTFS_DIR: &str = "rootfs";
 /// The archive inside the image work directory.
 pub const IMAGE_FILE: &str = "initramfs.cpio";
 /// Input hash, sha256 and size of the current archive.
@@ -210,7 +212,7 @@ pub fn build(
         .map_err(ImageError::Extract)?;
 
     progress("staging files");
-    let staging = Staging::reset(&work_dir.join("rootfs"))?;
+    let staging = Staging::reset(&work_dir.join(ROOTFS_DIR))?;
     stage_busybox(&recipe.busybox, root, &staging, progress)?;
     staging.copy(&root.join(python::INTERPRETER), python::INTERPRETER)?;
     for (from, to) in [

@@ -364,7 +364,7 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
         }
         Target::Session => {
             let native = ExecRequest {
-                language: Some(Language::Python),
+                mode: Some(Language::Python),
                 code: Some(req.code),
                 env,
                 timeout_ms: Some(timeout_ms),

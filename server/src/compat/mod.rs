@@ -28,8 +28,6 @@ use crate::core::state::AppState;
 /// What the compat layers keep between requests.
 #[derive(Debug, Default)]
 pub struct CompatState {
-    /// The runtime versions Piston clients see, read off the guest once.
-    pub piston_versions: tokio::sync::OnceCell<piston::Versions>,
     /// E2B sandboxes: their bud session and what E2B clients know of them.
     pub e2b: e2b::Registry,
 }

@@ -4,11 +4,13 @@
 //! A Piston request becomes a native [`ExecRequest`] and runs through
 //! the service's one-shot jobs: the same limits, admission and template as `POST /v1/exec`.
 //! Mapping (docs/compat.md has the table):
-//! - `language`: `python` (aliases `py`, `py3`, `python3`, `python3.11`) runs as a Python job;
-//!   `bash` (alias `sh`) as a shell job — bud's shell is busybox `ash`, and the runtime list
-//!   says so (`runtime: "busybox"`, busybox's version).
-//! - `version`: `*`, absent, or a prefix of the real version (`3`, `3.11`, `3.11.2`).
-//!   Versions are read off the guest by one job the first time they are needed.
+//! - `language`: the runtimes of the default template's manifest, under Piston's names: the
+//!   one the worker runs as Python is `python` (aliases `py`, `py3`, `python3`,
+//!   `python3.11`); the shell is `bash` (alias `sh`) — bud's shell is busybox `ash`, and the
+//!   runtime list says so (`runtime: "busybox"`, busybox's version) where the manifest has
+//!   busybox; any other runtime under its own name.
+//! - `version`: `*`, absent, or a prefix of the real version (`3`, `3.11`, `3.11.2`), as the
+//!   manifest has it (the upstream version of the runtime's Debian package).
 //! - `files[0]` is the program (its code); every named file, the first one too, is also put
 //!   in the job's working directory, so programs that open their siblings find them. Each
 //!   file's `encoding` is `utf8` (default), `base64` or `hex`.
@@ -40,13 +42,6 @@ use crate::http::jobs::ExecResponse;
 use crate::http::jobs::{one_shot, response};
 use crate::service::jobs::ExecRequest;
 use crate::service::{jobs, task};
-
-/// The runtimes bud offers, with their versions as read off the guest.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Versions {
-    pub python: String,
-    pub busybox: String,
-}
 
 /// One entry of `GET /api/v2/runtimes`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -122,75 +117,54 @@ async fn run_native(
 const PYTHON_NAMES: [&str; 5] = ["python", "py", "py3", "python3", "python3.11"];
 const SHELL_NAMES: [&str; 2] = ["bash", "sh"];
 
-/// Prints the guest's Python version, then the first line of busybox's banner.
-const VERSIONS_PROBE: &str = "import platform, subprocess\n\
-print(platform.python_version())\n\
-print(subprocess.run(['busybox'], capture_output=True, text=True).stdout.splitlines()[0])";
-
-/// Reads the versions off the guest (once per server).
-async fn versions(c: &Compat) -> Result<Versions, Error> {
-    let state = &c.app;
-    c.own
-        .piston_versions
-        .get_or_try_init(|| async {
-            // The worker's own interpreter is the one jobs get: no second interpreter is
-            // started (a `python3 -c` in the guest costs seconds of emulated kernel work
-            // under kvm_pvm, and ran past the default timeout on a loaded machine).
-            let req = ExecRequest {
-                language: Some(Language::Python),
-                code: Some(VERSIONS_PROBE.into()),
-                // The server's largest: the probe runs once per server, and a limit above
-                // it would be refused like any job's.
-                timeout_ms: Some(state.config().limits.max_timeout_ms),
-                ..ExecRequest::default()
-            };
-            let r = run_native(state, req, "/api/v2/runtimes").await?;
-            parse_versions(&r.stdout).ok_or_else(|| Error::Internal {
-                field: None,
-                message: format!(
-                    "could not read the runtime versions (the probe ended {:?}): {:?} {:?}",
-                    r.status, r.stdout, r.stderr
-                ),
-            })
-        })
-        .await
-        .cloned()
+/// The default template's manifest (503 while it is not ready, as a job would be).
+fn manifest(c: &Compat) -> Result<vmm::Manifest, Error> {
+    let exec = crate::service::templates::default_executor(&c.app)?;
+    Ok(exec.template().manifest().clone())
 }
 
-/// `3.11.2\nBusyBox v1.35.0 (...) multi-call binary.` -> the two versions.
-fn parse_versions(out: &str) -> Option<Versions> {
-    let mut lines = out.lines();
-    let python = lines.next()?.trim().to_owned();
-    let busybox = lines
-        .next()?
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix('v'))?
-        .to_owned();
-    (!python.is_empty()).then_some(Versions { python, busybox })
-}
-
-fn runtimes_of(v: &Versions) -> Vec<Runtime> {
+/// Piston's runtime list of `manifest`, each with the name of the manifest runtime it runs.
+fn runtimes_of(manifest: &vmm::Manifest) -> Vec<(Runtime, String)> {
     let names = |n: &[&str]| n[1..].iter().map(|s| s.to_string()).collect();
-    vec![
-        Runtime {
-            language: "python".into(),
-            version: v.python.clone(),
-            aliases: names(&PYTHON_NAMES),
-            runtime: None,
-        },
-        Runtime {
-            language: "bash".into(),
-            version: v.busybox.clone(),
-            aliases: names(&SHELL_NAMES),
-            runtime: Some("busybox".into()),
-        },
-    ]
+    manifest
+        .runtimes
+        .iter()
+        .map(|r| {
+            // The first runtime of each worker mode takes Piston's name for it; another one
+            // keeps its own.
+            let first = manifest
+                .runtime_running(r.run)
+                .is_some_and(|f| f.name == r.name);
+            let (language, aliases, runtime) = match (r.run, first) {
+                (Language::Python, true) => ("python".to_owned(), names(&PYTHON_NAMES), None),
+                (Language::Shell, true) => (
+                    "bash".to_owned(),
+                    names(&SHELL_NAMES),
+                    manifest.has_tool("busybox").then(|| "busybox".to_owned()),
+                ),
+                _ => (r.name.clone(), Vec::new(), None),
+            };
+            let piston = Runtime {
+                language,
+                version: r.version.clone(),
+                aliases,
+                runtime,
+            };
+            (piston, r.name.clone())
+        })
+        .collect()
 }
 
 /// `GET /api/v2/runtimes`.
 pub async fn runtimes(State(c): State<Compat>) -> Response {
-    match versions(&c).await {
-        Ok(v) => Json(runtimes_of(&v)).into_response(),
+    match manifest(&c) {
+        Ok(m) => Json(
+            runtimes_of(&m)
+                .into_iter()
+                .map(|(r, _)| r)
+                .collect::<Vec<_>>(),
+        )
+        .into_response(),
         Err(e) => piston_error(e.into()),
     }
 }
@@ -238,22 +212,23 @@ fn hex_decode(s: &str) -> Option<Vec<u8>> {
 fn native(
     state: &AppState,
     req: Execute,
-    v: &Versions,
-) -> Result<(ExecRequest, &'static str, String), Error> {
+    manifest: &vmm::Manifest,
+) -> Result<(ExecRequest, String, String), Error> {
     let lang = req
         .language
         .ok_or_else(|| bad("language is required as a string"))?;
-    let (language, name, version) = if PYTHON_NAMES.contains(&lang.as_str()) {
-        (Language::Python, "python", &v.python)
-    } else if SHELL_NAMES.contains(&lang.as_str()) {
-        (Language::Shell, "bash", &v.busybox)
-    } else {
+    let all = runtimes_of(manifest);
+    let Some((piston, runtime)) = all
+        .into_iter()
+        .find(|(r, _)| r.language == lang || r.aliases.contains(&lang))
+    else {
         return Err(bad(format!(
             "{lang}-{} runtime is unknown",
             req.version.as_deref().unwrap_or("*")
         )));
     };
-    if !version_matches(req.version.as_deref(), version) {
+    let (name, version) = (piston.language, piston.version);
+    if !version_matches(req.version.as_deref(), &version) {
         return Err(bad(format!(
             "{lang}-{} runtime is unknown",
             req.version.as_deref().unwrap_or("*")
@@ -295,7 +270,7 @@ fn native(
         }
     }
     let native = ExecRequest {
-        language: Some(language),
+        language: Some(runtime),
         code_b64: Some(b64.encode(&code)),
         stdin: req.stdin,
         args: req.args.unwrap_or_default(),
@@ -372,8 +347,8 @@ async fn run(c: &Compat, body: Body) -> Result<serde_json::Value, ApiError> {
         crate::http::body::read_limited(body, limits.max_body_bytes, limits.body_timeout()).await?;
     let req: Execute =
         serde_json::from_slice(&bytes).map_err(|e| bad(format!("bad JSON body: {e}")))?;
-    let v = versions(c).await?;
-    let (native, language, version) = native(state, req, &v)?;
+    let m = manifest(c)?;
+    let (native, language, version) = native(state, req, &m)?;
     let r = run_native(state, native, "/api/v2/execute").await?;
     Ok(serde_json::json!({
         "language": language,
@@ -386,17 +361,66 @@ async fn run(c: &Compat, body: Body) -> Result<serde_json::Value, ApiError> {
 mod tests {
     use super::*;
 
+    fn manifest(runtimes: &[(&str, Language, &str)], tools: &[&str]) -> vmm::Manifest {
+        vmm::Manifest {
+            format: vmm::manifest::MANIFEST_FORMAT,
+            runtimes: runtimes
+                .iter()
+                .map(|(name, run, version)| vmm::manifest::Runtime {
+                    name: name.to_string(),
+                    version: version.to_string(),
+                    run: *run,
+                    interpreter: String::new(),
+                })
+                .collect(),
+            tools: tools.iter().map(|t| t.to_string()).collect(),
+            ..vmm::Manifest::default()
+        }
+    }
+
     #[test]
-    fn versions_are_read_from_the_guest_output() {
-        let out = "3.11.2\nBusyBox v1.35.0 (Debian 1:1.35.0-4+b3) multi-call binary.\n";
-        assert_eq!(
-            parse_versions(out),
-            Some(Versions {
-                python: "3.11.2".into(),
-                busybox: "1.35.0".into()
-            })
+    fn the_runtime_list_is_the_manifests_under_pistons_names() {
+        let m = manifest(
+            &[
+                ("python", Language::Python, "3.11.2"),
+                ("shell", Language::Shell, "1.35.0"),
+            ],
+            &["busybox"],
         );
-        assert_eq!(parse_versions("3.11.2\n"), None);
+
+        let list = runtimes_of(&m);
+
+        assert_eq!(
+            serde_json::to_value(list.iter().map(|(r, _)| r).collect::<Vec<_>>()).unwrap(),
+            serde_json::json!([
+                {"language": "python", "version": "3.11.2",
+                 "aliases": ["py", "py3", "python3", "python3.11"]},
+                {"language": "bash", "version": "1.35.0", "aliases": ["sh"],
+                 "runtime": "busybox"},
+            ])
+        );
+        assert_eq!(list[1].1, "shell");
+    }
+
+    #[test]
+    fn another_runtime_keeps_its_name_and_a_shell_without_busybox_names_none() {
+        let m = manifest(
+            &[
+                ("shell", Language::Shell, "5.2.15"),
+                ("zsh", Language::Shell, "5.9"),
+            ],
+            &["bash"],
+        );
+
+        let list = runtimes_of(&m);
+
+        assert_eq!(
+            list.iter()
+                .map(|(r, n)| (r.language.as_str(), r.runtime.as_deref(), n.as_str()))
+                .collect::<Vec<_>>(),
+            [("bash", None, "shell"), ("zsh", None, "zsh")]
+        );
+        assert!(list[1].0.aliases.is_empty());
     }
 
     #[test]

@@ -373,6 +373,14 @@ pub enum ConfigError {
     Jail,
 }
 
+/// Whether `name` may name a template: lowercase letters, digits, `-` and `_`, not empty.
+pub fn valid_template_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
 impl Config {
     /// The template of a request that names none.
     pub fn default_template(&self) -> &str {
@@ -465,11 +473,7 @@ impl Config {
             return Err(ConfigError::NoTemplates);
         }
         for (i, name) in self.templates.iter().enumerate() {
-            let ok = !name.is_empty()
-                && name.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_'
-                });
-            if !ok || self.templates[..i].contains(name) {
+            if !valid_template_name(name) || self.templates[..i].contains(name) {
                 return Err(ConfigError::TemplateName(name.clone()));
             }
         }

@@ -3,15 +3,20 @@
 //!
 //! The server answers before its templates exist (health says `starting`, jobs get 503 with
 //! `Retry-After`); [`AppState::set_template`] makes one ready, [`AppState::template_failed`]
-//! records why one never will be.
+//! records why one never will be. The served templates are not fixed at start:
+//! [`AppState::add_template`] and [`AppState::remove_template`] change them while the
+//! server runs (the service decides when, `crate::service::templates`), and
+//! [`TemplateSource`] is where a template comes from. What a template can run is its
+//! manifest ([`vmm::Manifest`]), read through its executor's template.
 //!
 //! This is the core's data, read by the service ([`crate::service`]) and the edges; it
 //! decides nothing and names no API dialect.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use vmm::Executor;
+use vmm::manifest::{Kernel, Manifest, Network, Runtime};
 
 use crate::core::engine::Engine;
 
@@ -24,9 +29,34 @@ use crate::core::metrics::{Gauges, Metrics};
 pub struct TemplateInfo {
     /// Size of the initramfs, bytes.
     pub image_bytes: u64,
-    /// Debian packages of Python the template offers, name to version.
+    /// The Debian packages of its image, name to version (its manifest's).
     pub packages: BTreeMap<String, String>,
 }
+
+/// When a template is asked of a [`TemplateSource`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moment {
+    /// While the server starts (before the jail closes): a missing guest build is built.
+    Start,
+    /// Added to a running server: only an existing guest build is used, never built.
+    Added,
+}
+
+/// Why a [`TemplateSource`] gave no template.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// There is no such template to load (no guest build of it).
+    #[error("{0}")]
+    NotFound(String),
+    #[error(transparent)]
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Produces the named template and what its image holds (the `bud` binary passes
+/// `bud_templates::template`). Called on a thread of its own: a first call may boot the
+/// template (seconds to minutes), and at [`Moment::Start`] build its guest.
+pub type TemplateSource =
+    Arc<dyn Fn(&str, Moment) -> Result<(vmm::Template, TemplateInfo), SourceError> + Send + Sync>;
 
 /// Where a served template is.
 #[derive(Debug, Clone)]
@@ -36,6 +66,15 @@ pub enum TemplateState {
     Failed(String),
 }
 
+/// The server's [`TemplateSource`] (a closure, shown by name only).
+struct Source(TemplateSource);
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TemplateSource")
+    }
+}
+
 /// One served template.
 #[derive(Debug)]
 struct Served {
@@ -43,6 +82,25 @@ struct Served {
     engine: OnceLock<Arc<dyn Engine>>,
     info: OnceLock<TemplateInfo>,
     failed: OnceLock<String>,
+}
+
+impl Served {
+    fn new(name: &str) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.to_owned(),
+            engine: OnceLock::new(),
+            info: OnceLock::new(),
+            failed: OnceLock::new(),
+        })
+    }
+
+    fn state(&self) -> TemplateState {
+        match (self.engine.get(), self.failed.get()) {
+            (Some(e), _) => TemplateState::Ready(e.clone()),
+            (None, Some(why)) => TemplateState::Failed(why.clone()),
+            (None, None) => TemplateState::Building,
+        }
+    }
 }
 
 /// A served template's state, as `GET /v1/templates` shows it.
@@ -60,12 +118,29 @@ pub struct TemplateStatus {
     pub ram_bytes: Option<u64>,
     /// Size of the template's memory file (the snapshot every VM maps), bytes.
     pub memory_file_bytes: Option<u64>,
+    /// From its manifest, once it is ready: the runtimes a job may name (the default first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtimes: Option<Vec<Runtime>>,
+    /// Its code-context kernels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<Vec<Kernel>>,
+    /// Programs on its guest's `PATH` besides the runtimes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<Network>,
 }
 
 #[derive(Debug)]
 struct Shared {
     config: Config,
-    templates: Vec<Served>,
+    /// The served templates, in the order they were configured or added.
+    templates: RwLock<Vec<Arc<Served>>>,
+    source: OnceLock<Source>,
+    /// Held while a template is added, and while the jail closes; true once the jail's
+    /// filters are on, after which no template is added (loading one opens files and
+    /// `/dev/kvm`, which the filters do not allow).
+    fixed: Mutex<bool>,
     jobs: JobThreads,
     metrics: Arc<Metrics>,
     sessions: Arc<crate::core::sessions::Sessions>,
@@ -100,15 +175,10 @@ impl AppState {
         config.validate()?;
         let jobs = JobThreads::start(config.workers, config.capacity(), config.key_quota())
             .map_err(StateError::Threads)?;
-        let templates: Vec<Served> = config
+        let templates: Vec<Arc<Served>> = config
             .templates
             .iter()
-            .map(|name| Served {
-                name: name.clone(),
-                engine: OnceLock::new(),
-                info: OnceLock::new(),
-                failed: OnceLock::new(),
-            })
+            .map(|name| Served::new(name))
             .collect();
         if let (Some(e), Some(t)) = (
             executor,
@@ -156,7 +226,9 @@ impl AppState {
         };
         Ok(Self(Arc::new(Shared {
             config,
-            templates,
+            templates: RwLock::new(templates),
+            source: OnceLock::new(),
+            fixed: Mutex::new(false),
             jobs,
             metrics: Arc::default(),
             sessions,
@@ -254,15 +326,79 @@ impl AppState {
         }
     }
 
-    /// Whether template `name` has Debian package `package` (known once it is prepared).
-    pub fn template_has(&self, name: &str, package: &str) -> bool {
-        self.served(name)
-            .and_then(|t| t.info.get())
-            .is_some_and(|i| i.packages.contains_key(package))
+    /// Serves template `name` from now on, as `building` until [`AppState::set_template`].
+    /// Returns `false` if it is served already.
+    pub fn add_template(&self, name: &str) -> bool {
+        let mut all = self.0.templates.write().unwrap_or_else(|p| p.into_inner());
+        if all.iter().any(|t| t.name == name) {
+            return false;
+        }
+        all.push(Served::new(name));
+        true
     }
 
-    fn served(&self, name: &str) -> Option<&Served> {
-        self.0.templates.iter().find(|t| t.name == name)
+    /// Stops serving template `name`; returns the state it was in (jobs that hold its
+    /// executor finish with it), or `None` if it was not served.
+    pub fn remove_template(&self, name: &str) -> Option<TemplateState> {
+        let mut all = self.0.templates.write().unwrap_or_else(|p| p.into_inner());
+        let at = all.iter().position(|t| t.name == name)?;
+        Some(all.remove(at).state())
+    }
+
+    /// Runs `add` (the loading of an added template) unless the served templates are fixed
+    /// (`None`); no jail closes meanwhile.
+    pub fn while_adding<R>(&self, add: impl FnOnce() -> R) -> Option<R> {
+        let fixed = self.0.fixed.lock().unwrap_or_else(|p| p.into_inner());
+        (!*fixed).then(add)
+    }
+
+    /// Runs `close` (closing the jail) once no template is being added; the served
+    /// templates are fixed from then on if it returns true (the filters are on).
+    pub fn fix_templates_if(&self, close: impl FnOnce() -> bool) {
+        let mut fixed = self.0.fixed.lock().unwrap_or_else(|p| p.into_inner());
+        *fixed = close();
+    }
+
+    /// Where templates come from (set once, at start).
+    pub fn set_template_source(&self, source: TemplateSource) {
+        let _ = self.0.source.set(Source(source));
+    }
+
+    /// Where templates come from, if the server was given a source.
+    pub fn template_source(&self) -> Option<&TemplateSource> {
+        self.0.source.get().map(|s| &s.0)
+    }
+
+    /// The manifest of template `name`, once it is ready.
+    pub fn template_manifest(&self, name: &str) -> Option<Manifest> {
+        let e = self.served(name)?.engine.get()?.clone();
+        Some(e.manifest().clone())
+    }
+
+    /// Whether template `name` has program `tool` on its guest's `PATH` (known once it is
+    /// ready; its manifest's `tools`).
+    pub fn template_has_tool(&self, name: &str, tool: &str) -> bool {
+        self.served(name)
+            .and_then(|t| t.engine.get().cloned())
+            .is_some_and(|e| e.manifest().has_tool(tool))
+    }
+
+    fn served(&self, name: &str) -> Option<Arc<Served>> {
+        let all = self.0.templates.read().unwrap_or_else(|p| p.into_inner());
+        all.iter().find(|t| t.name == name).cloned()
+    }
+
+    fn all_served(&self) -> Vec<Arc<Served>> {
+        self.0
+            .templates
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The served templates' names, in order.
+    pub fn template_names(&self) -> Vec<String> {
+        self.all_served().iter().map(|t| t.name.clone()).collect()
     }
 
     /// The name a request's `template` resolves to: its own, or the default one.
@@ -272,12 +408,7 @@ impl AppState {
 
     /// The state of template `name`, or None if it is not served.
     pub fn template_state(&self, name: &str) -> Option<TemplateState> {
-        let t = self.served(name)?;
-        Some(match (t.engine.get(), t.failed.get()) {
-            (Some(e), _) => TemplateState::Ready(e.clone()),
-            (None, Some(why)) => TemplateState::Failed(why.clone()),
-            (None, None) => TemplateState::Building,
-        })
+        Some(self.served(name)?.state())
     }
 
     /// The default template's engine if it is ready (no rejection counted).
@@ -293,8 +424,7 @@ impl AppState {
 
     /// Every ready template's engine, by name.
     pub fn ready_engines(&self) -> Vec<(String, Arc<dyn Engine>)> {
-        self.0
-            .templates
+        self.all_served()
             .iter()
             .filter_map(|t| Some((t.name.clone(), t.engine.get()?.clone())))
             .collect()
@@ -308,14 +438,14 @@ impl AppState {
             .collect()
     }
 
-    /// The served templates and their states, in the configured order.
+    /// The served templates and their states, in order.
     pub fn templates(&self) -> Vec<TemplateStatus> {
         let default = self.config().default_template();
-        self.0
-            .templates
+        self.all_served()
             .iter()
             .map(|t| {
                 let e = t.engine.get();
+                let manifest = e.map(|e| e.manifest());
                 TemplateStatus {
                     name: t.name.clone(),
                     status: match (e, t.failed.get()) {
@@ -328,6 +458,10 @@ impl AppState {
                     info: t.info.get().cloned().unwrap_or_default(),
                     ram_bytes: e.map(|e| e.sizes().0),
                     memory_file_bytes: e.map(|e| e.sizes().1),
+                    runtimes: manifest.map(|m| m.runtimes.clone()),
+                    kernels: manifest.map(|m| m.kernels.clone()),
+                    tools: manifest.map(|m| m.tools.clone()),
+                    network: manifest.map(|m| m.network),
                 }
             })
             .collect()
@@ -369,5 +503,43 @@ impl AppState {
                 )
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> AppState {
+        AppState::new(Config::default(), None).unwrap()
+    }
+
+    #[test]
+    fn templates_are_added_and_removed_by_name_in_order() {
+        let s = state();
+
+        let added = s.add_template("tools");
+        let again = s.add_template("tools");
+        let names = s.template_names();
+        let removed = s.remove_template("tools");
+        let twice = s.remove_template("tools");
+
+        assert!(added && !again);
+        assert_eq!(names, ["python", "tools"]);
+        assert!(matches!(removed, Some(TemplateState::Building)));
+        assert!(twice.is_none());
+        assert_eq!(s.template_names(), ["python"]);
+    }
+
+    #[test]
+    fn no_template_is_added_once_the_jails_filters_are_on() {
+        let open = state();
+        let jailed = state();
+
+        open.fix_templates_if(|| false);
+        jailed.fix_templates_if(|| true);
+
+        assert_eq!(open.while_adding(|| 1), Some(1));
+        assert_eq!(jailed.while_adding(|| 1), None);
     }
 }

@@ -174,12 +174,15 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::NoFile(_)
         | Error::NoContext(_)
         | Error::NoProcess { .. }
-        | Error::NoSnapshot(_) => StatusCode::NOT_FOUND,
+        | Error::NoSnapshot(_)
+        | Error::NoTemplate(_) => StatusCode::NOT_FOUND,
         Error::StdinClosed(_)
         | Error::StdinFull { .. }
         | Error::Paused(_)
         | Error::NotPaused(_)
-        | Error::Exists(_) => StatusCode::CONFLICT,
+        | Error::Exists(_)
+        | Error::TemplateInUse(_)
+        | Error::Jailed => StatusCode::CONFLICT,
         Error::NoStateDir => StatusCode::NOT_IMPLEMENTED,
         Error::StateQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
         Error::Unresumable { .. } => StatusCode::GONE,
@@ -203,6 +206,9 @@ fn service_code(e: &Error) -> &'static str {
         Error::NotReady { .. } => "not_ready",
         Error::UnknownTemplate { .. } => "unknown_template",
         Error::TemplateFailed { .. } => "template_failed",
+        Error::NoTemplate(_) => "unknown_template",
+        Error::TemplateInUse(_) => "template_in_use",
+        Error::Jailed => "jailed",
         Error::ShuttingDown => "shutting_down",
         Error::Draining { .. } => "draining",
         Error::WrongNode { .. } => "wrong_node",

@@ -38,9 +38,11 @@ pub fn one_shot(
         Default::default()
     };
     let template = req.template.take();
+    let runtime = req.language.take();
     Ok(OneShot {
         job: req.into_job(&state.config().limits, prefix)?,
         template,
+        runtime,
         files,
         route: route.to_owned(),
     })

@@ -29,14 +29,14 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 
 use crate::core::state::AppState;
 use crate::service;
 use error::ApiError;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 44] = [
+pub const ROUTES: [(&str, &str); 46] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -44,6 +44,8 @@ pub const ROUTES: [(&str, &str); 44] = [
     ("get", "/metrics"),
     ("get", "/v1/openapi.json"),
     ("get", "/v1/templates"),
+    ("put", "/v1/templates/{name}"),
+    ("delete", "/v1/templates/{name}"),
     ("post", "/v1/sessions"),
     ("get", "/v1/sessions"),
     ("get", "/v1/sessions/{id}"),
@@ -94,6 +96,10 @@ pub fn routes() -> Router<AppState> {
         .route("/metrics", get(node::metrics))
         .route("/v1/openapi.json", get(openapi::serve))
         .route("/v1/templates", get(templates::list))
+        .route(
+            "/v1/templates/{name}",
+            put(templates::add).delete(templates::remove),
+        )
         .route("/v1/sessions", post(sessions::create).get(sessions::list))
         .route(
             "/v1/sessions/{id}",

@@ -142,6 +142,9 @@ mod tests {
                 name: String::new(),
                 why: String::new(),
             },
+            Error::NoTemplate(String::new()),
+            Error::TemplateInUse(String::new()),
+            Error::Jailed,
             Error::ShuttingDown,
             Error::NoSession(String::new()),
             Error::SessionGone {

@@ -12,35 +12,26 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
-use vmm::Executor;
 use vmm::devices::console::{ConsoleLine, EchoFn};
-use vmm::template::Origin;
 
 use crate::core::config::Config;
-use crate::core::state::{AppState, StateError, TemplateInfo};
+use crate::core::state::{AppState, Moment, StateError};
+pub use crate::core::state::{SourceError, TemplateSource};
+pub use crate::service::templates::{PrepareError, prepare};
 
 /// Everything `bud serve` needs.
 pub struct ServeOptions {
     pub listen: IpAddr,
     pub port: u16,
     pub config: Config,
-    /// Where each template of `config.templates` comes from (the `bud` binary passes
-    /// `bud_templates::template`).
+    /// Where each template of `config.templates`, and each one added while the server
+    /// runs, comes from (the `bud` binary passes `bud_templates::template`).
     pub template: TemplateSource,
 }
-
-/// Produces the named template and what its image holds. Called once per served template,
-/// on a background thread, after the server listens (a first call may build the guest
-/// image and boot the template: minutes).
-pub type TemplateSource = Box<
-    dyn Fn(&str) -> Result<(vmm::Template, TemplateInfo), Box<dyn std::error::Error + Send + Sync>>
-        + Send,
->;
 
 impl std::fmt::Debug for ServeOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,19 +69,6 @@ pub enum ServeError {
     Jail(#[from] crate::core::jail::JailError),
 }
 
-/// Why the template could not be made ready.
-#[derive(Debug, thiserror::Error)]
-pub enum PrepareError {
-    #[error("preparing the template: {0}")]
-    Template(Box<dyn std::error::Error + Send + Sync>),
-    #[error("starting the executor")]
-    Executor(#[from] vmm::ExecError),
-    #[error("closing the jail")]
-    Jail(#[from] crate::core::jail::JailError),
-    #[error("after closing the jail")]
-    StateDir(#[from] crate::core::durable::DurableError),
-}
-
 /// Logs to stderr; `RUST_LOG` filters (default `info`). Does nothing if logging is set up.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -112,56 +90,6 @@ pub fn console_echo() -> EchoFn {
 /// A guest build progress line, into the log (target `bud::guest_build`).
 pub fn log_build_line(line: &str) {
     info!(target: "bud::guest_build", "{line}");
-}
-
-/// Gets template `name` from `source`, then starts its executor.
-pub fn prepare(
-    source: &TemplateSource,
-    name: &str,
-    config: &Config,
-) -> Result<(Executor, TemplateInfo), PrepareError> {
-    let started = Instant::now();
-    info!(
-        template = name,
-        "loading the template (a first build boots the guest: minutes)"
-    );
-    let (template, template_info) = source(name).map_err(PrepareError::Template)?;
-    match template.origin() {
-        Origin::Built {
-            boot,
-            capture,
-            write,
-        } => info!(
-            template = name,
-            dir = %template.dir().display(),
-            ready_s = boot.to_ready.as_secs_f64(),
-            capture_ms = capture.as_secs_f64() * 1e3,
-            write_ms = write.as_secs_f64() * 1e3,
-            "template built"
-        ),
-        Origin::Loaded { load } => info!(
-            template = name,
-            dir = %template.dir().display(),
-            load_ms = load.as_secs_f64() * 1e3,
-            "template loaded"
-        ),
-    }
-    let executor = Executor::new(
-        template,
-        vmm::ExecutorOptions {
-            pool_size: config.pool_size,
-            reuse: config.reuse,
-            verify: config.verify_resets,
-            ..vmm::ExecutorOptions::default()
-        },
-    )?;
-    info!(
-        template = name,
-        pool = config.pool_size,
-        total_s = started.elapsed().as_secs_f64(),
-        "ready for jobs"
-    );
-    Ok((executor, template_info))
 }
 
 async fn shutdown_signal() {
@@ -260,6 +188,7 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
         let prep_state = state.clone();
         let prep_config = opts.config.clone();
         let source = opts.template;
+        state.set_template_source(source.clone());
         let prep_error = failed.clone();
         // Detached: a signal during a long guest build must not wait for it.
         std::thread::Builder::new()
@@ -269,7 +198,7 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                 let mut order = vec![default.clone()];
                 order.extend(prep_config.templates.iter().filter(|t| **t != default).cloned());
                 for name in order {
-                    match prepare(&source, &name, &prep_config) {
+                    match prepare(&source, &name, Moment::Start, &prep_config) {
                         Ok((e, info)) => {
                             prep_state.set_template(&name, Arc::new(e), info);
                         }
@@ -286,36 +215,47 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
                     }
                 }
                 // Every template is prepared: nothing needs root or execve any more.
-                let writable = writable_after_jail(&prep_state);
-                // The state directory, written by the jailed server (`--user`): a folder
-                // it cannot reach is an error now, not a 500 at the first pause.
-                let closed = crate::core::jail::close(&prep_config.jail, &writable)
-                    .map_err(PrepareError::from)
-                    .and_then(|closed| match prep_state.state_dir() {
-                        Some(dir) => dir.probe_writable().map(|()| closed).map_err(PrepareError::from),
-                        None => Ok(closed),
-                    });
-                match closed {
-                    Ok(closed) => {
-                        if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
-                            warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
+                // Not while a template is added (loading one needs what the filters forbid);
+                // none is added once they are on.
+                prep_state.fix_templates_if(|| {
+                    let writable = writable_after_jail(&prep_state);
+                    // The state directory, written by the jailed server (`--user`): a folder
+                    // it cannot reach is an error now, not a 500 at the first pause.
+                    let closed = crate::core::jail::close(&prep_config.jail, &writable)
+                        .map_err(PrepareError::from)
+                        .and_then(|closed| match prep_state.state_dir() {
+                            Some(dir) => dir
+                                .probe_writable()
+                                .map(|()| closed)
+                                .map_err(PrepareError::from),
+                            None => Ok(closed),
+                        });
+                    match closed {
+                        Ok(closed) => {
+                            if let crate::core::jail::Seccomp::Unavailable(why) = &closed.seccomp {
+                                warn!("this host cannot install seccomp filters ({why}): running without the jail (--jail makes this an error)");
+                            }
+                            let line = closed.to_string();
+                            let (seccomp, uid) = (closed.jailed(), closed.uid);
+                            // Handed to the job threads before the line that says the jail is
+                            // in force: /v1/health's `jailed` reads it, and a client that saw
+                            // the line found `jailed: false` (tests/jail.rs, 1 run in ~6).
+                            if let Some(f) = closed.job_filter {
+                                prep_state.jobs().set_job_filter(f);
+                            }
+                            info!(seccomp, uid, "{line}");
+                            seccomp
                         }
-                        let line = closed.to_string();
-                        let (seccomp, uid) = (closed.jailed(), closed.uid);
-                        // Handed to the job threads before the line that says the jail is
-                        // in force: /v1/health's `jailed` reads it, and a client that saw
-                        // the line found `jailed: false` (tests/jail.rs, 1 run in ~6).
-                        if let Some(f) = closed.job_filter {
-                            prep_state.jobs().set_job_filter(f);
+                        // The server stops; whether the filters are on or not, nothing is
+                        // added meanwhile.
+                        Err(e) => {
+                            error!("{}", crate::core::error_chain(&e));
+                            *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                            let _ = prep_done.send(());
+                            true
                         }
-                        info!(seccomp, uid, "{line}");
                     }
-                    Err(e) => {
-                        error!("{}", crate::core::error_chain(&e));
-                        *prep_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        let _ = prep_done.send(());
-                    }
-                }
+                });
             })
             .map_err(ServeError::Thread)?;
 

@@ -44,7 +44,28 @@ pub fn create(
 ) -> Result<Context, Error> {
     let e = access::get(state, id)?;
     let language = language.unwrap_or("python");
-    language_of(language)?;
+    let kernel = match language_of(language)? {
+        Language::Python => "python",
+        Language::Shell => "bash",
+    };
+    // The template's manifest says which kernels it has (one made before manifests lists
+    // none, and keeps both).
+    let manifest = e.engine.manifest();
+    if !manifest.kernels.is_empty() && manifest.kernel(kernel).is_none() {
+        let has: Vec<&str> = manifest
+            .kernels
+            .iter()
+            .map(|k| k.language.as_str())
+            .collect();
+        return Err(Error::invalid(
+            "language",
+            format!(
+                "template {} has no {kernel} kernel; its kernels: {}",
+                e.template,
+                has.join(", ")
+            ),
+        ));
+    }
     let cwd = cwd.filter(|d| !d.is_empty()).unwrap_or(home);
     if cwd.contains('\0') || cwd.len() > MAX_CWD {
         return Err(Error::invalid(

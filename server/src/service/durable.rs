@@ -248,7 +248,10 @@ pub async fn start_from(
     env.extend(req.env);
     crate::service::import_check::check_env(state, &env)?;
     let settings = NewSession {
-        language: req.language.unwrap_or(r.language),
+        language: match req.language.as_deref() {
+            None => r.language,
+            Some(name) => crate::service::templates::runtime(&exec, Some(name), "language")?,
+        },
         env,
         idle_timeout: Duration::from_secs(idle),
         max_lifetime: Duration::from_secs(life),

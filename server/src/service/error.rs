@@ -73,6 +73,18 @@ pub enum Error {
     /// The template could not be prepared.
     #[error("template `{name}` could not be prepared: {why}")]
     TemplateFailed { name: String, why: String },
+    /// A template to add has nothing to load (no guest build), or one to remove is not
+    /// served.
+    #[error("{0}")]
+    NoTemplate(String),
+    /// A template cannot be removed now: the default one, or one that live sessions run on.
+    #[error("{0}")]
+    TemplateInUse(String),
+    /// Templates cannot be added or removed under the jail's filters.
+    #[error(
+        "the served templates are fixed once the jail's filters are on (loading one opens /dev/kvm and its files): serve it with --templates, or run with --no-jail"
+    )]
+    Jailed,
     /// The server is finishing in-flight jobs before it stops.
     #[error("the server is shutting down")]
     ShuttingDown,

@@ -39,6 +39,9 @@ pub struct OneShot {
     pub job: Job,
     /// The template to run in (None: the default).
     pub template: Option<String>,
+    /// The runtime of the template it names (None: the template's default); the job's
+    /// language is set from it once the template is known ([`templates::runtime`]).
+    pub runtime: Option<String>,
     /// Files put before it runs and patterns of those returned after.
     pub files: JobFiles,
     /// The route that asked, for the audit trail.
@@ -69,6 +72,7 @@ fn submit(
         template,
         files,
         route,
+        ..
     } = one;
     let origin = Origin::here(&route, state.template_name(template.as_deref()), None);
     // Held by the caller's future: a caller that goes away drops it, which cancels the job.
@@ -128,9 +132,10 @@ fn ran(
 
 /// Runs `one`: its template ready, admitted, on a job thread; its output also goes to
 /// `sink` as it comes. Dropping the future cancels the job.
-pub async fn run(state: &AppState, one: OneShot, sink: Sink) -> Result<Ran, Error> {
+pub async fn run(state: &AppState, mut one: OneShot, sink: Sink) -> Result<Ran, Error> {
     admission::check_open(state)?;
     let engine = templates::engine_for(state, one.template.as_deref())?;
+    one.job.language = templates::runtime(engine.as_ref(), one.runtime.as_deref(), "language")?;
     let slot = admission::admit(state, 1)?.remove(0);
     submit(state, engine, slot, one, sink, None)?.finish().await
 }
@@ -157,6 +162,11 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
     for (i, mut one) in jobs.into_iter().enumerate() {
         let engine = templates::engine_for(state, one.template.as_deref())
             .map_err(|e| e.in_field(&format!("jobs[{i}].template")))?;
+        one.job.language = templates::runtime(
+            engine.as_ref(),
+            one.runtime.as_deref(),
+            &format!("jobs[{i}].language"),
+        )?;
         one.job.output_limit = one.job.output_limit.min(share);
         ready.push((engine, one));
     }
@@ -184,9 +194,10 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
-    /// `python` (default) or `shell`.
+    /// A runtime of the template (its manifest's: `python`, `shell`, ...); default: the
+    /// template's first.
     #[serde(default)]
-    pub language: Option<Language>,
+    pub language: Option<String>,
     pub code: Option<String>,
     pub code_b64: Option<String>,
     pub stdin: Option<String>,
@@ -215,6 +226,10 @@ pub struct ExecRequest {
     /// How a session cell runs (set by the code-interpreter compat layer, not by clients).
     #[serde(skip)]
     pub cell: vmm::CellOptions,
+    /// The worker mode a session cell runs in whatever `language` says (set by a dialect
+    /// whose cells are a kernel's, not by clients).
+    #[serde(skip)]
+    pub mode: Option<Language>,
     /// Its output is streamed to the client (set by the streaming routes).
     #[serde(skip)]
     pub stream: bool,
@@ -319,7 +334,9 @@ impl ExecRequest {
     }
 
     /// Checks the request against `limits` and builds the job; `prefix` names this request in
-    /// error fields (`""`, or `"jobs[3]."` in a batch).
+    /// error fields (`""`, or `"jobs[3]."` in a batch). Its language is the worker's Python
+    /// mode until the caller sets it from the template's runtime (`language` is the
+    /// template's to check: [`templates::runtime`]).
     pub fn into_job(self, limits: &Limits, prefix: &str) -> Result<Job, Error> {
         if !(self.files.is_empty() && self.return_files.is_empty()) {
             return Err(Error::invalid(
@@ -374,7 +391,7 @@ impl ExecRequest {
             limits.max_args_env_bytes,
         )?;
 
-        let mut job = Job::new(self.language.unwrap_or(Language::Python), code);
+        let mut job = Job::new(self.mode.unwrap_or(Language::Python), code);
         job.stdin = stdin;
         job.args = self.args;
         job.env = self.env.into_iter().collect();
@@ -386,7 +403,6 @@ impl ExecRequest {
     }
 }
 
-#[cfg(test)]
 #[cfg(test)]
 mod tests {
     use super::*;

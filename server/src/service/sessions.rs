@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use vmm::JobResult;
 use vmm::session::{DEFAULT_INTERRUPT_GRACE, ForkStats, SessionError};
-use vmm::{JobResult, Language};
 
 use crate::core::audit::Origin;
 use crate::core::jobs::CancelOnDrop;
@@ -69,10 +69,11 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     };
     probe.into_job(&state.config().limits, "")?;
     let engine = templates::engine_for(state, req.template.as_deref())?;
+    let language = templates::runtime(engine.as_ref(), req.language.as_deref(), "language")?;
     check_count(state, 1)?;
     check_memory(state)?;
     let settings = NewSession {
-        language: req.language.unwrap_or(Language::Python),
+        language,
         env: req.env,
         idle_timeout: idle,
         max_lifetime: life,
@@ -147,13 +148,17 @@ fn cell_job(state: &AppState, e: &Entry, mut req: ExecRequest) -> Result<vmm::Jo
             ),
         ));
     }
-    if req.language.is_none() {
-        req.language = Some(e.language);
-    }
+    let language = match (req.mode, req.language.take()) {
+        (Some(mode), _) => mode,
+        (None, None) => e.language,
+        (None, Some(name)) => templates::runtime(e.engine.as_ref(), Some(&name), "language")?,
+    };
     let mut env = e.env.clone();
     env.append(&mut req.env);
     req.env = env;
-    req.into_job(&state.config().limits, "")
+    let mut job = req.into_job(&state.config().limits, "")?;
+    job.language = language;
+    Ok(job)
 }
 
 /// Runs cell `req` in session `id` on a job thread; its output also goes to `sink` as it
@@ -298,8 +303,9 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// Default language of its cells (`python` unless given).
-    pub language: Option<Language>,
+    /// Default runtime of its cells, one of its template's (the template's first unless
+    /// given).
+    pub language: Option<String>,
     /// Environment of every cell.
     #[serde(default)]
     pub env: BTreeMap<String, String>,

@@ -1,15 +1,40 @@
 //! Templates: which engine (and, for the operations not behind the engine's seam yet,
-//! which VMM executor) a request runs on.
+//! which VMM executor) a request runs on, which runtime of its template a job names, and
+//! the served templates changed while the server runs.
+//!
+//! What a template can run is its manifest ([`vmm::Manifest`], written by the image
+//! builder): a job's `language` is one of its runtimes, checked here, and the worker runs
+//! it as the runtime's [`Language`] says. Templates are prepared ([`prepare`]) at start
+//! and by [`add`] later, from the server's [`TemplateSource`]; [`remove`] stops serving one
+//! that no live session runs on.
 
 use std::sync::Arc;
+use std::time::Instant;
 
-use vmm::Executor;
+use tracing::info;
+use vmm::template::Origin;
+use vmm::{Executor, Language};
 
+use crate::core::config::{Config, valid_template_name};
 use crate::core::engine::Engine;
-
 use crate::core::metrics::Rejection;
-use crate::core::state::{AppState, TemplateState};
+use crate::core::state::{
+    AppState, Moment, SourceError, TemplateInfo, TemplateSource, TemplateState, TemplateStatus,
+};
 use crate::service::error::Error;
+
+/// Why a template could not be made ready.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("preparing the template")]
+    Template(#[from] SourceError),
+    #[error("starting the executor")]
+    Executor(#[from] vmm::ExecError),
+    #[error("closing the jail")]
+    Jail(#[from] crate::core::jail::JailError),
+    #[error("after closing the jail")]
+    StateDir(#[from] crate::core::durable::DurableError),
+}
 
 /// The engine of template `asked` (`None`: the default one): unknown if it is not
 /// served; not ready (retry later) while it is built or loaded; failed if it could not be.
@@ -18,7 +43,7 @@ pub fn engine_for(state: &AppState, asked: Option<&str>) -> Result<Arc<dyn Engin
     match state.template_state(name) {
         None => Err(Error::UnknownTemplate {
             name: name.to_owned(),
-            served: state.config().templates.clone(),
+            served: state.template_names(),
             field: "template".into(),
         }),
         Some(TemplateState::Ready(e)) => Ok(e),
@@ -51,4 +76,174 @@ pub fn executor_for(state: &AppState, asked: Option<&str>) -> Result<Arc<Executo
 /// The default template's executor.
 pub fn default_executor(state: &AppState) -> Result<Arc<Executor>, Error> {
     executor_for(state, None)
+}
+
+/// How the worker runs runtime `asked` of the template `exec` serves (`None`: its default
+/// runtime, the manifest's first): 400 on `field` naming the template's runtimes when it
+/// has no such runtime.
+pub fn runtime(engine: &dyn Engine, asked: Option<&str>, field: &str) -> Result<Language, Error> {
+    let manifest = engine.manifest();
+    let found = match asked {
+        Some(name) => manifest.runtime(name),
+        None => manifest.default_runtime(),
+    };
+    found.map(|r| r.run).ok_or_else(|| {
+        let offers = match manifest.runtime_names() {
+            names if names.is_empty() => "none".to_owned(),
+            names => names.join(", "),
+        };
+        Error::invalid(
+            field,
+            format!(
+                "template {} has no runtime {}; its runtimes: {offers}",
+                manifest.name,
+                asked.map_or_else(|| "at all".to_owned(), |a| format!("{a:?}")),
+            ),
+        )
+    })
+}
+
+/// Gets template `name` from `source` at `moment`, then starts its executor.
+pub fn prepare(
+    source: &TemplateSource,
+    name: &str,
+    moment: Moment,
+    config: &Config,
+) -> Result<(Executor, TemplateInfo), PrepareError> {
+    let started = Instant::now();
+    info!(
+        template = name,
+        "loading the template (a first build boots the guest: minutes)"
+    );
+    let (template, template_info) = source(name, moment)?;
+    match template.origin() {
+        Origin::Built {
+            boot,
+            capture,
+            write,
+        } => info!(
+            template = name,
+            dir = %template.dir().display(),
+            ready_s = boot.to_ready.as_secs_f64(),
+            capture_ms = capture.as_secs_f64() * 1e3,
+            write_ms = write.as_secs_f64() * 1e3,
+            "template built"
+        ),
+        Origin::Loaded { load } => info!(
+            template = name,
+            dir = %template.dir().display(),
+            load_ms = load.as_secs_f64() * 1e3,
+            "template loaded"
+        ),
+    }
+    let executor = Executor::new(
+        template,
+        vmm::ExecutorOptions {
+            pool_size: config.pool_size,
+            reuse: config.reuse,
+            verify: config.verify_resets,
+            ..vmm::ExecutorOptions::default()
+        },
+    )?;
+    info!(
+        template = name,
+        pool = config.pool_size,
+        runtimes = executor.template().manifest().runtime_names().join(","),
+        total_s = started.elapsed().as_secs_f64(),
+        "ready for jobs"
+    );
+    Ok((executor, template_info))
+}
+
+/// Whether a template was added now or was served already.
+#[derive(Debug)]
+pub enum Added {
+    Now(TemplateStatus),
+    Already(TemplateStatus),
+}
+
+/// Serves template `name` from now on: loads it from the server's source (its guest must be
+/// built; its template is loaded, or booted on first use) and waits until it is ready. A
+/// template served already is left as it is. Refused once the jail's filters are on (the
+/// jail never closes while one is loaded: [`AppState::fix_templates_if`]).
+pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
+    if !valid_template_name(name) {
+        return Err(Error::invalid(
+            "name",
+            "a template name is lowercase letters, digits, '-' and '_'",
+        ));
+    }
+    let status = |state: &AppState| state.templates().into_iter().find(|t| t.name == name);
+    let source = state
+        .template_source()
+        .cloned()
+        .ok_or_else(|| Error::NoTemplate("this server has no source of templates".into()))?;
+    if !state.add_template(name) {
+        return Ok(Added::Already(status(state).ok_or_else(|| gone(name))?));
+    }
+    let (st, owned) = (state.clone(), name.to_owned());
+    let prepared = tokio::task::spawn_blocking(move || {
+        st.while_adding(|| prepare(&source, &owned, Moment::Added, st.config()))
+    })
+    .await
+    .map_err(Error::internal)?;
+    match prepared {
+        None => {
+            state.remove_template(name);
+            Err(Error::Jailed)
+        }
+        Some(Ok((executor, info))) => {
+            state.set_template(name, Arc::new(executor), info);
+            Ok(Added::Now(status(state).ok_or_else(|| gone(name))?))
+        }
+        // Not served after all: a later PUT tries again.
+        Some(Err(PrepareError::Template(SourceError::NotFound(why)))) => {
+            state.remove_template(name);
+            Err(Error::NoTemplate(why))
+        }
+        Some(Err(e)) => {
+            let why = crate::core::error_chain(&e);
+            tracing::error!(template = %name, "{why}");
+            state.remove_template(name);
+            Err(Error::TemplateFailed {
+                name: name.to_owned(),
+                why,
+            })
+        }
+    }
+}
+
+fn gone(name: &str) -> Error {
+    Error::NoTemplate(format!("template {name} was removed meanwhile"))
+}
+
+/// Stops serving template `name`: refused for the default template and while a live
+/// session runs on it (sessions are not drained: they are the client's to end or pause).
+/// Jobs already admitted on it finish; its executor goes with the last of them.
+pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
+    if state.template_state(name).is_none() {
+        return Err(Error::NoTemplate(format!(
+            "template {name} is not served; this server serves: {}",
+            state.template_names().join(", ")
+        )));
+    }
+    if name == state.config().default_template() {
+        return Err(Error::TemplateInUse(format!(
+            "template {name} is the server's default"
+        )));
+    }
+    let live = state
+        .sessions()
+        .list()
+        .iter()
+        .filter(|s| s.template == name)
+        .count();
+    if live > 0 {
+        return Err(Error::TemplateInUse(format!(
+            "{live} live session(s) run on template {name}: end or pause them first"
+        )));
+    }
+    state.remove_template(name);
+    info!(template = name, "template removed");
+    Ok(())
 }

@@ -134,6 +134,32 @@ pub fn test_config() -> Config {
     }
 }
 
+/// Where a test server's added templates (`PUT /v1/templates/{name}`) come from: this
+/// source tree's, as `bud serve` gets them (an added one only if its guest is built).
+pub fn template_source() -> bud_server::TemplateSource {
+    use bud_server::core::state::{Moment, SourceError, TemplateInfo};
+    Arc::new(|name: &str, moment: Moment| {
+        let mut opts = template_options(name);
+        if moment == Moment::Added {
+            opts.guest = bud_templates::GuestBuild::Built;
+        }
+        let template = bud_templates::template(&opts, &mut |_| {}, None).map_err(|e| match e {
+            e @ bud_templates::TemplateSetupError::NotBuilt(_) => {
+                SourceError::NotFound(e.to_string())
+            }
+            e => SourceError::Failed(e.into()),
+        })?;
+        let (image_bytes, packages) = bud_templates::image_facts(&opts);
+        Ok((
+            template,
+            TemplateInfo {
+                image_bytes,
+                packages,
+            },
+        ))
+    })
+}
+
 /// A server on 127.0.0.1:0, stopped (gracefully, joined) on drop.
 pub struct TestServer {
     pub addr: SocketAddr,
@@ -168,6 +194,7 @@ impl TestServer {
     /// A server whose templates `ready` are served by these executors.
     pub fn with_executors(config: Config, ready: &[(&str, Arc<Executor>)]) -> Self {
         let state = AppState::new(config, None).expect("server state");
+        state.set_template_source(template_source());
         for (name, executor) in ready {
             let (image_bytes, packages) = bud_templates::image_facts(&template_options(name));
             let info = bud_server::core::state::TemplateInfo {

@@ -31,15 +31,9 @@ pub(crate) const STREAM_TICK: Duration = Duration::from_millis(50);
 /// Console lines a crashed job carries.
 pub(crate) const CRASH_TAIL_LINES: usize = 40;
 
-/// The language of a job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Language {
-    /// CPython 3.11 with `python3 -c CODE` semantics.
-    Python,
-    /// POSIX shell (busybox `sh -c CODE` semantics).
-    Shell,
-}
+/// How the worker runs a job's code: defined with the template manifest, whose runtimes
+/// name these modes ([`crate::manifest`]).
+pub use crate::manifest::Language;
 
 impl Language {
     fn code(self) -> u32 {

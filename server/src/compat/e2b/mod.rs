@@ -169,14 +169,27 @@ pub fn e2b_error(e: impl Into<ApiError>) -> Response {
     e.respond_with(json!({ "code": code, "message": e.to_string() }))
 }
 
-/// The bud template of an E2B template name. E2B's `base` is a Debian with bash, curl and
-/// git: bud's `tools` template where the server serves it, else `python`.
+/// What E2B's `base` template has on its `PATH` (a Debian with bash, curl and git).
+const BASE_TOOLS: [&str; 3] = ["bash", "curl", "git"];
+
+/// The bud template of an E2B template name. E2B's `base` is the first served template
+/// whose manifest has bash, curl and git (bud's `tools`), else `tools` while it is still
+/// building, else `python`.
 fn bud_template(state: &AppState, asked: &str) -> Result<String, Error> {
-    let served = |name: &str| state.templates().iter().any(|t| t.name == name);
+    let names = state.template_names();
+    let served = |name: &str| names.iter().any(|t| t == name);
+    let with_tools = names.iter().find(|name| {
+        state
+            .template_manifest(name)
+            .is_some_and(|m| BASE_TOOLS.iter().all(|t| m.has_tool(t)))
+    });
     let name = match asked {
         "code-interpreter-v1" | "code-interpreter" => "datascience",
-        "base" if served("tools") => "tools",
-        "base" => "python",
+        "base" => match with_tools {
+            Some(name) => name.as_str(),
+            None if served("tools") => "tools",
+            None => "python",
+        },
         other => other,
     };
     if served(name) {

@@ -182,7 +182,7 @@ async fn start(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Response, A
                     .collect()
             })
             .unwrap_or_default(),
-        script: script_of(process, c.app.template_has(&e.template, "bash"))?,
+        script: script_of(process, c.app.template_has_tool(&e.template, "bash"))?,
         cwd: Some(cwd),
         pty,
         env,

@@ -52,6 +52,8 @@ struct Inner {
     ended: AtomicUsize,
     running: AtomicUsize,
     vm_bytes: AtomicU64,
+    /// What the fake template offers: python and shell, as bud's python template.
+    manifest: FakeManifest,
     /// Open gates, starts held, a start's failure.
     state: Mutex<Gates>,
     changed: Condvar,
@@ -234,6 +236,35 @@ impl Engine for FakeEngine {
 
     fn executor(&self) -> Option<&Arc<Executor>> {
         None
+    }
+
+    fn manifest(&self) -> &::vmm::manifest::Manifest {
+        &self.0.manifest.0
+    }
+}
+
+/// The fake template's manifest: the runtimes and tools of bud's python template.
+#[derive(Debug)]
+struct FakeManifest(::vmm::manifest::Manifest);
+
+impl Default for FakeManifest {
+    fn default() -> Self {
+        use ::vmm::manifest::{Language, Manifest, Runtime};
+        let runtime = |name: &str, run, interpreter: &str| Runtime {
+            name: name.to_owned(),
+            version: "0".to_owned(),
+            run,
+            interpreter: interpreter.to_owned(),
+        };
+        Self(Manifest {
+            name: "fake".to_owned(),
+            runtimes: vec![
+                runtime("python", Language::Python, "/usr/bin/python3"),
+                runtime("shell", Language::Shell, "/bin/sh"),
+            ],
+            tools: vec!["sh".to_owned()],
+            ..Manifest::default()
+        })
     }
 }
 

@@ -63,6 +63,9 @@ pub trait Engine: Send + Sync + std::fmt::Debug {
     /// The VMM executor under it, for the operations that are not behind this seam yet
     /// (a one-shot job with files, pause, resume, import); None for an engine without one.
     fn executor(&self) -> Option<&Arc<Executor>>;
+
+    /// What the template offers: its runtimes, kernels, tools, packages, network.
+    fn manifest(&self) -> &::vmm::manifest::Manifest;
 }
 
 /// A session's VM, kept between requests. Every method runs on a job thread, with the

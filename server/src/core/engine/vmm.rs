@@ -33,6 +33,10 @@ impl Engine for Arc<Executor> {
     fn executor(&self) -> Option<&Arc<Executor>> {
         Some(self)
     }
+
+    fn manifest(&self) -> &::vmm::manifest::Manifest {
+        self.template().manifest()
+    }
 }
 
 /// A session's VM on the executor of its template.

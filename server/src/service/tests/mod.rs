@@ -68,6 +68,7 @@ fn job(code: &str) -> OneShot {
         .into_job(&limits(), "")
         .expect("a valid job"),
         template: None,
+        runtime: None,
         files: JobFiles::default(),
         route: "/test".into(),
     }

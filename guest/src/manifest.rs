@@ -1,0 +1,197 @@
+//! The template manifest beside each image (`<image dir>/manifest.json`): what the image can
+//! run, derived from what the build put in it, never typed by hand. The format is the VMM's
+//! (`vmm/src/manifest.rs`, included here verbatim, as the agent includes `protocol.rs`).
+//!
+//! - **Runtimes**: `python` when the image has the interpreter, at the upstream version of
+//!   its package; `shell` when it has `/bin/sh` (busybox's), at busybox's version. The
+//!   worker runs them as its Python and shell modes.
+//! - **Tools**: every executable file directly in `bin/`, `usr/bin/`, `sbin/` and
+//!   `usr/sbin/` of the staged image but the interpreters (busybox's applets are links to
+//!   `busybox`, which counts once).
+//! - **Kernels**: a `python` code-context kernel with the recipe's `kernels` warm ones, and
+//!   a `bash` one run by the shell, when the image has those runtimes.
+//! - **Packages**: every Debian package of the image with its version.
+//! - **Network**: none (the guest has no network device).
+//!
+//! It is a function of the image's contents, so it is written on every build, also when the
+//! image was current, and it is not an input of the image or of the template key.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use crate::debs::Package;
+use crate::python;
+use crate::recipe::Site;
+
+#[path = "../../vmm/src/manifest.rs"]
+mod format;
+
+pub use format::{
+    Kernel, Language, MANIFEST_FILE, MANIFEST_FORMAT, Manifest, ManifestError, Network, Runtime,
+};
+
+/// The package whose version is the `python` runtime's.
+const PYTHON_PACKAGE: &str = "python3.11-minimal";
+/// The package whose version is the `shell` runtime's.
+const SHELL_PACKAGE: &str = "busybox-static";
+/// The shell the worker runs, relative to the root.
+const SHELL: &str = "bin/sh";
+/// Where tools are looked for, relative to the root.
+const TOOL_DIRS: &[&str] = &["bin", "usr/bin", "sbin", "usr/sbin"];
+
+/// The upstream part of a Debian version: `1:1.35.0-4+b3` is `1.35.0`.
+pub fn upstream(version: &str) -> &str {
+    let v = version.split_once(':').map_or(version, |(_, v)| v);
+    v.rsplit_once('-').map_or(v, |(v, _)| v)
+}
+
+/// The manifest of template `name`, whose image was staged at `rootfs` from `packages`.
+pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Path) -> Manifest {
+    let version = |package: &str| {
+        packages
+            .iter()
+            .find(|p| p.name == package)
+            .map_or_else(String::new, |p| upstream(&p.version).to_owned())
+    };
+    let mut runtimes = Vec::new();
+    let mut kernels = Vec::new();
+    if rootfs.join(python::INTERPRETER).is_file() {
+        runtimes.push(Runtime {
+            name: "python".into(),
+            version: version(PYTHON_PACKAGE),
+            run: Language::Python,
+            interpreter: "/usr/bin/python3".into(),
+        });
+        kernels.push(Kernel {
+            language: "python".into(),
+            run: Language::Python,
+            warm: site.map_or(0, |s| s.kernels),
+        });
+    }
+    if rootfs.join(SHELL).symlink_metadata().is_ok() {
+        runtimes.push(Runtime {
+            name: "shell".into(),
+            version: version(SHELL_PACKAGE),
+            run: Language::Shell,
+            interpreter: format!("/{SHELL}"),
+        });
+        kernels.push(Kernel {
+            language: "bash".into(),
+            run: Language::Shell,
+            warm: 0,
+        });
+    }
+    let interpreters = [python::INTERPRETER];
+    let mut tools = Vec::new();
+    for dir in TOOL_DIRS {
+        let Ok(entries) = std::fs::read_dir(rootfs.join(dir)) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let rel = format!("{dir}/{}", entry.file_name().to_string_lossy());
+            let executable = entry
+                .metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+            let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+            if executable && is_file && !interpreters.contains(&rel.as_str()) {
+                tools.push(entry.file_name().to_string_lossy().into_owned());
+            }
+        }
+    }
+    tools.sort();
+    tools.dedup();
+    Manifest {
+        format: MANIFEST_FORMAT,
+        name: name.to_owned(),
+        runtimes,
+        kernels,
+        tools,
+        packages: packages
+            .iter()
+            .map(|p| (p.name.clone(), p.version.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        network: Network::None,
+    }
+}
+
+#[cfg(test)]
+mod derive_tests {
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    fn package(name: &str, version: &str) -> Package {
+        Package {
+            name: name.into(),
+            version: version.into(),
+            sha256: String::new(),
+            file: String::new(),
+        }
+    }
+
+    fn executable(root: &Path, rel: &str) {
+        let path = root.join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, b"\x7fELF").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[test]
+    fn upstream_versions_drop_the_epoch_and_the_debian_revision() {
+        assert_eq!(upstream("1:1.35.0-4+b3"), "1.35.0");
+        assert_eq!(upstream("3.11.2-6+deb12u9"), "3.11.2");
+        assert_eq!(upstream("2.39.5"), "2.39.5");
+    }
+
+    #[test]
+    fn a_staged_image_gives_its_runtimes_tools_and_packages() {
+        let root = std::env::temp_dir().join(format!("bud-derive-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        executable(&root, python::INTERPRETER);
+        executable(&root, "bin/busybox");
+        executable(&root, "bin/bash");
+        executable(&root, "usr/bin/git");
+        symlink("/bin/busybox", root.join("bin/sh")).unwrap();
+        symlink("/bin/busybox", root.join("usr/bin/awk")).unwrap();
+        std::fs::write(root.join("usr/bin/README"), b"not a program").unwrap();
+        let packages = [
+            package("python3.11-minimal", "3.11.2-6+deb12u9"),
+            package("busybox-static", "1:1.35.0-4+b3"),
+            package("bash", "5.2.15-2+b7"),
+        ];
+
+        let m = derive("tools", None, &packages, &root);
+
+        assert_eq!(
+            m.runtimes
+                .iter()
+                .map(|r| (r.name.as_str(), r.version.as_str(), r.run))
+                .collect::<Vec<_>>(),
+            [
+                ("python", "3.11.2", Language::Python),
+                ("shell", "1.35.0", Language::Shell)
+            ]
+        );
+        assert_eq!(m.tools, ["bash", "busybox", "git"]);
+        assert_eq!(m.packages["bash"], "5.2.15-2+b7");
+        assert_eq!(m.kernel("python").map(|k| k.warm), Some(0));
+        assert_eq!(m.kernel("bash").map(|k| k.run), Some(Language::Shell));
+        assert_eq!(m.network, Network::None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn an_image_without_python_has_no_python_runtime_or_kernel() {
+        let root = std::env::temp_dir().join(format!("bud-derive-sh-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        executable(&root, "bin/busybox");
+        symlink("/bin/busybox", root.join("bin/sh")).unwrap();
+
+        let m = derive("sh", None, &[], &root);
+
+        assert_eq!(m.runtime_names(), ["shell"]);
+        assert_eq!(m.kernel("python"), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

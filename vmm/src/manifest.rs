@@ -1,0 +1,328 @@
+//! A template's manifest: what its image can run, as the image builder found it. The builder
+//! (`bud-guest`) writes it as `manifest.json` beside the initramfs; the VMM reads it with the
+//! template ([`crate::Template::manifest`]) and keeps a copy in the template's directory, and
+//! the server reads it for everything a template offers: the runtimes a job may name, the
+//! tools (bash or only busybox), the code-context kernels, the packages and their versions,
+//! the network.
+//!
+//! A runtime is a name (`python`, `shell`) with how the guest worker runs it
+//! ([`Language`], the worker's modes: the wire protocol's language codes). A new runtime or a
+//! user's template changes a manifest, not a Rust enum.
+//!
+//! Shared verbatim with the builder (`guest/src/manifest.rs` includes this file), like
+//! `protocol.rs`: it uses std, serde, serde_json and thiserror only, and never anything of
+//! the VMM.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The manifest's file name: beside the initramfs, and in a template's directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The one format this code reads and writes.
+pub const MANIFEST_FORMAT: u32 = 1;
+
+/// How the guest worker runs a runtime's code: its modes, which the wire protocol names
+/// (`protocol::language`). Not a list of languages: those are a manifest's runtimes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    /// CPython with `python3 -c CODE` semantics, in the worker's own interpreter.
+    Python,
+    /// A POSIX shell (the image's `/bin/sh`) with `sh -c CODE` semantics.
+    Shell,
+}
+
+impl Language {
+    /// The mode's name in a manifest (`python`, `shell`): also the name of the runtime of
+    /// that mode in the images bud builds.
+    pub fn name(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::Shell => "shell",
+        }
+    }
+}
+
+/// Whether a template's guest reaches a network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Network {
+    /// No network device at all.
+    #[default]
+    None,
+}
+
+/// A runtime: a name a job asks for, and how the worker runs it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Runtime {
+    /// What a job names (`language` of `/v1/exec`).
+    pub name: String,
+    /// Its upstream version (`3.11.2`), from the package that provides it.
+    pub version: String,
+    /// How the worker runs it.
+    pub run: Language,
+    /// The program behind it in the guest (`/usr/bin/python3`, `/bin/sh`).
+    pub interpreter: String,
+}
+
+/// A code-context kernel (a Jupyter-style context of E2B's code interpreter).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Kernel {
+    /// The context language a client names (`python`, `bash`).
+    pub language: String,
+    /// How its cells run.
+    pub run: Language,
+    /// Kernels of this kind started before READY, waiting in the template.
+    pub warm: u32,
+}
+
+/// What a template's image can run (module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Manifest {
+    /// [`MANIFEST_FORMAT`].
+    pub format: u32,
+    /// The template's name.
+    pub name: String,
+    /// The runtimes, the default one first.
+    pub runtimes: Vec<Runtime>,
+    pub kernels: Vec<Kernel>,
+    /// Programs on the guest's `PATH` besides the runtimes' interpreters (`busybox`, `bash`,
+    /// `git`), sorted.
+    pub tools: Vec<String>,
+    /// Every Debian package of the image, name to version.
+    pub packages: BTreeMap<String, String>,
+    pub network: Network,
+}
+
+/// Why a manifest could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("cannot read the template manifest {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write the template manifest {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the template manifest {path} is not valid")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("the template manifest {path} has format {found}; this bud reads {MANIFEST_FORMAT}")]
+    Format { path: PathBuf, found: u32 },
+    #[error("the template manifest {path} names runtime `{name}` twice")]
+    DuplicateRuntime { path: PathBuf, name: String },
+}
+
+impl Manifest {
+    /// Reads and checks the manifest at `path`.
+    pub fn load(path: &Path) -> Result<Self, ManifestError> {
+        let bytes = std::fs::read(path).map_err(|source| ManifestError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&bytes, path)
+    }
+
+    /// Parses and checks manifest bytes (`path` names them in errors).
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, ManifestError> {
+        let manifest: Manifest =
+            serde_json::from_slice(bytes).map_err(|source| ManifestError::Parse {
+                path: path.to_owned(),
+                source,
+            })?;
+        if manifest.format != MANIFEST_FORMAT {
+            return Err(ManifestError::Format {
+                path: path.to_owned(),
+                found: manifest.format,
+            });
+        }
+        for (i, r) in manifest.runtimes.iter().enumerate() {
+            if manifest.runtimes[..i].iter().any(|o| o.name == r.name) {
+                return Err(ManifestError::DuplicateRuntime {
+                    path: path.to_owned(),
+                    name: r.name.clone(),
+                });
+            }
+        }
+        Ok(manifest)
+    }
+
+    /// The manifest as the file holds it (pretty JSON, ending in a newline).
+    pub fn to_json(&self) -> String {
+        let mut text = serde_json::to_string_pretty(self).unwrap_or_default();
+        text.push('\n');
+        text
+    }
+
+    /// Writes the manifest to `path` (a temporary file renamed into place); a file that
+    /// already holds the same text is left alone.
+    pub fn write(&self, path: &Path) -> Result<(), ManifestError> {
+        let text = self.to_json();
+        if std::fs::read(path).is_ok_and(|old| old == text.as_bytes()) {
+            return Ok(());
+        }
+        let err = |source| ManifestError::Write {
+            path: path.to_owned(),
+            source,
+        };
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text.as_bytes()).map_err(err)?;
+        std::fs::rename(&tmp, path).map_err(err)
+    }
+
+    /// The runtime named `name`.
+    pub fn runtime(&self, name: &str) -> Option<&Runtime> {
+        self.runtimes.iter().find(|r| r.name == name)
+    }
+
+    /// The runtime a job that names none runs in: the first.
+    pub fn default_runtime(&self) -> Option<&Runtime> {
+        self.runtimes.first()
+    }
+
+    /// The first runtime the worker runs as `run`.
+    pub fn runtime_running(&self, run: Language) -> Option<&Runtime> {
+        self.runtimes.iter().find(|r| r.run == run)
+    }
+
+    /// The runtimes' names, in order.
+    pub fn runtime_names(&self) -> Vec<&str> {
+        self.runtimes.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    /// Whether `tool` is on the guest's `PATH`.
+    pub fn has_tool(&self, tool: &str) -> bool {
+        self.tools.iter().any(|t| t == tool)
+    }
+
+    /// The code-context kernel for context language `language`.
+    pub fn kernel(&self, language: &str) -> Option<&Kernel> {
+        self.kernels.iter().find(|k| k.language == language)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Manifest {
+        Manifest {
+            format: MANIFEST_FORMAT,
+            name: "tools".into(),
+            runtimes: vec![
+                Runtime {
+                    name: "python".into(),
+                    version: "3.11.2".into(),
+                    run: Language::Python,
+                    interpreter: "/usr/bin/python3".into(),
+                },
+                Runtime {
+                    name: "shell".into(),
+                    version: "1.35.0".into(),
+                    run: Language::Shell,
+                    interpreter: "/bin/sh".into(),
+                },
+            ],
+            kernels: vec![Kernel {
+                language: "python".into(),
+                run: Language::Python,
+                warm: 1,
+            }],
+            tools: vec!["bash".into(), "busybox".into()],
+            packages: BTreeMap::from([("bash".into(), "5.2.15-2+b7".into())]),
+            network: Network::None,
+        }
+    }
+
+    #[test]
+    fn a_written_manifest_reads_back_equal() {
+        let m = sample();
+
+        let back = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap();
+
+        assert_eq!(back, m);
+    }
+
+    #[test]
+    fn runtimes_are_found_by_name_and_the_first_is_the_default() {
+        let m = sample();
+
+        assert_eq!(m.runtime("shell").map(|r| r.run), Some(Language::Shell));
+        assert_eq!(m.runtime("ruby"), None);
+        assert_eq!(m.default_runtime().map(|r| r.name.as_str()), Some("python"));
+        assert_eq!(m.runtime_names(), ["python", "shell"]);
+        assert_eq!(
+            m.runtime_running(Language::Shell).map(|r| r.name.as_str()),
+            Some("shell")
+        );
+        assert!(m.has_tool("bash") && !m.has_tool("git"));
+        assert_eq!(m.kernel("python").map(|k| k.warm), Some(1));
+    }
+
+    #[test]
+    fn the_file_format_is_plain_json_with_lowercase_modes() {
+        let text = sample().to_json();
+
+        assert!(text.contains(r#""run": "python""#), "{text}");
+        assert!(text.contains(r#""network": "none""#), "{text}");
+        assert_eq!(Language::Shell.name(), "shell");
+        assert!(text.ends_with("}\n"), "{text}");
+    }
+
+    #[test]
+    fn another_format_is_refused() {
+        let mut m = sample();
+        m.format = MANIFEST_FORMAT + 1;
+
+        let err = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap_err();
+
+        assert!(matches!(err, ManifestError::Format { found, .. } if found == MANIFEST_FORMAT + 1));
+    }
+
+    #[test]
+    fn a_runtime_named_twice_is_refused() {
+        let mut m = sample();
+        m.runtimes[1].name = "python".into();
+
+        let err = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap_err();
+
+        assert!(matches!(err, ManifestError::DuplicateRuntime { name, .. } if name == "python"));
+    }
+
+    #[test]
+    fn an_unknown_way_to_run_is_refused_and_unknown_fields_are_ignored() {
+        let text = sample().to_json();
+        let unknown_run = text.replacen(r#""run": "shell""#, r#""run": "ruby""#, 1);
+        let extra = text.replacen("{", r#"{"later": [1, 2],"#, 1);
+
+        let refused = Manifest::parse(unknown_run.as_bytes(), Path::new("m"));
+        let read = Manifest::parse(extra.as_bytes(), Path::new("m")).unwrap();
+
+        assert!(matches!(refused, Err(ManifestError::Parse { .. })));
+        assert_eq!(read, sample());
+    }
+
+    #[test]
+    fn writing_the_same_manifest_again_leaves_the_file_alone() {
+        let dir = std::env::temp_dir().join(format!("bud-manifest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(MANIFEST_FILE);
+        sample().write(&path).unwrap();
+        let first = std::fs::metadata(&path).unwrap().modified().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+
+        sample().write(&path).unwrap();
+
+        assert_eq!(std::fs::metadata(&path).unwrap().modified().unwrap(), first);
+        assert_eq!(Manifest::load(&path).unwrap(), sample());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
