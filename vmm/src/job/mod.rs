@@ -298,7 +298,7 @@ pub struct JobResult {
 
 impl JobResult {
     /// The result of a job that ended as `status` before it started: no output, no time.
-    pub(crate) fn never_ran(status: Status) -> Self {
+    pub fn never_ran(status: Status) -> Self {
         Self {
             status,
             exit_code: None,

@@ -167,20 +167,11 @@ impl FakeEngine {
     }
 }
 
-/// A result of `status` with no output.
+/// A result of `status` with no output (exit code 0 when it is `ok`).
 fn result(status: Status) -> JobResult {
     JobResult {
-        status,
         exit_code: (status == Status::Ok).then_some(0),
-        signal: None,
-        stdout: Vec::new(),
-        stderr: Vec::new(),
-        crash: None,
-        console_tail: Vec::new(),
-        display: Vec::new(),
-        figures: Vec::new(),
-        error: None,
-        timings: JobTimings::default(),
+        ..JobResult::never_ran(status)
     }
 }
 
