@@ -3,7 +3,7 @@
 //! host's CPython 3.11 (the same Debian build as the guest's) with the built `_bud`.
 //!
 //! Never rings: `tests/python/fakehost.py` stands in for `_bud.ring`. Fails, saying why,
-//! without /usr/bin/python3.11 or a busybox (the built guest's); the suite itself says what
+//! without /usr/bin/python3.11 or the built guest's busybox (built first if need be); the suite itself says what
 //! it skips (the clock call, which needs root in a real guest; syscall counts without
 //! strace), and this test repeats those lines.
 
@@ -15,17 +15,33 @@ use std::process::Command;
 
 const PYTHON: &str = "/usr/bin/python3.11";
 
-/// Busybox binaries that can stand in for the guest's /bin/sh, best first: the one in the
-/// built guest image, then the host's.
-fn busybox() -> Option<PathBuf> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    [
-        manifest.join("../../build/image/rootfs/bin/busybox"),
-        PathBuf::from("/usr/bin/busybox"),
-        PathBuf::from("/bin/busybox"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
+/// The built guest image's busybox, which stands in for the guest's /bin/sh. The guest is
+/// brought up to date first, under the build lock, as every guest-bound test does: this
+/// binary may run beside the one building it (`cargo xtask test` runs binaries in lanes),
+/// and a half-built image must not be read.
+fn busybox() -> Result<PathBuf, String> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    bud_guest::ensure(&bud_guest::BuildOptions::new(&repo), &mut |line: &str| {
+        say(&format!("[guest build] {line}"))
+    })
+    .map_err(|e| {
+        let mut text = format!("building the guest: {e}");
+        let mut source = std::error::Error::source(&e);
+        while let Some(cause) = source {
+            text.push_str(&format!(": {cause}"));
+            source = cause.source();
+        }
+        text
+    })?;
+    let busybox = repo.join("build/image/rootfs/bin/busybox");
+    if busybox.is_file() {
+        Ok(busybox)
+    } else {
+        Err(format!(
+            "{} is missing after the guest build",
+            busybox.display()
+        ))
+    }
 }
 
 fn say(line: &str) {
@@ -80,10 +96,7 @@ fn job_protocol_suite_passes_against_a_fake_host() {
         .env("LANG", "C.UTF-8")
         .env("BUD_TEST_PYTHON", PYTHON)
         .env_remove("PYTHONUNBUFFERED");
-    let busybox = busybox().expect(
-        "no busybox for the shell-job tests: build the guest first (`bud guest build`, or the \
-         root crate's tests, which `cargo test --workspace` runs before these)",
-    );
+    let busybox = busybox().unwrap_or_else(|e| panic!("no busybox for the shell-job tests: {e}"));
     command.env("BUD_TEST_BUSYBOX", busybox);
 
     let out = command.output().expect("run python3.11 -m unittest");

@@ -1,0 +1,246 @@
+//! The suite's jobs: every test binary of the workspace, built by `cargo test --workspace
+//! --no-run` and listed from cargo's JSON messages, and the doc tests.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+/// Why the suite could not be built or listed.
+#[derive(Debug, thiserror::Error)]
+pub enum SuiteError {
+    #[error("starting cargo")]
+    Cargo(#[source] std::io::Error),
+    #[error("building the test binaries failed ({0})")]
+    Build(std::process::ExitStatus),
+    #[error("reading cargo's messages")]
+    Messages(#[source] std::io::Error),
+    #[error(
+        "a binary picked by {0:?} does not exist (the binaries are named by their source paths)"
+    )]
+    NoSuchBinary(String),
+    #[error("writing {0}")]
+    Log(PathBuf, #[source] std::io::Error),
+}
+
+/// `e` and each of its sources, joined.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// One thing the suite runs: a test binary, or cargo's doc tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Job {
+    /// The source file it is built from, relative to the workspace (`server/tests/http.rs`),
+    /// or `doc tests`.
+    pub label: String,
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    /// Where it runs: its package's folder, as `cargo test` runs it.
+    pub dir: PathBuf,
+    /// The cargo command that runs it alone.
+    pub rerun: String,
+}
+
+/// The workspace this xtask belongs to.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask/ lies in the workspace")
+        .to_path_buf()
+}
+
+fn cargo() -> PathBuf {
+    std::env::var_os("CARGO").map_or_else(|| "cargo".into(), PathBuf::from)
+}
+
+/// Builds every test binary (cargo's own progress on stderr) and lists them, and the doc
+/// tests, as jobs.
+pub fn build(root: &Path) -> Result<Vec<Job>, SuiteError> {
+    let mut child = Command::new(cargo())
+        .args([
+            "test",
+            "--workspace",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ])
+        .current_dir(root)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(SuiteError::Cargo)?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut jobs = Vec::new();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.map_err(SuiteError::Messages)?;
+        // Lines that are not JSON objects are build scripts' output: not ours to read.
+        if let Ok(message) = serde_json::from_str::<Value>(&line)
+            && let Some(job) = job_of(root, &message)
+            && !jobs.iter().any(|j: &Job| j.program == job.program)
+        {
+            jobs.push(job);
+        }
+    }
+    let status = child.wait().map_err(SuiteError::Cargo)?;
+    if !status.success() {
+        return Err(SuiteError::Build(status));
+    }
+    jobs.push(Job {
+        label: "doc tests".into(),
+        program: cargo(),
+        args: vec![
+            "test".into(),
+            "--workspace".into(),
+            "--doc".into(),
+            // What the suite passes on goes to the doc tests' harness.
+            "--".into(),
+        ],
+        dir: root.to_path_buf(),
+        rerun: "cargo test --workspace --doc".into(),
+    });
+    Ok(jobs)
+}
+
+/// The job of a `compiler-artifact` message for a test executable; `None` for any other.
+fn job_of(root: &Path, message: &Value) -> Option<Job> {
+    if message["reason"] != "compiler-artifact" || message["profile"]["test"] != true {
+        return None;
+    }
+    let program = PathBuf::from(message["executable"].as_str()?);
+    let target = &message["target"];
+    let src = Path::new(target["src_path"].as_str()?);
+    let label = src.strip_prefix(root).unwrap_or(src).display().to_string();
+    let dir = Path::new(message["manifest_path"].as_str()?)
+        .parent()?
+        .to_path_buf();
+    let package = package_name(message["package_id"].as_str()?);
+    let name = target["name"].as_str()?;
+    let kinds: Vec<&str> = target["kind"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let selector = if kinds.contains(&"test") {
+        format!("--test {name}")
+    } else if kinds.contains(&"bin") {
+        format!("--bin {name}")
+    } else {
+        "--lib".to_owned()
+    };
+    Some(Job {
+        label,
+        program,
+        args: Vec::new(),
+        dir,
+        rerun: format!("cargo test -p {package} {selector}"),
+    })
+}
+
+/// A package's name from cargo's package id: `path+file:///w/server#bud-server@0.1.0`, or
+/// `path+file:///w/vmm#0.1.0` where the name is the folder's.
+fn package_name(id: &str) -> String {
+    let (url, fragment) = id.split_once('#').unwrap_or((id, ""));
+    match fragment.split_once('@') {
+        Some((name, _)) => name.to_owned(),
+        None => url.rsplit('/').next().unwrap_or(url).to_owned(),
+    }
+}
+
+/// The jobs whose label contains one of `picks` (all of them without picks); a pick that
+/// matches none is an error.
+pub fn pick(jobs: Vec<Job>, picks: &[String]) -> Result<Vec<Job>, SuiteError> {
+    if picks.is_empty() {
+        return Ok(jobs);
+    }
+    if let Some(missing) = picks
+        .iter()
+        .find(|p| !jobs.iter().any(|j| j.label.contains(p.as_str())))
+    {
+        return Err(SuiteError::NoSuchBinary(missing.clone()));
+    }
+    Ok(jobs
+        .into_iter()
+        .filter(|j| picks.iter().any(|p| j.label.contains(p.as_str())))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_test_artifact_becomes_a_job_run_in_its_package_folder() {
+        let root = Path::new("/w");
+        let message = json!({
+            "reason": "compiler-artifact",
+            "package_id": "path+file:///w/server#bud-server@0.1.0",
+            "manifest_path": "/w/server/Cargo.toml",
+            "target": {"kind": ["test"], "name": "http", "src_path": "/w/server/tests/http.rs"},
+            "profile": {"test": true},
+            "executable": "/w/target/debug/deps/http-0123"
+        });
+        assert_eq!(
+            job_of(root, &message),
+            Some(Job {
+                label: "server/tests/http.rs".into(),
+                program: "/w/target/debug/deps/http-0123".into(),
+                args: vec![],
+                dir: "/w/server".into(),
+                rerun: "cargo test -p bud-server --test http".into(),
+            })
+        );
+        let unit = json!({
+            "reason": "compiler-artifact",
+            "package_id": "path+file:///w/vmm#0.1.0",
+            "manifest_path": "/w/vmm/Cargo.toml",
+            "target": {"kind": ["lib"], "name": "vmm", "src_path": "/w/vmm/src/lib.rs"},
+            "profile": {"test": true},
+            "executable": "/w/target/debug/deps/vmm-4567"
+        });
+        let job = job_of(root, &unit).unwrap();
+        assert_eq!(job.label, "vmm/src/lib.rs");
+        assert_eq!(job.rerun, "cargo test -p vmm --lib");
+    }
+
+    #[test]
+    fn libraries_built_for_the_tests_and_other_messages_are_not_jobs() {
+        let root = Path::new("/w");
+        let library = json!({
+            "reason": "compiler-artifact",
+            "package_id": "path+file:///w/vmm#0.1.0",
+            "manifest_path": "/w/vmm/Cargo.toml",
+            "target": {"kind": ["lib"], "name": "vmm", "src_path": "/w/vmm/src/lib.rs"},
+            "profile": {"test": false},
+            "executable": null
+        });
+        assert_eq!(job_of(root, &library), None);
+        assert_eq!(job_of(root, &json!({"reason": "build-finished"})), None);
+    }
+
+    #[test]
+    fn picks_select_by_source_path_and_an_unknown_pick_is_refused() {
+        let job = |label: &str| Job {
+            label: label.into(),
+            program: label.into(),
+            args: vec![],
+            dir: "/w".into(),
+            rerun: String::new(),
+        };
+        let jobs = vec![job("server/tests/http.rs"), job("tests/compat.rs")];
+        let picked = pick(jobs.clone(), &["http".into()]).unwrap();
+        assert_eq!(picked, vec![job("server/tests/http.rs")]);
+        assert_eq!(pick(jobs.clone(), &[]).unwrap(), jobs);
+        assert!(matches!(
+            pick(jobs, &["nope".into()]),
+            Err(SuiteError::NoSuchBinary(p)) if p == "nope"
+        ));
+    }
+}
