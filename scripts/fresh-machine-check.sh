@@ -7,7 +7,7 @@
 # what such a machine already has: the Rust toolchain's gcc, make, libc6-dev, and the base
 # system's tools), clones this repository's HEAD into an empty folder (so build/ and target/
 # are empty: kernel, image, templates, venvs and tools are built again), and runs:
-#   tests-first:  the test command (`cargo test --workspace`, what .ci/run runs), then the
+#   tests-first:  the test command (`cargo xtask test`, what .ci/run runs), then the
 #                 serve command (`cargo run --release -- serve`) until /v1/health is 200 and
 #                 one job answers, then stops it by pid;
 #   serve-first:  the same two the other way round.
@@ -70,7 +70,7 @@ step() { # NAME COMMAND...
 }
 
 run_tests() { # DIR
-  (cd "$1" && cargo test --workspace) >"$1.tests.log" 2>&1
+  (cd "$1" && cargo xtask test) >"$1.tests.log" 2>&1
 }
 
 run_serve() { # DIR

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Times the whole test suite the way CI runs it (`cargo test --workspace`, the README's test
-# command), per test binary and per test: builds first (timed on its own), then runs every
+# Times the whole test suite one binary after another (`cargo test --workspace`; the
+# README's test command, `cargo xtask test`, runs them in lanes and writes each binary's time
+# to target/xtask/last-run.tsv), per test binary and per test: builds first (timed on its own), then runs every
 # binary with libtest's JSON events (`--report-time`; a stable toolchain allows the unstable
 # harness flag through RUSTC_BOOTSTRAP=1; the guest build drops it, so the image and templates
 # are the ones CI builds) and prints a Markdown
