@@ -40,6 +40,8 @@ pub fn client_script(name: &str, args: &[&str], env: &[(&str, String)]) -> Value
         .arg(&script)
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        // A crash of the client prints every thread's Python stack on stderr.
+        .env("PYTHONFAULTHANDLER", "1")
         .output()
         .expect("starting the client script");
     assert!(
