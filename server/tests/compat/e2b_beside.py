@@ -22,7 +22,7 @@ CELL = (
 )
 
 seen = {}
-sbx = Sandbox.create(template="base", timeout=300)
+sbx = Sandbox.create(template="base", timeout=1800)
 cell = {}
 
 
@@ -65,7 +65,7 @@ sbx.kill()
 
 
 async def main():
-    a = await AsyncSandbox.create(template="base", timeout=300)
+    a = await AsyncSandbox.create(template="base", timeout=1800)
     task = asyncio.create_task(a.run_code(CELL.format(started="s2", go="g2"), timeout=60))
     for _ in range(2400):
         if await a.files.exists("/home/user/s2"):

@@ -12,7 +12,7 @@ from e2b_code_interpreter import Sandbox
 
 run = uuid.uuid4().hex[:8]
 seen = {"ids": [], "echo": [], "files": [], "cells": []}
-boxes = [Sandbox.create(template="base", timeout=120, metadata={"run": run, "i": str(i)})
+boxes = [Sandbox.create(template="base", timeout=1800, metadata={"run": run, "i": str(i)})
          for i in range(4)]
 try:
     for i, box in enumerate(boxes):

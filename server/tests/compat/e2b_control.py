@@ -12,8 +12,8 @@ from e2b import SandboxQuery, SandboxState
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 seen = {}
-alice = Sandbox.create(template="base", timeout=120, metadata={"user": "alice", "k&": "v=1 x"})
-bob = Sandbox.create(template="base", timeout=120, metadata={"user": "bob"})
+alice = Sandbox.create(template="base", timeout=1800, metadata={"user": "alice", "k&": "v=1 x"})
+bob = Sandbox.create(template="base", timeout=1800, metadata={"user": "bob"})
 mine = {alice.sandbox_id, bob.sandbox_id}
 
 
@@ -87,7 +87,7 @@ async def async_part():
     """The control plane through the async SDK: a listing by metadata, metrics, signed
     download and upload URLs, gzip bodies, a fork that keeps the parent's state, connect by
     id."""
-    a = await AsyncSandbox.create(template="base", timeout=120, metadata={"user": "async"})
+    a = await AsyncSandbox.create(template="base", timeout=1800, metadata={"user": "async"})
     ids = [s.sandbox_id for s in await AsyncSandbox.list(
         query=SandboxQuery(metadata={"user": "async"})).next_items()]
     metrics = await a.get_metrics()

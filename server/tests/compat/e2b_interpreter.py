@@ -15,7 +15,7 @@ import time
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 seen = {}
-sbx = Sandbox.create()
+sbx = Sandbox.create(timeout=1800)
 seen["id_prefix"] = sbx.sandbox_id[:4]
 
 seen["first"] = sbx.run_code("x = 41\nx + 1").text
@@ -221,7 +221,7 @@ seen["kill_again"] = Sandbox.kill(sbx.sandbox_id)
 async def async_part():
     """The async SDK: cells of the default context and of a made one, sent together, run
     at the same time; a bash cell beside them."""
-    a = await AsyncSandbox.create()
+    a = await AsyncSandbox.create(timeout=1800)
     actx = await a.create_code_context()
     started = time.perf_counter()
     ran = await asyncio.gather(

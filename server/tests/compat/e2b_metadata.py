@@ -13,7 +13,7 @@ import time
 from e2b import AsyncSandbox, InvalidArgumentException, Sandbox
 
 seen = {}
-sbx = Sandbox.create(template="base", timeout=300)
+sbx = Sandbox.create(template="base", timeout=1800)
 
 info = sbx.files.write("/home/user/m.txt", "hello", metadata={"Author": "ada", "purpose": "test"})
 seen["written"] = info.metadata
@@ -75,7 +75,7 @@ sbx.kill()
 
 
 async def async_part():
-    a = await AsyncSandbox.create(template="base", timeout=120)
+    a = await AsyncSandbox.create(template="base", timeout=1800)
     info = await a.files.write("/home/user/a.txt", "x", metadata={"k": "v"})
     got = []
     w = await a.files.watch_dir("/home/user", got.append, include_entry=True)

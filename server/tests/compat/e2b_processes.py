@@ -14,7 +14,7 @@ from e2b import (AsyncSandbox, CommandExitException, PtySize, Sandbox, SandboxEx
                  TimeoutException)
 
 seen = {}
-sbx = Sandbox.create(template="base", timeout=300, envs={"GREETING": "hello"})
+sbx = Sandbox.create(template="base", timeout=1800, envs={"GREETING": "hello"})
 
 # A background command: the handle comes back while it runs (it cannot end before the
 # file it waits for exists).
@@ -152,7 +152,7 @@ sbx.kill()
 
 
 async def async_part():
-    a = await AsyncSandbox.create(template="base", timeout=120)
+    a = await AsyncSandbox.create(template="base", timeout=1800)
     h = await a.commands.run("read -r x; echo \"async $x\"", background=True, stdin=True)
     await a.commands.send_stdin(h.pid, "hi\n")
     r = await h.wait()

@@ -10,7 +10,7 @@ from e2b import CommandExitException, NotFoundException
 from e2b_code_interpreter import Sandbox
 
 seen = {}
-sbx = Sandbox.create(template="base", timeout=120, envs={"GREETING": "hello"})
+sbx = Sandbox.create(template="base", timeout=1800, envs={"GREETING": "hello"})
 
 info = sbx.files.write("/home/user/data.txt", "one\ntwo\n")
 seen["written"] = [info.name, info.path]

@@ -17,7 +17,7 @@ WHO = 'id -un; id -u; id -g; id -Gn; echo "$HOME $USER $LOGNAME $SHELL"; pwd'
 GETCWD = "python3 -c 'import os; print(os.getcwd())'"
 
 seen = {}
-sbx = Sandbox.create(template="base", timeout=180)
+sbx = Sandbox.create(template="base", timeout=1800)
 
 # Who runs a command, and where.
 seen["default"] = sbx.commands.run(WHO).stdout.splitlines()
@@ -82,7 +82,7 @@ sbx.kill()
 
 
 async def async_part():
-    a = await AsyncSandbox.create(template="base", timeout=120)
+    a = await AsyncSandbox.create(template="base", timeout=1800)
     who = (await a.commands.run("id -un; pwd")).stdout.split()
     root = (await a.commands.run("id -un; echo $HOME", user="root")).stdout.split()
     await a.files.write("/home/user/a.txt", "a\n")
