@@ -9,6 +9,11 @@
 //! (the guest's up-to-date check, a template's load, an executor or a server's template),
 //! and the ordering that matters here is by binary (the one that builds the guest first).
 //!
+//! Each binary runs its tests on `CPUs / lanes` threads (at least 1; `RUST_TEST_THREADS`
+//! when set wins), so the runnable guest vCPUs never outnumber the cores, as in the
+//! one-after-another suite whose job timeouts were set for it: with two lanes of two test
+//! threads each on a loaded day, jobs in `tests/reset.rs` ran past their limits.
+//!
 //! Each binary's output goes to `target/xtask/logs/<label>.log`, in full; a binary that
 //! fails has its log printed whole when it ends, with the command that reruns it. The first
 //! use builds shared by many binaries take `build/build.lock`, so binaries that need the
@@ -105,8 +110,13 @@ pub fn run_suite(lanes: usize, picks: &[String], passed_on: &[String]) -> Result
     fs::create_dir_all(&log_dir).map_err(|e| SuiteError::Log(log_dir.clone(), e))?;
     let total = jobs.len();
     let lanes = lanes.min(total.max(1));
+    let threads = std::env::var("RUST_TEST_THREADS").unwrap_or_else(|_| {
+        let cpus = thread::available_parallelism().map_or(1, |n| n.get());
+        (cpus / lanes).max(1).to_string()
+    });
     say(&format!(
-        "{total} jobs built in {}; running them in {lanes} lanes, logs in {}",
+        "{total} jobs built in {}; running them in {lanes} lanes of {threads} test thread(s), \
+         logs in {}",
         minutes(built.as_secs_f64()),
         log_dir.display()
     ));
@@ -116,6 +126,7 @@ pub fn run_suite(lanes: usize, picks: &[String], passed_on: &[String]) -> Result
     let mut workers = Vec::new();
     for _ in 0..lanes {
         let (queue, tx, log_dir) = (queue.clone(), tx.clone(), log_dir.clone());
+        let threads = threads.clone();
         let passed_on = passed_on.to_vec();
         workers.push(thread::spawn(move || {
             loop {
@@ -124,7 +135,7 @@ pub fn run_suite(lanes: usize, picks: &[String], passed_on: &[String]) -> Result
                 if tx.send(Event::Started(job.label.clone())).is_err() {
                     break;
                 }
-                let outcome = run_one(job, &log_dir, &passed_on);
+                let outcome = run_one(job, &log_dir, &passed_on, &threads);
                 if tx.send(Event::Ended(outcome)).is_err() {
                     break;
                 }
@@ -189,8 +200,8 @@ pub fn list(picks: &[String]) -> Result<(), SuiteError> {
     Ok(())
 }
 
-/// Runs `job` with its output to its log file.
-fn run_one(job: Job, log_dir: &Path, passed_on: &[String]) -> Outcome {
+/// Runs `job` with its output to its log file, its tests on `threads` threads.
+fn run_one(job: Job, log_dir: &Path, passed_on: &[String], threads: &str) -> Outcome {
     let log = log_dir.join(format!("{}.log", job.label.replace(['/', ' '], "_")));
     let started = Instant::now();
     let status = File::create(&log)
@@ -203,6 +214,7 @@ fn run_one(job: Job, log_dir: &Path, passed_on: &[String]) -> Outcome {
                 .current_dir(&job.dir)
                 // As `cargo test` runs a test binary.
                 .env("CARGO_MANIFEST_DIR", &job.dir)
+                .env("RUST_TEST_THREADS", threads)
                 .stdin(Stdio::null())
                 .stdout(out)
                 .stderr(err)
@@ -380,19 +392,20 @@ mod tests {
             args: vec![
                 "-c".into(),
                 format!(
-                    "pwd; echo \"$CARGO_MANIFEST_DIR\" >&2; echo \"test result: ok. 2 passed; 0 failed; 0 ignored\"; exit {code}"
+                    "pwd; echo \"$CARGO_MANIFEST_DIR\" >&2; echo \"threads $RUST_TEST_THREADS\"; echo \"test result: ok. 2 passed; 0 failed; 0 ignored\"; exit {code}"
                 ),
             ],
             dir: dir.clone(),
             rerun: String::new(),
         };
-        let ok = run_one(job("0"), &dir, &[]);
+        let ok = run_one(job("0"), &dir, &[], "1");
         assert!(ok.passed());
         assert_eq!(ok.counts.passed, 2);
         let text = fs::read_to_string(&ok.log).unwrap();
         let here = dir.display().to_string();
         assert_eq!(text.lines().filter(|l| *l == here).count(), 2, "{text}");
-        let failed = run_one(job("3"), &dir, &[]);
+        assert!(text.lines().any(|l| l == "threads 1"), "{text}");
+        let failed = run_one(job("3"), &dir, &[], "1");
         assert!(!failed.passed());
         assert_eq!(failed.status.as_ref().unwrap().code(), Some(3));
         let missing = run_one(
@@ -402,6 +415,7 @@ mod tests {
             },
             &dir,
             &[],
+            "1",
         );
         assert!(matches!(&missing.status, Err(e) if e.contains("no-such-binary")));
         fs::remove_dir_all(&dir).unwrap();
