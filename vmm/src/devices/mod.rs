@@ -13,6 +13,7 @@ pub(crate) mod exit_report;
 pub(crate) mod host_copy;
 pub(crate) mod host_zero;
 pub(crate) mod i8042;
+pub mod virtio;
 
 use std::io;
 

@@ -1,0 +1,665 @@
+//! The virtio 1.x MMIO transport ("virtio-mmio" version 2): the register file a guest driver
+//! sees in a device's MMIO window, over any [`VirtioDevice`].
+//!
+//! Registers (offsets in the window, all 32-bit, little-endian): MagicValue 0x000 ("virt"),
+//! Version 0x004 (2: modern only), DeviceID 0x008, VendorID 0x00c, DeviceFeatures 0x010 with
+//! DeviceFeaturesSel 0x014, DriverFeatures 0x020 with DriverFeaturesSel 0x024, QueueSel 0x030,
+//! QueueNumMax 0x034, QueueNum 0x038, QueueReady 0x044, QueueNotify 0x050, InterruptStatus
+//! 0x060, InterruptACK 0x064, Status 0x070, QueueDesc 0x080/0x084, QueueDriver (avail ring)
+//! 0x090/0x094, QueueDevice (used ring) 0x0a0/0x0a4, ConfigGeneration 0x0fc; the device's
+//! configuration space from 0x100 (read-only here, any access width). The legacy (version 1)
+//! registers GuestPageSize, QueueAlign and QueuePFN do not exist in version 2 and are bad
+//! accesses.
+//!
+//! The driver's path, which the transport enforces: reset (Status 0) -> ACKNOWLEDGE -> DRIVER ->
+//! write the features it takes -> FEATURES_OK (refused, i.e. not set, unless the features are a
+//! subset of the offer and include VERSION_1) -> set up each queue (size, three ring addresses,
+//! QueueReady 1; only between FEATURES_OK and DRIVER_OK) -> DRIVER_OK (the device is activated
+//! with the negotiated features). Status bits are only ever added, in that order, until a 0
+//! resets everything; FAILED may be set at any time. What breaks the rules is handled as the
+//! parent module's doc says: ignored and counted, or the device is marked broken.
+//!
+//! Interrupts: the transport keeps InterruptStatus (bit 0 used buffer, bit 1 config change) and
+//! raises its line through a `vm_superio::Trigger` (bud's `IrqEvent`, an irqfd, once wired).
+//!
+//! Snapshots: [`TransportState`] is the whole guest-visible state by value (the registers and
+//! each queue's `virtio_queue::QueueState`); [`MmioTransport::restore`] validates it before
+//! taking it. Counters are diagnostics, not state: a restore zeroes them.
+
+use serde::{Deserialize, Serialize};
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
+    VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
+    VIRTIO_F_VERSION_1,
+};
+use virtio_bindings::virtio_mmio::{
+    VIRTIO_MMIO_CONFIG, VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_DEVICE_FEATURES,
+    VIRTIO_MMIO_DEVICE_FEATURES_SEL, VIRTIO_MMIO_DEVICE_ID, VIRTIO_MMIO_DRIVER_FEATURES,
+    VIRTIO_MMIO_DRIVER_FEATURES_SEL, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING,
+    VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INTERRUPT_STATUS, VIRTIO_MMIO_MAGIC_VALUE,
+    VIRTIO_MMIO_QUEUE_AVAIL_HIGH, VIRTIO_MMIO_QUEUE_AVAIL_LOW, VIRTIO_MMIO_QUEUE_DESC_HIGH,
+    VIRTIO_MMIO_QUEUE_DESC_LOW, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM,
+    VIRTIO_MMIO_QUEUE_NUM_MAX, VIRTIO_MMIO_QUEUE_READY, VIRTIO_MMIO_QUEUE_SEL,
+    VIRTIO_MMIO_QUEUE_USED_HIGH, VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS,
+    VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
+};
+use virtio_queue::{Queue, QueueState, QueueT};
+use vm_memory::{GuestAddress, GuestMemory};
+use vm_superio::Trigger;
+
+use super::DeviceFault;
+
+/// MagicValue: "virt" in little-endian.
+pub const MAGIC_VALUE: u32 = 0x7472_6976;
+/// Version: 2, the virtio 1.x (non-legacy) MMIO transport.
+pub const MMIO_VERSION: u32 = 2;
+/// VendorID bud reports: "bud" in little-endian.
+pub const VENDOR_ID: u32 = 0x0064_7562;
+/// Size of a device's MMIO window (registers, then the config space).
+pub const MMIO_WINDOW_SIZE: u64 = 0x1000;
+
+/// The status bits a driver may set (NEEDS_RESET is the device's).
+const DRIVER_STATUS_BITS: u32 = VIRTIO_CONFIG_S_ACKNOWLEDGE
+    | VIRTIO_CONFIG_S_DRIVER
+    | VIRTIO_CONFIG_S_FEATURES_OK
+    | VIRTIO_CONFIG_S_DRIVER_OK
+    | VIRTIO_CONFIG_S_FAILED;
+
+/// A device model behind the transport: what it offers, its config space, and what it does
+/// when the driver starts, stops or notifies it.
+pub trait VirtioDevice {
+    /// The virtio device ID (1 for a network card).
+    fn device_id(&self) -> u32;
+    /// The feature bits offered (transport bits such as VERSION_1 included).
+    fn device_features(&self) -> u64;
+    /// The maximum size of each of the device's queues (its queue count is this length).
+    fn queue_max_sizes(&self) -> &[u16];
+    /// The device's configuration space, as the driver reads it from offset 0x100.
+    fn config_space(&self) -> &[u8];
+    /// The driver set DRIVER_OK having negotiated `features` (or a snapshot was restored in
+    /// that state).
+    fn activate(&mut self, features: u64);
+    /// The driver reset the device (or a snapshot was restored into an unstarted one).
+    fn reset(&mut self);
+    /// The driver notified queue `index` (a ready queue of a running device). Returns whether
+    /// the driver should get a used-buffer interrupt.
+    fn queue_notify<M: GuestMemory>(
+        &mut self,
+        index: u16,
+        queues: &mut [Queue],
+        mem: &M,
+    ) -> Result<bool, DeviceFault>;
+}
+
+/// Diagnostic counters of one transport (not part of its state).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TransportCounters {
+    /// Accesses ignored as meaningless: wrong width or alignment, unknown or read-only
+    /// registers, reads past the config space, writes in a state where they mean nothing.
+    pub bad_accesses: u64,
+    /// Times the device was marked broken (each [`DeviceFault`]).
+    pub faults: u64,
+    /// Interrupts that could not be raised (the trigger failed).
+    pub irq_errors: u64,
+}
+
+/// A serde mirror of `virtio_queue::QueueState` (which derives no serde; `virtio-queue-ser`
+/// pins an older virtio-queue and vm-memory). A field added to or changed in `QueueState`
+/// fails to compile here, as `snapshot::SerialStateDef` does for the serial console.
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "QueueState")]
+struct QueueStateDef {
+    max_size: u16,
+    next_avail: u16,
+    next_used: u16,
+    event_idx_enabled: bool,
+    size: u16,
+    ready: bool,
+    desc_table: u64,
+    avail_ring: u64,
+    used_ring: u64,
+}
+
+/// One queue's state, serializable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedQueue(#[serde(with = "QueueStateDef")] pub QueueState);
+
+/// The guest-visible state of a transport, by value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportState {
+    pub status: u32,
+    pub device_features_sel: u32,
+    pub driver_features_sel: u32,
+    /// The features the driver wrote (the negotiated set once FEATURES_OK is set).
+    pub driver_features: u64,
+    pub queue_sel: u32,
+    pub interrupt_status: u32,
+    pub config_generation: u32,
+    pub queues: Vec<SavedQueue>,
+}
+
+/// Why a [`TransportState`] cannot be restored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("the state has {found} queues, the device has {expected}")]
+    QueueCount { found: usize, expected: usize },
+    #[error("queue {queue}: maximum size {found}, the device's is {expected}")]
+    QueueMaxSize {
+        queue: usize,
+        found: u16,
+        expected: u16,
+    },
+    #[error("queue {queue}: invalid state: {detail}")]
+    Queue { queue: usize, detail: String },
+    #[error("queue {queue} is ready but its rings are not inside guest RAM")]
+    RingOutsideMemory { queue: usize },
+    #[error("status {0:#x} has bits no driver or device sets")]
+    Status(u32),
+    #[error("features {found:#x} are not a subset of the offer {offered:#x}")]
+    Features { found: u64, offered: u64 },
+}
+
+/// The virtio-MMIO register file over device `D`, raising interrupts through `T`.
+#[derive(Debug)]
+pub struct MmioTransport<D, T> {
+    device: D,
+    irq: T,
+    queues: Vec<Queue>,
+    status: u32,
+    device_features_sel: u32,
+    driver_features_sel: u32,
+    driver_features: u64,
+    queue_sel: u32,
+    interrupt_status: u32,
+    config_generation: u32,
+    counters: TransportCounters,
+    last_fault: Option<DeviceFault>,
+}
+
+impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
+    /// A transport in the reset state over `device`.
+    ///
+    /// # Panics
+    /// If the device offers a queue whose maximum size is 0, not a power of two, or above
+    /// 32768 (a bug in the device model, not guest input).
+    pub fn new(device: D, irq: T) -> Self {
+        let queues = device
+            .queue_max_sizes()
+            .iter()
+            .map(|&max| Queue::new(max).expect("device offers a valid queue maximum size"))
+            .collect();
+        Self {
+            device,
+            irq,
+            queues,
+            status: 0,
+            device_features_sel: 0,
+            driver_features_sel: 0,
+            driver_features: 0,
+            queue_sel: 0,
+            interrupt_status: 0,
+            config_generation: 0,
+            counters: TransportCounters::default(),
+            last_fault: None,
+        }
+    }
+
+    /// The device behind the transport.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The device behind the transport, mutably.
+    pub fn device_mut(&mut self) -> &mut D {
+        &mut self.device
+    }
+
+    /// The queues (for inspection).
+    pub fn queues(&self) -> &[Queue] {
+        &self.queues
+    }
+
+    /// The Status register.
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+
+    /// The InterruptStatus register.
+    pub fn interrupt_status(&self) -> u32 {
+        self.interrupt_status
+    }
+
+    /// The features negotiated (what the driver wrote; meaningful once FEATURES_OK is set).
+    pub fn driver_features(&self) -> u64 {
+        self.driver_features
+    }
+
+    /// Diagnostic counters.
+    pub fn counters(&self) -> TransportCounters {
+        self.counters
+    }
+
+    /// Why the device was last marked broken, if it was.
+    pub fn last_fault(&self) -> Option<&DeviceFault> {
+        self.last_fault.as_ref()
+    }
+
+    /// Whether the driver has the device running (DRIVER_OK) and it is not broken.
+    pub fn is_running(&self) -> bool {
+        self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0
+            && self.status & VIRTIO_CONFIG_S_NEEDS_RESET == 0
+    }
+
+    /// A guest read of `data.len()` bytes at `offset` in the window.
+    pub fn read(&mut self, offset: u64, data: &mut [u8]) {
+        data.fill(0);
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            self.read_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
+            return;
+        }
+        let Some(width_ok) = register_access(offset, data.len()) else {
+            self.counters.bad_accesses += 1;
+            return;
+        };
+        let value = match width_ok {
+            VIRTIO_MMIO_MAGIC_VALUE => MAGIC_VALUE,
+            VIRTIO_MMIO_VERSION => MMIO_VERSION,
+            VIRTIO_MMIO_DEVICE_ID => self.device.device_id(),
+            VIRTIO_MMIO_VENDOR_ID => VENDOR_ID,
+            VIRTIO_MMIO_DEVICE_FEATURES => match self.device_features_sel {
+                0 => self.device.device_features() as u32,
+                1 => (self.device.device_features() >> 32) as u32,
+                _ => 0,
+            },
+            VIRTIO_MMIO_QUEUE_NUM_MAX => self.selected_queue().map_or(0, |q| q.max_size().into()),
+            VIRTIO_MMIO_QUEUE_READY => self.selected_queue().map_or(0, |q| q.ready().into()),
+            VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt_status,
+            VIRTIO_MMIO_STATUS => self.status,
+            VIRTIO_MMIO_CONFIG_GENERATION => self.config_generation,
+            _ => {
+                self.counters.bad_accesses += 1;
+                0
+            }
+        };
+        data.copy_from_slice(&value.to_le_bytes());
+    }
+
+    /// A guest write of `data` at `offset` in the window. A QueueNotify runs the device's
+    /// queue processing here (the fallback path; once wired, notifications arrive through an
+    /// ioeventfd and [`MmioTransport::notify`]).
+    pub fn write<M: GuestMemory>(&mut self, offset: u64, data: &[u8], mem: &M) {
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            // No config field of bud's devices is writable.
+            self.counters.bad_accesses += 1;
+            return;
+        }
+        let Some(reg) = register_access(offset, data.len()) else {
+            self.counters.bad_accesses += 1;
+            return;
+        };
+        let mut bytes = [0u8; 4];
+        bytes.copy_from_slice(data);
+        let value = u32::from_le_bytes(bytes);
+        match reg {
+            VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.device_features_sel = value,
+            VIRTIO_MMIO_DRIVER_FEATURES_SEL => self.driver_features_sel = value,
+            VIRTIO_MMIO_DRIVER_FEATURES => self.write_driver_features(value),
+            VIRTIO_MMIO_QUEUE_SEL => self.queue_sel = value,
+            VIRTIO_MMIO_QUEUE_NUM => self.setup_queue(|q, index| {
+                u16::try_from(value)
+                    .ok()
+                    .and_then(|size| q.try_set_size(size).ok())
+                    .ok_or(DeviceFault::QueueSize { queue: index, size: value })
+            }),
+            VIRTIO_MMIO_QUEUE_READY => self.write_queue_ready(value, mem),
+            VIRTIO_MMIO_QUEUE_DESC_LOW | VIRTIO_MMIO_QUEUE_DESC_HIGH => {
+                self.write_ring_address(Ring::Desc, reg == VIRTIO_MMIO_QUEUE_DESC_HIGH, value)
+            }
+            VIRTIO_MMIO_QUEUE_AVAIL_LOW | VIRTIO_MMIO_QUEUE_AVAIL_HIGH => {
+                self.write_ring_address(Ring::Avail, reg == VIRTIO_MMIO_QUEUE_AVAIL_HIGH, value)
+            }
+            VIRTIO_MMIO_QUEUE_USED_LOW | VIRTIO_MMIO_QUEUE_USED_HIGH => {
+                self.write_ring_address(Ring::Used, reg == VIRTIO_MMIO_QUEUE_USED_HIGH, value)
+            }
+            VIRTIO_MMIO_QUEUE_NOTIFY => self.notify(value, mem),
+            VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt_status &= !value,
+            VIRTIO_MMIO_STATUS => self.write_status(value),
+            _ => self.counters.bad_accesses += 1,
+        }
+    }
+
+    /// The driver notified queue `index` (QueueNotify's value): the device processes it if it
+    /// is running and the queue is ready, and the driver is interrupted if the device says so.
+    pub fn notify<M: GuestMemory>(&mut self, index: u32, mem: &M) {
+        let ready = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.queues.get(i))
+            .is_some_and(Queue::ready);
+        if !ready || !self.is_running() {
+            self.counters.bad_accesses += 1;
+            return;
+        }
+        // `ready` held, so the index fits the queue count, itself from a `&[u16]` of sizes.
+        let index = index as u16;
+        let _ = self.run(mem, |device, queues, mem| {
+            device.queue_notify(index, queues, mem).map(|signal| ((), signal))
+        });
+    }
+
+    /// Runs `f` over the device and its queues if the device is running; `f` returns its
+    /// result and whether the driver should get a used-buffer interrupt. A fault marks the
+    /// device broken. `None` if the device was not running or `f` faulted.
+    pub fn run<M: GuestMemory, R>(
+        &mut self,
+        mem: &M,
+        f: impl FnOnce(&mut D, &mut [Queue], &M) -> Result<(R, bool), DeviceFault>,
+    ) -> Option<R> {
+        if !self.is_running() {
+            return None;
+        }
+        match f(&mut self.device, &mut self.queues, mem) {
+            Ok((result, signal)) => {
+                if signal {
+                    self.raise(VIRTIO_MMIO_INT_VRING);
+                }
+                Some(result)
+            }
+            Err(fault) => {
+                self.fault(fault);
+                None
+            }
+        }
+    }
+
+    /// The transport's state by value (for snapshots and resets).
+    pub fn state(&self) -> TransportState {
+        TransportState {
+            status: self.status,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            queue_sel: self.queue_sel,
+            interrupt_status: self.interrupt_status,
+            config_generation: self.config_generation,
+            queues: self.queues.iter().map(|q| SavedQueue(q.state())).collect(),
+        }
+    }
+
+    /// Returns the transport to `state` (checked first; on error nothing changes), zeroes the
+    /// counters, and activates or resets the device to match. Ready queues must lie in `mem`.
+    pub fn restore<M: GuestMemory>(
+        &mut self,
+        state: &TransportState,
+        mem: &M,
+    ) -> Result<(), StateError> {
+        let max_sizes = self.device.queue_max_sizes();
+        if state.queues.len() != max_sizes.len() {
+            return Err(StateError::QueueCount {
+                found: state.queues.len(),
+                expected: max_sizes.len(),
+            });
+        }
+        if state.status & !(DRIVER_STATUS_BITS | VIRTIO_CONFIG_S_NEEDS_RESET) != 0 {
+            return Err(StateError::Status(state.status));
+        }
+        let offered = self.device.device_features();
+        if state.driver_features & !offered != 0 {
+            return Err(StateError::Features {
+                found: state.driver_features,
+                offered,
+            });
+        }
+        let mut queues = Vec::with_capacity(max_sizes.len());
+        for (i, (saved, &max)) in state.queues.iter().zip(max_sizes).enumerate() {
+            if saved.0.max_size != max {
+                return Err(StateError::QueueMaxSize {
+                    queue: i,
+                    found: saved.0.max_size,
+                    expected: max,
+                });
+            }
+            let queue = Queue::try_from(saved.0).map_err(|e| StateError::Queue {
+                queue: i,
+                detail: e.to_string(),
+            })?;
+            if queue.ready() && !queue.is_valid(mem) {
+                return Err(StateError::RingOutsideMemory { queue: i });
+            }
+            queues.push(queue);
+        }
+        self.queues = queues;
+        self.status = state.status;
+        self.device_features_sel = state.device_features_sel;
+        self.driver_features_sel = state.driver_features_sel;
+        self.driver_features = state.driver_features;
+        self.queue_sel = state.queue_sel;
+        self.interrupt_status = state.interrupt_status;
+        self.config_generation = state.config_generation;
+        self.counters = TransportCounters::default();
+        self.last_fault = None;
+        if self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+            self.device.activate(self.driver_features);
+        } else {
+            self.device.reset();
+        }
+        Ok(())
+    }
+
+    fn selected_queue(&self) -> Option<&Queue> {
+        usize::try_from(self.queue_sel)
+            .ok()
+            .and_then(|i| self.queues.get(i))
+    }
+
+    fn read_config(&mut self, offset: u64, data: &mut [u8]) {
+        let config = self.device.config_space();
+        let end = offset.checked_add(data.len() as u64);
+        match end {
+            Some(end) if end <= config.len() as u64 && matches!(data.len(), 1 | 2 | 4 | 8) => {
+                data.copy_from_slice(&config[offset as usize..end as usize]);
+            }
+            _ => self.counters.bad_accesses += 1,
+        }
+    }
+
+    fn write_driver_features(&mut self, value: u32) {
+        let negotiating = self.status & VIRTIO_CONFIG_S_DRIVER != 0
+            && self.status & VIRTIO_CONFIG_S_FEATURES_OK == 0;
+        match self.driver_features_sel {
+            0 if negotiating => {
+                self.driver_features = (self.driver_features & !0xffff_ffff) | u64::from(value);
+            }
+            1 if negotiating => {
+                self.driver_features =
+                    (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32);
+            }
+            _ => self.counters.bad_accesses += 1,
+        }
+    }
+
+    /// Runs `f` on the selected queue if the driver may set it up now (after FEATURES_OK,
+    /// before DRIVER_OK, the queue not ready, the device not broken). No queue selected:
+    /// ignored; the wrong state or an error from `f`: the device is broken.
+    fn setup_queue(&mut self, f: impl FnOnce(&mut Queue, u16) -> Result<(), DeviceFault>) {
+        let status = self.status;
+        let in_setup = status & VIRTIO_CONFIG_S_FEATURES_OK != 0
+            && status & (VIRTIO_CONFIG_S_DRIVER_OK | VIRTIO_CONFIG_S_NEEDS_RESET) == 0;
+        let index = self.queue_sel;
+        let Some(queue) = usize::try_from(index)
+            .ok()
+            .and_then(|i| self.queues.get_mut(i))
+        else {
+            self.counters.bad_accesses += 1;
+            return;
+        };
+        // The index fits in u16: it selects one of at most u16::MAX queues.
+        let index = index as u16;
+        let result = if in_setup && !queue.ready() {
+            f(queue, index)
+        } else {
+            Err(DeviceFault::QueueSetupState {
+                queue: index,
+                status,
+            })
+        };
+        if let Err(fault) = result {
+            self.fault(fault);
+        }
+    }
+
+    fn write_ring_address(&mut self, ring: Ring, high: bool, value: u32) {
+        self.setup_queue(|q, index| {
+            let current = match ring {
+                Ring::Desc => q.desc_table(),
+                Ring::Avail => q.avail_ring(),
+                Ring::Used => q.used_ring(),
+            };
+            let addr = if high {
+                (current & 0xffff_ffff) | (u64::from(value) << 32)
+            } else {
+                (current & !0xffff_ffff) | u64::from(value)
+            };
+            let set = match ring {
+                Ring::Desc => q.try_set_desc_table_address(GuestAddress(addr)),
+                Ring::Avail => q.try_set_avail_ring_address(GuestAddress(addr)),
+                Ring::Used => q.try_set_used_ring_address(GuestAddress(addr)),
+            };
+            set.map_err(|_| DeviceFault::RingAlignment {
+                queue: index,
+                what: ring.name(),
+                addr,
+            })
+        });
+    }
+
+    fn write_queue_ready<M: GuestMemory>(&mut self, value: u32, mem: &M) {
+        match value {
+            1 => self.setup_queue(|q, index| {
+                q.set_ready(true);
+                if q.is_valid(mem) {
+                    Ok(())
+                } else {
+                    q.set_ready(false);
+                    Err(DeviceFault::RingOutsideMemory { queue: index })
+                }
+            }),
+            // Taking a queue back before DRIVER_OK is allowed; after it, it needs
+            // VIRTIO_F_RING_RESET, which is not offered.
+            0 if self.status & VIRTIO_CONFIG_S_DRIVER_OK == 0 => {
+                let Some(queue) = usize::try_from(self.queue_sel)
+                    .ok()
+                    .and_then(|i| self.queues.get_mut(i))
+                else {
+                    self.counters.bad_accesses += 1;
+                    return;
+                };
+                queue.set_ready(false);
+            }
+            _ => {
+                let fault = DeviceFault::QueueSetupState {
+                    queue: self.queue_sel as u16,
+                    status: self.status,
+                };
+                self.fault(fault);
+            }
+        }
+    }
+
+    fn write_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        // Drivers write back what they read plus a bit, so NEEDS_RESET may come back: it stays
+        // the device's.
+        let old = self.status & DRIVER_STATUS_BITS;
+        let mut new = value & !VIRTIO_CONFIG_S_NEEDS_RESET;
+        let in_order = |s: u32| {
+            let has = |bit| s & bit != 0;
+            (!has(VIRTIO_CONFIG_S_DRIVER) || has(VIRTIO_CONFIG_S_ACKNOWLEDGE))
+                && (!has(VIRTIO_CONFIG_S_FEATURES_OK) || has(VIRTIO_CONFIG_S_DRIVER))
+                && (!has(VIRTIO_CONFIG_S_DRIVER_OK) || has(VIRTIO_CONFIG_S_FEATURES_OK))
+        };
+        if new & !DRIVER_STATUS_BITS != 0 || new & old != old || !in_order(new) {
+            self.counters.bad_accesses += 1;
+            return;
+        }
+        let added = new & !old;
+        if added & VIRTIO_CONFIG_S_FEATURES_OK != 0 && !self.features_acceptable() {
+            // The spec's way to refuse: FEATURES_OK does not stick, the driver reads it back.
+            new &= !(VIRTIO_CONFIG_S_FEATURES_OK | VIRTIO_CONFIG_S_DRIVER_OK);
+        }
+        self.status = new | (self.status & VIRTIO_CONFIG_S_NEEDS_RESET);
+        if added & VIRTIO_CONFIG_S_DRIVER_OK != 0 && new & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+            let event_idx =
+                self.driver_features & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
+                    != 0;
+            for q in &mut self.queues {
+                q.set_event_idx(event_idx);
+            }
+            self.device.activate(self.driver_features);
+        }
+    }
+
+    fn features_acceptable(&self) -> bool {
+        self.driver_features & !self.device.device_features() == 0
+            && self.driver_features & (1 << VIRTIO_F_VERSION_1) != 0
+    }
+
+    /// The driver wrote 0 to Status: everything back to its initial value (counters stay).
+    fn reset(&mut self) {
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.status = 0;
+        self.device_features_sel = 0;
+        self.driver_features_sel = 0;
+        self.driver_features = 0;
+        self.queue_sel = 0;
+        self.interrupt_status = 0;
+        self.config_generation = 0;
+        self.device.reset();
+    }
+
+    fn fault(&mut self, fault: DeviceFault) {
+        self.counters.faults += 1;
+        self.last_fault = Some(fault);
+        if self.status & VIRTIO_CONFIG_S_NEEDS_RESET == 0 {
+            self.status |= VIRTIO_CONFIG_S_NEEDS_RESET;
+            if self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+                self.raise(VIRTIO_MMIO_INT_CONFIG);
+            }
+        }
+    }
+
+    fn raise(&mut self, bit: u32) {
+        self.interrupt_status |= bit;
+        if self.irq.trigger().is_err() {
+            self.counters.irq_errors += 1;
+        }
+    }
+}
+
+/// The register a control-register access names, if it is a 32-bit aligned access.
+fn register_access(offset: u64, len: usize) -> Option<u32> {
+    (len == 4 && offset % 4 == 0)
+        .then(|| u32::try_from(offset).ok())
+        .flatten()
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Ring {
+    Desc,
+    Avail,
+    Used,
+}
+
+impl Ring {
+    fn name(self) -> &'static str {
+        match self {
+            Ring::Desc => "descriptor table",
+            Ring::Avail => "available ring",
+            Ring::Used => "used ring",
+        }
+    }
+}
