@@ -663,3 +663,236 @@ impl Ring {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use virtio_bindings::virtio_config::VIRTIO_CONFIG_S_ACKNOWLEDGE as ACK;
+    use virtio_bindings::virtio_config::VIRTIO_CONFIG_S_DRIVER as DRIVER;
+    use virtio_bindings::virtio_config::VIRTIO_CONFIG_S_DRIVER_OK as DRIVER_OK;
+    use virtio_bindings::virtio_config::VIRTIO_CONFIG_S_FEATURES_OK as FEATURES_OK;
+    use virtio_bindings::virtio_config::VIRTIO_CONFIG_S_NEEDS_RESET as NEEDS_RESET;
+    use virtio_bindings::virtio_mmio::VIRTIO_MMIO_QUEUE_PFN;
+
+    use super::super::net::{NetConfig, OFFERED_FEATURES, TxChecksum, VirtioNet};
+    use super::super::testing::{
+        CountingIrq, DriverQueue, memory, negotiate, read_reg, start, write_reg,
+    };
+    use super::*;
+
+    #[derive(Debug, Default)]
+    struct NoSink;
+    impl super::super::net::FrameSink for NoSink {
+        fn transmit(&mut self, _: &[u8], _: TxChecksum) {}
+    }
+
+    fn transport() -> MmioTransport<VirtioNet<NoSink>, CountingIrq> {
+        MmioTransport::new(
+            VirtioNet::new(NetConfig::default(), NoSink),
+            CountingIrq::default(),
+        )
+    }
+
+    #[test]
+    fn identity_registers_and_offered_features_read_as_the_spec_says() {
+        let mem = memory();
+        let mut t = transport();
+
+        let magic = read_reg(&mut t, VIRTIO_MMIO_MAGIC_VALUE);
+        let version = read_reg(&mut t, VIRTIO_MMIO_VERSION);
+        let id = read_reg(&mut t, VIRTIO_MMIO_DEVICE_ID);
+        let vendor = read_reg(&mut t, VIRTIO_MMIO_VENDOR_ID);
+        let low = read_reg(&mut t, VIRTIO_MMIO_DEVICE_FEATURES);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
+        let high = read_reg(&mut t, VIRTIO_MMIO_DEVICE_FEATURES);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_DEVICE_FEATURES_SEL, 2);
+        let beyond = read_reg(&mut t, VIRTIO_MMIO_DEVICE_FEATURES);
+        let num_max = read_reg(&mut t, VIRTIO_MMIO_QUEUE_NUM_MAX);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_SEL, 2);
+        let no_queue = read_reg(&mut t, VIRTIO_MMIO_QUEUE_NUM_MAX);
+
+        assert_eq!(magic, 0x7472_6976);
+        assert_eq!(version, 2);
+        assert_eq!(id, 1);
+        assert_eq!(vendor, 0x0064_7562);
+        // CSUM 0, GUEST_CSUM 1, MTU 3, MAC 5, MRG_RXBUF 15, RING_EVENT_IDX 29; VERSION_1 32.
+        assert_eq!(low, 0x2000_802b);
+        assert_eq!(high, 1);
+        assert_eq!(beyond, 0);
+        assert_eq!(num_max, 256);
+        assert_eq!(no_queue, 0);
+        assert_eq!(t.counters(), TransportCounters::default());
+    }
+
+    #[test]
+    fn features_outside_the_offer_or_without_version_1_are_refused() {
+        let mem = memory();
+        let mut t = transport();
+
+        let extra = negotiate(&mut t, &mem, OFFERED_FEATURES | (1 << 17));
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, 0);
+        let legacy = negotiate(&mut t, &mem, OFFERED_FEATURES & !(1 << 32));
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, 0);
+        let good = negotiate(&mut t, &mem, OFFERED_FEATURES);
+
+        assert_eq!(extra, ACK | DRIVER);
+        assert_eq!(legacy, ACK | DRIVER);
+        assert_eq!(good, ACK | DRIVER | FEATURES_OK);
+        assert_eq!(t.driver_features(), OFFERED_FEATURES);
+    }
+
+    #[test]
+    fn status_bits_come_in_order_and_are_never_taken_back_without_a_reset() {
+        let mem = memory();
+        let mut t = transport();
+
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, DRIVER);
+        let driver_first = t.status();
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, ACK);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, ACK | DRIVER | DRIVER_OK);
+        let ok_early = t.status();
+        write_reg(&mut t, &mem, VIRTIO_MMIO_DRIVER_FEATURES, 0xffff);
+        let features_before_driver = t.driver_features();
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, ACK | DRIVER);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, ACK);
+        let taken_back = t.status();
+
+        assert_eq!(driver_first, 0);
+        assert_eq!(ok_early, ACK);
+        assert_eq!(features_before_driver, 0);
+        assert_eq!(taken_back, ACK | DRIVER);
+        assert_eq!(t.counters().bad_accesses, 4);
+        assert_eq!(t.counters().faults, 0);
+    }
+
+    #[test]
+    fn register_accesses_that_are_not_32_bit_and_aligned_or_name_no_register_are_ignored() {
+        let mem = memory();
+        let mut t = transport();
+        let mut byte = [0xaa_u8; 1];
+        let mut unaligned = [0xaa_u8; 4];
+
+        t.read(0, &mut byte);
+        t.read(2, &mut unaligned);
+        t.write(u64::from(VIRTIO_MMIO_STATUS), &[1, 0], &mem);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_PFN, 0x10);
+        let write_only = read_reg(&mut t, VIRTIO_MMIO_QUEUE_DESC_LOW);
+        t.write(0x100, &[1], &mem);
+        let mut past_config = [0xaa_u8; 4];
+        t.read(0x100 + 10, &mut past_config);
+
+        assert_eq!(byte, [0]);
+        assert_eq!(unaligned, [0; 4]);
+        assert_eq!(t.status(), 0);
+        assert_eq!(write_only, 0);
+        assert_eq!(past_config, [0; 4]);
+        assert_eq!(t.counters().bad_accesses, 7);
+        assert_eq!(t.counters().faults, 0);
+    }
+
+    #[test]
+    fn the_config_space_holds_the_mac_and_the_mtu_at_any_width() {
+        let mut t = transport();
+        let mut mac = [0u8; 6];
+        let mut mtu = [0u8; 2];
+        let mut mac_as_u32 = [0u8; 4];
+
+        for (i, b) in mac.iter_mut().enumerate() {
+            let mut one = [0u8; 1];
+            t.read(0x100 + i as u64, &mut one);
+            *b = one[0];
+        }
+        t.read(0x10a, &mut mtu);
+        t.read(0x100, &mut mac_as_u32);
+
+        assert_eq!(mac, [0x02, 0x42, 0x0a, 0x00, 0x02, 0x0f]);
+        assert_eq!(u16::from_le_bytes(mtu), 65520);
+        assert_eq!(mac_as_u32, [0x02, 0x42, 0x0a, 0x00]);
+        assert_eq!(t.counters().bad_accesses, 0);
+    }
+
+    #[test]
+    fn invalid_queue_sizes_break_the_device_until_a_reset() {
+        let mem = memory();
+        for size in [0u32, 100, 512, 0x1_0000] {
+            let mut t = transport();
+            negotiate(&mut t, &mem, OFFERED_FEATURES);
+
+            write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_NUM, size);
+
+            assert_eq!(
+                t.last_fault(),
+                Some(&DeviceFault::QueueSize { queue: 0, size })
+            );
+            assert_eq!(t.status(), ACK | DRIVER | FEATURES_OK | NEEDS_RESET);
+            // Not running yet: no config interrupt.
+            assert_eq!(t.interrupt_status(), 0);
+            write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, 0);
+            assert_eq!(t.status(), 0);
+        }
+    }
+
+    #[test]
+    fn unaligned_rings_and_rings_outside_ram_are_faults_and_the_queue_stays_unready() {
+        let mem = memory();
+        let mut t = transport();
+        negotiate(&mut t, &mem, OFFERED_FEATURES);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_DESC_LOW, 0x1_0008);
+        let unaligned = t.last_fault().cloned();
+
+        let mut t = transport();
+        negotiate(&mut t, &mem, OFFERED_FEATURES);
+        let mut q = DriverQueue::at(0, 16);
+        q.desc = 0x20_0000;
+        q.set_up(&mut t, &mem, 0);
+        let outside = t.last_fault().cloned();
+        let ready = read_reg(&mut t, VIRTIO_MMIO_QUEUE_READY);
+
+        assert_eq!(
+            unaligned,
+            Some(DeviceFault::RingAlignment {
+                queue: 0,
+                what: "descriptor table",
+                addr: 0x1_0008
+            })
+        );
+        assert_eq!(outside, Some(DeviceFault::RingOutsideMemory { queue: 0 }));
+        assert_eq!(ready, 0);
+        assert_eq!(t.counters().faults, 1);
+    }
+
+    #[test]
+    fn queue_setup_after_driver_ok_breaks_a_running_device_with_a_config_interrupt() {
+        let mem = memory();
+        let mut t = transport();
+        start(&mut t, &mem, OFFERED_FEATURES, 16);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_SEL, 0);
+
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_NUM, 8);
+
+        assert_eq!(
+            t.last_fault(),
+            Some(&DeviceFault::QueueSetupState {
+                queue: 0,
+                status: ACK | DRIVER | FEATURES_OK | DRIVER_OK
+            })
+        );
+        assert_eq!(t.status() & NEEDS_RESET, NEEDS_RESET);
+        assert_eq!(t.interrupt_status(), VIRTIO_MMIO_INT_CONFIG);
+        assert_eq!(t.queues()[0].size(), 16);
+        assert!(!t.is_running());
+    }
+
+    #[test]
+    fn writing_status_zero_returns_every_register_and_queue_to_its_initial_value() {
+        let mem = memory();
+        let fresh = transport().state();
+        let mut t = transport();
+        start(&mut t, &mem, OFFERED_FEATURES, 16);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_SEL, 1);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
+
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, 0);
+
+        assert_eq!(t.state(), fresh);
+    }
+}

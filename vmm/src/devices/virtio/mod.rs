@@ -154,3 +154,6 @@ pub(crate) fn walk_chain<M: GuestMemory>(
     }
     Err(DeviceFault::ChainLoop { queue, head })
 }
+
+#[cfg(test)]
+pub(crate) mod testing;
