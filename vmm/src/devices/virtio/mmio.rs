@@ -309,7 +309,10 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
                 u16::try_from(value)
                     .ok()
                     .and_then(|size| q.try_set_size(size).ok())
-                    .ok_or(DeviceFault::QueueSize { queue: index, size: value })
+                    .ok_or(DeviceFault::QueueSize {
+                        queue: index,
+                        size: value,
+                    })
             }),
             VIRTIO_MMIO_QUEUE_READY => self.write_queue_ready(value, mem),
             VIRTIO_MMIO_QUEUE_DESC_LOW | VIRTIO_MMIO_QUEUE_DESC_HIGH => {
@@ -342,7 +345,9 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
         // `ready` held, so the index fits the queue count, itself from a `&[u16]` of sizes.
         let index = index as u16;
         let _ = self.run(mem, |device, queues, mem| {
-            device.queue_notify(index, queues, mem).map(|signal| ((), signal))
+            device
+                .queue_notify(index, queues, mem)
+                .map(|signal| ((), signal))
         });
     }
 
@@ -591,9 +596,9 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
         }
         self.status = new | (self.status & VIRTIO_CONFIG_S_NEEDS_RESET);
         if added & VIRTIO_CONFIG_S_DRIVER_OK != 0 && new & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
-            let event_idx =
-                self.driver_features & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
-                    != 0;
+            let event_idx = self.driver_features
+                & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
+                != 0;
             for q in &mut self.queues {
                 q.set_event_idx(event_idx);
             }

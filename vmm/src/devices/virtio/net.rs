@@ -321,11 +321,13 @@ impl<B: FrameSink> VirtioNet<B> {
             0
         };
         self.bytes.clear();
-        self.bytes.extend_from_slice(&[flags, VIRTIO_NET_HDR_GSO_NONE as u8]);
+        self.bytes
+            .extend_from_slice(&[flags, VIRTIO_NET_HDR_GSO_NONE as u8]);
         // hdr_len, gso_size, csum_start, csum_offset: 0.
         self.bytes.extend_from_slice(&[0; 8]);
         // At most QUEUE_SIZE chains, so it fits.
-        self.bytes.extend_from_slice(&(buffers as u16).to_le_bytes());
+        self.bytes
+            .extend_from_slice(&(buffers as u16).to_le_bytes());
         self.bytes.extend_from_slice(frame);
 
         let mut offset = 0usize;
@@ -449,8 +451,7 @@ impl<B: FrameSink> VirtioNet<B> {
         } else {
             TxChecksum::Complete
         };
-        self.sink
-            .transmit(&self.bytes[VNET_HDR_LEN..], checksum);
+        self.sink.transmit(&self.bytes[VNET_HDR_LEN..], checksum);
         self.counters.tx_frames += 1;
         self.counters.tx_bytes += frame_len as u64;
         Ok(())
@@ -581,5 +582,568 @@ fn ring_fault(queue: u16, e: virtio_queue::Error) -> DeviceFault {
     DeviceFault::Ring {
         queue,
         detail: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use virtio_bindings::virtio_config::VIRTIO_CONFIG_S_NEEDS_RESET as NEEDS_RESET;
+    use virtio_bindings::virtio_mmio::{
+        VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_INTERRUPT_ACK,
+        VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_STATUS,
+    };
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::split::Descriptor;
+    use vm_memory::GuestMemoryMmap;
+
+    use super::super::mmio::TransportCounters;
+    use super::super::testing::{
+        BUFFERS, CountingIrq, DriverQueue, RAM_SIZE, memory, start, write_reg,
+    };
+    use super::*;
+
+    /// Frames the guest sent, in order.
+    #[derive(Debug, Default)]
+    struct Frames(Vec<(Vec<u8>, TxChecksum)>);
+
+    impl FrameSink for Frames {
+        fn transmit(&mut self, frame: &[u8], checksum: TxChecksum) {
+            self.0.push((frame.to_vec(), checksum));
+        }
+    }
+
+    type Net = NetDevice<Frames, CountingIrq>;
+
+    fn device() -> (Net, CountingIrq) {
+        let irq = CountingIrq::default();
+        let dev = MmioTransport::new(
+            VirtioNet::new(NetConfig::default(), Frames::default()),
+            irq.clone(),
+        );
+        (dev, irq)
+    }
+
+    /// A device the driver started with `features` and two queues of `size`.
+    fn running(features: u64, size: u16) -> (Net, CountingIrq, GuestMemoryMmap, Vec<DriverQueue>) {
+        let mem = memory();
+        let (mut dev, irq) = device();
+        let queues = start(&mut dev, &mem, features, size);
+        assert!(dev.is_running());
+        (dev, irq, mem, queues)
+    }
+
+    fn frame(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + 3) as u8).collect()
+    }
+
+    fn header(flags: u8, gso: u8, csum_start: u16, csum_offset: u16) -> [u8; VNET_HDR_LEN] {
+        let mut h = [0u8; VNET_HDR_LEN];
+        h[0] = flags;
+        h[1] = gso;
+        h[6..8].copy_from_slice(&csum_start.to_le_bytes());
+        h[8..10].copy_from_slice(&csum_offset.to_le_bytes());
+        h
+    }
+
+    /// Writes a header and a frame into RAM and queues them as one tx chain of two buffers.
+    fn send(mem: &GuestMemoryMmap, tx: &mut DriverQueue, hdr: [u8; VNET_HDR_LEN], f: &[u8]) -> u16 {
+        mem.write_slice(&hdr, GuestAddress(BUFFERS)).unwrap();
+        mem.write_slice(f, GuestAddress(BUFFERS + 0x100)).unwrap();
+        tx.add(
+            mem,
+            &[
+                (BUFFERS, 12, false),
+                (BUFFERS + 0x100, f.len() as u32, false),
+            ],
+        )
+    }
+
+    fn notify(dev: &mut Net, mem: &GuestMemoryMmap, queue: u16) {
+        write_reg(dev, mem, VIRTIO_MMIO_QUEUE_NOTIFY, queue.into());
+    }
+
+    fn read(mem: &GuestMemoryMmap, addr: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        mem.read_slice(&mut v, GuestAddress(addr)).unwrap();
+        v
+    }
+
+    #[test]
+    fn a_transmitted_frame_reaches_the_sink_without_its_header_and_the_buffer_comes_back() {
+        let (mut dev, irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        let f = frame(60);
+        let head = send(&mem, &mut q[1], header(0, 0, 0, 0), &f);
+
+        notify(&mut dev, &mem, TX_QUEUE);
+
+        assert_eq!(dev.device().sink().0, vec![(f, TxChecksum::Complete)]);
+        assert_eq!(q[1].used_idx(&mem), 1);
+        assert_eq!(q[1].used(&mem, 0), (u32::from(head), 0));
+        // EVENT_IDX: used_event is 0, so the first used buffer interrupts; the device asks
+        // to be notified of the next available entry.
+        assert_eq!(irq.0.get(), 1);
+        assert_eq!(dev.interrupt_status(), VIRTIO_MMIO_INT_VRING);
+        assert_eq!(q[1].avail_event(&mem), 1);
+        let c = dev.device().counters();
+        assert_eq!((c.tx_frames, c.tx_bytes, c.tx_dropped), (1, 60, 0));
+        write_reg(
+            &mut dev,
+            &mem,
+            VIRTIO_MMIO_INTERRUPT_ACK,
+            VIRTIO_MMIO_INT_VRING,
+        );
+        assert_eq!(dev.interrupt_status(), 0);
+    }
+
+    #[test]
+    fn a_partial_checksum_is_passed_on_and_bad_offsets_or_gso_are_dropped() {
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        let f = frame(60);
+        let needs = VIRTIO_NET_HDR_F_NEEDS_CSUM as u8;
+
+        let partial = send(&mem, &mut q[1], header(needs, 0, 34, 16), &f);
+        notify(&mut dev, &mem, TX_QUEUE);
+        let outside = send(&mem, &mut q[1], header(needs, 0, 50, 9), &f);
+        notify(&mut dev, &mem, TX_QUEUE);
+        let gso = send(&mem, &mut q[1], header(0, 1, 0, 0), &f);
+        notify(&mut dev, &mem, TX_QUEUE);
+
+        assert_eq!(
+            dev.device().sink().0,
+            vec![(
+                f,
+                TxChecksum::Partial {
+                    start: 34,
+                    offset: 16
+                }
+            )]
+        );
+        assert_eq!(q[1].used_idx(&mem), 3);
+        assert_eq!(q[1].used(&mem, 0), (u32::from(partial), 0));
+        assert_eq!(q[1].used(&mem, 1), (u32::from(outside), 0));
+        assert_eq!(q[1].used(&mem, 2), (u32::from(gso), 0));
+        let c = dev.device().counters();
+        assert_eq!((c.tx_frames, c.tx_dropped), (1, 2));
+        assert_eq!(c.last_drop, Some(DropReason::Gso));
+        assert!(dev.is_running());
+    }
+
+    #[test]
+    fn a_needs_csum_frame_is_dropped_when_csum_was_not_negotiated() {
+        let features = OFFERED_FEATURES & !(1 << VIRTIO_NET_F_CSUM);
+        let (mut dev, _irq, mem, mut q) = running(features, 16);
+        let needs = VIRTIO_NET_HDR_F_NEEDS_CSUM as u8;
+
+        send(&mem, &mut q[1], header(needs, 0, 14, 6), &frame(60));
+        notify(&mut dev, &mem, TX_QUEUE);
+
+        assert_eq!(dev.device().sink().0, vec![]);
+        assert_eq!(
+            dev.device().counters().last_drop,
+            Some(DropReason::Checksum)
+        );
+    }
+
+    #[test]
+    fn a_received_frame_larger_than_one_buffer_is_merged_across_buffers() {
+        let (mut dev, irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        // Three receive chains of 2048 bytes; the first made of two buffers.
+        let h0 = q[0].add(
+            &mem,
+            &[(BUFFERS, 1000, true), (BUFFERS + 0x800, 1048, true)],
+        );
+        let h1 = q[0].add(&mem, &[(BUFFERS + 0x1000, 2048, true)]);
+        let h2 = q[0].add(&mem, &[(BUFFERS + 0x2000, 2048, true)]);
+        let f = frame(5000);
+
+        let outcome = dev.receive_frame(&f, &mem);
+
+        assert_eq!(outcome, RxOutcome::Delivered { buffers: 3 });
+        assert_eq!(q[0].used_idx(&mem), 3);
+        assert_eq!(q[0].used(&mem, 0), (u32::from(h0), 2048));
+        assert_eq!(q[0].used(&mem, 1), (u32::from(h1), 2048));
+        assert_eq!(q[0].used(&mem, 2), (u32::from(h2), 5012 - 4096));
+        // flags DATA_VALID (GUEST_CSUM), GSO none, num_buffers 3.
+        assert_eq!(
+            read(&mem, BUFFERS, 12),
+            vec![2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3, 0]
+        );
+        let mut got = read(&mem, BUFFERS + 12, 1000 - 12);
+        got.extend(read(&mem, BUFFERS + 0x800, 1048));
+        got.extend(read(&mem, BUFFERS + 0x1000, 2048));
+        got.extend(read(&mem, BUFFERS + 0x2000, 5012 - 4096));
+        assert_eq!(got, f);
+        assert_eq!(irq.0.get(), 1);
+        let c = dev.device().counters();
+        assert_eq!((c.rx_frames, c.rx_bytes, c.rx_dropped), (1, 5000, 0));
+    }
+
+    #[test]
+    fn without_mrg_rxbuf_a_frame_takes_one_buffer_with_num_buffers_1_or_is_dropped() {
+        let features = OFFERED_FEATURES & !(1 << VIRTIO_NET_F_MRG_RXBUF);
+        let (mut dev, _irq, mem, mut q) = running(features, 16);
+        q[0].add(&mem, &[(BUFFERS, 2048, true)]);
+        q[0].add(&mem, &[(BUFFERS + 0x1000, 2048, true)]);
+
+        let fits = dev.receive_frame(&frame(100), &mem);
+        let too_big = dev.receive_frame(&frame(3000), &mem);
+
+        assert_eq!(fits, RxOutcome::Delivered { buffers: 1 });
+        assert_eq!(
+            read(&mem, BUFFERS, 12),
+            vec![2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+        );
+        assert_eq!(too_big, RxOutcome::Dropped(DropReason::NeverFits));
+        assert_eq!(q[0].used_idx(&mem), 1);
+        assert_eq!(dev.queues()[0].next_avail(), 1);
+    }
+
+    #[test]
+    fn without_enough_buffers_the_frame_is_kept_and_a_notification_asked_for() {
+        let (mut dev, irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        let h0 = q[0].add(&mem, &[(BUFFERS, 100, true)]);
+        let f = frame(200);
+
+        let short = dev.receive_frame(&f, &mem);
+        let avail_event = q[0].avail_event(&mem);
+        let next_avail = dev.queues()[0].next_avail();
+        let h1 = q[0].add(&mem, &[(BUFFERS + 0x1000, 200, true)]);
+        notify(&mut dev, &mem, RX_QUEUE);
+        let retried = dev.receive_frame(&f, &mem);
+
+        assert_eq!(short, RxOutcome::NoBuffers);
+        // Notify me when the driver's available index passes 1 (the one entry seen).
+        assert_eq!(avail_event, 1);
+        assert_eq!(next_avail, 0);
+        assert_eq!(retried, RxOutcome::Delivered { buffers: 2 });
+        assert_eq!(q[0].used(&mem, 0), (u32::from(h0), 100));
+        assert_eq!(q[0].used(&mem, 1), (u32::from(h1), 112));
+        assert_eq!(irq.0.get(), 1);
+        let c = dev.device().counters();
+        assert_eq!((c.rx_no_buffers, c.rx_kicks, c.rx_frames), (1, 1, 1));
+    }
+
+    #[test]
+    fn a_frame_the_whole_ring_cannot_hold_is_dropped() {
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 2);
+        q[0].add(&mem, &[(BUFFERS, 100, true)]);
+        q[0].add(&mem, &[(BUFFERS + 0x1000, 100, true)]);
+
+        let outcome = dev.receive_frame(&frame(1000), &mem);
+
+        assert_eq!(outcome, RxOutcome::Dropped(DropReason::NeverFits));
+        assert_eq!(q[0].used_idx(&mem), 0);
+        assert_eq!(dev.queues()[0].next_avail(), 0);
+    }
+
+    #[test]
+    fn event_idx_interrupts_only_when_used_passes_used_event() {
+        let (mut dev, irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        for i in 0..3 {
+            q[0].add(&mem, &[(BUFFERS + 0x1000 * i, 2048, true)]);
+        }
+        q[0].set_used_event(&mem, 1);
+
+        dev.receive_frame(&frame(100), &mem);
+        let after_first = irq.0.get();
+        dev.receive_frame(&frame(100), &mem);
+        let after_second = irq.0.get();
+        dev.receive_frame(&frame(100), &mem);
+        let after_third = irq.0.get();
+
+        assert_eq!((after_first, after_second, after_third), (0, 1, 1));
+        assert_eq!(q[0].used_idx(&mem), 3);
+    }
+
+    #[test]
+    fn without_event_idx_the_no_interrupt_flag_is_honoured() {
+        let features = OFFERED_FEATURES & !(1 << VIRTIO_RING_F_EVENT_IDX);
+        let (mut dev, irq, mem, mut q) = running(features, 16);
+        q[0].add(&mem, &[(BUFFERS, 2048, true)]);
+        q[0].add(&mem, &[(BUFFERS + 0x1000, 2048, true)]);
+
+        q[0].set_avail_flags(&mem, VRING_AVAIL_F_NO_INTERRUPT as u16);
+        dev.receive_frame(&frame(100), &mem);
+        let suppressed = irq.0.get();
+        q[0].set_avail_flags(&mem, 0);
+        dev.receive_frame(&frame(100), &mem);
+
+        assert_eq!((suppressed, irq.0.get()), (0, 1));
+    }
+
+    #[test]
+    fn oversize_and_runt_frames_are_dropped_and_counted_both_ways() {
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        let max = NetConfig::default().max_frame_len();
+        q[0].add(&mem, &[(BUFFERS, 2048, true)]);
+
+        let rx_big = dev.receive_frame(&frame(max + 1), &mem);
+        let rx_runt = dev.receive_frame(&frame(13), &mem);
+        let big = send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(max + 1));
+        notify(&mut dev, &mem, TX_QUEUE);
+        send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(max));
+        notify(&mut dev, &mem, TX_QUEUE);
+        send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(13));
+        notify(&mut dev, &mem, TX_QUEUE);
+
+        assert_eq!(max, 65538);
+        assert_eq!(rx_big, RxOutcome::Dropped(DropReason::Oversize));
+        assert_eq!(rx_runt, RxOutcome::Dropped(DropReason::Runt));
+        assert_eq!(q[0].used_idx(&mem), 0);
+        assert_eq!(q[1].used_idx(&mem), 3);
+        assert_eq!(q[1].used(&mem, 0), (u32::from(big), 0));
+        let sent: Vec<usize> = dev.device().sink().0.iter().map(|(f, _)| f.len()).collect();
+        assert_eq!(sent, vec![max]);
+        let c = dev.device().counters();
+        assert_eq!((c.rx_dropped, c.tx_dropped, c.tx_frames), (2, 2, 1));
+        assert_eq!(c.last_drop, Some(DropReason::Runt));
+        assert!(dev.is_running());
+    }
+
+    /// Runs a hostile tx chain whose head is already published, and returns the fault.
+    fn tx_fault(dev: &mut Net, mem: &GuestMemoryMmap) -> Option<DeviceFault> {
+        notify(dev, mem, TX_QUEUE);
+        dev.last_fault().cloned()
+    }
+
+    #[test]
+    fn a_descriptor_loop_breaks_the_device_with_a_config_interrupt_and_a_reset_mends_it() {
+        let (mut dev, irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        let next = virtio_bindings::virtio_ring::VRING_DESC_F_NEXT as u16;
+        q[1].write_desc(&mem, 0, Descriptor::new(BUFFERS, 12, next, 1));
+        q[1].write_desc(&mem, 1, Descriptor::new(BUFFERS, 60, next, 0));
+        q[1].publish(&mem, 0);
+
+        let fault = tx_fault(&mut dev, &mem);
+        notify(&mut dev, &mem, TX_QUEUE);
+
+        assert_eq!(fault, Some(DeviceFault::ChainLoop { queue: 1, head: 0 }));
+        assert_eq!(dev.status() & NEEDS_RESET, NEEDS_RESET);
+        assert_eq!(dev.interrupt_status(), VIRTIO_MMIO_INT_CONFIG);
+        assert_eq!(irq.0.get(), 1);
+        assert_eq!(q[1].used_idx(&mem), 0);
+        assert_eq!(dev.device().sink().0, vec![]);
+        assert_eq!(
+            dev.counters(),
+            TransportCounters {
+                bad_accesses: 1,
+                faults: 1,
+                irq_errors: 0
+            }
+        );
+        // The driver resets and starts again: the device serves.
+        write_reg(&mut dev, &mem, VIRTIO_MMIO_STATUS, 0);
+        let mut q = start(&mut dev, &mem, OFFERED_FEATURES, 16);
+        send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(60));
+        notify(&mut dev, &mem, TX_QUEUE);
+        assert_eq!(dev.device().sink().0.len(), 1);
+    }
+
+    #[test]
+    fn buffers_outside_ram_indirect_descriptors_wrong_directions_and_bad_indices_are_faults() {
+        let write = VRING_DESC_F_WRITE as u16;
+        let cases: Vec<(Descriptor, u16, DeviceFault)> = vec![
+            (
+                Descriptor::new(RAM_SIZE - 8, 64, 0, 0),
+                TX_QUEUE,
+                DeviceFault::BufferOutsideMemory {
+                    queue: 1,
+                    addr: RAM_SIZE - 8,
+                    len: 64,
+                },
+            ),
+            (
+                Descriptor::new(u64::MAX - 4, 64, 0, 0),
+                TX_QUEUE,
+                DeviceFault::BufferOutsideMemory {
+                    queue: 1,
+                    addr: u64::MAX - 4,
+                    len: 64,
+                },
+            ),
+            (
+                Descriptor::new(BUFFERS, 16, VRING_DESC_F_INDIRECT as u16, 0),
+                TX_QUEUE,
+                DeviceFault::Indirect { queue: 1 },
+            ),
+            (
+                Descriptor::new(BUFFERS, 64, write, 0),
+                TX_QUEUE,
+                DeviceFault::Direction {
+                    queue: 1,
+                    found: "device-writable",
+                },
+            ),
+            (
+                Descriptor::new(BUFFERS, 64, 0, 0),
+                RX_QUEUE,
+                DeviceFault::Direction {
+                    queue: 0,
+                    found: "device-readable",
+                },
+            ),
+            (
+                Descriptor::new(BUFFERS, 64, write | 1, 40),
+                RX_QUEUE,
+                DeviceFault::DescriptorIndex {
+                    queue: 0,
+                    index: 40,
+                },
+            ),
+        ];
+        for (desc, queue, expected) in cases {
+            let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+            q[usize::from(queue)].write_desc(&mem, 0, desc);
+            q[usize::from(queue)].publish(&mem, 0);
+
+            let outcome = if queue == TX_QUEUE {
+                notify(&mut dev, &mem, TX_QUEUE);
+                None
+            } else {
+                Some(dev.receive_frame(&frame(60), &mem))
+            };
+
+            assert_eq!(dev.last_fault(), Some(&expected));
+            assert_eq!(dev.status() & NEEDS_RESET, NEEDS_RESET);
+            assert_eq!(q[usize::from(queue)].used_idx(&mem), 0);
+            if queue == RX_QUEUE {
+                assert_eq!(outcome, Some(RxOutcome::NotRunning));
+            }
+        }
+    }
+
+    #[test]
+    fn a_head_outside_the_table_or_an_available_index_past_the_ring_is_a_fault() {
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        q[1].publish(&mem, 40);
+        let bad_head = tx_fault(&mut dev, &mem);
+
+        let (mut dev, _irq, mem, q) = running(OFFERED_FEATURES, 16);
+        q[1].set_avail_idx(&mem, 17);
+        let jump = tx_fault(&mut dev, &mem);
+
+        assert_eq!(
+            bad_head,
+            Some(DeviceFault::DescriptorIndex {
+                queue: 1,
+                index: 40
+            })
+        );
+        assert_eq!(jump, Some(DeviceFault::AvailIndex { queue: 1 }));
+    }
+
+    #[test]
+    fn nothing_is_received_before_driver_ok_or_after_a_reset() {
+        let (mut fresh, _irq) = device();
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        q[0].add(&mem, &[(BUFFERS, 2048, true)]);
+        let initial = fresh.net_state();
+
+        let before = fresh.receive_frame(&frame(60), &mem);
+        write_reg(&mut dev, &mem, VIRTIO_MMIO_STATUS, 0);
+        let after = dev.receive_frame(&frame(60), &mem);
+
+        assert_eq!(before, RxOutcome::NotRunning);
+        assert_eq!(after, RxOutcome::NotRunning);
+        assert_eq!(dev.net_state(), initial);
+    }
+
+    #[test]
+    fn state_round_trips_by_value_through_bincode_and_a_restored_device_carries_on() {
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(60));
+        notify(&mut dev, &mem, TX_QUEUE);
+        q[0].add(&mem, &[(BUFFERS + 0x1000, 2048, true)]);
+        q[0].add(&mem, &[(BUFFERS + 0x2000, 2048, true)]);
+        dev.receive_frame(&frame(100), &mem);
+        let state = dev.net_state();
+
+        let bytes = bincode::serialize(&state).unwrap();
+        let decoded: NetDeviceState = bincode::deserialize(&bytes).unwrap();
+        let (mut restored, _irq) = device();
+        restored.restore_net(&decoded, &mem).unwrap();
+        let outcome = restored.receive_frame(&frame(100), &mem);
+
+        assert_eq!(decoded, state);
+        assert_eq!(state.transport.status, 15);
+        assert_eq!(state.transport.driver_features, OFFERED_FEATURES);
+        let rx = state.transport.queues[0].0;
+        let tx = state.transport.queues[1].0;
+        assert_eq!(
+            (rx.next_avail, rx.next_used, rx.size, rx.ready),
+            (1, 1, 16, true)
+        );
+        assert_eq!(
+            (tx.next_avail, tx.next_used, tx.event_idx_enabled),
+            (1, 1, true)
+        );
+        assert_eq!(outcome, RxOutcome::Delivered { buffers: 1 });
+        assert_eq!(q[0].used_idx(&mem), 2);
+        assert_eq!(
+            read(&mem, BUFFERS + 0x2000, 12),
+            vec![2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+        );
+        let mut again = restored.net_state();
+        again.transport.queues[0].0.next_avail = 1;
+        again.transport.queues[0].0.next_used = 1;
+        assert_eq!(again, state);
+    }
+
+    #[test]
+    fn a_state_that_does_not_fit_the_device_or_ram_is_refused_and_changes_nothing() {
+        let (dev, _irq, mem, _q) = running(OFFERED_FEATURES, 16);
+        let good = dev.net_state();
+        let (mut target, _irq) = device();
+        let before = target.net_state();
+
+        let mut other_mac = good.clone();
+        other_mac.config.mac[5] = 0x10;
+        let mut outside = good.clone();
+        outside.transport.queues[1].0.desc_table = 0x20_0000;
+        let mut bigger = good.clone();
+        bigger.transport.queues[0].0.max_size = 512;
+        let mut features = good.clone();
+        features.transport.driver_features |= 1 << 17;
+        let mut status = good.clone();
+        status.transport.status |= 0x10;
+        let mut short = good.clone();
+        short.transport.queues.pop();
+
+        let results = [
+            target.restore_net(&other_mac, &mem),
+            target.restore_net(&outside, &mem),
+            target.restore_net(&bigger, &mem),
+            target.restore_net(&features, &mem),
+            target.restore_net(&status, &mem),
+            target.restore_net(&short, &mem),
+        ];
+
+        assert_eq!(
+            results,
+            [
+                Err(NetStateError::Config {
+                    found: other_mac.config,
+                    expected: NetConfig::default()
+                }),
+                Err(NetStateError::Transport(StateError::RingOutsideMemory {
+                    queue: 1
+                })),
+                Err(NetStateError::Transport(StateError::QueueMaxSize {
+                    queue: 0,
+                    found: 512,
+                    expected: 256
+                })),
+                Err(NetStateError::Transport(StateError::Features {
+                    found: OFFERED_FEATURES | (1 << 17),
+                    offered: OFFERED_FEATURES
+                })),
+                Err(NetStateError::Transport(StateError::Status(0x1f))),
+                Err(NetStateError::Transport(StateError::QueueCount {
+                    found: 1,
+                    expected: 2
+                })),
+            ]
+        );
+        assert_eq!(target.net_state(), before);
     }
 }

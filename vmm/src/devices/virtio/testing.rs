@@ -223,7 +223,10 @@ pub fn start<D: VirtioDevice, T: Trigger>(
     size: u16,
 ) -> Vec<DriverQueue> {
     let status = negotiate(t, mem, features);
-    assert_eq!(status & VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_FEATURES_OK);
+    assert_eq!(
+        status & VIRTIO_CONFIG_S_FEATURES_OK,
+        VIRTIO_CONFIG_S_FEATURES_OK
+    );
     let count = t.queues().len() as u16;
     let queues: Vec<_> = (0..count)
         .map(|i| {
@@ -232,6 +235,11 @@ pub fn start<D: VirtioDevice, T: Trigger>(
             q
         })
         .collect();
-    write_reg(t, mem, VIRTIO_MMIO_STATUS, status | VIRTIO_CONFIG_S_DRIVER_OK);
+    write_reg(
+        t,
+        mem,
+        VIRTIO_MMIO_STATUS,
+        status | VIRTIO_CONFIG_S_DRIVER_OK,
+    );
     queues
 }
