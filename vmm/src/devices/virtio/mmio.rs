@@ -334,16 +334,17 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
     /// The driver notified queue `index` (QueueNotify's value): the device processes it if it
     /// is running and the queue is ready, and the driver is interrupted if the device says so.
     pub fn notify<M: GuestMemory>(&mut self, index: u32, mem: &M) {
-        let ready = usize::try_from(index)
+        let Some(index) = u16::try_from(index)
             .ok()
-            .and_then(|i| self.queues.get(i))
-            .is_some_and(Queue::ready);
-        if !ready || !self.is_running() {
+            .filter(|&i| self.queues.get(usize::from(i)).is_some_and(Queue::ready))
+        else {
+            self.counters.bad_accesses += 1;
+            return;
+        };
+        if !self.is_running() {
             self.counters.bad_accesses += 1;
             return;
         }
-        // `ready` held, so the index fits the queue count, itself from a `&[u16]` of sizes.
-        let index = index as u16;
         let _ = self.run(mem, |device, queues, mem| {
             device
                 .queue_notify(index, queues, mem)
@@ -451,9 +452,7 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
     }
 
     fn selected_queue(&self) -> Option<&Queue> {
-        usize::try_from(self.queue_sel)
-            .ok()
-            .and_then(|i| self.queues.get(i))
+        self.selected_index().map(|i| &self.queues[usize::from(i)])
     }
 
     fn read_config(&mut self, offset: u64, data: &mut [u8]) {
@@ -489,16 +488,11 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
         let status = self.status;
         let in_setup = status & VIRTIO_CONFIG_S_FEATURES_OK != 0
             && status & (VIRTIO_CONFIG_S_DRIVER_OK | VIRTIO_CONFIG_S_NEEDS_RESET) == 0;
-        let index = self.queue_sel;
-        let Some(queue) = usize::try_from(index)
-            .ok()
-            .and_then(|i| self.queues.get_mut(i))
-        else {
+        let Some(index) = self.selected_index() else {
             self.counters.bad_accesses += 1;
             return;
         };
-        // The index fits in u16: it selects one of at most u16::MAX queues.
-        let index = index as u16;
+        let queue = &mut self.queues[usize::from(index)];
         let result = if in_setup && !queue.ready() {
             f(queue, index)
         } else {
@@ -510,6 +504,13 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
         if let Err(fault) = result {
             self.fault(fault);
         }
+    }
+
+    /// QueueSel, if it names one of the device's queues.
+    fn selected_index(&self) -> Option<u16> {
+        u16::try_from(self.queue_sel)
+            .ok()
+            .filter(|&i| usize::from(i) < self.queues.len())
     }
 
     fn write_ring_address(&mut self, ring: Ring, high: bool, value: u32) {
@@ -538,6 +539,10 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
     }
 
     fn write_queue_ready<M: GuestMemory>(&mut self, value: u32, mem: &M) {
+        let Some(index) = self.selected_index() else {
+            self.counters.bad_accesses += 1;
+            return;
+        };
         match value {
             1 => self.setup_queue(|q, index| {
                 q.set_ready(true);
@@ -551,22 +556,13 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
             // Taking a queue back before DRIVER_OK is allowed; after it, it needs
             // VIRTIO_F_RING_RESET, which is not offered.
             0 if self.status & VIRTIO_CONFIG_S_DRIVER_OK == 0 => {
-                let Some(queue) = usize::try_from(self.queue_sel)
-                    .ok()
-                    .and_then(|i| self.queues.get_mut(i))
-                else {
-                    self.counters.bad_accesses += 1;
-                    return;
-                };
-                queue.set_ready(false);
+                self.queues[usize::from(index)].set_ready(false);
             }
-            _ => {
-                let fault = DeviceFault::QueueSetupState {
-                    queue: self.queue_sel as u16,
-                    status: self.status,
-                };
-                self.fault(fault);
-            }
+            0 => self.fault(DeviceFault::QueueSetupState {
+                queue: index,
+                status: self.status,
+            }),
+            _ => self.counters.bad_accesses += 1,
         }
     }
 
@@ -885,6 +881,44 @@ mod tests {
         assert_eq!(t.interrupt_status(), VIRTIO_MMIO_INT_CONFIG);
         assert_eq!(t.queues()[0].size(), 16);
         assert!(!t.is_running());
+    }
+
+    #[test]
+    fn queue_ready_takes_1_to_start_0_to_stop_before_driver_ok_and_ignores_other_values() {
+        let mem = memory();
+        let mut t = transport();
+        negotiate(&mut t, &mem, OFFERED_FEATURES);
+        let q = DriverQueue::at(0, 16);
+        q.set_up(&mut t, &mem, 0);
+        let started = read_reg(&mut t, VIRTIO_MMIO_QUEUE_READY);
+
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_READY, 2);
+        let after_two = read_reg(&mut t, VIRTIO_MMIO_QUEUE_READY);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_READY, 0);
+        let stopped = read_reg(&mut t, VIRTIO_MMIO_QUEUE_READY);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_SEL, 7);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_READY, 1);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_NUM, 16);
+
+        assert_eq!((started, after_two, stopped), (1, 1, 0));
+        assert_eq!(t.counters().bad_accesses, 3);
+        assert_eq!(t.counters().faults, 0);
+    }
+
+    #[test]
+    fn a_device_broken_during_setup_stays_broken_when_the_driver_writes_status_back() {
+        let mem = memory();
+        let mut t = transport();
+        negotiate(&mut t, &mem, OFFERED_FEATURES);
+        write_reg(&mut t, &mem, VIRTIO_MMIO_QUEUE_NUM, 3);
+        let broken = read_reg(&mut t, VIRTIO_MMIO_STATUS);
+
+        write_reg(&mut t, &mem, VIRTIO_MMIO_STATUS, broken | DRIVER_OK);
+
+        assert_eq!(broken, ACK | DRIVER | FEATURES_OK | NEEDS_RESET);
+        assert_eq!(t.status(), broken | DRIVER_OK);
+        assert!(!t.is_running());
+        assert_eq!(t.counters().faults, 1);
     }
 
     #[test]
