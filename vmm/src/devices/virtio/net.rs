@@ -1146,4 +1146,104 @@ mod tests {
         );
         assert_eq!(target.net_state(), before);
     }
+
+    /// A small deterministic PRNG (xorshift64) for the randomized test.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    /// Zeroes both queues' rings and starts the device again, as a driver does after a reset.
+    fn restart(dev: &mut Net, mem: &GuestMemoryMmap) -> Vec<DriverQueue> {
+        write_reg(dev, mem, VIRTIO_MMIO_STATUS, 0);
+        mem.write_slice(&[0u8; 0x3_0000], GuestAddress(0x1_0000))
+            .unwrap();
+        start(dev, mem, OFFERED_FEATURES, 16)
+    }
+
+    #[test]
+    fn a_random_hostile_driver_never_panics_the_device_and_a_reset_mends_it() {
+        let mut totals = (0u64, 0u64, 0u64);
+        for seed in 1..=16u64 {
+            let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            for _ in 0..400 {
+                let queue = rng.below(2) as usize;
+                match rng.below(20) {
+                    // Register accesses of any width at any offset.
+                    0 => {
+                        let len = [1, 2, 4, 8][rng.below(4) as usize];
+                        let value = rng.below(u64::MAX).to_le_bytes();
+                        dev.write(rng.below(0x120), &value[..len], &mem);
+                    }
+                    1 => {
+                        let mut data = [0u8; 8];
+                        let len = [0, 1, 2, 4, 8][rng.below(5) as usize];
+                        dev.read(rng.below(0x1000), &mut data[..len]);
+                    }
+                    // A scribbled descriptor: any address, length, flags, next.
+                    2 => {
+                        let addr = [
+                            BUFFERS + rng.below(0x1000),
+                            RAM_SIZE - rng.below(64),
+                            rng.below(u64::MAX),
+                        ][rng.below(3) as usize];
+                        let desc = Descriptor::new(
+                            addr,
+                            rng.below(0x2_0000) as u32,
+                            rng.below(8) as u16,
+                            rng.below(20) as u16,
+                        );
+                        q[queue].write_desc(&mem, rng.below(16) as u16, desc);
+                    }
+                    3 => q[queue].publish(&mem, rng.below(20) as u16),
+                    4 => q[queue].set_avail_idx(&mem, rng.below(40) as u16),
+                    // Well-formed chains of one to three buffers, most of the time.
+                    5..=10 => {
+                        let buffers: Vec<_> = (0..1 + rng.below(3))
+                            .map(|_| {
+                                let addr = BUFFERS + rng.below(0x4_0000);
+                                (addr, rng.below(0x2000) as u32, queue == 0)
+                            })
+                            .collect();
+                        q[queue].add(&mem, &buffers);
+                    }
+                    11..=13 => notify(&mut dev, &mem, rng.below(3) as u16),
+                    14..=17 => {
+                        dev.receive_frame(&frame(rng.below(9000) as usize), &mem);
+                    }
+                    18 => {
+                        dev.receive_frame(&frame(rng.below(70_000) as usize), &mem);
+                    }
+                    _ if !dev.is_running() => q = restart(&mut dev, &mem),
+                    _ => {}
+                }
+                let state = dev.net_state();
+                let bytes = bincode::serialize(&state).unwrap();
+                assert_eq!(
+                    bincode::deserialize::<NetDeviceState>(&bytes).unwrap(),
+                    state
+                );
+            }
+            let c = dev.device().counters();
+            totals.0 += dev.counters().faults;
+            totals.1 += c.tx_frames;
+            totals.2 += c.rx_frames;
+
+            let mut q = restart(&mut dev, &mem);
+            send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(60));
+            notify(&mut dev, &mem, TX_QUEUE);
+            assert_eq!(q[1].used_idx(&mem), 1, "seed {seed}");
+            assert_eq!(dev.device().sink().0.last().map(|(f, _)| f.len()), Some(60));
+        }
+        // The random driver reached the fault paths and moved frames both ways.
+        eprintln!("faults, tx frames, rx frames: {totals:?}");
+        assert!(totals.0 > 0 && totals.1 > 0 && totals.2 > 0, "{totals:?}");
+    }
 }
