@@ -6,7 +6,8 @@
 //! DeviceFeaturesSel 0x014, DriverFeatures 0x020 with DriverFeaturesSel 0x024, QueueSel 0x030,
 //! QueueNumMax 0x034, QueueNum 0x038, QueueReady 0x044, QueueNotify 0x050, InterruptStatus
 //! 0x060, InterruptACK 0x064, Status 0x070, QueueDesc 0x080/0x084, QueueDriver (avail ring)
-//! 0x090/0x094, QueueDevice (used ring) 0x0a0/0x0a4, ConfigGeneration 0x0fc; the device's
+//! 0x090/0x094, QueueDevice (used ring) 0x0a0/0x0a4, SHMSel 0x0ac with SHMLen/SHMBase
+//! 0x0b0..0x0bc (no shared memory regions: all-ones), ConfigGeneration 0x0fc; the device's
 //! configuration space from 0x100 (read-only here, any access width). The legacy (version 1)
 //! registers GuestPageSize, QueueAlign and QueuePFN do not exist in version 2 and are bad
 //! accesses.
@@ -40,8 +41,9 @@ use virtio_bindings::virtio_mmio::{
     VIRTIO_MMIO_QUEUE_AVAIL_HIGH, VIRTIO_MMIO_QUEUE_AVAIL_LOW, VIRTIO_MMIO_QUEUE_DESC_HIGH,
     VIRTIO_MMIO_QUEUE_DESC_LOW, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM,
     VIRTIO_MMIO_QUEUE_NUM_MAX, VIRTIO_MMIO_QUEUE_READY, VIRTIO_MMIO_QUEUE_SEL,
-    VIRTIO_MMIO_QUEUE_USED_HIGH, VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS,
-    VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
+    VIRTIO_MMIO_QUEUE_USED_HIGH, VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_SHM_BASE_HIGH,
+    VIRTIO_MMIO_SHM_BASE_LOW, VIRTIO_MMIO_SHM_LEN_HIGH, VIRTIO_MMIO_SHM_LEN_LOW,
+    VIRTIO_MMIO_SHM_SEL, VIRTIO_MMIO_STATUS, VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
 };
 use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{GuestAddress, GuestMemory};
@@ -276,6 +278,11 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
             VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt_status,
             VIRTIO_MMIO_STATUS => self.status,
             VIRTIO_MMIO_CONFIG_GENERATION => self.config_generation,
+            // No shared memory regions: every region's length and base read as all-ones.
+            VIRTIO_MMIO_SHM_LEN_LOW
+            | VIRTIO_MMIO_SHM_LEN_HIGH
+            | VIRTIO_MMIO_SHM_BASE_LOW
+            | VIRTIO_MMIO_SHM_BASE_HIGH => u32::MAX,
             _ => {
                 self.counters.bad_accesses += 1;
                 0
@@ -327,6 +334,8 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
             VIRTIO_MMIO_QUEUE_NOTIFY => self.notify(value, mem),
             VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt_status &= !value,
             VIRTIO_MMIO_STATUS => self.write_status(value),
+            // Selects a shared memory region; there are none, so any selection is fine.
+            VIRTIO_MMIO_SHM_SEL => {}
             _ => self.counters.bad_accesses += 1,
         }
     }
@@ -788,6 +797,21 @@ mod tests {
         assert_eq!(past_config, [0; 4]);
         assert_eq!(t.counters().bad_accesses, 7);
         assert_eq!(t.counters().faults, 0);
+    }
+
+    #[test]
+    fn there_are_no_shared_memory_regions() {
+        let mem = memory();
+        let mut t = transport();
+
+        write_reg(&mut t, &mem, VIRTIO_MMIO_SHM_SEL, 0);
+        let len = [VIRTIO_MMIO_SHM_LEN_LOW, VIRTIO_MMIO_SHM_LEN_HIGH].map(|r| read_reg(&mut t, r));
+        let base =
+            [VIRTIO_MMIO_SHM_BASE_LOW, VIRTIO_MMIO_SHM_BASE_HIGH].map(|r| read_reg(&mut t, r));
+
+        assert_eq!(len, [u32::MAX; 2]);
+        assert_eq!(base, [u32::MAX; 2]);
+        assert_eq!(t.counters().bad_accesses, 0);
     }
 
     #[test]

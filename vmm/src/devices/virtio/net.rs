@@ -729,6 +729,20 @@ mod tests {
     }
 
     #[test]
+    fn a_header_and_frame_in_one_buffer_as_linux_sends_them_is_split_at_12_bytes() {
+        let (mut dev, _irq, mem, mut q) = running(OFFERED_FEATURES, 16);
+        let f = frame(1514);
+        let mut packet = header(0, 0, 0, 0).to_vec();
+        packet.extend_from_slice(&f);
+        mem.write_slice(&packet, GuestAddress(BUFFERS)).unwrap();
+        q[1].add(&mem, &[(BUFFERS, packet.len() as u32, false)]);
+
+        notify(&mut dev, &mem, TX_QUEUE);
+
+        assert_eq!(dev.device().sink().0, vec![(f, TxChecksum::Complete)]);
+    }
+
+    #[test]
     fn a_needs_csum_frame_is_dropped_when_csum_was_not_negotiated() {
         let features = OFFERED_FEATURES & !(1 << VIRTIO_NET_F_CSUM);
         let (mut dev, _irq, mem, mut q) = running(features, 16);
