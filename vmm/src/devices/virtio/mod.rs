@@ -7,7 +7,9 @@
 //! ioeventfd/irqfd in `vm.rs`, no state in `MachineState`. The plan for all of that, and for
 //! the user-mode network stack that will sit behind [`net::FrameSink`], is
 //! `docs/network-design.md` (stage 1). This module is complete and tested on its own, driven by
-//! unit tests that play the guest driver against a `GuestMemoryMmap`.
+//! unit tests that play the guest driver against a `GuestMemoryMmap`. Wiring will also split
+//! the transport: here it is one single-owner object, while the design has the vCPU thread
+//! answer InterruptStatus/ACK and a worker thread run the queues.
 //!
 //! **Why these crates.** Split virtqueues come from rust-vmm's `virtio-queue` 0.18 (`Queue` for
 //! the ring arithmetic, EVENT_IDX and notification suppression; `QueueState` for snapshots), and
