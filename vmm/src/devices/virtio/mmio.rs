@@ -417,8 +417,11 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
         if state.status & !(DRIVER_STATUS_BITS | VIRTIO_CONFIG_S_NEEDS_RESET) != 0 {
             return Err(StateError::Status(state.status));
         }
+        // Before FEATURES_OK the driver may have written anything (the device then refuses
+        // FEATURES_OK); after it, only a subset of the offer can have been accepted.
         let offered = self.device.device_features();
-        if state.driver_features & !offered != 0 {
+        if state.status & VIRTIO_CONFIG_S_FEATURES_OK != 0 && state.driver_features & !offered != 0
+        {
             return Err(StateError::Features {
                 found: state.driver_features,
                 offered,
@@ -943,6 +946,21 @@ mod tests {
         assert_eq!(t.status(), broken | DRIVER_OK);
         assert!(!t.is_running());
         assert_eq!(t.counters().faults, 1);
+    }
+
+    #[test]
+    fn a_state_mid_negotiation_with_refused_features_restores_exactly() {
+        let mem = memory();
+        let mut t = transport();
+        let status = negotiate(&mut t, &mem, OFFERED_FEATURES | (1 << 17));
+        let state = t.state();
+
+        let mut twin = transport();
+        twin.restore(&state, &mem).unwrap();
+
+        assert_eq!(status, ACK | DRIVER);
+        assert_eq!(state.driver_features, OFFERED_FEATURES | (1 << 17));
+        assert_eq!(twin.state(), state);
     }
 
     #[test]

@@ -1238,12 +1238,16 @@ mod tests {
                     _ if !dev.is_running() => q = restart(&mut dev, &mem),
                     _ => {}
                 }
+                // Every state the driver can reach survives bincode and a restore, exactly.
                 let state = dev.net_state();
                 let bytes = bincode::serialize(&state).unwrap();
                 assert_eq!(
                     bincode::deserialize::<NetDeviceState>(&bytes).unwrap(),
                     state
                 );
+                let (mut twin, _irq) = device();
+                twin.restore_net(&state, &mem).unwrap();
+                assert_eq!(twin.net_state(), state);
             }
             let c = dev.device().counters();
             totals.0 += dev.counters().faults;
