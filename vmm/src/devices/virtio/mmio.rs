@@ -259,11 +259,11 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
             self.read_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
             return;
         }
-        let Some(width_ok) = register_access(offset, data.len()) else {
+        let Some(reg) = register_access(offset, data.len()) else {
             self.counters.bad_accesses += 1;
             return;
         };
-        let value = match width_ok {
+        let value = match reg {
             VIRTIO_MMIO_MAGIC_VALUE => MAGIC_VALUE,
             VIRTIO_MMIO_VERSION => MMIO_VERSION,
             VIRTIO_MMIO_DEVICE_ID => self.device.device_id(),
