@@ -1,5 +1,6 @@
 //! Runs every cargo-fuzz target of `fuzz/` (what a guest or a client controls: the mailbox
-//! announcement, the result decoder, request bodies and paths, the template state file)
+//! announcement, the result decoder, request bodies and paths, the template state file, the
+//! virtio-net device's registers and rings)
 //! for a bounded time each (`BUD_FUZZ_SECONDS`: CI 5, built unoptimized, whose build is
 //! quicker; `scripts/fuzz.sh 300` for minutes, built optimized),
 //! with libFuzzer's coverage guidance, on the machine's one (stable) toolchain
@@ -13,7 +14,13 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const TARGETS: [&str; 4] = ["mailbox", "result", "request", "template_state"];
+const TARGETS: [&str; 5] = [
+    "mailbox",
+    "result",
+    "request",
+    "template_state",
+    "virtio_net",
+];
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
 fn root() -> PathBuf {

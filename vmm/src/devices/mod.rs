@@ -1,6 +1,8 @@
 //! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
 //! serial console (vm-superio), the i8042 reset line, the doorbell port, and the three ports
-//! of bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`]).
+//! of bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`]). [`virtio`]
+//! holds virtio devices over MMIO (virtio-net), modelled and unit-tested but not wired to a VM
+//! yet.
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
 //! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
@@ -13,6 +15,7 @@ pub(crate) mod exit_report;
 pub(crate) mod host_copy;
 pub(crate) mod host_zero;
 pub(crate) mod i8042;
+pub mod virtio;
 
 use std::io;
 
