@@ -112,6 +112,32 @@ pub struct Snapshot {
     pub pages_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// The parts of [`Kept`] that both kinds read from the same fields: the record's id,
+/// version and creation, the file's size and template key.
+macro_rules! same_fields {
+    () => {
+        fn names(record: &Self::Record) -> (&str, u32) {
+            (&record.id, record.version)
+        }
+
+        fn id(&self) -> &str {
+            &self.record.id
+        }
+
+        fn created_at_ms(&self) -> u64 {
+            self.record.created_at_ms
+        }
+
+        fn bytes(&self) -> u64 {
+            self.bytes
+        }
+
+        fn key(&self) -> &str {
+            &self.key
+        }
+    };
+}
+
 impl Kept for Paused {
     type Record = SessionRecord;
     const FOLDER: &'static str = "paused";
@@ -125,25 +151,7 @@ impl Kept for Paused {
         }
     }
 
-    fn names(record: &SessionRecord) -> (&str, u32) {
-        (&record.id, record.version)
-    }
-
-    fn id(&self) -> &str {
-        &self.record.id
-    }
-
-    fn created_at_ms(&self) -> u64 {
-        self.record.created_at_ms
-    }
-
-    fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    fn key(&self) -> &str {
-        &self.key
-    }
+    same_fields!();
 }
 
 impl Kept for Snapshot {
@@ -159,25 +167,7 @@ impl Kept for Snapshot {
         }
     }
 
-    fn names(record: &SnapshotRecord) -> (&str, u32) {
-        (&record.id, record.version)
-    }
-
-    fn id(&self) -> &str {
-        &self.record.id
-    }
-
-    fn created_at_ms(&self) -> u64 {
-        self.record.created_at_ms
-    }
-
-    fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    fn key(&self) -> &str {
-        &self.key
-    }
+    same_fields!();
 }
 
 pub fn epoch_ms(t: SystemTime) -> u64 {
