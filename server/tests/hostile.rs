@@ -5,7 +5,6 @@
 
 mod common;
 
-
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bud_server::{Config, Limits};
