@@ -111,32 +111,6 @@ fn a_client_that_disconnects_from_a_plain_job_cancels_it() {
 }
 
 #[test]
-fn a_client_that_stays_gets_its_result_and_nothing_is_cancelled() {
-    let s = one_worker();
-    let mut c = raw_post(
-        &s,
-        "/v1/exec/stream",
-        &json!({"code": "print('a', flush=True)\nimport time\ntime.sleep(0.2)\nprint('b')"}),
-    );
-    let mut all = String::new();
-    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let mut buf = [0u8; 4096];
-    while !all.contains("\"type\":\"result\"") {
-        let n = c.read(&mut buf).unwrap();
-        assert!(n > 0, "stream ended early: {all}");
-        all.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
-    drop(c);
-    assert!(all.contains("\"status\":\"ok\""), "{all}");
-    // The job's status is counted before its result line goes out, and leaving after that
-    // line cancels nothing.
-    assert_eq!(cancelled_count(&s), 0);
-    let (status, r) = s.exec(json!({"code": "print('next')"}));
-    assert_eq!((status, &r["stdout"]), (200, &json!("next\n")), "{r}");
-    assert_eq!(cancelled_count(&s), 0);
-}
-
-#[test]
 fn a_shutdown_cancels_what_still_runs_after_its_grace_period() {
     let mut config = test_config();
     config.workers = 1;

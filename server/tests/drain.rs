@@ -1,7 +1,7 @@
-//! Draining a node (docs/cluster.md) on real servers in this process, on loopback: with no
-//! target it refuses new work, waits for sessions and ends the rest at the deadline; with
-//! a target it hands over live and paused sessions (and E2B sandboxes) to another node,
+//! Draining a node (docs/cluster.md) on real servers in this process, on loopback: with
+//! `pause` it leaves its sessions on disk for the next server; with a target it hands over live and paused sessions (and E2B sandboxes) to another node,
 //! which serves them with their state, while the drained node forwards their requests.
+//! A drain with no target is tested on the test engine (`src/http/tests/sessions.rs`).
 //! The same through HAProxy with `bud serve` processes is `tests/cluster.rs`.
 
 mod common;
@@ -33,60 +33,6 @@ fn session(s: &TestServer) -> String {
 
 fn cell(s: &TestServer, id: &str, code: &str) -> (u16, Value) {
     s.post(&format!("/v1/sessions/{id}/exec"), &json!({ "code": code }))
-}
-
-#[test]
-fn a_drain_without_a_target_refuses_new_work_and_ends_the_sessions_left_at_its_deadline() {
-    let a = node("a", None);
-    let id = session(&a);
-    assert!(id.starts_with("ses_a_"), "{id}");
-    assert_eq!(cell(&a, &id, "x = 1").0, 200);
-
-    let (status, report) = a.post("/v1/admin/drain", &json!({ "deadline_s": 1 }));
-    assert_eq!(status, 200, "{report}");
-    assert_eq!(report["node"], "a");
-    assert_eq!(report["jobs_finished"], true);
-    assert_eq!(report["ended"], json!([id]));
-    assert_eq!(
-        (report["moved"].clone(), report["failed"].clone()),
-        (json!([]), json!([]))
-    );
-    assert!(report["drain_ms"].as_f64().unwrap() >= 1000.0, "{report}");
-
-    let health: Value = a.get("/v1/health").json().unwrap();
-    assert_eq!(
-        (health["node"].clone(), health["draining"].clone()),
-        (json!("a"), json!(true))
-    );
-    for (path, body) in [
-        ("/v1/exec", json!({ "code": "print(1)" })),
-        ("/v1/sessions", json!({})),
-    ] {
-        let (status, r) = a.post(path, &body);
-        assert_eq!(
-            (status, r["error"]["code"].clone()),
-            (503, json!("draining")),
-            "{path}"
-        );
-    }
-    let (status, r) = cell(&a, &id, "print(x)");
-    assert_eq!(
-        (status, r["error"]["code"].clone()),
-        (410, json!("session_gone"))
-    );
-    let message = r["error"]["message"].as_str().unwrap();
-    assert!(message.contains("drained"), "{message}");
-
-    let (status, r) = a.post("/v1/admin/drain", &json!({ "pause": true }));
-    assert_eq!(
-        (status, r["error"]["code"].clone()),
-        (501, json!("no_state_dir"))
-    );
-
-    let (status, h) = a.post("/v1/admin/undrain", &json!({}));
-    assert_eq!((status, h["draining"].clone()), (200, json!(false)));
-    let (status, r) = a.exec(json!({ "code": "print(2)" }));
-    assert_eq!((status, r["stdout"].clone()), (200, json!("2\n")));
 }
 
 #[test]

@@ -265,22 +265,6 @@ fn a_session_that_asked_for_it_is_paused_at_its_idle_timeout_not_ended() {
 }
 
 #[test]
-fn without_a_state_directory_pause_and_snapshots_are_refused_with_why() {
-    let s = TestServer::start();
-    let id = session(&s, json!({}));
-    let (pause_status, pause) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
-    let (auto_status, _) = s.post("/v1/sessions", &json!({"auto_pause": true}));
-    let list = s.get("/v1/snapshots").status().as_u16();
-
-    assert_eq!(
-        (pause_status, pause["error"]["code"].clone()),
-        (501, json!("no_state_dir"))
-    );
-    assert_eq!((auto_status, list), (501, 501));
-    assert_eq!(cell(&s, &id, "print(1)"), "1\n");
-}
-
-#[test]
 fn a_damaged_paused_file_is_set_aside_at_start_and_a_corrupt_page_is_refused_at_resume() {
     let dir = state_dir("damaged");
     let (torn, flipped) = {

@@ -1,6 +1,7 @@
 //! The session API against a real server on loopback, over the real template on the real
 //! VMM: state across cells, displayed results, interrupts, crashes, one cell at a time,
-//! files, forks, expiry, caps and leaks. Needs /dev/kvm.
+//! files, forks, contexts. Needs /dev/kvm. The caps, expiry, a waiter's leaving and the
+//! shutdown's end of sessions are tested on the test engine (`src/http/tests/`).
 
 mod common;
 
@@ -8,7 +9,6 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use bud_server::Config;
 use common::*;
 use serde_json::{Value, json};
 
@@ -268,61 +268,6 @@ fn requests_to_a_busy_session_wait_their_turn_and_one_past_the_queue_gets_409() 
     );
 }
 
-/// A waiting request whose client gives up leaves the queue; one waiting while its session
-/// is deleted is answered 404 once the running cell has ended, never left hanging.
-#[test]
-fn a_waiting_request_leaves_the_queue_with_its_client_and_learns_of_a_delete() {
-    let s = TestServer::start();
-    let id = create(&s, json!({}));
-    let exec = s.url(&format!("/v1/sessions/{id}/exec"));
-    let slow_url = exec.clone();
-    let slow = std::thread::spawn(move || {
-        client()
-            .post(slow_url)
-            .json(&json!({"code": "import time\ntime.sleep(4)"}))
-            .send()
-            .unwrap()
-            .status()
-            .as_u16()
-    });
-    wait_for(&s, &id, "the slow cell's start", |i| {
-        i["busy"] == json!(true)
-    });
-    // A client that waits 0.5 s and leaves.
-    let impatient = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_millis(500))
-        .build()
-        .unwrap()
-        .post(&exec)
-        .json(&json!({"code": "1"}))
-        .send();
-    wait_for(&s, &id, "the queue emptied", |i| i["waiting"] == json!(0));
-    let waiter_url = exec.clone();
-    let waiter = std::thread::spawn(move || {
-        let r = client()
-            .post(waiter_url)
-            .json(&json!({"code": "1"}))
-            .send()
-            .unwrap();
-        (
-            r.status().as_u16(),
-            r.json::<Value>().unwrap_or(Value::Null),
-        )
-    });
-    wait_for(&s, &id, "one waiting request", |i| i["waiting"] == json!(1));
-    let deleted = s.delete(&format!("/v1/sessions/{id}"));
-    let (waited, answer) = waiter.join().unwrap();
-
-    assert!(impatient.is_err(), "the impatient client got an answer");
-    assert_eq!(deleted, 204);
-    assert_eq!(
-        (waited, &answer["error"]["code"]),
-        (404, &json!("no_session")),
-        "{answer}"
-    );
-    assert_eq!(slow.join().unwrap(), 200);
-}
-
 #[test]
 fn files_round_trip_binary_and_large_and_escapes_are_refused() {
     let s = TestServer::start();
@@ -508,83 +453,6 @@ fn forks_diverge_and_never_see_each_other() {
         after.contains("bud_sessions_ended_total{reason=\"deleted\"} 10\n"),
         "{after}"
     );
-}
-
-#[test]
-fn shutdown_ends_every_session() {
-    let mut s = TestServer::start();
-    let ids: Vec<String> = (0..3).map(|_| create(&s, json!({}))).collect();
-    cell(&s, &ids[0], "x = 1");
-    let state = s.state.clone();
-
-    s.shutdown();
-
-    assert_eq!(state.sessions().count(), 0);
-    assert_eq!(state.sessions().gauges().ended.get("shutdown"), Some(&3));
-}
-
-#[test]
-fn idle_sessions_expire_with_410() {
-    let s = TestServer::start();
-    let id = create(&s, json!({"idle_timeout_s": 1}));
-    cell(&s, &id, "1");
-
-    // Polled until the reaper ends it (1 s idle; it looks every few hundred ms).
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    let (status, r) = loop {
-        let (status, r) = get_json(&s, &format!("/v1/sessions/{id}"));
-        if status != 200 || std::time::Instant::now() > until {
-            break (status, r);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let (bad, refused) = s.post("/v1/sessions", &json!({"idle_timeout_s": 0}));
-
-    assert_eq!(status, 410, "{r}");
-    assert!(
-        r["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("idle_timeout"),
-        "{r}"
-    );
-    assert_eq!(
-        (bad, &refused["error"]["field"]),
-        (400, &json!("idle_timeout_s"))
-    );
-}
-
-#[test]
-fn the_session_caps_answer_429_and_507() {
-    let mut config: Config = test_config();
-    config.sessions.max_sessions = 2;
-    // A new session holds about 1.4 MiB (a warmed-up clone's working set): two fit.
-    config.sessions.max_memory_bytes = 4 << 20;
-    let s = TestServer::with_config(config);
-    let a = create(&s, json!({}));
-    let b = create(&s, json!({}));
-
-    let (full, too_many) = s.post("/v1/sessions", &json!({}));
-    assert_eq!(s.delete(&format!("/v1/sessions/{b}")), 204);
-    let grew = cell(&s, &a, "blob = b'x' * (6 << 20)");
-    let (over, out_of_memory) = s.post("/v1/sessions", &json!({}));
-    let (fork_over, _) = s.post(&format!("/v1/sessions/{a}/fork"), &json!({"count": 1}));
-    assert_eq!(s.delete(&format!("/v1/sessions/{a}")), 204);
-    let again = create(&s, json!({}));
-
-    assert_eq!(
-        (full, &too_many["error"]["code"]),
-        (429, &json!("too_many_sessions")),
-        "{too_many}"
-    );
-    assert_eq!(
-        (over, &out_of_memory["error"]["code"]),
-        (507, &json!("out_of_memory")),
-        "{out_of_memory}"
-    );
-    assert_eq!(fork_over, 507);
-    assert_eq!(grew["status"], "ok", "{grew}");
-    assert_eq!(s.delete(&format!("/v1/sessions/{again}")), 204);
 }
 
 #[test]

@@ -55,7 +55,12 @@ pub async fn snapshot(
 /// `GET /v1/snapshots`.
 pub async fn list(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
     let dir = state.state_dir().ok_or(Error::NoStateDir)?;
-    let all: Vec<SnapshotInfo> = dir.list_snapshots().iter().map(SnapshotInfo::of).collect();
+    let all: Vec<SnapshotInfo> = dir
+        .snapshots()
+        .list()
+        .iter()
+        .map(SnapshotInfo::of)
+        .collect();
     Ok(Json(serde_json::json!({ "snapshots": all })))
 }
 
@@ -65,7 +70,7 @@ pub async fn show(
     Path(id): Path<String>,
 ) -> Result<Json<SnapshotInfo>, ApiError> {
     let dir = state.state_dir().ok_or(Error::NoStateDir)?;
-    let s = dir.snapshot(&id).ok_or(Error::NoSnapshot(id))?;
+    let s = dir.snapshots().get(&id).ok_or(Error::NoSnapshot(id))?;
     Ok(Json(SnapshotInfo::of(&s)))
 }
 
@@ -89,11 +94,11 @@ pub async fn export(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let dir = state.state_dir().ok_or(Error::NoStateDir)?;
-    if dir.paused(&id).is_none() {
+    if dir.paused().get(&id).is_none() {
         crate::service::sessions::get(&state, &id)?;
         return Err(Error::NotPaused(id).into());
     }
-    let file = std::fs::File::open(dir.paused_path(&id)).map_err(Error::internal)?;
+    let file = std::fs::File::open(dir.paused().path(&id)).map_err(Error::internal)?;
     let len = file.metadata().map_err(Error::internal)?.len();
     let file = std::sync::Arc::new(file);
     let chunks = futures_util::stream::unfold(0u64, move |at| {

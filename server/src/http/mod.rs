@@ -263,3 +263,6 @@ pub async fn serve(
     canceller.abort();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

@@ -142,7 +142,7 @@ fn holds(state: &AppState, id: &str) -> bool {
     }
     state
         .state_dir()
-        .is_some_and(|d| d.paused(id).is_some() || d.snapshot(id).is_some())
+        .is_some_and(|d| d.paused().get(id).is_some() || d.snapshots().get(id).is_some())
 }
 
 /// The header naming the node that answered (a forwarded answer keeps the other node's).

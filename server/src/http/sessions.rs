@@ -42,7 +42,7 @@ pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
         .map(|e| SessionInfo::of(e))
         .collect();
     if let Some(dir) = state.state_dir() {
-        all.extend(dir.list_paused().iter().map(SessionInfo::paused));
+        all.extend(dir.paused().list().iter().map(SessionInfo::paused));
     }
     Json(serde_json::json!({ "sessions": all }))
 }
@@ -56,7 +56,7 @@ pub async fn show(
         Ok(e) => Ok(Json(SessionInfo::of(&e))),
         Err(Error::Paused(_)) => state
             .state_dir()
-            .and_then(|d| d.paused(&id))
+            .and_then(|d| d.paused().get(&id))
             .map(|p| Json(SessionInfo::paused(&p)))
             .ok_or_else(|| Error::NoSession(id).into()),
         Err(e) => Err(e.into()),

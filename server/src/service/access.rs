@@ -23,7 +23,9 @@ pub async fn acquire(state: &AppState, id: &str) -> Result<Busy, Error> {
         match state.sessions().acquire_waiting(id, max).await {
             Ok(busy) => return Ok(busy),
             Err(Unavailable::Unknown)
-                if state.state_dir().is_some_and(|d| d.paused(id).is_some()) =>
+                if state
+                    .state_dir()
+                    .is_some_and(|d| d.paused().get(id).is_some()) =>
             {
                 // Paused (maybe just now, while this request waited): resumed, then taken.
                 Box::pin(crate::service::resume::resume(state, id)).await?;
@@ -117,7 +119,11 @@ pub fn executor(e: &Entry) -> Result<Arc<vmm::Executor>, Error> {
 /// resumes it with [`acquire`]).
 pub fn get(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     state.sessions().get(id).map_err(|u| match u {
-        Unavailable::Unknown if state.state_dir().is_some_and(|d| d.paused(id).is_some()) => {
+        Unavailable::Unknown
+            if state
+                .state_dir()
+                .is_some_and(|d| d.paused().get(id).is_some()) =>
+        {
             Error::Paused(id.to_owned())
         }
         u => unavailable(id, u),

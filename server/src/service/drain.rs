@@ -202,7 +202,7 @@ fn session_ids(state: &AppState) -> Vec<String> {
         .map(|e| e.id.clone())
         .collect();
     if let Some(dir) = state.state_dir() {
-        ids.extend(dir.list_paused().into_iter().map(|p| p.record.id));
+        ids.extend(dir.paused().list().into_iter().map(|p| p.record.id));
     }
     ids.dedup();
     ids
@@ -263,7 +263,7 @@ async fn hand_over(
         durable::pause(state, id).await?;
     }
     let dir = state.state_dir().ok_or(Error::NoStateDir)?.clone();
-    let path = dir.paused_path(id);
+    let path = dir.paused().path(id);
     let file = tokio::task::spawn_blocking(move || std::fs::File::open(path))
         .await
         .map_err(Error::internal)?

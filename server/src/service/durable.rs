@@ -69,7 +69,7 @@ fn check_quota(dir: &Arc<StateDir>, e: &Entry) -> Result<Reservation, Error> {
 /// Pauses session `id` (module docs).
 pub async fn pause(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
     let dir = dir(state)?;
-    if dir.paused(id).is_some() {
+    if dir.paused().get(id).is_some() {
         return Err(Error::Paused(id.to_owned()));
     }
     let busy = acquire(state, id).await?;
@@ -108,7 +108,7 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         contexts: e.contexts().clone(),
     };
     let app = serde_json::to_vec(&record).map_err(Error::internal)?;
-    let path = dir.paused_path(&e.id);
+    let path = dir.paused().path(&e.id);
     let exec = crate::service::access::executor(&e)?;
     let saved = e
         .with_vmm(|s, exec| s.save(exec, &path, app, dir.keys()))
@@ -117,7 +117,7 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
     let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
     // Kept while this pause needs it (a later build of the template never prunes it).
     let _ = exec.template().pin(dir.holder());
-    dir.add_paused(Paused {
+    dir.paused().add(Paused {
         record,
         bytes,
         key: exec.template().key(),
@@ -166,7 +166,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             contexts: e.contexts().clone(),
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
-        let path = dir.snapshot_path(&snap_id);
+        let path = dir.snapshots().path(&snap_id);
         let exec = crate::service::access::executor(&e)?;
         e.with_vmm(|s, exec| s.save(exec, &path, app, dir.keys()))
             .ok_or_else(|| unavailable(&e.id, Unavailable::Unknown))?
@@ -180,7 +180,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             key: exec.template().key(),
             pages_checked: std::sync::Arc::new(true.into()),
         };
-        dir.add_snapshot(snap.clone());
+        dir.snapshots().add(snap.clone());
         dir.snapshots_taken
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok::<_, Error>(snap)
@@ -201,7 +201,8 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
 pub fn delete_snapshot(state: &AppState, id: &str) -> Result<(), Error> {
     let dir = dir(state)?;
     let s = dir
-        .remove_snapshot(id)
+        .snapshots()
+        .remove(id)
         .ok_or_else(|| Error::NoSnapshot(id.to_owned()))?;
     if let Ok(exec) = templates::executor_for(state, Some(&s.record.template)) {
         crate::service::resume::unpin_if_unneeded(&dir, &exec, &s.key);
@@ -217,7 +218,7 @@ pub async fn start_from(
     req: CreateSession,
 ) -> Result<Arc<Entry>, Error> {
     let dir = dir(state)?;
-    let s = dir.snapshot(snap).ok_or_else(|| {
+    let s = dir.snapshots().get(snap).ok_or_else(|| {
         Error::wrong_node(state.node(), snap).unwrap_or_else(|| Error::NoSnapshot(snap.to_owned()))
     })?;
     if let Some(t) = req.template.as_deref()
@@ -266,7 +267,7 @@ pub async fn start_from(
         auto_pause: req.auto_pause.unwrap_or(false),
         again: None,
     };
-    let path = dir.snapshot_path(snap);
+    let path = dir.snapshots().path(snap);
     let sessions = state.sessions().clone();
     let snap_id = snap.to_owned();
     let keys = dir.keys().clone();

@@ -55,7 +55,7 @@ pub fn check_import(
     let exec = templates::executor_for(state, Some(&record.template))?;
     f.check_template(exec.template()).map_err(refuse)?;
     f.verify_pages().map_err(refuse)?;
-    if state.sessions().get(&id).is_ok() || dir.paused(&id).is_some() {
+    if state.sessions().get(&id).is_ok() || dir.paused().get(&id).is_some() {
         return Err(Error::Exists(id));
     }
     let key = exec.template().key();

@@ -42,7 +42,7 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
         resumed.as_mut().enable();
         match state.sessions().get(id) {
             Ok(e) => return Ok(e),
-            Err(Unavailable::Unknown) if dir.paused(id).is_some() => {}
+            Err(Unavailable::Unknown) if dir.paused().get(id).is_some() => {}
             Err(u) => return Err(unavailable(id, u)),
         }
         if dir.claim_resume(id) {
@@ -52,7 +52,7 @@ pub async fn resume(state: &AppState, id: &str) -> Result<Arc<Entry>, Error> {
     }
     let _claim = Claim(&dir, id);
     // Resumed by the one before, between the check and the claim.
-    let Some(p) = dir.paused(id) else {
+    let Some(p) = dir.paused().get(id) else {
         return state.sessions().get(id).map_err(|u| unavailable(id, u));
     };
     let exec = executor_of_key(state, &dir, &p.record.template, &p.key).await?;
@@ -145,7 +145,7 @@ fn resume_file(
     let r = p.record;
     let p_key = p.key;
     let id = r.id.clone();
-    let loaded = session_file::read(&dir.paused_path(&id), dir.keys())
+    let loaded = session_file::read(&dir.paused().path(&id), dir.keys())
         .and_then(|f| {
             if !p.written_here {
                 f.verify_pages()?;
@@ -193,7 +193,7 @@ fn resume_file(
     for (id, path) in &r.watches {
         e.processes.add_watch(*id, path);
     }
-    dir.remove_paused(&id);
+    dir.paused().remove(&id);
     unpin_if_unneeded(dir, exec, &p_key);
     e.account();
     Ok(e)

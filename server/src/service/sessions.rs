@@ -100,7 +100,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
 /// running request's end.
 pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
     if let Some(dir) = state.state_dir()
-        && let Some(p) = dir.remove_paused(id)
+        && let Some(p) = dir.paused().remove(id)
     {
         if let Ok(exec) = templates::executor_for(state, Some(&p.record.template)) {
             crate::service::resume::unpin_if_unneeded(dir, &exec, &p.key);

@@ -58,7 +58,8 @@ pub fn paused_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Paused)> {
     let Some(dir) = c.app.state_dir() else {
         return Vec::new();
     };
-    dir.list_paused()
+    dir.paused()
+        .list()
         .into_iter()
         .filter_map(|p| Some((sandbox(c, &p.record.id, None)?, p)))
         .collect()
@@ -153,7 +154,8 @@ pub async fn list_snapshots(State(c): State<Compat>, Query(q): Query<SnapshotQue
         return e2b_error(Error::NoStateDir);
     };
     let all: Vec<Value> = dir
-        .list_snapshots()
+        .snapshots()
+        .list()
         .into_iter()
         .filter(|s| {
             q.sandbox_id

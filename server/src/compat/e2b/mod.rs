@@ -250,7 +250,7 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
     // A snapshot's id names it as a template does (E2B starts sandboxes from snapshots so).
     let snapshot = state
         .state_dir()
-        .and_then(|d| d.snapshot(&req.template_id))
+        .and_then(|d| d.snapshots().get(&req.template_id))
         .map(|s| s.record.id);
     let template = match snapshot {
         Some(_) => None,
@@ -322,7 +322,7 @@ pub async fn create_v1(c: State<Compat>, body: axum::body::Bytes) -> Response {
 
 /// Paused sandbox `id`'s session record, if it is paused.
 pub fn paused(c: &Compat, id: &str) -> Option<crate::core::durable::Paused> {
-    c.app.state_dir()?.paused(id)
+    c.app.state_dir()?.paused().get(id)
 }
 
 /// Sandbox `id` as E2B clients know it: from the registry, or made again from its

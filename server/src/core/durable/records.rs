@@ -1,0 +1,180 @@
+//! What a session file holds besides its VM (its record: a paused session's settings, a
+//! snapshot's), and what the server knows of each file it keeps.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use super::store::Kept;
+
+/// Version of [`SessionRecord`] and [`SnapshotRecord`] (in the session file's record).
+pub const RECORD_VERSION: u32 = 1;
+
+/// A background process as a record keeps it (its output stays behind).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessRecord {
+    pub pid: u32,
+    pub start: crate::core::processes::Start,
+    pub started_at_ms: u64,
+}
+
+impl ProcessRecord {
+    pub fn of(i: &crate::core::processes::Info) -> Self {
+        Self {
+            pid: i.pid,
+            start: i.start.clone(),
+            started_at_ms: epoch_ms(i.started_at),
+        }
+    }
+
+    pub fn info(&self) -> crate::core::processes::Info {
+        crate::core::processes::Info {
+            pid: self.pid,
+            start: self.start.clone(),
+            started_at: from_epoch_ms(self.started_at_ms),
+        }
+    }
+}
+
+/// What a paused session is besides its VM: its settings, in its session file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub version: u32,
+    pub id: String,
+    pub created_at_ms: u64,
+    pub paused_at_ms: u64,
+    pub idle_timeout_s: u64,
+    /// What was left of its lifetime when it paused (a paused session's lifetime stands
+    /// still).
+    pub lifetime_left_ms: u64,
+    pub language: vmm::Language,
+    pub env: BTreeMap<String, String>,
+    pub metadata: serde_json::Value,
+    pub parent: Option<String>,
+    pub template: String,
+    /// Paused instead of ended when its time is up.
+    pub auto_pause: bool,
+    /// Its live background processes.
+    pub processes: Vec<ProcessRecord>,
+    /// Its directory watchers, (id, directory).
+    #[serde(default)]
+    pub watches: Vec<(u32, String)>,
+    /// What an API dialect keeps of it (E2B's sandbox: token, metadata, ...).
+    pub attachment: serde_json::Value,
+    /// Its code contexts (older records kept them in E2B's attachment).
+    #[serde(default)]
+    pub contexts: crate::core::contexts::Contexts,
+}
+
+/// What a snapshot is besides its VM.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub version: u32,
+    pub id: String,
+    pub created_at_ms: u64,
+    /// The session it was taken of.
+    pub source: String,
+    pub language: vmm::Language,
+    pub env: BTreeMap<String, String>,
+    pub metadata: serde_json::Value,
+    pub template: String,
+    pub idle_timeout_s: u64,
+    pub processes: Vec<ProcessRecord>,
+    #[serde(default)]
+    pub watches: Vec<(u32, String)>,
+    pub attachment: serde_json::Value,
+    #[serde(default)]
+    pub contexts: crate::core::contexts::Contexts,
+}
+
+/// A paused session known to the server.
+#[derive(Debug, Clone)]
+pub struct Paused {
+    pub record: SessionRecord,
+    pub bytes: u64,
+    /// The key of the template its file was made on.
+    pub key: String,
+    /// Written by this server (fsync'd, renamed): its pages are not read back to check
+    /// them at resume, as those of a file found at start are.
+    pub written_here: bool,
+}
+
+/// A snapshot known to the server.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub record: SnapshotRecord,
+    pub bytes: u64,
+    /// The key of the template its file was made on.
+    pub key: String,
+    /// Its pages are known good: written by this server, or read back and checked once
+    /// (a file found at start is, at the first session started from it).
+    pub pages_checked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// The parts of [`Kept`] that both kinds read from the same fields: the record's id,
+/// version and creation, the file's size and template key.
+macro_rules! same_fields {
+    () => {
+        fn names(record: &Self::Record) -> (&str, u32) {
+            (&record.id, record.version)
+        }
+
+        fn id(&self) -> &str {
+            &self.record.id
+        }
+
+        fn created_at_ms(&self) -> u64 {
+            self.record.created_at_ms
+        }
+
+        fn bytes(&self) -> u64 {
+            self.bytes
+        }
+
+        fn key(&self) -> &str {
+            &self.key
+        }
+    };
+}
+
+impl Kept for Paused {
+    type Record = SessionRecord;
+    const FOLDER: &'static str = "paused";
+
+    fn found(record: SessionRecord, bytes: u64, key: String) -> Self {
+        Self {
+            record,
+            bytes,
+            key,
+            written_here: false,
+        }
+    }
+
+    same_fields!();
+}
+
+impl Kept for Snapshot {
+    type Record = SnapshotRecord;
+    const FOLDER: &'static str = "snapshots";
+
+    fn found(record: SnapshotRecord, bytes: u64, key: String) -> Self {
+        Self {
+            record,
+            bytes,
+            key,
+            pages_checked: Default::default(),
+        }
+    }
+
+    same_fields!();
+}
+
+pub fn epoch_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+pub fn from_epoch_ms(ms: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+}
