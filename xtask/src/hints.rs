@@ -59,7 +59,6 @@ const HINTS: &[(&str, u32, bool)] = &[
     ("server/tests/drain.rs", 2, true),
     ("server/tests/import_hostile.rs", 2, true),
     ("server/tests/audit.rs", 1, true),
-    ("server/tests/quota.rs", 1, true),
     ("server/tests/hostile.rs", 8, true),
     ("tests/jail.rs", 2, true),
     ("tests/audit_cli.rs", 1, false),
