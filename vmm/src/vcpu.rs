@@ -406,6 +406,11 @@ mod tests {
             &mut bus,
             &ram,
         );
+        let too_large = handle_exit(
+            VcpuExit::IoOut(PORT, &(9u32 << PFN_BITS).to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
         let mut last = [0u8; 8];
         ram.read(0x40_0000 - 8, &mut last).unwrap();
 
@@ -420,6 +425,10 @@ mod tests {
             panic!("{outside:?}");
         };
         assert!(why.contains("outside guest RAM"), "{why}");
+        let ExitAction::Stop(VcpuStop::Unexpected(why)) = too_large else {
+            panic!("{too_large:?}");
+        };
+        assert!(why.contains("larger than one exit"), "{why}");
         assert_eq!(last, [0xbb; 8]);
     }
 

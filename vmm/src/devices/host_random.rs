@@ -16,7 +16,8 @@
 //! (no state of the template's is involved) and the VMM keeps nothing from which output could
 //! be derived or predicted. Like every port, this one is reachable by hostile guest code (a
 //! root job may `ioperm` it): a request only ever writes random bytes or zeros into guest RAM,
-//! at most [`MAX_ORDER`] pages' worth per exit, and one outside guest RAM stops the VM.
+//! at most 1 MiB ([`MAX_ORDER`]) per exit; a larger one, or one outside guest RAM, stops the
+//! VM.
 
 use crate::memory::{GuestRam, MemoryError};
 
@@ -29,8 +30,18 @@ pub(crate) const PFN_BITS: u32 = 27;
 /// The request bit that asks for the range to be zeroed instead of filled.
 pub(crate) const WIPE: u32 = 1 << 31;
 
-/// Largest order a request may name (1 MiB): bounds the host work of one exit.
+/// Largest order a request may name (1 MiB): bounds the host work of one exit. A request
+/// for more stops the VM (the guest kernel asks for 64 KiB).
 pub(crate) const MAX_ORDER: u32 = 8;
+
+/// Why a request could not be served (the VM is stopped: a correct guest never sends one).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum HostRandomError {
+    #[error("a request for {0:#x} bytes is larger than one exit may fill")]
+    TooLarge(u64),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
 
 /// What a request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,9 +52,9 @@ pub(crate) enum Fill {
     Wipe,
 }
 
-/// The guest-physical `(address, length, fill)` a request names, or `None` for an order above
-/// [`MAX_ORDER`].
-pub(crate) fn decode(value: u32) -> Option<(u64, u64, Fill)> {
+/// The guest-physical `(address, length, fill)` a request names (any order the 4 bits hold;
+/// [`serve`] refuses those above [`MAX_ORDER`]).
+pub(crate) fn decode(value: u32) -> (u64, u64, Fill) {
     let pfn = u64::from(value & ((1 << PFN_BITS) - 1));
     let order = (value & !WIPE) >> PFN_BITS;
     let fill = if value & WIPE != 0 {
@@ -51,17 +62,27 @@ pub(crate) fn decode(value: u32) -> Option<(u64, u64, Fill)> {
     } else {
         Fill::Random
     };
-    (order <= MAX_ORDER).then(|| (pfn << 12, 4096u64 << order, fill))
+    (pfn << 12, 4096u64 << order, fill)
 }
 
 /// Serves a decoded request: fills or zeroes guest-physical `addr..addr + len`. An error
-/// (a range outside guest RAM, or the host's `getrandom` failing) means the VM must stop: a
-/// correct guest never sends such a request, and it must not go on without its bytes.
-pub(crate) fn serve(ram: &GuestRam, addr: u64, len: u64, fill: Fill) -> Result<(), MemoryError> {
-    match fill {
-        Fill::Random => ram.fill_random(addr, len),
-        Fill::Wipe => ram.zero(addr, len),
+/// (more than [`MAX_ORDER`] allows, a range outside guest RAM, or the host's `getrandom`
+/// failing) means the VM must stop: a correct guest never sends such a request, and it must
+/// not go on without its bytes.
+pub(crate) fn serve(
+    ram: &GuestRam,
+    addr: u64,
+    len: u64,
+    fill: Fill,
+) -> Result<(), HostRandomError> {
+    if len > 4096 << MAX_ORDER {
+        return Err(HostRandomError::TooLarge(len));
     }
+    match fill {
+        Fill::Random => ram.fill_random(addr, len)?,
+        Fill::Wipe => ram.zero(addr, len)?,
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -72,24 +93,28 @@ mod tests {
     fn a_request_names_its_first_frame_its_order_and_whether_to_wipe() {
         assert_eq!(
             decode(0x123 | (4 << PFN_BITS)),
-            Some((0x123_000, 64 << 10, Fill::Random))
+            (0x123_000, 64 << 10, Fill::Random)
         );
         assert_eq!(
             decode(0x123 | (4 << PFN_BITS) | WIPE),
-            Some((0x123_000, 64 << 10, Fill::Wipe))
+            (0x123_000, 64 << 10, Fill::Wipe)
         );
-        assert_eq!(
-            decode(0x7ff_ffff),
-            Some((0x7ff_ffff_000, 4096, Fill::Random))
-        );
-        assert_eq!(decode(8 << PFN_BITS), Some((0, 1 << 20, Fill::Random)));
+        assert_eq!(decode(0x7ff_ffff), (0x007f_ffff_f000, 4096, Fill::Random));
+        assert_eq!(decode(15 << PFN_BITS | WIPE), (0, 128 << 20, Fill::Wipe));
     }
 
     #[test]
-    fn an_order_past_the_largest_is_refused() {
-        assert_eq!(decode(9 << PFN_BITS), None);
-        assert_eq!(decode(15 << PFN_BITS | WIPE), None);
-        assert_eq!(decode(u32::MAX), None);
+    fn an_order_past_the_largest_is_refused_and_writes_nothing() {
+        let ram = GuestRam::anonymous(4 << 20).unwrap();
+        ram.write(0, &[7; 8]).unwrap();
+        let (addr, len, fill) = decode(9 << PFN_BITS);
+
+        let err = serve(&ram, addr, len, fill).unwrap_err();
+        let mut first = [0u8; 8];
+        ram.read(0, &mut first).unwrap();
+
+        assert!(matches!(err, HostRandomError::TooLarge(0x20_0000)), "{err}");
+        assert_eq!(first, [7; 8]);
     }
 
     #[test]
@@ -123,7 +148,10 @@ mod tests {
         let mut last = [0u8; 4096];
         ram.read(0xf_f000, &mut last).unwrap();
 
-        assert!(matches!(outside, MemoryError::OutOfRange { .. }));
+        assert!(matches!(
+            outside,
+            HostRandomError::Memory(MemoryError::OutOfRange { .. })
+        ));
         assert_eq!(last, [7; 4096]);
     }
 }
