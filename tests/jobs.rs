@@ -582,6 +582,70 @@ fn hundred_clones_have_distinct_randomness() {
     assert_eq!(randoms.len(), 100);
 }
 
+/// Large reads of the random source (on kvm_pvm filled by the host's CSPRNG through guest
+/// kernel patch 0016, on hardware virtualization the guest's ChaCha20): every clone gets a
+/// mebibyte of its own, of the right length, through `getrandom` and `/dev/urandom` alike.
+#[test]
+fn clones_read_a_mebibyte_of_distinct_randomness_of_the_right_length() {
+    const CLONES: usize = 6;
+    let code = "import collections, hashlib, os\n\
+                a = os.urandom(1 << 20)\n\
+                with open('/dev/urandom', 'rb', buffering=0) as f: b = f.read(1 << 20)\n\
+                counts = collections.Counter(a)\n\
+                print(len(a), len(b), hashlib.sha256(a).hexdigest(), hashlib.sha256(b).hexdigest(),\n\
+                      len(counts), min(counts.values()), max(counts.values()), a[:65536] == a[65536:131072])";
+    let mut digests = HashSet::new();
+
+    for _ in 0..CLONES {
+        let r = python(code);
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        let out = text(&r.stdout);
+        let f: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(f.len(), 8, "{out}");
+        assert_eq!((f[0], f[1]), ("1048576", "1048576"), "{out}");
+        // 1 MiB of uniform bytes: every value, each ~4096 times (sigma ~64).
+        assert_eq!(f[4], "256", "{out}");
+        let (lo, hi): (u32, u32) = (f[5].parse().unwrap(), f[6].parse().unwrap());
+        assert!(lo > 3500 && hi < 4700, "byte counts {lo}..{hi}: {out}");
+        assert_eq!(f[7], "False", "one 64 KiB chunk repeats the next: {out}");
+        digests.insert(f[2].to_string());
+        digests.insert(f[3].to_string());
+    }
+
+    assert_eq!(
+        digests.len(),
+        2 * CLONES,
+        "a mebibyte repeated across clones or reads"
+    );
+}
+
+/// Reads of the random source of every size around the host path's edges (64 bytes, the
+/// 64 KiB chunk) return what they asked for, and one into a buffer that ends in an
+/// inaccessible page returns the bytes before it, as upstream.
+#[test]
+fn random_reads_of_every_size_and_a_read_that_faults_part_way_behave_as_upstream() {
+    let r = python(
+        "import ctypes, mmap, os\n\
+         sizes = [1, 16, 32, 33, 63, 64, 65, 4095, 4096, 65535, 65536, 65537, 200000]\n\
+         print([len(os.urandom(n)) == n for n in sizes].count(True), len(sizes))\n\
+         print(len(os.getrandom(100000)), len(os.getrandom(100000, os.GRND_NONBLOCK)))\n\
+         m = mmap.mmap(-1, 3 * 4096)\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         base = ctypes.addressof(ctypes.c_char.from_buffer(m))\n\
+         assert libc.mprotect(ctypes.c_void_p(base + 8192), 4096, 0) == 0\n\
+         fd = os.open('/dev/urandom', os.O_RDONLY)\n\
+         n = libc.read(fd, ctypes.c_void_p(base + 100), 3 * 4096)\n\
+         print(n, m[100:8192] != bytes(8092))",
+    );
+
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    assert_eq!(
+        text(&r.stdout),
+        "13 13\n100000 100000\n8092 True\n",
+        "{r:?}"
+    );
+}
+
 #[test]
 fn clone_wall_clock_matches_the_host() {
     let r = python("import time; print(repr(time.time()))");

@@ -6,7 +6,7 @@
 //! placed where the package put it, symlinks included, so the guest finds the same file the
 //! resolution here found. A library that cannot be found fails the build by name.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -43,6 +43,15 @@ pub enum LibError {
     },
     #[error("library {library} (needed by /{needed_by}) is in none of the packages")]
     Missing { library: String, needed_by: String },
+    #[error(
+        "library {library} (needed by /{needed_by}) is not in usr/lib/x86_64-linux-gnu/{dir}, \
+         the alternative the template recipe chose"
+    )]
+    MissingAlternative {
+        library: String,
+        dir: String,
+        needed_by: String,
+    },
     #[error("interpreter {interpreter} (of /{needed_by}) is in none of the packages")]
     MissingInterpreter {
         interpreter: String,
@@ -134,13 +143,19 @@ fn find_library(root: &Path, name: &str) -> Result<Option<Vec<stage::Hop>>, LibE
 /// installed, which unpacking alone never does.
 const ALTERNATIVES_PARENT: &str = "usr/lib/x86_64-linux-gnu";
 
-/// A library found only in a subdirectory of [`ALTERNATIVES_PARENT`] (the first one, by name):
-/// the subdirectory's name and the hops to the file. The image gets the link
-/// `update-alternatives` would have made.
+/// A library found only in a subdirectory of [`ALTERNATIVES_PARENT`]: the subdirectory's name
+/// and the hops to the file. The subdirectory is `chosen` when the template recipe names one
+/// (its `alternatives`: OpenBLAS's `openblas-serial` over the reference `blas`), else the
+/// first one, by name. The image gets the link `update-alternatives` would have made.
 fn find_alternative(
     root: &Path,
     name: &str,
+    chosen: Option<&str>,
 ) -> Result<Option<(String, Vec<stage::Hop>)>, LibError> {
+    if let Some(dir) = chosen {
+        let hops = stage::resolve_in(root, &format!("{ALTERNATIVES_PARENT}/{dir}/{name}"))?;
+        return Ok(hops.map(|hops| (dir.to_owned(), hops)));
+    }
     let parent = root.join(ALTERNATIVES_PARENT);
     let Ok(entries) = std::fs::read_dir(&parent) else {
         return Ok(None);
@@ -177,9 +192,15 @@ fn install(staging: &Staging, source: &Path, hops: &[stage::Hop]) -> Result<Stri
 }
 
 /// Adds to `staging` the interpreter and every library its ELF files need, transitively,
-/// taken from the unpacked packages under `source`. Returns the ELF files of the finished
-/// image, each with what it loads.
-pub fn complete(staging: &Staging, source: &Path) -> Result<Vec<ElfFile>, LibError> {
+/// taken from the unpacked packages under `source`; a library several packages provide comes
+/// from the alternative `alternatives` names for it (library file name -> subdirectory of
+/// `usr/lib/x86_64-linux-gnu`), if any. Returns the ELF files of the finished image, each
+/// with what it loads.
+pub fn complete(
+    staging: &Staging,
+    source: &Path,
+    alternatives: &BTreeMap<String, String>,
+) -> Result<Vec<ElfFile>, LibError> {
     let root = staging.root();
     let mut queue = elf_files(root)?;
     let mut done = BTreeSet::new();
@@ -208,10 +229,19 @@ pub fn complete(staging: &Staging, source: &Path) -> Result<Vec<ElfFile>, LibErr
                 queue.push(install(staging, source, &hops)?);
                 continue;
             }
-            let (dir, hops) = find_alternative(source, name)?.ok_or_else(|| LibError::Missing {
-                library: name.clone(),
-                needed_by: rel.clone(),
-            })?;
+            let chosen = alternatives.get(name).map(String::as_str);
+            let (dir, hops) =
+                find_alternative(source, name, chosen)?.ok_or_else(|| match chosen {
+                    Some(dir) => LibError::MissingAlternative {
+                        library: name.clone(),
+                        dir: dir.to_owned(),
+                        needed_by: rel.clone(),
+                    },
+                    None => LibError::Missing {
+                        library: name.clone(),
+                        needed_by: rel.clone(),
+                    },
+                })?;
             let real = install(staging, source, &hops)?;
             staging.symlink(
                 &format!("{ALTERNATIVES_PARENT}/{name}"),
@@ -297,7 +327,7 @@ mod tests {
             .copy(&std::env::current_exe().unwrap(), "init")
             .unwrap();
 
-        let files = complete(&staging, &source).unwrap();
+        let files = complete(&staging, &source, &BTreeMap::new()).unwrap();
 
         assert!(staging.contains("lib/x86_64-linux-gnu/libc.so.6"));
         let ld = std::fs::read_link(staging.path("lib64/ld-linux-x86-64.so.2")).unwrap();
@@ -314,10 +344,67 @@ mod tests {
             .copy(&std::env::current_exe().unwrap(), "init")
             .unwrap();
 
-        let err = complete(&staging, &root.join("empty-source")).unwrap_err();
+        let err = complete(&staging, &root.join("empty-source"), &BTreeMap::new()).unwrap_err();
 
         assert!(
             matches!(&err, LibError::Missing { needed_by, .. } | LibError::MissingInterpreter { needed_by, .. } if needed_by == "init"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Source and staging for a binary that needs `libgcc_s.so.1` (this test binary), which the source holds only
+    /// as two alternatives (`a-first` and `b-chosen`, as `blas` and `openblas-serial`).
+    fn with_alternatives(name: &str) -> (PathBuf, PathBuf, Staging) {
+        let root = scratch(name);
+        let source = root.join("src");
+        host_source(&source);
+        let lib = source.join("lib/x86_64-linux-gnu/libgcc_s.so.1");
+        for dir in ["a-first", "b-chosen"] {
+            let to = source
+                .join(ALTERNATIVES_PARENT)
+                .join(dir)
+                .join("libgcc_s.so.1");
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(&lib, to).unwrap();
+        }
+        std::fs::remove_file(lib).unwrap();
+        let staging = Staging::reset(&root.join("stage")).unwrap();
+        staging
+            .copy(&std::env::current_exe().unwrap(), "init")
+            .unwrap();
+        (root, source, staging)
+    }
+
+    #[test]
+    fn an_alternative_the_recipe_chooses_is_linked_and_others_take_the_first() {
+        let (root, source, staging) = with_alternatives("alternatives");
+        let chosen = BTreeMap::from([("libgcc_s.so.1".to_owned(), "b-chosen".to_owned())]);
+        let (root2, source2, staging2) = with_alternatives("alternatives-default");
+
+        complete(&staging, &source, &chosen).unwrap();
+        complete(&staging2, &source2, &BTreeMap::new()).unwrap();
+
+        let link = |s: &Staging| {
+            std::fs::read_link(s.path(&format!("{ALTERNATIVES_PARENT}/libgcc_s.so.1"))).unwrap()
+        };
+        assert_eq!(link(&staging), Path::new("b-chosen/libgcc_s.so.1"));
+        assert!(staging.contains(&format!("{ALTERNATIVES_PARENT}/b-chosen/libgcc_s.so.1")));
+        assert!(!staging.contains(&format!("{ALTERNATIVES_PARENT}/a-first/libgcc_s.so.1")));
+        assert_eq!(link(&staging2), Path::new("a-first/libgcc_s.so.1"));
+        std::fs::remove_dir_all(&root).unwrap();
+        std::fs::remove_dir_all(&root2).unwrap();
+    }
+
+    #[test]
+    fn a_chosen_alternative_the_packages_lack_is_named() {
+        let (root, source, staging) = with_alternatives("alternatives-missing");
+        let chosen = BTreeMap::from([("libgcc_s.so.1".to_owned(), "c-absent".to_owned())]);
+
+        let err = complete(&staging, &source, &chosen).unwrap_err();
+
+        assert!(
+            matches!(&err, LibError::MissingAlternative { dir, .. } if dir == "c-absent"),
             "{err}"
         );
         std::fs::remove_dir_all(&root).unwrap();

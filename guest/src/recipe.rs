@@ -95,6 +95,14 @@ pub struct Site {
     /// the root: data the Python packages read at run time, or programs (`bin/bash`).
     #[serde(default)]
     pub share: Vec<String>,
+    /// Libraries that several Debian packages provide through the alternatives system, and
+    /// the one the image uses: library file name (`libblas.so.3`) -> its subdirectory of
+    /// `usr/lib/x86_64-linux-gnu` (`openblas-serial`). The image gets the link
+    /// `update-alternatives` would make when that package is installed (the builder unpacks
+    /// packages and runs no maintainer scripts); an unlisted one takes the first subdirectory
+    /// by name (`blas`, the reference BLAS, before `openblas-*`).
+    #[serde(default)]
+    pub alternatives: BTreeMap<String, String>,
     /// Modules the worker imports before READY.
     pub preload: Vec<String>,
     /// Code-context kernels the worker starts before READY, so that as many contexts of a
@@ -157,6 +165,14 @@ pub fn load_site(dir: &Path, name: &str) -> Result<Option<Site>, RecipeError> {
     for spec in &file.site.debs {
         if !seen.insert(package_name(spec)) {
             return Err(RecipeError::DuplicatePackage(package_name(spec).to_owned()));
+        }
+    }
+    for (library, dir) in &file.site.alternatives {
+        if [library, dir]
+            .iter()
+            .any(|part| part.is_empty() || part.contains('/') || part.starts_with('.'))
+        {
+            return Err(RecipeError::BadPath(format!("{library} = {dir}")));
         }
     }
     if let Some(warm) = &file.site.warm

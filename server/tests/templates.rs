@@ -291,7 +291,8 @@ fn numpy_random_state_differs_across_clones() {
 /// results. Under kvm_pvm the guest kernel saves no AVX state between processes, so this
 /// holds only because the agent keeps numpy (and glibc, OpenSSL, libjpeg) off AVX there
 /// (issue 11, item 6; measured before: 2-5 wrong maxima and 14-35 wrong products per process
-/// in 5 s). With hardware virtualization the kernel saves that state.
+/// in 5 s). With hardware virtualization the kernel saves that state. The products `m @ m`
+/// run on the image's OpenBLAS, held to its SSE kernels there (`OPENBLAS_CORETYPE`).
 #[test]
 fn numpy_in_processes_side_by_side_keeps_each_ones_results() {
     let mut config: Config = test_config();
@@ -308,6 +309,8 @@ go_r, go_w = os.pipe()
 def work(i, ready):
     x = np.random.default_rng(i).random(10000) * (i + 1)
     top, scaled = np.maximum.reduce(x), x * 1.5
+    m = x[:4096].reshape(64, 64)
+    product = m @ m
     ready()
     wrong = 0
     end = time.monotonic() + 5
@@ -315,6 +318,7 @@ def work(i, ready):
         for _ in range(100):
             wrong += np.maximum.reduce(x) != top
             wrong += not np.array_equal(x * 1.5, scaled)
+            wrong += not np.array_equal(m @ m, product)
     return wrong
 
 def child_ready():

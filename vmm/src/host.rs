@@ -30,16 +30,18 @@ pub enum HostKind {
 ///
 /// The first ones keep the guest kernel away from the CPU features the kvm_pvm instruction
 /// emulator cannot run (CPUID masking alone is not enough there, see module doc). The last
-/// two, `bud.host_zero` and `bud.host_copy`, switch on guest kernel patches 0009 and 0013:
-/// the VMM zeroes fresh memory and does user<->kernel copies of 512 bytes and more (see
-/// [`crate::devices::host_zero`] and [`crate::devices::host_copy`]), work that kvm_pvm
-/// otherwise emulates one `rep stos`/`rep movs` iteration at a time. On hardware
-/// virtualization the guest does both natively, faster than an exit to the VMM, so they are
-/// kvm_pvm's only.
+/// three, `bud.host_zero`, `bud.host_copy` and `bud.host_random`, switch on guest kernel
+/// patches 0009, 0013 and 0016: the VMM zeroes fresh memory, does user<->kernel copies of
+/// 512 bytes and more, and fills `getrandom`/`/dev/urandom` reads of 64 bytes and more from
+/// the host's CSPRNG (see [`crate::devices::host_zero`], [`crate::devices::host_copy`] and
+/// [`crate::devices::host_random`]), work that kvm_pvm otherwise emulates one `rep stos`/
+/// `rep movs` iteration or one ChaCha20 round at a time. On hardware virtualization the
+/// guest does all three natively, faster than an exit to the VMM, so they are kvm_pvm's
+/// only.
 pub(crate) const PVM_CMDLINE_KNOBS: &str = "noxsave nopcid noinvpcid nofsgsbase \
 clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
 clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe \
-bud.host_zero bud.host_copy";
+bud.host_zero bud.host_copy bud.host_random";
 
 impl HostKind {
     /// Detects the kind of this host from `/sys/module`.
@@ -144,5 +146,18 @@ mod tests {
         assert_eq!(HostKind::Hardware.cmdline_knobs(), "");
         assert!(HostKind::Pvm.cmdline_knobs().contains("noxsave"));
         assert!(HostKind::Pvm.cmdline_knobs().contains("clearcpuid=smap"));
+    }
+
+    #[test]
+    fn the_host_work_switches_are_pvm_only() {
+        for switch in ["bud.host_zero", "bud.host_copy", "bud.host_random"] {
+            assert!(
+                HostKind::Pvm
+                    .cmdline_knobs()
+                    .split(' ')
+                    .any(|w| w == switch)
+            );
+            assert!(!HostKind::Hardware.cmdline_knobs().contains(switch));
+        }
     }
 }

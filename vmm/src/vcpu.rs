@@ -59,8 +59,8 @@ pub enum VcpuError {
     SignalHandler(std::io::Error),
 }
 
-/// Turns one exit into an action, doing the device access it asks for (a host-zero request
-/// writes `ram`).
+/// Turns one exit into an action, doing the device access it asks for (a host-zero, host-copy
+/// or host-random request writes `ram`).
 pub(crate) fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam) -> ExitAction {
     bus.note_exit();
     let event = match exit {
@@ -96,6 +96,14 @@ pub(crate) fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam)
                 "the guest sent a host-copy request the host cannot serve: {e}"
             ))),
         },
+        PortEvent::Random { addr, len, fill } => {
+            match crate::devices::host_random::serve(ram, addr, len, fill) {
+                Ok(()) => ExitAction::Continue,
+                Err(e) => ExitAction::Stop(VcpuStop::Unexpected(format!(
+                    "the guest sent a host-random request the host cannot serve: {e}"
+                ))),
+            }
+        }
         PortEvent::Zero { addr, len } => match ram.zero(addr, len) {
             Ok(()) => ExitAction::Continue,
             Err(e) => ExitAction::Stop(VcpuStop::Unexpected(format!(
@@ -360,6 +368,68 @@ mod tests {
             panic!("{outside:?}");
         };
         assert!(why.contains("outside guest RAM"), "{why}");
+    }
+
+    #[test]
+    fn a_host_random_request_fills_guest_ram_a_wipe_zeroes_it_and_one_past_its_end_stops_the_vm() {
+        use crate::devices::host_random::{PFN_BITS, PORT, WIPE};
+        let mut bus = bus();
+        let ram = ram();
+        ram.write(0x30_0000, &[0xaa; 64 << 10]).unwrap();
+        ram.write(0x40_0000 - 8, &[0xbb; 8]).unwrap();
+        let fill_at_3m = 0x300u32 | (4 << PFN_BITS);
+        let past_the_end = (0x400u32 - 1) | (1 << PFN_BITS);
+        let mut first = vec![0u8; 64 << 10];
+        let mut second = vec![0u8; 64 << 10];
+        let mut wiped = vec![1u8; 64 << 10];
+
+        let filled = handle_exit(
+            VcpuExit::IoOut(PORT, &fill_at_3m.to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
+        ram.read(0x30_0000, &mut first).unwrap();
+        handle_exit(
+            VcpuExit::IoOut(PORT, &fill_at_3m.to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
+        ram.read(0x30_0000, &mut second).unwrap();
+        let wipe = handle_exit(
+            VcpuExit::IoOut(PORT, &(fill_at_3m | WIPE).to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
+        ram.read(0x30_0000, &mut wiped).unwrap();
+        let outside = handle_exit(
+            VcpuExit::IoOut(PORT, &past_the_end.to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
+        let too_large = handle_exit(
+            VcpuExit::IoOut(PORT, &(9u32 << PFN_BITS).to_le_bytes()),
+            &mut bus,
+            &ram,
+        );
+        let mut last = [0u8; 8];
+        ram.read(0x40_0000 - 8, &mut last).unwrap();
+
+        assert_eq!(filled, ExitAction::Continue);
+        assert_eq!(wipe, ExitAction::Continue);
+        // Fresh host bytes each time: not the old contents, not zeros, never the same twice.
+        assert!(first.chunks(8).all(|c| c != [0xaa; 8]));
+        assert!(first.chunks(4096).all(|page| page.iter().any(|&b| b != 0)));
+        assert_ne!(first, second);
+        assert!(wiped.iter().all(|&b| b == 0));
+        let ExitAction::Stop(VcpuStop::Unexpected(why)) = outside else {
+            panic!("{outside:?}");
+        };
+        assert!(why.contains("outside guest RAM"), "{why}");
+        let ExitAction::Stop(VcpuStop::Unexpected(why)) = too_large else {
+            panic!("{too_large:?}");
+        };
+        assert!(why.contains("larger than one exit"), "{why}");
+        assert_eq!(last, [0xbb; 8]);
     }
 
     #[test]

@@ -57,7 +57,7 @@ pub const ENV: [(&str, &str); 10] = [
 /// the template loads before its snapshot (numpy is imported there) and every process a job
 /// starts. A job can still run AVX code of its own (or clear these variables); that harms
 /// only its own processes.
-pub const NO_AVX: [(&str, &str); 4] = [
+pub const NO_AVX: [(&str, &str); 5] = [
     // glibc: memcpy, strlen... and libm.
     (
         "GLIBC_TUNABLES",
@@ -75,6 +75,11 @@ pub const NO_AVX: [(&str, &str); 4] = [
     ("OPENSSL_ia32cap", "~0x1800000000000000:~0x600c0230020"),
     // libjpeg-turbo (Pillow, matplotlib): its SSE2 code instead of AVX2.
     ("JSIMD_FORCESSE2", "1"),
+    // OpenBLAS (numpy's BLAS and LAPACK in the datascience image): picks its kernels from
+    // cpuid and xgetbv at load, so it would take the host's AVX2/AVX-512 ones (Zen,
+    // Haswell, SkylakeX). Nehalem's are SSE2-SSE4.2 only and run on every x86-64 host bud
+    // supports; a 1500x1500 product with them took ~1.6x the Zen kernels' time on the host.
+    ("OPENBLAS_CORETYPE", "Nehalem"),
 ];
 
 /// Whether the guest kernel saves and restores the AVX register state between processes:

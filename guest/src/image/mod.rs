@@ -271,7 +271,12 @@ pub fn build(
     )?;
 
     progress("resolving shared libraries");
-    let elf_files = libs::complete(&staging, root)?;
+    let no_alternatives = Default::default();
+    let alternatives = inputs
+        .site
+        .as_ref()
+        .map_or(&no_alternatives, |s| &s.alternatives);
+    let elf_files = libs::complete(&staging, root, alternatives)?;
     for file in elf_files.iter().filter(|f| f.runpath.is_some()) {
         progress(&format!(
             "note: /{} has a RUNPATH the image ignores",

@@ -1,8 +1,8 @@
 //! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
-//! serial console (vm-superio), the i8042 reset line, the doorbell port, and the three ports
-//! of bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`]). [`virtio`]
-//! holds virtio devices over MMIO (virtio-net), modelled and unit-tested but not wired to a VM
-//! yet.
+//! serial console (vm-superio), the i8042 reset line, the doorbell port, and the four ports
+//! of bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`],
+//! [`host_random`]). [`virtio`] holds virtio devices over MMIO (virtio-net), modelled and
+//! unit-tested but not wired to a VM yet.
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
 //! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
@@ -13,6 +13,7 @@
 pub mod console;
 pub(crate) mod exit_report;
 pub(crate) mod host_copy;
+pub(crate) mod host_random;
 pub(crate) mod host_zero;
 pub(crate) mod i8042;
 pub mod virtio;
@@ -60,6 +61,14 @@ pub(crate) enum PortEvent {
     /// The guest kernel asks for the copy described by the block at this guest-physical
     /// address ([`host_copy`]).
     Copy(u64),
+    /// The guest kernel asks for guest-physical `addr..addr + len` to be filled with fresh
+    /// bytes from the host's CSPRNG, or zeroed ([`host_random`]); not yet checked against
+    /// guest RAM.
+    Random {
+        addr: u64,
+        len: u64,
+        fill: host_random::Fill,
+    },
 }
 
 /// Errors of device setup.
@@ -199,6 +208,10 @@ impl PortBus {
                 |v| host_zero::decode(v).map(|(addr, len)| PortEvent::Zero { addr, len })
             }
             host_copy::PORT => |v| Some(PortEvent::Copy(u64::from(v))),
+            host_random::PORT => |v| {
+                let (addr, len, fill) = host_random::decode(v);
+                Some(PortEvent::Random { addr, len, fill })
+            },
             exit_report::PORT => |v| Some(PortEvent::WorkerExit(v)),
             _ => return self.write_byte_port(port, data),
         };
@@ -295,6 +308,26 @@ mod tests {
         assert_eq!(byte, PortEvent::Handled);
         assert_eq!(too_big, PortEvent::Handled);
         assert_eq!(bus.stray_accesses(), 2);
+    }
+
+    #[test]
+    fn a_32_bit_host_random_write_names_a_range_and_other_sizes_are_stray() {
+        let mut bus = bus();
+        let fill = 0x1234u32 | (4 << host_random::PFN_BITS);
+
+        let random = bus.write(host_random::PORT, &fill.to_le_bytes());
+        let wipe = bus.write(host_random::PORT, &(fill | host_random::WIPE).to_le_bytes());
+        let word = bus.write(host_random::PORT, &[1, 2]);
+
+        let range = |fill| PortEvent::Random {
+            addr: 0x123_4000,
+            len: 64 << 10,
+            fill,
+        };
+        assert_eq!(random, range(host_random::Fill::Random));
+        assert_eq!(wipe, range(host_random::Fill::Wipe));
+        assert_eq!(word, PortEvent::Handled);
+        assert_eq!(bus.stray_accesses(), 1);
     }
 
     #[test]

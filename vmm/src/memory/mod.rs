@@ -62,6 +62,8 @@ pub enum MemoryError {
     SizeMismatch(u64, u64),
     #[error("madvise(MADV_DONTNEED) on guest RAM failed: {0}")]
     Madvise(std::io::Error),
+    #[error("the host's getrandom failed: {0}")]
+    HostRandom(std::io::Error),
 }
 
 /// One contiguous host mapping backing guest-physical `0..len()`.
@@ -212,6 +214,42 @@ impl GuestRam {
         // guest RAM is plain shared memory, so a byte store is valid whatever the guest does
         // concurrently (the only vCPU is stopped in this `out` meanwhile).
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
+        Ok(())
+    }
+
+    /// Fills guest-physical `addr..addr + len` with fresh bytes from the host's CSPRNG
+    /// (`getrandom(2)`, the host-random port, see [`crate::devices::host_random`]). Pages of a
+    /// clone that still share the template's file become private copies, as for [`Self::zero`].
+    pub(crate) fn fill_random(&self, addr: u64, len: u64) -> Result<(), MemoryError> {
+        if !self.writable {
+            return Err(MemoryError::ReadOnly);
+        }
+        let (offset, len) = self.check_guest_range(addr, len)?;
+        let mut done = 0;
+        while done < len {
+            // SAFETY: `offset + len <= self.len` (checked), so `offset + done .. offset + len`
+            // lies inside our mapping; getrandom only writes that many bytes there, and guest
+            // RAM is plain shared memory, so a byte store is valid whatever the guest does
+            // concurrently (the only vCPU is stopped in this `out` meanwhile).
+            let n = unsafe {
+                libc::getrandom(self.ptr.as_ptr().add(offset + done).cast(), len - done, 0)
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                // A signal (the vCPU kick) interrupted it: go on, the bytes are still owed.
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(MemoryError::HostRandom(e));
+            }
+            if n == 0 {
+                return Err(MemoryError::HostRandom(std::io::Error::other(
+                    "getrandom returned no bytes",
+                )));
+            }
+            // getrandom may return fewer bytes than asked (a signal, or more than 32 MiB).
+            done += n as usize;
+        }
         Ok(())
     }
 
