@@ -27,14 +27,17 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `build/tools/bin`, with cargo-fuzz in it (installed if missing, under the build lock).
+/// `build/tools/bin`, with cargo-fuzz in it (installed if missing, under the lock of its own
+/// step: cargo installs no host package, so it never waits for a guest build).
 fn tools(root: &Path) -> PathBuf {
     let bin = root.join("build/tools/bin");
-    let _lock =
-        bud_guest::BuildLock::acquire(&root.join("build"), "the cargo-fuzz install", &mut |l| {
-            eprintln!("[fuzz] {l}")
-        })
-        .expect("taking the build lock");
+    let _lock = bud_guest::BuildLock::acquire_step(
+        &root.join("build"),
+        "tools",
+        "the cargo-fuzz install",
+        &mut |l| eprintln!("[fuzz] {l}"),
+    )
+    .expect("taking the tools lock");
     if !bin.join("cargo-fuzz").is_file() {
         eprintln!("[fuzz] installing cargo-fuzz {CARGO_FUZZ_VERSION} into build/tools");
         let status = Command::new(env!("CARGO"))

@@ -8,6 +8,12 @@
 //! and then finds the work done. It is an `flock(2)`, so it goes away with its holder, even a
 //! killed one, and separate opens conflict even inside one process (two test threads).
 //! The holder writes its pid and what it builds into the file for the waiters' progress line.
+//!
+//! A step that installs no host package and shares no file with the guest build (a client
+//! venv made by pip, cargo-fuzz made by cargo) takes a lock of its own instead,
+//! `<build dir>/<step>.lock` ([`BuildLock::acquire_step`]): under the one lock, the fuzz test
+//! waited 12 minutes for a guest build it does not use when the suite's binaries ran side by
+//! side (`cargo xtask test`).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -40,7 +46,27 @@ impl BuildLock {
         what: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<BuildLock, LockError> {
-        let path = build_dir.join(LOCK_FILE);
+        Self::take(build_dir, LOCK_FILE, what, progress)
+    }
+
+    /// Takes the lock of build step `step` alone (`<build_dir>/<step>.lock`; see the
+    /// module's doc for which steps may), for `what`, waiting like [`BuildLock::acquire`].
+    pub fn acquire_step(
+        build_dir: &Path,
+        step: &str,
+        what: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<BuildLock, LockError> {
+        Self::take(build_dir, &format!("{step}.lock"), what, progress)
+    }
+
+    fn take(
+        build_dir: &Path,
+        file_name: &str,
+        what: &str,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<BuildLock, LockError> {
+        let path = build_dir.join(file_name);
         let err = |source| LockError {
             path: path.clone(),
             source,
@@ -114,6 +140,35 @@ mod tests {
         drop(first);
         taken.recv_timeout(Duration::from_secs(10)).unwrap();
         waiter.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_step_of_its_own_does_not_wait_for_the_build_lock_but_for_its_own() {
+        let dir = std::env::temp_dir().join(format!("bud-lock-step-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let build = BuildLock::acquire(&dir, "the guest build", &mut |_| {}).unwrap();
+        let mut waited = Vec::new();
+        let tools = BuildLock::acquire_step(&dir, "tools", "cargo-fuzz", &mut |l: &str| {
+            waited.push(l.to_owned())
+        })
+        .unwrap();
+        assert_eq!(waited, Vec::<String>::new());
+        assert!(dir.join("tools.lock").is_file());
+        let (said, heard) = mpsc::channel();
+        let d = dir.clone();
+        let second = std::thread::spawn(move || {
+            BuildLock::acquire_step(&d, "tools", "cargo-fuzz again", &mut |l: &str| {
+                said.send(l.to_owned()).unwrap()
+            })
+            .map(drop)
+            .unwrap();
+        });
+        let line = heard.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(line.starts_with("waiting for cargo-fuzz (pid"), "{line}");
+        drop(tools);
+        second.join().unwrap();
+        drop(build);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,6 +1,6 @@
 //! Python virtual environments in the build directory for the tools the tests run (the E2B
 //! and Piston clients, kubernetes-validate): `<build>/<name>` made from a pinned
-//! requirements file under the [`BuildLock`], once, and made again when the file changes
+//! requirements file under a lock of its own ([`BuildLock::acquire_step`]), once, and made again when the file changes
 //! (the file's copy inside the venv is the stamp).
 
 use std::path::{Path, PathBuf};
@@ -30,7 +30,8 @@ pub fn ensure(
     requirements: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<PathBuf, VenvError> {
-    let _lock = BuildLock::acquire(build_dir, name, progress)?;
+    // pip only, no host package: a lock of its own, not the guest build's.
+    let _lock = BuildLock::acquire_step(build_dir, name, name, progress)?;
     let venv = build_dir.join(name);
     let python = venv.join("bin/python");
     let stamp = venv.join("requirements.txt");
