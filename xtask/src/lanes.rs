@@ -4,7 +4,13 @@
 //! bud's binaries spend their time in one emulated guest vCPU, one QEMU TCG thread or one
 //! first-use build step, so one of the machine's two cores idles for most of a run (a clean
 //! clone's run took 2 504 s on 2026-11-28, 2 031 s of it in nine binaries run in turn; the
-//! measured figures with lanes are in docs/testing.md). Why not cargo-nextest: it runs each
+//! measured figures with lanes are in docs/testing.md). Measured on a clean clone on
+//! 2026-11-28, two lanes did not pay yet: the run is bound by one chain (building the test
+//! binaries, the guest kernel, the datascience image and its first boot, then the compat
+//! tests: ~32 of its ~42 minutes), and with another guest binary beside it a job of
+//! `tests/reset.rs` ran past its 10 s limit. So the default is one lane (the old regime:
+//! one binary at a time on CPU-count test threads, ordered here) and `--lanes 2` is there
+//! to measure with. Why not cargo-nextest: it runs each
 //! test in a process of its own, so every test would redo what a binary's tests share once
 //! (the guest's up-to-date check, a template's load, an executor or a server's template),
 //! and the ordering that matters here is by binary (the one that builds the guest first).
