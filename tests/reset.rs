@@ -94,8 +94,9 @@ fn job_kinds() -> Vec<(&'static str, Job, Status)> {
             "signals",
             Job::python(
                 "import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: print('got it'))\n\
-                 os.kill(os.getpid(), signal.SIGUSR1)\nsignal.setitimer(signal.ITIMER_REAL, 0.01)\n\
-                 signal.signal(signal.SIGALRM, lambda *a: print('alarm'))\nsignal.pause()",
+                 os.kill(os.getpid(), signal.SIGUSR1)\n\
+                 signal.signal(signal.SIGALRM, lambda *a: print('alarm'))\n\
+                 signal.setitimer(signal.ITIMER_REAL, 0.01)\nsignal.pause()",
             ),
             Status::Ok,
         ),
@@ -110,7 +111,8 @@ fn job_kinds() -> Vec<(&'static str, Job, Status)> {
             ),
             Status::Ok,
         ),
-        ("as user", Job::python(AS_USER), Status::Ok),
+        // Process starts as the user: seconds under kvm_pvm, more beside other work.
+        ("as user", timed(Job::python(AS_USER), 60_000), Status::Ok),
         (
             "kernel state",
             Job::python(
@@ -278,7 +280,9 @@ fn nothing_the_user_made_outlives_its_job() {
     );
 
     let before = exec.run(&find).expect("the first search");
-    let planted = exec.run(&Job::python(AS_USER)).expect("the user's job");
+    let planted = exec
+        .run(&timed(Job::python(AS_USER), 60_000))
+        .expect("the user's job");
     let after = exec.run(&find).expect("the second search");
 
     assert_eq!(
