@@ -1,6 +1,7 @@
 //! `bud`: the command line over the `vmm` library and the guest build.
 //!
-//! - `bud guest build`: build (or reuse) the guest kernel and initramfs, with progress.
+//! - `bud guest build`: build (or reuse) the guest kernel and initramfs, with progress; with
+//!   `--boot`, also bring the template up (boot it to READY and save it, or find it saved).
 //! - `bud boot`: build the guest if needed, boot it to the agent's READY doorbell, show the
 //!   console with timestamps and report the time from the first KVM_RUN to READY.
 //! - `bud run`: run one job in a copy-on-write clone of the template (booting and saving the
@@ -65,6 +66,11 @@ enum GuestCommand {
         /// The template whose image to build (`python`, or one of guest/image/templates/).
         #[arg(long, default_value = bud_guest::recipe::BASE_TEMPLATE)]
         template: String,
+        /// Also bring the template up: boot it to READY and save its snapshot under
+        /// `<build>/templates/` (or find it saved), as `bud run` and `bud serve` would on
+        /// first use.
+        #[arg(long)]
+        boot: bool,
     },
 }
 
@@ -99,12 +105,43 @@ pub fn build_guest(cli: &Cli, template: &str) -> anyhow::Result<bud_guest::Guest
     Ok(artifacts)
 }
 
+/// Brings template `name` up on the guest just built: loads its saved snapshot, or boots it
+/// to READY and saves one.
+fn boot_template(cli: &Cli, name: &str) -> anyhow::Result<()> {
+    let mut build = cli.build_options();
+    build.template = name.to_owned();
+    let opts = bud_templates::TemplateOptions {
+        build,
+        guest: bud_templates::GuestBuild::Built,
+        ram_size: None,
+    };
+    let started = Instant::now();
+    let template = bud_templates::template(&opts, &mut |l: &str| progress(l), None)
+        .with_context(|| format!("bringing template {name} up"))?;
+    let how = match template.origin() {
+        vmm::template::Origin::Built { boot, .. } => {
+            format!("booted, READY after {:.1} s", boot.to_ready.as_secs_f64())
+        }
+        vmm::template::Origin::Loaded { .. } => "found saved".to_owned(),
+    };
+    progress(&format!(
+        "template {name} up in {:.1} s ({how})",
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Guest {
-            command: GuestCommand::Build { template },
-        } => build_guest(&cli, template).map(|_| ExitCode::SUCCESS),
+            command: GuestCommand::Build { template, boot },
+        } => build_guest(&cli, template)
+            .and_then(|_| match boot {
+                true => boot_template(&cli, template),
+                false => Ok(()),
+            })
+            .map(|_| ExitCode::SUCCESS),
         Command::Boot(args) => boot_cmd::boot(&cli, args).map(|_| ExitCode::SUCCESS),
         Command::Run(args) => run_cmd::run(&cli, args),
         Command::Serve(args) => serve_cmd::serve(&cli, args),

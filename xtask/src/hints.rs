@@ -1,80 +1,116 @@
-//! The order of the queue: what each test binary costs and whether it needs the guest.
+//! The order of the queue and what each job waits for.
 //!
-//! The figures are seconds from a clean-clone run on the development machine (2 cores,
-//! kvm_pvm; docs/testing.md), with the guest already built, except where a binary builds
-//! something only it uses (a template, cargo-fuzz). They only order the queue: every binary
-//! runs whether it is listed or not, and one not listed counts as [`UNLISTED`].
+//! The suite's first-use builds are jobs of their own ([`GUEST`], then one per template:
+//! `bud guest build [--template NAME --boot]`), so the lanes can see the chain every guest
+//! test waits on: the kernel (both cores, minutes), then the `python` template's first boot,
+//! then the `datascience` and `tools` templates' (one emulated vCPU each, minutes). A job
+//! waits until every build job it needs has ended (it builds nothing itself then, only finds
+//! the result; a build that failed leaves its dependants to fail loudly on their own); a
+//! lane takes the first job of the queue that has nothing left to wait for.
 //!
-//! The first job is the costliest one that needs the guest, so the shared first-use build
-//! (kernel, image, `python` template: minutes, under `build/build.lock`) starts at once; the
-//! jobs that need no guest come next and fill the other lanes while it builds; then the
-//! rest, longest first, so no lane is left with a long job at the end.
+//! The queue: the build jobs first, in chain order; then every test binary, longest first
+//! (so no lane is left with a long job at the end). So while the kernel builds, the other
+//! lane runs the binaries that need no guest; while one template boots on one core, the
+//! other lane boots the next or runs tests that need only what is built.
+//!
+//! The seconds are from a clean-clone run on the development machine (2 cores, kvm_pvm;
+//! docs/measurements.md), with the guest already built unless a binary builds something
+//! only it uses. They only order the queue: every binary runs whether it is listed or not,
+//! and one not listed counts as [`UNLISTED`].
 
 use crate::suite::Job;
 
-/// What a binary is expected to cost.
+/// The build job of the guest kernel and the `python` image.
+pub const GUEST: &str = "build: guest";
+/// The build job that brings up the `python` template (booted and saved).
+pub const PYTHON: &str = "build: template python";
+/// The build job of the `datascience` template (its image, first boot and snapshot).
+pub const DATASCIENCE: &str = "build: template datascience";
+/// The build job of the `tools` template.
+pub const TOOLS: &str = "build: template tools";
+/// The build jobs, in the order of the chain; each needs the ones before it that it names.
+pub const BUILDS: [(&str, Option<&str>); 4] = [
+    (GUEST, None),
+    (PYTHON, Some("python")),
+    (DATASCIENCE, Some("datascience")),
+    (TOOLS, Some("tools")),
+];
+
+/// What a job is expected to cost and what it waits for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Hint {
     pub seconds: u32,
-    /// Whether it waits for the guest build (kernel, image, a template).
-    pub guest: bool,
+    /// The build jobs it waits for (those in the run: a pick of binaries runs no build job,
+    /// and each binary then builds what it needs itself, as `cargo test` would).
+    pub needs: &'static [&'static str],
 }
 
-/// A binary the table does not name: short, and needing the guest to be safe.
+const NONE: &[&str] = &[];
+const ON_GUEST: &[&str] = &[GUEST];
+const ON_PYTHON: &[&str] = &[GUEST, PYTHON];
+const ON_DATASCIENCE: &[&str] = &[GUEST, PYTHON, DATASCIENCE];
+const ON_ALL: &[&str] = &[GUEST, PYTHON, DATASCIENCE, TOOLS];
+
+/// A binary the table does not name: short, and needing the `python` template to be safe.
 pub const UNLISTED: Hint = Hint {
     seconds: 30,
-    guest: true,
+    needs: ON_PYTHON,
 };
 
-/// (source path, seconds, needs the guest).
-const HINTS: &[(&str, u32, bool)] = &[
-    // Builds the datascience image and boots it the first time.
-    ("server/tests/compat.rs", 560, true),
-    // A first-level VM under QEMU's TCG (installs QEMU on first use).
-    ("tests/hwvirt.rs", 235, true),
-    // Installs cargo-fuzz, builds the instrumented targets, fuzzes each 5 s.
-    ("tests/fuzz.rs", 230, false),
-    // Builds the tools template.
-    ("server/tests/templates.rs", 180, true),
-    ("tests/reset.rs", 150, true),
-    ("tests/session.rs", 110, true),
-    ("tests/stress.rs", 75, true),
-    ("tests/guest_boot.rs", 70, true),
-    ("server/tests/processes.rs", 50, true),
-    ("tests/beside.rs", 45, true),
-    ("tests/cluster.rs", 37, true),
-    ("tests/processes.rs", 37, true),
-    ("tests/jobs.rs", 27, true),
-    ("server/tests/sessions.rs", 23, true),
-    ("tests/deploy.rs", 21, true),
-    // Its pipeline tests build the guest (ensure) and rebuild the image elsewhere.
-    ("guest/src/lib.rs", 70, true),
-    ("server/tests/beside.rs", 12, true),
-    ("server/tests/durable.rs", 11, true),
-    ("guest/pyext/tests/host_jobs.rs", 11, true),
-    ("server/tests/session_leaks.rs", 5, true),
-    ("server/tests/http.rs", 3, true),
-    ("tests/session_file.rs", 3, true),
-    ("tests/durable_crash.rs", 3, true),
-    ("server/tests/cancel.rs", 2, true),
-    ("server/tests/drain.rs", 2, true),
-    ("server/tests/import_hostile.rs", 2, true),
-    ("server/tests/audit.rs", 1, true),
-    ("server/tests/hostile.rs", 8, true),
-    ("tests/jail.rs", 2, true),
-    ("tests/audit_cli.rs", 1, false),
-    ("server/tests/layers.rs", 1, false),
-    ("server/src/lib.rs", 2, false),
-    ("vmm/src/lib.rs", 2, false),
-    ("guest/agent/src/main.rs", 1, false),
-    ("guest/pyext/src/lib.rs", 1, false),
-    ("guest/pyext/tests/host_python.rs", 1, false),
-    ("templates/src/lib.rs", 1, false),
-    ("vmm/tests/snapshot_restore.rs", 1, false),
-    ("vmm/tests/vcpu_pio.rs", 1, false),
-    ("xtask/src/main.rs", 1, false),
-    ("src/main.rs", 1, false),
-    ("doc tests", 30, false),
+/// (job, seconds, the build jobs it waits for).
+const HINTS: &[(&str, u32, &[&str])] = &[
+    (GUEST, 330, NONE),
+    (PYTHON, 100, ON_GUEST),
+    (DATASCIENCE, 330, ON_PYTHON),
+    (TOOLS, 130, ON_PYTHON),
+    ("server/tests/compat.rs", 300, ON_DATASCIENCE),
+    // A first-level VM under QEMU's TCG (installs QEMU on first use): one host thread.
+    ("tests/hwvirt.rs", 235, ON_GUEST),
+    // Installs cargo-fuzz, builds the instrumented targets, fuzzes each 5 s. It needs no
+    // guest: it waits for the kernel build only so that the two do not share the cores (the
+    // kernel build is the head of every guest test's chain; fuzz's build is nobody's).
+    ("tests/fuzz.rs", 230, ON_GUEST),
+    ("server/tests/templates.rs", 120, ON_ALL),
+    ("tests/reset.rs", 150, ON_PYTHON),
+    ("tests/session.rs", 110, ON_PYTHON),
+    ("tests/stress.rs", 75, ON_PYTHON),
+    ("tests/guest_boot.rs", 70, ON_GUEST),
+    ("server/tests/processes.rs", 50, ON_PYTHON),
+    ("tests/beside.rs", 45, ON_PYTHON),
+    ("tests/cluster.rs", 37, ON_PYTHON),
+    ("tests/processes.rs", 37, ON_PYTHON),
+    ("tests/jobs.rs", 27, ON_PYTHON),
+    ("server/tests/sessions.rs", 23, ON_PYTHON),
+    ("tests/deploy.rs", 21, ON_PYTHON),
+    // Its pipeline tests run the guest build's steps on the shared build folder.
+    ("guest/src/lib.rs", 70, ON_GUEST),
+    ("server/tests/beside.rs", 12, ON_PYTHON),
+    ("server/tests/durable.rs", 11, ON_PYTHON),
+    // Reads the guest's busybox (it runs the build's up-to-date check itself).
+    ("guest/pyext/tests/host_jobs.rs", 11, ON_GUEST),
+    ("server/tests/session_leaks.rs", 5, ON_PYTHON),
+    ("server/tests/http.rs", 3, ON_PYTHON),
+    ("tests/session_file.rs", 3, ON_PYTHON),
+    ("tests/durable_crash.rs", 3, ON_PYTHON),
+    ("server/tests/cancel.rs", 2, ON_PYTHON),
+    ("server/tests/drain.rs", 2, ON_PYTHON),
+    ("server/tests/import_hostile.rs", 2, ON_PYTHON),
+    ("server/tests/audit.rs", 1, ON_PYTHON),
+    ("server/tests/hostile.rs", 8, ON_PYTHON),
+    ("tests/jail.rs", 2, ON_PYTHON),
+    ("tests/audit_cli.rs", 1, NONE),
+    ("server/tests/layers.rs", 1, NONE),
+    ("server/src/lib.rs", 2, NONE),
+    ("vmm/src/lib.rs", 2, NONE),
+    ("guest/agent/src/main.rs", 1, NONE),
+    ("guest/pyext/src/lib.rs", 1, NONE),
+    ("guest/pyext/tests/host_python.rs", 1, NONE),
+    ("templates/src/lib.rs", 1, NONE),
+    ("vmm/tests/snapshot_restore.rs", 1, NONE),
+    ("vmm/tests/vcpu_pio.rs", 1, NONE),
+    ("xtask/src/main.rs", 1, NONE),
+    ("src/main.rs", 1, NONE),
+    ("doc tests", 30, NONE),
 ];
 
 /// The hint for the job labelled `label`.
@@ -82,28 +118,44 @@ pub fn hint(label: &str) -> Hint {
     HINTS
         .iter()
         .find(|(l, _, _)| *l == label)
-        .map_or(UNLISTED, |&(_, seconds, guest)| Hint { seconds, guest })
+        .map_or(UNLISTED, |&(_, seconds, needs)| Hint { seconds, needs })
+}
+
+/// Where a job stands in the chain: the build jobs by their place in [`BUILDS`], then the
+/// rest.
+fn rank(label: &str) -> usize {
+    BUILDS
+        .iter()
+        .position(|(l, _)| *l == label)
+        .unwrap_or(BUILDS.len())
 }
 
 /// `jobs` in the order the lanes take them (see the module's doc).
 pub fn order(mut jobs: Vec<Job>) -> Vec<Job> {
-    // Longest first; the label breaks ties so the order is the same every run.
+    // The builds in chain order, then longest first; the label breaks ties so the order is
+    // the same every run.
     jobs.sort_by(|a, b| {
-        hint(&b.label)
-            .seconds
-            .cmp(&hint(&a.label).seconds)
+        rank(&a.label)
+            .cmp(&rank(&b.label))
+            .then_with(|| hint(&b.label).seconds.cmp(&hint(&a.label).seconds))
             .then_with(|| a.label.cmp(&b.label))
     });
-    let first_guest = jobs.iter().position(|j| hint(&j.label).guest);
-    let mut ordered = Vec::with_capacity(jobs.len());
-    if let Some(at) = first_guest {
-        ordered.push(jobs.remove(at));
-    }
-    let (plain, guest): (Vec<Job>, Vec<Job>) =
-        jobs.into_iter().partition(|j| !hint(&j.label).guest);
-    ordered.extend(plain);
-    ordered.extend(guest);
-    ordered
+    jobs
+}
+
+/// The first job of `queue` (in order) that waits for nothing: each of its needs has
+/// `ended`, or is not a job of this run (`in_run` says which are).
+pub fn next_ready(
+    queue: &[Job],
+    ended: &dyn Fn(&str) -> bool,
+    in_run: &dyn Fn(&str) -> bool,
+) -> Option<usize> {
+    queue.iter().position(|job| {
+        hint(&job.label)
+            .needs
+            .iter()
+            .all(|need| ended(need) || !in_run(need))
+    })
 }
 
 #[cfg(test)]
@@ -125,43 +177,89 @@ mod tests {
     }
 
     #[test]
-    fn the_costliest_guest_job_leads_then_the_guestless_then_the_rest_longest_first() {
+    fn the_builds_lead_in_chain_order_then_the_rest_longest_first() {
         let jobs = [
             "tests/audit_cli.rs",
+            TOOLS,
             "tests/reset.rs",
             "tests/new.rs",
+            GUEST,
             "tests/fuzz.rs",
+            DATASCIENCE,
+            PYTHON,
         ]
         .map(job)
         .to_vec();
         assert_eq!(
             labels(&order(jobs)),
             [
-                "tests/reset.rs",
+                GUEST,
+                PYTHON,
+                DATASCIENCE,
+                TOOLS,
                 "tests/fuzz.rs",
+                "tests/reset.rs",
+                "tests/new.rs",
                 "tests/audit_cli.rs",
-                "tests/new.rs"
             ]
         );
     }
 
     #[test]
-    fn without_guest_jobs_it_is_longest_first() {
-        let jobs = ["tests/audit_cli.rs", "tests/fuzz.rs"].map(job).to_vec();
-        assert_eq!(
-            labels(&order(jobs)),
-            ["tests/fuzz.rs", "tests/audit_cli.rs"]
+    fn a_lane_takes_the_first_job_whose_builds_have_ended() {
+        let queue = order(
+            [
+                GUEST,
+                PYTHON,
+                DATASCIENCE,
+                "server/tests/compat.rs",
+                "tests/reset.rs",
+                "tests/audit_cli.rs",
+            ]
+            .map(job)
+            .to_vec(),
         );
+        let in_run = |l: &str| queue.iter().any(|j| j.label == l);
+        let ready = |ended: &[&str]| {
+            next_ready(&queue, &|l: &str| ended.contains(&l), &in_run)
+                .map(|i| queue[i].label.as_str())
+        };
+        // Nothing built: the guest build, and the binary that needs no guest.
+        assert_eq!(ready(&[]), Some(GUEST));
+        let rest: Vec<Job> = queue[1..].to_vec();
+        let ready_in = |q: &[Job], ended: &[&str]| {
+            next_ready(q, &|l: &str| ended.contains(&l), &in_run).map(|i| q[i].label.clone())
+        };
+        assert_eq!(ready_in(&rest, &[]), Some("tests/audit_cli.rs".into()));
+        // The guest built: the python template next; compat waits for datascience.
+        assert_eq!(ready_in(&rest, &[GUEST]), Some(PYTHON.into()));
+        let tests_only: Vec<Job> = queue[3..].to_vec();
+        assert_eq!(
+            ready_in(&tests_only, &[GUEST, PYTHON]),
+            Some("tests/reset.rs".into())
+        );
+        assert_eq!(
+            ready_in(&tests_only, &[GUEST, PYTHON, DATASCIENCE]),
+            Some("server/tests/compat.rs".into())
+        );
+        // The tools build is not in this run: templates.rs does not wait for it.
+        let templates = [job("server/tests/templates.rs")];
+        assert_eq!(
+            ready_in(&templates, &[GUEST, PYTHON, DATASCIENCE]),
+            Some("server/tests/templates.rs".into())
+        );
+        assert_eq!(ready_in(&templates, &[GUEST]), None);
     }
 
     #[test]
-    fn an_unlisted_binary_is_short_and_needs_the_guest() {
+    fn an_unlisted_binary_is_short_and_waits_for_the_python_template() {
         assert_eq!(hint("tests/not_yet_written.rs"), UNLISTED);
+        assert_eq!(UNLISTED.needs, [GUEST, PYTHON]);
         assert_eq!(
             hint("tests/fuzz.rs"),
             Hint {
                 seconds: 230,
-                guest: false
+                needs: &[GUEST]
             }
         );
     }

@@ -3,14 +3,14 @@
 //! Why not `cargo test --workspace`: it runs one test binary after another, and most of
 //! bud's binaries spend their time in one emulated guest vCPU, one QEMU TCG thread or one
 //! first-use build step, so one of the machine's two cores idles for most of a run (a clean
-//! clone's run took 2 504 s on 2026-11-28, 2 031 s of it in nine binaries run in turn; the
-//! measured figures with lanes are in docs/testing.md). Measured on a clean clone on
-//! 2026-11-28, two lanes did not pay yet: the run is bound by one chain (building the test
-//! binaries, the guest kernel, the datascience image and its first boot, then the compat
-//! tests: ~32 of its ~42 minutes), and with another guest binary beside it a job of
-//! `tests/reset.rs` ran past its 10 s limit. So the default is one lane (the old regime:
-//! one binary at a time on CPU-count test threads, ordered here) and `--lanes 2` is there
-//! to measure with. Why not cargo-nextest: it runs each
+//! clone's run took 2 504 s on 2026-11-28, most of it in nine binaries run in turn). Two
+//! lanes by default: the first-use builds are jobs of their own that the others wait for
+//! (`hints`), so the second lane runs what needs no guest while the kernel builds, and tests
+//! or the next template boot while one template boots on one core (figures in
+//! docs/measurements.md, "Session 21"). Before the builds were jobs, two lanes did not pay
+//! (2026-11-28, 44 min 33 s against 41 min 44 s in one): the lane that happened to build
+//! the guest held the chain while the other's binaries waited on the build lock.
+//! Why not cargo-nextest: it runs each
 //! test in a process of its own, so every test would redo what a binary's tests share once
 //! (the guest's up-to-date check, a template's load, an executor or a server's template),
 //! and the ordering that matters here is by binary (the one that builds the guest first).
@@ -22,16 +22,16 @@
 //!
 //! Each binary's output goes to `target/xtask/logs/<label>.log`, in full; a binary that
 //! fails has its log printed whole when it ends, with the command that reruns it. The first
-//! use builds shared by many binaries take `build/build.lock`, so binaries that need the
-//! guest wait for the one building it.
+//! use builds take `build/build.lock` (and a lock per template) wherever they run, so a
+//! binary run alone builds what it needs itself and two never build the same thing.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -110,7 +110,7 @@ pub fn run_suite(lanes: usize, picks: &[String], passed_on: &[String]) -> Result
     let root = suite::workspace_root();
     let started = Instant::now();
     say("building the test binaries");
-    let jobs = hints::order(suite::pick(suite::build(&root)?, picks)?);
+    let jobs = hints::order(suite::jobs_of(&root, suite::build(&root)?, picks)?);
     let built = started.elapsed();
     let log_dir = root.join("target/xtask/logs");
     fs::create_dir_all(&log_dir).map_err(|e| SuiteError::Log(log_dir.clone(), e))?;
@@ -127,21 +127,21 @@ pub fn run_suite(lanes: usize, picks: &[String], passed_on: &[String]) -> Result
         log_dir.display()
     ));
 
-    let queue = Arc::new(Mutex::new(VecDeque::from(jobs)));
+    let board = Arc::new(Board::new(jobs));
     let (tx, rx) = mpsc::channel();
     let mut workers = Vec::new();
     for _ in 0..lanes {
-        let (queue, tx, log_dir) = (queue.clone(), tx.clone(), log_dir.clone());
+        let (board, tx, log_dir) = (board.clone(), tx.clone(), log_dir.clone());
         let threads = threads.clone();
         let passed_on = passed_on.to_vec();
         workers.push(thread::spawn(move || {
-            loop {
-                let next = queue.lock().expect("queue lock").pop_front();
-                let Some(job) = next else { break };
-                if tx.send(Event::Started(job.label.clone())).is_err() {
+            while let Some(job) = board.take() {
+                let label = job.label.clone();
+                if tx.send(Event::Started(label.clone())).is_err() {
                     break;
                 }
                 let outcome = run_one(job, &log_dir, &passed_on, &threads);
+                board.ended(label);
                 if tx.send(Event::Ended(outcome)).is_err() {
                     break;
                 }
@@ -192,14 +192,66 @@ pub fn run_suite(lanes: usize, picks: &[String], passed_on: &[String]) -> Result
     )
 }
 
+/// The jobs not yet taken, and which have ended: what the lanes share.
+struct Board {
+    state: Mutex<BoardState>,
+    changed: Condvar,
+}
+
+struct BoardState {
+    queue: Vec<Job>,
+    /// The labels of every job of the run.
+    in_run: HashSet<String>,
+    ended: HashSet<String>,
+}
+
+impl Board {
+    fn new(queue: Vec<Job>) -> Board {
+        let in_run = queue.iter().map(|j| j.label.clone()).collect();
+        Board {
+            state: Mutex::new(BoardState {
+                queue,
+                in_run,
+                ended: HashSet::new(),
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// The next job whose builds have ended, waiting for one if need be; `None` when the
+    /// queue is empty.
+    fn take(&self) -> Option<Job> {
+        let mut state = self.state.lock().expect("board lock");
+        loop {
+            if state.queue.is_empty() {
+                return None;
+            }
+            let ready = hints::next_ready(
+                &state.queue,
+                &|l: &str| state.ended.contains(l),
+                &|l: &str| state.in_run.contains(l),
+            );
+            if let Some(at) = ready {
+                return Some(state.queue.remove(at));
+            }
+            state = self.changed.wait(state).expect("board lock");
+        }
+    }
+
+    fn ended(&self, label: String) {
+        self.state.lock().expect("board lock").ended.insert(label);
+        self.changed.notify_all();
+    }
+}
+
 /// Builds the suite and prints its jobs in the order the lanes would take them.
 pub fn list(picks: &[String]) -> Result<(), SuiteError> {
     let root = suite::workspace_root();
-    for job in hints::order(suite::pick(suite::build(&root)?, picks)?) {
+    for job in hints::order(suite::jobs_of(&root, suite::build(&root)?, picks)?) {
         let hint = hints::hint(&job.label);
-        let needs = if hint.guest { "guest" } else { "-" };
+        let needs = hint.needs.last().copied().unwrap_or("-");
         println!(
-            "{:>5} s  {needs:5}  {}  ({})",
+            "{:>5} s  after {needs:28}  {}  ({})",
             hint.seconds, job.label, job.rerun
         );
     }
@@ -425,5 +477,36 @@ mod tests {
         );
         assert!(matches!(&missing.status, Err(e) if e.contains("no-such-binary")));
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_lane_waits_on_the_board_until_the_build_it_needs_has_ended() {
+        let job = |label: &str| Job {
+            label: label.into(),
+            program: label.into(),
+            args: vec![],
+            dir: "/w".into(),
+            rerun: String::new(),
+        };
+        let board = Arc::new(Board::new(hints::order(vec![
+            job("tests/jobs.rs"),
+            job(hints::GUEST),
+            job(hints::PYTHON),
+        ])));
+        assert_eq!(board.take().unwrap().label, hints::GUEST);
+        let waiting = {
+            let board = board.clone();
+            thread::spawn(move || board.take().map(|j| j.label))
+        };
+        thread::sleep(Duration::from_millis(50));
+        assert!(
+            !waiting.is_finished(),
+            "the python build waits for the guest"
+        );
+        board.ended(hints::GUEST.to_owned());
+        assert_eq!(waiting.join().unwrap().as_deref(), Some(hints::PYTHON));
+        board.ended(hints::PYTHON.to_owned());
+        assert_eq!(board.take().unwrap().label, "tests/jobs.rs");
+        assert!(board.take().is_none());
     }
 }

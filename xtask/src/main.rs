@@ -2,7 +2,8 @@
 //!
 //! One task: `test`, the whole test suite, which is the README's test command and what CI's
 //! `.ci/run` runs. It builds every test binary of the workspace with cargo, then runs them
-//! in lanes ([`lanes`]), the guest-building one first, and reports each binary as it ends.
+//! in lanes ([`lanes`]) after the first-use builds they wait for ([`hints`]), and reports
+//! each job as it ends.
 //!
 //! ```text
 //! cargo xtask test [--lanes N] [--list] [BINARY...] [-- ARGS...]
@@ -10,7 +11,7 @@
 //!
 //! `BINARY` picks binaries by a part of their source path (`compat`, `server/tests/http.rs`);
 //! `ARGS` go to every binary (a test name filter, `--nocapture`). `--lanes` defaults to
-//! `BUD_TEST_LANES`, else 1. `--list` builds the binaries and lists the jobs in
+//! `BUD_TEST_LANES`, else 2. `--list` builds the binaries and lists the jobs in
 //! the order the lanes would take them, with their hints, and runs nothing.
 
 mod hints;
@@ -102,8 +103,8 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             },
-            // One lane unless asked: see `lanes`' module doc for the measured reason.
-            Err(_) => 1,
+            // Two lanes unless asked: see `lanes`' module doc for the measured reason.
+            Err(_) => 2,
         },
     };
     if parsed.list {

@@ -1,5 +1,6 @@
 //! The suite's jobs: every test binary of the workspace, built by `cargo test --workspace
-//! --no-run` and listed from cargo's JSON messages, and the doc tests.
+//! --no-run` and listed from cargo's JSON messages, the doc tests, and the first-use builds
+//! the guest tests share (run by the `bud` binary that same build made; see `hints`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -22,6 +23,8 @@ pub enum SuiteError {
     NoSuchBinary(String),
     #[error("writing {0}")]
     Log(PathBuf, #[source] std::io::Error),
+    #[error("cargo built no `bud` binary for the tests (its build jobs need one)")]
+    NoBud,
 }
 
 /// `e` and each of its sources, joined.
@@ -62,9 +65,16 @@ fn cargo() -> PathBuf {
     std::env::var_os("CARGO").map_or_else(|| "cargo".into(), PathBuf::from)
 }
 
+/// What the build made: the test binaries and doc tests as jobs, and the `bud` binary.
+#[derive(Debug)]
+pub struct Built {
+    pub jobs: Vec<Job>,
+    pub bud: Option<PathBuf>,
+}
+
 /// Builds every test binary (cargo's own progress on stderr) and lists them, and the doc
 /// tests, as jobs.
-pub fn build(root: &Path) -> Result<Vec<Job>, SuiteError> {
+pub fn build(root: &Path) -> Result<Built, SuiteError> {
     let mut child = Command::new(cargo())
         .args([
             "test",
@@ -78,14 +88,20 @@ pub fn build(root: &Path) -> Result<Vec<Job>, SuiteError> {
         .map_err(SuiteError::Cargo)?;
     let stdout = child.stdout.take().expect("piped stdout");
     let mut jobs = Vec::new();
+    let mut bud = None;
     for line in BufReader::new(stdout).lines() {
         let line = line.map_err(SuiteError::Messages)?;
         // Lines that are not JSON objects are build scripts' output: not ours to read.
-        if let Ok(message) = serde_json::from_str::<Value>(&line)
-            && let Some(job) = job_of(root, &message)
+        let Ok(message) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        if let Some(job) = job_of(root, &message)
             && !jobs.iter().any(|j: &Job| j.program == job.program)
         {
             jobs.push(job);
+        }
+        if let Some(path) = bud_of(&message) {
+            bud = Some(path);
         }
     }
     let status = child.wait().map_err(SuiteError::Cargo)?;
@@ -105,6 +121,51 @@ pub fn build(root: &Path) -> Result<Vec<Job>, SuiteError> {
         dir: root.to_path_buf(),
         rerun: "cargo test --workspace --doc".into(),
     });
+    Ok(Built { jobs, bud })
+}
+
+/// The `bud` executable of a `compiler-artifact` message for it (the binary the integration
+/// tests run); `None` for any other message.
+fn bud_of(message: &Value) -> Option<PathBuf> {
+    let target = &message["target"];
+    let is_bud = message["reason"] == "compiler-artifact"
+        && message["profile"]["test"] == false
+        && target["name"] == "bud"
+        && target["kind"]
+            .as_array()
+            .is_some_and(|k| k.iter().any(|k| k == "bin"));
+    is_bud.then(|| message["executable"].as_str().map(PathBuf::from))?
+}
+
+/// The first-use build jobs (`hints::BUILDS`), each a `bud guest build` run by `bud`.
+pub fn build_jobs(root: &Path, bud: &Path) -> Vec<Job> {
+    crate::hints::BUILDS
+        .iter()
+        .map(|&(label, template)| {
+            let mut args: Vec<String> = vec!["guest".into(), "build".into()];
+            if let Some(name) = template {
+                args.extend(["--template".into(), name.into(), "--boot".into()]);
+            }
+            Job {
+                label: label.to_owned(),
+                program: bud.to_path_buf(),
+                rerun: format!("cargo run -- {}", args.join(" ")),
+                args,
+                dir: root.to_path_buf(),
+            }
+        })
+        .collect()
+}
+
+/// The jobs of a run: with no picks, every binary and the build jobs; with picks, the
+/// binaries picked (each builds what it needs itself, as under `cargo test`).
+pub fn jobs_of(root: &Path, built: Built, picks: &[String]) -> Result<Vec<Job>, SuiteError> {
+    if !picks.is_empty() {
+        return pick(built.jobs, picks);
+    }
+    let bud = built.bud.ok_or(SuiteError::NoBud)?;
+    let mut jobs = build_jobs(root, &bud);
+    jobs.extend(built.jobs);
     Ok(jobs)
 }
 
@@ -241,6 +302,66 @@ mod tests {
         assert!(matches!(
             pick(jobs, &["nope".into()]),
             Err(SuiteError::NoSuchBinary(p)) if p == "nope"
+        ));
+    }
+
+    #[test]
+    fn the_bud_binary_is_found_and_its_builds_become_jobs_that_lead_a_whole_run() {
+        let bin = json!({
+            "reason": "compiler-artifact",
+            "package_id": "path+file:///w#bud@0.1.0",
+            "manifest_path": "/w/Cargo.toml",
+            "target": {"kind": ["bin"], "name": "bud", "src_path": "/w/src/main.rs"},
+            "profile": {"test": false},
+            "executable": "/w/target/debug/bud"
+        });
+        assert_eq!(bud_of(&bin), Some(PathBuf::from("/w/target/debug/bud")));
+        let mut its_tests = bin.clone();
+        its_tests["profile"]["test"] = json!(true);
+        assert_eq!(bud_of(&its_tests), None);
+
+        let root = Path::new("/w");
+        let test = Job {
+            label: "tests/jobs.rs".into(),
+            program: "/w/target/debug/deps/jobs-1".into(),
+            args: vec![],
+            dir: "/w".into(),
+            rerun: String::new(),
+        };
+        let built = || Built {
+            jobs: vec![test.clone()],
+            bud: Some("/w/target/debug/bud".into()),
+        };
+        let all = jobs_of(root, built(), &[]).unwrap();
+        let labels: Vec<&str> = all.iter().map(|j| j.label.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                crate::hints::GUEST,
+                crate::hints::PYTHON,
+                crate::hints::DATASCIENCE,
+                crate::hints::TOOLS,
+                "tests/jobs.rs"
+            ]
+        );
+        assert_eq!(all[0].args, ["guest", "build"]);
+        assert_eq!(
+            all[2].args,
+            ["guest", "build", "--template", "datascience", "--boot"]
+        );
+        assert_eq!(all[2].program, PathBuf::from("/w/target/debug/bud"));
+        // A pick runs the binaries picked and no build job.
+        assert_eq!(jobs_of(root, built(), &["jobs".into()]).unwrap(), [test]);
+        assert!(matches!(
+            jobs_of(
+                root,
+                Built {
+                    jobs: vec![],
+                    bud: None
+                },
+                &[]
+            ),
+            Err(SuiteError::NoBud)
         ));
     }
 }
