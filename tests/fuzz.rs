@@ -75,10 +75,23 @@ fn seed_with_templates(root: &Path, corpus: &Path) {
     }
 }
 
+/// A line on the process's stderr itself, past the test harness's capture, so that the
+/// suite's log shows where the time went.
+fn progress(line: &str) {
+    use std::io::Write;
+    // Progress only: a closed stderr loses nothing the test asserts.
+    let _ = writeln!(std::io::stderr(), "[fuzz] {line}");
+}
+
 #[test]
 fn every_fuzz_target_runs_clean_for_its_time() {
     let root = root();
+    let started = std::time::Instant::now();
     let bin = tools(&root);
+    progress(&format!(
+        "cargo-fuzz ready after {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
     // Positive: libFuzzer reads a total time of 0 as "no limit".
     let seconds = common::size("BUD_FUZZ_SECONDS", 5);
     // A short run's time is its build's: unoptimized (with debug assertions and overflow
@@ -127,7 +140,10 @@ fn every_fuzz_target_runs_clean_for_its_time() {
             .find_map(|l| l.strip_prefix("stat::number_of_executed_units:"))
             .map(|n| n.trim().parse::<u64>().unwrap())
             .unwrap_or_else(|| panic!("{target}: no final stats in libFuzzer's report"));
-        eprintln!("[fuzz] {target}: {runs} inputs, no failure");
+        progress(&format!(
+            "{target}: {runs} inputs, no failure ({:.1} s into the test)",
+            started.elapsed().as_secs_f64()
+        ));
         assert!(runs > 0, "{target} ran no input");
     }
 }
