@@ -49,7 +49,7 @@ pub use crate::requests::Requests;
 use crate::session_file::{self, SessionFile, SessionFileError, WriteStats};
 use crate::snapshot::{self, MsrList, SnapshotError};
 use crate::template::TemplateError;
-use crate::vm::{Machine, SerialStart, VmError};
+use crate::vm::{Machine, NetStart, SerialStart, VmError};
 
 /// Errors of session operations (a cell that ran and failed is a [`JobResult`]).
 #[derive(Debug, thiserror::Error)]
@@ -153,6 +153,10 @@ impl ChildRecipe<'_> {
             ram,
             ConsoleLog::default(),
             SerialStart::Restore(self.serial),
+            // Host connections cannot be carried over: a child's card continues from the
+            // captured registers and queues with an empty stack (the guest's old
+            // connections get RST on their next segment).
+            NetStart::from_state(self.state.net.as_ref()),
         )?;
         let m = self.ex.adopt(m);
         let ready = snapshot::restore(&m.vm, &m.vcpu, self.state, snapshot::Target::NewVm)
@@ -458,6 +462,7 @@ impl Session {
             t.host_kind,
             t.machine.cpuid.clone(),
             serial,
+            self.m.bus.nic().map(crate::net::Nic::state),
             MsrList::These(&msrs),
         )?;
         state.clock = self.clock;

@@ -13,7 +13,7 @@ use vmm::devices::console::ConsoleLog;
 use vmm::memory::GuestRam;
 use vmm::snapshot::{self, MachineState};
 use vmm::vcpu::VcpuStop;
-use vmm::vm::{Machine, SerialStart};
+use vmm::vm::{Machine, NetStart, SerialStart};
 
 /// Runs the test program to its first doorbell (CPL0) and captures the machine there.
 fn stopped_at_first_doorbell() -> (Machine, MachineState) {
@@ -35,6 +35,7 @@ fn stopped_at_first_doorbell() -> (Machine, MachineState) {
         HostKind::detect(),
         cpuid.as_slice().to_vec(),
         &serial,
+        None,
         snapshot::MsrList::Probe,
     )
     .unwrap();
@@ -55,6 +56,7 @@ fn clone_of(original: &Machine, state: &MachineState, name: &str) -> Machine {
         ram,
         ConsoleLog::new(16),
         SerialStart::Restore(&state.serial),
+        NetStart::None,
     )
     .unwrap();
     snapshot::restore(&m.vm, &m.vcpu, state, snapshot::Target::NewVm).unwrap();
@@ -97,6 +99,7 @@ fn state_captured_from_a_restored_clone_equals_the_original_state() {
         HostKind::detect(),
         state.cpuid.clone(),
         &serial,
+        None,
         snapshot::MsrList::Probe,
     )
     .unwrap();

@@ -37,6 +37,8 @@ const HINTS: &[(&str, u32, bool)] = &[
     // Builds the tools template.
     ("server/tests/templates.rs", 180, true),
     ("tests/reset.rs", 150, true),
+    // Boots its own template (the guest with a network card).
+    ("tests/network.rs", 120, true),
     ("tests/session.rs", 110, true),
     ("tests/stress.rs", 75, true),
     ("tests/guest_boot.rs", 70, true),

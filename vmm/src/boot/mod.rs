@@ -38,7 +38,7 @@ use crate::mailbox::{Mailbox, MailboxError};
 use crate::memory::{GuestRam, MemoryError, PAGE_SIZE};
 use crate::protocol::{code, failure};
 use crate::vcpu::{Kicker, VcpuError, VcpuStop};
-use crate::vm::{Machine, SerialStart, VmError};
+use crate::vm::{Machine, NetStart, SerialStart, VmError};
 
 /// Kernel command line every bud guest gets. `reboot=k`: reboot through the i8042 reset line
 /// (the VMM's "stop"; the triple-fault path `reboot=t` needs `int3`, which kvm_pvm's emulator
@@ -48,6 +48,13 @@ use crate::vm::{Machine, SerialStart, VmError};
 /// freeing them page by page cost ~3 s of emulated kernel time (measured with
 /// `bud boot --profile`), and the memory is in the template file either way.
 pub(crate) const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd";
+/// Added for a VM with a network card ([`BootConfig::network`]): the card's MMIO window and
+/// IRQ ([`crate::layout::VIRTIO_NET_MMIO_BASE`], [`crate::layout::VIRTIO_NET_IRQ`]; needs
+/// `VIRTIO_MMIO_CMDLINE_DEVICES`), and eth0's static address, gateway and netmask, set by the
+/// kernel before init (`IP_PNP`, no DHCP: every clone is alone on its own link with the same
+/// address; [`crate::net`] is the other end). A VM without a card gets neither.
+pub(crate) const NIC_CMDLINE: &str = "virtio_mmio.device=4K@0xd0000000:5 \
+    ip=10.0.2.15::10.0.2.2:255.255.255.0:bud:eth0:off";
 /// Added unless kernel messages are wanted: each console byte costs a port exit.
 pub(crate) const QUIET_CMDLINE: &str = "quiet";
 
@@ -75,6 +82,9 @@ pub struct BootConfig {
     pub kernel_messages: bool,
     /// Appended to the command line.
     pub extra_cmdline: String,
+    /// Give the VM a virtio-net card ([`crate::net`]); its template then holds the card's
+    /// state, and every clone of it has the card. Off by default: no card, no route out.
+    pub network: bool,
     /// Sample the guest's instruction pointer this often (a diagnostic: every sample kicks the
     /// vCPU out of the guest, so a boot with sampling is slower).
     pub profile_interval: Option<Duration>,
@@ -91,6 +101,7 @@ impl BootConfig {
             host_kind: HostKind::detect(),
             kernel_messages: false,
             extra_cmdline: String::new(),
+            network: false,
             profile_interval: None,
         }
     }
@@ -102,6 +113,9 @@ impl BootConfig {
             parts.push(QUIET_CMDLINE);
         }
         parts.push(self.host_kind.cmdline_knobs());
+        if self.network {
+            parts.push(NIC_CMDLINE);
+        }
         parts.push(&self.extra_cmdline);
         parts.retain(|p| !p.is_empty());
         parts.join(" ")
@@ -385,7 +399,12 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
     console.set_echo(echo);
     let ram = GuestRam::anonymous(cfg.ram_size)?;
     let entry = load_guest(&ram, cfg, &cmdline)?;
-    let mut machine = Machine::create(&kvm, ram, console, SerialStart::Fresh)?;
+    let net = if cfg.network {
+        NetStart::Fresh
+    } else {
+        NetStart::None
+    };
+    let mut machine = Machine::create(&kvm, ram, console, SerialStart::Fresh, net)?;
     setup_vcpu(&kvm, &machine, cfg.host_kind, entry)?;
 
     let setup = started.elapsed();
@@ -486,6 +505,23 @@ mod tests {
         cfg.extra_cmdline = "foo=bar".into();
 
         assert_eq!(cfg.cmdline(), format!("{BASE_CMDLINE} foo=bar"));
+    }
+
+    #[test]
+    fn only_a_vm_with_a_network_card_names_it_on_the_command_line() {
+        use crate::layout::{VIRTIO_NET_IRQ, VIRTIO_NET_MMIO_BASE, VIRTIO_NET_MMIO_SIZE};
+        let mut cfg = BootConfig::new("k", "i");
+        let without = cfg.cmdline();
+        cfg.network = true;
+        let with = cfg.cmdline();
+
+        assert!(!without.contains("virtio_mmio") && !without.contains(" ip="));
+        let device = format!(
+            "virtio_mmio.device={}K@{VIRTIO_NET_MMIO_BASE:#x}:{VIRTIO_NET_IRQ}",
+            VIRTIO_NET_MMIO_SIZE / 1024
+        );
+        assert!(with.contains(&device), "{with}");
+        assert!(with.contains(" ip=10.0.2.15::10.0.2.2:255.255.255.0:bud:eth0:off"));
     }
 
     #[test]

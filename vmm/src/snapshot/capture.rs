@@ -11,6 +11,8 @@ use kvm_bindings::{
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use vm_superio::serial::SerialState;
 
+use crate::devices::virtio::net::NetDeviceState;
+
 use super::{FpuState, MachineState, SnapshotError, cap};
 use crate::host::HostKind;
 
@@ -136,6 +138,7 @@ pub fn capture(
     kind: HostKind,
     cpuid: Vec<kvm_cpuid_entry2>,
     serial: &SerialState,
+    net: Option<NetDeviceState>,
     msrs: MsrList<'_>,
 ) -> Result<MachineState, SnapshotError> {
     complete_pending_io(vcpu)?;
@@ -198,6 +201,7 @@ pub fn capture(
         pit: quiet_expired_pit(cap("KVM_GET_PIT2", vm.get_pit2())?),
         clock,
         serial: serial.clone(),
+        net,
     })
 }
 
