@@ -134,3 +134,23 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
     assert_eq!(exec.take_reset_errors(), Vec::<String>::new());
     assert!(exec.stats().resets >= 2, "{:?}", exec.stats());
 }
+
+/// A trivial job on a clone of the networked template, for counting what the card costs a job
+/// that does not use it: `perf stat -e kvm:kvm_emulate_insn <this test binary> --ignored
+/// trivial` (the template is loaded from disk once built; docs/measurements.md, session 21).
+#[test]
+#[ignore = "a measurement: run by hand under perf stat"]
+fn trivial_job_on_a_networked_clone() {
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        ..ExecutorOptions::default()
+    };
+    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
+
+    let result = exec
+        .run(&Job::python("print(1)"))
+        .expect("running the job failed");
+
+    assert_eq!(result.status, Status::Ok);
+    assert_eq!(result.stdout, b"1\n");
+}

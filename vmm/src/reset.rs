@@ -163,8 +163,7 @@ pub(crate) fn verify(kvm: &Kvm, m: &mut Machine, t: &Template) -> Result<(), Res
         &mut m.vcpu,
         s.host_kind,
         s.machine.cpuid.clone(),
-        &m.bus.serial_state(),
-        m.bus.nic().map(crate::net::Nic::state),
+        &m.bus,
         snapshot::MsrList::These(&indices),
     )?;
     let mut diffs = differences(&s.machine, &now);

@@ -380,7 +380,7 @@ impl Session {
         self.refuse()?;
         let started = Instant::now();
         let serial = self.m.bus.serial_state();
-        let state = self.capture_state(ex, &serial)?;
+        let state = self.capture_state(ex)?;
         let copy_started = Instant::now();
         let layer = Arc::new(Layer::capture(&self.m.ram)?);
         let layer_copy = copy_started.elapsed();
@@ -448,11 +448,7 @@ impl Session {
     }
 
     /// The vCPU and device state of the parked VM, with its parked clock.
-    fn capture_state(
-        &mut self,
-        ex: &Executor,
-        serial: &vm_superio::serial::SerialState,
-    ) -> Result<snapshot::MachineState, SessionError> {
+    fn capture_state(&mut self, ex: &Executor) -> Result<snapshot::MachineState, SessionError> {
         let t = ex.template().state();
         let msrs: Vec<u32> = t.machine.msrs.iter().map(|e| e.index).collect();
         let mut state = snapshot::capture(
@@ -461,8 +457,7 @@ impl Session {
             &mut self.m.vcpu,
             t.host_kind,
             t.machine.cpuid.clone(),
-            serial,
-            self.m.bus.nic().map(crate::net::Nic::state),
+            &self.m.bus,
             MsrList::These(&msrs),
         )?;
         state.clock = self.clock;
@@ -481,8 +476,7 @@ impl Session {
     ) -> Result<WriteStats, SessionError> {
         self.refuse()?;
         let t = ex.template();
-        let serial = self.m.bus.serial_state();
-        let machine = self.capture_state(ex, &serial)?;
+        let machine = self.capture_state(ex)?;
         // Every page that can differ from the template: its own copies, and its layers'.
         let mut pages = self.m.ram.private_pages().map_err(SessionError::Pagemap)?;
         for l in &self.layers {

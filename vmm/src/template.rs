@@ -272,16 +272,13 @@ impl Template {
             .vcpu
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(TemplateError::GetCpuid)?;
-        let serial = ready.machine.bus.serial_state();
-        let net = ready.machine.bus.nic().map(crate::net::Nic::state);
         let machine = snapshot::capture(
             &kvm,
             &ready.machine.vm,
             &mut ready.machine.vcpu,
             cfg.host_kind,
             cpuid.as_slice().to_vec(),
-            &serial,
-            net,
+            &ready.machine.bus,
             snapshot::MsrList::Probe,
         )?;
         let ready_wall_ns = ready

@@ -27,15 +27,13 @@ fn stopped_at_first_doorbell() -> (Machine, MachineState) {
         .vcpu
         .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .unwrap();
-    let serial = m.bus.serial_state();
     let state = snapshot::capture(
         &kvm,
         &m.vm,
         &mut m.vcpu,
         HostKind::detect(),
         cpuid.as_slice().to_vec(),
-        &serial,
-        None,
+        &m.bus,
         snapshot::MsrList::Probe,
     )
     .unwrap();
@@ -90,16 +88,13 @@ fn state_captured_from_a_restored_clone_equals_the_original_state() {
     let (original, state) = stopped_at_first_doorbell();
     let mut clone = clone_of(&original, &state, "equal");
     let kvm = vmm::vm::open_kvm().unwrap();
-    let serial = clone.bus.serial_state();
-
     let again = snapshot::capture(
         &kvm,
         &clone.vm,
         &mut clone.vcpu,
         HostKind::detect(),
         state.cpuid.clone(),
-        &serial,
-        None,
+        &clone.bus,
         snapshot::MsrList::Probe,
     )
     .unwrap();

@@ -92,7 +92,7 @@ impl phy::Device for Link {
     }
 
     fn transmit(&mut self, _: smoltcp::time::Instant) -> Option<TxFrame<'_>> {
-        (self.to_guest.len() < MAX_QUEUED_TO_GUEST).then(|| TxFrame(&mut self.to_guest))
+        (self.to_guest.len() < MAX_QUEUED_TO_GUEST).then_some(TxFrame(&mut self.to_guest))
     }
 
     fn capabilities(&self) -> DeviceCapabilities {
