@@ -26,6 +26,10 @@ pub struct BootArgs {
     /// Extra kernel command-line options.
     #[arg(long, default_value = "")]
     cmdline: String,
+    /// Give the VM a virtio-net card (its driver probes it and eth0 gets its static address
+    /// during the boot; no policy, so nothing can leave).
+    #[arg(long)]
+    network: bool,
     /// Boot this many times and report the median (the console is shown for the first only).
     #[arg(long, default_value_t = 1)]
     repeat: usize,
@@ -132,6 +136,7 @@ pub fn boot(cli: &Cli, args: &BootArgs) -> anyhow::Result<()> {
     cfg.timeout = Duration::from_secs(args.timeout_s);
     cfg.kernel_messages = args.kernel_messages;
     cfg.extra_cmdline = args.cmdline.clone();
+    cfg.network = args.network;
     if args.profile.is_some() {
         cfg.profile_interval = Some(Duration::from_micros(args.profile_us));
     }

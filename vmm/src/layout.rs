@@ -11,7 +11,8 @@
 //! 0x0000_7000  zero page (boot_params)        0x0002_0000  kernel command line
 //! 0x0000_8ff0  boot stack (grows down)        0x0009_fc00  MP table (e820 reserved)
 //! 0x000f_0000  BIOS area (e820 reserved)      0x0010_0000  kernel (ELF vmlinux)
-//! top of RAM   initramfs (page aligned)       0xfec0_0000  IOAPIC, 0xfee0_0000 LAPIC
+//! top of RAM   initramfs (page aligned)       0xd000_0000  virtio-net MMIO window (NIC VMs)
+//!                                             0xfec0_0000  IOAPIC, 0xfee0_0000 LAPIC
 //! ```
 
 /// Boot GDT: null, null, 64-bit code, data, TSS descriptors.
@@ -46,6 +47,13 @@ pub(crate) const BIOS_START: u64 = 0xf_0000;
 pub(crate) const HIMEM_START: u64 = 0x10_0000;
 /// Start of the 32-bit MMIO hole: guest RAM must end at or below it.
 pub(crate) const MMIO_HOLE_START: u64 = 0xc000_0000;
+/// Base of the virtio-net device's MMIO window (virtio-MMIO registers, then its config space),
+/// in the hole above RAM; only a VM with a network card has it (Firecracker's first window).
+pub(crate) const VIRTIO_NET_MMIO_BASE: u64 = 0xd000_0000;
+/// Size of that window: one page.
+pub(crate) const VIRTIO_NET_MMIO_SIZE: u64 = 0x1000;
+/// ISA IRQ line of the virtio-net device (free, routed to IOAPIC pin 5 by the MP table).
+pub(crate) const VIRTIO_NET_IRQ: u32 = 5;
 /// IOAPIC MMIO base (KVM's in-kernel IOAPIC).
 pub(crate) const IOAPIC_START: u64 = 0xfec0_0000;
 /// Local APIC MMIO base.

@@ -48,7 +48,13 @@
 //!   registers, LAPIC, every MSR (all or nothing), MP state and pending events. CPUID is left:
 //!   it is the template's already, and KVM refuses to change it after the first run.
 //! - **Devices.** The serial console returns to the template's registers with an empty log;
-//!   the i8042 and the doorbell have no state; a pending kick is cleared.
+//!   the i8042 and the doorbell have no state; a pending kick is cleared. A network card
+//!   ([`crate::net`]) returns to the template's registers and queues by value, its irqfd
+//!   quiesced with the serial's, and gets a brand-new stack: every host connection closed,
+//!   every DNS name forgotten, no learned neighbour, no queued frame, no pending host work;
+//!   it is quiescent already, since only the vCPU thread (which is here) runs it. What the
+//!   card wrote into guest memory (receive buffers, used rings) is private pages, restored
+//!   with the rest of RAM below.
 //!
 //! The kvm-clock is pinned once more when the next job starts ([`crate::job::give_identity`]).
 //!
@@ -84,6 +90,10 @@ pub(crate) enum ResetError {
     State(#[from] SnapshotError),
     #[error("reset: restoring the serial console: {0}")]
     Device(#[from] crate::devices::DeviceError),
+    #[error("reset: restoring the network card: {0}")]
+    Net(#[from] crate::net::NetError),
+    #[error("reset: the VM and its template disagree on having a network card")]
+    NetMismatch,
     #[error("reset verification failed: {}", .0.join("; "))]
     Verify(Vec<String>),
 }
@@ -110,6 +120,11 @@ pub(crate) fn reset(m: &mut Machine, t: &Template) -> Result<ResetStats, ResetEr
     let s = &t.state().machine;
     snapshot::restore(&m.vm, &m.vcpu, s, snapshot::Target::SameVm)?;
     m.bus.restore_serial(&s.serial)?;
+    match (m.bus.nic_mut(), &s.net) {
+        (Some(nic), Some(state)) => nic.restore(state, &m.ram)?,
+        (None, None) => {}
+        _ => return Err(ResetError::NetMismatch),
+    }
     m.kicker.reset();
     let private = m.ram.private_pages().map_err(ResetError::Pagemap)?;
     let differ = m.ram.differing_in(t.pristine(), &private)?;
@@ -148,10 +163,13 @@ pub(crate) fn verify(kvm: &Kvm, m: &mut Machine, t: &Template) -> Result<(), Res
         &mut m.vcpu,
         s.host_kind,
         s.machine.cpuid.clone(),
-        &m.bus.serial_state(),
+        &m.bus,
         snapshot::MsrList::These(&indices),
     )?;
     let mut diffs = differences(&s.machine, &now);
+    if m.bus.nic().is_some_and(|n| !n.is_host_side_pristine()) {
+        diffs.push("the network card's host side is not empty".into());
+    }
     let pages = m.ram.differing_pages(t.pristine(), VERIFY_PAGES_SHOWN)?;
     if !pages.is_empty() {
         diffs.push(format!(
@@ -206,6 +224,7 @@ pub(crate) fn differences(want: &MachineState, got: &MachineState) -> Vec<String
     field("PIC slave", chip(&want.pic_slave) == chip(&got.pic_slave));
     field("IOAPIC", chip(&want.ioapic) == chip(&got.ioapic));
     field("serial console", want.serial == got.serial);
+    field("network card", want.net == got.net);
     let lapic = |l: &kvm_bindings::kvm_lapic_state| {
         let mut regs = l.regs;
         regs[APIC_TMCCT..APIC_TMCCT + 4].fill(0);

@@ -49,7 +49,7 @@ pub use crate::requests::Requests;
 use crate::session_file::{self, SessionFile, SessionFileError, WriteStats};
 use crate::snapshot::{self, MsrList, SnapshotError};
 use crate::template::TemplateError;
-use crate::vm::{Machine, SerialStart, VmError};
+use crate::vm::{Machine, NetStart, SerialStart, VmError};
 
 /// Errors of session operations (a cell that ran and failed is a [`JobResult`]).
 #[derive(Debug, thiserror::Error)]
@@ -153,6 +153,10 @@ impl ChildRecipe<'_> {
             ram,
             ConsoleLog::default(),
             SerialStart::Restore(self.serial),
+            // Host connections cannot be carried over: a child's card continues from the
+            // captured registers and queues with an empty stack (the guest's old
+            // connections get RST on their next segment).
+            NetStart::from_state(self.state.net.as_ref()),
         )?;
         let m = self.ex.adopt(m);
         let ready = snapshot::restore(&m.vm, &m.vcpu, self.state, snapshot::Target::NewVm)
@@ -376,7 +380,7 @@ impl Session {
         self.refuse()?;
         let started = Instant::now();
         let serial = self.m.bus.serial_state();
-        let state = self.capture_state(ex, &serial)?;
+        let state = self.capture_state(ex)?;
         let copy_started = Instant::now();
         let layer = Arc::new(Layer::capture(&self.m.ram)?);
         let layer_copy = copy_started.elapsed();
@@ -444,11 +448,7 @@ impl Session {
     }
 
     /// The vCPU and device state of the parked VM, with its parked clock.
-    fn capture_state(
-        &mut self,
-        ex: &Executor,
-        serial: &vm_superio::serial::SerialState,
-    ) -> Result<snapshot::MachineState, SessionError> {
+    fn capture_state(&mut self, ex: &Executor) -> Result<snapshot::MachineState, SessionError> {
         let t = ex.template().state();
         let msrs: Vec<u32> = t.machine.msrs.iter().map(|e| e.index).collect();
         let mut state = snapshot::capture(
@@ -457,7 +457,7 @@ impl Session {
             &mut self.m.vcpu,
             t.host_kind,
             t.machine.cpuid.clone(),
-            serial,
+            &self.m.bus,
             MsrList::These(&msrs),
         )?;
         state.clock = self.clock;
@@ -476,8 +476,7 @@ impl Session {
     ) -> Result<WriteStats, SessionError> {
         self.refuse()?;
         let t = ex.template();
-        let serial = self.m.bus.serial_state();
-        let machine = self.capture_state(ex, &serial)?;
+        let machine = self.capture_state(ex)?;
         // Every page that can differ from the template: its own copies, and its layers'.
         let mut pages = self.m.ram.private_pages().map_err(SessionError::Pagemap)?;
         for l in &self.layers {

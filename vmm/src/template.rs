@@ -34,7 +34,7 @@ use crate::manifest::{MANIFEST_FILE, Manifest, ManifestError};
 use crate::memory::{GuestRam, MemoryError};
 use crate::protocol::{PROTOCOL_VERSION, header};
 use crate::snapshot::{self, SNAPSHOT_FORMAT_VERSION, SnapshotError, SnapshotState};
-use crate::vm::{Machine, SerialStart, VmError};
+use crate::vm::{Machine, NetStart, SerialStart, VmError};
 
 const STATE_FILE: &str = "state";
 const MEMORY_FILE: &str = "memory";
@@ -272,14 +272,13 @@ impl Template {
             .vcpu
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(TemplateError::GetCpuid)?;
-        let serial = ready.machine.bus.serial_state();
         let machine = snapshot::capture(
             &kvm,
             &ready.machine.vm,
             &mut ready.machine.vcpu,
             cfg.host_kind,
             cpuid.as_slice().to_vec(),
-            &serial,
+            &ready.machine.bus,
             snapshot::MsrList::Probe,
         )?;
         let ready_wall_ns = ready
@@ -466,6 +465,7 @@ impl Template {
             ram,
             ConsoleLog::default(),
             SerialStart::Restore(&self.state.machine.serial),
+            NetStart::from_state(self.state.machine.net.as_ref()),
         )?;
         snapshot::restore(
             &machine.vm,

@@ -4,6 +4,9 @@
 //! without KVM. [`run`] loops over `KVM_RUN` until an exit says stop or someone [`Kicker::kick`]s
 //! the vCPU. The loop takes no locks, allocates nothing and does not log.
 //!
+//! The network card's helper thread pokes the vCPU the same way ([`Kicker::poke`]) without
+//! asking it to stop: the loop serves the card (`PortBus::serve_nic`) and goes back in.
+//!
 //! Kicking: another thread cannot interrupt `KVM_RUN` except by a signal. The kick signal's
 //! handler sets `kvm_run.immediate_exit` of the vCPU running on that thread, so a kick that
 //! lands just before the ioctl enters the guest still makes it return at once (`EINTR`) instead
@@ -66,12 +69,10 @@ pub(crate) fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam)
     let event = match exit {
         VcpuExit::IoOut(port, data) => bus.write(port, data),
         VcpuExit::IoIn(port, data) => bus.read(port, data),
-        // No MMIO device exists: the IOAPIC and LAPIC live in KVM. Reads see all-ones.
-        VcpuExit::MmioRead(_, data) => {
-            data.fill(0xff);
-            PortEvent::Handled
-        }
-        VcpuExit::MmioWrite(..) => PortEvent::Handled,
+        // The network card's window, if the VM has one; nothing else is MMIO here (the
+        // IOAPIC and LAPIC live in KVM): other reads see all-ones, writes are swallowed.
+        VcpuExit::MmioRead(addr, data) => bus.mmio_read(addr, data),
+        VcpuExit::MmioWrite(addr, data) => bus.mmio_write(addr, data, ram),
         VcpuExit::Hlt => return ExitAction::Stop(VcpuStop::Halted),
         VcpuExit::Shutdown => return ExitAction::Stop(VcpuStop::Shutdown),
         VcpuExit::FailEntry(reason, _cpu) => {
@@ -190,6 +191,17 @@ impl Kicker {
         }
     }
 
+    /// Interrupts `KVM_RUN` without asking the loop to stop (the network card's helper
+    /// thread has work for it); nothing happens if the vCPU is not running, and the next
+    /// [`run`] serves the card first.
+    pub(crate) fn poke(&self) {
+        let thread = self.0.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = *thread {
+            // SAFETY: as in `kick`: `t` is registered only while inside `run`.
+            unsafe { libc::pthread_kill(t, kick_signal()) };
+        }
+    }
+
     /// Clears a pending kick.
     pub(crate) fn reset(&self) {
         self.0.requested.store(false, Ordering::SeqCst);
@@ -241,6 +253,9 @@ pub(crate) fn run(
     loop {
         if kicker.is_kicked() {
             return Ok(VcpuStop::Kicked);
+        }
+        if bus.nic_pending() {
+            bus.serve_nic(ram);
         }
         match vcpu.run() {
             Ok(VcpuExit::InternalError) => {

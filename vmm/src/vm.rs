@@ -3,8 +3,9 @@
 //! [`Machine::create`] does the VM-level setup in the order this platform needs: guest memory
 //! is registered *before* the in-kernel irqchip exists (on kvm_pvm the memory-region ioctl
 //! took 11.5 ms after `KVM_CREATE_IRQCHIP` and microseconds before it), then the TSS and
-//! identity-map pages (VMX needs them; harmless elsewhere), the irqchip, the PIT, the vCPU and
-//! the serial IRQ line. Boot and clone both start from here.
+//! identity-map pages (VMX needs them; harmless elsewhere), the irqchip, the PIT, the vCPU,
+//! the serial IRQ line and, for a VM with a network card, the card's IRQ line and the card
+//! ([`crate::net`]). Boot and clone both start from here.
 //!
 //! [`Machine::forget_mappings`] deletes and re-adds the RAM slot, which makes KVM drop
 //! everything it derived from guest memory (a reset needs it under shadow paging).
@@ -17,7 +18,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::devices::PortBus;
 use crate::devices::console::ConsoleLog;
-use crate::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS, SERIAL_IRQ};
+use crate::devices::virtio::net::NetDeviceState;
+use crate::layout::{KVM_IDENTITY_MAP_ADDRESS, KVM_TSS_ADDRESS, SERIAL_IRQ, VIRTIO_NET_IRQ};
 use crate::memory::GuestRam;
 use crate::vcpu::{self, Kicker, VcpuError, VcpuStop};
 
@@ -48,6 +50,14 @@ pub enum VmError {
     RegisterIrqfd(kvm_ioctls::Error),
     #[error("KVM_IRQFD (deassigning the serial IRQ) failed: {0}")]
     UnregisterIrqfd(kvm_ioctls::Error),
+    #[error("cannot create the network card's IRQ eventfd: {0}")]
+    NetEventFd(std::io::Error),
+    #[error("KVM_IRQFD for the network card's IRQ failed: {0}")]
+    RegisterNetIrqfd(kvm_ioctls::Error),
+    #[error("KVM_IRQFD (deassigning the network card's IRQ) failed: {0}")]
+    UnregisterNetIrqfd(kvm_ioctls::Error),
+    #[error(transparent)]
+    Net(#[from] crate::net::NetError),
     #[error(transparent)]
     Device(#[from] crate::devices::DeviceError),
 }
@@ -86,6 +96,24 @@ fn add_ram_slot(vm: &VmFd, ram: &GuestRam) -> Result<(), VmError> {
     unsafe { vm.set_user_memory_region(region) }.map_err(VmError::SetMemoryRegion)
 }
 
+/// Whether a new machine has a network card, and how it starts.
+#[derive(Debug, Clone, Copy)]
+pub enum NetStart<'a> {
+    /// No card (the default: no route out).
+    None,
+    /// A card in its reset state (a boot: the guest's driver sets it up).
+    Fresh,
+    /// A card continuing from a snapshot.
+    Restore(&'a NetDeviceState),
+}
+
+impl<'a> NetStart<'a> {
+    /// A clone of a machine whose captured card state is `state`.
+    pub fn from_state(state: Option<&'a NetDeviceState>) -> Self {
+        state.map_or(Self::None, Self::Restore)
+    }
+}
+
 /// How the serial device of a new machine starts.
 #[derive(Debug)]
 pub enum SerialStart<'a> {
@@ -102,6 +130,7 @@ impl Machine {
         ram: GuestRam,
         console: ConsoleLog,
         serial: SerialStart<'_>,
+        net: NetStart<'_>,
     ) -> Result<Self, VmError> {
         let vm = kvm.create_vm().map_err(VmError::CreateVm)?;
         add_ram_slot(&vm, &ram)?;
@@ -119,17 +148,29 @@ impl Machine {
         let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(VmError::EventFd)?;
         vm.register_irqfd(&irq, SERIAL_IRQ)
             .map_err(VmError::RegisterIrqfd)?;
-        let bus = match serial {
+        let mut bus = match serial {
             SerialStart::Fresh => PortBus::new(irq, console),
             SerialStart::Restore(state) => PortBus::from_state(irq, console, state)?,
         };
+        let kicker = Kicker::new();
+        let card_state = match net {
+            NetStart::None => None,
+            NetStart::Fresh => Some(None),
+            NetStart::Restore(state) => Some(Some(state)),
+        };
+        if let Some(state) = card_state {
+            let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(VmError::NetEventFd)?;
+            vm.register_irqfd(&irq, VIRTIO_NET_IRQ)
+                .map_err(VmError::RegisterNetIrqfd)?;
+            bus.set_nic(crate::net::Nic::new(irq, kicker.clone(), state, &ram)?);
+        }
         let stats = crate::kvm_stats::VcpuStats::open(&vcpu);
         Ok(Self {
             vcpu,
             vm,
             bus,
             ram,
-            kicker: Kicker::new(),
+            kicker,
             stats,
         })
     }
@@ -164,7 +205,26 @@ impl Machine {
         let _ = irq.read();
         self.vm
             .register_irqfd(irq, SERIAL_IRQ)
-            .map_err(VmError::RegisterIrqfd)
+            .map_err(VmError::RegisterIrqfd)?;
+        if let Some(nic) = self.bus.nic() {
+            let irq = nic.irq();
+            self.vm
+                .unregister_irqfd(irq, VIRTIO_NET_IRQ)
+                .map_err(VmError::UnregisterNetIrqfd)?;
+            let _ = irq.read();
+            self.vm
+                .register_irqfd(irq, VIRTIO_NET_IRQ)
+                .map_err(VmError::RegisterNetIrqfd)?;
+        }
+        Ok(())
+    }
+
+    /// Decides the network card's names and connections from now on (a machine without a
+    /// card ignores it).
+    pub fn set_egress(&mut self, egress: std::sync::Arc<dyn crate::net::Egress>) {
+        if let Some(nic) = self.bus.nic_mut() {
+            nic.set_egress(egress);
+        }
     }
 
     /// Runs the vCPU until it stops, or until `timeout` passes (then [`VcpuStop::Kicked`]).

@@ -13,7 +13,7 @@ use vmm::devices::console::ConsoleLog;
 use vmm::memory::GuestRam;
 use vmm::snapshot::{self, MachineState};
 use vmm::vcpu::VcpuStop;
-use vmm::vm::{Machine, SerialStart};
+use vmm::vm::{Machine, NetStart, SerialStart};
 
 /// Runs the test program to its first doorbell (CPL0) and captures the machine there.
 fn stopped_at_first_doorbell() -> (Machine, MachineState) {
@@ -27,14 +27,13 @@ fn stopped_at_first_doorbell() -> (Machine, MachineState) {
         .vcpu
         .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .unwrap();
-    let serial = m.bus.serial_state();
     let state = snapshot::capture(
         &kvm,
         &m.vm,
         &mut m.vcpu,
         HostKind::detect(),
         cpuid.as_slice().to_vec(),
-        &serial,
+        &m.bus,
         snapshot::MsrList::Probe,
     )
     .unwrap();
@@ -55,6 +54,7 @@ fn clone_of(original: &Machine, state: &MachineState, name: &str) -> Machine {
         ram,
         ConsoleLog::new(16),
         SerialStart::Restore(&state.serial),
+        NetStart::None,
     )
     .unwrap();
     snapshot::restore(&m.vm, &m.vcpu, state, snapshot::Target::NewVm).unwrap();
@@ -88,15 +88,13 @@ fn state_captured_from_a_restored_clone_equals_the_original_state() {
     let (original, state) = stopped_at_first_doorbell();
     let mut clone = clone_of(&original, &state, "equal");
     let kvm = vmm::vm::open_kvm().unwrap();
-    let serial = clone.bus.serial_state();
-
     let again = snapshot::capture(
         &kvm,
         &clone.vm,
         &mut clone.vcpu,
         HostKind::detect(),
         state.cpuid.clone(),
-        &serial,
+        &clone.bus,
         snapshot::MsrList::Probe,
     )
     .unwrap();

@@ -72,6 +72,8 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("tests/fuzz.rs", 230, ON_GUEST),
     ("server/tests/templates.rs", 120, ON_ALL),
     ("tests/reset.rs", 150, ON_PYTHON),
+    // Boots its own template (the guest with a network card).
+    ("tests/network.rs", 120, ON_GUEST),
     ("tests/session.rs", 110, ON_PYTHON),
     ("tests/stress.rs", 75, ON_PYTHON),
     ("tests/guest_boot.rs", 70, ON_GUEST),

@@ -8,6 +8,7 @@
 //! READY, fails, the guest stops, or the timeout passes. Every failure carries the tail of the
 //! serial console, where the guest tells its side of the story.
 
+mod config;
 pub mod cpu;
 pub(crate) mod mptable;
 pub(crate) mod params;
@@ -38,75 +39,11 @@ use crate::mailbox::{Mailbox, MailboxError};
 use crate::memory::{GuestRam, MemoryError, PAGE_SIZE};
 use crate::protocol::{code, failure};
 use crate::vcpu::{Kicker, VcpuError, VcpuStop};
-use crate::vm::{Machine, SerialStart, VmError};
+use crate::vm::{Machine, NetStart, SerialStart, VmError};
+pub use config::{BootConfig, DEFAULT_BOOT_TIMEOUT, DEFAULT_RAM_SIZE};
 
-/// Kernel command line every bud guest gets. `reboot=k`: reboot through the i8042 reset line
-/// (the VMM's "stop"; the triple-fault path `reboot=t` needs `int3`, which kvm_pvm's emulator
-/// lacks). `panic=-1`: a panic reboots at once, so a crashed guest stops instead of hanging.
-/// `tsc=reliable`: no clocksource watchdog (one vCPU, nothing to compare against).
-/// `retain_initrd`: do not hand the initramfs pages back to the allocator after unpacking;
-/// freeing them page by page cost ~3 s of emulated kernel time (measured with
-/// `bud boot --profile`), and the memory is in the template file either way.
-pub(crate) const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd";
-/// Added unless kernel messages are wanted: each console byte costs a port exit.
-pub(crate) const QUIET_CMDLINE: &str = "quiet";
-
-/// Default guest RAM.
-pub const DEFAULT_RAM_SIZE: u64 = 256 << 20;
-/// Default limit from the first instruction to READY. The boot is guest-kernel work, which
-/// kvm_pvm emulates: the python template's READY came at ~11 s on a quiet machine and at
-/// 88-91 s on 2026-11-28 (57.7 M emulated instructions at ~0.6 M/s, a test and a build
-/// beside it), so a limit of a few minutes failed whole test binaries on a busy machine.
-/// A hung boot is the rare case; it waits this long once, then says what the console
-/// showed.
-pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Console lines a boot error carries.
 pub(crate) const ERROR_TAIL_LINES: usize = 30;
-
-/// What to boot.
-#[derive(Debug, Clone)]
-pub struct BootConfig {
-    pub kernel: PathBuf,
-    pub initramfs: PathBuf,
-    pub ram_size: u64,
-    pub timeout: Duration,
-    pub host_kind: HostKind,
-    /// Keep kernel messages on the console (drops `quiet`).
-    pub kernel_messages: bool,
-    /// Appended to the command line.
-    pub extra_cmdline: String,
-    /// Sample the guest's instruction pointer this often (a diagnostic: every sample kicks the
-    /// vCPU out of the guest, so a boot with sampling is slower).
-    pub profile_interval: Option<Duration>,
-}
-
-impl BootConfig {
-    /// Defaults for this host around a kernel and an initramfs.
-    pub fn new(kernel: impl Into<PathBuf>, initramfs: impl Into<PathBuf>) -> Self {
-        Self {
-            kernel: kernel.into(),
-            initramfs: initramfs.into(),
-            ram_size: DEFAULT_RAM_SIZE,
-            timeout: DEFAULT_BOOT_TIMEOUT,
-            host_kind: HostKind::detect(),
-            kernel_messages: false,
-            extra_cmdline: String::new(),
-            profile_interval: None,
-        }
-    }
-
-    /// The full kernel command line.
-    pub fn cmdline(&self) -> String {
-        let mut parts = vec![BASE_CMDLINE];
-        if !self.kernel_messages {
-            parts.push(QUIET_CMDLINE);
-        }
-        parts.push(self.host_kind.cmdline_knobs());
-        parts.push(&self.extra_cmdline);
-        parts.retain(|p| !p.is_empty());
-        parts.join(" ")
-    }
-}
 
 /// The last console lines, printed one per line.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -385,7 +322,12 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
     console.set_echo(echo);
     let ram = GuestRam::anonymous(cfg.ram_size)?;
     let entry = load_guest(&ram, cfg, &cmdline)?;
-    let mut machine = Machine::create(&kvm, ram, console, SerialStart::Fresh)?;
+    let net = if cfg.network {
+        NetStart::Fresh
+    } else {
+        NetStart::None
+    };
+    let mut machine = Machine::create(&kvm, ram, console, SerialStart::Fresh, net)?;
     setup_vcpu(&kvm, &machine, cfg.host_kind, entry)?;
 
     let setup = started.elapsed();
@@ -463,30 +405,6 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pvm_cmdline_carries_the_knobs_and_hardware_does_not() {
-        let mut cfg = BootConfig::new("k", "i");
-        cfg.host_kind = HostKind::Pvm;
-        let pvm = cfg.cmdline();
-        cfg.host_kind = HostKind::Hardware;
-        let hw = cfg.cmdline();
-
-        assert!(pvm.starts_with(BASE_CMDLINE));
-        assert!(pvm.contains("clearcpuid="));
-        assert!(!hw.contains("clearcpuid="));
-        assert!(hw.ends_with(" quiet"));
-    }
-
-    #[test]
-    fn kernel_messages_drop_quiet_and_extra_goes_last() {
-        let mut cfg = BootConfig::new("k", "i");
-        cfg.host_kind = HostKind::Hardware;
-        cfg.kernel_messages = true;
-        cfg.extra_cmdline = "foo=bar".into();
-
-        assert_eq!(cfg.cmdline(), format!("{BASE_CMDLINE} foo=bar"));
-    }
 
     #[test]
     fn console_tail_prints_each_line_indented() {

@@ -1,8 +1,9 @@
 //! The devices a bud guest can reach, as plain state machines that know nothing of KVM: a 16550
 //! serial console (vm-superio), the i8042 reset line, the doorbell port, and the four ports
 //! of bud's guest kernel patches ([`host_zero`], [`exit_report`], [`host_copy`],
-//! [`host_random`]). [`virtio`] holds virtio devices over MMIO (virtio-net), modelled and
-//! unit-tested but not wired to a VM yet.
+//! [`host_random`]). [`virtio`] holds virtio devices over MMIO (virtio-net); a VM with a
+//! network card has one in its MMIO window ([`crate::net::Nic`]), reached through
+//! [`PortBus::mmio_read`]/[`PortBus::mmio_write`].
 //!
 //! [`PortBus`] routes a port access to its device and says what the access means for the run
 //! loop ([`PortEvent`]). Every port is reachable by untrusted guest code (jobs run as root in
@@ -24,14 +25,19 @@ use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::layout::{SERIAL_PORT_BASE, SERIAL_PORT_COUNT};
+use crate::layout::{
+    SERIAL_PORT_BASE, SERIAL_PORT_COUNT, VIRTIO_NET_MMIO_BASE, VIRTIO_NET_MMIO_SIZE,
+};
+use crate::memory::GuestRam;
+use crate::net::Nic;
 use crate::protocol::DOORBELL_PORT;
 use console::ConsoleLog;
 use i8042::{I8042, I8042Event};
 
-/// Raises the serial IRQ by writing an eventfd registered with KVM as an irqfd.
+/// Raises an IRQ (the serial console's, the network card's) by writing an eventfd registered
+/// with KVM as an irqfd.
 #[derive(Debug)]
-pub(crate) struct IrqEvent(pub EventFd);
+pub struct IrqEvent(pub EventFd);
 
 impl Trigger for IrqEvent {
     type E = io::Error;
@@ -85,6 +91,8 @@ pub enum DeviceError {
 pub struct PortBus {
     serial: SerialConsole,
     i8042: I8042,
+    /// The network card, in a VM that has one (boxed: most VMs have none).
+    nic: Option<Box<Nic>>,
     /// Accesses to ports no device owns, and malformed doorbell writes (diagnostics).
     stray_accesses: u64,
     /// Exits to the VMM so far (every `KVM_RUN` that returned an exit to handle).
@@ -97,6 +105,7 @@ impl PortBus {
         Self {
             serial: Serial::new(IrqEvent(irq), log),
             i8042: I8042,
+            nic: None,
             stray_accesses: 0,
             exits: 0,
         }
@@ -113,6 +122,7 @@ impl PortBus {
         Ok(Self {
             serial,
             i8042: I8042,
+            nic: None,
             stray_accesses: 0,
             exits: 0,
         })
@@ -140,6 +150,64 @@ impl PortBus {
         self.serial
             .enqueue_raw_bytes(bytes)
             .map_err(|e| DeviceError::Receive(format!("{e:?}")))
+    }
+
+    /// Puts a network card in the MMIO window.
+    pub(crate) fn set_nic(&mut self, nic: Nic) {
+        self.nic = Some(Box::new(nic));
+    }
+
+    /// The network card, if the VM has one.
+    pub fn nic(&self) -> Option<&Nic> {
+        self.nic.as_deref()
+    }
+
+    /// The network card, mutably.
+    pub fn nic_mut(&mut self) -> Option<&mut Nic> {
+        self.nic.as_deref_mut()
+    }
+
+    /// The offset of `addr` in the network card's window, if the VM has a card and `addr`
+    /// (with the access's length) lies inside it.
+    fn nic_offset(&self, addr: u64, len: usize) -> Option<u64> {
+        self.nic.as_ref()?;
+        let offset = addr.checked_sub(VIRTIO_NET_MMIO_BASE)?;
+        (offset.checked_add(len as u64)? <= VIRTIO_NET_MMIO_SIZE).then_some(offset)
+    }
+
+    /// A guest MMIO read: the network card's window if the VM has one; everything else
+    /// (no device: the IOAPIC and LAPIC live in KVM) reads as all-ones.
+    pub(crate) fn mmio_read(&mut self, addr: u64, data: &mut [u8]) -> PortEvent {
+        match (self.nic_offset(addr, data.len()), self.nic.as_deref_mut()) {
+            (Some(offset), Some(nic)) => nic.mmio_read(offset, data),
+            _ => {
+                self.stray_accesses += 1;
+                data.fill(0xff);
+            }
+        }
+        PortEvent::Handled
+    }
+
+    /// A guest MMIO write: the network card's window if the VM has one (a queue
+    /// notification runs its stack, writing guest memory); anything else is swallowed.
+    pub(crate) fn mmio_write(&mut self, addr: u64, data: &[u8], ram: &GuestRam) -> PortEvent {
+        match (self.nic_offset(addr, data.len()), self.nic.as_deref_mut()) {
+            (Some(offset), Some(nic)) => nic.mmio_write(offset, data, ram),
+            _ => self.stray_accesses += 1,
+        }
+        PortEvent::Handled
+    }
+
+    /// Whether the network card has host-side work (a host socket ready, a timer due).
+    pub(crate) fn nic_pending(&self) -> bool {
+        self.nic.as_ref().is_some_and(|n| n.is_pending())
+    }
+
+    /// Runs the network card's stack if its helper thread asked for it.
+    pub(crate) fn serve_nic(&mut self, ram: &GuestRam) {
+        if let Some(nic) = self.nic.as_deref_mut() {
+            nic.serve(ram);
+        }
     }
 
     /// The eventfd that raises the serial IRQ (registered with KVM as an irqfd).

@@ -131,6 +131,9 @@ struct Shared {
     /// The pages a warmed-up clone holds private after its reset: what any job touches
     /// (recorded by the first warm-up; see [`Executor::take_lean_vm`]).
     working_set: OnceLock<Vec<u64>>,
+    /// Decides the network card's names and connections in every VM of a template with a
+    /// card ([`Executor::set_egress`]); None: the card's default, which refuses everything.
+    egress: Mutex<Option<Arc<dyn crate::net::Egress>>>,
 }
 
 impl Shared {
@@ -232,6 +235,7 @@ impl Executor {
             counters: Counters::default(),
             reset_errors: Mutex::new(Vec::new()),
             working_set: OnceLock::new(),
+            egress: Mutex::new(None),
         });
         let filler = if opts.pool_size > 0 {
             let s = shared.clone();
@@ -260,6 +264,18 @@ impl Executor {
             filler,
             reaper: Some((tx, reaper)),
         })
+    }
+
+    /// Decides names and connections for the network card of every VM from now on: VMs
+    /// made later get it, idle ones are given it here (VMs of a template without a card
+    /// ignore it).
+    pub fn set_egress(&self, egress: Arc<dyn crate::net::Egress>) {
+        *self.shared.egress.lock().unwrap_or_else(|e| e.into_inner()) = Some(egress.clone());
+        let mut idle = self.shared.idle();
+        let Idle { fresh, warm } = &mut *idle;
+        for m in fresh.iter_mut().chain(warm.iter_mut()) {
+            m.set_egress(egress.clone());
+        }
     }
 
     /// The template jobs run in.

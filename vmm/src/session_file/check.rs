@@ -226,6 +226,16 @@ fn devices(file: &MachineState, t: &MachineState) -> Result<(), String> {
             file.serial.in_buffer.len()
         ));
     }
+    // The card's registers and queues are checked again when restored (`restore_net`:
+    // queue sizes, rings inside RAM, features within the offer).
+    match (&file.net, &t.net) {
+        (None, None) => {}
+        (Some(f), Some(t)) if f.config == t.config => {}
+        (Some(_), Some(_)) => return Err("its network card's config is not the template's".into()),
+        _ => {
+            return Err("it has a network card where its template has none, or the reverse".into());
+        }
+    }
     Ok(())
 }
 
@@ -307,6 +317,7 @@ pub(crate) mod tests {
                 scratch: 0,
                 in_buffer: Vec::new(),
             },
+            net: None,
         };
         s.regs.rflags = 0x202;
         s.sregs.apic_base = 0xfee0_0900;
@@ -409,7 +420,23 @@ pub(crate) mod tests {
         let clock_back = refused(|f| f.clock.clock = 1);
         let clock_far = refused(|f| f.clock.clock = u64::MAX);
         let serial = refused(|f| f.serial.in_buffer = vec![0; 65]);
+        let card = refused(|f| {
+            f.net = Some(crate::devices::virtio::net::NetDeviceState {
+                config: Default::default(),
+                transport: crate::devices::virtio::mmio::TransportState {
+                    status: 0,
+                    device_features_sel: 0,
+                    driver_features_sel: 0,
+                    driver_features: 0,
+                    queue_sel: 0,
+                    interrupt_status: 0,
+                    config_generation: 0,
+                    queues: Vec::new(),
+                },
+            })
+        });
 
+        assert!(card.contains("network card"), "{card}");
         assert!(pit_mode.contains("PIT"), "{pit_mode}");
         assert!(pit_access.contains("PIT channel 1"), "{pit_access}");
         assert!(pit_count.contains("PIT"), "{pit_count}");

@@ -4,12 +4,12 @@
 
 use std::sync::OnceLock;
 
+use crate::devices::PortBus;
 use kvm_bindings::{
     KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, Msrs, kvm_cpuid_entry2,
     kvm_irqchip, kvm_msr_entry, kvm_pit_state2,
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
-use vm_superio::serial::SerialState;
 
 use super::{FpuState, MachineState, SnapshotError, cap};
 use crate::host::HostKind;
@@ -128,14 +128,15 @@ pub enum MsrList<'a> {
 /// The MSRs captured are those this host's vCPUs both report and accept, found once per
 /// process by reading and writing back each one KVM lists, on this vCPU: only ever do that on
 /// a VM whose memory is captured afterwards (writing some MSRs makes KVM write guest memory).
-/// To capture a VM for comparison, pass the reference's MSR list instead.
+/// To capture a VM for comparison, pass the reference's MSR list instead. The devices'
+/// state (serial console, network card) comes from `devices`.
 pub fn capture(
     kvm: &Kvm,
     vm: &VmFd,
     vcpu: &mut VcpuFd,
     kind: HostKind,
     cpuid: Vec<kvm_cpuid_entry2>,
-    serial: &SerialState,
+    devices: &PortBus,
     msrs: MsrList<'_>,
 ) -> Result<MachineState, SnapshotError> {
     complete_pending_io(vcpu)?;
@@ -197,7 +198,8 @@ pub fn capture(
         ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
         pit: quiet_expired_pit(cap("KVM_GET_PIT2", vm.get_pit2())?),
         clock,
-        serial: serial.clone(),
+        serial: devices.serial_state(),
+        net: devices.nic().map(crate::net::Nic::state),
     })
 }
 

@@ -4,7 +4,7 @@
 //! Everything a clone needs is one flat serde struct, [`SnapshotState`]: the vCPU (registers,
 //! special registers, FPU or XSAVE state, LAPIC, every MSR the vCPU both reports and accepts,
 //! events, MP state, debug registers), the VM (both PICs, the IOAPIC, the PIT, the KVM clock),
-//! the serial console and where the mailbox is. On disk it is [`SNAPSHOT_MAGIC`], a little-endian
+//! the serial console, the network card if the VM has one, and where the mailbox is. On disk it is [`SNAPSHOT_MAGIC`], a little-endian
 //! `u32` [`SNAPSHOT_FORMAT_VERSION`], then bincode. No per-struct versions: a format change
 //! bumps the one version and old templates are rebuilt.
 //!
@@ -48,8 +48,8 @@ pub(crate) use restore::{pin_clock, read_clock, set_clock};
 pub(crate) const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`] or to what
 /// it holds (5: the CPUID policy hides VMX/SVM, so a template captured before must not be
-/// reused; the MSRs captured leave out the Hyper-V range).
-pub(crate) const SNAPSHOT_FORMAT_VERSION: u32 = 5;
+/// reused; the MSRs captured leave out the Hyper-V range; 6: the network card's state).
+pub(crate) const SNAPSHOT_FORMAT_VERSION: u32 = 6;
 
 /// Errors of capturing, restoring, encoding or decoding state.
 #[derive(Debug, thiserror::Error)]
@@ -177,6 +177,9 @@ pub struct MachineState {
     /// The serial console, as vm-superio's `Serial::state` gives it.
     #[serde(with = "SerialStateDef")]
     pub serial: SerialState,
+    /// The network card's guest-visible state (transport registers, queues), for a VM that
+    /// has one ([`crate::net`]); `None` for a VM without a card.
+    pub net: Option<crate::devices::virtio::net::NetDeviceState>,
 }
 
 /// Everything a clone needs besides guest memory.
@@ -235,7 +238,7 @@ mod tests {
     struct Serial(#[serde(with = "SerialStateDef")] SerialState);
 
     #[test]
-    fn serial_state_encoding_is_the_one_of_format_version_5() {
+    fn serial_state_encoding_is_the_one_of_format_version_6() {
         let state = SerialState {
             baud_divisor_low: 1,
             baud_divisor_high: 2,
@@ -254,7 +257,7 @@ mod tests {
         // bincode 1: the nine registers in field order, then the receive buffer as a u64
         // length and its bytes. A change here changes the template format: bump
         // SNAPSHOT_FORMAT_VERSION, then this test.
-        assert_eq!(SNAPSHOT_FORMAT_VERSION, 5);
+        assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
         assert_eq!(
             bytes,
             [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 0, 0, 0, 0, 0, 0, 0, 10, 11]

@@ -5,7 +5,7 @@ use kvm_bindings::kvm_sregs;
 use vmm::boot::cpu;
 use vmm::devices::console::ConsoleLog;
 use vmm::memory::GuestRam;
-use vmm::vm::{Machine, SerialStart};
+use vmm::vm::{Machine, NetStart, SerialStart};
 
 /// RAM of the test machine.
 pub const RAM_SIZE: u64 = 2 << 20;
@@ -48,7 +48,14 @@ pub fn machine(code: &[u8], user_code: &[u8]) -> Machine {
     }
     ram.write(CODE, code).unwrap();
     ram.write(USER_CODE, user_code).unwrap();
-    let m = Machine::create(&kvm, ram, ConsoleLog::new(16), SerialStart::Fresh).unwrap();
+    let m = Machine::create(
+        &kvm,
+        ram,
+        ConsoleLog::new(16),
+        SerialStart::Fresh,
+        NetStart::None,
+    )
+    .unwrap();
     m.vcpu
         .set_cpuid2(&vmm::cpuid::guest_cpuid(&kvm, vmm::HostKind::detect()).unwrap())
         .unwrap();

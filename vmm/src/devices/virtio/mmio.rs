@@ -216,6 +216,11 @@ impl<D: VirtioDevice, T: Trigger> MmioTransport<D, T> {
         &mut self.device
     }
 
+    /// The interrupt trigger (its eventfd is registered with KVM).
+    pub fn irq(&self) -> &T {
+        &self.irq
+    }
+
     /// The queues (for inspection).
     pub fn queues(&self) -> &[Queue] {
         &self.queues

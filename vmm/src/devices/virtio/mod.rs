@@ -2,14 +2,13 @@
 //! device behind it ([`net`]), as plain state machines over guest memory that know nothing of
 //! KVM, threads or sockets.
 //!
-//! **Not wired yet.** Nothing creates these devices: no MMIO window in `layout.rs`, no
-//! `virtio_mmio.device=` on the kernel command line, no routing of MMIO exits in `vcpu.rs`, no
-//! ioeventfd/irqfd in `vm.rs`, no state in `MachineState`. The plan for all of that, and for
-//! the user-mode network stack that will sit behind [`net::FrameSink`], is
-//! `docs/network-design.md` (stage 1). This module is complete and tested on its own, driven by
-//! unit tests that play the guest driver against a `GuestMemoryMmap`. Wiring will also split
-//! the transport: here it is one single-owner object, while the design has the vCPU thread
-//! answer InterruptStatus/ACK and a worker thread run the queues.
+//! **Wiring.** [`crate::net::Nic`] puts a [`net::NetDevice`] in the MMIO window of a VM that
+//! has a network card ([`crate::layout::VIRTIO_NET_MMIO_BASE`], announced with
+//! `virtio_mmio.device=` on its command line), raising its interrupt through an irqfd, with the
+//! user-mode stack behind [`net::FrameSink`]; its state is part of `MachineState`. The
+//! transport stays one single-owner object: the vCPU thread owns it and runs the queues
+//! between exits (`docs/network-design.md`, stage 1, says why). This module is tested on its
+//! own too, driven by unit tests that play the guest driver against a `GuestMemoryMmap`.
 //!
 //! **Why these crates.** Split virtqueues come from rust-vmm's `virtio-queue` 0.18 (`Queue` for
 //! the ring arithmetic, EVENT_IDX and notification suppression; `QueueState` for snapshots), and

@@ -1,0 +1,74 @@
+//! The per-connection decision: which names the guest may resolve and where each of its TCP
+//! connections goes. The network stack ([`super::stack`]) asks; whoever owns the VM's policy
+//! answers (the server in stage 2 of `docs/network-design.md`, a test's map in stage 1).
+//!
+//! The stack never dials anything an [`Egress`] did not name: a refused connection is
+//! answered with a TCP RST to the guest's SYN (`ECONNREFUSED` in the guest), a name the
+//! egress does not know with NXDOMAIN (`socket.gaierror`), and nothing leaves the host.
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+
+/// One TCP connection the guest opens, as the stack sees its first segment (SYN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectRequest<'a> {
+    /// The name the guest resolved to `addr` through bud's DNS, if `addr` is one of bud's
+    /// synthetic addresses; `None` for an address the guest used directly.
+    pub name: Option<&'a str>,
+    /// The destination address the guest used.
+    pub addr: Ipv4Addr,
+    /// The destination port.
+    pub port: u16,
+}
+
+/// What becomes of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Dial this host address and relay the connection to it.
+    Dial(SocketAddr),
+    /// Refuse: the guest's SYN gets a RST, nothing is dialed.
+    Refuse,
+}
+
+/// Decides names and connections for one VM. Called on the vCPU thread: keep it fast and
+/// never block (a policy lookup, not a network call).
+pub trait Egress: Send + Sync + fmt::Debug {
+    /// Whether bud answers a DNS query for `name` (lower case, no trailing dot) with an
+    /// address. `false` is NXDOMAIN: nothing is resolved upstream, nothing forwarded.
+    fn knows(&self, name: &str) -> bool;
+
+    /// Where the connection `req` goes, if anywhere.
+    fn connect(&self, req: &ConnectRequest<'_>) -> Verdict;
+}
+
+/// The default: no name resolves, every connection is refused (a VM with a network card but
+/// no policy has no route out).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoEgress;
+
+impl Egress for NoEgress {
+    fn knows(&self, _name: &str) -> bool {
+        false
+    }
+
+    fn connect(&self, _req: &ConnectRequest<'_>) -> Verdict {
+        Verdict::Refuse
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_egress_knows_no_name_and_refuses_every_connection() {
+        let req = ConnectRequest {
+            name: Some("example.test"),
+            addr: Ipv4Addr::new(198, 18, 0, 1),
+            port: 80,
+        };
+
+        assert!(!NoEgress.knows("example.test"));
+        assert_eq!(NoEgress.connect(&req), Verdict::Refuse);
+    }
+}

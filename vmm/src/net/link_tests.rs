@@ -1,0 +1,207 @@
+//! The stack driven by raw Ethernet frames, as the guest's kernel would send them (no card, no
+//! guest): ARP for the gateway, DNS on the gateway's port 53, a SYN the egress refuses.
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+use smoltcp::phy::ChecksumCapabilities;
+use smoltcp::wire::{
+    ArpOperation, ArpPacket, ArpRepr, EthernetAddress, EthernetFrame, EthernetProtocol,
+    EthernetRepr, IpAddress, IpProtocol, Ipv4Packet, Ipv4Repr, TcpControl, TcpPacket, TcpRepr,
+    TcpSeqNumber, UdpPacket, UdpRepr,
+};
+
+use super::egress::{ConnectRequest, Egress, Verdict};
+use super::stack::Stack;
+use super::waker::WakerThread;
+use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_IP};
+use crate::devices::virtio::net::DEFAULT_MAC;
+use crate::vcpu::Kicker;
+
+#[derive(Debug)]
+struct KnowsOneName;
+
+impl Egress for KnowsOneName {
+    fn knows(&self, name: &str) -> bool {
+        name == "echo.test"
+    }
+    fn connect(&self, _: &ConnectRequest<'_>) -> Verdict {
+        Verdict::Refuse
+    }
+}
+
+fn stack() -> (Stack, WakerThread) {
+    let helper = WakerThread::start(Kicker::new()).unwrap();
+    let stack = Stack::new(65520, Arc::new(KnowsOneName), helper.waker().clone());
+    (stack, helper)
+}
+
+fn ethernet(dst: EthernetAddress, ethertype: EthernetProtocol, payload: usize) -> Vec<u8> {
+    let mut frame = vec![0u8; 14 + payload];
+    EthernetRepr {
+        src_addr: EthernetAddress(DEFAULT_MAC),
+        dst_addr: dst,
+        ethertype,
+    }
+    .emit(&mut EthernetFrame::new_unchecked(&mut frame));
+    frame
+}
+
+fn arp_request() -> Vec<u8> {
+    let repr = ArpRepr::EthernetIpv4 {
+        operation: ArpOperation::Request,
+        source_hardware_addr: EthernetAddress(DEFAULT_MAC),
+        source_protocol_addr: GUEST_IP,
+        target_hardware_addr: EthernetAddress([0; 6]),
+        target_protocol_addr: GATEWAY_IP,
+    };
+    let mut frame = ethernet(
+        EthernetAddress::BROADCAST,
+        EthernetProtocol::Arp,
+        repr.buffer_len(),
+    );
+    repr.emit(&mut ArpPacket::new_unchecked(&mut frame[14..]));
+    frame
+}
+
+fn ipv4(dst: Ipv4Addr, protocol: IpProtocol, payload: usize) -> (Vec<u8>, Ipv4Repr) {
+    let ip = Ipv4Repr {
+        src_addr: GUEST_IP,
+        dst_addr: dst,
+        next_header: protocol,
+        payload_len: payload,
+        hop_limit: 64,
+    };
+    let mut frame = ethernet(
+        EthernetAddress(GATEWAY_MAC),
+        EthernetProtocol::Ipv4,
+        20 + payload,
+    );
+    ip.emit(
+        &mut Ipv4Packet::new_unchecked(&mut frame[14..]),
+        &ChecksumCapabilities::default(),
+    );
+    (frame, ip)
+}
+
+fn dns_query(name: &str) -> Vec<u8> {
+    let mut q = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in name.split('.') {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    let udp = UdpRepr {
+        src_port: 40000,
+        dst_port: DNS_PORT,
+    };
+    let (mut frame, _) = ipv4(GATEWAY_IP, IpProtocol::Udp, 8 + q.len());
+    udp.emit(
+        &mut UdpPacket::new_unchecked(&mut frame[34..]),
+        &IpAddress::from(GUEST_IP),
+        &IpAddress::from(GATEWAY_IP),
+        q.len(),
+        |buf| buf.copy_from_slice(&q),
+        &ChecksumCapabilities::default(),
+    );
+    frame
+}
+
+fn syn(dst: Ipv4Addr, port: u16) -> Vec<u8> {
+    let tcp = TcpRepr {
+        src_port: 40001,
+        dst_port: port,
+        control: TcpControl::Syn,
+        seq_number: TcpSeqNumber(1000),
+        ack_number: None,
+        window_len: 65535,
+        window_scale: None,
+        max_seg_size: Some(1460),
+        sack_permitted: false,
+        sack_ranges: [None, None, None],
+        timestamp: None,
+        payload: &[],
+    };
+    let (mut frame, _) = ipv4(dst, IpProtocol::Tcp, tcp.buffer_len());
+    tcp.emit(
+        &mut TcpPacket::new_unchecked(&mut frame[34..]),
+        &IpAddress::from(GUEST_IP),
+        &IpAddress::from(dst),
+        &ChecksumCapabilities::default(),
+    );
+    frame
+}
+
+/// The one frame the stack sent back, as (ethertype, IPv4 payload protocol, bytes).
+fn only_reply(stack: &mut Stack) -> Vec<u8> {
+    assert_eq!(stack.link.to_guest.len(), 1, "one frame back");
+    stack.link.to_guest.pop_front().unwrap()
+}
+
+#[test]
+fn the_gateway_answers_arp_for_itself() {
+    let (mut stack, _helper) = stack();
+    stack.link.to_stack.push_back(arp_request());
+
+    stack.poll();
+
+    let reply = only_reply(&mut stack);
+    let eth = EthernetFrame::new_checked(&reply[..]).unwrap();
+    let arp = ArpRepr::parse(&ArpPacket::new_checked(eth.payload()).unwrap()).unwrap();
+    let ArpRepr::EthernetIpv4 {
+        operation,
+        source_hardware_addr,
+        source_protocol_addr,
+        ..
+    } = arp
+    else {
+        panic!("{arp:?}");
+    };
+    assert_eq!(operation, ArpOperation::Reply);
+    assert_eq!(source_hardware_addr, EthernetAddress(GATEWAY_MAC));
+    assert_eq!(source_protocol_addr, GATEWAY_IP);
+}
+
+#[test]
+fn dns_on_the_gateway_answers_a_known_name_with_a_synthetic_address_and_others_nxdomain() {
+    let (mut stack, _helper) = stack();
+    stack.link.to_stack.push_back(arp_request());
+    stack.poll();
+    stack.link.to_guest.clear();
+
+    stack.link.to_stack.push_back(dns_query("echo.test"));
+    stack.poll();
+    let known = only_reply(&mut stack);
+    stack.link.to_stack.push_back(dns_query("other.test"));
+    stack.poll();
+    let unknown = only_reply(&mut stack);
+
+    let payload = |frame: &[u8]| frame[14 + 20 + 8..].to_vec();
+    let (known, unknown) = (payload(&known), payload(&unknown));
+    assert_eq!(&known[..2], &[0x12, 0x34]);
+    assert_eq!(known[3] & 0xf, 0, "NOERROR");
+    assert_eq!(&known[known.len() - 4..], &[198, 18, 0, 1]);
+    assert_eq!(unknown[3] & 0xf, 3, "NXDOMAIN");
+    assert!(!stack.is_pristine(), "a name was handed out");
+}
+
+#[test]
+fn a_refused_syn_gets_a_rst_and_leaves_no_connection() {
+    let (mut stack, _helper) = stack();
+    stack.link.to_stack.push_back(arp_request());
+    stack.poll();
+    stack.link.to_guest.clear();
+
+    stack
+        .link
+        .to_stack
+        .push_back(syn(Ipv4Addr::new(192, 0, 2, 1), 80));
+    stack.poll();
+
+    let reply = only_reply(&mut stack);
+    let tcp = TcpPacket::new_checked(&reply[34..]).unwrap();
+    assert!(tcp.rst());
+    assert_eq!(tcp.src_port(), 80);
+    assert_eq!(stack.counters().connections_refused, 1);
+    assert!(stack.is_pristine());
+}
