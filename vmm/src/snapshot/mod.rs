@@ -49,7 +49,7 @@ pub(crate) const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`] or to what
 /// it holds (5: the CPUID policy hides VMX/SVM, so a template captured before must not be
 /// reused; the MSRs captured leave out the Hyper-V range).
-pub(crate) const SNAPSHOT_FORMAT_VERSION: u32 = 5;
+pub(crate) const SNAPSHOT_FORMAT_VERSION: u32 = 6;
 
 /// Errors of capturing, restoring, encoding or decoding state.
 #[derive(Debug, thiserror::Error)]
@@ -254,7 +254,7 @@ mod tests {
         // bincode 1: the nine registers in field order, then the receive buffer as a u64
         // length and its bytes. A change here changes the template format: bump
         // SNAPSHOT_FORMAT_VERSION, then this test.
-        assert_eq!(SNAPSHOT_FORMAT_VERSION, 5);
+        assert_eq!(SNAPSHOT_FORMAT_VERSION, 6);
         assert_eq!(
             bytes,
             [1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 0, 0, 0, 0, 0, 0, 0, 10, 11]
