@@ -45,6 +45,8 @@ const HINTS: &[(&str, u32, bool)] = &[
     ("tests/cluster.rs", 37, true),
     ("tests/processes.rs", 37, true),
     ("tests/jobs.rs", 27, true),
+    // Three memory bombs and a job just under the cap (369 s under load, session 21).
+    ("tests/memory_cap.rs", 240, true),
     ("server/tests/sessions.rs", 23, true),
     ("tests/deploy.rs", 21, true),
     // Its pipeline tests build the guest (ensure) and rebuild the image elsewhere.
