@@ -76,8 +76,22 @@ pub(crate) fn supported(kvm: &Kvm) -> Result<&'static CpuId, CpuidError> {
 /// The guest's CPUID table for a host of `kind`.
 pub fn guest_cpuid(kvm: &Kvm, kind: HostKind) -> Result<CpuId, CpuidError> {
     let mut cpuid = supported(kvm)?.clone();
+    let experiment = kind == HostKind::Pvm && crate::host::pvm_xsave_experiment();
     for entry in cpuid.as_mut_slice() {
+        let kept = (entry.function == 1).then_some(entry.ecx & (L1_ECX_XSAVE | L1_ECX_AVX));
+        let leaf_d = *entry;
         apply_policy(entry, kind);
+        // The XSAVE experiment (crate::host::PVM_XSAVE_EXPERIMENT_ENV): XSAVE, AVX and the
+        // XSAVE leaf as the hardware policy leaves them.
+        if experiment {
+            if let Some(bits) = kept {
+                entry.ecx |= bits;
+            }
+            if entry.function == 0xd {
+                *entry = leaf_d;
+                apply_policy(entry, HostKind::Hardware);
+            }
+        }
     }
     Ok(cpuid)
 }

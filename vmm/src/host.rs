@@ -43,6 +43,25 @@ clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serial
 clflushopt,clwb,pcid,invpcid,avx,avx2,avx512f,xsave,rtm,hle,movbe \
 bud.host_zero bud.host_copy bud.host_random";
 
+/// Environment switch for one experiment only (docs/measurements.md, session 21): set to 1,
+/// a kvm_pvm guest is booted with XSAVE and AVX offered ([`PVM_XSAVE_EXPERIMENT_KNOBS`]
+/// instead of [`PVM_CMDLINE_KNOBS`], and CPUID's XSAVE/AVX bits and leaf 0xD kept), to see
+/// what kvm_pvm does with such a guest. Not a supported mode: snapshots on kvm_pvm carry
+/// the legacy FPU state only.
+pub const PVM_XSAVE_EXPERIMENT_ENV: &str = "BUD_EXPERIMENT_PVM_XSAVE";
+
+/// [`PVM_CMDLINE_KNOBS`] without `noxsave` and without `avx,avx2,avx512f,xsave` in
+/// `clearcpuid` (the experiment of [`PVM_XSAVE_EXPERIMENT_ENV`]).
+const PVM_XSAVE_EXPERIMENT_KNOBS: &str = "nopcid noinvpcid nofsgsbase \
+clearcpuid=smap,smep,fsgsbase,erms,fsrm,popcnt,rdrand,rdseed,rdpid,rdtscp,serialize,\
+clflushopt,clwb,pcid,invpcid,rtm,hle,movbe \
+bud.host_zero bud.host_copy bud.host_random";
+
+/// Whether the XSAVE experiment is switched on in this process's environment.
+pub(crate) fn pvm_xsave_experiment() -> bool {
+    std::env::var_os(PVM_XSAVE_EXPERIMENT_ENV).is_some_and(|v| v == "1")
+}
+
 impl HostKind {
     /// Detects the kind of this host from `/sys/module`.
     pub fn detect() -> Self {
@@ -84,6 +103,7 @@ impl HostKind {
     pub(crate) fn cmdline_knobs(self) -> &'static str {
         match self {
             HostKind::Hardware => "",
+            HostKind::Pvm if pvm_xsave_experiment() => PVM_XSAVE_EXPERIMENT_KNOBS,
             HostKind::Pvm => PVM_CMDLINE_KNOBS,
         }
     }

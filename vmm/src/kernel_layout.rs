@@ -18,6 +18,8 @@ use std::path::Path;
 use object::read::elf::{ElfFile64, ProgramHeader};
 use object::{Endianness, Object, ObjectSymbol};
 
+use crate::memory_cap::MemoryLayout;
+
 /// `"BUDT"`: magic of `bud_time_layout`.
 const TIME_MAGIC: u32 = 0x5444_5542;
 /// `"BUDR"`: magic of `bud_random_layout`.
@@ -117,6 +119,9 @@ pub struct KernelLayout {
     /// None for a kernel without `bud_mm_layout` (or with a memory layout that is not fixed
     /// at build time): its page tables cannot be found, and every reset drops KVM's mappings.
     pub(crate) mm: Option<MmLayout>,
+    /// Where the guest kernel counts its free pages ([`crate::memory_cap`]); None for a
+    /// kernel whose symbol table lacks `vm_zone_stat` or `min_free_kbytes`.
+    pub(crate) memory: Option<MemoryLayout>,
 }
 
 /// Where the guest kernel's page tables are found. Read from `bud_mm_layout`.
@@ -235,8 +240,42 @@ impl KernelLayout {
             Err(LayoutError::MissingSymbol(_)) => None,
             Err(e) => return Err(e),
         };
-        Ok(Self { time, random, mm })
+        let memory = memory_layout(&elf, &segments)?;
+        Ok(Self {
+            time,
+            random,
+            mm,
+            memory,
+        })
     }
+}
+
+/// The guest kernel's free-page counter and `min_free_kbytes`, from plain symbols of its
+/// ELF file (no bud struct describes them): `vm_zone_stat` is an array of `atomic_long_t`
+/// whose first item is `NR_FREE_PAGES`, `min_free_kbytes` an `int`. Missing symbols (another
+/// kernel) give None; symbols of another size are refused.
+fn memory_layout(
+    elf: &ElfFile64<'_, Endianness>,
+    segments: &Segments,
+) -> Result<Option<MemoryLayout>, LayoutError> {
+    let find = |name: &'static str| elf.symbols().find(|s| s.name() == Ok(name));
+    let (Some(stat), Some(min)) = (find("vm_zone_stat"), find("min_free_kbytes")) else {
+        return Ok(None);
+    };
+    if stat.size() < 8 || stat.size() % 8 != 0 {
+        return Err(LayoutError::BadLayout("vm_zone_stat"));
+    }
+    if min.size() != 4 {
+        return Err(LayoutError::SymbolSize {
+            name: "min_free_kbytes",
+            found: min.size(),
+            expected: 4,
+        });
+    }
+    Ok(Some(MemoryLayout {
+        free_pages: segments.phys(stat.address(), 8)?,
+        min_free_kbytes: segments.phys(min.address(), 4)?,
+    }))
 }
 
 fn check_header(

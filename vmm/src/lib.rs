@@ -48,6 +48,7 @@ pub mod layout;
 pub mod mailbox;
 pub mod manifest;
 pub mod memory;
+pub(crate) mod memory_cap;
 pub mod net;
 pub(crate) mod paging;
 pub mod process;

@@ -38,6 +38,9 @@ pub enum VcpuStop {
     Halted,
     /// Someone kicked the vCPU (deadline, cancellation, snapshot).
     Kicked,
+    /// The guest's free memory fell below the armed memory cap's floor
+    /// ([`crate::memory_cap`]); the guest is in the middle of the allocation that crossed it.
+    MemoryLimit,
     /// KVM could not run or emulate the guest.
     InternalError { suberror: u32, data: Vec<u64> },
     /// KVM could not enter the guest.
@@ -106,6 +109,9 @@ pub(crate) fn handle_exit(exit: VcpuExit<'_>, bus: &mut PortBus, ram: &GuestRam)
             }
         }
         PortEvent::Zero { addr, len } => match ram.zero(addr, len) {
+            Ok(()) if bus.memory_cap().is_some_and(|cap| cap.crossed(ram)) => {
+                ExitAction::Stop(VcpuStop::MemoryLimit)
+            }
             Ok(()) => ExitAction::Continue,
             Err(e) => ExitAction::Stop(VcpuStop::Unexpected(format!(
                 "the guest asked the host to zero memory it does not have: {e}"
@@ -304,6 +310,53 @@ mod tests {
 
     fn ram() -> GuestRam {
         GuestRam::anonymous(4 << 20).unwrap()
+    }
+
+    /// A host-zero request is served either way; it stops the vCPU only when a cap is armed
+    /// and the guest's free pages are then below its floor.
+    #[test]
+    fn a_host_zero_request_stops_at_the_memory_cap_only_once_crossed() {
+        use crate::memory_cap::{MemoryCap, MemoryLayout};
+        let layout = MemoryLayout {
+            free_pages: 0x1000,
+            min_free_kbytes: 0x1008,
+        };
+        let ram = ram();
+        // min_free_kbytes 4096: floor 1 024 + 256 pages.
+        ram.write(0x1008, &4096i32.to_le_bytes()).unwrap();
+        let request = 0x200u32.to_le_bytes(); // page 0x200, order 0
+        let mut unarmed = bus();
+        let mut armed = bus();
+        armed.set_memory_cap(MemoryCap::read(&ram, Some(&layout)));
+
+        ram.write(0x1000, &1280u64.to_le_bytes()).unwrap();
+        ram.write(0x20_0000, &[1]).unwrap();
+        let at_floor = handle_exit(
+            VcpuExit::IoOut(crate::devices::host_zero::PORT, &request),
+            &mut armed,
+            &ram,
+        );
+        ram.write(0x1000, &1279u64.to_le_bytes()).unwrap();
+        let below_unarmed = handle_exit(
+            VcpuExit::IoOut(crate::devices::host_zero::PORT, &request),
+            &mut unarmed,
+            &ram,
+        );
+        ram.write(0x20_0000, &[1]).unwrap();
+        let below = handle_exit(
+            VcpuExit::IoOut(crate::devices::host_zero::PORT, &request),
+            &mut armed,
+            &ram,
+        );
+
+        assert_eq!(at_floor, ExitAction::Continue);
+        assert_eq!(below_unarmed, ExitAction::Continue);
+        assert_eq!(below, ExitAction::Stop(VcpuStop::MemoryLimit));
+        assert_eq!(
+            ram.read_u64(0x20_0000).unwrap(),
+            0,
+            "the page was zeroed first"
+        );
     }
 
     #[test]

@@ -72,6 +72,8 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("tests/fuzz.rs", 230, ON_GUEST),
     ("server/tests/templates.rs", 120, ON_ALL),
     ("tests/reset.rs", 150, ON_PYTHON),
+    // Two memory bombs and a job just under the cap (369 s under load, session 21).
+    ("tests/memory_cap.rs", 240, ON_PYTHON),
     // Boots its own template (the guest with a network card).
     ("tests/network.rs", 120, ON_GUEST),
     ("tests/session.rs", 110, ON_PYTHON),

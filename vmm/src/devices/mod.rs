@@ -97,6 +97,9 @@ pub struct PortBus {
     stray_accesses: u64,
     /// Exits to the VMM so far (every `KVM_RUN` that returned an exit to handle).
     exits: u64,
+    /// The running request's memory cap, checked after each host-zero request
+    /// ([`crate::memory_cap`]); None between requests and where the guest has no counter.
+    memory_cap: Option<crate::memory_cap::MemoryCap>,
 }
 
 impl PortBus {
@@ -108,7 +111,18 @@ impl PortBus {
             nic: None,
             stray_accesses: 0,
             exits: 0,
+            memory_cap: None,
         }
+    }
+
+    /// Arms (or, with None, disarms) the memory cap of the request about to run.
+    pub(crate) fn set_memory_cap(&mut self, cap: Option<crate::memory_cap::MemoryCap>) {
+        self.memory_cap = cap;
+    }
+
+    /// The memory cap armed now.
+    pub(crate) fn memory_cap(&self) -> Option<crate::memory_cap::MemoryCap> {
+        self.memory_cap
     }
 
     /// A bus whose serial console continues from a saved state.
@@ -125,6 +139,7 @@ impl PortBus {
             nic: None,
             stray_accesses: 0,
             exits: 0,
+            memory_cap: None,
         })
     }
 

@@ -23,6 +23,7 @@ use crate::beside::{Accepts, Beside, Lane};
 use crate::identity;
 use crate::mailbox::Mailbox;
 use crate::memory::GuestRam;
+use crate::memory_cap::MemoryCap;
 use crate::protocol::{code, failure, job, job_flags, lane, language, mode, result};
 use crate::snapshot::{self, SnapshotState};
 use crate::timer;
@@ -215,6 +216,7 @@ fn event_of(stop: VcpuStop, vcpu: &kvm_ioctls::VcpuFd) -> Result<Event, JobError
         // From the guest kernel as the worker starts to exit.
         VcpuStop::WorkerExited(status) => Event::WorkerExited(u64::from(status)),
         VcpuStop::Kicked => Event::Kicked,
+        VcpuStop::MemoryLimit => Event::MemoryLimit,
         other => Event::Stopped(format!("{other:?}")),
     })
 }
@@ -264,7 +266,12 @@ pub(crate) fn run_request(
     let mut lane = r
         .beside
         .and_then(|(b, accepts)| Lane::open(b, mb, &m.kicker, accepts));
-    let finish = supervise(m, mb, r, &mut sup, &mut out, lane.as_mut(), timer)?;
+    // The request's memory cap, armed while it runs (see crate::memory_cap).
+    let cap = MemoryCap::read(&m.ram, s.kernel.memory.as_ref());
+    m.bus.set_memory_cap(cap);
+    let finish = supervise(m, mb, r, &mut sup, &mut out, lane.as_mut(), timer);
+    m.bus.set_memory_cap(None);
+    let finish = finish?;
     if let Some(c) = &j.cancel {
         c.detach();
     }

@@ -43,6 +43,8 @@ pub(super) enum Event {
     /// Traffic of the lane beside the request (a request handed in, a lane doorbell):
     /// nothing for this request, which goes on.
     Lane,
+    /// The job took the guest's free memory below its cap ([`crate::memory_cap`]).
+    MemoryLimit,
     /// A doorbell code bud does not know.
     UnknownDoorbell(u32),
     /// Any other stop (reset, shutdown, halt, an emulation failure): how it stopped.
@@ -62,6 +64,7 @@ impl Event {
                 | Event::Done
                 | Event::WorkerExited(_)
                 | Event::AgentFailed { .. }
+                | Event::MemoryLimit
         )
     }
 }
@@ -172,6 +175,9 @@ impl Supervisor {
                 }
                 Next::Finish(Finish::Outcome)
             }
+            // The cap is the host's word whatever else was going on: the guest was stopped
+            // in the middle of an allocation and cannot go on.
+            Event::MemoryLimit => Next::Finish(Finish::Host(Status::MemoryLimit)),
             Event::WorkerExited(_) | Event::AgentFailed { .. } if facts.over_limit => {
                 Next::Finish(Finish::Host(Status::OutputLimit))
             }
@@ -508,6 +514,25 @@ mod tests {
             cancelled.next(Event::WorkerExited(0x0300), at(t0)),
             Next::Finish(Finish::Host(Status::Cancelled))
         );
+    }
+
+    #[test]
+    fn crossing_the_memory_cap_ends_any_request_as_memory_limit_at_once() {
+        let t0 = Instant::now();
+        let mut job = sup(t0, Some(GRACE), false, false);
+        let mut timed_out = sup(t0, Some(GRACE), true, false);
+
+        timed_out.next(Event::Kicked, at(t0 + TIMEOUT));
+
+        assert_eq!(
+            job.next(Event::MemoryLimit, at(t0)),
+            Next::Finish(Finish::Host(Status::MemoryLimit))
+        );
+        assert_eq!(
+            timed_out.next(Event::MemoryLimit, over(t0 + TIMEOUT)),
+            Next::Finish(Finish::Host(Status::MemoryLimit))
+        );
+        assert!(Event::MemoryLimit.takes_output());
     }
 
     #[test]

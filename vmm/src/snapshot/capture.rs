@@ -18,8 +18,12 @@ const MSR_IA32_TSC: u32 = 0x10;
 
 /// Whether to carry FPU state as XSAVE (hardware hosts with the capability) or as `kvm_fpu`.
 /// On kvm_pvm the guest runs with XSAVE disabled (`noxsave`), so `kvm_fpu` holds all of it.
+/// The XSAVE experiment on kvm_pvm ([`crate::host::PVM_XSAVE_EXPERIMENT_ENV`]) carries XSAVE
+/// too, as hardware does.
 fn use_xsave(kvm: &Kvm, kind: HostKind) -> bool {
-    kind == HostKind::Hardware && kvm.check_extension(Cap::Xsave) && kvm.check_extension(Cap::Xcrs)
+    (kind == HostKind::Hardware || crate::host::pvm_xsave_experiment())
+        && kvm.check_extension(Cap::Xsave)
+        && kvm.check_extension(Cap::Xcrs)
 }
 
 static MSR_INDICES: OnceLock<Vec<u32>> = OnceLock::new();

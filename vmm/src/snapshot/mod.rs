@@ -48,7 +48,8 @@ pub(crate) use restore::{pin_clock, read_clock, set_clock};
 pub(crate) const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
 /// Version of the state file format; bumped on any change to [`SnapshotState`] or to what
 /// it holds (5: the CPUID policy hides VMX/SVM, so a template captured before must not be
-/// reused; the MSRs captured leave out the Hyper-V range; 6: the network card's state).
+/// reused; the MSRs captured leave out the Hyper-V range; 6: the network card's state, and
+/// the kernel layout's memory counters that the memory cap reads).
 pub(crate) const SNAPSHOT_FORMAT_VERSION: u32 = 6;
 
 /// Errors of capturing, restoring, encoding or decoding state.
