@@ -1,9 +1,11 @@
 //! The network card end to end, on the real VMM and the real guest (issue 39, stage 1): a
 //! clone of a template booted with a card reaches a loopback echo server the test starts,
 //! through bud's DNS and the user-mode stack, as the test's [`Egress`] allows; a name the
-//! egress does not know fails at once with `socket.gaierror`, an address it refuses with
-//! `ConnectionRefusedError`; and the VM that ran all that resets to exactly its template,
-//! card included. Traffic goes only to the test's own server on 127.0.0.1. Needs /dev/kvm.
+//! egress does not know fails with `socket.gaierror` (NXDOMAIN, `EAI_NONAME`: not a lookup
+//! that timed out, `EAI_AGAIN`), an address it refuses with `ConnectionRefusedError` (a RST:
+//! not a connect that timed out, `TimeoutError`); and the VM that ran all that resets to
+//! exactly its template, card included. Traffic goes only to the test's own server on
+//! 127.0.0.1. Needs /dev/kvm.
 
 mod common;
 
@@ -88,8 +90,7 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
     let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
     exec.set_egress(Arc::new(EchoOnly(echo)));
     let code = format!(
-        "import socket, time\n\
-         t = time.monotonic()\n\
+        "import socket\n\
          s = socket.create_connection(({ECHO_NAME:?}, {port}), timeout=20)\n\
          s.sendall(b'hello from the guest')\n\
          got = b''\n\
@@ -99,18 +100,16 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
          \x20   got += chunk\n\
          s.close()\n\
          print('echo', got.decode())\n\
-         t = time.monotonic()\n\
          try:\n\
          \x20   socket.getaddrinfo('unmapped.test', 80)\n\
          \x20   print('resolved')\n\
          except socket.gaierror as e:\n\
-         \x20   print('gaierror', e.errno == socket.EAI_NONAME, time.monotonic() - t < 5)\n\
-         t = time.monotonic()\n\
+         \x20   print('gaierror', e.errno == socket.EAI_NONAME)\n\
          try:\n\
          \x20   socket.create_connection(('192.0.2.1', 80), timeout=20)\n\
          \x20   print('connected')\n\
          except ConnectionRefusedError:\n\
-         \x20   print('refused', time.monotonic() - t < 5)\n",
+         \x20   print('refused')\n",
         port = echo.port()
     );
 
@@ -123,7 +122,7 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
     let err = String::from_utf8_lossy(&first.stderr).into_owned();
     assert_eq!(first.status, Status::Ok, "stdout: {out}\nstderr: {err}");
     assert_eq!(
-        out, "echo hello from the guest\ngaierror True True\nrefused True\n",
+        out, "echo hello from the guest\ngaierror True\nrefused\n",
         "stderr: {err}"
     );
     assert_eq!(again.status, Status::Ok);
