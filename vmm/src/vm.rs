@@ -197,25 +197,36 @@ impl Machine {
     /// of a job can land after a reset restored the irqchip. Deassigning the irqfd waits for
     /// that work; the eventfd's count is then drained and the irqfd assigned again.
     pub(crate) fn quiesce_irqs(&self) -> Result<(), VmError> {
-        let irq = self.bus.serial_irq();
-        self.vm
-            .unregister_irqfd(irq, SERIAL_IRQ)
-            .map_err(VmError::UnregisterIrqfd)?;
+        self.quiesce_irq(
+            self.bus.serial_irq(),
+            SERIAL_IRQ,
+            VmError::UnregisterIrqfd,
+            VmError::RegisterIrqfd,
+        )?;
+        if let Some(nic) = self.bus.nic() {
+            self.quiesce_irq(
+                nic.irq(),
+                VIRTIO_NET_IRQ,
+                VmError::UnregisterNetIrqfd,
+                VmError::RegisterNetIrqfd,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::quiesce_irqs`] for one irqfd: deassign (waits for KVM's injection work),
+    /// drain the count, assign again.
+    fn quiesce_irq(
+        &self,
+        irq: &EventFd,
+        gsi: u32,
+        unregister: fn(kvm_ioctls::Error) -> VmError,
+        register: fn(kvm_ioctls::Error) -> VmError,
+    ) -> Result<(), VmError> {
+        self.vm.unregister_irqfd(irq, gsi).map_err(unregister)?;
         // Non-blocking: EAGAIN when nothing is pending, which is as good as a drained count.
         let _ = irq.read();
-        self.vm
-            .register_irqfd(irq, SERIAL_IRQ)
-            .map_err(VmError::RegisterIrqfd)?;
-        if let Some(nic) = self.bus.nic() {
-            let irq = nic.irq();
-            self.vm
-                .unregister_irqfd(irq, VIRTIO_NET_IRQ)
-                .map_err(VmError::UnregisterNetIrqfd)?;
-            let _ = irq.read();
-            self.vm
-                .register_irqfd(irq, VIRTIO_NET_IRQ)
-                .map_err(VmError::RegisterNetIrqfd)?;
-        }
+        self.vm.register_irqfd(irq, gsi).map_err(register)?;
         Ok(())
     }
 

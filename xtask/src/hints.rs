@@ -167,13 +167,7 @@ mod tests {
     use super::*;
 
     fn job(label: &str) -> Job {
-        Job {
-            label: label.into(),
-            program: label.into(),
-            args: vec![],
-            dir: "/w".into(),
-            rerun: String::new(),
-        }
+        Job::named(label)
     }
 
     fn labels(jobs: &[Job]) -> Vec<&str> {

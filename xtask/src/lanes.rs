@@ -481,13 +481,7 @@ mod tests {
 
     #[test]
     fn a_lane_waits_on_the_board_until_the_build_it_needs_has_ended() {
-        let job = |label: &str| Job {
-            label: label.into(),
-            program: label.into(),
-            args: vec![],
-            dir: "/w".into(),
-            rerun: String::new(),
-        };
+        let job = Job::named;
         let board = Arc::new(Board::new(hints::order(vec![
             job("tests/jobs.rs"),
             job(hints::GUEST),

@@ -53,6 +53,21 @@ pub struct Job {
     pub rerun: String,
 }
 
+#[cfg(test)]
+impl Job {
+    /// A job labelled `label` that runs a program of that name in `/w` (for the runner's
+    /// tests).
+    pub fn named(label: &str) -> Job {
+        Job {
+            label: label.into(),
+            program: label.into(),
+            args: vec![],
+            dir: "/w".into(),
+            rerun: String::new(),
+        }
+    }
+}
+
 /// The workspace this xtask belongs to.
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -288,13 +303,7 @@ mod tests {
 
     #[test]
     fn picks_select_by_source_path_and_an_unknown_pick_is_refused() {
-        let job = |label: &str| Job {
-            label: label.into(),
-            program: label.into(),
-            args: vec![],
-            dir: "/w".into(),
-            rerun: String::new(),
-        };
+        let job = Job::named;
         let jobs = vec![job("server/tests/http.rs"), job("tests/compat.rs")];
         let picked = pick(jobs.clone(), &["http".into()]).unwrap();
         assert_eq!(picked, vec![job("server/tests/http.rs")]);
