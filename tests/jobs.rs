@@ -299,6 +299,23 @@ fn fd_level_output_before_a_timeout_comes_back_with_it() {
     );
 }
 
+/// The image is unpacked into a root tmpfs mounted `huge=within_size` (the kernel command
+/// line's `initramfs_options`, which makes the first boot cheaper): the root's mount options
+/// say so. (A kernel without the option would still boot, with a root of 4 KiB pages.)
+#[test]
+fn the_image_is_unpacked_into_a_root_of_large_folios() {
+    let r = shell("awk '$2 == \"/\" { print $1, $3, $4 }' /proc/mounts");
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let root = text(&r.stdout);
+    assert!(root.starts_with("rootfs rootfs "), "{root:?}");
+    assert!(
+        root.trim_end()
+            .split([' ', ','])
+            .any(|o| o == "huge=within_size"),
+        "the root tmpfs has no huge=within_size: {root:?}"
+    );
+}
+
 /// A file of 100 KiB written to /tmp in one write takes a 64 KiB and a 32 KiB folio (guest
 /// kernel patch 0014: tmpfs `huge=within_size` below 2 MiB), and behaves as a file of pages:
 /// read back, changed through a shared mapping, punched, truncated into a folio and

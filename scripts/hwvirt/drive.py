@@ -9,8 +9,8 @@ Waits for the server's template, then sends JOBS one-shot jobs in a fixed round 
 kinds (Python and shell output, exit codes, stdin/args/env, an exception, a fork, files in
 and out, a large output, a batch; every 10th job a timeout, a memory bomb or an output
 flood), runs session scenarios (state across cells, a shell cell, files, a fork of two whose
-children keep their own state, deletion), then 50 trivial jobs one after another for the
-warm-job latency. Every answer is checked against its exact expected status and output. At
+children keep their own state, deletion; three rounds from 100 JOBS on, else one), then
+min(50, JOBS) trivial jobs one after another for the warm-job latency. Every answer is checked against its exact expected status and output. At
 the end the server's metrics must show resets and no reset that failed its verification.
 Prints "hwvirt-stage2: PASS|FAIL|FIGURE|NOTE ..." lines; exits 1 if any check failed.
 Standard library only (it runs with the host's python3, inside the test VM).
@@ -301,10 +301,12 @@ def main():
     print(f"{PREFIX} FIGURE {n} one-shot jobs + a batch with --verify-resets: {took:.1f} s "
           f"({took / (n + 1) * 1000:.0f} ms per request)", flush=True)
     t = time.monotonic()
-    rounds = 3
+    # A short run (CI's 30 jobs) runs each session scenario and the warm-job series once
+    # over; the figures come from longer runs (scripts/test-hwvirt.sh alone runs 200 jobs).
+    rounds = 3 if n >= 100 else 1
     good = sessions(d, rounds)
     print(f"{PREFIX} NOTE session scenarios passed: {good}/{rounds} ({time.monotonic() - t:.1f} s)", flush=True)
-    wall, total, run = warm_latency(d)
+    wall, total, run = warm_latency(d, min(50, n))
     if total:
         print(f"{PREFIX} FIGURE warm job print(1) with --verify-resets, {len(wall)} in a row: round trip p50 "
               f"{statistics.median(wall):.1f} ms (max {max(wall):.1f}); server total_ms p50 "

@@ -13,7 +13,14 @@ use crate::host::HostKind;
 /// `retain_initrd`: do not hand the initramfs pages back to the allocator after unpacking;
 /// freeing them page by page cost ~3 s of emulated kernel time (measured with
 /// `bud boot --profile`), and the memory is in the template file either way.
-pub(crate) const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd";
+/// `initramfs_options=huge=within_size`: the root tmpfs the kernel unpacks the image into
+/// takes large folios (2 MiB where a file covers them; below that the 16 KiB-1 MiB folios of
+/// guest kernel patch 0014), so each file costs a few folio allocations and page-cache
+/// insertions instead of one per 4 KiB page: the python template's first boot went from 61.9 M
+/// to 46.2 M emulated guest-kernel instructions (docs/measurements.md, session 22). A kernel
+/// that did not know the option would pass it to init as an environment variable and mount
+/// the root with small pages; `tests/guest_boot.rs` checks the root's mount options.
+pub(crate) const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd initramfs_options=huge=within_size";
 /// Added for a VM with a network card ([`BootConfig::network`]): the card's MMIO window and
 /// IRQ ([`crate::layout::VIRTIO_NET_MMIO_BASE`], [`crate::layout::VIRTIO_NET_IRQ`]; needs
 /// `VIRTIO_MMIO_CMDLINE_DEVICES`), and eth0's static address, gateway and netmask, set by the
