@@ -18,7 +18,13 @@
 //! Each binary runs its tests on `CPUs / lanes` threads (at least 1; `RUST_TEST_THREADS`
 //! when set wins), so the runnable guest vCPUs never outnumber the cores, as in the
 //! one-after-another suite whose job timeouts were set for it: with two lanes of two test
-//! threads each on a loaded day, jobs in `tests/reset.rs` ran past their limits.
+//! threads each on a loaded day, jobs in `tests/reset.rs` ran past their limits. A cargo
+//! build a test runs (`tests/fuzz.rs` builds its targets) gets as many jobs
+//! (`CARGO_BUILD_JOBS`, unless set): with cargo's default of one per CPU, the fuzz build
+//! took both cores from the other lane's template boot, the head of every guest test's
+//! chain (the `python` template's first boot took 125 s beside it against 78 s beside a
+//! one-thread job). The build jobs keep the whole machine: nothing but short binaries runs
+//! beside the kernel build.
 //!
 //! Each binary's output goes to `target/xtask/logs/<label>.log`, in full; a binary that
 //! fails has its log printed whole when it ends, with the command that reruns it. The first
@@ -266,7 +272,8 @@ fn run_one(job: Job, log_dir: &Path, passed_on: &[String], threads: &str) -> Out
         .and_then(|out| Ok((out.try_clone()?, out)))
         .map_err(|e| format!("creating {}: {e}", log.display()))
         .and_then(|(out, err)| {
-            Command::new(&job.program)
+            let mut command = Command::new(&job.program);
+            command
                 .args(&job.args)
                 .args(passed_on)
                 .current_dir(&job.dir)
@@ -275,7 +282,11 @@ fn run_one(job: Job, log_dir: &Path, passed_on: &[String], threads: &str) -> Out
                 .env("RUST_TEST_THREADS", threads)
                 .stdin(Stdio::null())
                 .stdout(out)
-                .stderr(err)
+                .stderr(err);
+            if !hints::is_build(&job.label) && std::env::var_os("CARGO_BUILD_JOBS").is_none() {
+                command.env("CARGO_BUILD_JOBS", threads);
+            }
+            command
                 .status()
                 .map_err(|e| format!("starting {}: {e}", job.program.display()))
         });
@@ -450,7 +461,7 @@ mod tests {
             args: vec![
                 "-c".into(),
                 format!(
-                    "pwd; echo \"$CARGO_MANIFEST_DIR\" >&2; echo \"threads $RUST_TEST_THREADS\"; echo \"test result: ok. 2 passed; 0 failed; 0 ignored\"; exit {code}"
+                    "pwd; echo \"$CARGO_MANIFEST_DIR\" >&2; echo \"threads $RUST_TEST_THREADS\"; echo \"cargo jobs $CARGO_BUILD_JOBS\"; echo \"test result: ok. 2 passed; 0 failed; 0 ignored\"; exit {code}"
                 ),
             ],
             dir: dir.clone(),
@@ -463,6 +474,9 @@ mod tests {
         let here = dir.display().to_string();
         assert_eq!(text.lines().filter(|l| *l == here).count(), 2, "{text}");
         assert!(text.lines().any(|l| l == "threads 1"), "{text}");
+        if std::env::var_os("CARGO_BUILD_JOBS").is_none() {
+            assert!(text.lines().any(|l| l == "cargo jobs 1"), "{text}");
+        }
         let failed = run_one(job("3"), &dir, &[], "1");
         assert!(!failed.passed());
         assert_eq!(failed.status.as_ref().unwrap().code(), Some(3));
