@@ -2,8 +2,8 @@
 //! first-level VM under QEMU's TCG (an emulated AMD CPU with SVM and nested paging), loads
 //! kvm_amd in it, and runs this build's `bud` on that `/dev/kvm`: `bud run` (the first boots
 //! and saves the template), the guest's CPUID, and `bud serve --verify-resets` under every
-//! kind of job, each answer checked (docs/platform.md). The test asserts that the harness passed and that each of its
-//! checks reported PASS.
+//! kind of job, each answer checked (docs/platform.md). The test asserts that the harness
+//! passed and that each of its checks reported PASS.
 //!
 //! It needs root (the harness installs QEMU with apt-get on first use and exports `/` to the
 //! VM) and the network on first use (the Debian kernel and busybox packages); it never

@@ -10,8 +10,8 @@ kinds (Python and shell output, exit codes, stdin/args/env, an exception, a fork
 and out, a large output, a batch; every 10th job a timeout, a memory bomb or an output
 flood), runs session scenarios (state across cells, a shell cell, files, a fork of two whose
 children keep their own state, deletion; three rounds from 100 JOBS on, else one), then
-min(50, JOBS) trivial jobs one after another for the warm-job latency. Every answer is checked against its exact expected status and output. At
-the end the server's metrics must show resets and no reset that failed its verification.
+min(50, JOBS) trivial jobs one after another for the warm-job latency. Every answer is
+checked against its exact expected status and output. At the end the server's metrics must show resets and no reset that failed its verification.
 Prints "hwvirt-stage2: PASS|FAIL|FIGURE|NOTE ..." lines; exits 1 if any check failed.
 Standard library only (it runs with the host's python3, inside the test VM).
 """

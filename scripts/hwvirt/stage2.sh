@@ -171,7 +171,7 @@ if ((drive_rc == 0 && serve_rc == 0)); then
   pass "trivial jobs on warm VMs ($trivial in a row)"
 else
   tail -20 "$work/serve2.log"
-  fail "$trivial trivial jobs on warm VMs (driver $drive_rc, server exit $serve_rc)"
+  fail "trivial jobs on warm VMs ($trivial in a row; driver $drive_rc, server exit $serve_rc)"
 fi
 say "FIGURE short checks: $(since "$stage_start") s"
 

@@ -476,6 +476,18 @@ mod tests {
         assert!(text.lines().any(|l| l == "threads 1"), "{text}");
         if std::env::var_os("CARGO_BUILD_JOBS").is_none() {
             assert!(text.lines().any(|l| l == "cargo jobs 1"), "{text}");
+            // A build job keeps cargo's default (every CPU).
+            let build = run_one(
+                Job {
+                    label: hints::GUEST.into(),
+                    ..job("0")
+                },
+                &dir,
+                &[],
+                "1",
+            );
+            let text = fs::read_to_string(&build.log).unwrap();
+            assert!(text.lines().any(|l| l == "cargo jobs "), "{text}");
         }
         let failed = run_one(job("3"), &dir, &[], "1");
         assert!(!failed.passed());

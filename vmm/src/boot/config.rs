@@ -19,7 +19,7 @@ use crate::host::HostKind;
 /// insertions instead of one per 4 KiB page: the python template's first boot went from 61.9 M
 /// to 46.2 M emulated guest-kernel instructions (docs/measurements.md, session 22). A kernel
 /// that did not know the option would pass it to init as an environment variable and mount
-/// the root with small pages; `tests/guest_boot.rs` checks the root's mount options.
+/// the root with small pages; `tests/jobs.rs` checks the root's mount options in a clone.
 pub(crate) const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 tsc=reliable clocksource=kvm-clock 8250.nr_uarts=1 retain_initrd initramfs_options=huge=within_size";
 /// Added for a VM with a network card ([`BootConfig::network`]): the card's MMIO window and
 /// IRQ ([`crate::layout::VIRTIO_NET_MMIO_BASE`], [`crate::layout::VIRTIO_NET_IRQ`]; needs
