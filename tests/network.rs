@@ -134,6 +134,108 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
     assert!(exec.stats().resets >= 2, "{:?}", exec.stats());
 }
 
+/// The server's egress gate ([`bud_server::core::egress`]) as the card's egress, on a real
+/// guest: `allow_out: ["echo.test"], deny_out: ["0.0.0.0/0"]`, with `echo.test` pinned to
+/// the test's loopback server and 127.0.0.1 opened by the operator (as
+/// `--egress-hosts`/`--egress-allow-private` do). The allowed name reaches the server; a name
+/// no entry allows is NXDOMAIN without any lookup; an address used directly is refused
+/// (denied by `0.0.0.0/0`), and so is the allowed name once an `/etc/hosts` line the job
+/// writes points it there (the guest then connects by address: the gate dials names it
+/// resolved itself, never the guest's addresses). Every attempt is in the gate's log with
+/// its verdict and rule, each lookup twice (glibc asks for A and AAAA).
+#[test]
+fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_guest() {
+    use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
+
+    // An address outside the guest (its own 127.0.0.1 never reaches the card), from the
+    // documentation range: refused by the gate, so never dialed.
+    const ELSEWHERE: &str = "203.0.113.7";
+    let echo = echo_server();
+    let exec = Executor::new(network_template(), ExecutorOptions::default())
+        .expect("starting the executor failed");
+    let spec = PolicySpec {
+        allow_out: vec![ECHO_NAME.into()],
+        deny_out: vec!["0.0.0.0/0".into()],
+    };
+    let site = Site {
+        hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
+        private: Private::parse("127.0.0.1").unwrap(),
+    };
+    let gate = Arc::new(Gate::new(
+        Some(Policy::parse(&spec).unwrap()),
+        Arc::new(site),
+    ));
+    exec.set_egress(gate.clone());
+    let port = echo.port();
+    let code = format!(
+        "import socket\n\
+         def attempt(host):\n\
+         \x20   try:\n\
+         \x20       s = socket.create_connection((host, {port}), timeout=20)\n\
+         \x20   except ConnectionRefusedError:\n\
+         \x20       return 'refused'\n\
+         \x20   except socket.gaierror as e:\n\
+         \x20       return 'nxdomain' if e.errno == socket.EAI_NONAME else f'gaierror {{e}}'\n\
+         \x20   s.sendall(b'ping')\n\
+         \x20   got = s.recv(100)\n\
+         \x20   s.close()\n\
+         \x20   return got.decode()\n\
+         print({ECHO_NAME:?}, attempt({ECHO_NAME:?}))\n\
+         print('evil.test', attempt('evil.test'))\n\
+         print('{ELSEWHERE}', attempt('{ELSEWHERE}'))\n\
+         with open('/etc/hosts', 'a') as f:\n\
+         \x20   f.write('{ELSEWHERE} {ECHO_NAME}\\n')\n\
+         print('spoofed', attempt({ECHO_NAME:?}))\n"
+    );
+
+    let r = exec.run(&job(code)).expect("running the job failed");
+
+    let out = String::from_utf8_lossy(&r.stdout).into_owned();
+    let err = String::from_utf8_lossy(&r.stderr).into_owned();
+    assert_eq!(r.status, Status::Ok, "stdout: {out}\nstderr: {err}");
+    assert_eq!(
+        out,
+        format!("{ECHO_NAME} ping\nevil.test nxdomain\n{ELSEWHERE} refused\nspoofed refused\n"),
+        "stderr: {err}"
+    );
+    let (log, dropped) = gate.attempts();
+    let seen: Vec<_> = log
+        .iter()
+        .map(|a| {
+            (
+                a.kind,
+                a.name.as_deref(),
+                a.allowed,
+                a.reason,
+                a.rule.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("dns", Some(ECHO_NAME), true, "allowed", None),
+            ("dns", Some(ECHO_NAME), true, "allowed", None),
+            ("connect", Some(ECHO_NAME), true, "allowed", Some(ECHO_NAME)),
+            ("dns", Some("evil.test"), false, "nxdomain", None),
+            ("dns", Some("evil.test"), false, "nxdomain", None),
+            ("connect", None, false, "denied", Some("0.0.0.0/0")),
+            ("connect", None, false, "denied", Some("0.0.0.0/0")),
+        ]
+    );
+    assert_eq!(dropped, 0);
+    assert_eq!(
+        log[2].dialed,
+        Some(SocketAddr::from(([127, 0, 0, 1], port)))
+    );
+    let elsewhere: std::net::Ipv4Addr = ELSEWHERE.parse().unwrap();
+    assert_eq!(
+        (log[5].addr, log[6].addr),
+        (Some(elsewhere), Some(elsewhere))
+    );
+    assert_eq!((log[5].dialed, log[6].dialed), (None, None));
+}
+
 /// A trivial job on a clone of the networked template, for counting what the card costs a job
 /// that does not use it: `perf stat -e kvm:kvm_emulate_insn <this test binary> --ignored
 /// trivial` (the template is loaded from disk once built; docs/measurements.md, session 21).

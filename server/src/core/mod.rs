@@ -3,9 +3,10 @@
 //! templates, their engines, limits), the session registry ([`sessions`]) with its code
 //! contexts ([`contexts`]) and background processes ([`processes`]), the job threads
 //! ([`jobs`]), the engine that runs work on VMs ([`engine`]: the VMM's, or a test's),
-//! durable state on disk ([`durable`]), the audit trail ([`audit`]), metrics
-//! ([`metrics`]), API keys ([`keys`]), the jail ([`jail`]), this node and its peers
-//! ([`node`], [`peer`], [`registry`]), the clock ([`clock`]).
+//! durable state on disk ([`durable`]), what a sandbox's network may reach ([`egress`]),
+//! the audit trail ([`audit`]), metrics ([`metrics`]), API keys ([`keys`]), the jail
+//! ([`jail`]), this node and its peers ([`node`], [`peer`], [`registry`]), the clock
+//! ([`clock`]).
 //!
 //! The core imports nothing from the layers above it (`service`, `http`, `compat`) and
 //! names no dialect; `server/tests/layers.rs` checks it from the paths.
@@ -15,6 +16,7 @@ pub mod clock;
 pub mod config;
 pub mod contexts;
 pub mod durable;
+pub mod egress;
 pub mod engine;
 pub mod jail;
 pub mod jobs;

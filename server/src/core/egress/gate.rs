@@ -1,0 +1,334 @@
+//! One sandbox's gate: its policy applied to each name its guest resolves and each
+//! connection it opens ([`vmm::Egress`]), with a record of every attempt.
+//!
+//! For a connection by name (the guest resolved it through bud's DNS, so the stack knows
+//! which name a synthetic address stands for), the gate resolves the *name* on the host
+//! (`--egress-hosts` first, then the host's resolver) and dials the first address that is
+//! dialable ([`super::ranges`]) and that the policy allows for that name: the address the
+//! guest used is never dialed, so an `/etc/hosts` line or a rebinding in the guest changes
+//! nothing. A connection to an address the guest used directly is decided on that
+//! address alone (no name: domain entries do not match it).
+//!
+//! Not yet here (stage 2 of `docs/network-design.md` continues): the Host and SNI of a
+//! connection by address, bytes counted each way (the relays are in the VMM's stack), and
+//! resolution off the vCPU thread (a name pinned with `--egress-hosts` costs a map lookup;
+//! one resolved by the host blocks that VM's vCPU for the lookup, as a dial does today).
+
+use std::collections::VecDeque;
+use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+use vmm::{ConnectRequest, Egress, Verdict};
+
+use super::policy::{Decision, Policy};
+use super::ranges::{Hosts, Private};
+
+/// Attempts one gate keeps (the oldest are dropped first, and counted).
+pub const LOG_KEPT: usize = 10_000;
+
+/// What the operator decides for every gate: pinned names and private ranges opened.
+#[derive(Debug, Clone, Default)]
+pub struct Site {
+    pub hosts: Hosts,
+    pub private: Private,
+}
+
+/// One name resolved or one connection opened by the guest, and what became of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Attempt {
+    /// Unix time, milliseconds.
+    pub at_ms: u64,
+    /// `dns` or `connect`.
+    pub kind: &'static str,
+    /// The name asked for, if any.
+    pub name: Option<String>,
+    /// The address the guest used (a synthetic one for a name) and its port.
+    pub addr: Option<Ipv4Addr>,
+    pub port: Option<u16>,
+    pub allowed: bool,
+    /// Why: `allowed` (an allow entry), `unlisted` (no entry: allowed), `denied` (a deny
+    /// entry), `no-policy`, `always-denied` (every address the name had is in a range no
+    /// policy opens), `unresolved`, `nxdomain` (a name no entry allows where every address
+    /// is denied).
+    pub reason: &'static str,
+    /// The entry that decided, as the client wrote it.
+    pub rule: Option<String>,
+    /// Where bud connected.
+    pub dialed: Option<SocketAddr>,
+}
+
+/// The attempts kept and how many were dropped.
+#[derive(Debug, Default)]
+struct Log {
+    kept: VecDeque<Attempt>,
+    dropped: u64,
+}
+
+/// One sandbox's gate (see the module docs).
+#[derive(Debug)]
+pub struct Gate {
+    /// None: no route out.
+    policy: Mutex<Option<Arc<Policy>>>,
+    site: Arc<Site>,
+    log: Mutex<Log>,
+}
+
+impl Gate {
+    pub fn new(policy: Option<Policy>, site: Arc<Site>) -> Self {
+        Self {
+            policy: Mutex::new(policy.map(Arc::new)),
+            site,
+            log: Mutex::default(),
+        }
+    }
+
+    /// Replaces the policy: connections opened from now on see it.
+    pub fn set_policy(&self, policy: Option<Policy>) {
+        *lock(&self.policy) = policy.map(Arc::new);
+    }
+
+    /// The attempts kept, oldest first, and how many older ones were dropped.
+    pub fn attempts(&self) -> (Vec<Attempt>, u64) {
+        let log = lock(&self.log);
+        (log.kept.iter().cloned().collect(), log.dropped)
+    }
+
+    fn current(&self) -> Option<Arc<Policy>> {
+        lock(&self.policy).clone()
+    }
+
+    fn record(&self, a: Attempt) {
+        let mut log = lock(&self.log);
+        if log.kept.len() >= LOG_KEPT {
+            log.kept.pop_front();
+            log.dropped += 1;
+        }
+        log.kept.push_back(a);
+    }
+
+    /// The IPv4 addresses of `name`: pinned, else the host resolver's.
+    fn resolve(&self, name: &str) -> Vec<Ipv4Addr> {
+        if let Some(pinned) = self.site.hosts.get(name) {
+            return pinned.to_vec();
+        }
+        (name, 0)
+            .to_socket_addrs()
+            .map(|addrs| {
+                addrs
+                    .filter_map(|a| match a {
+                        SocketAddr::V4(v4) => Some(*v4.ip()),
+                        SocketAddr::V6(_) => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The decision for `req`, and where to dial if allowed.
+    fn decide(
+        &self,
+        req: &ConnectRequest<'_>,
+    ) -> (Option<SocketAddr>, &'static str, Option<String>) {
+        let Some(policy) = self.current() else {
+            return (None, "no-policy", None);
+        };
+        let candidates = match req.name {
+            Some(name) => self.resolve(name),
+            None => vec![req.addr],
+        };
+        if candidates.is_empty() {
+            return (None, "unresolved", None);
+        }
+        let mut refusal = ("always-denied", None);
+        for addr in candidates {
+            let decision = policy.decide(req.name, Some(addr), req.port);
+            let (reason, rule) = match decision {
+                Decision::Allowed(rule) => ("allowed", Some(rule)),
+                Decision::Unlisted => ("unlisted", None),
+                Decision::Denied(rule) => {
+                    refusal = ("denied", Some(rule));
+                    continue;
+                }
+            };
+            if self.site.private.dialable(addr) {
+                return (Some(SocketAddr::from((addr, req.port))), reason, rule);
+            }
+        }
+        (None, refusal.0, refusal.1)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Egress for Gate {
+    fn knows(&self, name: &str) -> bool {
+        let (known, reason) = match self.current() {
+            None => (false, "no-policy"),
+            Some(p) if p.allows_name(name) => (true, "allowed"),
+            Some(p) if p.denies_every_address() => (false, "nxdomain"),
+            Some(_) if self.resolve(name).is_empty() => (false, "unresolved"),
+            Some(_) => (true, "unlisted"),
+        };
+        self.record(Attempt {
+            at_ms: now_ms(),
+            kind: "dns",
+            name: Some(name.to_owned()),
+            addr: None,
+            port: None,
+            allowed: known,
+            reason,
+            rule: None,
+            dialed: None,
+        });
+        known
+    }
+
+    fn connect(&self, req: &ConnectRequest<'_>) -> Verdict {
+        let (dial, reason, rule) = self.decide(req);
+        self.record(Attempt {
+            at_ms: now_ms(),
+            kind: "connect",
+            name: req.name.map(str::to_owned),
+            addr: Some(req.addr),
+            port: Some(req.port),
+            allowed: dial.is_some(),
+            reason,
+            rule,
+            dialed: dial,
+        });
+        dial.map_or(Verdict::Refuse, Verdict::Dial)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::policy::PolicySpec;
+    use super::*;
+
+    fn gate(allow: &[&str], deny: &[&str], hosts: &str, private: &str) -> Gate {
+        let spec = PolicySpec {
+            allow_out: allow.iter().map(|s| s.to_string()).collect(),
+            deny_out: deny.iter().map(|s| s.to_string()).collect(),
+        };
+        let site = Site {
+            hosts: Hosts::parse(hosts).unwrap(),
+            private: Private::parse(private).unwrap(),
+        };
+        Gate::new(Some(Policy::parse(&spec).unwrap()), Arc::new(site))
+    }
+
+    fn by_name(name: &str, port: u16) -> ConnectRequest<'_> {
+        ConnectRequest {
+            name: Some(name),
+            addr: Ipv4Addr::new(198, 18, 0, 1),
+            port,
+        }
+    }
+
+    #[test]
+    fn a_pinned_allowed_name_is_dialed_at_its_pinned_address_and_logged() {
+        let g = gate(
+            &["pypi.test"],
+            &["0.0.0.0/0"],
+            "pypi.test 127.0.0.1\n",
+            "127.0.0.1",
+        );
+        assert!(g.knows("pypi.test"));
+        assert_eq!(
+            g.connect(&by_name("pypi.test", 8080)),
+            Verdict::Dial("127.0.0.1:8080".parse().unwrap())
+        );
+        let (log, dropped) = g.attempts();
+        assert_eq!(dropped, 0);
+        assert_eq!(
+            log.iter()
+                .map(|a| (a.kind, a.allowed, a.reason))
+                .collect::<Vec<_>>(),
+            [("dns", true, "allowed"), ("connect", true, "allowed")]
+        );
+        assert_eq!(log[1].rule.as_deref(), Some("pypi.test"));
+    }
+
+    #[test]
+    fn an_allowed_name_that_resolves_to_loopback_is_refused_unless_the_operator_opened_it() {
+        let g = gate(&["pypi.test"], &["0.0.0.0/0"], "pypi.test 127.0.0.1\n", "");
+        assert_eq!(g.connect(&by_name("pypi.test", 80)), Verdict::Refuse);
+        assert_eq!(g.attempts().0[0].reason, "always-denied");
+    }
+
+    #[test]
+    fn names_no_entry_allows_get_nxdomain_under_deny_all_and_addresses_are_refused() {
+        let g = gate(
+            &["pypi.test"],
+            &["0.0.0.0/0"],
+            "evil.test 203.0.113.7\n",
+            "127.0.0.1",
+        );
+        assert!(!g.knows("evil.test"));
+        let literal = ConnectRequest {
+            name: None,
+            addr: Ipv4Addr::new(203, 0, 113, 7),
+            port: 443,
+        };
+        assert_eq!(g.connect(&literal), Verdict::Refuse);
+        let (log, _) = g.attempts();
+        assert_eq!((log[0].reason, log[1].reason), ("nxdomain", "denied"));
+        assert_eq!(log[1].rule.as_deref(), Some("0.0.0.0/0"));
+    }
+
+    #[test]
+    fn without_a_policy_nothing_resolves_and_nothing_is_dialed() {
+        let g = Gate::new(None, Arc::default());
+        assert!(!g.knows("pypi.test"));
+        let literal = ConnectRequest {
+            name: None,
+            addr: Ipv4Addr::new(203, 0, 113, 7),
+            port: 443,
+        };
+        assert_eq!(g.connect(&literal), Verdict::Refuse);
+        assert!(
+            g.attempts()
+                .0
+                .iter()
+                .all(|a| a.reason == "no-policy" && !a.allowed)
+        );
+        g.set_policy(Some(Policy::allow_all()));
+        assert_eq!(
+            g.connect(&literal),
+            Verdict::Dial("203.0.113.7:443".parse().unwrap())
+        );
+    }
+
+    #[test]
+    fn a_synthetic_address_the_guest_used_without_its_name_is_never_dialed() {
+        let g = gate(&[], &[], "", "");
+        let stray = ConnectRequest {
+            name: None,
+            addr: Ipv4Addr::new(198, 18, 0, 9),
+            port: 80,
+        };
+        assert_eq!(g.connect(&stray), Verdict::Refuse);
+        assert_eq!(g.attempts().0[0].reason, "always-denied");
+    }
+
+    #[test]
+    fn the_log_keeps_the_newest_attempts_and_counts_the_dropped() {
+        let g = Gate::new(None, Arc::default());
+        for _ in 0..LOG_KEPT + 3 {
+            g.knows("a.test");
+        }
+        let (log, dropped) = g.attempts();
+        assert_eq!((log.len(), dropped), (LOG_KEPT, 3));
+    }
+}
