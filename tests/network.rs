@@ -14,9 +14,10 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
+use vmm::session::Session;
 use vmm::{
-    ConnectRequest, Egress, Executor, ExecutorOptions, Job, Reuse, Status, Template, TemplateSpec,
-    Verdict,
+    ConnectRequest, Egress, Executor, ExecutorOptions, Job, JobEgress, NoEgress, Reuse, Status,
+    Template, TemplateSpec, Verdict,
 };
 
 /// The one name the test's egress knows.
@@ -142,7 +143,9 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
 /// (denied by `0.0.0.0/0`), and so is the allowed name once an `/etc/hosts` line the job
 /// writes points it there (the guest then connects by address: the gate dials names it
 /// resolved itself, never the guest's addresses). Every attempt is in the gate's log with
-/// its verdict and rule, each lookup twice (glibc asks for A and AAAA).
+/// its verdict and rule, each lookup twice (glibc asks for A and AAAA). The gate is the
+/// job's own ([`Job::egress`]): the next job on the same VM, reset and verified, has the
+/// executor's (none: no name resolves) and adds nothing to the gate's log.
 #[test]
 fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_guest() {
     use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
@@ -151,8 +154,13 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
     // documentation range: refused by the gate, so never dialed.
     const ELSEWHERE: &str = "203.0.113.7";
     let echo = echo_server();
-    let exec = Executor::new(network_template(), ExecutorOptions::default())
-        .expect("starting the executor failed");
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        reuse: Reuse::Warm,
+        verify: true,
+        ..ExecutorOptions::default()
+    };
+    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
     let spec = PolicySpec {
         allow_out: vec![ECHO_NAME.into()],
         deny_out: vec!["0.0.0.0/0".into()],
@@ -165,7 +173,6 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
         Some(Policy::parse(&spec).unwrap()),
         Arc::new(site),
     ));
-    exec.set_egress(gate.clone());
     let port = echo.port();
     let code = format!(
         "import socket\n\
@@ -188,7 +195,20 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
          print('spoofed', attempt({ECHO_NAME:?}))\n"
     );
 
-    let r = exec.run(&job(code)).expect("running the job failed");
+    let mut gated = job(code);
+    gated.egress = Some(JobEgress(gate.clone()));
+    let after = job(format!(
+        "import socket\n\
+         try:\n\
+         \x20   socket.create_connection(({ECHO_NAME:?}, {port}), timeout=20)\n\
+         \x20   print('connected')\n\
+         except socket.gaierror as e:\n\
+         \x20   print('nxdomain', e.errno == socket.EAI_NONAME)\n"
+    ));
+
+    let r = exec.run(&gated).expect("running the job failed");
+    let logged = gate.attempts().0.len();
+    let next = exec.run(&after).expect("running the next job failed");
 
     let out = String::from_utf8_lossy(&r.stdout).into_owned();
     let err = String::from_utf8_lossy(&r.stderr).into_owned();
@@ -234,6 +254,100 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
         (Some(elsewhere), Some(elsewhere))
     );
     assert_eq!((log[5].dialed, log[6].dialed), (None, None));
+    assert_eq!(gate.attempts().0.len(), logged);
+    assert_eq!(
+        (
+            next.status,
+            String::from_utf8_lossy(&next.stdout).into_owned()
+        ),
+        (Status::Ok, "nxdomain True\n".to_owned()),
+        "stderr: {}",
+        String::from_utf8_lossy(&next.stderr)
+    );
+    assert_eq!(exec.take_reset_errors(), Vec::<String>::new());
+    assert!(exec.stats().resets >= 2, "{:?}", exec.stats());
+}
+
+/// A session's egress ([`Session::set_egress`]): its cell reaches the allowed name; a live
+/// change to no egress makes the same name NXDOMAIN in the next cell; and once the session
+/// ends (its gate in force again), its VM (reset, verified, reused) serves the next job with
+/// the executor's egress, not the session's.
+#[test]
+fn a_sessions_egress_changes_live_and_ends_with_the_session() {
+    use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
+
+    let echo = echo_server();
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        reuse: Reuse::Warm,
+        verify: true,
+        ..ExecutorOptions::default()
+    };
+    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
+    let site = Site {
+        hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
+        private: Private::parse("127.0.0.1").unwrap(),
+    };
+    let spec = PolicySpec {
+        allow_out: vec![ECHO_NAME.into()],
+        deny_out: vec!["0.0.0.0/0".into()],
+    };
+    let gate = Arc::new(Gate::new(
+        Some(Policy::parse(&spec).unwrap()),
+        Arc::new(site),
+    ));
+    let probe = job(format!(
+        "import socket\n\
+         try:\n\
+         \x20   s = socket.create_connection(({ECHO_NAME:?}, {port}), timeout=20)\n\
+         \x20   s.sendall(b'ping')\n\
+         \x20   print(s.recv(100).decode())\n\
+         \x20   s.close()\n\
+         except socket.gaierror as e:\n\
+         \x20   print('nxdomain', e.errno == socket.EAI_NONAME)\n",
+        port = echo.port()
+    ));
+    let out = |r: &vmm::JobResult| {
+        assert_eq!(
+            r.status,
+            Status::Ok,
+            "stderr: {}",
+            String::from_utf8_lossy(&r.stderr)
+        );
+        String::from_utf8_lossy(&r.stdout).into_owned()
+    };
+    let cell = |s: &mut Session| {
+        s.exec(
+            &exec,
+            &probe,
+            vmm::session::DEFAULT_INTERRUPT_GRACE,
+            &mut |_, _| {},
+        )
+        .expect("the cell could not run")
+    };
+
+    let mut s = Session::start(&exec).expect("starting the session failed");
+    s.set_egress(gate.clone());
+    let allowed = cell(&mut s);
+    s.set_egress(Arc::new(NoEgress));
+    let changed = cell(&mut s);
+    // The session ends with the gate in force again: the VM's next job must not get it.
+    s.set_egress(gate.clone());
+    s.end(&exec);
+    let after = exec.run(&probe).expect("running the job failed");
+
+    assert_eq!(out(&allowed), "ping\n");
+    assert_eq!(out(&changed), "nxdomain True\n");
+    assert_eq!(out(&after), "nxdomain True\n");
+    let connects = gate
+        .attempts()
+        .0
+        .iter()
+        .filter(|a| a.kind == "connect")
+        .count();
+    assert_eq!(connects, 1);
+    assert_eq!(exec.take_reset_errors(), Vec::<String>::new());
+    assert!(exec.stats().resets >= 1, "{:?}", exec.stats());
 }
 
 /// A trivial job on a clone of the networked template, for counting what the card costs a job

@@ -218,6 +218,13 @@ impl Session {
         })
     }
 
+    /// Decides the names and connections of the session's network card from now on (a
+    /// template with a card; others ignore it): connections already open stay, new ones
+    /// see it. The VM goes back to its executor's egress when the session ends.
+    pub fn set_egress(&mut self, egress: std::sync::Arc<dyn crate::net::Egress>) {
+        self.m.set_egress(egress);
+    }
+
     /// Cells run so far.
     pub fn executions(&self) -> u64 {
         self.executions

@@ -137,6 +137,15 @@ struct Shared {
 }
 
 impl Shared {
+    /// The egress of this executor's VMs ([`Executor::set_egress`]), or the card's default.
+    fn egress(&self) -> Arc<dyn crate::net::Egress> {
+        self.egress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_else(|| Arc::new(crate::net::NoEgress))
+    }
+
     fn idle(&self) -> std::sync::MutexGuard<'_, Idle> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -325,7 +334,9 @@ impl Executor {
     /// and whose RAM is still the template's mapping (no layer mapped over it): it is reset
     /// and kept like a job's VM (module docs), or replaced if the reset fails or it holds
     /// too many private pages.
-    pub(crate) fn give_back(&self, m: Machine) {
+    pub(crate) fn give_back(&self, mut m: Machine) {
+        // A session's own egress ([`crate::session::Session::set_egress`]) ends with it.
+        m.set_egress(self.shared.egress());
         self.recycle(m, Health::Ready);
     }
 
@@ -380,7 +391,16 @@ impl Executor {
             Ok(taken) => taken,
             Err(e) => return deliver(Err(e)),
         };
-        match job::run(&mut m, self.shared.template.state(), j, on_output) {
+        if let Some(egress) = &j.egress {
+            m.set_egress(egress.0.clone());
+        }
+        let ran = job::run(&mut m, self.shared.template.state(), j, on_output);
+        if j.egress.is_some() {
+            // Before the reset, which keeps the egress in force: the next job gets the
+            // executor's, never this one's.
+            m.set_egress(self.shared.egress());
+        }
+        match ran {
             Ok((mut result, health)) => {
                 result.timings.clone = clone_time;
                 result.timings.total = started.elapsed();

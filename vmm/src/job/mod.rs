@@ -64,6 +64,11 @@ pub struct Job {
     /// The caller streams the output: it is also taken every [`STREAM_TICK`] while the job
     /// runs, not only when the guest FLUSHes (which it does when it writes again).
     pub stream_output: bool,
+    /// Decides the names and connections of this job's network card (a template with a
+    /// card), in place of its executor's ([`crate::Executor::set_egress`]); the VM's reset
+    /// after the job gives it back the executor's. Ignored by a session's requests (a
+    /// session's card keeps the egress it was made with) and by VMs without a card.
+    pub egress: Option<crate::net::JobEgress>,
 }
 
 /// How a session cell runs: in which Python namespace and directory, and how it reports an
@@ -110,6 +115,7 @@ impl Job {
             cell: CellOptions::default(),
             cancel: None,
             stream_output: false,
+            egress: None,
         }
     }
 

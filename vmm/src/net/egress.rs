@@ -8,6 +8,7 @@
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 
 /// One TCP connection the guest opens, as the stack sees its first segment (SYN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +56,20 @@ impl Egress for NoEgress {
         Verdict::Refuse
     }
 }
+
+/// One job's egress ([`crate::Job::egress`]): a handle that compares by identity, as a
+/// [`crate::Cancel`] does.
+#[derive(Debug, Clone)]
+pub struct JobEgress(pub Arc<dyn Egress>);
+
+impl PartialEq for JobEgress {
+    /// The same egress.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for JobEgress {}
 
 #[cfg(test)]
 mod tests {

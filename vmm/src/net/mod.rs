@@ -44,7 +44,7 @@ use crate::devices::virtio::net::{
 };
 use crate::memory::{GuestRam, MemoryError};
 use crate::vcpu::Kicker;
-pub use egress::{ConnectRequest, Egress, NoEgress, Verdict};
+pub use egress::{ConnectRequest, Egress, JobEgress, NoEgress, Verdict};
 pub use stack::StackCounters;
 pub use waker::WakerError;
 
