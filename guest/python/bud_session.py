@@ -47,6 +47,7 @@ import io
 import json
 import linecache
 import os
+import re
 import shutil
 import stat
 import sys
@@ -81,11 +82,33 @@ _ERROR_ROOM = 64 << 10
 _cells = 0
 
 
+_INDENT = re.compile(r"[ \t]+")
+
+
+def ipython_cleanup(source):
+    """A cell's source after IPython's first two input transformations
+    (``leading_empty_lines`` and ``leading_indent`` of ``IPython.core.inputtransformer2``),
+    which E2B's and Jupyter's clients rely on: blank lines before the code are dropped, and
+    if the first line is indented, that indent comes off every line that starts with it, so
+    code pasted from an indented block (or an indented triple-quoted string) runs as it
+    reads. Nothing else of IPython's syntax (magics, ``!cmd``, prompts) is taken."""
+    lines = source.splitlines(True)
+    start = next((i for i, line in enumerate(lines) if line and not line.isspace()), 0)
+    lines = lines[start:]
+    indent = _INDENT.match(lines[0]) if lines else None
+    if indent is None:
+        return "".join(lines)
+    prefix = indent.group(0)
+    return "".join(line[len(prefix):] if line.startswith(prefix) else line for line in lines)
+
+
 def compile_cell(source):
-    """(body code, last-expression code or None) of a cell; raises SyntaxError as
-    ``compile`` does. The cell's source goes into ``linecache`` under its own name, so
-    tracebacks show its lines, those of functions it defines too, as Jupyter's do."""
+    """(body code, last-expression code or None) of a cell, after IPython's cleanup
+    (:func:`ipython_cleanup`); raises SyntaxError as ``compile`` does. The cell's source goes
+    into ``linecache`` under its own name, so tracebacks show its lines, those of functions
+    it defines too, as Jupyter's do."""
     global _cells
+    source = ipython_cleanup(source)
     _cells += 1
     name = f"<cell {_cells}>"
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)

@@ -28,6 +28,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["id_prefix"], json!("ses_"));
     assert_eq!(seen["first"], json!("42"));
     assert_eq!(seen["stateful"], json!("82"));
+    assert_eq!(seen["indented"], json!("42"));
     assert_eq!(seen["count"], json!(-1));
     assert_eq!(
         seen["streamed"],
@@ -164,6 +165,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["json_value"], json!({"a": [1, 2.5], "b": null}));
     eprintln!("E2B cell wall times, s: {}", seen["timings"]);
     assert_eq!(seen["context"], json!(["in the context", "41"]));
+    assert_eq!(seen["indented_in_context"], json!("42"));
     assert_eq!(seen["contexts"], json!([false, true]));
     assert_eq!(seen["restarted"], json!("NameError"));
     assert_eq!(

@@ -20,6 +20,10 @@ seen["id_prefix"] = sbx.sandbox_id[:4]
 
 seen["first"] = sbx.run_code("x = 41\nx + 1").text
 seen["stateful"] = sbx.run_code("x * 2").text
+# IPython's input rules: a cell of indented code (pasted from a block, or an indented
+# triple-quoted string) with blank lines first runs as it reads; in a context too (below).
+INDENTED = "\n\n    z = 20\n    if z:\n        z += 1\n    z * 2\n"
+seen["indented"] = sbx.run_code(INDENTED).text
 seen["count"] = sbx.run_code("y = 1").execution_count - sbx.run_code("y = 2").execution_count
 
 streamed = []
@@ -144,6 +148,7 @@ kernel = sbx.run_code(PID, context=ctx).results[0].json
 seen["kernel"] = [kernel[0] < shell_pid, kernel[1]]
 started = time.perf_counter()
 seen["context"] = [sbx.run_code("x", context=ctx).text, sbx.run_code("x").text]
+seen["indented_in_context"] = sbx.run_code(INDENTED, context=ctx).text
 timings["context_next_cell"] = time.perf_counter() - started
 seen["contexts"] = sorted(c.id == ctx.id for c in sbx.list_code_contexts())
 GETCWD = "__import__('os').getcwd()"
