@@ -343,8 +343,7 @@ class JobRunner:
             sys.argv = [""]
             if not sys.path or sys.path[0] != "":
                 sys.path.insert(0, "")
-        for name, value in request.env:
-            os.environb[name] = value
+        saved_env = bud_session.set_cell_env(os.environb, request.env)
         sys.modules["__main__"] = context.main
         context.streams.install()
         namespace = self._namespace(request, context)
@@ -352,7 +351,10 @@ class JobRunner:
         if request.flags & _bud.JOB_FLAGS_ERROR_IN_DISPLAY:
             def report(error):
                 self._error = bud_session.error_of(error)
-        outcome, code, value = bud_exec.exec_cell(source, namespace, report)
+        try:
+            outcome, code, value = bud_exec.exec_cell(source, namespace, report)
+        finally:
+            bud_session.restore_env(os.environb, saved_env)
         if value is not None:
             self._display = bud_session.display_of(value)
         self._take_figures()

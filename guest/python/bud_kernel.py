@@ -83,8 +83,7 @@ def _serve(requests, namespace):
                 os.chdir(request["cwd"])
             except OSError:
                 pass
-        for name, value in request.get("env", {}).items():
-            os.environ[name] = value
+        saved_env = bud_session.set_cell_env(os.environ, request.get("env", {}).items())
         count += 1
         error = []
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -94,6 +93,7 @@ def _serve(requests, namespace):
         except KeyboardInterrupt as late:  # after the cell, before the handler went back
             outcome, status, shown, error = _bud.OUTCOME_SIGNALED, signal.SIGINT, [], [late]
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        bud_session.restore_env(os.environ, saved_env)
         figures = bud_session.take_figures()
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -102,6 +102,28 @@ def ipython_cleanup(source):
     return "".join(line[len(prefix):] if line.startswith(prefix) else line for line in lines)
 
 
+def set_cell_env(environ, pairs):
+    """Sets a cell's environment (``pairs``: (name, value), in ``environ``'s own type:
+    ``os.environ`` takes str, ``os.environb`` bytes) and returns what :func:`restore_env`
+    needs to give the names back their values from before the cell. E2B's rule: an
+    execution's environment variables hold for that execution only."""
+    saved = []
+    for name, value in pairs:
+        saved.append((name, environ.get(name)))
+        environ[name] = value
+    return saved
+
+
+def restore_env(environ, saved):
+    """Gives the names :func:`set_cell_env` set the values they had before it (unset if
+    they had none), whatever the cell did with them meanwhile."""
+    for name, old in reversed(saved):
+        if old is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = old
+
+
 def compile_cell(source):
     """(body code, last-expression code or None) of a cell, after IPython's cleanup
     (:func:`ipython_cleanup`); raises SyntaxError as ``compile`` does. The cell's source goes

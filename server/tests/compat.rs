@@ -29,6 +29,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["first"], json!("42"));
     assert_eq!(seen["stateful"], json!("82"));
     assert_eq!(seen["indented"], json!("42"));
+    assert_eq!(seen["exec_env"], json!(["one", "unset"]));
     assert_eq!(seen["count"], json!(-1));
     assert_eq!(
         seen["streamed"],
@@ -166,6 +167,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     eprintln!("E2B cell wall times, s: {}", seen["timings"]);
     assert_eq!(seen["context"], json!(["in the context", "41"]));
     assert_eq!(seen["indented_in_context"], json!("42"));
+    assert_eq!(seen["exec_env_context"], json!(["two", "unset"]));
     assert_eq!(seen["contexts"], json!([false, true]));
     assert_eq!(seen["restarted"], json!("NameError"));
     assert_eq!(
@@ -187,6 +189,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["removed"], json!(["default"]));
     assert_eq!(seen["bash"], json!(["42 /home/user\n"]));
     assert_eq!(seen["bash_state"], json!(["7 /home/user/b\n"]));
+    assert_eq!(seen["exec_env_bash"], json!([["three\n"], ["unset\n"]]));
     assert_eq!(
         seen["bash_context"],
         json!([["/tmp\n"], ["1unset /\n"], ["7 /home/user/b\n"]])

@@ -74,7 +74,10 @@ const SHELL_SCRIPT: &str = "command -v bash >/dev/null 2>&1 && exec bash -c \"$B
 /// busybox `sh` does not parse); busybox `sh`, whose `read` takes a byte a system call,
 /// sources the pipe itself (buffered reads) up to the trailer's `return`. Either way the
 /// cell runs in the shell itself, with an empty stdin. A line that is not a header is
-/// skipped (what an interrupted cell left unread). Between cells SIGINT only runs a trap
+/// skipped (what an interrupted cell left unread). The environment a cell came with is
+/// given back after it: the cell's preamble records each name's value before it
+/// (`__bud_h_NAME`, `__bud_e_NAME`, the names in `__bud_env`), and the loop restores them
+/// (or unsets those that had none). Between cells SIGINT only runs a trap
 /// (which ends a waiting `read`, and the loop reads again; a trap, not an ignore, which the
 /// cell's commands would inherit); during a cell it ends the cell. The loop's names start
 /// with `__bud_`.
@@ -83,7 +86,7 @@ unset BUD_KERNEL_MARK BUD_KERNEL_LOOP
 __bud_sync=${__bud_mark#?}
 __bud_sync=${__bud_sync% }
 exec 3<&0 </dev/null
-__bud_n=0
+__bud_n=0 __bud_env=
 while :; do
   __bud_late=0
   trap __bud_late=1 INT
@@ -103,6 +106,10 @@ while :; do
   fi
   __bud_s=$?
   trap __bud_late=1 INT
+  for __bud_v in $__bud_env; do
+    eval "if [ -n \"\$__bud_h_$__bud_v\" ]; then export $__bud_v=\"\$__bud_e_$__bud_v\"; else unset $__bud_v; fi; unset __bud_h_$__bud_v __bud_e_$__bud_v"
+  done
+  __bud_env=
   __bud_o=1
   if [ "$__bud_intr" = 1 ]; then __bud_o=2 __bud_s=2; fi
   printf '%s{"seq": %s, "outcome": %s, "status": %s, "count": %s, "display": {}}\n' "$__bud_mark" "$__bud_seq" "$__bud_o" "$__bud_s" "$__bud_n" >&2
@@ -381,7 +388,12 @@ fn request(
                         ),
                     ));
                 }
-                code += &format!("export {name}={}\n", sh_quote(value));
+                // Kept for the loop to give back after the cell (SHELL_LOOP): an
+                // execution's environment holds for that execution only (E2B's rule).
+                code += &format!(
+                    "__bud_env=\"$__bud_env {name}\" __bud_h_{name}=${{{name}+1}} __bud_e_{name}=${{{name}-}}\nexport {name}={}\n",
+                    sh_quote(value)
+                );
             }
             code += &cell.code;
             let sync = mark.trim_start_matches('\u{1e}').trim_end();

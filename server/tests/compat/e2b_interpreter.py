@@ -24,6 +24,11 @@ seen["stateful"] = sbx.run_code("x * 2").text
 # triple-quoted string) with blank lines first runs as it reads; in a context too (below).
 INDENTED = "\n\n    z = 20\n    if z:\n        z += 1\n    z * 2\n"
 seen["indented"] = sbx.run_code(INDENTED).text
+# An execution's environment variables hold for that execution only (E2B's rule): in the
+# default context here, in a Python context and in bash below.
+GETENV = "import os; os.environ.get('BUD_EXEC_ENV', 'unset')"
+seen["exec_env"] = [sbx.run_code(GETENV, envs={"BUD_EXEC_ENV": "one"}).text,
+                    sbx.run_code(GETENV).text]
 seen["count"] = sbx.run_code("y = 1").execution_count - sbx.run_code("y = 2").execution_count
 
 streamed = []
@@ -149,6 +154,8 @@ seen["kernel"] = [kernel[0] < shell_pid, kernel[1]]
 started = time.perf_counter()
 seen["context"] = [sbx.run_code("x", context=ctx).text, sbx.run_code("x").text]
 seen["indented_in_context"] = sbx.run_code(INDENTED, context=ctx).text
+seen["exec_env_context"] = [sbx.run_code(GETENV, context=ctx, envs={"BUD_EXEC_ENV": "two"}).text,
+                            sbx.run_code(GETENV, context=ctx).text]
 timings["context_next_cell"] = time.perf_counter() - started
 seen["contexts"] = sorted(c.id == ctx.id for c in sbx.list_code_contexts())
 GETCWD = "__import__('os').getcwd()"
@@ -197,6 +204,11 @@ timings["bash_first_cell"] = time.perf_counter() - started
 sbx.run_code("mkdir -p /home/user/b && cd /home/user/b && N=7", language="bash")
 started = time.perf_counter()
 seen["bash_state"] = sbx.run_code('echo "$N $(pwd)"', language="bash").logs.stdout
+BASH_GETENV = 'echo "${BUD_EXEC_ENV:-unset}"'
+seen["exec_env_bash"] = [
+    sbx.run_code(BASH_GETENV, language="bash", envs={"BUD_EXEC_ENV": "three"}).logs.stdout,
+    sbx.run_code(BASH_GETENV, language="bash").logs.stdout,
+]
 timings["bash_next_cell"] = time.perf_counter() - started
 bctx = sbx.create_code_context(language="bash", cwd="/tmp")
 seen["bash_context"] = [
