@@ -14,6 +14,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
 use vmm::session::Session;
 use vmm::{
     ConnectRequest, Egress, Executor, ExecutorOptions, Job, JobEgress, NoEgress, Reuse, Status,
@@ -72,6 +73,35 @@ fn network_template() -> Template {
     Template::load_or_build(&spec, None).expect("building the network template failed")
 }
 
+/// An executor that keeps one VM and reuses it (warm), verifying every reset by value.
+fn one_verified_vm() -> Executor {
+    let opts = ExecutorOptions {
+        pool_size: 0,
+        reuse: Reuse::Warm,
+        verify: true,
+        ..ExecutorOptions::default()
+    };
+    Executor::new(network_template(), opts).expect("starting the executor failed")
+}
+
+/// The server's gate with `allow_out: [ECHO_NAME], deny_out: ["0.0.0.0/0"]`, [`ECHO_NAME`]
+/// pinned to 127.0.0.1 and 127.0.0.1 opened by the operator (as `--egress-hosts` and
+/// `--egress-allow-private` will).
+fn echo_only_gate() -> Arc<Gate> {
+    let spec = PolicySpec {
+        allow_out: vec![ECHO_NAME.into()],
+        deny_out: vec!["0.0.0.0/0".into()],
+    };
+    let site = Site {
+        hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
+        private: Private::parse("127.0.0.1").unwrap(),
+    };
+    Arc::new(Gate::new(
+        Some(Policy::parse(&spec).unwrap()),
+        Arc::new(site),
+    ))
+}
+
 fn job(code: String) -> Job {
     let mut j = Job::python(code);
     // Process-free, but every socket call is emulated guest-kernel work on kvm_pvm.
@@ -82,13 +112,7 @@ fn job(code: String) -> Job {
 #[test]
 fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exactly() {
     let echo = echo_server();
-    let opts = ExecutorOptions {
-        pool_size: 0,
-        reuse: Reuse::Warm,
-        verify: true,
-        ..ExecutorOptions::default()
-    };
-    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
+    let exec = one_verified_vm();
     exec.set_egress(Arc::new(EchoOnly(echo)));
     let code = format!(
         "import socket\n\
@@ -148,31 +172,12 @@ fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exact
 /// executor's (none: no name resolves) and adds nothing to the gate's log.
 #[test]
 fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_guest() {
-    use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
-
     // An address outside the guest (its own 127.0.0.1 never reaches the card), from the
     // documentation range: refused by the gate, so never dialed.
     const ELSEWHERE: &str = "203.0.113.7";
     let echo = echo_server();
-    let opts = ExecutorOptions {
-        pool_size: 0,
-        reuse: Reuse::Warm,
-        verify: true,
-        ..ExecutorOptions::default()
-    };
-    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
-    let spec = PolicySpec {
-        allow_out: vec![ECHO_NAME.into()],
-        deny_out: vec!["0.0.0.0/0".into()],
-    };
-    let site = Site {
-        hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
-        private: Private::parse("127.0.0.1").unwrap(),
-    };
-    let gate = Arc::new(Gate::new(
-        Some(Policy::parse(&spec).unwrap()),
-        Arc::new(site),
-    ));
+    let exec = one_verified_vm();
+    let gate = echo_only_gate();
     let port = echo.port();
     let code = format!(
         "import socket\n\
@@ -274,28 +279,9 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
 /// the executor's egress, not the session's.
 #[test]
 fn a_sessions_egress_changes_live_and_ends_with_the_session() {
-    use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
-
     let echo = echo_server();
-    let opts = ExecutorOptions {
-        pool_size: 0,
-        reuse: Reuse::Warm,
-        verify: true,
-        ..ExecutorOptions::default()
-    };
-    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
-    let site = Site {
-        hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
-        private: Private::parse("127.0.0.1").unwrap(),
-    };
-    let spec = PolicySpec {
-        allow_out: vec![ECHO_NAME.into()],
-        deny_out: vec!["0.0.0.0/0".into()],
-    };
-    let gate = Arc::new(Gate::new(
-        Some(Policy::parse(&spec).unwrap()),
-        Arc::new(site),
-    ));
+    let exec = one_verified_vm();
+    let gate = echo_only_gate();
     let probe = job(format!(
         "import socket\n\
          try:\n\

@@ -23,14 +23,7 @@ if os.path.exists('/usr/lib/bud/template_warm.py'):\n\
 impl Shared {
     fn new_clone(&self) -> Result<Machine, TemplateError> {
         let mut m = self.template.clone_machine(&self.kvm)?;
-        if let Some(egress) = self
-            .egress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-        {
-            m.set_egress(egress);
-        }
+        m.set_egress(self.egress());
         self.counters.live.fetch_add(1, Ordering::Relaxed);
         Ok(m)
     }

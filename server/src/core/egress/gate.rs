@@ -236,6 +236,14 @@ mod tests {
         }
     }
 
+    fn by_addr(addr: Ipv4Addr, port: u16) -> ConnectRequest<'static> {
+        ConnectRequest {
+            name: None,
+            addr,
+            port,
+        }
+    }
+
     #[test]
     fn a_pinned_allowed_name_is_dialed_at_its_pinned_address_and_logged() {
         let g = gate(
@@ -276,11 +284,7 @@ mod tests {
             "127.0.0.1",
         );
         assert!(!g.knows("evil.test"));
-        let literal = ConnectRequest {
-            name: None,
-            addr: Ipv4Addr::new(203, 0, 113, 7),
-            port: 443,
-        };
+        let literal = by_addr(Ipv4Addr::new(203, 0, 113, 7), 443);
         assert_eq!(g.connect(&literal), Verdict::Refuse);
         let (log, _) = g.attempts();
         assert_eq!((log[0].reason, log[1].reason), ("nxdomain", "denied"));
@@ -291,11 +295,7 @@ mod tests {
     fn without_a_policy_nothing_resolves_and_nothing_is_dialed() {
         let g = Gate::new(None, Arc::default());
         assert!(!g.knows("pypi.test"));
-        let literal = ConnectRequest {
-            name: None,
-            addr: Ipv4Addr::new(203, 0, 113, 7),
-            port: 443,
-        };
+        let literal = by_addr(Ipv4Addr::new(203, 0, 113, 7), 443);
         assert_eq!(g.connect(&literal), Verdict::Refuse);
         assert!(
             g.attempts()
@@ -313,11 +313,7 @@ mod tests {
     #[test]
     fn a_synthetic_address_the_guest_used_without_its_name_is_never_dialed() {
         let g = gate(&[], &[], "", "");
-        let stray = ConnectRequest {
-            name: None,
-            addr: Ipv4Addr::new(198, 18, 0, 9),
-            port: 80,
-        };
+        let stray = by_addr(Ipv4Addr::new(198, 18, 0, 9), 80);
         assert_eq!(g.connect(&stray), Verdict::Refuse);
         assert_eq!(g.attempts().0[0].reason, "always-denied");
     }
