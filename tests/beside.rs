@@ -206,7 +206,13 @@ fn many_threads_share_the_lane_and_a_cells_end_sends_the_rest_back() {
         })
         .collect();
     let (mut s, r) = cell.join().unwrap();
-    assert_eq!(text(&r.stdout), "eight\n", "{}", text(&r.stderr));
+    assert_eq!(
+        text(&r.stdout),
+        "eight\n",
+        "{:?}: {}",
+        r.status,
+        text(&r.stderr)
+    );
     for w in workers {
         w.join().unwrap();
     }

@@ -100,8 +100,6 @@ struct State {
 struct Open {
     kicker: Kicker,
     accepts: Accepts,
-    /// A call kicked the vCPU since the run loop last looked.
-    woke: bool,
 }
 
 #[derive(Debug)]
@@ -152,7 +150,6 @@ impl Beside {
             if queued >= MAX_QUEUED {
                 return Err(BesideError::Full(MAX_QUEUED));
             }
-            open.woke = true;
             open.kicker.kick();
             if start {
                 self.0.ran_processes.store(true, Ordering::Release);
@@ -206,22 +203,12 @@ impl<'b> Lane<'b> {
         beside.state().open = Some(Open {
             kicker: kicker.clone(),
             accepts,
-            woke: false,
         });
         Some(Self {
             beside,
             mb,
             inflight: None,
         })
-    }
-
-    /// Whether a call kicked the vCPU since the last look (and forget it).
-    pub(crate) fn take_woke(&self) -> bool {
-        self.beside
-            .state()
-            .open
-            .as_mut()
-            .is_some_and(|o| std::mem::take(&mut o.woke))
     }
 
     /// At a stop the main request resumes from: sends the next queued request if the lane
@@ -414,10 +401,6 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(k.is_kicked(), "a call kicks the vCPU");
-        assert!(
-            lane.take_woke() && !lane.take_woke(),
-            "woke once, then forgotten"
-        );
         assert_eq!(file_call(&b).unwrap_err(), BesideError::Full(MAX_QUEUED));
         drop(lane);
         for c in callers {

@@ -336,14 +336,6 @@ fn supervise(
         if kicked {
             m.kicker.reset();
         }
-        // A kick that only handed a request to the lane (not a deadline's, a cancel's or a
-        // stream tick's, which the supervisor tells apart by the time and the flags).
-        let woke = kicked && lane.as_deref().is_some_and(Lane::take_woke);
-        let event = if woke && !j.stream_output && !cancelled(j) && Instant::now() < sup.kick_at() {
-            Event::Lane
-        } else {
-            event
-        };
         if event.takes_output() {
             out.drain(&m.ram, mb, event == Event::Flush)?;
         }
