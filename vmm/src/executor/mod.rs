@@ -234,6 +234,9 @@ impl Executor {
     /// An executor over `template`.
     pub fn new(template: Template, opts: ExecutorOptions) -> Result<Self, ExecError> {
         crate::timer::start();
+        if template.state().machine.net.is_some() {
+            crate::net::start();
+        }
         let shared = Arc::new(Shared {
             template,
             kvm: crate::vm::open_kvm()?,

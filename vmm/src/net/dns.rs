@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 
+#[cfg(doc)]
 use super::egress::Egress;
 
 /// The synthetic pool, 198.18.0.0/15 (RFC 2544's benchmarking range: never a real host).
@@ -33,6 +34,18 @@ const OPCODE_MASK: u16 = 0x7800;
 const RCODE_FORMERR: u16 = 1;
 const RCODE_NXDOMAIN: u16 = 3;
 const RCODE_NOTIMP: u16 = 4;
+
+/// What becomes of one query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// Send this reply.
+    Reply(Vec<u8>),
+    /// Ask the VM's [`Egress`] whether it knows this name (it may resolve it: off the vCPU
+    /// thread), then answer the same query again with what it said.
+    Ask(String),
+    /// Not a query worth answering (a response, or shorter than a header).
+    Ignore,
+}
 
 /// Names the guest resolved and the synthetic addresses they got.
 #[derive(Debug, Default)]
@@ -68,9 +81,18 @@ impl DnsMap {
         Some(addr)
     }
 
-    /// The answer to `query` (a UDP payload), or `None` for a packet that is not a query
-    /// worth answering (a response, or shorter than a header).
-    pub(crate) fn answer(&mut self, query: &[u8], egress: &dyn Egress) -> Option<Vec<u8>> {
+    /// What to do with `query` (a UDP payload), given whether the egress knows the name it
+    /// asks for: `known` is `None` until the egress was asked ([`Answer::Ask`]).
+    pub(crate) fn answer(&mut self, query: &[u8], known: Option<bool>) -> Answer {
+        match self.reply(query, known) {
+            Some(Ok(reply)) => Answer::Reply(reply),
+            Some(Err(name)) => Answer::Ask(name),
+            None => Answer::Ignore,
+        }
+    }
+
+    /// The reply to `query`, or the name to ask about first, or `None` (not a query).
+    fn reply(&mut self, query: &[u8], known: Option<bool>) -> Option<Result<Vec<u8>, String>> {
         let id = u16::from_be_bytes([*query.first()?, *query.get(1)?]);
         let flags = u16::from_be_bytes([*query.get(2)?, *query.get(3)?]);
         if query.len() < HEADER_LEN || flags & FLAG_QR != 0 {
@@ -79,19 +101,19 @@ impl DnsMap {
         let reply_flags = FLAG_QR | (flags & (OPCODE_MASK | FLAG_RD)) | FLAG_RA;
         let qdcount = u16::from_be_bytes([query[4], query[5]]);
         if flags & OPCODE_MASK != 0 {
-            return Some(header(id, reply_flags | RCODE_NOTIMP, 0, 0));
+            return Some(Ok(header(id, reply_flags | RCODE_NOTIMP, 0, 0)));
         }
         let Some(q) = (qdcount == 1).then(|| question(query)).flatten() else {
-            return Some(header(id, reply_flags | RCODE_FORMERR, 0, 0));
+            return Some(Ok(header(id, reply_flags | RCODE_FORMERR, 0, 0)));
         };
-        let addr = egress
-            .knows(&q.name)
-            .then(|| self.address_for(&q.name))
-            .flatten();
+        let Some(known) = known else {
+            return Some(Err(q.name));
+        };
+        let addr = known.then(|| self.address_for(&q.name)).flatten();
         let Some(addr) = addr else {
             let mut out = header(id, reply_flags | RCODE_NXDOMAIN, 1, 0);
             out.extend_from_slice(&query[HEADER_LEN..q.end]);
-            return Some(out);
+            return Some(Ok(out));
         };
         // A known name: its A record; NOERROR with no answer for any other type (AAAA: the
         // guest has no IPv6), so the resolver does not fall back to anything else.
@@ -108,7 +130,7 @@ impl DnsMap {
             out.extend_from_slice(&4u16.to_be_bytes());
             out.extend_from_slice(&addr.octets());
         }
-        Some(out)
+        Some(Ok(out))
     }
 }
 
@@ -173,17 +195,20 @@ fn question(query: &[u8]) -> Option<Question> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::egress::{ConnectRequest, Verdict};
 
-    #[derive(Debug)]
+    /// An egress that knows one name: asked first, then answered (as the stack does).
     struct Knows(&'static str);
 
-    impl Egress for Knows {
-        fn knows(&self, name: &str) -> bool {
-            name == self.0
-        }
-        fn connect(&self, _: &ConnectRequest<'_>) -> Verdict {
-            Verdict::Refuse
+    impl DnsMap {
+        fn ask(&mut self, query: &[u8], egress: &Knows) -> Option<Vec<u8>> {
+            match self.answer(query, None) {
+                Answer::Reply(r) => Some(r),
+                Answer::Ignore => None,
+                Answer::Ask(name) => match self.answer(query, Some(name == egress.0)) {
+                    Answer::Reply(r) => Some(r),
+                    other => panic!("asked again: {other:?}"),
+                },
+            }
         }
     }
 
@@ -209,8 +234,8 @@ mod tests {
         let mut map = DnsMap::default();
         let egress = Knows("echo.test");
 
-        let first = map.answer(&query(7, "Echo.Test", TYPE_A), &egress).unwrap();
-        let again = map.answer(&query(8, "echo.test", TYPE_A), &egress).unwrap();
+        let first = map.ask(&query(7, "Echo.Test", TYPE_A), &egress).unwrap();
+        let again = map.ask(&query(8, "echo.test", TYPE_A), &egress).unwrap();
 
         assert_eq!(&first[..2], &7u16.to_be_bytes());
         assert_eq!(rcode(&first), 0);
@@ -226,8 +251,8 @@ mod tests {
         let mut map = DnsMap::default();
         let egress = Knows("echo.test");
 
-        let unknown = map.answer(&query(1, "evil.test", TYPE_A), &egress).unwrap();
-        let aaaa = map.answer(&query(2, "echo.test", 28), &egress).unwrap();
+        let unknown = map.ask(&query(1, "evil.test", TYPE_A), &egress).unwrap();
+        let aaaa = map.ask(&query(2, "echo.test", 28), &egress).unwrap();
 
         assert_eq!(rcode(&unknown), RCODE_NXDOMAIN);
         assert_eq!(rcode(&aaaa), 0);
@@ -245,16 +270,16 @@ mod tests {
         let mut response = query(4, "a", TYPE_A);
         response[2] |= 0x80;
 
-        let truncated = map.answer(&query(5, "a", TYPE_A)[..14], &egress).unwrap();
-        let compressed = map.answer(&pointer, &egress).unwrap();
+        let truncated = map.ask(&query(5, "a", TYPE_A)[..14], &egress).unwrap();
+        let compressed = map.ask(&pointer, &egress).unwrap();
 
         assert_eq!(rcode(&truncated), RCODE_FORMERR);
         assert_eq!(rcode(&compressed), RCODE_FORMERR);
-        assert_eq!(map.answer(&response, &egress), None);
-        assert_eq!(map.answer(&[1, 2, 3], &egress), None);
+        assert_eq!(map.ask(&response, &egress), None);
+        assert_eq!(map.ask(&[1, 2, 3], &egress), None);
         for len in 0..40 {
             let q: Vec<u8> = (0..len).map(|i| (i * 37 % 256) as u8).collect();
-            let _ = map.answer(&q, &egress);
+            let _ = map.ask(&q, &egress);
         }
     }
 }

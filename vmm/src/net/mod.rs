@@ -9,10 +9,12 @@
 //! inside [`crate::devices::PortBus`]: the guest's MMIO exits reach it without a lock, and
 //! every write to guest memory (receive buffers, used rings) happens between exits, where the
 //! vCPU is not running. Notifications come by MMIO exit (a QueueNotify write), interrupts go
-//! out through the irqfd. Host-side events (a host socket ready, a smoltcp timer) are seen by
-//! one helper thread ([`waker`]) that only marks the card pending and kicks the vCPU out of
-//! `KVM_RUN`; the run loop then serves the card. So a VM that is not running does nothing on
-//! the network, and a reset finds the card quiescent.
+//! out through the irqfd. Host-side events (a host socket ready, a smoltcp timer, a lookup or
+//! dial done) are seen by one thread of the process ([`waker`]) that only marks the card
+//! pending and kicks the vCPU out of `KVM_RUN`; the run loop then serves the card. Lookups
+//! and dials run on a pool of threads of the process ([`dialer`]). So a VM that is not
+//! running does nothing on the network, a reset finds the card quiescent, and the thread
+//! that makes a card (a jailed server's job thread) creates no thread and no socket.
 //!
 //! **Exactness.** The card's guest-visible state ([`NetDeviceState`]) is part of
 //! [`crate::snapshot::MachineState`]; a clone starts from it, and a reset returns to it by
@@ -24,6 +26,7 @@
 //! [`crate::boot`]'s `NIC_CMDLINE`), the gateway and DNS server [`GATEWAY_IP`] (smoltcp's own
 //! address), every other destination is routed through the gateway and accepted by smoltcp.
 
+mod dialer;
 pub mod dns;
 pub mod egress;
 #[cfg(test)]
@@ -46,7 +49,6 @@ use crate::memory::{GuestRam, MemoryError};
 use crate::vcpu::Kicker;
 pub use egress::{ConnectRequest, Egress, JobEgress, NoEgress, Verdict};
 pub use stack::StackCounters;
-pub use waker::WakerError;
 
 /// The guest's address (eth0, static).
 pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);
@@ -65,8 +67,6 @@ const MAX_TX_QUEUED: usize = 1024;
 /// Errors of making or restoring a card.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
-    #[error("network helper: {0}")]
-    Waker(#[from] WakerError),
     #[error("restoring the network card: {0}")]
     State(#[from] NetStateError),
     #[error("network card: {0}")]
@@ -91,7 +91,15 @@ impl FrameSink for TxFrames {
 pub struct Nic {
     device: NetDevice<TxFrames, IrqEvent>,
     stack: stack::Stack,
-    helper: waker::WakerThread,
+    waker: Arc<waker::Waker>,
+}
+
+/// Starts the process's network threads (the wake-up thread and the dial pool) if they have
+/// not started: [`crate::Executor::new`] calls it, before a jailed server's job threads
+/// (which may not create threads) make any card.
+pub(crate) fn start() {
+    waker::start();
+    dialer::start();
 }
 
 impl Nic {
@@ -104,8 +112,8 @@ impl Nic {
         ram: &GuestRam,
     ) -> Result<Self, NetError> {
         let config = NetConfig::default();
-        let helper = waker::WakerThread::start(kicker)?;
-        let stack = stack::Stack::new(config.mtu, Arc::new(NoEgress), helper.waker().clone());
+        let waker = waker::Waker::new(kicker);
+        let stack = stack::Stack::new(config.mtu, Arc::new(NoEgress), waker.clone());
         let mut device = NetDevice::new(VirtioNet::new(config, TxFrames::default()), IrqEvent(irq));
         if let Some(state) = state {
             ram.with_guest_memory(|mem| device.restore_net(state, mem))??;
@@ -113,7 +121,7 @@ impl Nic {
         Ok(Self {
             device,
             stack,
-            helper,
+            waker,
         })
     }
 
@@ -152,12 +160,12 @@ impl Nic {
 
     /// Whether the helper thread saw host-side work for the stack.
     pub(crate) fn is_pending(&self) -> bool {
-        self.helper.waker().is_pending()
+        self.waker.is_pending()
     }
 
     /// Runs the stack if the helper thread asked for it.
     pub(crate) fn serve(&mut self, ram: &GuestRam) {
-        if self.helper.waker().take_pending() {
+        if self.waker.take_pending() {
             self.pump(ram);
         }
     }
@@ -182,7 +190,7 @@ impl Nic {
                 }
             }
         });
-        self.helper.waker().set_timer(timer);
+        self.waker.set_timer(timer);
     }
 
     /// The card's guest-visible state.
@@ -202,9 +210,11 @@ impl Nic {
         ram.with_guest_memory(|mem| device.restore_net(state, mem))??;
         self.device.device_mut().sink_mut().0.clear();
         let egress = self.stack.egress();
-        let waker = self.helper.waker().clone();
+        let waker = self.waker.clone();
+        // The old stack closes its inbox as it goes: work of the dialer for it wakes nothing
+        // from now on, and the mark it may have left is cleared here.
         self.stack = stack::Stack::new(self.device.device().config().mtu, egress, waker);
-        self.helper.waker().clear();
+        self.waker.clear();
         Ok(())
     }
 
@@ -213,7 +223,7 @@ impl Nic {
     pub(crate) fn is_host_side_pristine(&self) -> bool {
         self.stack.is_pristine()
             && self.device.device().sink().0.is_empty()
-            && !self.helper.waker().is_pending()
+            && !self.waker.is_pending()
     }
 }
 

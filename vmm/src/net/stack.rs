@@ -5,22 +5,24 @@
 //!
 //! **Transparent accept.** smoltcp accepts packets for any destination routed through the
 //! gateway (`any_ip`); before a frame reaches it, a TCP SYN for a connection no socket holds
-//! is put to the VM's [`Egress`]: refused (or a dial that fails) leaves no socket, so smoltcp
-//! answers the SYN with a RST (`ECONNREFUSED` in the guest); allowed, the host socket is
-//! dialed and a smoltcp socket listens on the SYN's destination, which the SYN then opens.
-//! Stage 1 dials synchronously with a short timeout (tests dial loopback, which answers at
-//! once); holding the SYN while a dial runs elsewhere is stage 2's (`docs/network-design.md`
-//! section 2.1).
+//! is *held*, and the VM's [`Egress`] is asked about it on a thread of [`super::dialer`],
+//! which dials what the egress allows. When that comes back: refused (or a dial that
+//! failed) leaves no socket, and the SYN goes to smoltcp, which answers it with a RST
+//! (`ECONNREFUSED` in the guest); allowed, a smoltcp socket listens on the SYN's destination
+//! and the SYN opens it. The guest's retransmits of a held SYN are dropped. DNS queries are
+//! held the same way while the egress is asked about the name (it may resolve it).
 //!
-//! Everything here runs on the vCPU thread, between guest exits ([`super::Nic`]); host sockets
-//! are non-blocking and registered with the VM's [`Waker`], which kicks the vCPU when one is
-//! ready or when smoltcp's next timer is due.
+//! Everything else runs on the vCPU thread, between guest exits ([`super::Nic`]), and makes no
+//! system call but `read`, `write` and `shutdown` on connected sockets (the dialer connects
+//! them, makes them non-blocking and registers them with the VM's [`Waker`], which kicks the
+//! vCPU when one is ready, when smoltcp's next timer is due, or when the dialer is done).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, Shutdown, TcpStream};
-use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
@@ -31,15 +33,19 @@ use smoltcp::wire::{
     IpListenEndpoint, IpProtocol, Ipv4Packet, TcpPacket,
 };
 
-use super::dns::DnsMap;
+use super::dialer;
+use super::dns::{Answer, DnsMap};
 use super::egress::{ConnectRequest, Egress, Verdict};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
 
-/// How long a dial may hold the vCPU (stage 1: synchronous; see the module docs).
-const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
-/// Connections (relays) one VM may have open at once; a SYN past it is refused.
+/// How long a dial may take (the guest's SYN is held meanwhile).
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections one VM may have open or being dialed at once; a SYN past it is refused.
 const MAX_RELAYS: usize = 64;
+/// DNS queries one VM may have waiting for its egress; more are dropped (the guest's
+/// resolver asks again).
+const MAX_DNS_IN_FLIGHT: usize = 16;
 /// Each relay's smoltcp buffer, each way.
 const RELAY_BUFFER: usize = 256 << 10;
 /// Frames queued towards the guest before smoltcp is told the link is busy.
@@ -107,11 +113,77 @@ impl phy::Device for Link {
     }
 }
 
+/// A guest connection: its source and destination.
+type Conn = (IpEndpoint, IpEndpoint);
+
+/// What a dial handed to the dialer came back with.
+#[derive(Debug)]
+enum Dialed {
+    /// The egress refused the connection.
+    Refused,
+    /// The dial failed (or the socket could not be prepared).
+    Failed,
+    /// Connected, non-blocking, watched by the VM's waker. A `File`, so that the relay reads
+    /// and writes it with `read(2)` and `write(2)` (what a job thread may call).
+    Connected(File),
+}
+
+/// Work of the dialer, come back to the stack.
+#[derive(Debug)]
+enum Done {
+    Dial(Conn, Dialed),
+    Dns {
+        query: Vec<u8>,
+        meta: udp::UdpMetadata,
+        known: bool,
+    },
+}
+
+/// Where the dialer leaves its work for one stack. Closed when the stack goes (a reset):
+/// work that comes back later is dropped, and wakes nothing.
+#[derive(Debug, Default)]
+struct Inbox {
+    done: Vec<Done>,
+    closed: bool,
+}
+
+fn lock(inbox: &Mutex<Inbox>) -> MutexGuard<'_, Inbox> {
+    inbox.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Hands `done` to the stack of `inbox` and wakes it, unless that stack is gone. Under the
+/// inbox's lock, so that a reset (which closes it, then clears the waker's mark) never sees
+/// a mark left by the stack it replaced.
+fn deliver(inbox: &Mutex<Inbox>, waker: &Waker, done: Done) {
+    let mut i = lock(inbox);
+    if i.closed {
+        return;
+    }
+    i.done.push(done);
+    waker.wake();
+}
+
+/// Dials `target` on a dialer thread and prepares the socket for the relay.
+fn dial(target: SocketAddr, waker: &Waker) -> Dialed {
+    let Ok(host) = TcpStream::connect_timeout(&target, DIAL_TIMEOUT) else {
+        return Dialed::Failed;
+    };
+    if host.set_nonblocking(true).is_err() {
+        return Dialed::Failed;
+    }
+    let _ = host.set_nodelay(true);
+    let host = File::from(OwnedFd::from(host));
+    if waker.watch(host.as_raw_fd()).is_err() {
+        return Dialed::Failed;
+    }
+    Dialed::Connected(host)
+}
+
 /// One guest connection and the host socket it is relayed to.
 #[derive(Debug)]
 struct Relay {
     handle: SocketHandle,
-    host: TcpStream,
+    host: File,
     created: Instant,
     /// The host closed its side (its FIN was passed on to the guest).
     host_done: bool,
@@ -138,6 +210,12 @@ pub(crate) struct Stack {
     dns_socket: SocketHandle,
     dns: DnsMap,
     relays: Vec<Relay>,
+    /// SYNs held while the dialer works on their connection.
+    held: HashMap<Conn, Vec<u8>>,
+    /// Connections refused or failed whose SYN goes to smoltcp next (for its RST).
+    refused: HashSet<Conn>,
+    dns_in_flight: usize,
+    inbox: Arc<Mutex<Inbox>>,
     egress: Arc<dyn Egress>,
     waker: Arc<Waker>,
     origin: Instant,
@@ -194,6 +272,10 @@ impl Stack {
             dns_socket,
             dns: DnsMap::default(),
             relays: Vec::new(),
+            held: HashMap::new(),
+            refused: HashSet::new(),
+            dns_in_flight: 0,
+            inbox: Arc::default(),
             egress,
             waker,
             origin,
@@ -216,13 +298,22 @@ impl Stack {
         self.counters
     }
 
-    /// Whether the stack holds nothing a fresh one would not: no connection, no name handed
-    /// out, no frame queued either way.
+    /// Whether the stack holds nothing a fresh one would not: no connection, none being
+    /// dialed, no query waiting, no name handed out, no frame queued either way.
     pub(crate) fn is_pristine(&self) -> bool {
         self.relays.is_empty()
+            && self.held.is_empty()
+            && self.refused.is_empty()
+            && self.dns_in_flight == 0
             && self.dns.is_empty()
             && self.link.to_stack.is_empty()
             && self.link.to_guest.is_empty()
+    }
+
+    /// Whether work of the dialer for this stack is under way.
+    #[cfg(test)]
+    pub(crate) fn is_waiting(&self) -> bool {
+        !self.held.is_empty() || self.dns_in_flight > 0
     }
 
     fn now(&self) -> smoltcp::time::Instant {
@@ -234,10 +325,14 @@ impl Stack {
     /// run (a timer), if ever.
     pub(crate) fn poll(&mut self) -> Option<Duration> {
         let now = self.now();
-        while let Some(frame) = self.link.to_stack.front() {
-            if let Some((src, dst)) = new_syn(frame) {
-                self.accept(src, dst);
+        self.take_done();
+        while let Some(frame) = self.link.to_stack.pop_front() {
+            if let Some(conn) = new_syn(&frame)
+                && self.hold(conn, &frame)
+            {
+                continue;
             }
+            self.link.to_stack.push_front(frame);
             let _ = self
                 .iface
                 .poll_ingress_single(now, &mut self.link, &mut self.sockets);
@@ -258,45 +353,93 @@ impl Stack {
             .map(|d| Duration::from_micros(d.total_micros()))
     }
 
-    /// A SYN from the guest's `src` to `dst` that no socket holds: ask the egress, dial,
-    /// and leave a socket listening on `dst` if the connection goes ahead.
-    fn accept(&mut self, src: IpEndpoint, dst: IpEndpoint) {
-        let held = self.relays.iter().any(|r| {
+    /// Whether the SYN of `conn` (`frame`) is held: a new connection, whose egress the
+    /// dialer is asked about now, or a retransmit of one being dialed (dropped). Not held: a
+    /// connection a socket already has, one just refused (smoltcp answers with a RST), or one
+    /// past [`MAX_RELAYS`].
+    fn hold(&mut self, conn: Conn, frame: &[u8]) -> bool {
+        if self.refused.remove(&conn) {
+            return false;
+        }
+        if self.held.contains_key(&conn) {
+            return true;
+        }
+        let (src, dst) = conn;
+        let has_socket = self.relays.iter().any(|r| {
             let s = self.sockets.get::<tcp::Socket>(r.handle);
             s.remote_endpoint() == Some(src)
                 || (s.state() == tcp::State::Listen && s.listen_endpoint().port == dst.port && {
                     s.listen_endpoint().addr == Some(dst.addr)
                 })
         });
-        if held {
-            return;
+        if has_socket {
+            return false;
         }
+        if self.relays.len() + self.held.len() >= MAX_RELAYS {
+            self.counters.connections_refused += 1;
+            return false;
+        }
+        self.held.insert(conn, frame.to_vec());
         let IpAddress::Ipv4(addr) = dst.addr;
         let name = self.dns.name_of(addr).map(str::to_owned);
-        let req = ConnectRequest {
-            name: name.as_deref(),
-            addr,
-            port: dst.port,
-        };
-        let verdict = if self.relays.len() >= MAX_RELAYS {
-            Verdict::Refuse
-        } else {
-            self.egress.connect(&req)
-        };
-        let Verdict::Dial(target) = verdict else {
-            self.counters.connections_refused += 1;
-            return;
-        };
-        let host = match TcpStream::connect_timeout(&target, DIAL_TIMEOUT)
-            .and_then(|s| s.set_nonblocking(true).map(|()| s))
-        {
-            Ok(s) => s,
-            Err(_) => {
-                self.counters.dials_failed += 1;
-                return;
+        let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
+        dialer::submit(Box::new(move || {
+            let req = ConnectRequest {
+                name: name.as_deref(),
+                addr,
+                port: dst.port,
+            };
+            let dialed = match egress.connect(&req) {
+                Verdict::Refuse => Dialed::Refused,
+                Verdict::Dial(target) => dial(target, &waker),
+            };
+            deliver(&inbox, &waker, Done::Dial(conn, dialed));
+        }));
+        true
+    }
+
+    /// Takes what the dialer finished: each held SYN goes back to the front of the queue,
+    /// to a socket listening for it or to smoltcp's RST; each DNS query is answered.
+    fn take_done(&mut self) {
+        let done = std::mem::take(&mut lock(&self.inbox).done);
+        for d in done {
+            match d {
+                Done::Dial(conn, dialed) => {
+                    let Some(syn) = self.held.remove(&conn) else {
+                        continue;
+                    };
+                    let opened = match dialed {
+                        Dialed::Connected(host) => self.open_relay(conn.1, host),
+                        Dialed::Failed => false,
+                        Dialed::Refused => {
+                            self.counters.connections_refused += 1;
+                            self.refused.insert(conn);
+                            self.link.to_stack.push_front(syn);
+                            continue;
+                        }
+                    };
+                    if opened {
+                        self.counters.connections_allowed += 1;
+                    } else {
+                        self.counters.dials_failed += 1;
+                        self.refused.insert(conn);
+                    }
+                    self.link.to_stack.push_front(syn);
+                }
+                Done::Dns { query, meta, known } => {
+                    self.dns_in_flight -= 1;
+                    if let Answer::Reply(reply) = self.dns.answer(&query, Some(known)) {
+                        let socket = self.sockets.get_mut::<udp::Socket>(self.dns_socket);
+                        // A full send buffer drops the answer; the guest's resolver asks again.
+                        let _ = socket.send_slice(&reply, meta);
+                    }
+                }
             }
-        };
-        let _ = host.set_nodelay(true);
+        }
+    }
+
+    /// A socket listening on `dst` for the held SYN, relayed to `host`.
+    fn open_relay(&mut self, dst: IpEndpoint, host: File) -> bool {
         let mut socket = tcp::Socket::new(
             tcp::SocketBuffer::new(vec![0; RELAY_BUFFER]),
             tcp::SocketBuffer::new(vec![0; RELAY_BUFFER]),
@@ -304,11 +447,9 @@ impl Stack {
         socket.set_nagle_enabled(false);
         // Acknowledge at once: a delayed ACK would need a timer exit to go out.
         socket.set_ack_delay(None);
-        if socket.listen(dst).is_err() || self.waker.watch(host.as_raw_fd()).is_err() {
-            self.counters.dials_failed += 1;
-            return;
+        if socket.listen(dst).is_err() {
+            return false;
         }
-        self.counters.connections_allowed += 1;
         let handle = self.sockets.add(socket);
         self.relays.push(Relay {
             handle,
@@ -317,15 +458,33 @@ impl Stack {
             host_done: false,
             guest_done: false,
         });
+        true
     }
 
+    /// Answers the guest's DNS queries: at once if they need no egress (malformed, not a
+    /// query), else once the dialer has asked the egress about the name.
     fn serve_dns(&mut self) {
         let socket = self.sockets.get_mut::<udp::Socket>(self.dns_socket);
         while let Ok((len, meta)) = socket.recv_slice(&mut self.scratch) {
             self.counters.dns_queries += 1;
-            if let Some(reply) = self.dns.answer(&self.scratch[..len], self.egress.as_ref()) {
-                // A full send buffer drops the answer; the guest's resolver asks again.
-                let _ = socket.send_slice(&reply, meta.endpoint);
+            let query = &self.scratch[..len];
+            match self.dns.answer(query, None) {
+                Answer::Reply(reply) => {
+                    // A full send buffer drops the answer; the guest's resolver asks again.
+                    let _ = socket.send_slice(&reply, meta);
+                }
+                Answer::Ask(name) if self.dns_in_flight < MAX_DNS_IN_FLIGHT => {
+                    self.dns_in_flight += 1;
+                    let query = query.to_vec();
+                    let (egress, inbox, waker) =
+                        (self.egress.clone(), self.inbox.clone(), self.waker.clone());
+                    dialer::submit(Box::new(move || {
+                        let known = egress.knows(&name);
+                        deliver(&inbox, &waker, Done::Dns { query, meta, known });
+                    }));
+                }
+                // Too many waiting: dropped, the guest's resolver asks again.
+                Answer::Ask(_) | Answer::Ignore => {}
             }
         }
     }
@@ -379,7 +538,7 @@ impl Stack {
             );
             if guest_closed && !r.guest_done && s.recv_queue() == 0 {
                 r.guest_done = true;
-                let _ = r.host.shutdown(Shutdown::Write);
+                shutdown_write(&r.host);
             }
         }
     }
@@ -399,8 +558,23 @@ impl Stack {
     }
 }
 
+impl Drop for Stack {
+    /// Work of the dialer still under way for this stack is dropped when it comes back.
+    fn drop(&mut self) {
+        lock(&self.inbox).closed = true;
+    }
+}
+
+/// Passes the guest's end of its side of a connection on to the host (`shutdown(SHUT_WR)`).
+fn shutdown_write(host: &File) {
+    // SAFETY: `host` owns a connected socket fd that stays open for the call; shutdown
+    // touches no memory of ours, and its failure (a connection already gone) changes nothing
+    // the relay relies on.
+    unsafe { libc::shutdown(host.as_raw_fd(), libc::SHUT_WR) };
+}
+
 /// The source and destination of `frame` if it is a TCP SYN (without ACK) over IPv4.
-fn new_syn(frame: &[u8]) -> Option<(IpEndpoint, IpEndpoint)> {
+fn new_syn(frame: &[u8]) -> Option<Conn> {
     let eth = EthernetFrame::new_checked(frame).ok()?;
     if eth.ethertype() != EthernetProtocol::Ipv4 {
         return None;
