@@ -114,6 +114,7 @@ fn boot_template(cli: &Cli, name: &str) -> anyhow::Result<()> {
         build,
         guest: bud_templates::GuestBuild::Built,
         ram_size: None,
+        network: false,
     };
     let started = Instant::now();
     let template = bud_templates::template(&opts, &mut |l: &str| progress(l), None)

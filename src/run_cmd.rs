@@ -158,6 +158,7 @@ fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::J
         build,
         guest: bud_templates::GuestBuild::Existing,
         ram_size: args.mem_mib.map(|m| m << 20),
+        network: false,
     };
     let template = bud_templates::template(&opts, &mut |l: &str| progress(l), None)
         .context("preparing the template")?;

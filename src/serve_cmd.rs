@@ -66,6 +66,7 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         config.state_dir = Some(build.build_dir.join("state").join(args.port.to_string()));
     }
     let ram_size = args.mem_mib.map(|m| m << 20);
+    let network = config.network;
     bud_server::run(bud_server::ServeOptions {
         listen: args.listen,
         port: args.port,
@@ -82,6 +83,7 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
                     Moment::Added => bud_templates::GuestBuild::Built,
                 },
                 ram_size,
+                network,
             };
             let template = bud_templates::template(
                 &opts,

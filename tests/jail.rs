@@ -197,3 +197,75 @@ fn a_server_started_with_no_jail_says_so_and_is_not_jailed() {
     assert_eq!(health["jailed"], json!(false), "{health}");
     assert_eq!(job["stdout"], "42\n", "{job}");
 }
+
+/// A server on 127.0.0.1 that reads a connection to its end (the client's half-close),
+/// then answers how many bytes came and closes.
+fn counting_server() -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut all = Vec::new();
+                if conn.read_to_end(&mut all).is_ok() {
+                    let _ = conn.write_all(format!("got {}", all.len()).as_bytes());
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_jailed_server_with_network_cards_dials_relays_and_passes_a_half_close_on() {
+    common::require_kvm();
+    let peer = counting_server();
+    let dir = common::source_dir().join("target/tmp/jail-network");
+    std::fs::create_dir_all(&dir).unwrap();
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "peer.test 127.0.0.1\n").unwrap();
+    let hosts = hosts.to_string_lossy().into_owned();
+    let mut s = serve(&[
+        "--network",
+        "--egress-hosts",
+        &hosts,
+        "--egress-allow-private",
+        "127.0.0.1",
+    ]);
+    let line = wait_for_log(&mut s, "jail: ");
+    assert!(line.contains("jail: seccomp filters on"), "{line}");
+
+    // A session's cell: its VM's relay runs on a job thread, under the job filter; the
+    // dial, the lookup of the pinned name and the wake-ups on the process's own threads.
+    let session = post(
+        &s,
+        "/v1/sessions",
+        json!({"network": {"allow_out": ["peer.test"], "deny_out": ["0.0.0.0/0"]}}),
+    );
+    let id = session["id"].as_str().unwrap();
+    let code = format!(
+        "import socket\n\
+         s = socket.create_connection(('peer.test', {}), timeout=40)\n\
+         s.sendall(b'x' * 100000)\n\
+         s.shutdown(socket.SHUT_WR)\n\
+         got = b''\n\
+         while True:\n    \
+             b = s.recv(65536)\n    \
+             if not b:\n        \
+                 break\n    \
+             got += b\n\
+         print(got.decode())\n",
+        peer.port()
+    );
+    let cell = post(
+        &s,
+        &format!("/v1/sessions/{id}/exec"),
+        json!({"code": code, "timeout_ms": 60_000}),
+    );
+
+    assert_eq!(cell["stdout"], "got 100000\n", "{cell}");
+    assert!(s.child.try_wait().unwrap().is_none(), "the jail killed it");
+    assert_eq!(health(&s).unwrap()["jailed"], json!(true));
+}

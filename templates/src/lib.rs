@@ -48,6 +48,9 @@ pub struct TemplateOptions {
     /// Guest RAM in bytes (part of the template's identity); `None`: the template recipe's
     /// `ram_mib`, or [`vmm::boot::DEFAULT_RAM_SIZE`] for the base template.
     pub ram_size: Option<u64>,
+    /// A network card in the guest (part of the template's identity: [`vmm::net`]). Without
+    /// a policy it has no route out.
+    pub network: bool,
 }
 
 impl TemplateOptions {
@@ -58,6 +61,7 @@ impl TemplateOptions {
             build: BuildOptions::new(source_dir),
             guest: GuestBuild::Existing,
             ram_size: None,
+            network: false,
         }
     }
 
@@ -126,6 +130,7 @@ pub fn template(
         site.as_ref()
             .map_or(vmm::boot::DEFAULT_RAM_SIZE, |s| s.ram_mib << 20)
     });
+    boot.network = opts.network;
     if let Some(site) = &site {
         boot.timeout = std::time::Duration::from_secs(site.boot_timeout_s);
     }

@@ -50,6 +50,10 @@ pub enum Network {
     /// No network device at all.
     #[default]
     None,
+    /// A network card behind bud's stack ([`crate::net`]): a sandbox reaches what its
+    /// egress allows, and nothing without one. Set by [`crate::Template`] from its
+    /// snapshot (a template booted with a card), never by the image builder.
+    Card,
 }
 
 /// A runtime: a name a job asks for, and how the worker runs it.

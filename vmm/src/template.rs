@@ -130,6 +130,15 @@ pub struct Template {
     manifest: Manifest,
 }
 
+/// What a template built from an image of `manifest` offers: the image's manifest, and a
+/// network card if the template was booted with one (the image builder cannot know).
+fn offered(mut manifest: Manifest, state: &SnapshotState) -> Manifest {
+    if state.machine.net.is_some() {
+        manifest.network = crate::manifest::Network::Card;
+    }
+    manifest
+}
+
 /// Where the image builder leaves the manifest of `initramfs`: beside it.
 pub fn manifest_path(initramfs: &Path) -> PathBuf {
     initramfs.with_file_name(MANIFEST_FILE)
@@ -236,7 +245,7 @@ impl Template {
                     // template in hand has it, and only `load` of the bare directory
                     // (a paused session's template, gone from the build) reads the copy.
                     let _ = manifest.write(&dir.join(MANIFEST_FILE));
-                    t.manifest = manifest.clone();
+                    t.manifest = offered(manifest.clone(), &t.state);
                     t
                 })),
             },
@@ -379,6 +388,7 @@ impl Template {
         origin: Origin,
     ) -> Result<Self, TemplateError> {
         let memory = open_memory(dir)?;
+        let manifest = offered(manifest, &state);
         // Made now, while the process may still make folders (a jailed server may not):
         // pins are files in it.
         let _ = fs::create_dir_all(dir.join(PINS_DIR));

@@ -148,6 +148,8 @@ struct Shared {
     state_dir: Option<Arc<crate::core::durable::StateDir>>,
     node: Arc<crate::core::node::Node>,
     registry: Option<Arc<crate::core::registry::Registry>>,
+    /// What the operator decides for every sandbox's network (`--egress-*`).
+    egress_site: Arc<crate::core::egress::Site>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -167,6 +169,8 @@ pub enum StateError {
     StateDir(#[from] crate::core::durable::DurableError),
     #[error(transparent)]
     Registry(#[from] crate::core::registry::RegistryError),
+    #[error(transparent)]
+    EgressHosts(#[from] crate::core::egress::HostsError),
 }
 
 impl AppState {
@@ -224,6 +228,13 @@ impl AppState {
             }
             None => None,
         };
+        let egress_site = Arc::new(crate::core::egress::Site {
+            hosts: match &config.egress_hosts {
+                Some(path) => crate::core::egress::Hosts::load(path)?,
+                None => crate::core::egress::Hosts::default(),
+            },
+            private: config.egress_allow_private.clone(),
+        });
         Ok(Self(Arc::new(Shared {
             config,
             templates: RwLock::new(templates),
@@ -236,7 +247,13 @@ impl AppState {
             state_dir,
             node,
             registry,
+            egress_site,
         })))
+    }
+
+    /// What the operator decides for every sandbox's network.
+    pub fn egress_site(&self) -> &Arc<crate::core::egress::Site> {
+        &self.0.egress_site
     }
 
     /// This server as a node of a cluster: its id, drain state, hand-overs.

@@ -39,12 +39,14 @@ pub fn one_shot(
     };
     let template = req.template.take();
     let runtime = req.language.take();
+    let network = req.network.take();
     Ok(OneShot {
         job: req.into_job(&state.config().limits, prefix)?,
         template,
         runtime,
         files,
         route: route.to_owned(),
+        network,
     })
 }
 
@@ -56,6 +58,9 @@ pub fn response(ran: Ran, output_b64: bool) -> ExecResponse {
             .into_iter()
             .map(|(name, bytes)| (name, crate::http::jobs::b64(&bytes)))
             .collect()
+    });
+    resp.network = ran.network.map(|g| {
+        serde_json::to_value(crate::service::network::NetworkView::of(Some(&g))).unwrap_or_default()
     });
     resp
 }
@@ -168,6 +173,10 @@ pub struct ExecResponse {
     /// The files `return_files` matched (path -> content in base64), when it was given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub files: Option<BTreeMap<String, String>>,
+    /// On a template with a network card: the policy it ran under and every name it
+    /// resolved and connection it opened (as `GET /v1/sessions/{id}/network`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<serde_json::Value>,
     /// Rich results: every matplotlib figure the job showed (`plt.show()`) or left open,
     /// in order, as `image/png`.
     #[serde(default)]
@@ -225,6 +234,7 @@ impl ExecResponse {
             crash: r.crash,
             console_tail: r.console_tail,
             files: None,
+            network: None,
             results: r
                 .figures
                 .into_iter()

@@ -1,6 +1,6 @@
 //! The HTTP edge: bud's own routes over the service, one file per feature, named as the
 //! service's and the core's files are ([`exec`], [`sessions`], [`processes`],
-//! [`contexts`], [`durable`], [`node`], [`templates`]), and what every route shares: the
+//! [`contexts`], [`durable`], [`network`], [`node`], [`templates`]), and what every route shares: the
 //! request body ([`body`]), errors as HTTP ([`error`]), streamed answers ([`stream`]), the
 //! OpenAPI document ([`openapi`]), the API-key gate ([`KeyGate`]), the accept loop
 //! ([`conn`]), HAProxy's agent check ([`agent`]) and startup ([`startup`]).
@@ -15,6 +15,7 @@ pub mod contexts;
 pub mod durable;
 pub mod error;
 pub mod jobs;
+pub mod network;
 pub mod node;
 pub mod openapi;
 pub mod processes;
@@ -36,7 +37,7 @@ use crate::service;
 use error::ApiError;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 46] = [
+pub const ROUTES: [(&str, &str); 48] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -53,6 +54,8 @@ pub const ROUTES: [(&str, &str); 46] = [
     ("post", "/v1/sessions/{id}/exec"),
     ("post", "/v1/sessions/{id}/exec/stream"),
     ("post", "/v1/sessions/{id}/fork"),
+    ("get", "/v1/sessions/{id}/network"),
+    ("put", "/v1/sessions/{id}/network"),
     ("get", "/v1/sessions/{id}/files"),
     ("put", "/v1/sessions/{id}/files/{path}"),
     ("get", "/v1/sessions/{id}/files/{path}"),
@@ -111,6 +114,10 @@ pub fn routes() -> Router<AppState> {
             post(stream::session_stream),
         )
         .route("/v1/sessions/{id}/fork", post(sessions::fork))
+        .route(
+            "/v1/sessions/{id}/network",
+            get(network::show).put(network::replace),
+        )
         .route("/v1/sessions/{id}/files", get(sessions::list_files))
         .route(
             "/v1/sessions/{id}/files/{*path}",

@@ -106,6 +106,7 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         watches: e.processes.watch_list(),
         attachment: e.attachment_record(),
         contexts: e.contexts().clone(),
+        network: e.network.as_ref().and_then(|g| g.policy()),
     };
     let app = serde_json::to_vec(&record).map_err(Error::internal)?;
     let path = dir.paused().path(&e.id);
@@ -164,6 +165,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             watches: e.processes.watch_list(),
             attachment: e.attachment_record(),
             contexts: e.contexts().clone(),
+            network: e.network.as_ref().and_then(|g| g.policy()),
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
         let path = dir.snapshots().path(&snap_id);
@@ -266,6 +268,14 @@ pub async fn start_from(
         engine: crate::core::engine::vmm::engine(&exec),
         auto_pause: req.auto_pause.unwrap_or(false),
         again: None,
+        // The request's policy, else the snapshot's (never the server's default: a
+        // snapshot of a restricted session stays restricted).
+        network: match &req.network {
+            Some(spec) => {
+                crate::service::network::gate_for(state, &exec, &r.template, Some(spec), "network")?
+            }
+            None => crate::service::network::restored(state, &exec, r.network.as_ref()),
+        },
     };
     let path = dir.snapshots().path(snap);
     let sessions = state.sessions().clone();

@@ -195,6 +195,11 @@ pub fn run_with_files(
     sink: &mut dyn FnMut(Stream, &[u8]),
 ) -> Result<(JobResult, Returned), Error> {
     let mut s = Session::start(ex).map_err(Error::internal)?;
+    if let Some(egress) = &job.egress {
+        // Its own network, as a one-shot job without files has (the session's end puts
+        // the executor's back).
+        s.set_egress(egress.0.clone());
+    }
     let outcome = files_job(ex, &mut s, job, files, sink);
     s.end(ex);
     outcome

@@ -24,6 +24,7 @@ use crate::core::engine::Engine;
 
 use crate::core::audit::Origin;
 use crate::core::config::Limits;
+use crate::core::egress::Gate;
 use crate::core::jobs::{CancelOnDrop, Slot};
 use crate::core::state::AppState;
 use crate::service::admission::{self, Pending, Reply};
@@ -31,7 +32,7 @@ use crate::service::error::Error;
 use crate::service::files::{JobFiles, check_relative};
 use crate::service::record::finished;
 use crate::service::task::Sink;
-use crate::service::{files, templates};
+use crate::service::{files, network, templates};
 
 /// A one-shot job as the service takes it: checked (see [`ExecRequest`]).
 #[derive(Debug)]
@@ -46,6 +47,8 @@ pub struct OneShot {
     pub files: JobFiles,
     /// The route that asked, for the audit trail.
     pub route: String,
+    /// What its network may reach (a template with a card only; default: the server's).
+    pub network: Option<crate::core::egress::PolicySpec>,
 }
 
 /// A job that ran (whatever its status).
@@ -56,12 +59,14 @@ pub struct Ran {
     pub waited: Duration,
     /// The files its `return_files` patterns matched (path -> bytes), when it had any.
     pub files: files::Returned,
+    /// Its network's gate (what it resolved and connected to), on a template with a card.
+    pub network: Option<Arc<Gate>>,
 }
 
 /// Sends `one` to a job thread in `slot`; `field` names it in errors (a batch's job).
 fn submit(
     state: &AppState,
-    engine: Arc<dyn Engine>,
+    (engine, gate): (Arc<dyn Engine>, Option<Arc<Gate>>),
     slot: Slot,
     one: OneShot,
     mut sink: Sink,
@@ -75,6 +80,9 @@ fn submit(
         ..
     } = one;
     let origin = Origin::here(&route, state.template_name(template.as_deref()), None);
+    job.egress = gate
+        .clone()
+        .map(|g| vmm::JobEgress(g as Arc<dyn vmm::Egress>));
     // Held by the caller's future: a caller that goes away drops it, which cancels the job.
     let cancel = CancelOnDrop::for_job(state.jobs(), &mut job);
     let st = state.clone();
@@ -91,7 +99,7 @@ fn submit(
                 Box::new(|result| {
                     let shown = result.as_ref().map_err(|e| e as &dyn std::fmt::Display);
                     finished(&st, &origin, "job", &job, shown, waited);
-                    reply.send(ran(result, waited, field));
+                    reply.send(ran(result, waited, field, gate));
                 }),
             );
             return;
@@ -110,6 +118,7 @@ fn submit(
             result,
             waited,
             files,
+            network: gate,
         }));
     })?;
     Ok(Pending::new(rx, cancel))
@@ -119,12 +128,14 @@ fn ran(
     result: Result<JobResult, ExecError>,
     waited: Duration,
     field: Option<String>,
+    network: Option<Arc<Gate>>,
 ) -> Result<Ran, Error> {
     match result {
         Ok(result) => Ok(Ran {
             result,
             waited,
             files: None,
+            network,
         }),
         Err(e) => Err(Error::exec(e, field)),
     }
@@ -136,8 +147,22 @@ pub async fn run(state: &AppState, mut one: OneShot, sink: Sink) -> Result<Ran, 
     admission::check_open(state)?;
     let engine = templates::engine_for(state, one.template.as_deref())?;
     one.job.language = templates::runtime(engine.as_ref(), one.runtime.as_deref(), "language")?;
+    let gate = gate_of(state, engine.as_ref(), &one, "network")?;
     let slot = admission::admit(state, 1)?.remove(0);
-    submit(state, engine, slot, one, sink, None)?.finish().await
+    submit(state, (engine, gate), slot, one, sink, None)?
+        .finish()
+        .await
+}
+
+/// The gate of one-shot job `one` on `engine` (see [`network::gate_for`]).
+fn gate_of(
+    state: &AppState,
+    engine: &dyn Engine,
+    one: &OneShot,
+    field: &str,
+) -> Result<Option<Arc<Gate>>, Error> {
+    let template = state.template_name(one.template.as_deref());
+    network::gate_for(state, engine, template, one.network.as_ref(), field)
 }
 
 /// Runs a batch: every job admitted at once or none, all on the job threads in parallel,
@@ -168,7 +193,8 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
             &format!("jobs[{i}].language"),
         )?;
         one.job.output_limit = one.job.output_limit.min(share);
-        ready.push((engine, one));
+        let gate = gate_of(state, engine.as_ref(), &one, &format!("jobs[{i}].network"))?;
+        ready.push(((engine, gate), one));
     }
     let slots = admission::admit(state, n)?;
     let mut pending = Vec::with_capacity(n);
@@ -223,6 +249,10 @@ pub struct ExecRequest {
     /// The template to run in (`GET /v1/templates`; default: the server's default). Not for
     /// session cells: a session keeps the template it was created from.
     pub template: Option<String>,
+    /// What the job's network may reach (a template with a card only; default: the
+    /// server's `--egress-default`). Not for session cells: a session's is set when it is
+    /// created, or replaced with `PUT /v1/sessions/{id}/network`.
+    pub network: Option<crate::core::egress::PolicySpec>,
     /// How a session cell runs (set by the code-interpreter compat layer, not by clients).
     #[serde(skip)]
     pub cell: vmm::CellOptions,

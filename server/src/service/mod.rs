@@ -15,6 +15,7 @@
 //! - [`processes`]: a session's background processes and the pump that runs its VM
 //!   while they live;
 //! - [`files`]: a session's files, a one-shot job's files;
+//! - [`network`]: a sandbox's network policy, its gate and its record of connections;
 //! - [`templates`]: which executor a request runs on;
 //! - [`record`]: a finished job or cell recorded once (metrics, log, audit);
 //! - [`task`]: where output goes ([`task::Sink`]), and a call whose output streams, on
@@ -35,6 +36,7 @@ pub mod import_check;
 pub mod jobs;
 pub mod kernels;
 pub mod lifecycle;
+pub mod network;
 pub mod processes;
 pub mod record;
 pub mod resume;

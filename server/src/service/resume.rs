@@ -180,6 +180,7 @@ fn resume_file(
         engine: crate::core::engine::vmm::engine(exec),
         auto_pause: r.auto_pause,
         again: Some((id.clone(), from_epoch_ms(r.created_at_ms))),
+        network: crate::service::network::restored(state, exec, r.network.as_ref()),
     };
     let e = state
         .sessions()

@@ -70,6 +70,14 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     probe.into_job(&state.config().limits, "")?;
     let engine = templates::engine_for(state, req.template.as_deref())?;
     let language = templates::runtime(engine.as_ref(), req.language.as_deref(), "language")?;
+    let template = state.template_name(req.template.as_deref()).to_owned();
+    let network = crate::service::network::gate_for(
+        state,
+        engine.as_ref(),
+        &template,
+        req.network.as_ref(),
+        "network",
+    )?;
     check_count(state, 1)?;
     check_memory(state)?;
     let settings = NewSession {
@@ -79,10 +87,11 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
         max_lifetime: life,
         metadata: req.metadata,
         parent: None,
-        template: state.template_name(req.template.as_deref()).to_owned(),
+        template,
         engine: engine.clone(),
         auto_pause: req.auto_pause.unwrap_or(false),
         again: None,
+        network,
     };
     let sessions = state.sessions().clone();
     admission::call(state, move || {
@@ -137,6 +146,12 @@ pub struct Cell {
 /// The job of cell `req` in session `e`: the session's language and env unless the
 /// request gives its own.
 fn cell_job(state: &AppState, e: &Entry, mut req: ExecRequest) -> Result<vmm::Job, Error> {
+    if req.network.is_some() {
+        return Err(Error::invalid(
+            "network",
+            "a session's network is set when it is created, or replaced with PUT /v1/sessions/{id}/network; not per cell",
+        ));
+    }
     if let Some(t) = req.template.as_deref()
         && t != e.template
     {
@@ -259,6 +274,8 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
                 engine: e.engine.clone(),
                 auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
                 again: None,
+                // The parent's policy, a log of its own.
+                network: e.network.as_ref().map(|g| Arc::new(g.child())),
             };
             let child_entry = sessions.insert(settings, child).map_err(Error::internal)?;
             child_entry.account();
@@ -322,6 +339,9 @@ pub struct CreateSession {
     /// Pause the session instead of ending it when its idle timeout or lifetime is up
     /// (needs the server's state directory).
     pub auto_pause: Option<bool>,
+    /// What its network may reach (a template with a card only; default: the server's
+    /// `--egress-default`).
+    pub network: Option<crate::core::egress::PolicySpec>,
 }
 
 /// `POST /v1/sessions/{id}/fork`.

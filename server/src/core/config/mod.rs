@@ -15,6 +15,20 @@ use clap::builder::TypedValueParser;
 use limits::mib_to_bytes;
 pub use limits::{Limits, SessionLimits};
 
+/// What a sandbox given no `network` policy may reach (`--egress-default`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EgressDefault {
+    /// No route out.
+    #[default]
+    None,
+    /// Everything but the always-denied ranges.
+    All,
+}
+
+fn parse_private(text: &str) -> Result<crate::core::egress::Private, String> {
+    crate::core::egress::Private::parse(text)
+}
+
 /// The whole server configuration. `bud serve` takes it as its options (flattened: every
 /// field's `long` names its option, and [`Config::default`]'s value is its default) but for
 /// the API keys and the audit trail, which it reads from files and options of its own.
@@ -45,6 +59,23 @@ pub struct Config {
     /// `template`; without it they get `python` if served, else the first.
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_TEMPLATE)]
     pub templates: Vec<String>,
+    /// Give every template a network card (part of its identity): sandboxes then reach
+    /// what their `network` policy allows, and nothing without one (docs/network.md).
+    #[arg(long)]
+    pub network: bool,
+    /// What a sandbox given no `network` policy may reach on a template with a card:
+    /// `none` (no route out) or `all` (everything but the always-denied ranges).
+    #[arg(long, value_enum, default_value_t = EgressDefault::None)]
+    pub egress_default: EgressDefault,
+    /// Private ranges sandboxes' policies may reach after all (comma-separated IPv4
+    /// addresses and CIDRs): loopback, RFC 1918, link-local and the like are never dialed
+    /// otherwise, whatever a policy says.
+    #[arg(long, value_name = "CIDRS", value_parser = parse_private, default_value = "")]
+    pub egress_allow_private: crate::core::egress::Private,
+    /// Names pinned to addresses, `NAME ADDRESS` a line: a sandbox's connection to such a
+    /// name is dialed there, without asking the host's resolver.
+    #[arg(long, value_name = "FILE")]
+    pub egress_hosts: Option<std::path::PathBuf>,
     /// Most jobs one API key may have running or queued at once (429 key_quota past it).
     /// Default: half of workers + queue with several keys (at least --max-batch-jobs),
     /// no limit but the server's own with one key or none.
@@ -141,6 +172,10 @@ impl Default for Config {
             limits: Limits::default(),
             sessions: SessionLimits::default(),
             templates: vec![DEFAULT_TEMPLATE.to_owned()],
+            network: false,
+            egress_default: EgressDefault::None,
+            egress_allow_private: crate::core::egress::Private::default(),
+            egress_hosts: None,
             key_max_jobs: None,
             api_keys: None,
             audit: None,

@@ -65,6 +65,9 @@ pub struct SessionRecord {
     /// Its code contexts (older records kept them in E2B's attachment).
     #[serde(default)]
     pub contexts: crate::core::contexts::Contexts,
+    /// Its network policy (None: no route out, as for records older than networks).
+    #[serde(default)]
+    pub network: Option<crate::core::egress::PolicySpec>,
 }
 
 /// What a snapshot is besides its VM.
@@ -86,6 +89,9 @@ pub struct SnapshotRecord {
     pub attachment: serde_json::Value,
     #[serde(default)]
     pub contexts: crate::core::contexts::Contexts,
+    /// The network policy of the session it was taken of (None: no route out).
+    #[serde(default)]
+    pub network: Option<crate::core::egress::PolicySpec>,
 }
 
 /// A paused session known to the server.

@@ -22,7 +22,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use vmm::{ConnectRequest, Egress, Verdict};
 
-use super::policy::{Decision, Policy};
+use super::policy::{Decision, Policy, PolicySpec};
 use super::ranges::{Hosts, Private};
 
 /// Attempts one gate keeps (the oldest are dropped first, and counted).
@@ -87,6 +87,21 @@ impl Gate {
     /// Replaces the policy: connections opened from now on see it.
     pub fn set_policy(&self, policy: Option<Policy>) {
         *lock(&self.policy) = policy.map(Arc::new);
+    }
+
+    /// The policy in force, as the client wrote it (None: no route out).
+    pub fn policy(&self) -> Option<PolicySpec> {
+        self.current().map(|p| p.spec().clone())
+    }
+
+    /// A gate for a copy of this sandbox (a fork): the same policy and site, a log of its
+    /// own.
+    pub fn child(&self) -> Self {
+        Self {
+            policy: Mutex::new(self.current()),
+            site: self.site.clone(),
+            log: Mutex::default(),
+        }
     }
 
     /// The attempts kept, oldest first, and how many older ones were dropped.
@@ -213,7 +228,6 @@ impl Egress for Gate {
 
 #[cfg(test)]
 mod tests {
-    use super::super::policy::PolicySpec;
     use super::*;
 
     fn gate(allow: &[&str], deny: &[&str], hosts: &str, private: &str) -> Gate {
@@ -308,6 +322,10 @@ mod tests {
             g.connect(&literal),
             Verdict::Dial("203.0.113.7:443".parse().unwrap())
         );
+        assert_eq!(g.policy(), Some(PolicySpec::default()));
+        let child = g.child();
+        assert_eq!(child.policy(), g.policy());
+        assert!(child.attempts().0.is_empty(), "a child's log is its own");
     }
 
     #[test]

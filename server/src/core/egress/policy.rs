@@ -215,6 +215,8 @@ fn domain_matches(domain: &str, wildcard: bool, name: &str) -> bool {
 pub struct Policy {
     allow: Vec<Entry>,
     deny: Vec<Entry>,
+    /// As the client wrote it.
+    spec: PolicySpec,
 }
 
 /// What the policy says of one connection.
@@ -240,7 +242,14 @@ impl Policy {
         Self {
             allow: Vec::new(),
             deny: Vec::new(),
+            spec: PolicySpec::default(),
         }
+    }
+
+    /// The policy as the client wrote it (an empty one for [`Self::allow_all`], which it
+    /// parses back to).
+    pub fn spec(&self) -> &PolicySpec {
+        &self.spec
     }
 
     pub fn parse(spec: &PolicySpec) -> Result<Self, PolicyError> {
@@ -266,7 +275,11 @@ impl Policy {
                 entry: d.text.clone(),
             });
         }
-        Ok(Self { allow, deny })
+        Ok(Self {
+            allow,
+            deny,
+            spec: spec.clone(),
+        })
     }
 
     /// The decision for a connection to `port` of `name` (if the guest asked by name) at

@@ -43,6 +43,8 @@ pub struct Counts {
     pub ended: usize,
     /// Jobs and cells running now.
     pub running: usize,
+    /// Session VMs given an egress (a network gate).
+    pub egress_given: usize,
 }
 
 #[derive(Debug, Default)]
@@ -51,6 +53,7 @@ struct Inner {
     started: AtomicUsize,
     ended: AtomicUsize,
     running: AtomicUsize,
+    egress_given: AtomicUsize,
     vm_bytes: AtomicU64,
     /// What the fake template offers: python and shell, as bud's python template.
     manifest: FakeManifest,
@@ -79,6 +82,16 @@ pub struct FakeEngine(Arc<Inner>);
 impl FakeEngine {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A fake template with a network card (its manifest says so).
+    pub fn with_card() -> Self {
+        let mut manifest = FakeManifest::default();
+        manifest.0.network = ::vmm::manifest::Network::Card;
+        Self(Arc::new(Inner {
+            manifest,
+            ..Inner::default()
+        }))
     }
 
     /// Opens gate `name`: jobs waiting on it answer, and later ones pass at once.
@@ -113,6 +126,7 @@ impl FakeEngine {
             started: self.0.started.load(Ordering::Acquire),
             ended: self.0.ended.load(Ordering::Acquire),
             running: self.0.running.load(Ordering::Acquire),
+            egress_given: self.0.egress_given.load(Ordering::Acquire),
         }
     }
 
@@ -334,6 +348,10 @@ impl SessionVm for FakeVm {
 
     fn beside(&self) -> vmm::beside::Beside {
         self.beside.clone()
+    }
+
+    fn set_egress(&mut self, _egress: Arc<dyn vmm::Egress>) {
+        self.engine.0.egress_given.fetch_add(1, Ordering::AcqRel);
     }
 
     fn end(self: Box<Self>) {

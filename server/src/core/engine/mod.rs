@@ -101,6 +101,10 @@ pub trait SessionVm: Send + std::fmt::Debug {
     /// The lane beside its running request ([`::vmm::beside`]).
     fn beside(&self) -> ::vmm::beside::Beside;
 
+    /// Decides its network card's names and connections from now on (nothing for a VM
+    /// without a card).
+    fn set_egress(&mut self, egress: Arc<dyn ::vmm::Egress>);
+
     /// Ends it (reset for reuse, or closed).
     fn end(self: Box<Self>);
 

@@ -102,6 +102,10 @@ impl SessionVm for VmmSession {
         self.session.beside()
     }
 
+    fn set_egress(&mut self, egress: Arc<dyn vmm::Egress>) {
+        self.session.set_egress(egress);
+    }
+
     fn end(self: Box<Self>) {
         self.session.end(&self.executor);
     }

@@ -53,6 +53,8 @@ pub struct Entry {
     attachment: Mutex<Attached>,
     /// Its code contexts (`crate::service::contexts`), saved with it when it pauses.
     pub contexts: Mutex<crate::core::contexts::Contexts>,
+    /// Its network's gate (None: its template has no network card).
+    pub network: Option<Arc<crate::core::egress::Gate>>,
 }
 
 /// What an API dialect keeps of a session besides the session (E2B's sandbox: its token,
@@ -84,6 +86,8 @@ pub struct NewSession {
     pub auto_pause: bool,
     /// The id and start of a session made again (resumed): None for a new one.
     pub again: Option<(String, SystemTime)>,
+    /// Its network's gate, given to its VM as it is registered (None: no card).
+    pub network: Option<Arc<crate::core::egress::Gate>>,
 }
 
 /// Held while a request uses a session (or, the flag set, while its processes' pump does,
@@ -149,6 +153,7 @@ impl Entry {
             auto_pause: AtomicBool::new(s.auto_pause),
             attachment: Mutex::new(Attached::Saved(serde_json::Value::Null)),
             contexts: Mutex::default(),
+            network: s.network,
         }
     }
 

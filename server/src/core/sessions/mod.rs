@@ -165,6 +165,10 @@ impl Sessions {
             Some((id, _)) => id.clone(),
             None => self.new_id("ses")?,
         };
+        let mut vm = vm;
+        if let Some(gate) = &settings.network {
+            vm.set_egress(gate.clone());
+        }
         let e = Arc::new(Entry::new(id, settings, vm.beside()));
         *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);
         if let Some(d) = self.marks.get() {

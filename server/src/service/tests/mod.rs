@@ -8,6 +8,7 @@
 
 mod drain;
 mod jobs;
+mod network;
 mod queue;
 mod sessions;
 
@@ -71,6 +72,7 @@ fn job(code: &str) -> OneShot {
         runtime: None,
         files: JobFiles::default(),
         route: "/test".into(),
+        network: None,
     }
 }
 

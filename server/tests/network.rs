@@ -1,0 +1,211 @@
+//! A sandbox's network through the HTTP API, on the real VMM and guest (issue 39): a server
+//! whose python template has a network card, a policy per session and per job, the record
+//! of every name resolved and connection opened (`GET /v1/sessions/{id}/network`, a job's
+//! `network`), a policy replaced while the session lives (`PUT`), and a sandbox given no
+//! policy that reaches nothing. The only host reached is the test's own echo server on
+//! 127.0.0.1, named `echo.test` in the server's `--egress-hosts` file and opened with
+//! `--egress-allow-private 127.0.0.1` (loopback is never dialed otherwise). Needs /dev/kvm.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+
+use bud_server::core::egress::Private;
+use common::{TestServer, client, test_config};
+use serde_json::{Value, json};
+
+/// An echo server on 127.0.0.1 (a thread per connection, until the peer closes).
+fn echo_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A server whose python template has a network card, `echo.test` pinned to 127.0.0.1.
+fn networked_server() -> TestServer {
+    let dir = common::empty_dir("network", "hosts");
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "echo.test 127.0.0.1\n").unwrap();
+    let mut opts = common::template_options("python");
+    opts.network = true;
+    let template = bud_templates::template(&opts, &mut |_| {}, None)
+        .expect("building the python template with a network card");
+    let executor = Arc::new(
+        vmm::Executor::new(template, vmm::ExecutorOptions::default()).expect("its executor"),
+    );
+    let mut config = test_config();
+    config.egress_hosts = Some(hosts);
+    config.egress_allow_private = Private::parse("127.0.0.1").unwrap();
+    TestServer::with_executors(config, &[("python", executor)])
+}
+
+/// Python that connects to `host:port`, sends a line and prints what came back, or prints
+/// the exception's class (a refused name or connection is an answer, not a hang: the
+/// socket's timeout is far past the few seconds such an answer takes here).
+fn echo_code(host: &str, port: u16) -> String {
+    format!(
+        "import socket\n\
+         try:\n    \
+             s = socket.create_connection(({host:?}, {port}), timeout=40)\n    \
+             s.sendall(b'through bud')\n    \
+             print(s.recv(100).decode())\n    \
+             s.close()\n\
+         except Exception as e:\n    \
+             print(type(e).__name__)\n"
+    )
+}
+
+fn cell(s: &TestServer, id: &str, code: &str) -> String {
+    let (status, r) = s.post(
+        &format!("/v1/sessions/{id}/exec"),
+        &json!({"code": code, "timeout_ms": 60_000}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["status"], "ok", "{r}");
+    r["stdout"].as_str().unwrap().to_owned()
+}
+
+fn network_of(s: &TestServer, id: &str) -> Value {
+    let r = s.get(&format!("/v1/sessions/{id}/network"));
+    assert_eq!(r.status().as_u16(), 200);
+    r.json().unwrap()
+}
+
+/// (kind, name, allowed, reason) of each attempt, a repeat of the one before left out: the
+/// guest's resolver asks for a name's A and AAAA records at once, two DNS attempts alike.
+fn attempts(view: &Value) -> Vec<(String, String, bool, String)> {
+    let mut all: Vec<_> = view["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["kind"].as_str().unwrap().to_owned(),
+                a["name"].as_str().unwrap_or("").to_owned(),
+                a["allowed"].as_bool().unwrap(),
+                a["reason"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    all.dedup();
+    all
+}
+
+fn a(kind: &str, name: &str, allowed: bool, reason: &str) -> (String, String, bool, String) {
+    (kind.into(), name.into(), allowed, reason.into())
+}
+
+#[test]
+fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
+    let echo = echo_server();
+    let s = networked_server();
+    let policy = json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]});
+    let (status, r) = s.post("/v1/sessions", &json!({"network": policy}));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+
+    let reached = cell(&s, &id, &echo_code("echo.test", echo.port()));
+    let other = cell(&s, &id, &echo_code("other.test", echo.port()));
+    // An address, not a name (TEST-NET-1: nothing is there, and nothing is dialed).
+    let by_address = cell(&s, &id, &echo_code("192.0.2.1", echo.port()));
+    let view = network_of(&s, &id);
+
+    assert_eq!(reached, "through bud\n");
+    assert_eq!(other, "gaierror\n", "a name no entry allows: NXDOMAIN");
+    assert_eq!(
+        by_address, "ConnectionRefusedError\n",
+        "denied by 0.0.0.0/0"
+    );
+    assert_eq!(view["card"], true);
+    assert_eq!(view["policy"], policy);
+    assert_eq!(
+        attempts(&view),
+        [
+            a("dns", "echo.test", true, "allowed"),
+            a("connect", "echo.test", true, "allowed"),
+            a("dns", "other.test", false, "nxdomain"),
+            a("connect", "", false, "denied"),
+        ]
+    );
+    let dialed: Vec<&Value> = view["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["kind"] == "connect" && a["allowed"] == true)
+        .collect();
+    assert_eq!(dialed.len(), 1);
+    assert_eq!(dialed[0]["dialed"], format!("127.0.0.1:{}", echo.port()));
+
+    // Replaced while the session lives: the name the guest resolved before (its address
+    // still in the guest's hands) is refused from now on.
+    let put = client()
+        .put(s.url(&format!("/v1/sessions/{id}/network")))
+        .json(&json!({"deny_out": ["0.0.0.0/0"]}))
+        .send()
+        .unwrap();
+    assert_eq!(put.status().as_u16(), 200);
+    let code = format!(
+        "import socket\n\
+         addr = {:?}\n\
+         try:\n    \
+             socket.create_connection((addr, {}), timeout=40)\n    \
+             print('connected')\n\
+         except Exception as e:\n    \
+             print(type(e).__name__)\n",
+        dialed[0]["addr"].as_str().unwrap(),
+        echo.port()
+    );
+    let after = cell(&s, &id, &code);
+    let last = attempts(&network_of(&s, &id)).pop().unwrap();
+
+    assert_eq!(after, "ConnectionRefusedError\n");
+    assert_eq!(last, a("connect", "echo.test", false, "denied"));
+}
+
+#[test]
+fn a_sandbox_given_no_policy_reaches_nothing_and_a_job_carries_its_own() {
+    let echo = echo_server();
+    let s = networked_server();
+    let (status, r) = s.post("/v1/sessions", &json!({}));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+
+    let closed = cell(&s, &id, &echo_code("echo.test", echo.port()));
+    let view = network_of(&s, &id);
+    let (status, job) = s.exec(json!({
+        "code": echo_code("echo.test", echo.port()),
+        "timeout_ms": 60_000,
+        "network": {"allow_out": ["echo.test:{}".replace("{}", &echo.port().to_string())]},
+    }));
+    let (bad_status, bad) = s.exec(json!({"code": "1", "network": {"deny_out": ["evil.test"]}}));
+
+    assert_eq!(closed, "gaierror\n");
+    assert_eq!(view["policy"], Value::Null);
+    assert_eq!(attempts(&view), [a("dns", "echo.test", false, "no-policy")]);
+    assert_eq!(status, 200, "{job}");
+    assert_eq!(job["stdout"], "through bud\n", "{job}");
+    assert_eq!(
+        attempts(&job["network"]),
+        [
+            a("dns", "echo.test", true, "allowed"),
+            a("connect", "echo.test", true, "allowed"),
+        ]
+    );
+    assert_eq!(bad_status, 400, "{bad}");
+    assert_eq!(bad["error"]["field"], "network", "{bad}");
+}
