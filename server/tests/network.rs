@@ -209,3 +209,25 @@ fn a_sandbox_given_no_policy_reaches_nothing_and_a_job_carries_its_own() {
     assert_eq!(bad_status, 400, "{bad}");
     assert_eq!(bad["error"]["field"], "network", "{bad}");
 }
+
+#[test]
+fn e2bs_sdk_sets_lists_updates_and_cuts_off_a_sandboxs_network() {
+    let echo = echo_server();
+    let s = networked_server();
+    let port = echo.port().to_string();
+    let seen = common::clients::client_script(
+        "e2b_network.py",
+        &[&port],
+        &common::clients::e2b_env(&s, "e2b_any"),
+    );
+
+    assert_eq!(seen["allowed"], "through bud\n", "{seen}");
+    assert_eq!(seen["unlisted"], "gaierror\n");
+    assert_eq!(
+        seen["after_update"], "gaierror\n",
+        "echo.test no longer listed"
+    );
+    assert_eq!(seen["no_internet"], "gaierror\n");
+    // A 400 at create is what E2B's SDK raises as its SandboxException, with bud's message.
+    assert_eq!(seen["rules"], json!(["SandboxException", true]));
+}

@@ -21,7 +21,7 @@ pub mod piston;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 
 use crate::core::state::AppState;
 
@@ -73,6 +73,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
         .route("/snapshots", get(e2b::lifecycle::list_snapshots))
         .route("/templates/{id}", delete(e2b::lifecycle::delete_snapshot))
         .route("/sandboxes/{id}/timeout", post(e2b::set_timeout))
+        .route("/sandboxes/{id}/network", put(e2b::network::update))
         .route("/execute", post(jupyter::execute))
         .route(
             "/contexts",

@@ -11,7 +11,8 @@
 //! - `DELETE /sandboxes/{id}` 204 / 404; `GET /sandboxes/{id}`; `POST
 //!   /sandboxes/{id}/timeout` (204: the lifetime is now `timeout` from now).
 //! - Listing, metrics and fork: [`control`]; pause, connect (and resume), snapshots:
-//!   [`lifecycle`]. A sandbox's record (token, contexts, ...) is its session's attachment,
+//!   [`lifecycle`]; `allow_internet_access`, `network` and `PUT /sandboxes/{id}/network`:
+//!   [`network`]. A sandbox's record (token, contexts, ...) is its session's attachment,
 //!   saved with it when it pauses, so a paused sandbox is found again after a restart.
 //! - Errors are `{"code": HTTP status, "message"}`.
 //!
@@ -37,6 +38,7 @@ use serde_json::json;
 pub mod cluster;
 pub mod control;
 pub mod lifecycle;
+pub mod network;
 
 use super::Compat;
 use crate::core::clock::{epoch_s, rfc3339};
@@ -218,6 +220,11 @@ pub struct NewSandbox {
     pub auto_pause: Option<bool>,
     /// `{"enabled": bool}`: resume at any in-sandbox request while paused.
     pub auto_resume: Option<AutoResume>,
+    /// E2B's switch for the whole internet (its SDK sends `true` unless told otherwise).
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+    /// E2B's egress lists ([`network`]).
+    pub network: Option<network::NetworkConfig>,
 }
 
 /// E2B's `autoResume` at create.
@@ -261,6 +268,12 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
     };
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let lim = &state.config().sessions;
+    let policy = network::at_create(
+        state,
+        template.as_deref(),
+        req.allow_internet_access,
+        req.network.as_ref(),
+    )?;
     let native = CreateSession {
         env: req.env_vars,
         idle_timeout_s: Some(timeout.clamp(1, lim.max_idle_timeout_s)),
@@ -269,6 +282,7 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
         template,
         snapshot,
         auto_pause: req.auto_pause,
+        network: policy,
         ..CreateSession::default()
     };
     let e = crate::service::lifecycle::start(state, native)

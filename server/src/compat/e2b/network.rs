@@ -1,0 +1,195 @@
+//! E2B's network settings over bud's ([`crate::service::network`]): `allow_internet_access`
+//! and `network` (`allowOut`, `denyOut`) at create, and `PUT /sandboxes/{id}/network`.
+//!
+//! How E2B's words map:
+//! - `network.allowOut` / `denyOut` are bud's `allow_out` / `deny_out` (the same grammar and
+//!   order: an allow entry wins, then a deny entry refuses, else allowed);
+//! - `allow_internet_access: false` adds `0.0.0.0/0` to `deny_out` (E2B: "works the same as
+//!   setting deny_out to [0.0.0.0/0]"); on a template without a network card it asks for
+//!   nothing the sandbox does not already have, so it is accepted there;
+//! - `allow_internet_access: true` without `network` (what E2B's SDK sends by default) is
+//!   the server's own default (`--egress-default`): an operator who opens nothing is not
+//!   overruled by a client library's default;
+//! - what bud does not do yet is refused, never ignored: `rules` (headers injected into a
+//!   host's requests), `dnsServers`, `egressProxy`; the ingress settings
+//!   (`allowPublicTraffic`, `maskRequestHost`, `httpsPorts`) are accepted and have no effect,
+//!   as bud serves no public URL.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+
+use super::{Compat, e2b_error, live};
+use crate::core::egress::PolicySpec;
+use crate::http::error::ApiError;
+use crate::service::error::Error;
+
+/// E2B's `network` object (create and update).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkConfig {
+    #[serde(default)]
+    pub allow_out: Option<Vec<String>>,
+    #[serde(default)]
+    pub deny_out: Option<Vec<String>>,
+    #[serde(default)]
+    pub rules: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(default)]
+    pub dns_servers: Option<Vec<String>>,
+    #[serde(default)]
+    pub egress_proxy: Option<serde_json::Value>,
+    /// Ingress: no effect in bud.
+    #[serde(default)]
+    pub allow_public_traffic: Option<bool>,
+    #[serde(default)]
+    pub mask_request_host: Option<String>,
+    #[serde(default)]
+    pub https_ports: Option<Vec<u16>>,
+}
+
+/// `PUT /sandboxes/{id}/network`'s body.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkUpdate {
+    #[serde(flatten)]
+    pub network: NetworkConfig,
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+}
+
+/// bud's policy for E2B's settings (module docs); None: the server's default.
+pub fn policy(
+    allow_internet_access: Option<bool>,
+    network: Option<&NetworkConfig>,
+) -> Result<Option<PolicySpec>, Error> {
+    if let Some(n) = network {
+        let unsupported = [
+            (
+                "network.rules",
+                n.rules.as_ref().is_some_and(|r| !r.is_empty()),
+            ),
+            (
+                "network.dnsServers",
+                n.dns_servers.as_ref().is_some_and(|d| !d.is_empty()),
+            ),
+            (
+                "network.egressProxy",
+                n.egress_proxy.as_ref().is_some_and(|p| !p.is_null()),
+            ),
+        ];
+        if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
+            return Err(Error::invalid(
+                *field,
+                format!("{field} is not supported by bud yet: leave it out"),
+            ));
+        }
+    }
+    let denied_all = allow_internet_access == Some(false);
+    let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
+    if !listed && !denied_all {
+        return Ok(None);
+    }
+    let mut spec = PolicySpec {
+        allow_out: network
+            .and_then(|n| n.allow_out.clone())
+            .unwrap_or_default(),
+        deny_out: network.and_then(|n| n.deny_out.clone()).unwrap_or_default(),
+    };
+    let everything = "0.0.0.0/0";
+    if denied_all && !spec.deny_out.iter().any(|d| d == everything) {
+        spec.deny_out.push(everything.to_owned());
+    }
+    Ok(Some(spec))
+}
+
+/// The policy of a sandbox created from bud's `template` (None: a snapshot's, whose own
+/// decides) with E2B's settings: `allow_internet_access: false` alone on a template without
+/// a card asks for what the sandbox has anyway, so it asks for nothing.
+pub fn at_create(
+    state: &crate::core::state::AppState,
+    template: Option<&str>,
+    allow_internet_access: Option<bool>,
+    network: Option<&NetworkConfig>,
+) -> Result<Option<PolicySpec>, Error> {
+    let spec = policy(allow_internet_access, network)?;
+    let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
+    let card = template.is_none()
+        || crate::service::templates::engine_for(state, template)
+            .is_ok_and(|e| e.manifest().network == vmm::manifest::Network::Card);
+    Ok(spec.filter(|_| listed || card))
+}
+
+/// `PUT /sandboxes/{id}/network`: 204. Replaces the sandbox's policy (omitting both lists
+/// clears it: everything allowed, as in E2B).
+pub async fn update(
+    State(c): State<Compat>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let (_, e) = live(&c, &id)?;
+        let u: NetworkUpdate = serde_json::from_slice(&body)
+            .map_err(|err| ApiError::invalid("network", format!("bad JSON body: {err}")))?;
+        let spec = policy(u.allow_internet_access, Some(&u.network))?.unwrap_or_default();
+        crate::service::network::put(&c.app, &e.id, &spec)?;
+        Ok(StatusCode::NO_CONTENT.into_response())
+    };
+    run().unwrap_or_else(e2b_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(allow: Option<&[&str]>, deny: Option<&[&str]>) -> NetworkConfig {
+        let list = |l: &[&str]| l.iter().map(|s| s.to_string()).collect();
+        NetworkConfig {
+            allow_out: allow.map(list),
+            deny_out: deny.map(list),
+            ..NetworkConfig::default()
+        }
+    }
+
+    #[test]
+    fn e2bs_settings_become_bud_policies() {
+        let sdk_default = policy(Some(true), None).unwrap();
+        let cut_off = policy(Some(false), None).unwrap();
+        let listed = policy(
+            Some(true),
+            Some(&config(Some(&["pypi.org"]), Some(&["0.0.0.0/0"]))),
+        )
+        .unwrap();
+        let both = policy(Some(false), Some(&config(Some(&["pypi.org"]), None))).unwrap();
+
+        assert_eq!(sdk_default, None, "the server's default");
+        assert_eq!(
+            cut_off,
+            Some(PolicySpec {
+                allow_out: vec![],
+                deny_out: vec!["0.0.0.0/0".into()],
+            })
+        );
+        assert_eq!(
+            listed,
+            Some(PolicySpec {
+                allow_out: vec!["pypi.org".into()],
+                deny_out: vec!["0.0.0.0/0".into()],
+            })
+        );
+        assert_eq!(both, listed, "deny-all added once");
+    }
+
+    #[test]
+    fn what_bud_cannot_do_is_refused_and_ingress_is_accepted() {
+        let mut rules = config(Some(&["api.test"]), None);
+        rules.rules = serde_json::from_str(r#"{"api.test": [{"transform": {}}]}"#).unwrap();
+        let mut ingress = config(None, None);
+        ingress.allow_public_traffic = Some(false);
+
+        let e = policy(None, Some(&rules)).unwrap_err();
+
+        assert_eq!(e.field(), Some("network.rules"));
+        assert_eq!(policy(None, Some(&ingress)).unwrap(), None);
+    }
+}
