@@ -12,6 +12,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
+use bud_server::core::config::EgressDefault;
 use bud_server::core::egress::Private;
 use common::{TestServer, client, test_config};
 use serde_json::{Value, json};
@@ -38,6 +39,11 @@ fn echo_server() -> SocketAddr {
 
 /// A server whose python template has a network card, `echo.test` pinned to 127.0.0.1.
 fn networked_server() -> TestServer {
+    networked_server_with(|_| {})
+}
+
+/// The same, its configuration changed by `change` first.
+fn networked_server_with(change: impl FnOnce(&mut bud_server::Config)) -> TestServer {
     let dir = common::empty_dir("network", "hosts");
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "echo.test 127.0.0.1\n").unwrap();
@@ -51,6 +57,7 @@ fn networked_server() -> TestServer {
     let mut config = test_config();
     config.egress_hosts = Some(hosts);
     config.egress_allow_private = Private::parse("127.0.0.1").unwrap();
+    change(&mut config);
     TestServer::with_executors(config, &[("python", executor)])
 }
 
@@ -230,4 +237,49 @@ fn e2bs_sdk_sets_lists_updates_and_cuts_off_a_sandboxs_network() {
     assert_eq!(seen["no_internet"], "gaierror\n");
     // A 400 at create is what E2B's SDK raises as its SandboxException, with bud's message.
     assert_eq!(seen["rules"], json!(["SandboxException", true]));
+}
+
+#[test]
+fn a_policy_survives_pause_resume_and_snapshots_and_never_widens_to_the_default() {
+    let echo = echo_server();
+    let dir = common::empty_dir("network", "state");
+    let s = networked_server_with(|c| {
+        c.state_dir = Some(dir.clone());
+        c.egress_default = EgressDefault::All;
+    });
+    // The server's default would reach the echo server; this policy does not.
+    let policy = json!({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]});
+    let (status, r) = s.post("/v1/sessions", &json!({"network": policy}));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+    let (status, open) = s.post("/v1/sessions", &json!({}));
+    assert_eq!(status, 201, "{open}");
+    let open = open["id"].as_str().unwrap().to_owned();
+
+    let (paused, p) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
+    assert_eq!(paused, 200, "{p}");
+    let (resumed, r) = s.post(&format!("/v1/sessions/{id}/resume"), &json!({}));
+    assert_eq!(resumed, 200, "{r}");
+    let after_resume = network_of(&s, &id);
+    let resumed_reach = cell(&s, &id, &echo_code("echo.test", echo.port()));
+    let (status, snap) = s.post(&format!("/v1/sessions/{id}/snapshots"), &json!({}));
+    assert_eq!(status, 201, "{snap}");
+    let (status, from_snap) = s.post("/v1/sessions", &json!({"snapshot": snap["id"]}));
+    assert_eq!(status, 201, "{from_snap}");
+    let from_snap = from_snap["id"].as_str().unwrap().to_owned();
+    let snap_reach = cell(&s, &from_snap, &echo_code("echo.test", echo.port()));
+    let open_reach = cell(&s, &open, &echo_code("echo.test", echo.port()));
+
+    assert_eq!(after_resume["policy"], policy);
+    assert_eq!(resumed_reach, "gaierror\n");
+    assert_eq!(network_of(&s, &from_snap)["policy"], policy);
+    assert_eq!(snap_reach, "gaierror\n");
+    assert_eq!(
+        open_reach, "through bud\n",
+        "the default the others never got"
+    );
+    assert_eq!(
+        network_of(&s, &open)["policy"],
+        json!({"allow_out": [], "deny_out": []})
+    );
 }
