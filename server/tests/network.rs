@@ -283,3 +283,66 @@ fn a_policy_survives_pause_resume_and_snapshots_and_never_widens_to_the_default(
         json!({"allow_out": [], "deny_out": []})
     );
 }
+
+#[test]
+fn a_guest_flooding_connections_and_lookups_meets_the_limits_and_harms_no_one() {
+    let echo = echo_server();
+    let s = networked_server();
+    let policy = json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]});
+    let (status, r) = s.post("/v1/sessions", &json!({"network": policy}));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+    let (status, other) = s.post("/v1/sessions", &json!({"network": policy}));
+    assert_eq!(status, 201, "{other}");
+    let other = other["id"].as_str().unwrap().to_owned();
+
+    // 80 connections opened at once (a sandbox may have 64), then 300 DNS queries sent
+    // without waiting for answers (16 may wait for the policy at once; the rest are
+    // dropped, as a lossy network would).
+    let flood = format!(
+        "import select, socket, errno\n\
+         addr = socket.gethostbyname('echo.test')\n\
+         socks = []\n\
+         for i in range(80):\n    \
+             s = socket.socket(); s.setblocking(False)\n    \
+             s.connect_ex((addr, {port})); socks.append(s)\n\
+         pending, up, refused = list(socks), 0, 0\n\
+         while pending:\n    \
+             _, w, _ = select.select([], pending, [], 40)\n    \
+             if not w: break\n    \
+             for s in w:\n        \
+                 pending.remove(s)\n        \
+                 err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)\n        \
+                 if err == 0: up += 1\n        \
+                 elif err == errno.ECONNREFUSED: refused += 1\n\
+         u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         q = b'\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00\\x04echo\\x04test\\x00\\x00\\x01\\x00\\x01'\n\
+         for i in range(300):\n    \
+             u.sendto(q, ('10.0.2.2', 53))\n\
+         print(up, refused, len(pending))\n",
+        port = echo.port()
+    );
+    let flooded = cell(&s, &id, &flood);
+    let beside = cell(&s, &other, &echo_code("echo.test", echo.port()));
+    let after = cell(
+        &s,
+        &id,
+        "import socket\nfor s in list(globals().get('socks', [])): s.close()\n\
+         print(socket.gethostbyname('echo.test'))",
+    );
+    let limited = network_of(&s, &id)["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["reason"] == "limit")
+        .count();
+
+    assert_eq!(
+        flooded, "64 16 0\n",
+        "64 connected, the rest refused at once"
+    );
+    assert_eq!(limited, 16, "each refusal past the limit is recorded");
+    assert_eq!(beside, "through bud\n", "another sandbox is unharmed");
+    assert_eq!(after, "198.18.0.1\n", "the flooded sandbox still resolves");
+    assert_eq!(s.get("/v1/health").status().as_u16(), 200);
+}

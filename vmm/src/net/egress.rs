@@ -40,6 +40,11 @@ pub trait Egress: Send + Sync + fmt::Debug {
 
     /// Where the connection `req` goes, if anywhere.
     fn connect(&self, req: &ConnectRequest<'_>) -> Verdict;
+
+    /// The stack refused `req` itself, without asking: the VM already has as many
+    /// connections open or being dialed as one may (for the egress's record; called on the
+    /// vCPU thread, so it must not block).
+    fn over_limit(&self, _req: &ConnectRequest<'_>) {}
 }
 
 /// The default: no name resolves, every connection is refused (a VM with a network card but

@@ -375,13 +375,18 @@ impl Stack {
         if has_socket {
             return false;
         }
+        let IpAddress::Ipv4(addr) = dst.addr;
+        let name = self.dns.name_of(addr).map(str::to_owned);
         if self.relays.len() + self.held.len() >= MAX_RELAYS {
             self.counters.connections_refused += 1;
+            self.egress.over_limit(&ConnectRequest {
+                name: name.as_deref(),
+                addr,
+                port: dst.port,
+            });
             return false;
         }
         self.held.insert(conn, frame.to_vec());
-        let IpAddress::Ipv4(addr) = dst.addr;
-        let name = self.dns.name_of(addr).map(str::to_owned);
         let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
         dialer::submit(Box::new(move || {
             let req = ConnectRequest {

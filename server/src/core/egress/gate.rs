@@ -51,7 +51,8 @@ pub struct Attempt {
     /// Why: `allowed` (an allow entry), `unlisted` (no entry: allowed), `denied` (a deny
     /// entry), `no-policy`, `always-denied` (every address the name had is in a range no
     /// policy opens), `unresolved`, `nxdomain` (a name no entry allows where every address
-    /// is denied).
+    /// is denied), `limit` (the sandbox had as many connections open or being dialed as one
+    /// may: refused by the stack without asking the policy).
     pub reason: &'static str,
     /// The entry that decided, as the client wrote it.
     pub rule: Option<String>,
@@ -121,6 +122,27 @@ impl Gate {
             log.dropped += 1;
         }
         log.kept.push_back(a);
+    }
+
+    /// Records a connection attempt.
+    fn record_connect(
+        &self,
+        req: &ConnectRequest<'_>,
+        reason: &'static str,
+        rule: Option<String>,
+        dial: Option<SocketAddr>,
+    ) {
+        self.record(Attempt {
+            at_ms: now_ms(),
+            kind: "connect",
+            name: req.name.map(str::to_owned),
+            addr: Some(req.addr),
+            port: Some(req.port),
+            allowed: dial.is_some(),
+            reason,
+            rule,
+            dialed: dial,
+        });
     }
 
     /// The IPv4 addresses of `name`: pinned, else the host resolver's.
@@ -211,18 +233,12 @@ impl Egress for Gate {
 
     fn connect(&self, req: &ConnectRequest<'_>) -> Verdict {
         let (dial, reason, rule) = self.decide(req);
-        self.record(Attempt {
-            at_ms: now_ms(),
-            kind: "connect",
-            name: req.name.map(str::to_owned),
-            addr: Some(req.addr),
-            port: Some(req.port),
-            allowed: dial.is_some(),
-            reason,
-            rule,
-            dialed: dial,
-        });
+        self.record_connect(req, reason, rule, dial);
         dial.map_or(Verdict::Refuse, Verdict::Dial)
+    }
+
+    fn over_limit(&self, req: &ConnectRequest<'_>) {
+        self.record_connect(req, "limit", None, None);
     }
 }
 
