@@ -44,7 +44,10 @@ fn networked_server() -> TestServer {
 
 /// The same, its configuration changed by `change` first.
 fn networked_server_with(change: impl FnOnce(&mut bud_server::Config)) -> TestServer {
-    let dir = common::empty_dir("network", "hosts");
+    // A folder of each server's own: the tests of this binary run at once.
+    static SERVERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = SERVERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = common::empty_dir("network", &format!("hosts-{n}"));
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "echo.test 127.0.0.1\n").unwrap();
     let mut opts = common::template_options("python");

@@ -29,6 +29,7 @@
 mod dialer;
 pub mod dns;
 pub mod egress;
+mod inbox;
 #[cfg(test)]
 mod link_tests;
 mod stack;

@@ -20,9 +20,9 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::net::Ipv4Addr;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
@@ -36,11 +36,10 @@ use smoltcp::wire::{
 use super::dialer;
 use super::dns::{Answer, DnsMap};
 use super::egress::{ConnectRequest, Egress, Verdict};
+use super::inbox::{Conn, Dialed, Done, Inbox, deliver, dial, lock};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
 
-/// How long a dial may take (the guest's SYN is held meanwhile).
-const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections one VM may have open or being dialed at once; a SYN past it is refused.
 const MAX_RELAYS: usize = 64;
 /// DNS queries one VM may have waiting for its egress; more are dropped (the guest's
@@ -111,72 +110,6 @@ impl phy::Device for Link {
         caps.checksum.udp = Checksum::Tx;
         caps
     }
-}
-
-/// A guest connection: its source and destination.
-type Conn = (IpEndpoint, IpEndpoint);
-
-/// What a dial handed to the dialer came back with.
-#[derive(Debug)]
-enum Dialed {
-    /// The egress refused the connection.
-    Refused,
-    /// The dial failed (or the socket could not be prepared).
-    Failed,
-    /// Connected, non-blocking, watched by the VM's waker. A `File`, so that the relay reads
-    /// and writes it with `read(2)` and `write(2)` (what a job thread may call).
-    Connected(File),
-}
-
-/// Work of the dialer, come back to the stack.
-#[derive(Debug)]
-enum Done {
-    Dial(Conn, Dialed),
-    Dns {
-        query: Vec<u8>,
-        meta: udp::UdpMetadata,
-        known: bool,
-    },
-}
-
-/// Where the dialer leaves its work for one stack. Closed when the stack goes (a reset):
-/// work that comes back later is dropped, and wakes nothing.
-#[derive(Debug, Default)]
-struct Inbox {
-    done: Vec<Done>,
-    closed: bool,
-}
-
-fn lock(inbox: &Mutex<Inbox>) -> MutexGuard<'_, Inbox> {
-    inbox.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Hands `done` to the stack of `inbox` and wakes it, unless that stack is gone. Under the
-/// inbox's lock, so that a reset (which closes it, then clears the waker's mark) never sees
-/// a mark left by the stack it replaced.
-fn deliver(inbox: &Mutex<Inbox>, waker: &Waker, done: Done) {
-    let mut i = lock(inbox);
-    if i.closed {
-        return;
-    }
-    i.done.push(done);
-    waker.wake();
-}
-
-/// Dials `target` on a dialer thread and prepares the socket for the relay.
-fn dial(target: SocketAddr, waker: &Waker) -> Dialed {
-    let Ok(host) = TcpStream::connect_timeout(&target, DIAL_TIMEOUT) else {
-        return Dialed::Failed;
-    };
-    if host.set_nonblocking(true).is_err() {
-        return Dialed::Failed;
-    }
-    let _ = host.set_nodelay(true);
-    let host = File::from(OwnedFd::from(host));
-    if waker.watch(host.as_raw_fd()).is_err() {
-        return Dialed::Failed;
-    }
-    Dialed::Connected(host)
 }
 
 /// One guest connection and the host socket it is relayed to.
