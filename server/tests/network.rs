@@ -234,6 +234,10 @@ fn e2bs_sdk_sets_lists_updates_and_cuts_off_a_sandboxs_network() {
     assert_eq!(seen["allowed"], "through bud\n", "{seen}");
     assert_eq!(seen["unlisted"], "gaierror\n");
     assert_eq!(
+        seen["info"],
+        json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]})
+    );
+    assert_eq!(
         seen["after_update"], "gaierror\n",
         "echo.test no longer listed"
     );

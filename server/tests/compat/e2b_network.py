@@ -1,6 +1,6 @@
 """E2B's network settings through its SDK against bud (server/tests/network.rs): a sandbox
 created with `network` reaches the name its allow list names and nothing else,
-`update_network` replaces its policy live, `allow_internet_access=False` cuts it off, and
+`get_info` shows it, `update_network` replaces it live, `allow_internet_access=False` cuts it off, and
 what bud does not do (`rules`) is refused at create. The one host reached is the test's echo
 server (argv[1]: its port), named echo.test by the server's --egress-hosts. Prints what it
 saw as one JSON object."""
@@ -32,6 +32,8 @@ listed = Sandbox.create(template="base", timeout=600,
                         network={"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]})
 seen["allowed"] = reach(listed, "echo.test")
 seen["unlisted"] = reach(listed, "other.test")
+info = Sandbox.get_info(listed.sandbox_id)
+seen["info"] = info.network
 listed.update_network({"deny_out": ["0.0.0.0/0"]})
 seen["after_update"] = reach(listed, "echo.test")
 listed.kill()

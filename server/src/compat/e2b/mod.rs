@@ -258,7 +258,7 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
     let snapshot = state
         .state_dir()
         .and_then(|d| d.snapshots().get(&req.template_id))
-        .map(|s| s.record.id);
+        .map(|s| (s.record.id, s.record.template));
     let template = match snapshot {
         Some(_) => None,
         None => match Error::wrong_node(state.node(), &req.template_id) {
@@ -268,9 +268,12 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
     };
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S);
     let lim = &state.config().sessions;
+    // The bud template the sandbox runs on: the one named, or the snapshot's.
+    let (snapshot, of_snapshot) = snapshot.unzip();
+    let runs_on = template.as_ref().or(of_snapshot.as_ref());
     let policy = network::at_create(
         state,
-        template.as_deref(),
+        runs_on.map_or("", String::as_str),
         req.allow_internet_access,
         req.network.as_ref(),
     )?;
@@ -526,6 +529,9 @@ fn info_body(c: &Compat, s: &Sandbox, e: &Entry) -> serde_json::Value {
     });
     if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
         v.extend(extra.clone());
+    }
+    if let Some(gate) = &e.network {
+        v["network"] = network::detail(gate);
     }
     v
 }

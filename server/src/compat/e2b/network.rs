@@ -103,21 +103,30 @@ pub fn policy(
     Ok(Some(spec))
 }
 
-/// The policy of a sandbox created from bud's `template` (None: a snapshot's, whose own
-/// decides) with E2B's settings: `allow_internet_access: false` alone on a template without
-/// a card asks for what the sandbox has anyway, so it asks for nothing.
+/// The policy of a sandbox created on bud's template `template` (a snapshot's, for one
+/// started from a snapshot) with E2B's settings: `allow_internet_access: false` alone on a
+/// template without a card asks for what the sandbox has anyway, so it asks for nothing.
 pub fn at_create(
     state: &crate::core::state::AppState,
-    template: Option<&str>,
+    template: &str,
     allow_internet_access: Option<bool>,
     network: Option<&NetworkConfig>,
 ) -> Result<Option<PolicySpec>, Error> {
     let spec = policy(allow_internet_access, network)?;
     let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
-    let card = template.is_none()
-        || crate::service::templates::engine_for(state, template)
-            .is_ok_and(|e| e.manifest().network == vmm::manifest::Network::Card);
+    let card = crate::service::templates::engine_for(state, Some(template))
+        .is_ok_and(|e| e.manifest().network == vmm::manifest::Network::Card);
     Ok(spec.filter(|_| listed || card))
+}
+
+/// What `GET /sandboxes/{id}` shows of a sandbox's network (E2B's `network` of a
+/// `SandboxDetail`): the policy in force, no policy as the deny-all it is.
+pub fn detail(gate: &crate::core::egress::Gate) -> serde_json::Value {
+    let spec = gate.policy().unwrap_or_else(|| PolicySpec {
+        allow_out: Vec::new(),
+        deny_out: vec!["0.0.0.0/0".to_owned()],
+    });
+    serde_json::json!({"allowOut": spec.allow_out, "denyOut": spec.deny_out})
 }
 
 /// `PUT /sandboxes/{id}/network`: 204. Replaces the sandbox's policy (omitting both lists

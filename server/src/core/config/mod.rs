@@ -65,16 +65,22 @@ pub struct Config {
     pub network: bool,
     /// What a sandbox given no `network` policy may reach on a template with a card:
     /// `none` (no route out) or `all` (everything but the always-denied ranges).
-    #[arg(long, value_enum, default_value_t = EgressDefault::None)]
+    #[arg(long, value_enum, default_value_t = EgressDefault::None, requires = "network")]
     pub egress_default: EgressDefault,
     /// Private ranges sandboxes' policies may reach after all (comma-separated IPv4
     /// addresses and CIDRs): loopback, RFC 1918, link-local and the like are never dialed
     /// otherwise, whatever a policy says.
-    #[arg(long, value_name = "CIDRS", value_parser = parse_private, default_value = "")]
+    #[arg(
+        long,
+        value_name = "CIDRS",
+        value_parser = parse_private,
+        default_value = "",
+        requires = "network"
+    )]
     pub egress_allow_private: crate::core::egress::Private,
     /// Names pinned to addresses, `NAME ADDRESS` a line: a sandbox's connection to such a
     /// name is dialed there, without asking the host's resolver.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", requires = "network")]
     pub egress_hosts: Option<std::path::PathBuf>,
     /// Most jobs one API key may have running or queued at once (429 key_quota past it).
     /// Default: half of workers + queue with several keys (at least --max-batch-jobs),
