@@ -80,6 +80,13 @@ fn echo_code(host: &str, port: u16) -> String {
     )
 }
 
+/// A new session of `body` (201), its id.
+fn session(s: &TestServer, body: Value) -> String {
+    let (status, r) = s.post("/v1/sessions", &body);
+    assert_eq!(status, 201, "{r}");
+    r["id"].as_str().unwrap().to_owned()
+}
+
 fn cell(s: &TestServer, id: &str, code: &str) -> String {
     let (status, r) = s.post(
         &format!("/v1/sessions/{id}/exec"),
@@ -125,9 +132,7 @@ fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
     let echo = echo_server();
     let s = networked_server();
     let policy = json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]});
-    let (status, r) = s.post("/v1/sessions", &json!({"network": policy}));
-    assert_eq!(status, 201, "{r}");
-    let id = r["id"].as_str().unwrap().to_owned();
+    let id = session(&s, json!({"network": policy}));
 
     let reached = cell(&s, &id, &echo_code("echo.test", echo.port()));
     let other = cell(&s, &id, &echo_code("other.test", echo.port()));
@@ -191,9 +196,7 @@ fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
 fn a_sandbox_given_no_policy_reaches_nothing_and_a_job_carries_its_own() {
     let echo = echo_server();
     let s = networked_server();
-    let (status, r) = s.post("/v1/sessions", &json!({}));
-    assert_eq!(status, 201, "{r}");
-    let id = r["id"].as_str().unwrap().to_owned();
+    let id = session(&s, json!({}));
 
     let closed = cell(&s, &id, &echo_code("echo.test", echo.port()));
     let view = network_of(&s, &id);
@@ -256,12 +259,8 @@ fn a_policy_survives_pause_resume_and_snapshots_and_never_widens_to_the_default(
     });
     // The server's default would reach the echo server; this policy does not.
     let policy = json!({"allow_out": ["other.test"], "deny_out": ["0.0.0.0/0"]});
-    let (status, r) = s.post("/v1/sessions", &json!({"network": policy}));
-    assert_eq!(status, 201, "{r}");
-    let id = r["id"].as_str().unwrap().to_owned();
-    let (status, open) = s.post("/v1/sessions", &json!({}));
-    assert_eq!(status, 201, "{open}");
-    let open = open["id"].as_str().unwrap().to_owned();
+    let id = session(&s, json!({"network": policy}));
+    let open = session(&s, json!({}));
 
     let (paused, p) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
     assert_eq!(paused, 200, "{p}");
@@ -271,9 +270,7 @@ fn a_policy_survives_pause_resume_and_snapshots_and_never_widens_to_the_default(
     let resumed_reach = cell(&s, &id, &echo_code("echo.test", echo.port()));
     let (status, snap) = s.post(&format!("/v1/sessions/{id}/snapshots"), &json!({}));
     assert_eq!(status, 201, "{snap}");
-    let (status, from_snap) = s.post("/v1/sessions", &json!({"snapshot": snap["id"]}));
-    assert_eq!(status, 201, "{from_snap}");
-    let from_snap = from_snap["id"].as_str().unwrap().to_owned();
+    let from_snap = session(&s, json!({"snapshot": snap["id"]}));
     let snap_reach = cell(&s, &from_snap, &echo_code("echo.test", echo.port()));
     let open_reach = cell(&s, &open, &echo_code("echo.test", echo.port()));
 
@@ -296,12 +293,8 @@ fn a_guest_flooding_connections_and_lookups_meets_the_limits_and_harms_no_one() 
     let echo = echo_server();
     let s = networked_server();
     let policy = json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]});
-    let (status, r) = s.post("/v1/sessions", &json!({"network": policy}));
-    assert_eq!(status, 201, "{r}");
-    let id = r["id"].as_str().unwrap().to_owned();
-    let (status, other) = s.post("/v1/sessions", &json!({"network": policy}));
-    assert_eq!(status, 201, "{other}");
-    let other = other["id"].as_str().unwrap().to_owned();
+    let id = session(&s, json!({"network": policy}));
+    let other = session(&s, json!({"network": policy}));
 
     // 80 connections opened at once (a sandbox may have 64), then 300 DNS queries sent
     // without waiting for answers (16 may wait for the policy at once; the rest are

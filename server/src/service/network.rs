@@ -56,6 +56,11 @@ impl NetworkView {
     }
 }
 
+/// Whether `engine`'s template gives its sandboxes a network card.
+pub fn has_card(engine: &dyn Engine) -> bool {
+    engine.manifest().network == vmm::manifest::Network::Card
+}
+
 /// The parsed policy of `spec` (the server's default without one), checked as `field`.
 fn policy_of(
     state: &AppState,
@@ -83,7 +88,7 @@ pub fn gate_for(
     spec: Option<&PolicySpec>,
     field: &str,
 ) -> Result<Option<Arc<Gate>>, Error> {
-    if engine.manifest().network != vmm::manifest::Network::Card {
+    if !has_card(engine) {
         return match spec {
             None => Ok(None),
             Some(_) => Err(Error::invalid(
@@ -108,7 +113,7 @@ pub fn restored(
     engine: &dyn Engine,
     spec: Option<&PolicySpec>,
 ) -> Option<Arc<Gate>> {
-    if engine.manifest().network != vmm::manifest::Network::Card {
+    if !has_card(engine) {
         return None;
     }
     // A record's policy was parsed when it was set; one that no longer parses (a grammar

@@ -554,6 +554,12 @@ fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), Error> 
     Ok(())
 }
 
+/// A request's JSON body as `T`, or a 400 naming `field`.
+pub fn json_body<T: serde::de::DeserializeOwned>(body: &[u8], field: &str) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|err| ApiError::invalid(field, format!("bad JSON body: {err}")))
+}
+
 /// `POST /sandboxes/{id}/timeout`: 204.
 pub async fn set_timeout(
     State(c): State<Compat>,
@@ -562,8 +568,7 @@ pub async fn set_timeout(
 ) -> Response {
     let run = || -> Result<Response, ApiError> {
         let (_, e) = live(&c, &id)?;
-        let t: Timeout = serde_json::from_slice(&body)
-            .map_err(|err| ApiError::invalid("timeout", format!("bad JSON body: {err}")))?;
+        let t: Timeout = json_body(&body, "timeout")?;
         set_lifetime(&c.app, &e, t.timeout)?;
         Ok(StatusCode::NO_CONTENT.into_response())
     };

@@ -20,7 +20,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::{Compat, e2b_error, live};
+use super::{Compat, e2b_error, json_body, live};
 use crate::core::egress::PolicySpec;
 use crate::http::error::ApiError;
 use crate::service::error::Error;
@@ -115,7 +115,7 @@ pub fn at_create(
     let spec = policy(allow_internet_access, network)?;
     let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
     let card = crate::service::templates::engine_for(state, Some(template))
-        .is_ok_and(|e| e.manifest().network == vmm::manifest::Network::Card);
+        .is_ok_and(|e| crate::service::network::has_card(e.as_ref()));
     Ok(spec.filter(|_| listed || card))
 }
 
@@ -138,8 +138,7 @@ pub async fn update(
 ) -> Response {
     let run = || -> Result<Response, ApiError> {
         let (_, e) = live(&c, &id)?;
-        let u: NetworkUpdate = serde_json::from_slice(&body)
-            .map_err(|err| ApiError::invalid("network", format!("bad JSON body: {err}")))?;
+        let u: NetworkUpdate = json_body(&body, "network")?;
         let spec = policy(u.allow_internet_access, Some(&u.network))?.unwrap_or_default();
         crate::service::network::put(&c.app, &e.id, &spec)?;
         Ok(StatusCode::NO_CONTENT.into_response())

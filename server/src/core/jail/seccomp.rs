@@ -99,7 +99,7 @@ const JOB_THREAD: &[i64] = &[
     libc::SYS_unlinkat,
     // A network card's relays (`vmm::net`, on the vCPU thread) pass a guest's half-close
     // on to the host socket the dial threads connected; they read and write it with
-    // read/write, and open, connect or register nothing (server/tests/network.rs, jailed).
+    // read/write, and open, connect or register nothing (tests/jail.rs runs it jailed).
     libc::SYS_shutdown,
 ];
 

@@ -41,8 +41,12 @@ fn server(workers: usize, queue: usize) -> (AppState, FakeEngine) {
 
 /// A server on a fake engine, configured as `config` says.
 fn server_with(config: Config) -> (AppState, FakeEngine) {
+    server_on(config, FakeEngine::new())
+}
+
+/// A server on `engine`, configured as `config` says.
+fn server_on(config: Config, engine: FakeEngine) -> (AppState, FakeEngine) {
     let state = AppState::new(config, None).expect("a state");
-    let engine = FakeEngine::new();
     let name = state.config().default_template().to_owned();
     assert!(state.set_engine(&name, Arc::new(engine.clone()), TemplateInfo::default()));
     (state, engine)

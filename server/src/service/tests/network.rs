@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{cell, job, server, server_with};
+use super::{cell, job, server, server_on, server_with};
 use crate::core::config::{Config, EgressDefault};
 use crate::core::egress::PolicySpec;
 use crate::core::engine::fake::FakeEngine;
@@ -16,11 +16,7 @@ use crate::service::task::no_sink;
 
 /// A server whose default template has a network card, configured as `config` says.
 fn carded(config: Config) -> (AppState, FakeEngine) {
-    let state = AppState::new(config, None).expect("a state");
-    let engine = FakeEngine::with_card();
-    let name = state.config().default_template().to_owned();
-    assert!(state.set_engine(&name, Arc::new(engine.clone()), TemplateInfo::default()));
-    (state, engine)
+    server_on(config, FakeEngine::with_card())
 }
 
 fn spec(allow: &[&str], deny: &[&str]) -> PolicySpec {
