@@ -507,16 +507,20 @@ fn fresh_memory_reads_as_zeros_after_dirty_memory_was_freed() {
     // must hand out zeroed (on kvm_pvm the host zeroes them, see vmm::devices::host_zero).
     // One byte per 4 KiB is then written, so every page is faulted in by a write. Private
     // anonymous memory (the fault path) and shared anonymous memory (shmem) alike.
+    // The 0xff bytes are written 1 MiB at a time and each round's copy is dropped before
+    // the next: the job stays ~100 MiB under the guest's memory cap. (Written with one
+    // 48 MiB temporary while the first round's copy was still alive, its peak came within
+    // a few MiB of the cap and it ended memory_limit now and then.)
     const N: usize = 48 << 20;
     let mut j = Job::python(format!(
-        "import mmap\nn = {N}\n\
+        "import mmap\nn = {N}\nchunk = b'\\xff' * (1 << 20)\n\
          for kind in (mmap.MAP_PRIVATE, mmap.MAP_SHARED):\n    \
              flags = kind | mmap.MAP_ANONYMOUS\n    \
              for _ in range(2):\n        \
                  m = mmap.mmap(-1, n, flags)\n        \
-                 m.write(b'\\xff' * n)\n        m.close()\n    \
+                 for _ in range(n >> 20): m.write(chunk)\n        m.close()\n    \
              m = mmap.mmap(-1, n, flags)\n    for off in range(0, n, 4096): m[off] = 1\n    \
-             data = m[:]\n    print(data.count(0), data.count(1))\n    m.close()"
+             data = m[:]\n    print(data.count(0), data.count(1))\n    del data\n    m.close()"
     ));
     j.timeout = Duration::from_secs(120);
     let r = run(&j);

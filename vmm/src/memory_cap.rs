@@ -38,6 +38,16 @@
 //!   per job is a system call on the trivial job's path; RLIMIT_AS counts that 8 GiB
 //!   reservation. The guest's free-page count sees all of them.
 //!
+//! What it counts as used: pages the guest kernel keeps on its per-CPU free lists. A freed
+//! page goes to the CPU's list first and reaches the free count only when the list is
+//! drained (past its `high` mark, or by the kernel's periodic decay); measured in a job
+//! that maps, fills and unmaps 48 MiB (session 26), up to ~27 MiB of a 256 MiB guest sat
+//! there for a while. The guest's own watermark checks read the same counter, but its
+//! allocator drains those lists before it gives up; the cap does not, so a job that frees
+//! and allocates right at the edge can be stopped by the cap where the guest alone would
+//! have drained its lists and gone on. Such a job is within a few MiB of the guest's RAM
+//! either way.
+//!
 //! What it does not do: kernel allocations that are not user folios (page tables, slab,
 //! pipe buffers) do not reach the VMM, so they are noticed at the next user folio. On
 //! hardware virtualization the guest zeroes its own pages (no host-zero exits) and runs its
