@@ -95,6 +95,7 @@ fn echo_only_gate() -> Arc<Gate> {
     let site = Site {
         hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
         private: Private::parse("127.0.0.1").unwrap(),
+        ..Site::default()
     };
     Arc::new(Gate::new(
         Some(Policy::parse(&spec).unwrap()),

@@ -2,7 +2,8 @@
 //! whose python template has a network card, a policy per session and per job, the record
 //! of every name resolved and connection opened (`GET /v1/sessions/{id}/network`, a job's
 //! `network`), a policy replaced while the session lives (`PUT`), and a sandbox given no
-//! policy that reaches nothing. The only host reached is the test's own echo server on
+//! policy that reaches nothing; each attempt in the audit log and the metrics, a connection
+//! with the bytes it moved. The only host reached is the test's own echo server on
 //! 127.0.0.1, named `echo.test` in the server's `--egress-hosts` file and opened with
 //! `--egress-allow-private 127.0.0.1` (loopback is never dialed otherwise). Needs /dev/kvm.
 
@@ -130,7 +131,14 @@ fn a(kind: &str, name: &str, allowed: bool, reason: &str) -> (String, String, bo
 #[test]
 fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
     let echo = echo_server();
-    let s = networked_server();
+    let audit_log = common::empty_dir("network", "audit").join("audit.jsonl");
+    let s = networked_server_with(|c| {
+        c.audit = Some(bud_server::core::audit::AuditConfig {
+            path: audit_log.clone(),
+            content: false,
+            required: false,
+        });
+    });
     let policy = json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]});
     let id = session(&s, json!({"network": policy}));
 
@@ -190,6 +198,69 @@ fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
 
     assert_eq!(after, "ConnectionRefusedError\n");
     assert_eq!(last, a("connect", "echo.test", false, "denied"));
+
+    // The session's end closes what is still open: every attempt is in the audit log by
+    // then (a refused one at once, the connection at its end with its bytes: 11 each way).
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
+    let records = audited_connects(&audit_log, 3);
+    // In the order they were decided, but the allowed one's record waits for its close,
+    // which may come before the next cell or at the session's end.
+    let mut seen: Vec<_> = records
+        .iter()
+        .map(|r| {
+            let n = &r["network"];
+            (
+                r["status"].as_str().unwrap(),
+                n["name"].as_str().unwrap_or(""),
+                n["reason"].as_str().unwrap(),
+                n["bytes_sent"].as_u64(),
+                n["bytes_received"].as_u64(),
+            )
+        })
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        [
+            ("error", "", "denied", None, None),
+            ("error", "echo.test", "denied", None, None),
+            ("ok", "echo.test", "allowed", Some(11), Some(11)),
+        ]
+    );
+    assert!(
+        records
+            .iter()
+            .all(|r| r["session"] == id.as_str() && r["route"] == "network"),
+        "{records:?}"
+    );
+    let metrics = s.get("/metrics").text().unwrap();
+    for series in [
+        "bud_egress_attempts_total{kind=\"connect\",result=\"allowed\"} 1\n",
+        "bud_egress_attempts_total{kind=\"connect\",result=\"refused\"} 2\n",
+        "bud_egress_bytes_total{direction=\"sent\"} 11\n",
+        "bud_egress_bytes_total{direction=\"received\"} 11\n",
+    ] {
+        assert!(metrics.contains(series), "{series} in {metrics}");
+    }
+}
+
+/// The `connect` records of the audit log at `path`, once it holds `n` of them (the writer
+/// is a thread of its own; waits at most 60 s).
+fn audited_connects(path: &std::path::Path, n: usize) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let records: Vec<Value> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|r: &Value| r["kind"] == "connect")
+            .collect();
+        if records.len() >= n || std::time::Instant::now() > deadline {
+            assert_eq!(records.len(), n, "{records:?}");
+            return records;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 #[test]

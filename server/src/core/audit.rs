@@ -84,7 +84,10 @@ pub struct Record {
     /// `job`, `cell`, or `process` (a background process, recorded as it starts: its
     /// script is the code, and it has no status, output or time yet), or a session's
     /// `pause`, `resume` or `snapshot` (no code; `total_ms` is how long it took, the
-    /// snapshot's id is in `stdout`).
+    /// snapshot's id is in `stdout`), or one of a sandbox's network attempts, `dns` or
+    /// `connect` (route: a one-shot job's own, `network` for a session's; the attempt as `GET /v1/sessions/{id}/network` shows it
+    /// is in `network`, with a connection's bytes; status `ok` if allowed, else `error`).
+    /// Events carry `language` `python` as a filler.
     pub kind: String,
     pub template: String,
     pub session: Option<String>,
@@ -109,6 +112,8 @@ pub struct Record {
     pub stdout: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stderr: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<serde_json::Value>,
 }
 
 impl Record {
@@ -142,6 +147,7 @@ impl Record {
             code: None,
             stdout: None,
             stderr: None,
+            network: None,
         }
     }
 }
@@ -244,7 +250,19 @@ impl AuditLog {
             code: content.then(|| capped(&job.code)),
             stdout: content.then(|| capped(&r.stdout)),
             stderr: content.then(|| capped(&r.stderr)),
+            network: None,
         };
+        self.queue(record);
+    }
+
+    /// Records one network attempt of `origin`'s sandbox (`dns` or `connect`). Runs on a
+    /// dial thread or a vCPU thread: it only queues.
+    pub fn egress(&self, origin: &Origin, attempt: &crate::core::egress::Attempt) {
+        let mut record = Record::event(origin, attempt.kind, Language::Python);
+        if !attempt.allowed {
+            record.status = vmm::Status::Error;
+        }
+        record.network = serde_json::to_value(attempt).ok();
         self.queue(record);
     }
 

@@ -234,6 +234,8 @@ impl AppState {
                 None => crate::core::egress::Hosts::default(),
             },
             private: config.egress_allow_private.clone(),
+            totals: Arc::default(),
+            audit: audit.clone(),
         });
         Ok(Self(Arc::new(Shared {
             config,
@@ -518,6 +520,19 @@ impl AppState {
                     s.dropped.load(std::sync::atomic::Ordering::Relaxed),
                     s.failing(),
                 )
+            }),
+            egress: Some({
+                let t = &self.0.egress_site.totals;
+                let n =
+                    |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+                crate::core::metrics::EgressGauges {
+                    dns_allowed: n(&t.dns_allowed),
+                    dns_refused: n(&t.dns_refused),
+                    connect_allowed: n(&t.connect_allowed),
+                    connect_refused: n(&t.connect_refused),
+                    bytes_sent: n(&t.bytes_sent),
+                    bytes_received: n(&t.bytes_received),
+                }
             }),
         }
     }

@@ -162,7 +162,11 @@ fn gate_of(
     field: &str,
 ) -> Result<Option<Arc<Gate>>, Error> {
     let template = state.template_name(one.template.as_deref());
-    network::gate_for(state, engine, template, one.network.as_ref(), field)
+    let gate = network::gate_for(state, engine, template, one.network.as_ref(), field)?;
+    if let Some(g) = &gate {
+        g.set_origin(crate::core::audit::Origin::here(&one.route, template, None));
+    }
+    Ok(gate)
 }
 
 /// Runs a batch: every job admitted at once or none, all on the job threads in parallel,

@@ -9,6 +9,7 @@
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One TCP connection the guest opens, as the stack sees its first segment (SYN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +21,24 @@ pub struct ConnectRequest<'a> {
     pub addr: Ipv4Addr,
     /// The destination port.
     pub port: u16,
+    /// This connection's number, unique in the process ([`next_connection_id`]): an
+    /// allowed connection that opens is reported to [`Egress::closed`] under it.
+    pub id: u64,
+}
+
+/// Bytes one connection moved, counted by the stack's relay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// From the guest to the host it dialed.
+    pub sent: u64,
+    /// From that host to the guest.
+    pub received: u64,
+}
+
+/// A number no other connection of this process has had.
+pub(crate) fn next_connection_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// What becomes of a connection.
@@ -45,6 +64,12 @@ pub trait Egress: Send + Sync + fmt::Debug {
     /// connections open or being dialed as one may (for the egress's record; called on the
     /// vCPU thread, so it must not block).
     fn over_limit(&self, _req: &ConnectRequest<'_>) {}
+
+    /// Connection `id`, which the egress allowed and the stack opened, is over: both sides
+    /// closed, reset, or the VM's stack went (a reset, a pause, the end of a one-shot job).
+    /// `traffic` is what it moved. Called once per opened connection, on the vCPU thread:
+    /// it must not block.
+    fn closed(&self, _id: u64, _traffic: Traffic) {}
 }
 
 /// The default: no name resolves, every connection is refused (a VM with a network card but
@@ -86,9 +111,14 @@ mod tests {
             name: Some("example.test"),
             addr: Ipv4Addr::new(198, 18, 0, 1),
             port: 80,
+            id: next_connection_id(),
         };
 
         assert!(!NoEgress.knows("example.test"));
         assert_eq!(NoEgress.connect(&req), Verdict::Refuse);
+        assert!(
+            next_connection_id() > req.id,
+            "numbers are never handed out twice"
+        );
     }
 }

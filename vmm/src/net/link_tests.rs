@@ -1,7 +1,9 @@
 //! The stack driven by raw Ethernet frames, as the guest's kernel would send them (no card, no
-//! guest): ARP for the gateway, DNS on the gateway's port 53, a SYN the egress refuses.
+//! guest): ARP for the gateway, DNS on the gateway's port 53, a SYN the egress refuses, a
+//! connection relayed to a host socket and the bytes it moved reported.
 
-use std::net::Ipv4Addr;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -12,7 +14,7 @@ use smoltcp::wire::{
     TcpSeqNumber, UdpPacket, UdpRepr,
 };
 
-use super::egress::{ConnectRequest, Egress, Verdict};
+use super::egress::{ConnectRequest, Egress, Traffic, Verdict};
 use super::stack::Stack;
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_IP};
@@ -127,19 +129,31 @@ fn dns_query(name: &str) -> Vec<u8> {
 }
 
 fn syn(dst: Ipv4Addr, port: u16) -> Vec<u8> {
+    segment(dst, port, TcpControl::Syn, 1000, None, &[])
+}
+
+/// A TCP segment from the guest's port 40001 to `dst:port`.
+fn segment(
+    dst: Ipv4Addr,
+    port: u16,
+    control: TcpControl,
+    seq: i32,
+    ack: Option<i32>,
+    payload: &[u8],
+) -> Vec<u8> {
     let tcp = TcpRepr {
         src_port: 40001,
         dst_port: port,
-        control: TcpControl::Syn,
-        seq_number: TcpSeqNumber(1000),
-        ack_number: None,
+        control,
+        seq_number: TcpSeqNumber(seq),
+        ack_number: ack.map(TcpSeqNumber),
         window_len: 65535,
         window_scale: None,
-        max_seg_size: Some(1460),
+        max_seg_size: (control == TcpControl::Syn).then_some(1460),
         sack_permitted: false,
         sack_ranges: [None, None, None],
         timestamp: None,
-        payload: &[],
+        payload,
     };
     let (mut frame, _) = ipv4(dst, IpProtocol::Tcp, tcp.buffer_len());
     tcp.emit(
@@ -252,4 +266,103 @@ fn a_refused_syn_gets_a_rst_and_leaves_no_connection() {
     assert_eq!(tcp.src_port(), 80);
     assert_eq!(stack.counters().connections_refused, 1);
     assert!(stack.is_pristine());
+}
+
+/// Dials one host address for every connection and keeps what it is told of their ends.
+#[derive(Debug)]
+struct DialsOne {
+    to: SocketAddr,
+    closed: Mutex<Vec<(u64, Traffic)>>,
+    ids: Mutex<Vec<u64>>,
+}
+
+impl Egress for DialsOne {
+    fn knows(&self, _: &str) -> bool {
+        false
+    }
+    fn connect(&self, req: &ConnectRequest<'_>) -> Verdict {
+        self.ids.lock().unwrap().push(req.id);
+        Verdict::Dial(self.to)
+    }
+    fn closed(&self, id: u64, traffic: Traffic) {
+        self.closed.lock().unwrap().push((id, traffic));
+    }
+}
+
+/// Polls until the stack has sent the guest a frame, and returns its TCP header fields
+/// (seq, ack) and payload.
+fn next_segment(stack: &mut Stack, waker: &Waker) -> (u32, u32, Vec<u8>) {
+    let started = Instant::now();
+    loop {
+        poll_settled(stack, waker);
+        if let Some(frame) = stack.link.to_guest.pop_front() {
+            let tcp = TcpPacket::new_checked(&frame[34..]).unwrap();
+            return (
+                tcp.seq_number().0 as u32,
+                tcp.ack_number().0 as u32,
+                tcp.payload().to_vec(),
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no segment came"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_relayed_connection_reports_the_bytes_it_moved_each_way_when_its_stack_goes() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let egress = Arc::new(DialsOne {
+        to: listener.local_addr().unwrap(),
+        closed: Mutex::default(),
+        ids: Mutex::default(),
+    });
+    let (mut stack, waker) = stack_with(egress.clone());
+    stack.link.to_stack.push_back(arp_request());
+    stack.poll();
+    stack.link.to_guest.clear();
+    let dst = Ipv4Addr::new(192, 0, 2, 1);
+
+    // The handshake: held, dialed, then the SYN opens the listening socket.
+    stack.link.to_stack.push_back(syn(dst, 80));
+    let (their_seq, _, _) = next_segment(&mut stack, &waker);
+    let (mut host, _) = listener.accept().unwrap();
+    let ack = their_seq.wrapping_add(1) as i32;
+    stack.link.to_stack.push_back(segment(
+        dst,
+        80,
+        TcpControl::None,
+        1001,
+        Some(ack),
+        b"hello",
+    ));
+    stack.poll();
+    let mut got = [0u8; 5];
+    host.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"hello");
+    host.write_all(b"world!").unwrap();
+    let payload = loop {
+        let (_, _, payload) = next_segment(&mut stack, &waker);
+        if !payload.is_empty() {
+            break payload;
+        }
+    };
+    assert_eq!(payload, b"world!");
+    assert!(egress.closed.lock().unwrap().is_empty(), "still open");
+
+    drop(stack);
+
+    let id = egress.ids.lock().unwrap()[0];
+    assert_eq!(
+        *egress.closed.lock().unwrap(),
+        [(
+            id,
+            Traffic {
+                sent: 5,
+                received: 6
+            }
+        )]
+    );
 }

@@ -35,7 +35,7 @@ use smoltcp::wire::{
 
 use super::dialer;
 use super::dns::{Answer, DnsMap};
-use super::egress::{ConnectRequest, Egress, Verdict};
+use super::egress::{ConnectRequest, Egress, Traffic, Verdict, next_connection_id};
 use super::inbox::{Conn, Dialed, Done, Inbox, deliver, dial, lock};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
@@ -118,6 +118,10 @@ struct Relay {
     handle: SocketHandle,
     host: File,
     created: Instant,
+    /// The connection's number ([`ConnectRequest::id`]) and the bytes it moved, reported to
+    /// the egress when the relay goes.
+    id: u64,
+    traffic: Traffic,
     /// The host closed its side (its FIN was passed on to the guest).
     host_done: bool,
     /// The guest closed its side (passed on to the host with `shutdown(Write)`).
@@ -143,8 +147,8 @@ pub(crate) struct Stack {
     dns_socket: SocketHandle,
     dns: DnsMap,
     relays: Vec<Relay>,
-    /// SYNs held while the dialer works on their connection.
-    held: HashMap<Conn, Vec<u8>>,
+    /// SYNs held while the dialer works on their connection, with the connection's number.
+    held: HashMap<Conn, (Vec<u8>, u64)>,
     /// Connections refused or failed whose SYN goes to smoltcp next (for its RST).
     refused: HashSet<Conn>,
     dns_in_flight: usize,
@@ -310,22 +314,25 @@ impl Stack {
         }
         let IpAddress::Ipv4(addr) = dst.addr;
         let name = self.dns.name_of(addr).map(str::to_owned);
+        let id = next_connection_id();
         if self.relays.len() + self.held.len() >= MAX_RELAYS {
             self.counters.connections_refused += 1;
             self.egress.over_limit(&ConnectRequest {
                 name: name.as_deref(),
                 addr,
                 port: dst.port,
+                id,
             });
             return false;
         }
-        self.held.insert(conn, frame.to_vec());
+        self.held.insert(conn, (frame.to_vec(), id));
         let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
         dialer::submit(Box::new(move || {
             let req = ConnectRequest {
                 name: name.as_deref(),
                 addr,
                 port: dst.port,
+                id,
             };
             let dialed = match egress.connect(&req) {
                 Verdict::Refuse => Dialed::Refused,
@@ -343,11 +350,11 @@ impl Stack {
         for d in done {
             match d {
                 Done::Dial(conn, dialed) => {
-                    let Some(syn) = self.held.remove(&conn) else {
+                    let Some((syn, id)) = self.held.remove(&conn) else {
                         continue;
                     };
                     let opened = match dialed {
-                        Dialed::Connected(host) => self.open_relay(conn.1, host),
+                        Dialed::Connected(host) => self.open_relay(conn.1, host, id),
                         Dialed::Failed => false,
                         Dialed::Refused => {
                             self.counters.connections_refused += 1;
@@ -376,8 +383,9 @@ impl Stack {
         }
     }
 
-    /// A socket listening on `dst` for the held SYN, relayed to `host`.
-    fn open_relay(&mut self, dst: IpEndpoint, host: File) -> bool {
+    /// A socket listening on `dst` for the held SYN of connection `id`, relayed to `host`.
+    /// A connection that cannot listen is reported closed at once (the egress allowed it).
+    fn open_relay(&mut self, dst: IpEndpoint, host: File, id: u64) -> bool {
         let mut socket = tcp::Socket::new(
             tcp::SocketBuffer::new(vec![0; RELAY_BUFFER]),
             tcp::SocketBuffer::new(vec![0; RELAY_BUFFER]),
@@ -386,6 +394,7 @@ impl Stack {
         // Acknowledge at once: a delayed ACK would need a timer exit to go out.
         socket.set_ack_delay(None);
         if socket.listen(dst).is_err() {
+            self.egress.closed(id, Traffic::default());
             return false;
         }
         let handle = self.sockets.add(socket);
@@ -393,6 +402,8 @@ impl Stack {
             handle,
             host,
             created: Instant::now(),
+            id,
+            traffic: Traffic::default(),
             host_done: false,
             guest_done: false,
         });
@@ -446,7 +457,10 @@ impl Stack {
                         r.host_done = true;
                         s.close();
                     }
-                    Ok(Some(n)) => self.counters.bytes_to_guest += n as u64,
+                    Ok(Some(n)) => {
+                        self.counters.bytes_to_guest += n as u64;
+                        r.traffic.received += n as u64;
+                    }
                     _ => break,
                 }
             }
@@ -457,7 +471,10 @@ impl Stack {
                     Err(e) => (0, Err(e.kind())),
                 });
                 match sent {
-                    Ok(Ok(n)) if n > 0 => self.counters.bytes_to_host += n as u64,
+                    Ok(Ok(n)) if n > 0 => {
+                        self.counters.bytes_to_host += n as u64;
+                        r.traffic.sent += n as u64;
+                    }
                     Ok(Err(ErrorKind::WouldBlock | ErrorKind::Interrupted)) => break,
                     Ok(Err(_)) => {
                         s.abort();
@@ -481,15 +498,17 @@ impl Stack {
         }
     }
 
-    /// Drops relays whose connection is over (or whose SYN never came).
+    /// Drops relays whose connection is over (or whose SYN never came), each reported to
+    /// the egress with what it moved.
     fn reap(&mut self) {
-        let sockets = &mut self.sockets;
+        let (sockets, egress) = (&mut self.sockets, &self.egress);
         self.relays.retain(|r| {
             let state = sockets.get::<tcp::Socket>(r.handle).state();
             let over = matches!(state, tcp::State::Closed | tcp::State::TimeWait)
                 || (state == tcp::State::Listen && r.created.elapsed() > LISTEN_LIFETIME);
             if over {
                 sockets.remove(r.handle);
+                egress.closed(r.id, r.traffic);
             }
             !over
         });
@@ -497,9 +516,14 @@ impl Stack {
 }
 
 impl Drop for Stack {
-    /// Work of the dialer still under way for this stack is dropped when it comes back.
+    /// Work of the dialer still under way for this stack is dropped when it comes back; the
+    /// connections still open are over (their host sockets close with the relays) and
+    /// reported so.
     fn drop(&mut self) {
         lock(&self.inbox).closed = true;
+        for r in &self.relays {
+            self.egress.closed(r.id, r.traffic);
+        }
     }
 }
 

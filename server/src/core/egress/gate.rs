@@ -9,30 +9,63 @@
 //! nothing. A connection to an address the guest used directly is decided on that
 //! address alone (no name: domain entries do not match it).
 //!
+//! Every attempt is kept in the gate's log (`GET /v1/sessions/{id}/network`), counted in the
+//! site's [`Totals`] (`/metrics`) and, with an audit log, written to it as a `dns` or
+//! `connect` record: a refused one at once, an allowed connection when it closes, with the
+//! bytes it moved each way (the VMM's relay counts them and reports the end,
+//! [`vmm::Egress::closed`]).
+//!
 //! Not yet here (stage 2 of `docs/network-design.md` continues): the Host and SNI of a
-//! connection by address, bytes counted each way (the relays are in the VMM's stack), and
-//! resolution off the vCPU thread (a name pinned with `--egress-hosts` costs a map lookup;
-//! one resolved by the host blocks that VM's vCPU for the lookup, as a dial does today).
+//! connection by address, and a cap on bytes.
 
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use vmm::{ConnectRequest, Egress, Verdict};
+use vmm::{ConnectRequest, Egress, Traffic, Verdict};
 
 use super::policy::{Decision, Policy, PolicySpec};
 use super::ranges::{Hosts, Private};
+use crate::core::audit::{AuditLog, Origin};
 
 /// Attempts one gate keeps (the oldest are dropped first, and counted).
 pub const LOG_KEPT: usize = 10_000;
 
-/// What the operator decides for every gate: pinned names and private ranges opened.
+/// What every gate of the server shares: what the operator decided (pinned names, private
+/// ranges opened), the totals the metrics read, and the audit log attempts are written to.
 #[derive(Debug, Clone, Default)]
 pub struct Site {
     pub hosts: Hosts,
     pub private: Private,
+    pub totals: Arc<Totals>,
+    pub audit: Option<AuditLog>,
+}
+
+/// Every gate's attempts and bytes added up (`bud_egress_*` in `/metrics`).
+#[derive(Debug, Default)]
+pub struct Totals {
+    pub dns_allowed: AtomicU64,
+    pub dns_refused: AtomicU64,
+    pub connect_allowed: AtomicU64,
+    pub connect_refused: AtomicU64,
+    /// Bytes of closed connections, from the guests and to them.
+    pub bytes_sent: AtomicU64,
+    pub bytes_received: AtomicU64,
+}
+
+impl Totals {
+    fn count(&self, a: &Attempt) {
+        let counter = match (a.kind, a.allowed) {
+            ("dns", true) => &self.dns_allowed,
+            ("dns", false) => &self.dns_refused,
+            (_, true) => &self.connect_allowed,
+            (_, false) => &self.connect_refused,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// One name resolved or one connection opened by the guest, and what became of it.
@@ -58,6 +91,15 @@ pub struct Attempt {
     pub rule: Option<String>,
     /// Where bud connected.
     pub dialed: Option<SocketAddr>,
+    /// For a connection bud opened, once it is over: when (Unix time, milliseconds) and the
+    /// bytes it moved from the guest and to it. None while it is open, and for every other
+    /// attempt.
+    pub closed_at_ms: Option<u64>,
+    pub bytes_sent: Option<u64>,
+    pub bytes_received: Option<u64>,
+    /// The VMM's number of the connection ([`ConnectRequest::id`]), to find it at its end.
+    #[serde(skip)]
+    conn: Option<u64>,
 }
 
 /// The attempts kept and how many were dropped.
@@ -74,6 +116,8 @@ pub struct Gate {
     policy: Mutex<Option<Arc<Policy>>>,
     site: Arc<Site>,
     log: Mutex<Log>,
+    /// Whose sandbox this is, for its audit records.
+    origin: Mutex<Origin>,
 }
 
 impl Gate {
@@ -82,7 +126,13 @@ impl Gate {
             policy: Mutex::new(policy.map(Arc::new)),
             site,
             log: Mutex::default(),
+            origin: Mutex::default(),
         }
+    }
+
+    /// Names the sandbox in the audit records of its attempts from now on.
+    pub fn set_origin(&self, origin: Origin) {
+        *lock(&self.origin) = origin;
     }
 
     /// Replaces the policy: connections opened from now on see it.
@@ -102,6 +152,7 @@ impl Gate {
             policy: Mutex::new(self.current()),
             site: self.site.clone(),
             log: Mutex::default(),
+            origin: Mutex::new(lock(&self.origin).clone()),
         }
     }
 
@@ -115,13 +166,25 @@ impl Gate {
         lock(&self.policy).clone()
     }
 
+    /// Keeps `a`, counts it, and audits it unless it is an allowed connection (audited
+    /// when it closes, with its bytes).
     fn record(&self, a: Attempt) {
+        self.site.totals.count(&a);
+        if a.conn.is_none() {
+            self.audit(&a);
+        }
         let mut log = lock(&self.log);
         if log.kept.len() >= LOG_KEPT {
             log.kept.pop_front();
             log.dropped += 1;
         }
         log.kept.push_back(a);
+    }
+
+    fn audit(&self, a: &Attempt) {
+        if let Some(audit) = &self.site.audit {
+            audit.egress(&lock(&self.origin), a);
+        }
     }
 
     /// Records a connection attempt.
@@ -142,6 +205,10 @@ impl Gate {
             reason,
             rule,
             dialed: dial,
+            closed_at_ms: None,
+            bytes_sent: None,
+            bytes_received: None,
+            conn: dial.map(|_| req.id),
         });
     }
 
@@ -227,6 +294,10 @@ impl Egress for Gate {
             reason,
             rule: None,
             dialed: None,
+            closed_at_ms: None,
+            bytes_sent: None,
+            bytes_received: None,
+            conn: None,
         });
         known
     }
@@ -239,6 +310,28 @@ impl Egress for Gate {
 
     fn over_limit(&self, req: &ConnectRequest<'_>) {
         self.record_connect(req, "limit", None, None);
+    }
+
+    fn closed(&self, id: u64, traffic: Traffic) {
+        let totals = &self.site.totals;
+        totals.bytes_sent.fetch_add(traffic.sent, Ordering::Relaxed);
+        totals
+            .bytes_received
+            .fetch_add(traffic.received, Ordering::Relaxed);
+        let closed = {
+            let mut log = lock(&self.log);
+            // Recent connections end first: look from the newest. One dropped from the log
+            // meanwhile is counted in the totals only.
+            let Some(a) = log.kept.iter_mut().rev().find(|a| a.conn == Some(id)) else {
+                return;
+            };
+            a.closed_at_ms = Some(now_ms());
+            a.bytes_sent = Some(traffic.sent);
+            a.bytes_received = Some(traffic.received);
+            a.conn = None;
+            a.clone()
+        };
+        self.audit(&closed);
     }
 }
 
@@ -254,6 +347,7 @@ mod tests {
         let site = Site {
             hosts: Hosts::parse(hosts).unwrap(),
             private: Private::parse(private).unwrap(),
+            ..Site::default()
         };
         Gate::new(Some(Policy::parse(&spec).unwrap()), Arc::new(site))
     }
@@ -263,6 +357,7 @@ mod tests {
             name: Some(name),
             addr: Ipv4Addr::new(198, 18, 0, 1),
             port,
+            id: 7,
         }
     }
 
@@ -271,6 +366,7 @@ mod tests {
             name: None,
             addr,
             port,
+            id: 8,
         }
     }
 
@@ -350,6 +446,68 @@ mod tests {
         let stray = by_addr(Ipv4Addr::new(198, 18, 0, 9), 80);
         assert_eq!(g.connect(&stray), Verdict::Refuse);
         assert_eq!(g.attempts().0[0].reason, "always-denied");
+    }
+
+    #[test]
+    fn a_connection_that_closes_gets_its_bytes_in_the_log_and_the_totals() {
+        let g = gate(&["pypi.test"], &[], "pypi.test 127.0.0.1\n", "127.0.0.1");
+        assert!(g.knows("pypi.test"));
+        assert!(matches!(
+            g.connect(&by_name("pypi.test", 80)),
+            Verdict::Dial(_)
+        ));
+        let refused = by_addr(Ipv4Addr::new(127, 0, 0, 2), 80);
+        assert_eq!(g.connect(&refused), Verdict::Refuse);
+        let open = g.attempts().0[1].clone();
+        assert_eq!(
+            (open.closed_at_ms, open.bytes_sent, open.bytes_received),
+            (None, None, None)
+        );
+
+        g.closed(
+            8,
+            Traffic {
+                sent: 1,
+                received: 1,
+            },
+        ); // not a connection it opened
+        g.closed(
+            7,
+            Traffic {
+                sent: 120,
+                received: 4096,
+            },
+        );
+
+        let (log, _) = g.attempts();
+        assert!(log[1].closed_at_ms.is_some_and(|t| t >= open.at_ms));
+        assert_eq!(
+            (log[1].bytes_sent, log[1].bytes_received),
+            (Some(120), Some(4096))
+        );
+        assert_eq!((log[2].bytes_sent, log[2].closed_at_ms), (None, None));
+        let t = &g.site.totals;
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert_eq!(
+            [
+                n(&t.dns_allowed),
+                n(&t.dns_refused),
+                n(&t.connect_allowed),
+                n(&t.connect_refused),
+                n(&t.bytes_sent),
+                n(&t.bytes_received)
+            ],
+            [1, 0, 1, 1, 121, 4097]
+        );
+        // Once closed, the same number finds nothing more to close.
+        g.closed(
+            7,
+            Traffic {
+                sent: 5,
+                received: 5,
+            },
+        );
+        assert_eq!(g.attempts().0[1].bytes_sent, Some(120));
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! The figures `/metrics` shows that other parts own: the job queue's, the executors',
-//! the sessions', the state directory's and the audit log's, handed in as [`Gauges`] by
+//! the sessions', the state directory's, the audit log's and the sandboxes' networks'
+//! (`bud_egress_attempts_total{kind,result}`, `bud_egress_bytes_total{direction}`, zero
+//! on a server whose templates have no network card), handed in as [`Gauges`] by
 //! the handler and registered in a registry made for that scrape (prometheus-client's
 //! constant gauges and counters); and the process's memory, read from `/proc`. Nothing
 //! here is kept between scrapes.
 
 use std::collections::BTreeMap;
 
-use prometheus_client::encoding::{EncodeCounterValue, EncodeGaugeValue};
+use prometheus_client::encoding::{EncodeCounterValue, EncodeGaugeValue, EncodeLabelSet};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
@@ -31,6 +33,31 @@ pub struct Gauges {
     pub sessions: SessionGauges,
     /// The audit log's records written and lost, and whether it is failing (None: no log).
     pub audit: Option<(u64, u64, bool)>,
+    /// Every sandbox's network attempts and bytes (the server always has them).
+    pub egress: Option<EgressGauges>,
+}
+
+/// The sandboxes' names resolved and connections opened, allowed and refused, and the bytes
+/// of their closed connections.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EgressGauges {
+    pub dns_allowed: u64,
+    pub dns_refused: u64,
+    pub connect_allowed: u64,
+    pub connect_refused: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AttemptLabel {
+    kind: &'static str,
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
 }
 
 /// What the sessions hold and have done.
@@ -107,7 +134,41 @@ pub(super) fn registry(g: &Gauges) -> Registry {
     );
     executor(&mut r, &g.executor);
     sessions(&mut r, &g.sessions);
+    if let Some(e) = &g.egress {
+        egress(&mut r, e);
+    }
     r
+}
+
+/// The sandboxes' networks.
+fn egress(r: &mut Registry, e: &EgressGauges) {
+    let attempts = Family::<AttemptLabel, Counter>::default();
+    for (kind, result, n) in [
+        ("dns", "allowed", e.dns_allowed),
+        ("dns", "refused", e.dns_refused),
+        ("connect", "allowed", e.connect_allowed),
+        ("connect", "refused", e.connect_refused),
+    ] {
+        attempts
+            .get_or_create(&AttemptLabel { kind, result })
+            .inc_by(n);
+    }
+    add(
+        r,
+        "bud_egress_attempts",
+        "Names sandboxes resolved (dns) and connections they opened (connect), allowed and refused",
+        attempts,
+    );
+    let bytes = Family::<DirectionLabel, Counter>::default();
+    for (direction, n) in [("sent", e.bytes_sent), ("received", e.bytes_received)] {
+        bytes.get_or_create(&DirectionLabel { direction }).inc_by(n);
+    }
+    add(
+        r,
+        "bud_egress_bytes",
+        "Bytes of sandboxes' closed connections, sent by the guests and received by them",
+        bytes,
+    );
 }
 
 /// VM reuse: resets, and VMs replaced instead of reused.

@@ -16,6 +16,9 @@
 //!   normally (`read`, `identity`, `compile`, `run`).
 //! - with an audit log, `bud_audit_records_total{result}` (`written`, `dropped`) and
 //!   `bud_audit_failing`.
+//! - sandboxes' networks: `bud_egress_attempts_total{kind,result}` (`dns`, `connect`;
+//!   `allowed`, `refused`) and `bud_egress_bytes_total{direction}` (`sent`, `received`: bytes
+//!   of connections that are over).
 //! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
 //!   idle warm VMs, live clones, and the process's resident memory.
 //! - VM reuse: `bud_resets_total`, `bud_reset_seconds_total`, `bud_reset_restored_pages_total`,
@@ -61,7 +64,7 @@ use prometheus_client::registry::{Metric, Registry};
 use vmm::Status;
 
 mod gauges;
-pub use gauges::{Gauges, SessionGauges, private_bytes, resident_bytes};
+pub use gauges::{EgressGauges, Gauges, SessionGauges, private_bytes, resident_bytes};
 
 /// The `Content-Type` of `GET /metrics`: the Prometheus text format, version 0.0.4.
 pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
@@ -401,6 +404,12 @@ mod tests {
                 ..Default::default()
             },
             audit: Some((3, 1, false)),
+            egress: Some(EgressGauges {
+                dns_allowed: 2,
+                connect_refused: 1,
+                bytes_received: 4096,
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -421,6 +430,8 @@ mod tests {
             [
                 "bud_audit_failing gauge",
                 "bud_audit_records_total counter",
+                "bud_egress_attempts_total counter",
+                "bud_egress_bytes_total counter",
                 "bud_http_responses_total counter",
                 "bud_job_clone_seconds histogram",
                 "bud_job_exits_total counter",
@@ -484,6 +495,8 @@ mod tests {
             labelled,
             [
                 "bud_audit_records_total{result}",
+                "bud_egress_attempts_total{kind}",
+                "bud_egress_bytes_total{direction}",
                 "bud_http_responses_total{code}",
                 "bud_job_guest_seconds_total{phase}",
                 "bud_jobs_total{status}",
@@ -492,6 +505,23 @@ mod tests {
                 "bud_vms_replaced_total{reason}",
             ]
         );
+    }
+
+    #[test]
+    fn a_network_servers_egress_figures_are_written_with_their_labels() {
+        let text = Metrics::default().render(&everything()).unwrap();
+
+        for series in [
+            "bud_egress_attempts_total{kind=\"dns\",result=\"allowed\"} 2\n",
+            "bud_egress_attempts_total{kind=\"connect\",result=\"refused\"} 1\n",
+            "bud_egress_attempts_total{kind=\"connect\",result=\"allowed\"} 0\n",
+            "bud_egress_bytes_total{direction=\"received\"} 4096\n",
+            "bud_egress_bytes_total{direction=\"sent\"} 0\n",
+        ] {
+            assert!(text.contains(series), "{series}: {text}");
+        }
+        let none = Metrics::default().render(&Gauges::default()).unwrap();
+        assert!(!none.contains("bud_egress"), "{none}");
     }
 
     #[test]

@@ -167,6 +167,11 @@ impl Sessions {
         };
         let mut vm = vm;
         if let Some(gate) = &settings.network {
+            gate.set_origin(crate::core::audit::Origin::here(
+                "network",
+                &settings.template,
+                Some(&id),
+            ));
             vm.set_egress(gate.clone());
         }
         let e = Arc::new(Entry::new(id, settings, vm.beside()));

@@ -2,13 +2,11 @@
 //! how it follows a session (live replacement, forks). The gate's own decisions are
 //! `core::egress`'s tests; a real guest through them is `server/tests/network.rs`.
 
-use std::sync::Arc;
-
 use super::{cell, job, server, server_on, server_with};
 use crate::core::config::{Config, EgressDefault};
 use crate::core::egress::PolicySpec;
 use crate::core::engine::fake::FakeEngine;
-use crate::core::state::{AppState, TemplateInfo};
+use crate::core::state::AppState;
 use crate::service::error::Error;
 use crate::service::network;
 use crate::service::sessions::{CreateSession, fork, start_fresh};
