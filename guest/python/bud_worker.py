@@ -157,6 +157,21 @@ MALLOC_SETTINGS = (
     ("M_TOP_PAD", 4 << 20),
 )
 
+# The same for every process a job starts (a `python3`, pip, a shell's programs), through
+# their environment: set in the worker's own after it started (PYTHONMALLOC and
+# GLIBC_TUNABLES are read when a process starts, so the worker keeps pymalloc and its own
+# settings above), before anything is spawned. Python's small objects from glibc's heap
+# instead of pymalloc's 1 MiB arenas, which a short-lived interpreter maps and unmaps by the
+# hundred; blocks up to 32 MiB from the heap; no trim; the heap grown 16 MiB past each
+# request. Measured on kvm_pvm (session 26, a session's shell cell): `pip --version` 40.7 M
+# emulated guest-kernel instructions before, 22.8 M after; `python3 -c pass` 4.50 M and
+# 3.26 M; `python3 -c 'import json,re,collections'` 5.77 M and 3.24 M; busybox `ls` the
+# same. Either half alone saved less than a fifth. A job can still set its own.
+CHILD_MALLOC_TUNABLES = (
+    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=2147483647"
+    ":glibc.malloc.top_pad=16777216"
+)
+
 # pymalloc's arenas come from one region of this much address space (no memory until used),
 # aligned to 2 MiB, so that fresh small objects fill huge pages and freed arenas are reused
 # (see guest/pyext/src/arenas.rs). Reserved after the memory lock, which would populate it.
@@ -306,6 +321,16 @@ def _minor_faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def child_allocator_env(environ):
+    """Gives the processes jobs start Python's malloc allocator and glibc's settings of
+    CHILD_MALLOC_TUNABLES (added to the GLIBC_TUNABLES the agent set, if any)."""
+    environ["PYTHONMALLOC"] = "malloc"
+    tunables = environ.get("GLIBC_TUNABLES")
+    environ["GLIBC_TUNABLES"] = (
+        f"{tunables}:{CHILD_MALLOC_TUNABLES}" if tunables else CHILD_MALLOC_TUNABLES
+    )
+
+
 def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     """Everything before READY. Returns (job runner, steps, facts for the log line);
     each step is (name, seconds, page faults). ``doorbell=False`` (dry runs on a host) also
@@ -315,6 +340,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
 
     # A crash of the worker (a job's ctypes mischief...) dumps the Python stack on fd 2.
     faulthandler.enable()
+    child_allocator_env(os.environ)
     marks = [("start", time.monotonic(), _minor_faults())]
 
     def mark(name):

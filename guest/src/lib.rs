@@ -22,6 +22,7 @@ pub mod site;
 pub mod stage;
 pub mod venv;
 pub mod zip;
+pub mod zipped;
 
 pub use lock::BuildLock;
 pub use pipeline::{

@@ -97,7 +97,7 @@ pub struct CompileJob {
 }
 
 /// Sorted entries of one directory.
-fn sorted_dir(dir: &Path) -> Result<Vec<(String, std::fs::FileType)>, PythonError> {
+pub(crate) fn sorted_dir(dir: &Path) -> Result<Vec<(String, std::fs::FileType)>, PythonError> {
     let walk_err = |source| PythonError::Walk {
         path: dir.to_owned(),
         source,
@@ -226,7 +226,7 @@ pub fn select_stdlib(recipe: &Python, root: &Path) -> Result<StdlibSelection, Py
 }
 
 /// Every directory above the archive members, as `dir/` entries.
-fn parent_dirs(names: &[String]) -> Vec<String> {
+pub(crate) fn parent_dirs(names: &[String]) -> Vec<String> {
     let mut dirs = std::collections::BTreeSet::new();
     for name in names {
         let mut rest = name.as_str();
@@ -238,7 +238,7 @@ fn parent_dirs(names: &[String]) -> Vec<String> {
     dirs.into_iter().collect()
 }
 
-fn read_for_zip(path: &Path) -> Result<Vec<u8>, PythonError> {
+pub(crate) fn read_for_zip(path: &Path) -> Result<Vec<u8>, PythonError> {
     std::fs::read(path).map_err(|source| PythonError::ReadForZip {
         path: path.to_owned(),
         source,
@@ -428,6 +428,7 @@ mod tests {
             ship_sources,
             drop: vec!["test".into(), "**/tests".into()],
             drop_dynload: vec!["_ssl".into()],
+            zipped: Default::default(),
         }
     }
 

@@ -69,6 +69,11 @@ pub struct Python {
     pub ship_sources: bool,
     pub drop: Vec<String>,
     pub drop_dynload: Vec<String>,
+    /// Wheels of the packages shipped as one precompiled zip each (`zipped.rs`): guest path
+    /// of the zip -> a pattern (`*` within the last component) matching exactly one wheel
+    /// of the unpacked packages.
+    #[serde(default)]
+    pub zipped: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -77,6 +82,10 @@ pub struct Rootfs {
     pub dirs: BTreeMap<String, u32>,
     pub links: BTreeMap<String, String>,
     pub char_devs: Vec<CharDev>,
+    /// Certificate bundles: guest path -> a directory of the packages whose `*.crt` files,
+    /// in name order, are concatenated into it.
+    #[serde(default)]
+    pub bundles: BTreeMap<String, String>,
 }
 
 /// What a template adds to the base image: `guest/image/templates/<name>.toml`.

@@ -3,9 +3,12 @@
 //! of every name resolved and connection opened (`GET /v1/sessions/{id}/network`, a job's
 //! `network`), a policy replaced while the session lives (`PUT`), and a sandbox given no
 //! policy that reaches nothing; each attempt in the audit log and the metrics, a connection
-//! with the bytes it moved. The only host reached is the test's own echo server on
-//! 127.0.0.1, named `echo.test` in the server's `--egress-hosts` file and opened with
-//! `--egress-allow-private 127.0.0.1` (loopback is never dialed otherwise). Needs /dev/kvm.
+//! with the bytes it moved; HTTPS verified against the image's CA bundle and a test CA, and
+//! `pip install` from a package index. The only hosts reached are the test's own servers on
+//! 127.0.0.1 (an echo server, an index, `openssl s_server`), named `echo.test`, `pypi.test`
+//! and `tls.test` in the server's `--egress-hosts` file and opened with
+//! `--egress-allow-private 127.0.0.1` (loopback is never dialed otherwise). Needs /dev/kvm,
+//! and Debian's `openssl` (installed with apt-get when missing, as root).
 
 mod common;
 
@@ -50,7 +53,11 @@ fn networked_server_with(change: impl FnOnce(&mut bud_server::Config)) -> TestSe
     let n = SERVERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = common::empty_dir("network", &format!("hosts-{n}"));
     let hosts = dir.join("hosts");
-    std::fs::write(&hosts, "echo.test 127.0.0.1\n").unwrap();
+    std::fs::write(
+        &hosts,
+        "echo.test 127.0.0.1\npypi.test 127.0.0.1\ntls.test 127.0.0.1\n",
+    )
+    .unwrap();
     let mut opts = common::template_options("python");
     opts.network = true;
     let template = bud_templates::template(&opts, &mut |_| {}, None)
@@ -416,4 +423,281 @@ fn a_guest_flooding_connections_and_lookups_meets_the_limits_and_harms_no_one() 
     assert_eq!(beside, "through bud\n", "another sandbox is unharmed");
     assert_eq!(after, "198.18.0.1\n", "the flooded sandbox still resolves");
     assert_eq!(s.get("/v1/health").status().as_u16(), 200);
+}
+
+/// A wheel of one pure-Python package `budtiny` (version 1.0) whose `GREETING` is `greeting`,
+/// its RECORD hashed as pip expects.
+fn tiny_wheel(greeting: &str) -> Vec<u8> {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let info = "budtiny-1.0.dist-info";
+    let mut files: Vec<(String, Vec<u8>)> = vec![
+        (
+            "budtiny/__init__.py".into(),
+            format!("GREETING = {greeting:?}\n").into_bytes(),
+        ),
+        (
+            format!("{info}/METADATA"),
+            b"Metadata-Version: 2.1\nName: budtiny\nVersion: 1.0\n".to_vec(),
+        ),
+        (
+            format!("{info}/WHEEL"),
+            b"Wheel-Version: 1.0\nGenerator: bud-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+                .to_vec(),
+        ),
+    ];
+    let mut record = String::new();
+    for (name, data) in &files {
+        let hash =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sha2::Sha256::digest(data));
+        record.push_str(&format!("{name},sha256={hash},{}\n", data.len()));
+    }
+    record.push_str(&format!("{info}/RECORD,,\n"));
+    files.push((format!("{info}/RECORD"), record.into_bytes()));
+    let entries: Vec<bud_guest::zip::ZipEntry> = files
+        .into_iter()
+        .map(|(name, data)| bud_guest::zip::ZipEntry { name, data })
+        .collect();
+    let mut out = Vec::new();
+    bud_guest::zip::write(&mut out, &entries).unwrap();
+    out
+}
+
+/// A package index on 127.0.0.1 (PEP 503's simple API) serving `budtiny` only; every
+/// request it answered, in order.
+fn package_index() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let wheel = tiny_wheel("hello from a wheel");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            let head = String::from_utf8_lossy(&head);
+            let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+            log.lock().unwrap().push(path.clone());
+            let name = "budtiny-1.0-py3-none-any.whl";
+            let (status, kind, body) = match path.as_str() {
+                "/simple/budtiny/" => (
+                    "200 OK",
+                    "text/html",
+                    format!("<a href=\"/packages/{name}\">{name}</a>\n").into_bytes(),
+                ),
+                p if p == format!("/packages/{name}") => {
+                    ("200 OK", "application/octet-stream", wheel.clone())
+                }
+                _ => ("404 Not Found", "text/plain", b"not here\n".to_vec()),
+            };
+            let _ = conn.write_all(
+                format!(
+                    "HTTP/1.0 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n\
+                     Connection: close\r\n\r\n",
+                    body.len()
+                )
+                .as_bytes(),
+            );
+            let _ = conn.write_all(&body);
+        }
+    });
+    (addr, seen)
+}
+
+/// Runs `openssl` with `args` in `dir`; panics with its output if it fails.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = std::process::Command::new(openssl_program())
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("running openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Debian's `openssl`, installed with apt-get when missing (as root; fails loudly else).
+fn openssl_program() -> std::path::PathBuf {
+    if let Some(p) = bud_guest::host::find_program("openssl") {
+        return p;
+    }
+    bud_guest::host::Apt::new()
+        .install(&["openssl"], &mut |l| eprintln!("[apt] {l}"))
+        .expect("installing Debian's openssl");
+    bud_guest::host::find_program("openssl").expect("openssl installed but not on PATH")
+}
+
+/// `openssl s_server -www` on 127.0.0.1 with a certificate for `tls.test` issued by a test
+/// CA made here; its port and the CA's certificate (PEM). Killed when the guard drops.
+struct TlsServer {
+    child: std::process::Child,
+    port: u16,
+    ca_pem: String,
+}
+
+impl Drop for TlsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tls_server() -> TlsServer {
+    let dir = common::empty_dir("network", "tls");
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=bud test CA",
+        ],
+    );
+    openssl(
+        &dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            "leaf.key",
+            "-out",
+            "leaf.csr",
+            "-subj",
+            "/CN=tls.test",
+        ],
+    );
+    std::fs::write(dir.join("leaf.ext"), "subjectAltName=DNS:tls.test\n").unwrap();
+    openssl(
+        &dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "leaf.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "leaf.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "leaf.ext",
+        ],
+    );
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = std::process::Command::new(openssl_program())
+        .current_dir(&dir)
+        .args([
+            "s_server", "-quiet", "-www", "-cert", "leaf.pem", "-key", "leaf.key",
+        ])
+        .args(["-accept", &format!("127.0.0.1:{port}")])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starting openssl s_server");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "s_server never listened"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    TlsServer {
+        child,
+        port,
+        ca_pem: std::fs::read_to_string(dir.join("ca.pem")).unwrap(),
+    }
+}
+
+#[test]
+fn https_is_verified_against_the_images_ca_bundle_and_pip_installs_from_an_index() {
+    let tls = tls_server();
+    let (index, requests) = package_index();
+    let s = networked_server_with(|c| c.limits.max_timeout_ms = 300_000);
+    let id = session(
+        &s,
+        json!({"network": {"allow_out": ["tls.test", "pypi.test"], "deny_out": ["0.0.0.0/0"]}}),
+    );
+
+    // The image's CA bundle is what Python's ssl trusts by default (Mozilla's roots, so not
+    // the test CA); the test CA given to a context of its own verifies tls.test.
+    let https = format!(
+        "import ssl, urllib.error, urllib.request\n\
+         url = 'https://tls.test:{}/'\n\
+         system = ssl.create_default_context()\n\
+         print(system.cert_store_stats()['x509_ca'] > 100)\n\
+         ca = ssl.create_default_context(cadata={:?})\n\
+         print('s_server' in urllib.request.urlopen(url, context=ca, timeout=50).read().decode())\n\
+         try:\n    \
+             urllib.request.urlopen(url, context=system, timeout=50)\n    \
+             print('trusted')\n\
+         except urllib.error.URLError as e:\n    \
+             print(type(e.reason).__name__)\n",
+        tls.port, tls.ca_pem
+    );
+    let verified = cell(&s, &id, &https);
+    assert_eq!(verified, "True\nTrue\nSSLCertVerificationError\n");
+
+    // pip, from a shell in the session; what it installs is importable by the next cell.
+    let (status, r) = s.post(
+        &format!("/v1/sessions/{id}/exec"),
+        &json!({
+            "language": "shell",
+            "code": format!(
+                "pip install --no-cache-dir --disable-pip-version-check --trusted-host pypi.test \
+                 --index-url http://pypi.test:{}/simple/ budtiny", index.port()),
+            "timeout_ms": 300_000,
+        }),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        (r["status"].as_str(), r["exit_code"].as_i64()),
+        (Some("ok"), Some(0)),
+        "{r}"
+    );
+    assert!(
+        r["stdout"]
+            .as_str()
+            .unwrap()
+            .contains("Successfully installed budtiny-1.0"),
+        "{r}"
+    );
+    assert_eq!(
+        cell(&s, &id, "import budtiny\nprint(budtiny.GREETING)"),
+        "hello from a wheel\n"
+    );
+    assert_eq!(
+        *requests.lock().unwrap(),
+        ["/simple/budtiny/", "/packages/budtiny-1.0-py3-none-any.whl"]
+    );
 }

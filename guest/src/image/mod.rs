@@ -25,6 +25,7 @@ use crate::run::{self, RunError};
 use crate::site::{self, SiteError};
 use crate::stage::{StageError, Staging};
 
+mod extras;
 mod key;
 mod passwd;
 mod report;
@@ -36,7 +37,7 @@ pub use key::input_key;
 pub use report::ImageReport;
 
 /// Bump when the builder's own logic changes what it produces: part of the input hash.
-pub const BUILDER_VERSION: u32 = 3;
+pub const BUILDER_VERSION: u32 = 4;
 
 /// The agent, run by the kernel as PID 1.
 pub const INIT_PATH: &str = "init";
@@ -88,6 +89,10 @@ pub enum ImageError {
     Python(#[from] PythonError),
     #[error("stage the template's packages")]
     Site(#[from] SiteError),
+    #[error("stage the recipe's certificate bundles")]
+    Extras(#[from] extras::ExtraError),
+    #[error("stage the recipe's zipped packages")]
+    Zipped(#[from] crate::zipped::ZippedError),
     #[error("resolve shared libraries")]
     Libs(#[from] LibError),
     #[error("write archive {path}")]
@@ -235,6 +240,7 @@ pub fn build(
     for (path, target) in &recipe.rootfs.links {
         staging.symlink(path, target)?;
     }
+    extras::stage(&recipe.rootfs, root, &staging)?;
 
     progress("compiling and packing the standard library with the guest's python");
     let modules = python::stage_stdlib(&recipe.python, root, &staging, work_dir, progress)?;
@@ -243,6 +249,7 @@ pub fn build(
         bud_jobs.len()
     ));
     python::compile(root, &bud_jobs, true, work_dir, "bud", progress)?;
+    crate::zipped::stage(&recipe.python.zipped, root, &staging, work_dir, progress)?;
     if let Some(site) = &inputs.site {
         progress("compiling and staging the template's dist-packages");
         site::stage_site(site, root, &staging, work_dir, progress)?;
