@@ -226,7 +226,7 @@ pub fn select_stdlib(recipe: &Python, root: &Path) -> Result<StdlibSelection, Py
 }
 
 /// Every directory above the archive members, as `dir/` entries.
-pub(crate) fn parent_dirs(names: &[String]) -> Vec<String> {
+fn parent_dirs(names: &[String]) -> Vec<String> {
     let mut dirs = std::collections::BTreeSet::new();
     for name in names {
         let mut rest = name.as_str();
@@ -238,7 +238,7 @@ pub(crate) fn parent_dirs(names: &[String]) -> Vec<String> {
     dirs.into_iter().collect()
 }
 
-pub(crate) fn read_for_zip(path: &Path) -> Result<Vec<u8>, PythonError> {
+fn read_for_zip(path: &Path) -> Result<Vec<u8>, PythonError> {
     std::fs::read(path).map_err(|source| PythonError::ReadForZip {
         path: path.to_owned(),
         source,
@@ -289,28 +289,34 @@ pub fn stage_stdlib(
     for (rel, host) in &selection.data {
         files.insert(rel.clone(), host.clone());
     }
+    write_zip(&files, &staging.path(STDLIB_ZIP))?;
+    Ok(jobs.len())
+}
+
+/// Packs `files` (archive name -> host file) and the directories above them into a new
+/// archive at `path`.
+pub(crate) fn write_zip(files: &BTreeMap<String, PathBuf>, path: &Path) -> Result<(), PythonError> {
     let names: Vec<String> = files.keys().cloned().collect();
     let mut entries: BTreeMap<String, Vec<u8>> = parent_dirs(&names)
         .into_iter()
         .map(|dir| (dir, Vec::new()))
         .collect();
-    for (name, host) in &files {
+    for (name, host) in files {
         entries.insert(name.clone(), read_for_zip(host)?);
     }
     let entries: Vec<ZipEntry> = entries
         .into_iter()
         .map(|(name, data)| ZipEntry { name, data })
         .collect();
-    let zip_path = staging.path(STDLIB_ZIP);
-    let file = std::fs::File::create(&zip_path).map_err(|source| PythonError::CreateZip {
-        path: zip_path.clone(),
+    let file = std::fs::File::create(path).map_err(|source| PythonError::CreateZip {
+        path: path.to_owned(),
         source,
     })?;
     zip::write(BufWriter::new(file), &entries).map_err(|source| PythonError::Zip {
-        path: zip_path.clone(),
+        path: path.to_owned(),
         source,
     })?;
-    Ok(jobs.len())
+    Ok(())
 }
 
 /// bud's own modules: the `*.py` files directly in `dir` (none if `dir` is missing), sorted.

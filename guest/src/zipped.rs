@@ -13,14 +13,12 @@
 //! boot) where it was.
 
 use std::collections::BTreeMap;
-use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
-use crate::python::{self, CompileJob, PythonError, guest_python, parent_dirs, read_for_zip};
+use crate::python::{self, CompileJob, PythonError, guest_python};
 use crate::recipe::pattern_drops;
 use crate::run::{self, RunError};
 use crate::stage::Staging;
-use crate::zip::{self, ZipEntry};
 
 /// Unpacks the wheel `argv[1]` into the directory `argv[2]`.
 const UNPACK_SCRIPT: &str =
@@ -96,7 +94,14 @@ pub fn stage(
             progress,
         )?;
         compiled += jobs.len();
-        write_zip(&files, &staging.path(dest))?;
+        let zip = staging.path(dest);
+        if let Some(parent) = zip.parent() {
+            std::fs::create_dir_all(parent).map_err(|source| PythonError::CreateZip {
+                path: zip.clone(),
+                source,
+            })?;
+        }
+        python::write_zip(&files, &zip)?;
         progress(&format!(
             "{dest}: {} modules of {} compiled, {} files in all",
             jobs.len(),
@@ -144,37 +149,6 @@ fn files_under(base: &Path, rel: &str) -> Result<Vec<String>, PythonError> {
         }
     }
     Ok(out)
-}
-
-/// Packs `files` (archive name -> host file) and their directories into `path`.
-fn write_zip(files: &BTreeMap<String, PathBuf>, path: &Path) -> Result<(), PythonError> {
-    let names: Vec<String> = files.keys().cloned().collect();
-    let mut entries: BTreeMap<String, Vec<u8>> = parent_dirs(&names)
-        .into_iter()
-        .map(|dir| (dir, Vec::new()))
-        .collect();
-    for (name, host) in files {
-        entries.insert(name.clone(), read_for_zip(host)?);
-    }
-    let entries: Vec<ZipEntry> = entries
-        .into_iter()
-        .map(|(name, data)| ZipEntry { name, data })
-        .collect();
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(|source| PythonError::CreateZip {
-            path: path.to_owned(),
-            source,
-        })?;
-    }
-    let file = std::fs::File::create(path).map_err(|source| PythonError::CreateZip {
-        path: path.to_owned(),
-        source,
-    })?;
-    zip::write(BufWriter::new(file), &entries).map_err(|source| PythonError::Zip {
-        path: path.to_owned(),
-        source,
-    })?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -550,43 +550,24 @@ impl Drop for TlsServer {
 
 fn tls_server() -> TlsServer {
     let dir = common::empty_dir("network", "tls");
-    openssl(
-        &dir,
-        &[
-            "req",
-            "-x509",
+    // A P-256 key and a request for `subject` (with `-x509`, a self-signed certificate).
+    let key_and = |key: &str, out: &str, subject: &str, x509: bool| {
+        let mut args = vec!["req"];
+        if x509 {
+            args.extend(["-x509", "-days", "2"]);
+        }
+        args.extend([
             "-newkey",
             "ec",
             "-pkeyopt",
             "ec_paramgen_curve:P-256",
             "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=bud test CA",
-        ],
-    );
-    openssl(
-        &dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            "leaf.key",
-            "-out",
-            "leaf.csr",
-            "-subj",
-            "/CN=tls.test",
-        ],
-    );
+        ]);
+        args.extend(["-keyout", key, "-out", out, "-subj", subject]);
+        openssl(&dir, &args);
+    };
+    key_and("ca.key", "ca.pem", "/CN=bud test CA", true);
+    key_and("leaf.key", "leaf.csr", "/CN=tls.test", false);
     std::fs::write(dir.join("leaf.ext"), "subjectAltName=DNS:tls.test\n").unwrap();
     openssl(
         &dir,
