@@ -547,7 +547,7 @@ fn a_template_is_added_to_a_running_server_runs_jobs_and_is_removed() {
     assert_eq!(runtimes, [&json!("python"), &json!("shell")], "{entry}");
     assert_eq!(
         entry["tools"],
-        json!(["bash", "busybox", "curl", "git"]),
+        json!(["bash", "busybox", "curl", "git", "pip", "pip3"]),
         "{entry}"
     );
     assert_eq!(entry["network"], json!("none"), "{entry}");
@@ -623,7 +623,11 @@ fn the_template_list_shows_each_templates_runtimes_and_tools() {
         "{python}"
     );
     assert_eq!(python["runtimes"][1]["name"], json!("shell"), "{python}");
-    assert_eq!(python["tools"], json!(["busybox"]), "{python}");
+    assert_eq!(
+        python["tools"],
+        json!(["busybox", "pip", "pip3"]),
+        "{python}"
+    );
     assert_eq!(python["network"], json!("none"), "{python}");
     assert_eq!(
         python["kernels"][0]["language"],
