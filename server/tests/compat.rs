@@ -33,7 +33,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["count"], json!(-1));
     assert_eq!(
         seen["streamed"],
-        json!([["stderr", "b\n"], ["stdout", "a\n"], ["stdout", "c\n"]])
+        json!([["stderr", "b\n"], ["stdout", "a\nc\n"]])
     );
     assert_eq!(seen["logs"], json!([["a\n", "c\n"], ["b\n"]]));
     assert_eq!(seen["no_error"], json!(true));

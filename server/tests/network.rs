@@ -369,7 +369,7 @@ fn a_policy_survives_pause_resume_and_snapshots_and_never_widens_to_the_default(
 #[test]
 fn a_guest_flooding_connections_and_lookups_meets_the_limits_and_harms_no_one() {
     let echo = echo_server();
-    let s = networked_server();
+    let s = networked_server_with(|c| c.egress_max_bytes = Some(1 << 20));
     let policy = json!({"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"]});
     let id = session(&s, json!({"network": policy}));
     let other = session(&s, json!({"network": policy}));
@@ -423,6 +423,37 @@ fn a_guest_flooding_connections_and_lookups_meets_the_limits_and_harms_no_one() 
     assert_eq!(beside, "through bud\n", "another sandbox is unharmed");
     assert_eq!(after, "198.18.0.1\n", "the flooded sandbox still resolves");
     assert_eq!(s.get("/v1/health").status().as_u16(), 200);
+
+    // The other sandbox pushes 2 MiB through the echo server past its 1 MiB cap
+    // (--egress-max-bytes, both ways together): reset on the way, then refused.
+    let push = format!(
+        r#"import socket
+s = socket.create_connection(('echo.test', {port}), timeout=40)
+sent = got = 0
+block = b'x' * 65536
+try:
+    while sent < (2 << 20):
+        s.sendall(block); sent += len(block)
+        while got < sent - (256 << 10):
+            b = s.recv(65536)
+            if not b: raise EOFError
+            got += len(b)
+    print('moved all')
+except (ConnectionResetError, BrokenPipeError) as e:
+    print('reset', got < (1 << 20))
+try:
+    socket.create_connection(('echo.test', {port}), timeout=40)
+    print('connected')
+except Exception as e:
+    print(type(e).__name__)
+"#,
+        port = echo.port()
+    );
+    let capped = cell(&s, &other, &push);
+    let last = attempts(&network_of(&s, &other)).pop().unwrap();
+
+    assert_eq!(capped, "reset True\nConnectionRefusedError\n");
+    assert_eq!(last, a("connect", "echo.test", false, "bytes"));
 }
 
 /// A wheel of one pure-Python package `budtiny` (version 1.0) whose `GREETING` is `greeting`,

@@ -35,6 +35,16 @@ pub struct Traffic {
     pub received: u64,
 }
 
+/// Why the stack refused a connection itself, without asking the egress's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// The VM already had as many connections open or being dialed as one may.
+    Connections,
+    /// The VM's connections had moved all the bytes its egress allows
+    /// ([`Egress::byte_budget`]).
+    Bytes,
+}
+
 /// A number no other connection of this process has had.
 pub(crate) fn next_connection_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -60,10 +70,17 @@ pub trait Egress: Send + Sync + fmt::Debug {
     /// Where the connection `req` goes, if anywhere.
     fn connect(&self, req: &ConnectRequest<'_>) -> Verdict;
 
-    /// The stack refused `req` itself, without asking: the VM already has as many
-    /// connections open or being dialed as one may (for the egress's record; called on the
-    /// vCPU thread, so it must not block).
-    fn over_limit(&self, _req: &ConnectRequest<'_>) {}
+    /// The stack refused `req` itself, without asking, for `limit` (for the egress's
+    /// record; called on the vCPU thread, so it must not block).
+    fn over_limit(&self, _req: &ConnectRequest<'_>, _limit: Limit) {}
+
+    /// Bytes, both ways together, that the VM's connections open now and later may still
+    /// move (the cap less what its connections already over moved); None: no cap. The stack
+    /// moves no byte past it, then resets every open connection and refuses new ones. Asked
+    /// on the vCPU thread each time the stack relays: it must not block.
+    fn byte_budget(&self) -> Option<u64> {
+        None
+    }
 
     /// Connection `id`, which the egress allowed and the stack opened, is over: both sides
     /// closed, reset, or the VM's stack went (a reset, a pause, the end of a one-shot job).

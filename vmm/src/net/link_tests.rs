@@ -14,7 +14,7 @@ use smoltcp::wire::{
     TcpSeqNumber, UdpPacket, UdpRepr,
 };
 
-use super::egress::{ConnectRequest, Egress, Traffic, Verdict};
+use super::egress::{ConnectRequest, Egress, Limit, Traffic, Verdict};
 use super::stack::Stack;
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_IP};
@@ -268,12 +268,27 @@ fn a_refused_syn_gets_a_rst_and_leaves_no_connection() {
     assert!(stack.is_pristine());
 }
 
-/// Dials one host address for every connection and keeps what it is told of their ends.
+/// Dials one host address for every connection, keeps what it is told of their ends and
+/// refusals, and allows `cap` bytes in all (None: no cap).
 #[derive(Debug)]
 struct DialsOne {
     to: SocketAddr,
+    cap: Option<u64>,
     closed: Mutex<Vec<(u64, Traffic)>>,
     ids: Mutex<Vec<u64>>,
+    limits: Mutex<Vec<Limit>>,
+}
+
+impl DialsOne {
+    fn new(to: SocketAddr, cap: Option<u64>) -> Arc<Self> {
+        Arc::new(Self {
+            to,
+            cap,
+            closed: Mutex::default(),
+            ids: Mutex::default(),
+            limits: Mutex::default(),
+        })
+    }
 }
 
 impl Egress for DialsOne {
@@ -284,24 +299,43 @@ impl Egress for DialsOne {
         self.ids.lock().unwrap().push(req.id);
         Verdict::Dial(self.to)
     }
+    fn over_limit(&self, _: &ConnectRequest<'_>, limit: Limit) {
+        self.limits.lock().unwrap().push(limit);
+    }
+    fn byte_budget(&self) -> Option<u64> {
+        let spent: u64 = self
+            .closed
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, t)| t.sent + t.received)
+            .sum();
+        self.cap.map(|c| c.saturating_sub(spent))
+    }
     fn closed(&self, id: u64, traffic: Traffic) {
         self.closed.lock().unwrap().push((id, traffic));
     }
 }
 
-/// Polls until the stack has sent the guest a frame, and returns its TCP header fields
-/// (seq, ack) and payload.
-fn next_segment(stack: &mut Stack, waker: &Waker) -> (u32, u32, Vec<u8>) {
+/// One segment the stack sent the guest.
+struct Seg {
+    seq: u32,
+    rst: bool,
+    payload: Vec<u8>,
+}
+
+/// Polls until the stack has sent the guest a frame, and returns it.
+fn next_segment(stack: &mut Stack, waker: &Waker) -> Seg {
     let started = Instant::now();
     loop {
         poll_settled(stack, waker);
         if let Some(frame) = stack.link.to_guest.pop_front() {
             let tcp = TcpPacket::new_checked(&frame[34..]).unwrap();
-            return (
-                tcp.seq_number().0 as u32,
-                tcp.ack_number().0 as u32,
-                tcp.payload().to_vec(),
-            );
+            return Seg {
+                seq: tcp.seq_number().0 as u32,
+                rst: tcp.rst(),
+                payload: tcp.payload().to_vec(),
+            };
         }
         assert!(
             started.elapsed() < Duration::from_secs(10),
@@ -311,58 +345,97 @@ fn next_segment(stack: &mut Stack, waker: &Waker) -> (u32, u32, Vec<u8>) {
     }
 }
 
-#[test]
-fn a_relayed_connection_reports_the_bytes_it_moved_each_way_when_its_stack_goes() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let egress = Arc::new(DialsOne {
-        to: listener.local_addr().unwrap(),
-        closed: Mutex::default(),
-        ids: Mutex::default(),
-    });
-    let (mut stack, waker) = stack_with(egress.clone());
+/// The next segment with a payload or a RST.
+fn next_data_or_rst(stack: &mut Stack, waker: &Waker) -> Seg {
+    loop {
+        let seg = next_segment(stack, waker);
+        if seg.rst || !seg.payload.is_empty() {
+            return seg;
+        }
+    }
+}
+
+const DST: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+
+/// A stack for `egress`, a guest connection to DST:80 relayed to `listener` (the host's end
+/// returned), and the guest's `hello` sent through it and read by the host.
+fn relayed_hello(
+    egress: Arc<DialsOne>,
+    listener: &TcpListener,
+) -> (Stack, Arc<Waker>, std::net::TcpStream) {
+    let (mut stack, waker) = stack_with(egress);
     stack.link.to_stack.push_back(arp_request());
     stack.poll();
     stack.link.to_guest.clear();
-    let dst = Ipv4Addr::new(192, 0, 2, 1);
-
     // The handshake: held, dialed, then the SYN opens the listening socket.
-    stack.link.to_stack.push_back(syn(dst, 80));
-    let (their_seq, _, _) = next_segment(&mut stack, &waker);
+    stack.link.to_stack.push_back(syn(DST, 80));
+    let their_seq = next_segment(&mut stack, &waker).seq;
     let (mut host, _) = listener.accept().unwrap();
     let ack = their_seq.wrapping_add(1) as i32;
-    stack.link.to_stack.push_back(segment(
-        dst,
-        80,
-        TcpControl::None,
-        1001,
-        Some(ack),
-        b"hello",
-    ));
+    let hello = segment(DST, 80, TcpControl::None, 1001, Some(ack), b"hello");
+    stack.link.to_stack.push_back(hello);
     stack.poll();
     let mut got = [0u8; 5];
     host.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"hello");
+    (stack, waker, host)
+}
+
+#[test]
+fn a_relayed_connection_reports_the_bytes_it_moved_each_way_when_its_stack_goes() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let egress = DialsOne::new(listener.local_addr().unwrap(), None);
+    let (mut stack, waker, mut host) = relayed_hello(egress.clone(), &listener);
+
     host.write_all(b"world!").unwrap();
-    let payload = loop {
-        let (_, _, payload) = next_segment(&mut stack, &waker);
-        if !payload.is_empty() {
-            break payload;
-        }
-    };
-    assert_eq!(payload, b"world!");
+    let seg = next_data_or_rst(&mut stack, &waker);
+    assert_eq!((seg.rst, seg.payload.as_slice()), (false, &b"world!"[..]));
     assert!(egress.closed.lock().unwrap().is_empty(), "still open");
 
     drop(stack);
 
     let id = egress.ids.lock().unwrap()[0];
-    assert_eq!(
-        *egress.closed.lock().unwrap(),
-        [(
-            id,
-            Traffic {
-                sent: 5,
-                received: 6
-            }
-        )]
+    let expected = Traffic {
+        sent: 5,
+        received: 6,
+    };
+    assert_eq!(*egress.closed.lock().unwrap(), [(id, expected)]);
+}
+
+#[test]
+fn no_byte_passes_the_budget_then_the_connection_is_reset_and_new_ones_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let egress = DialsOne::new(listener.local_addr().unwrap(), Some(8));
+    let (mut stack, waker, mut host) = relayed_hello(egress.clone(), &listener);
+
+    // 5 bytes up are spent: 3 of the host's 6 come down, then the budget is gone; once the
+    // guest acknowledges them, the connection is reset.
+    host.write_all(b"world!").unwrap();
+    let first = next_data_or_rst(&mut stack, &waker);
+    let ack = first.seq.wrapping_add(3) as i32;
+    let acked = segment(DST, 80, TcpControl::None, 1006, Some(ack), &[]);
+    stack.link.to_stack.push_back(acked);
+    let reset = next_data_or_rst(&mut stack, &waker);
+    poll_settled(&mut stack, &waker);
+    stack.link.to_guest.clear();
+    stack
+        .link
+        .to_stack
+        .push_back(segment(DST, 443, TcpControl::Syn, 5000, None, &[]));
+    let refused = next_data_or_rst(&mut stack, &waker);
+
+    assert_eq!((first.rst, first.payload.as_slice()), (false, &b"wor"[..]));
+    assert!(
+        reset.rst,
+        "the connection is reset once the budget is spent"
     );
+    let id = egress.ids.lock().unwrap()[0];
+    let expected = Traffic {
+        sent: 5,
+        received: 3,
+    };
+    assert_eq!(*egress.closed.lock().unwrap(), [(id, expected)]);
+    assert!(refused.rst, "a new connection is refused");
+    assert_eq!(*egress.limits.lock().unwrap(), [Limit::Bytes]);
+    assert_eq!(egress.ids.lock().unwrap().len(), 1, "and never dialed");
 }

@@ -48,7 +48,7 @@ use crate::devices::virtio::net::{
 };
 use crate::memory::{GuestRam, MemoryError};
 use crate::vcpu::Kicker;
-pub use egress::{ConnectRequest, Egress, JobEgress, NoEgress, Traffic, Verdict};
+pub use egress::{ConnectRequest, Egress, JobEgress, Limit, NoEgress, Traffic, Verdict};
 pub use stack::StackCounters;
 
 /// The guest's address (eth0, static).

@@ -35,7 +35,7 @@ use smoltcp::wire::{
 
 use super::dialer;
 use super::dns::{Answer, DnsMap};
-use super::egress::{ConnectRequest, Egress, Traffic, Verdict, next_connection_id};
+use super::egress::{ConnectRequest, Egress, Limit, Traffic, Verdict, next_connection_id};
 use super::inbox::{Conn, Dialed, Done, Inbox, deliver, dial, lock};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
@@ -315,14 +315,22 @@ impl Stack {
         let IpAddress::Ipv4(addr) = dst.addr;
         let name = self.dns.name_of(addr).map(str::to_owned);
         let id = next_connection_id();
-        if self.relays.len() + self.held.len() >= MAX_RELAYS {
+        let limit = if self.relays.len() + self.held.len() >= MAX_RELAYS {
+            Some(Limit::Connections)
+        } else if self.bytes_left() == Some(0) {
+            Some(Limit::Bytes)
+        } else {
+            None
+        };
+        if let Some(limit) = limit {
             self.counters.connections_refused += 1;
-            self.egress.over_limit(&ConnectRequest {
+            let req = ConnectRequest {
                 name: name.as_deref(),
                 addr,
                 port: dst.port,
                 id,
-            });
+            };
+            self.egress.over_limit(&req, limit);
             return false;
         }
         self.held.insert(conn, (frame.to_vec(), id));
@@ -438,18 +446,38 @@ impl Stack {
         }
     }
 
-    /// Moves bytes both ways between each relay's smoltcp socket and its host socket.
+    /// Bytes the open connections may still move (the egress's budget less what they
+    /// moved); None: no cap.
+    fn bytes_left(&self) -> Option<u64> {
+        let moved: u64 = self
+            .relays
+            .iter()
+            .map(|r| r.traffic.sent + r.traffic.received)
+            .sum();
+        self.egress
+            .byte_budget()
+            .map(|budget| budget.saturating_sub(moved))
+    }
+
+    /// Moves bytes both ways between each relay's smoltcp socket and its host socket, none
+    /// past the egress's byte budget; once it is spent, every connection is reset.
     fn relay(&mut self) {
+        let mut left = self.bytes_left();
+        // The most the next read or write may move.
+        let most = |left: Option<u64>, len: usize| left.map_or(len, |l| len.min(l as usize));
         for r in &mut self.relays {
             let s = self.sockets.get_mut::<tcp::Socket>(r.handle);
             // Host to guest, while the guest's window has room.
-            while !r.host_done && s.can_send() {
-                let got = s.send(|buf| match r.host.read(buf) {
-                    Ok(0) => (0, Some(0)),
-                    Ok(n) => (n, Some(n)),
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => (0, None),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => (0, Some(usize::MAX)),
-                    Err(_) => (0, Some(0)),
+            while !r.host_done && s.can_send() && left != Some(0) {
+                let got = s.send(|buf| {
+                    let n = most(left, buf.len());
+                    match r.host.read(&mut buf[..n]) {
+                        Ok(0) => (0, Some(0)),
+                        Ok(n) => (n, Some(n)),
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => (0, None),
+                        Err(e) if e.kind() == ErrorKind::Interrupted => (0, Some(usize::MAX)),
+                        Err(_) => (0, Some(0)),
+                    }
                 });
                 match got {
                     Ok(Some(usize::MAX)) => {}
@@ -460,13 +488,14 @@ impl Stack {
                     Ok(Some(n)) => {
                         self.counters.bytes_to_guest += n as u64;
                         r.traffic.received += n as u64;
+                        left = left.map(|l| l - n as u64);
                     }
                     _ => break,
                 }
             }
             // Guest to host, while the host takes it.
-            while s.can_recv() {
-                let sent = s.recv(|buf| match r.host.write(buf) {
+            while s.can_recv() && left != Some(0) {
+                let sent = s.recv(|buf| match r.host.write(&buf[..most(left, buf.len())]) {
                     Ok(n) => (n, Ok(n)),
                     Err(e) => (0, Err(e.kind())),
                 });
@@ -474,6 +503,7 @@ impl Stack {
                     Ok(Ok(n)) if n > 0 => {
                         self.counters.bytes_to_host += n as u64;
                         r.traffic.sent += n as u64;
+                        left = left.map(|l| l - n as u64);
                     }
                     Ok(Err(ErrorKind::WouldBlock | ErrorKind::Interrupted)) => break,
                     Ok(Err(_)) => {
@@ -494,6 +524,17 @@ impl Stack {
             if guest_closed && !r.guest_done && s.recv_queue() == 0 {
                 r.guest_done = true;
                 shutdown_write(&r.host);
+            }
+        }
+        if left == Some(0) {
+            // The budget is spent: each connection is reset (the guest sees ECONNRESET) once
+            // the guest has acknowledged what it was given, and the reap reports it with
+            // what it moved.
+            for r in &self.relays {
+                let s = self.sockets.get_mut::<tcp::Socket>(r.handle);
+                if s.send_queue() == 0 {
+                    s.abort();
+                }
             }
         }
     }

@@ -82,6 +82,10 @@ pub struct Config {
     /// name is dialed there, without asking the host's resolver.
     #[arg(long, value_name = "FILE", requires = "network")]
     pub egress_hosts: Option<std::path::PathBuf>,
+    /// Bytes each sandbox's connections may move in all, both ways (none past it: its open
+    /// connections are reset and new ones refused). Default: no cap.
+    #[arg(long, value_name = "BYTES", requires = "network")]
+    pub egress_max_bytes: Option<u64>,
     /// Most jobs one API key may have running or queued at once (429 key_quota past it).
     /// Default: half of workers + queue with several keys (at least --max-batch-jobs),
     /// no limit but the server's own with one key or none.
@@ -182,6 +186,7 @@ impl Default for Config {
             egress_default: EgressDefault::None,
             egress_allow_private: crate::core::egress::Private::default(),
             egress_hosts: None,
+            egress_max_bytes: None,
             key_max_jobs: None,
             api_keys: None,
             audit: None,

@@ -15,8 +15,12 @@
 //! bytes it moved each way (the VMM's relay counts them and reports the end,
 //! [`vmm::Egress::closed`]).
 //!
+//! With `--egress-max-bytes`, a sandbox's connections may move that many bytes in all (both
+//! ways, counted from its gate's start: a resumed session or a fork starts again); the
+//! stack moves none past it, resets what is open and refuses the rest (`bytes`).
+//!
 //! Not yet here (stage 2 of `docs/network-design.md` continues): the Host and SNI of a
-//! connection by address, and a cap on bytes.
+//! connection by address.
 
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr, ToSocketAddrs};
@@ -25,7 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use vmm::{ConnectRequest, Egress, Traffic, Verdict};
+use vmm::{ConnectRequest, Egress, Limit, Traffic, Verdict};
 
 use super::policy::{Decision, Policy, PolicySpec};
 use super::ranges::{Hosts, Private};
@@ -40,6 +44,8 @@ pub const LOG_KEPT: usize = 10_000;
 pub struct Site {
     pub hosts: Hosts,
     pub private: Private,
+    /// Bytes each sandbox's connections may move in all (`--egress-max-bytes`).
+    pub max_bytes: Option<u64>,
     pub totals: Arc<Totals>,
     pub audit: Option<AuditLog>,
 }
@@ -85,7 +91,8 @@ pub struct Attempt {
     /// entry), `no-policy`, `always-denied` (every address the name had is in a range no
     /// policy opens), `unresolved`, `nxdomain` (a name no entry allows where every address
     /// is denied), `limit` (the sandbox had as many connections open or being dialed as one
-    /// may: refused by the stack without asking the policy).
+    /// may: refused by the stack without asking the policy), `bytes` (its connections had
+    /// moved all the bytes `--egress-max-bytes` allows).
     pub reason: &'static str,
     /// The entry that decided, as the client wrote it.
     pub rule: Option<String>,
@@ -118,6 +125,8 @@ pub struct Gate {
     log: Mutex<Log>,
     /// Whose sandbox this is, for its audit records.
     origin: Mutex<Origin>,
+    /// Bytes its connections that are over moved, both ways.
+    bytes_closed: AtomicU64,
 }
 
 impl Gate {
@@ -127,6 +136,7 @@ impl Gate {
             site,
             log: Mutex::default(),
             origin: Mutex::default(),
+            bytes_closed: AtomicU64::new(0),
         }
     }
 
@@ -153,6 +163,7 @@ impl Gate {
             site: self.site.clone(),
             log: Mutex::default(),
             origin: Mutex::new(lock(&self.origin).clone()),
+            bytes_closed: AtomicU64::new(0),
         }
     }
 
@@ -308,11 +319,22 @@ impl Egress for Gate {
         dial.map_or(Verdict::Refuse, Verdict::Dial)
     }
 
-    fn over_limit(&self, req: &ConnectRequest<'_>) {
-        self.record_connect(req, "limit", None, None);
+    fn over_limit(&self, req: &ConnectRequest<'_>, limit: Limit) {
+        let reason = match limit {
+            Limit::Connections => "limit",
+            Limit::Bytes => "bytes",
+        };
+        self.record_connect(req, reason, None, None);
+    }
+
+    fn byte_budget(&self) -> Option<u64> {
+        let spent = self.bytes_closed.load(Ordering::Relaxed);
+        self.site.max_bytes.map(|max| max.saturating_sub(spent))
     }
 
     fn closed(&self, id: u64, traffic: Traffic) {
+        self.bytes_closed
+            .fetch_add(traffic.sent + traffic.received, Ordering::Relaxed);
         let totals = &self.site.totals;
         totals.bytes_sent.fetch_add(traffic.sent, Ordering::Relaxed);
         totals
@@ -508,6 +530,42 @@ mod tests {
             },
         );
         assert_eq!(g.attempts().0[1].bytes_sent, Some(120));
+    }
+
+    #[test]
+    fn the_byte_budget_is_the_cap_less_what_closed_connections_moved() {
+        let site = Site {
+            max_bytes: Some(1000),
+            ..Site::default()
+        };
+        let g = Gate::new(Some(Policy::allow_all()), Arc::new(site));
+        assert_eq!(g.byte_budget(), Some(1000));
+
+        g.closed(
+            1,
+            Traffic {
+                sent: 300,
+                received: 400,
+            },
+        );
+        assert_eq!(g.byte_budget(), Some(300));
+        g.closed(
+            2,
+            Traffic {
+                sent: 500,
+                received: 0,
+            },
+        );
+        assert_eq!(g.byte_budget(), Some(0), "spent, never negative");
+        g.over_limit(&by_addr(Ipv4Addr::new(203, 0, 113, 7), 443), Limit::Bytes);
+        let refused = g.attempts().0.pop().unwrap();
+        assert_eq!((refused.allowed, refused.reason), (false, "bytes"));
+        assert_eq!(g.child().byte_budget(), Some(1000), "a fork counts its own");
+        assert_eq!(
+            Gate::new(None, Arc::default()).byte_budget(),
+            None,
+            "no cap"
+        );
     }
 
     #[test]
