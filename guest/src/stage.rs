@@ -47,6 +47,12 @@ pub enum StageError {
         #[source]
         source: std::io::Error,
     },
+    #[error("list {path}")]
+    List {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path} is a link loop or too deep")]
     LinkLoop { path: String },
     #[error("path {0:?} leaves its root")]
@@ -101,7 +107,8 @@ impl Staging {
         Ok(path)
     }
 
-    fn parent_of(&self, rel: &str) -> Result<PathBuf, StageError> {
+    /// Host path of guest path `rel`, its parent directories created.
+    pub fn parent_of(&self, rel: &str) -> Result<PathBuf, StageError> {
         let path = self.path(rel);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(|source| StageError::CreateDir {
@@ -141,6 +148,35 @@ impl Staging {
             source,
         })
     }
+}
+
+/// Sorted relative paths of the regular files under `dir`.
+pub fn files_under(dir: &Path) -> Result<Vec<String>, StageError> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_owned()];
+    while let Some(current) = dirs.pop() {
+        let list_err = |source| StageError::List {
+            path: current.clone(),
+            source,
+        };
+        for dirent in std::fs::read_dir(&current).map_err(list_err)? {
+            let dirent = dirent.map_err(list_err)?;
+            let file_type = dirent.file_type().map_err(list_err)?;
+            if file_type.is_dir() {
+                dirs.push(dirent.path());
+            } else if file_type.is_file() {
+                let path = dirent.path();
+                out.push(
+                    path.strip_prefix(dir)
+                        .unwrap_or(&path)
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// Lexically normalizes `path` (absolute, or relative to guest directory `base`) into a guest

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use crate::python::{self, CompileJob, PythonError, guest_python};
 use crate::recipe::pattern_drops;
 use crate::run::{self, RunError};
-use crate::stage::Staging;
+use crate::stage::{Staging, files_under};
 
 /// Unpacks the wheel `argv[1]` into the directory `argv[2]`.
 const UNPACK_SCRIPT: &str =
@@ -71,7 +71,7 @@ pub fn stage(
             Staging::reset(&work_dir.join(format!("zipped-{i}-pyc"))).map_err(PythonError::from)?;
         let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
         let mut jobs = Vec::new();
-        for rel in files_under(unpacked.root(), "")? {
+        for rel in files_under(unpacked.root()).map_err(PythonError::from)? {
             let host = unpacked.path(&rel);
             if rel.ends_with(".py") {
                 let job = CompileJob {
@@ -94,13 +94,7 @@ pub fn stage(
             progress,
         )?;
         compiled += jobs.len();
-        let zip = staging.path(dest);
-        if let Some(parent) = zip.parent() {
-            std::fs::create_dir_all(parent).map_err(|source| PythonError::CreateZip {
-                path: zip.clone(),
-                source,
-            })?;
-        }
+        let zip = staging.parent_of(dest).map_err(PythonError::from)?;
         python::write_zip(&files, &zip)?;
         progress(&format!(
             "{dest}: {} modules of {} compiled, {} files in all",
@@ -131,24 +125,6 @@ fn find_one(root: &Path, dest: &str, pattern: &str) -> Result<PathBuf, ZippedErr
             found: found.len(),
         }),
     }
-}
-
-/// Relative paths of the regular files under `base/rel`, sorted.
-fn files_under(base: &Path, rel: &str) -> Result<Vec<String>, PythonError> {
-    let mut out = Vec::new();
-    for (name, t) in python::sorted_dir(&base.join(rel))? {
-        let path = if rel.is_empty() {
-            name
-        } else {
-            format!("{rel}/{name}")
-        };
-        if t.is_dir() {
-            out.extend(files_under(base, &path)?);
-        } else if t.is_file() {
-            out.push(path);
-        }
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -28,7 +28,12 @@ pub enum ExtraError {
 pub fn stage(rootfs: &Rootfs, root: &Path, staging: &Staging) -> Result<(), ExtraError> {
     for (dest, dir) in &rootfs.bundles {
         let mut bundle = Vec::new();
-        for name in names_in(root, dir)?.iter().filter(|n| n.ends_with(".crt")) {
+        // A directory the packages lack gives no certificate (and the error below).
+        let entries = crate::python::sorted_dir(&root.join(dir)).unwrap_or_default();
+        let names = entries
+            .iter()
+            .filter(|(n, t)| t.is_file() && n.ends_with(".crt"));
+        for (name, _) in names {
             let path = root.join(dir).join(name);
             let pem = std::fs::read(&path).map_err(|source| ExtraError::Read {
                 path: path.display().to_string(),
@@ -48,24 +53,6 @@ pub fn stage(rootfs: &Rootfs, root: &Path, staging: &Staging) -> Result<(), Extr
         staging.write(dest, &bundle)?;
     }
     Ok(())
-}
-
-/// The names in directory `dir` of `root`, sorted (none if it does not exist).
-fn names_in(root: &Path, dir: &str) -> Result<Vec<String>, ExtraError> {
-    let path = root.join(dir);
-    let Ok(entries) = std::fs::read_dir(&path) else {
-        return Ok(Vec::new());
-    };
-    let mut names = Vec::new();
-    for e in entries {
-        let e = e.map_err(|source| ExtraError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        names.push(e.file_name().to_string_lossy().into_owned());
-    }
-    names.sort();
-    Ok(names)
 }
 
 #[cfg(test)]

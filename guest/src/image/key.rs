@@ -5,10 +5,11 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-use super::{BUILDER_VERSION, IMAGE_FILE, Image, ImageError, ImageInputs, KEY_FILE, files_under};
+use super::{BUILDER_VERSION, IMAGE_FILE, Image, ImageError, ImageInputs, KEY_FILE};
 use crate::hashes::HashCache;
 use crate::python;
 use crate::recipe;
+use crate::stage::files_under;
 
 fn hash_of(hashes: &mut HashCache, path: &Path) -> Result<String, ImageError> {
     Ok(hashes.sha256(path)?)

@@ -23,7 +23,7 @@ use crate::python::{self, PythonError};
 use crate::recipe::{self, Busybox, Recipe, RecipeError, Site};
 use crate::run::{self, RunError};
 use crate::site::{self, SiteError};
-use crate::stage::{StageError, Staging};
+use crate::stage::{StageError, Staging, files_under};
 
 mod extras;
 mod key;
@@ -63,12 +63,6 @@ pub enum ImageError {
     Recipe(#[from] RecipeError),
     #[error("hash input")]
     HashInput(#[from] HashError),
-    #[error("list {path}")]
-    ListInputs {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("{what} not found at {path}")]
     MissingInput { what: &'static str, path: PathBuf },
     #[error("unpack packages")]
@@ -149,35 +143,6 @@ pub struct Image {
     pub input_key: String,
     /// Set when this call built it; `None` when the recorded image was still current.
     pub report: Option<ImageReport>,
-}
-
-/// Sorted relative paths of the regular files under `dir`.
-fn files_under(dir: &Path) -> Result<Vec<String>, ImageError> {
-    let mut out = Vec::new();
-    let mut dirs = vec![dir.to_owned()];
-    while let Some(current) = dirs.pop() {
-        let list_err = |source| ImageError::ListInputs {
-            path: current.clone(),
-            source,
-        };
-        for dirent in std::fs::read_dir(&current).map_err(list_err)? {
-            let dirent = dirent.map_err(list_err)?;
-            let file_type = dirent.file_type().map_err(list_err)?;
-            if file_type.is_dir() {
-                dirs.push(dirent.path());
-            } else if file_type.is_file() {
-                let path = dirent.path();
-                out.push(
-                    path.strip_prefix(dir)
-                        .unwrap_or(&path)
-                        .to_string_lossy()
-                        .into_owned(),
-                );
-            }
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 /// Returns the image in `work_dir` if it is current for `inputs`, else builds it.
