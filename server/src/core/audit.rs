@@ -85,9 +85,9 @@ pub struct Record {
     /// script is the code, and it has no status, output or time yet), or a session's
     /// `pause`, `resume` or `snapshot` (no code; `total_ms` is how long it took, the
     /// snapshot's id is in `stdout`), or one of a sandbox's network attempts, `dns` or
-    /// `connect` (route: a one-shot job's own, `network` for a session's; the attempt as `GET /v1/sessions/{id}/network` shows it
-    /// is in `network`, with a connection's bytes; status `ok` if allowed, else `error`).
-    /// Events carry `language` `python` as a filler.
+    /// `connect` (route: a one-shot job's own, `network` for a session's; the attempt as
+    /// `GET /v1/sessions/{id}/network` shows it is in `network`, with a connection's bytes;
+    /// status `ok` if allowed, else `error`). Events carry `language` `python` as a filler.
     pub kind: String,
     pub template: String,
     pub session: Option<String>,

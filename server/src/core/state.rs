@@ -522,19 +522,7 @@ impl AppState {
                     s.failing(),
                 )
             }),
-            egress: Some({
-                let t = &self.0.egress_site.totals;
-                let n =
-                    |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-                crate::core::metrics::EgressGauges {
-                    dns_allowed: n(&t.dns_allowed),
-                    dns_refused: n(&t.dns_refused),
-                    connect_allowed: n(&t.connect_allowed),
-                    connect_refused: n(&t.connect_refused),
-                    bytes_sent: n(&t.bytes_sent),
-                    bytes_received: n(&t.bytes_received),
-                }
-            }),
+            egress: Some(self.0.egress_site.totals.gauges()),
         }
     }
 }

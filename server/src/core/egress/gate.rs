@@ -72,6 +72,19 @@ impl Totals {
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
+
+    /// The figures now, for `/metrics`.
+    pub fn gauges(&self) -> crate::core::metrics::EgressGauges {
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        crate::core::metrics::EgressGauges {
+            dns_allowed: n(&self.dns_allowed),
+            dns_refused: n(&self.dns_refused),
+            connect_allowed: n(&self.connect_allowed),
+            connect_refused: n(&self.connect_refused),
+            bytes_sent: n(&self.bytes_sent),
+            bytes_received: n(&self.bytes_received),
+        }
+    }
 }
 
 /// One name resolved or one connection opened by the guest, and what became of it.
@@ -508,18 +521,16 @@ mod tests {
             (Some(120), Some(4096))
         );
         assert_eq!((log[2].bytes_sent, log[2].closed_at_ms), (None, None));
-        let t = &g.site.totals;
-        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
         assert_eq!(
-            [
-                n(&t.dns_allowed),
-                n(&t.dns_refused),
-                n(&t.connect_allowed),
-                n(&t.connect_refused),
-                n(&t.bytes_sent),
-                n(&t.bytes_received)
-            ],
-            [1, 0, 1, 1, 121, 4097]
+            g.site.totals.gauges(),
+            crate::core::metrics::EgressGauges {
+                dns_allowed: 1,
+                dns_refused: 0,
+                connect_allowed: 1,
+                connect_refused: 1,
+                bytes_sent: 121,
+                bytes_received: 4097,
+            }
         );
         // Once closed, the same number finds nothing more to close.
         g.closed(
