@@ -29,6 +29,7 @@ pub mod registry;
 pub mod session_keys;
 pub mod sessions;
 pub mod state;
+pub mod trace;
 
 /// An error and its sources, `a: b: c` (what a log line or an answer says of a failure
 /// whose cause is a few sources deep: a template build, a call to another node).

@@ -155,6 +155,28 @@ impl SessionKeys {
     }
 
     /// A MAC in progress with the key of id `id`, if it is one of these.
+    /// An HMAC-SHA256 of `input` under the signing key: (the key's id, the MAC), in hex.
+    /// For other records than session files (a session trace's seal): the caller puts a
+    /// domain of its own at the start of `input`, so no MAC of one kind passes for another.
+    pub fn sign_bytes(&self, input: &[u8]) -> (String, String) {
+        let (mut m, id) = self.sign();
+        m.update(input);
+        (hex(&id), hex(&m.finalize().into_bytes()))
+    }
+
+    /// Whether `mac` (hex) is the HMAC of `input` under the key whose id is `key_id` (hex),
+    /// one of these keys.
+    pub fn verify_bytes(&self, key_id: &str, mac: &str, input: &[u8]) -> bool {
+        let (Some(id), Some(tag)) = (unhex(key_id), unhex(mac)) else {
+            return false;
+        };
+        let Some(mut m) = self.verifier(&id) else {
+            return false;
+        };
+        m.update(input);
+        m.verify_slice(&tag).is_ok()
+    }
+
     pub(crate) fn verifier(&self, id: &[u8]) -> Option<HmacSha256> {
         self.keys.iter().find(|k| k.id == id).map(Key::mac)
     }
@@ -203,6 +225,21 @@ mod tests {
             hex(&tag),
             "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
         );
+    }
+
+    #[test]
+    fn bytes_signed_verify_with_any_key_of_the_set_and_nothing_else() {
+        let old = SessionKeys::parse(A).unwrap();
+        let rotating = SessionKeys::parse(&format!("{B}\n{A}\n")).unwrap();
+        let other = SessionKeys::parse(B).unwrap();
+
+        let (id, mac) = old.sign_bytes(b"domain\0record");
+
+        assert!(old.verify_bytes(&id, &mac, b"domain\0record"));
+        assert!(rotating.verify_bytes(&id, &mac, b"domain\0record"));
+        assert!(!other.verify_bytes(&id, &mac, b"domain\0record"));
+        assert!(!old.verify_bytes(&id, &mac, b"domain\0recorD"));
+        assert!(!old.verify_bytes(&id, "zz", b"domain\0record"));
     }
 
     #[test]

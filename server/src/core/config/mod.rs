@@ -146,6 +146,9 @@ pub struct Config {
         default_value = "24"
     )]
     pub damaged_keep: std::time::Duration,
+    /// Session traces in the state directory (docs/evidence.md).
+    #[command(flatten)]
+    pub trace: crate::core::trace::TraceConfig,
     /// At shutdown, pause the running sessions (to the state directory) instead of ending
     /// them.
     #[arg(long)]
@@ -195,6 +198,7 @@ impl Default for Config {
             session_key_file: None,
             damaged_keep: std::time::Duration::from_secs(24 * 3600),
             pause_on_shutdown: false,
+            trace: Default::default(),
             cluster: Default::default(),
         }
     }
