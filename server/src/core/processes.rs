@@ -148,6 +148,8 @@ struct Table {
 #[derive(Debug, Default)]
 pub struct Processes {
     table: Mutex<Table>,
+    /// The session's trace, where each end the guest reports is written.
+    trace: std::sync::OnceLock<(String, Arc<crate::core::trace::Traces>)>,
     /// Starts (of processes and watchers) under way, which a poll beside a cell must not
     /// overtake ([`Processes::starting`]).
     starts: std::sync::atomic::AtomicUsize,
@@ -166,6 +168,11 @@ impl Drop for Starting<'_> {
 }
 
 impl Processes {
+    /// Writes the ends of this session's processes (`id`) to `traces` from now on.
+    pub fn trace_to(&self, id: &str, traces: Arc<crate::core::trace::Traces>) {
+        let _ = self.trace.set((id.to_owned(), traces));
+    }
+
     fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -274,6 +281,11 @@ impl Processes {
                         lost: None,
                         ended_at: SystemTime::now(),
                     };
+                    if let Some((id, traces)) = self.trace.get() {
+                        traces.record(id, "process_end", |_| {
+                            serde_json::json!({"pid": pid, "exit_code": exit_code, "signal": signal})
+                        });
+                    }
                     end(&mut t, pid, exit);
                 }
             }

@@ -146,6 +146,8 @@ struct Shared {
     sessions: Arc<crate::core::sessions::Sessions>,
     audit: Option<crate::core::audit::AuditLog>,
     state_dir: Option<Arc<crate::core::durable::StateDir>>,
+    /// Session traces (in the state directory, unless `--no-trace`).
+    traces: Option<Arc<crate::core::trace::Traces>>,
     node: Arc<crate::core::node::Node>,
     registry: Option<Arc<crate::core::registry::Registry>>,
     /// What the operator decides for every sandbox's network (`--egress-*`).
@@ -171,6 +173,8 @@ pub enum StateError {
     Registry(#[from] crate::core::registry::RegistryError),
     #[error(transparent)]
     EgressHosts(#[from] crate::core::egress::HostsError),
+    #[error(transparent)]
+    Traces(#[from] crate::core::trace::TraceError),
 }
 
 impl AppState {
@@ -224,10 +228,26 @@ impl AppState {
                 }
                 let dir = Arc::new(dir);
                 sessions.use_state_dir(dir.clone(), &found.lost);
-                Some(dir)
+                Some((dir, found.lost))
             }
             None => None,
         };
+        let traces = match &state_dir {
+            Some((dir, lost)) if !config.trace.off => {
+                let t = Arc::new(crate::core::trace::Traces::open(
+                    dir.root(),
+                    config.trace.clone(),
+                    dir.keys().clone(),
+                )?);
+                for id in lost {
+                    t.end(id, "lost", Some("the server stopped while this session was running"));
+                }
+                sessions.use_traces(t.clone());
+                Some(t)
+            }
+            _ => None,
+        };
+        let state_dir = state_dir.map(|(dir, _)| dir);
         let egress_site = Arc::new(crate::core::egress::Site {
             hosts: match &config.egress_hosts {
                 Some(path) => crate::core::egress::Hosts::load(path)?,
@@ -237,6 +257,7 @@ impl AppState {
             max_bytes: config.egress_max_bytes,
             totals: Arc::default(),
             audit: audit.clone(),
+            traces: traces.clone(),
         });
         Ok(Self(Arc::new(Shared {
             config,
@@ -248,6 +269,7 @@ impl AppState {
             sessions,
             audit,
             state_dir,
+            traces,
             node,
             registry,
             egress_site,
@@ -267,6 +289,24 @@ impl AppState {
     /// The cluster's sandbox registry (`--redis`), if the server has one.
     pub fn registry(&self) -> Option<&Arc<crate::core::registry::Registry>> {
         self.0.registry.as_ref()
+    }
+
+    /// The session traces, if the server keeps them.
+    pub fn traces(&self) -> Option<&Arc<crate::core::trace::Traces>> {
+        self.0.traces.as_ref()
+    }
+
+    /// Appends an event to session `id`'s trace (no-op without traces); `data` gets the
+    /// session's output budget ([`crate::core::trace::Traces::record`]).
+    pub fn trace(
+        &self,
+        id: &str,
+        kind: &str,
+        data: impl FnOnce(&mut u64) -> serde_json::Value,
+    ) {
+        if let Some(t) = self.traces() {
+            t.record(id, kind, data);
+        }
     }
 
     /// The state directory, if the server has one.

@@ -175,7 +175,8 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::NoContext(_)
         | Error::NoProcess { .. }
         | Error::NoSnapshot(_)
-        | Error::NoTemplate(_) => StatusCode::NOT_FOUND,
+        | Error::NoTemplate(_)
+        | Error::NoTrace(_) => StatusCode::NOT_FOUND,
         Error::StdinClosed(_)
         | Error::StdinFull { .. }
         | Error::Paused(_)
@@ -184,7 +185,7 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::TemplateInUse(_)
         | Error::Jailed => StatusCode::CONFLICT,
         Error::NoStateDir => StatusCode::NOT_IMPLEMENTED,
-        Error::StateQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
+        Error::StateQuota { .. } | Error::TraceQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
         Error::Unresumable { .. } => StatusCode::GONE,
         Error::WrongNode { .. } => StatusCode::MISDIRECTED_REQUEST,
         Error::SessionGone { .. } => StatusCode::GONE,
@@ -231,6 +232,8 @@ fn service_code(e: &Error) -> &'static str {
         Error::Exists(_) => "session_exists",
         Error::NoSnapshot(_) => "no_snapshot",
         Error::StateQuota { .. } => "state_quota",
+        Error::TraceQuota { .. } => "trace_quota",
+        Error::NoTrace(_) => "no_trace",
         Error::Unresumable { .. } => "unresumable",
         Error::Internal { .. } => "internal",
     }

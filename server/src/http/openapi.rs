@@ -183,6 +183,8 @@ mod tests {
                 id: String::new(),
                 why: String::new(),
             },
+            Error::TraceQuota { used: 1, quota: 1 },
+            Error::NoTrace(String::new()),
             Error::internal("x"),
         ];
         let edge = [

@@ -196,6 +196,9 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             Some(&snap.record.id),
         );
     }
+    state.trace(id, "snapshot", |_| {
+        serde_json::json!({"snapshot": snap.record.id, "bytes": snap.bytes})
+    });
     Ok(snap)
 }
 
@@ -231,6 +234,7 @@ pub async fn start_from(
             format!("snapshot {snap} is of template {}", s.record.template),
         ));
     }
+    crate::service::sessions::check_traces(state)?;
     let r = s.record.clone();
     let lim = &state.config().sessions;
     let idle = req.idle_timeout_s.unwrap_or(r.idle_timeout_s);

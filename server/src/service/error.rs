@@ -166,6 +166,14 @@ pub enum Error {
         "the state directory holds {used} bytes and this needs about {need} more; its quota is {quota} (--state-quota-mib)"
     )]
     StateQuota { used: u64, need: u64, quota: u64 },
+    /// `--trace-over-quota refuse` and the session traces are at their quota.
+    #[error(
+        "the session traces hold {used} bytes, their quota is {quota} (--trace-quota-mib); no new session until ended traces expire (--trace-retention-hours)"
+    )]
+    TraceQuota { used: u64, quota: u64 },
+    /// No trace of this session is kept.
+    #[error("no trace of session {0} is kept here")]
+    NoTrace(String),
     /// A paused session or snapshot cannot be made into a session again: why.
     #[error("{id} cannot be resumed: {why}")]
     Unresumable { id: String, why: String },

@@ -96,10 +96,27 @@ pub async fn write_as(
     owner: Owner,
 ) -> Result<(), Error> {
     let p = path.to_owned();
+    let traced = traced_write(state, path, &data);
     in_session(state, id, path, move |s, ex, t| {
         s.put_file_as(ex, &p, &data, owner, t)
     })
-    .await
+    .await?;
+    trace(state, id, "file_written", traced);
+    Ok(())
+}
+
+/// The trace event of writing `data` to `path` (None without traces: no hash taken).
+fn traced_write(state: &AppState, path: &str, data: &[u8]) -> Option<serde_json::Value> {
+    state
+        .traces()
+        .map(|_| crate::core::trace::event::file_written(path, data))
+}
+
+/// Traces a file operation that succeeded.
+fn trace(state: &AppState, id: &str, kind: &str, data: Option<serde_json::Value>) {
+    if let Some(data) = data {
+        state.trace(id, kind, |_| data);
+    }
 }
 
 /// [`write_as`], the file's E2B metadata then exactly `metadata` (`{}` clears it).
@@ -112,16 +129,21 @@ pub async fn write_with_metadata(
     metadata: BTreeMap<String, String>,
 ) -> Result<(), Error> {
     let p = path.to_owned();
+    let traced = traced_write(state, path, &data);
     in_session(state, id, path, move |s, ex, t| {
         s.put_file_with_metadata(ex, &p, &data, owner, &metadata, t)
     })
-    .await
+    .await?;
+    trace(state, id, "file_written", traced);
+    Ok(())
 }
 
 /// Removes a file, or a directory with everything in it.
 pub async fn remove(state: &AppState, id: &str, path: &str) -> Result<(), Error> {
     let p = path.to_owned();
-    in_session(state, id, path, move |s, ex, t| s.remove(ex, &p, t)).await
+    in_session(state, id, path, move |s, ex, t| s.remove(ex, &p, t)).await?;
+    trace(state, id, "file_removed", Some(serde_json::json!({"path": path})));
+    Ok(())
 }
 
 /// The entries of directory `dir`.
@@ -163,7 +185,9 @@ pub async fn make_dir_as(
     in_session(state, id, path, move |s, ex, t| {
         s.make_dir_as(ex, &p, owner, t)
     })
-    .await
+    .await?;
+    trace(state, id, "dir_made", Some(serde_json::json!({"path": path})));
+    Ok(())
 }
 
 /// Renames `from` to `to`, the parents it makes for `to` belonging to `owner`.
@@ -178,7 +202,10 @@ pub async fn rename_as(
     in_session(state, id, from, move |s, ex, t| {
         s.rename_as(ex, &f, &t2, owner, t)
     })
-    .await
+    .await?;
+    let moved = serde_json::json!({"from": from, "to": to});
+    trace(state, id, "file_renamed", Some(moved));
+    Ok(())
 }
 
 /// The files a job's `return_files` patterns matched (path -> bytes); None without patterns.

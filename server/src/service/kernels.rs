@@ -41,6 +41,7 @@
 //! context's first cell (measured in `docs/measurements.md`, "Code contexts as kernels").
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -166,10 +167,22 @@ pub async fn run(
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let (end_tx, end_rx) = oneshot::channel();
     let (st, sid) = (state.clone(), id.to_owned());
+    let cap = state.config().limits.max_output_bytes;
     tokio::spawn(async move {
         let mut end_tx = end_tx;
         let _turn = kernel.turn().await;
-        let ran = in_turn(&st, &sid, &kernel, cell, out_tx, &mut end_tx).await;
+        let out = Out {
+            tx: out_tx,
+            kept: Arc::default(),
+            cap,
+        };
+        let kept = out.kept.clone();
+        let mut ran = in_turn(&st, &sid, &kernel, cell, out, &mut end_tx).await;
+        if let Ok(r) = &mut ran {
+            // The record's output (the answer's is the caller's own copy, below).
+            let [stdout, stderr] = std::mem::take(&mut *kept.lock().unwrap_or_else(|e| e.into_inner()));
+            (r.result.stdout, r.result.stderr) = (stdout, stderr);
+        }
         // Recorded here, so that a cell whose client left is recorded too.
         match &ran {
             Ok(r) => finished(&st, &origin, "cell", &job, Ok(&r.result), Duration::ZERO),
@@ -196,7 +209,28 @@ pub async fn run(
     Ok(ran)
 }
 
-type Out = mpsc::UnboundedSender<(Stream, Vec<u8>)>;
+/// Where a kernel's output goes as it comes: to the caller, and kept (up to the output
+/// cap a stream) for the cell's record.
+struct Out {
+    tx: mpsc::UnboundedSender<(Stream, Vec<u8>)>,
+    kept: Arc<std::sync::Mutex<[Vec<u8>; 2]>>,
+    cap: usize,
+}
+
+impl Out {
+    fn send(
+        &self,
+        (stream, bytes): (Stream, Vec<u8>),
+    ) -> Result<(), mpsc::error::SendError<(Stream, Vec<u8>)>> {
+        {
+            let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+            let buf = &mut kept[stream as usize];
+            let room = self.cap.saturating_sub(buf.len());
+            buf.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        }
+        self.tx.send((stream, bytes))
+    }
+}
 
 async fn in_turn(
     state: &AppState,

@@ -23,11 +23,19 @@ pub async fn start(state: &AppState, req: CreateSession) -> Result<Arc<Entry>, E
 }
 
 /// Ends expired sessions every second until the server stops (spawned by `serve`), pauses
-/// those that asked for it, and starts the processes' pump of a resumed session.
+/// those that asked for it, starts the processes' pump of a resumed session, and every
+/// minute removes traces past their retention.
 pub async fn reaper(state: AppState) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut ticks: u64 = 0;
     loop {
         tick.tick().await;
+        ticks += 1;
+        if ticks % 60 == 0
+            && let Some(t) = state.traces().cloned()
+        {
+            let _ = tokio::task::spawn_blocking(move || t.sweep(std::time::SystemTime::now())).await;
+        }
         // A session resumed at a request (below the processes' service) gets its pump here,
         // within a tick; elsewhere every pump is started where its processes are.
         for e in state.sessions().list() {

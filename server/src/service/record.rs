@@ -1,5 +1,5 @@
 //! Recording a finished job or cell, once, on its job thread (so it counts even if the
-//! caller left): metrics, the log, the audit trail.
+//! caller left): metrics, the log, the audit trail, and a session's cell in its trace.
 
 use std::time::Duration;
 
@@ -22,6 +22,11 @@ pub fn finished(
         Ok(r) => {
             state.metrics().job(r.status, waited, &r.timings);
             state.audit_job(origin, kind, job, r, waited);
+            if let Some(id) = &origin.session {
+                state.trace(id, kind, |budget| {
+                    crate::core::trace::event::cell(origin, job, r, waited, budget)
+                });
+            }
             tracing::debug!(
                 kind,
                 status = ?r.status,

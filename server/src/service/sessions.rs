@@ -43,6 +43,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     if req.auto_pause == Some(true) && state.state_dir().is_none() {
         return Err(Error::NoStateDir);
     }
+    check_traces(state)?;
     let lim = &state.config().sessions;
     let idle = seconds(
         "idle_timeout_s",
@@ -105,6 +106,18 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     .await?
 }
 
+/// Refuses a new session while the traces are at their quota and `--trace-over-quota
+/// refuse` keeps them all.
+pub fn check_traces(state: &AppState) -> Result<(), Error> {
+    match state.traces() {
+        Some(t) if t.refuses_sessions() => {
+            let (used, quota) = t.usage();
+            Err(Error::TraceQuota { used, quota })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Ends session `id` as deleted (its tombstone too, if it had ended already); waits for a
 /// running request's end.
 pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
@@ -113,6 +126,9 @@ pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
     {
         if let Ok(exec) = templates::executor_for(state, Some(&p.record.template)) {
             crate::service::resume::unpin_if_unneeded(dir, &exec, &p.key);
+        }
+        if let Some(t) = state.traces() {
+            t.end(id, "deleted", Some("deleted while paused"));
         }
         return Ok(());
     }
@@ -250,6 +266,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     let busy = acquire(state, id).await?;
     check_count(state, count)?;
     check_memory(state)?;
+    check_traces(state)?;
     let sessions = state.sessions().clone();
     let forked = admission::call(state, move || {
         let e = busy.entry().clone();
@@ -312,7 +329,8 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     for child in &made {
         crate::service::processes::ensure_pump(state, child);
     }
-    let ids = made.iter().map(|c| c.id.clone()).collect();
+    let ids: Vec<String> = made.iter().map(|c| c.id.clone()).collect();
+    state.trace(id, "forked", |_| serde_json::json!({"children": ids}));
     Ok(Forked { ids, stats })
 }
 

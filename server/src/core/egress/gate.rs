@@ -48,6 +48,8 @@ pub struct Site {
     pub max_bytes: Option<u64>,
     pub totals: Arc<Totals>,
     pub audit: Option<AuditLog>,
+    /// The session traces attempts are written to, beside the audit log.
+    pub traces: Option<Arc<crate::core::trace::Traces>>,
 }
 
 /// Every gate's attempts and bytes added up (`bud_egress_*` in `/metrics`).
@@ -205,9 +207,17 @@ impl Gate {
         log.kept.push_back(a);
     }
 
+    /// An attempt decided (a refused one) or over (a connection's, with its bytes): to the
+    /// audit log and the sandbox's trace.
     fn audit(&self, a: &Attempt) {
+        let origin = lock(&self.origin);
         if let Some(audit) = &self.site.audit {
-            audit.egress(&lock(&self.origin), a);
+            audit.egress(&origin, a);
+        }
+        if let (Some(traces), Some(session)) = (&self.site.traces, &origin.session) {
+            traces.record(session, a.kind, |_| {
+                serde_json::to_value(a).unwrap_or_default()
+            });
         }
     }
 

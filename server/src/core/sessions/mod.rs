@@ -66,6 +66,8 @@ pub struct Sessions {
     marks: std::sync::OnceLock<Arc<crate::core::durable::StateDir>>,
     /// The node whose ids new sessions get.
     node: std::sync::OnceLock<Arc<crate::core::node::Node>>,
+    /// Where each session's start, pause and end are traced.
+    traces: std::sync::OnceLock<Arc<crate::core::trace::Traces>>,
 }
 
 impl Sessions {
@@ -83,6 +85,17 @@ impl Sessions {
     /// A new random id of `kind` (`ses`, `snap`) on this node ([`crate::core::node::Node::new_id`]).
     pub fn new_id(&self, kind: &str) -> Result<String, vmm::identity::IdentityError> {
         self.node().new_id(kind)
+    }
+
+    /// Traces sessions' starts, pauses and ends in `traces` from now on.
+    pub fn use_traces(&self, traces: Arc<crate::core::trace::Traces>) {
+        let _ = self.traces.set(traces);
+    }
+
+    fn trace(&self, id: &str, kind: &str, data: serde_json::Value) {
+        if let Some(t) = self.traces.get() {
+            t.record(id, kind, |_| data);
+        }
     }
 
     /// Marks running sessions in `dir` from now on, and remembers `lost` (sessions that
@@ -174,7 +187,27 @@ impl Sessions {
             ));
             vm.set_egress(gate.clone());
         }
+        let again = settings.again.is_some();
         let e = Arc::new(Entry::new(id, settings, vm.beside()));
+        if let Some(t) = self.traces.get() {
+            e.processes.trace_to(&e.id, t.clone());
+        }
+        if again {
+            self.trace(&e.id, "resumed", serde_json::json!({"template": e.template}));
+        } else {
+            self.trace(
+                &e.id,
+                "created",
+                serde_json::json!({
+                    "template": e.template,
+                    "language": e.language,
+                    "parent": e.parent,
+                    "metadata": e.metadata,
+                    "idle_timeout_s": e.idle_timeout.as_secs(),
+                    "network": e.network.as_ref().map(|g| g.policy()),
+                }),
+            );
+        }
         *e.vm.lock().unwrap_or_else(|e| e.into_inner()) = Some(vm);
         if let Some(d) = self.marks.get() {
             d.mark_running(&e.id);
@@ -279,6 +312,9 @@ impl Sessions {
             .unwrap_or_else(|e| e.into_inner())
             .entry(why.reason.clone())
             .or_default() += 1;
+        if let Some(t) = self.traces.get() {
+            t.end(id, &why.reason, why.detail.as_deref());
+        }
         if why.reason != "deleted" {
             self.tombstone(id, why);
         }
@@ -297,6 +333,7 @@ impl Sessions {
     /// find it gone from the live ones (and resume it).
     pub fn take_out(&self, id: &str) -> Option<(Arc<Entry>, Box<dyn SessionVm>)> {
         let e = self.live().remove(id)?;
+        self.trace(id, "paused", serde_json::json!({}));
         e.processes.close("paused");
         e.preempt();
         if let Some(d) = self.marks.get() {

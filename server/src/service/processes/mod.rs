@@ -123,6 +123,9 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
         user: req.user.clone(),
     };
     let script = req.script.clone();
+    let traced = serde_json::json!({
+        "cmd": req.cmd, "args": req.args, "cwd": req.cwd, "tag": req.tag, "internal": req.internal,
+    });
     let entry = e.clone();
     // Recorded before the start is over (`starting`, or the session still held): the
     // pump's next poll may already bring the new process's output and end, which a record
@@ -140,6 +143,14 @@ pub async fn start(state: &AppState, id: &str, req: Start, route: &str) -> Resul
     .map_err(|e| failed(e, None))?;
     drop(starting);
     state.audit_process(&origin, script.as_bytes());
+    state.trace(id, "process", |_| {
+        let mut data = crate::core::trace::event::process(&origin, script.as_bytes());
+        data["pid"] = pid.into();
+        if let (Some(d), serde_json::Value::Object(more)) = (data.as_object_mut(), traced) {
+            d.extend(more);
+        }
+        data
+    });
     if !added {
         return Err(get(state, id)
             .err()
@@ -225,6 +236,7 @@ pub async fn stdin(
         return Err(Error::StdinClosed(pid));
     }
     let since = Instant::now();
+    let sent = data.len();
     let mut rest = data;
     loop {
         let chunk = rest.clone();
@@ -247,6 +259,9 @@ pub async fn stdin(
             if close {
                 e.processes.stdin_closed(pid);
             }
+            state.trace(id, "process_stdin", |_| {
+                serde_json::json!({"pid": pid, "bytes": sent, "closed": close})
+            });
             return Ok(());
         }
         if since.elapsed() > STDIN_PATIENCE {
@@ -267,6 +282,9 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
     in_session(state, id, move |s, ex| s.signal_process(ex, pid, signal))
         .await?
         .map_err(|err| failed(err, Some(pid)))?;
+    state.trace(id, "process_signal", |_| {
+        serde_json::json!({"pid": pid, "signal": signal})
+    });
     // Its end comes through the pump.
     ensure_pump(state, &e);
     Ok(())
