@@ -1,6 +1,6 @@
 //! The HTTP edge: bud's own routes over the service, one file per feature, named as the
 //! service's and the core's files are ([`exec`], [`sessions`], [`processes`],
-//! [`contexts`], [`durable`], [`network`], [`node`], [`templates`]), and what every route shares: the
+//! [`contexts`], [`durable`], [`network`], [`node`], [`templates`], [`trace`]), and what every route shares: the
 //! request body ([`body`]), errors as HTTP ([`error`]), streamed answers ([`stream`]), the
 //! OpenAPI document ([`openapi`]), the API-key gate ([`KeyGate`]), the accept loop
 //! ([`conn`]), HAProxy's agent check ([`agent`]) and startup ([`startup`]).
@@ -23,6 +23,7 @@ pub mod sessions;
 pub mod startup;
 pub mod stream;
 pub mod templates;
+pub mod trace;
 
 use std::future::Future;
 
@@ -37,7 +38,7 @@ use crate::service;
 use error::ApiError;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 48] = [
+pub const ROUTES: [(&str, &str); 51] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -83,6 +84,9 @@ pub const ROUTES: [(&str, &str); 48] = [
     ("get", "/v1/snapshots/{id}"),
     ("delete", "/v1/snapshots/{id}"),
     ("get", "/v1/sessions/{id}/export"),
+    ("get", "/v1/sessions/{id}/trace"),
+    ("get", "/v1/sessions/{id}/trace/verify"),
+    ("get", "/v1/sessions/{id}/events"),
     ("post", "/v1/sessions/import"),
     ("post", "/v1/admin/drain"),
     ("post", "/v1/admin/undrain"),
@@ -178,6 +182,9 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/resume", post(durable::resume))
         .route("/v1/sessions/{id}/snapshots", post(durable::snapshot))
         .route("/v1/sessions/{id}/export", get(durable::export))
+        .route("/v1/sessions/{id}/trace", get(trace::lines))
+        .route("/v1/sessions/{id}/trace/verify", get(trace::verify))
+        .route("/v1/sessions/{id}/events", get(trace::events))
         .route("/v1/sessions/import", post(durable::import))
         .route("/v1/snapshots", get(durable::list))
         .route(

@@ -43,6 +43,7 @@ pub mod resume;
 pub mod sessions;
 pub mod task;
 pub mod templates;
+pub mod trace;
 
 #[cfg(test)]
 mod tests;

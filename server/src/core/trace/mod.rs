@@ -433,10 +433,13 @@ impl Traces {
         self.sweep(SystemTime::now());
     }
 
-    /// Follows session `id`'s events from now on (None: its trace is not open: ended, or
-    /// never had an event).
+    /// Follows session `id`'s events from now on (None: it has no trace, or its trace is
+    /// sealed). A trace of an earlier server on the directory is opened for it.
     pub fn subscribe(&self, id: &str) -> Option<broadcast::Receiver<Arc<Line>>> {
-        self.opened().get(id).map(|o| o.live.subscribe())
+        if !self.has(id) {
+            return None;
+        }
+        self.writer(id).map(|o| o.live.subscribe())
     }
 
     /// Session `id`'s events on disk with seq after `after`, in order (None: it has no

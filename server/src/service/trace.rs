@@ -1,0 +1,184 @@
+//! A session's trace read back: its events with filters, its check, and the live stream
+//! that a client reconnects to without missing an event (`crate::core::trace` keeps them).
+//!
+//! The stream subscribes to the session's new events *before* it reads what is on disk,
+//! then sends the file's events after the client's last one and the live ones after
+//! those, each once, in order: an event written between the read and the subscription
+//! cannot fall in the gap. A subscriber that falls more than
+//! [`crate::core::trace::LIVE_BACKLOG`] events behind reads the file again from its last
+//! one. The stream ends after the trace's seal.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use tokio::sync::{broadcast, mpsc};
+
+use crate::core::state::AppState;
+use crate::core::trace::{Broken, Line, Traces, Verified, chain};
+use crate::service::error::Error;
+
+/// Which events of a trace to read.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Only these kinds (empty: all).
+    pub kinds: BTreeSet<String>,
+    /// Only events at or after this time (RFC 3339 UTC as the trace writes it, or a prefix
+    /// of it: `2026-12-02T08:00`).
+    pub since: Option<String>,
+    /// Only events before this time (the same form).
+    pub until: Option<String>,
+    /// Only events with a higher seq.
+    pub after: u64,
+}
+
+impl Filter {
+    fn keeps(&self, line: &Line) -> bool {
+        let time = time_of(&line.text).unwrap_or_default();
+        (self.kinds.is_empty() || self.kinds.contains(&line.kind))
+            && self.since.as_deref().is_none_or(|s| time >= s)
+            && self.until.as_deref().is_none_or(|u| time < u)
+    }
+}
+
+/// The `time` of a line (it follows `seq`), without parsing the rest.
+fn time_of(line: &str) -> Option<&str> {
+    let at = line.find(",\"time\":\"")? + ",\"time\":\"".len();
+    let end = line[at..].find('"')?;
+    Some(&line[at..at + end])
+}
+
+fn traces<'a>(state: &'a AppState, id: &str) -> Result<&'a Arc<Traces>, Error> {
+    state
+        .traces()
+        .filter(|t| t.has(id))
+        .ok_or_else(|| Error::NoTrace(id.to_owned()))
+}
+
+fn io(id: &str, e: &std::io::Error) -> Error {
+    Error::internal(format!("reading the trace of {id}: {e}"))
+}
+
+/// Session `id`'s events that `filter` keeps, in order (live or ended sessions alike).
+pub async fn events(state: &AppState, id: &str, filter: Filter) -> Result<Vec<Line>, Error> {
+    let t = traces(state, id)?.clone();
+    let owned = id.to_owned();
+    let lines = tokio::task::spawn_blocking(move || t.read(&owned, filter.after))
+        .await
+        .map_err(Error::internal)?
+        .map_err(|e| io(id, &e))?
+        .ok_or_else(|| Error::NoTrace(id.to_owned()))?;
+    Ok(lines.into_iter().filter(|l| filter.keeps(l)).collect())
+}
+
+/// What checking a trace found.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Check {
+    /// The chain is whole (and a seal, if any, verifies with this server's keys).
+    pub ok: bool,
+    pub events: u64,
+    pub sealed: bool,
+    /// The last event's hash.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head: Option<String>,
+    /// A last line cut short by a crash (left out of the chain).
+    pub torn_tail: bool,
+    /// Where and why the chain breaks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broken: Option<String>,
+}
+
+impl From<Result<Verified, Broken>> for Check {
+    fn from(r: Result<Verified, Broken>) -> Self {
+        match r {
+            Ok(v) => Self {
+                ok: true,
+                events: v.events,
+                sealed: v.sealed,
+                head: Some(v.head),
+                torn_tail: v.torn_tail,
+                broken: None,
+            },
+            Err(b) => Self {
+                ok: false,
+                events: 0,
+                sealed: false,
+                head: None,
+                torn_tail: false,
+                broken: Some(b.to_string()),
+            },
+        }
+    }
+}
+
+/// Checks session `id`'s trace on disk.
+pub async fn check(state: &AppState, id: &str) -> Result<Check, Error> {
+    let t = traces(state, id)?.clone();
+    let owned = id.to_owned();
+    tokio::task::spawn_blocking(move || t.verify(&owned))
+        .await
+        .map_err(Error::internal)?
+        .map_err(|e| io(id, &e))?
+        .map(Check::from)
+        .ok_or_else(|| Error::NoTrace(id.to_owned()))
+}
+
+/// Session `id`'s events after seq `after`, then its new ones as they come, until its seal
+/// (module docs). The receiver ends when the trace is sealed or the caller drops it.
+pub async fn follow(
+    state: &AppState,
+    id: &str,
+    after: u64,
+) -> Result<mpsc::Receiver<Arc<Line>>, Error> {
+    let t = traces(state, id)?.clone();
+    let live = t.subscribe(id);
+    let past = read_after(&t, id, after).await?;
+    let (tx, rx) = mpsc::channel(64);
+    let id = id.to_owned();
+    tokio::spawn(async move {
+        let mut last = after;
+        let mut sealed = false;
+        for line in past {
+            last = line.seq;
+            sealed |= line.kind == chain::SEALED;
+            if tx.send(Arc::new(line)).await.is_err() {
+                return;
+            }
+        }
+        let Some(mut live) = live else { return };
+        while !sealed {
+            let more = match live.recv().await {
+                Ok(line) => vec![line],
+                Err(broadcast::error::RecvError::Lagged(_) | broadcast::error::RecvError::Closed) => {
+                    // Behind, or the trace closed: what the file holds after the last sent.
+                    let Ok(lines) = read_after(&t, &id, last).await else {
+                        return;
+                    };
+                    if lines.is_empty() {
+                        return;
+                    }
+                    lines.into_iter().map(Arc::new).collect()
+                }
+            };
+            for line in more {
+                if line.seq <= last {
+                    continue;
+                }
+                last = line.seq;
+                sealed |= line.kind == chain::SEALED;
+                if tx.send(line).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok(rx)
+}
+
+async fn read_after(t: &Arc<Traces>, id: &str, after: u64) -> Result<Vec<Line>, Error> {
+    let (t, owned) = (t.clone(), id.to_owned());
+    tokio::task::spawn_blocking(move || t.read(&owned, after))
+        .await
+        .map_err(Error::internal)?
+        .map_err(|e| io(id, &e))?
+        .ok_or_else(|| Error::NoTrace(id.to_owned()))
+}
