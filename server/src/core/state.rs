@@ -240,7 +240,11 @@ impl AppState {
                     dir.keys().clone(),
                 )?);
                 for id in lost {
-                    t.end(id, "lost", Some("the server stopped while this session was running"));
+                    t.end(
+                        id,
+                        "lost",
+                        Some("the server stopped while this session was running"),
+                    );
                 }
                 sessions.use_traces(t.clone());
                 Some(t)
@@ -298,12 +302,7 @@ impl AppState {
 
     /// Appends an event to session `id`'s trace (no-op without traces); `data` gets the
     /// session's output budget ([`crate::core::trace::Traces::record`]).
-    pub fn trace(
-        &self,
-        id: &str,
-        kind: &str,
-        data: impl FnOnce(&mut u64) -> serde_json::Value,
-    ) {
+    pub fn trace(&self, id: &str, kind: &str, data: impl FnOnce(&mut u64) -> serde_json::Value) {
         if let Some(t) = self.traces() {
             t.record(id, kind, data);
         }

@@ -196,9 +196,11 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             Some(&snap.record.id),
         );
     }
-    state.trace(id, "snapshot", |_| {
-        serde_json::json!({"snapshot": snap.record.id, "bytes": snap.bytes})
-    });
+    state.trace(
+        id,
+        "snapshot",
+        |_| serde_json::json!({"snapshot": snap.record.id, "bytes": snap.bytes}),
+    );
     Ok(snap)
 }
 

@@ -142,7 +142,12 @@ pub async fn write_with_metadata(
 pub async fn remove(state: &AppState, id: &str, path: &str) -> Result<(), Error> {
     let p = path.to_owned();
     in_session(state, id, path, move |s, ex, t| s.remove(ex, &p, t)).await?;
-    trace(state, id, "file_removed", Some(serde_json::json!({"path": path})));
+    trace(
+        state,
+        id,
+        "file_removed",
+        Some(serde_json::json!({"path": path})),
+    );
     Ok(())
 }
 
@@ -186,7 +191,12 @@ pub async fn make_dir_as(
         s.make_dir_as(ex, &p, owner, t)
     })
     .await?;
-    trace(state, id, "dir_made", Some(serde_json::json!({"path": path})));
+    trace(
+        state,
+        id,
+        "dir_made",
+        Some(serde_json::json!({"path": path})),
+    );
     Ok(())
 }
 

@@ -180,7 +180,8 @@ pub async fn run(
         let mut ran = in_turn(&st, &sid, &kernel, cell, out, &mut end_tx).await;
         if let Ok(r) = &mut ran {
             // The record's output (the answer's is the caller's own copy, below).
-            let [stdout, stderr] = std::mem::take(&mut *kept.lock().unwrap_or_else(|e| e.into_inner()));
+            let [stdout, stderr] =
+                std::mem::take(&mut *kept.lock().unwrap_or_else(|e| e.into_inner()));
             (r.result.stdout, r.result.stderr) = (stdout, stderr);
         }
         // Recorded here, so that a cell whose client left is recorded too.

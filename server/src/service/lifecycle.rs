@@ -34,7 +34,8 @@ pub async fn reaper(state: AppState) {
         if ticks % 60 == 0
             && let Some(t) = state.traces().cloned()
         {
-            let _ = tokio::task::spawn_blocking(move || t.sweep(std::time::SystemTime::now())).await;
+            let _ =
+                tokio::task::spawn_blocking(move || t.sweep(std::time::SystemTime::now())).await;
         }
         // A session resumed at a request (below the processes' service) gets its pump here,
         // within a tick; elsewhere every pump is started where its processes are.

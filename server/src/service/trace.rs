@@ -148,7 +148,9 @@ pub async fn follow(
         while !sealed {
             let more = match live.recv().await {
                 Ok(line) => vec![line],
-                Err(broadcast::error::RecvError::Lagged(_) | broadcast::error::RecvError::Closed) => {
+                Err(
+                    broadcast::error::RecvError::Lagged(_) | broadcast::error::RecvError::Closed,
+                ) => {
                     // Behind, or the trace closed: what the file holds after the last sent.
                     let Ok(lines) = read_after(&t, &id, last).await else {
                         return;

@@ -193,7 +193,11 @@ impl Sessions {
             e.processes.trace_to(&e.id, t.clone());
         }
         if again {
-            self.trace(&e.id, "resumed", serde_json::json!({"template": e.template}));
+            self.trace(
+                &e.id,
+                "resumed",
+                serde_json::json!({"template": e.template}),
+            );
         } else {
             self.trace(
                 &e.id,

@@ -259,9 +259,11 @@ pub async fn stdin(
             if close {
                 e.processes.stdin_closed(pid);
             }
-            state.trace(id, "process_stdin", |_| {
-                serde_json::json!({"pid": pid, "bytes": sent, "closed": close})
-            });
+            state.trace(
+                id,
+                "process_stdin",
+                |_| serde_json::json!({"pid": pid, "bytes": sent, "closed": close}),
+            );
             return Ok(());
         }
         if since.elapsed() > STDIN_PATIENCE {
@@ -282,9 +284,11 @@ pub async fn signal(state: &AppState, id: &str, pid: u32, signal: i32) -> Result
     in_session(state, id, move |s, ex| s.signal_process(ex, pid, signal))
         .await?
         .map_err(|err| failed(err, Some(pid)))?;
-    state.trace(id, "process_signal", |_| {
-        serde_json::json!({"pid": pid, "signal": signal})
-    });
+    state.trace(
+        id,
+        "process_signal",
+        |_| serde_json::json!({"pid": pid, "signal": signal}),
+    );
     // Its end comes through the pump.
     ensure_pump(state, &e);
     Ok(())

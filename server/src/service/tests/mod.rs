@@ -11,6 +11,7 @@ mod jobs;
 mod network;
 mod queue;
 mod sessions;
+mod trace;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -119,4 +120,21 @@ async fn jobs_run(
     code: &str,
 ) -> Result<crate::service::jobs::Ran, crate::service::error::Error> {
     crate::service::jobs::run(state, job(code), crate::service::task::no_sink()).await
+}
+
+/// A state directory of its own for one test (removed when dropped).
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("bud-fake-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

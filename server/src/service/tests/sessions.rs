@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use vmm::Status;
 
-use super::{cell, new_session, server, server_with, sessions, until};
+use super::{TempDir, cell, new_session, server, server_with, sessions, until};
 use crate::core::config::Config;
 use crate::core::sessions::Unavailable;
 use crate::service::error::Error;
@@ -418,23 +418,6 @@ async fn a_shutdown_ends_every_session_as_shutdown() {
         "{after:?}"
     );
     assert_eq!(engine.counts().ended, 2);
-}
-
-/// A state directory of its own for one test (removed when dropped).
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("bud-fake-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 #[tokio::test]
