@@ -21,6 +21,7 @@ mod boot_cmd;
 mod remote;
 mod run_cmd;
 mod serve_cmd;
+mod trace_cmd;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -57,6 +58,8 @@ enum Command {
     Serve(Box<serve_cmd::ServeArgs>),
     /// Print the records of an audit log (`bud serve --audit-log`) that match filters.
     Audit(audit_cmd::AuditArgs),
+    /// Check a session's trace (`bud trace verify FILE`).
+    Trace(trace_cmd::TraceArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -147,6 +150,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run_cmd::run(&cli, args),
         Command::Serve(args) => serve_cmd::serve(&cli, args),
         Command::Audit(args) => audit_cmd::audit(args),
+        Command::Trace(args) => trace_cmd::trace(args),
     };
     match result {
         Ok(code) => code,

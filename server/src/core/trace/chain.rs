@@ -157,12 +157,12 @@ pub fn seq_of(line: &str) -> Option<u64> {
     rest[..end].parse().ok()
 }
 
+/// Checks a seal: `(key id, mac hex, signed bytes) -> verified`.
+pub type SealCheck<'a> = &'a dyn Fn(&str, &str, &[u8]) -> bool;
+
 /// Checks a trace read from `input`; `check_seal` (when keys are given) verifies a seal's
 /// HMAC of the hash before it: `(key id, mac hex, signed bytes) -> verified`.
-pub fn verify(
-    input: impl BufRead,
-    check_seal: Option<&dyn Fn(&str, &str, &[u8]) -> bool>,
-) -> Result<Verified, Broken> {
+pub fn verify(input: impl BufRead, check_seal: Option<SealCheck<'_>>) -> Result<Verified, Broken> {
     let mut prev = GENESIS.to_owned();
     let mut last_seq = 0;
     let mut session: Option<String> = None;

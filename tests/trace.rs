@@ -1,0 +1,196 @@
+//! Session traces through a real, jailed `bud serve` on a state directory: the live event
+//! stream over HTTP (Server-Sent Events) resumed with `Last-Event-ID`, the NDJSON trace and
+//! its filters, a kill -9 of the server in the middle of a cell (the trace up to the last
+//! completed event intact, sealed `lost` by the next server), and `bud trace verify` on the
+//! downloaded trace: whole, then tampered. Needs /dev/kvm.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::served::{Served, own_state_dir, serve};
+use serde_json::{Value, json};
+
+fn request(s: &Served, method: &str, path: &str, body: Option<Value>) -> (u16, String) {
+    let req = ureq::request(method, &format!("{}{path}", s.base)).timeout(Duration::from_secs(120));
+    let r = match body {
+        Some(b) => req.send_json(b),
+        None => req.call(),
+    };
+    match r {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(status, r)) => (status, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+fn json_of(s: &Served, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let (status, text) = request(s, method, path, body);
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+fn wait_ready(s: &mut Served) {
+    let until = Instant::now() + Duration::from_secs(1800);
+    loop {
+        assert!(Instant::now() < until, "bud serve never became ready");
+        if let Ok(Some(status)) = s.child.try_wait() {
+            panic!("bud serve exited: {status}");
+        }
+        let (status, h) = json_of(s, "GET", "/v1/health", None);
+        if status == 200 && h["template_ready"] == json!(true) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn cell(s: &Served, id: &str, code: &str) -> Value {
+    let (status, r) = json_of(
+        s,
+        "POST",
+        &format!("/v1/sessions/{id}/exec"),
+        Some(json!({ "code": code })),
+    );
+    assert_eq!(status, 200, "{r}");
+    r
+}
+
+/// Reads `count` SSE events (id, event, data) from `/events`, resuming after `last`.
+fn sse(s: &Served, id: &str, last: Option<u64>, count: usize) -> Vec<(u64, String, Value)> {
+    let mut req =
+        ureq::get(&format!("{}/v1/sessions/{id}/events", s.base)).timeout(Duration::from_secs(60));
+    if let Some(l) = last {
+        req = req.set("Last-Event-ID", &l.to_string());
+    }
+    let r = req.call().expect("the event stream");
+    assert_eq!(r.status(), 200);
+    assert!(r.content_type().starts_with("text/event-stream"));
+    let mut out = Vec::new();
+    let (mut seq, mut kind, mut data) = (None, String::new(), String::new());
+    for line in BufReader::new(r.into_reader()).lines() {
+        let line = line.expect("a line of the stream");
+        if let Some(v) = line.strip_prefix("id:") {
+            seq = Some(v.trim().parse::<u64>().unwrap());
+        } else if let Some(v) = line.strip_prefix("event:") {
+            kind = v.trim().to_owned();
+        } else if let Some(v) = line.strip_prefix("data:") {
+            data.push_str(v.trim_start());
+        } else if line.is_empty() && seq.is_some() {
+            out.push((
+                seq.take().unwrap(),
+                std::mem::take(&mut kind),
+                serde_json::from_str(&std::mem::take(&mut data)).unwrap(),
+            ));
+            if out.len() == count {
+                break;
+            }
+        }
+    }
+    out
+}
+
+fn bud_verify(file: &std::path::Path, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_bud"))
+        .args(["trace", "verify"])
+        .arg(file)
+        .args(args)
+        .output()
+        .expect("running bud trace verify");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+#[test]
+fn a_session_trace_streams_resumes_survives_a_kill_and_verifies() {
+    common::require_kvm();
+    let mut s = serve(&[]);
+    let dir = own_state_dir(s.port);
+    let dir_arg = dir.to_string_lossy().into_owned();
+    wait_ready(&mut s);
+    let (status, r) = json_of(&s, "POST", "/v1/sessions", Some(json!({})));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+    cell(&s, &id, "print('one')");
+    cell(&s, &id, "import sys; sys.exit(3)");
+    let put = ureq::put(&format!("{}/v1/sessions/{id}/files/notes.txt", s.base))
+        .send_string("notes")
+        .expect("a file written");
+    assert_eq!(put.status(), 204);
+
+    // The stream from the start, dropped after two events, resumed after the second.
+    let first = sse(&s, &id, None, 2);
+    let rest = sse(&s, &id, Some(first[1].0), 2);
+    let seqs: Vec<u64> = first.iter().chain(&rest).map(|e| e.0).collect();
+    assert_eq!(seqs, [1, 2, 3, 4]);
+    assert_eq!(first[0].1, "created");
+    assert_eq!(first[1].2["data"]["stdout"], "one\n");
+    assert_eq!(rest[0].2["data"]["exit_code"], 3);
+    assert_eq!(rest[1].1, "file_written");
+
+    // The NDJSON trace, and a filter.
+    let (status, cells) = request(
+        &s,
+        "GET",
+        &format!("/v1/sessions/{id}/trace?kind=cell"),
+        None,
+    );
+    assert_eq!(status, 200, "{cells}");
+    assert_eq!(cells.lines().count(), 2);
+
+    // The server killed while a cell runs: the next server seals the trace as lost.
+    let base = s.base.clone();
+    let running = id.clone();
+    let cutting = std::thread::spawn(move || {
+        let _ = ureq::post(&format!("{base}/v1/sessions/{running}/exec"))
+            .timeout(Duration::from_secs(60))
+            .send_json(json!({"code": "import time; time.sleep(30)"}));
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: kill on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGKILL) };
+    let _ = s.child.wait();
+    cutting.join().unwrap();
+    drop(s);
+    let mut s = serve(&["--state-dir", &dir_arg]);
+    wait_ready(&mut s);
+
+    let (status, text) = request(&s, "GET", &format!("/v1/sessions/{id}/trace"), None);
+    assert_eq!(status, 200, "{text}");
+    let kinds: Vec<String> = text
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["kind"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["created", "cell", "cell", "file_written", "ended", "sealed"]
+    );
+    let (status, check) = json_of(&s, "GET", &format!("/v1/sessions/{id}/trace/verify"), None);
+    assert_eq!(status, 200, "{check}");
+    assert_eq!(check["ok"], true, "{check}");
+    assert_eq!(check["sealed"], true, "{check}");
+
+    // The downloaded trace checked by the CLI with the server's key, then tampered.
+    let file = dir.join("downloaded-trace.ndjson");
+    std::fs::write(&file, &text).unwrap();
+    let (code, said) = bud_verify(&file, &["--state-dir", &dir_arg]);
+    assert_eq!(code, 0, "{said}");
+    assert!(
+        said.contains("6 events, sealed, signature verified"),
+        "{said}"
+    );
+    std::fs::write(&file, text.replacen("one\\n", "two\\n", 1)).unwrap();
+    let (code, said) = bud_verify(&file, &["--state-dir", &dir_arg]);
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("broken: line 2 (event 2)"), "{said}");
+    let (status, _) = request(&s, "GET", "/v1/sessions/ses-nope/trace", None);
+    assert_eq!(status, 404);
+}
