@@ -10,7 +10,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::served::{Served, own_state_dir, serve};
 use serde_json::{Value, json};
@@ -28,22 +28,6 @@ fn request(s: &Served, method: &str, path: &str, body: Option<Value>) -> (u16, V
         }
         Err(ureq::Error::Status(status, r)) => (status, r.into_json().unwrap_or(Value::Null)),
         Err(e) => (0, json!({"transport": e.to_string()})),
-    }
-}
-
-/// Waits until the server answers jobs (first use may build: minutes).
-fn wait_ready(s: &mut Served) {
-    let until = Instant::now() + Duration::from_secs(1800);
-    loop {
-        assert!(Instant::now() < until, "bud serve never became ready");
-        if let Ok(Some(status)) = s.child.try_wait() {
-            panic!("bud serve exited: {status}");
-        }
-        let (status, h) = request(s, "GET", "/v1/health", None);
-        if status == 200 && h["template_ready"] == json!(true) && h["jailed"] == json!(true) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -70,7 +54,7 @@ fn a_server_killed_mid_pause_resume_or_snapshot_never_serves_a_partial_session()
     let mut s = serve(&[]);
     let dir = own_state_dir(s.port);
     let dir_arg = dir.to_string_lossy().into_owned();
-    wait_ready(&mut s);
+    s.wait_ready();
     // Session id -> the value it holds, for every pause that was answered.
     let mut paused: BTreeMap<String, String> = BTreeMap::new();
     let mut snapshots: Vec<String> = Vec::new();
@@ -159,7 +143,7 @@ fn a_server_killed_mid_pause_resume_or_snapshot_never_serves_a_partial_session()
         }
 
         s = serve(&["--state-dir", &dir_arg]);
-        wait_ready(&mut s);
+        s.wait_ready();
         for (id, value) in &paused {
             let (status, r) = cell(&s, id, "print(v, open('v.txt').read(), len(blob))");
             assert_eq!(status, 200, "{id}: {r}");

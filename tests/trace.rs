@@ -8,7 +8,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::served::{Served, own_state_dir, serve};
 use serde_json::{Value, json};
@@ -29,21 +29,6 @@ fn request(s: &Served, method: &str, path: &str, body: Option<Value>) -> (u16, S
 fn json_of(s: &Served, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
     let (status, text) = request(s, method, path, body);
     (status, serde_json::from_str(&text).unwrap_or(Value::Null))
-}
-
-fn wait_ready(s: &mut Served) {
-    let until = Instant::now() + Duration::from_secs(1800);
-    loop {
-        assert!(Instant::now() < until, "bud serve never became ready");
-        if let Ok(Some(status)) = s.child.try_wait() {
-            panic!("bud serve exited: {status}");
-        }
-        let (status, h) = json_of(s, "GET", "/v1/health", None);
-        if status == 200 && h["template_ready"] == json!(true) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn cell(s: &Served, id: &str, code: &str) -> Value {
@@ -110,7 +95,7 @@ fn a_session_trace_streams_resumes_survives_a_kill_and_verifies() {
     let mut s = serve(&[]);
     let dir = own_state_dir(s.port);
     let dir_arg = dir.to_string_lossy().into_owned();
-    wait_ready(&mut s);
+    s.wait_ready();
     let (status, r) = json_of(&s, "POST", "/v1/sessions", Some(json!({})));
     assert_eq!(status, 201, "{r}");
     let id = r["id"].as_str().unwrap().to_owned();
@@ -156,7 +141,7 @@ fn a_session_trace_streams_resumes_survives_a_kill_and_verifies() {
     cutting.join().unwrap();
     drop(s);
     let mut s = serve(&["--state-dir", &dir_arg]);
-    wait_ready(&mut s);
+    s.wait_ready();
 
     let (status, text) = request(&s, "GET", &format!("/v1/sessions/{id}/trace"), None);
     assert_eq!(status, 200, "{text}");

@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 /// The server process; SIGTERM and wait on drop.
 pub struct Served {
@@ -14,6 +15,32 @@ pub struct Served {
     /// Its log lines (also echoed to the test's stderr).
     pub log: mpsc::Receiver<String>,
     pub port: u16,
+}
+
+impl Served {
+    /// Waits until the server answers jobs, jailed (first use may build: minutes); fails
+    /// if it exits first.
+    pub fn wait_ready(&mut self) {
+        let until = Instant::now() + Duration::from_secs(1800);
+        loop {
+            assert!(Instant::now() < until, "bud serve never became ready");
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("bud serve exited: {status}");
+            }
+            let health = ureq::get(&format!("{}/v1/health", self.base))
+                .timeout(Duration::from_secs(120))
+                .call()
+                .ok()
+                .and_then(|r| r.into_json::<serde_json::Value>().ok());
+            if let Some(h) = health
+                && h["template_ready"] == true
+                && h["jailed"] == true
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 impl Drop for Served {

@@ -101,7 +101,7 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("server/tests/http.rs", 4, ON_PYTHON),
     ("tests/session_file.rs", 4, ON_PYTHON),
     ("tests/durable_crash.rs", 3, ON_PYTHON),
-    ("tests/trace.rs", 213, ON_PYTHON),
+    ("tests/trace.rs", 5, ON_PYTHON),
     ("server/tests/cancel.rs", 2, ON_PYTHON),
     ("server/tests/drain.rs", 2, ON_PYTHON),
     ("server/tests/import_hostile.rs", 4, ON_PYTHON),
