@@ -332,7 +332,14 @@ impl JobThreads {
             .unwrap_or_else(|e| e.into_inner())
             .drain(..)
             .collect();
+        let me = std::thread::current().id();
         for t in threads {
+            // The last handle on the server can be dropped by a job's own closure, on a job
+            // thread: that thread cannot wait for itself (EDEADLK); it sees `closed` and ends
+            // once the closure returns.
+            if t.thread().id() == me {
+                continue;
+            }
             // A job thread does not panic: work runs under catch_unwind.
             let _ = t.join();
         }
@@ -421,6 +428,26 @@ mod tests {
 
         assert!(names.iter().all(|n| n.starts_with("bud-job-")), "{names:?}");
         assert_eq!(jobs.queued() + jobs.running(), 0);
+    }
+
+    #[test]
+    fn the_last_handle_dropped_by_a_job_on_its_own_thread_closes_the_threads() {
+        let jobs = Arc::new(JobThreads::start(2, 2, 2).unwrap());
+        let (go_tx, go) = channel::<()>();
+        let (tx, rx) = channel();
+        let mine = jobs.clone();
+        let slot = jobs.admit(None, 1).unwrap().pop().unwrap();
+        jobs.spawn(slot, move || {
+            go.recv().unwrap();
+            // The test's handle is gone: this drop is the last and joins the other thread.
+            let dropped = catch_unwind(AssertUnwindSafe(|| drop(mine)));
+            tx.send(dropped.is_ok()).unwrap();
+        })
+        .unwrap();
+        drop(jobs);
+        go_tx.send(()).unwrap();
+
+        assert_eq!(rx.recv(), Ok(true), "the job thread tried to join itself");
     }
 
     #[test]

@@ -178,6 +178,12 @@ pub enum StateError {
 }
 
 impl AppState {
+    /// How many handles on this server are alive (a test waits for its own to be the last).
+    #[cfg(test)]
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+
     /// A state with its job threads running; ready for jobs once it has an executor.
     pub fn new(config: Config, executor: Option<Arc<Executor>>) -> Result<Self, StateError> {
         config.validate()?;

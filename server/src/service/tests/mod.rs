@@ -114,6 +114,17 @@ async fn until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
+/// Drops `state` once it is the last handle on its server (a job's closure on a job thread
+/// lets go of its own clone just after its reply is sent), so the server is gone, its state
+/// directory unlocked, when this returns: what a restart on the same directory needs.
+async fn stopped(state: AppState) {
+    until("the server's last handle is the test's", || {
+        state.handles() == 1
+    })
+    .await;
+    drop(state);
+}
+
 /// Runs one-shot job `code` with no sink.
 async fn jobs_run(
     state: &AppState,

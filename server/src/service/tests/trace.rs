@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{TempDir, cell, server_with};
+use super::{TempDir, cell, server_with, stopped};
 use crate::core::config::Config;
 use crate::core::state::AppState;
 use crate::core::trace::{OverQuota, TraceConfig};
@@ -235,6 +235,7 @@ async fn a_restarted_server_reads_and_checks_the_traces_of_the_last_one() {
         let lost = session(&state).await;
         run(&state, &lost, "running").await;
         // The server stops with `lost` running (as a kill would leave it).
+        stopped(state).await;
         (ended, lost)
     };
 
