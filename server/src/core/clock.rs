@@ -32,6 +32,48 @@ pub fn rfc3339(epoch: f64) -> String {
     )
 }
 
+/// Nanoseconds since the epoch of an RFC 3339 UTC stamp as [`rfc3339`] writes it
+/// (`2026-11-23T13:04:05.123Z`, any number of fraction digits or none); None for another
+/// form or a time before the epoch.
+pub fn rfc3339_nanos(s: &str) -> Option<u64> {
+    let b = s.as_bytes();
+    let digits = |from: usize, n: usize| -> Option<i64> {
+        let part = s.get(from..from + n)?;
+        part.bytes()
+            .all(|c| c.is_ascii_digit())
+            .then(|| part.parse().ok())?
+    };
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' || b[13] != b':' {
+        return None;
+    }
+    if b[16] != b':' || *b.last()? != b'Z' {
+        return None;
+    }
+    let (y, m, d) = (digits(0, 4)?, digits(5, 2)?, digits(8, 2)?);
+    let (hh, mm, ss) = (digits(11, 2)?, digits(14, 2)?, digits(17, 2)?);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || hh > 23 || mm > 59 || ss > 60 {
+        return None;
+    }
+    let frac = &s[19..s.len() - 1];
+    let nanos = match frac.strip_prefix('.') {
+        None if frac.is_empty() => 0,
+        Some(f) if !f.is_empty() && f.len() <= 9 && f.bytes().all(|c| c.is_ascii_digit()) => {
+            f.parse::<i64>().ok()? * 10i64.pow(9 - f.len() as u32)
+        }
+        _ => return None,
+    };
+    // Days since 1970-01-01 of a civil date (the inverse of [`rfc3339`]'s).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    u64::try_from(secs * 1_000_000_000 + nanos).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +83,24 @@ mod tests {
         assert_eq!(rfc3339(0.0), "1970-01-01T00:00:00.000Z");
         assert_eq!(rfc3339(951_782_400.5), "2000-02-29T00:00:00.500Z");
         assert_eq!(rfc3339(1_795_438_245.25), "2026-11-23T12:50:45.250Z");
+    }
+
+    #[test]
+    fn rfc3339_stamps_read_back_to_their_time() {
+        for t in [0.0, 951_782_400.5, 1_795_438_245.25, 1_709_164_800.999] {
+            let nanos = rfc3339_nanos(&rfc3339(t)).unwrap();
+            assert_eq!(nanos / 1_000_000, (t * 1000.0).floor() as u64, "{t}");
+        }
+        assert_eq!(rfc3339_nanos("1970-01-01T00:00:01Z"), Some(1_000_000_000));
+        assert_eq!(rfc3339_nanos("1970-01-01T00:00:00.000000001Z"), Some(1));
+        for bad in [
+            "",
+            "2026-11-23",
+            "2026-13-01T00:00:00Z",
+            "2026-11-23T12:50:45+01:00",
+        ] {
+            assert_eq!(rfc3339_nanos(bad), None, "{bad}");
+        }
+        assert_eq!(rfc3339_nanos("1969-12-31T23:59:59Z"), None);
     }
 }

@@ -38,7 +38,7 @@ use crate::service;
 use error::ApiError;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 51] = [
+pub const ROUTES: [(&str, &str); 54] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -86,6 +86,9 @@ pub const ROUTES: [(&str, &str); 51] = [
     ("get", "/v1/sessions/{id}/export"),
     ("get", "/v1/sessions/{id}/trace"),
     ("get", "/v1/sessions/{id}/trace/verify"),
+    ("get", "/v1/sessions/{id}/trace/otlp"),
+    ("get", "/v1/sessions/{id}/trace.tar.gz"),
+    ("get", "/v1/sessions/{id}/review"),
     ("get", "/v1/sessions/{id}/events"),
     ("post", "/v1/sessions/import"),
     ("post", "/v1/admin/drain"),
@@ -184,6 +187,9 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/export", get(durable::export))
         .route("/v1/sessions/{id}/trace", get(trace::lines))
         .route("/v1/sessions/{id}/trace/verify", get(trace::verify))
+        .route("/v1/sessions/{id}/trace/otlp", get(trace::otlp))
+        .route("/v1/sessions/{id}/trace.tar.gz", get(trace::packet))
+        .route("/v1/sessions/{id}/review", get(trace::review))
         .route("/v1/sessions/{id}/events", get(trace::events))
         .route("/v1/sessions/import", post(durable::import))
         .route("/v1/snapshots", get(durable::list))

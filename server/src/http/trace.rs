@@ -3,6 +3,10 @@
 //!   (`?kind=cell,process`, `?since=` and `?until=` RFC 3339 UTC or a prefix of it,
 //!   `?after=SEQ`);
 //! - `GET /v1/sessions/{id}/trace/verify` the chain and the seal checked;
+//! - `GET /v1/sessions/{id}/trace/otlp` the trace as OpenTelemetry spans (OTLP JSON);
+//! - `GET /v1/sessions/{id}/trace.tar.gz` the review packet;
+//! - `GET /v1/sessions/{id}/review` the review page (HTML, served with a policy that runs
+//!   no script but its own);
 //! - `GET /v1/sessions/{id}/events` Server-Sent Events, each event's `id` its seq: the
 //!   events after `Last-Event-ID` (or `?after=`), then the new ones as they happen, until
 //!   the seal. The service reads and follows ([`trace`]).
@@ -19,6 +23,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use crate::core::state::AppState;
+use crate::core::trace::review;
 use crate::http::error::ApiError;
 use crate::service::trace::{self, Check, Filter};
 
@@ -72,6 +77,59 @@ pub async fn verify(
     Path(id): Path<String>,
 ) -> Result<Json<Check>, ApiError> {
     Ok(Json(trace::check(&state, &id).await?))
+}
+
+/// `GET /v1/sessions/{id}/trace/otlp`.
+pub async fn otlp(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    Ok(Json(trace::spans(&state, &id).await?))
+}
+
+/// `GET /v1/sessions/{id}/trace.tar.gz`: a download named for the session.
+pub async fn packet(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let gz = trace::packet(&state, &id).await?;
+    let mut response = Body::from(gz).into_response();
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/gzip"),
+    );
+    // The id is a trace's: letters, digits, `-` and `_` only.
+    if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{id}.trace.tar.gz\"")) {
+        h.insert(header::CONTENT_DISPOSITION, v);
+    }
+    Ok(response)
+}
+
+/// `GET /v1/sessions/{id}/review`.
+pub async fn review(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let page = trace::review(&state, &id).await?;
+    let mut response = Body::from(page).into_response();
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    if let Ok(csp) = HeaderValue::from_str(&review::content_security_policy()) {
+        h.insert(header::CONTENT_SECURITY_POLICY, csp);
+    }
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    Ok(response)
 }
 
 /// The query of `GET /v1/sessions/{id}/events`.

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use tokio::sync::{broadcast, mpsc};
 
 use crate::core::state::AppState;
-use crate::core::trace::{Broken, Line, Traces, Verified, chain};
+use crate::core::trace::view::{self, Recorded, Verdict};
+use crate::core::trace::{Broken, Line, Traces, Verified, chain, otlp, packet, review};
 use crate::service::error::Error;
 
 /// Which events of a trace to read.
@@ -174,6 +175,69 @@ pub async fn follow(
         }
     });
     Ok(rx)
+}
+
+/// Session `id`'s trace read whole: its bytes, its events, their verdict and the check
+/// as `/trace/verify` shows it.
+struct Read {
+    bytes: Vec<u8>,
+    events: Vec<Recorded>,
+    verdict: Verdict,
+    check: Check,
+}
+
+/// What `make` makes of session `id`'s whole trace, read and made off the async threads
+/// (a page of 10 000 events is a few megabytes).
+async fn made_of<T: Send + 'static>(
+    state: &AppState,
+    id: &str,
+    make: impl FnOnce(&str, Read) -> std::io::Result<T> + Send + 'static,
+) -> Result<T, Error> {
+    let t = traces(state, id)?.clone();
+    let owned = id.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let Some(whole) = t.whole(&owned)? else {
+            return Ok(None);
+        };
+        let read = Read {
+            events: view::events(&whole.lines),
+            verdict: Verdict::from(&whole.check),
+            bytes: whole.bytes,
+            check: Check::from(whole.check),
+        };
+        make(&owned, read).map(Some)
+    })
+    .await
+    .map_err(Error::internal)?
+    .map_err(|e| io(id, &e))?
+    .ok_or_else(|| Error::NoTrace(id.to_owned()))
+}
+
+/// Session `id`'s review page (HTML, [`crate::core::trace::review`]).
+pub async fn review(state: &AppState, id: &str) -> Result<String, Error> {
+    made_of(state, id, |id, r| {
+        Ok(review::page(id, &r.events, &r.verdict))
+    })
+    .await
+}
+
+/// Session `id`'s trace as OpenTelemetry spans (OTLP JSON, [`crate::core::trace::otlp`]).
+pub async fn spans(state: &AppState, id: &str) -> Result<serde_json::Value, Error> {
+    made_of(state, id, |id, r| Ok(otlp::export(id, &r.events))).await
+}
+
+/// Session `id`'s review packet (a gzipped tar, [`crate::core::trace::packet`]).
+pub async fn packet(state: &AppState, id: &str) -> Result<Vec<u8>, Error> {
+    made_of(state, id, |id, r| {
+        packet::build(&packet::Contents {
+            id,
+            trace: &r.bytes,
+            events: &r.events,
+            verdict: &r.verdict,
+            check: serde_json::to_value(&r.check).unwrap_or_default(),
+        })
+    })
+    .await
 }
 
 async fn read_after(t: &Arc<Traces>, id: &str, after: u64) -> Result<Vec<Line>, Error> {

@@ -30,6 +30,10 @@
 
 pub mod chain;
 pub mod event;
+pub mod otlp;
+pub mod packet;
+pub mod review;
+pub mod view;
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -131,6 +135,37 @@ pub struct Line {
     pub kind: String,
     /// The line as the file holds it, without its newline.
     pub text: String,
+}
+
+/// A trace read whole ([`Traces::whole`]).
+#[derive(Debug)]
+pub struct Whole {
+    pub bytes: Vec<u8>,
+    pub lines: Vec<Line>,
+    pub check: Result<Verified, Broken>,
+}
+
+/// The whole lines of a trace's text with a seq above `after` (a torn last line left out).
+fn lines_of(text: &str, after: u64) -> Vec<Line> {
+    let mut lines = Vec::new();
+    for line in text.split_inclusive('\n') {
+        let Some(body) = line.strip_suffix('\n') else {
+            break;
+        };
+        let Some(seq) = chain::seq_of(body) else {
+            continue;
+        };
+        if seq <= after {
+            continue;
+        }
+        let kind = kind_of(body).unwrap_or_default();
+        lines.push(Line {
+            seq,
+            kind,
+            text: body.to_owned(),
+        });
+    }
+    lines
 }
 
 /// What the store knows of one trace file.
@@ -453,25 +488,28 @@ impl Traces {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(e),
         };
-        let mut lines = Vec::new();
-        for line in text.split_inclusive('\n') {
-            let Some(body) = line.strip_suffix('\n') else {
-                break;
-            };
-            let Some(seq) = chain::seq_of(body) else {
-                continue;
-            };
-            if seq <= after {
-                continue;
-            }
-            let kind = kind_of(body).unwrap_or_default();
-            lines.push(Line {
-                seq,
-                kind,
-                text: body.to_owned(),
-            });
-        }
-        Ok(Some(lines))
+        Ok(Some(lines_of(&text, after)))
+    }
+
+    /// Session `id`'s trace read once, whole: its bytes, its lines and their check with
+    /// this server's keys (what the review page, the packet and the spans are made of).
+    pub fn whole(&self, id: &str) -> std::io::Result<Option<Whole>> {
+        let Some(path) = self.file_of(id) else {
+            return Ok(None);
+        };
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let check = |key: &str, mac: &str, input: &[u8]| self.keys.verify_bytes(key, mac, input);
+        let check = chain::verify(bytes.as_slice(), Some(&check));
+        let lines = lines_of(&String::from_utf8_lossy(&bytes), 0);
+        Ok(Some(Whole {
+            bytes,
+            lines,
+            check,
+        }))
     }
 
     /// The path of session `id`'s trace file, if it has one (to export it whole).

@@ -14,7 +14,7 @@ use crate::core::trace::{OverQuota, TraceConfig};
 use crate::service::error::Error;
 use crate::service::sessions::{CreateSession, end, fork, start_fresh};
 use crate::service::task::no_sink;
-use crate::service::trace::{Filter, check, events, follow};
+use crate::service::trace::{Filter, check, events, follow, packet, review, spans};
 
 fn traced(dir: &TempDir, trace: TraceConfig) -> AppState {
     server_with(Config {
@@ -359,4 +359,130 @@ async fn a_client_that_falls_far_behind_the_live_events_still_gets_each_once() {
 
     let want: Vec<u64> = (1..=(cells as u64 + 3)).collect();
     assert_eq!(seen, want);
+}
+
+#[tokio::test]
+async fn the_review_page_shows_each_cell_escaped_the_verdict_and_the_fork_links() {
+    let dir = TempDir::new("trace-review");
+    let state = traced(&dir, TraceConfig::default());
+    let id = session(&state).await;
+    run(&state, &id, "<b>bold</b>").await;
+    run(&state, &id, "exit 3").await;
+    let children = fork(&state, &id, 1).await.unwrap().ids;
+    end(&state, &id).await.unwrap();
+
+    let page = review(&state, &id).await.unwrap();
+    let child = review(&state, &children[0]).await.unwrap();
+
+    assert!(page.starts_with("<!doctype html>"));
+    assert!(
+        page.contains("chain whole, 6 events, sealed, signature verified"),
+        "{page}"
+    );
+    assert!(page.contains("&lt;b&gt;bold&lt;/b&gt;"));
+    assert!(!page.contains("<b>bold</b>"));
+    assert!(page.contains(" · exit 3"));
+    assert!(page.contains("2 cells (1 not ok)"));
+    assert!(page.contains(&format!("href=\"../{}/review\"", children[0])));
+    assert!(child.contains(&format!("href=\"../{id}/review\"")));
+    assert!(child.contains("open (not sealed yet)"), "{child}");
+}
+
+#[tokio::test]
+async fn the_otlp_export_has_a_session_span_with_a_child_per_cell_and_the_same_ids_twice() {
+    let dir = TempDir::new("trace-otlp");
+    let state = traced(&dir, TraceConfig::default());
+    let id = session(&state).await;
+    run(&state, &id, "one").await;
+    run(&state, &id, "exit 2").await;
+    end(&state, &id).await.unwrap();
+
+    let first = spans(&state, &id).await.unwrap();
+    let again = spans(&state, &id).await.unwrap();
+
+    assert_eq!(first, again);
+    let spans = first["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        .as_array()
+        .expect("spans")
+        .clone();
+    assert_eq!(spans.len(), 3, "{spans:?}");
+    let root = &spans[0];
+    assert_eq!(root["name"], "session");
+    assert!(root.get("parentSpanId").is_none(), "{root}");
+    for s in &spans {
+        assert_eq!(s["traceId"], root["traceId"]);
+    }
+    let cells: Vec<&Value> = spans[1..].iter().collect();
+    for c in &cells {
+        assert_eq!(c["parentSpanId"], root["spanId"]);
+    }
+    assert_eq!(cells[0]["status"]["code"], 1);
+    assert_eq!(cells[1]["status"]["code"], 2);
+    let events: Vec<&str> = root["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(events, ["created", "ended", "sealed"]);
+}
+
+#[tokio::test]
+async fn the_packet_holds_the_trace_byte_for_byte_and_is_the_same_twice() {
+    let dir = TempDir::new("trace-packet");
+    let state = traced(&dir, TraceConfig::default());
+    let id = session(&state).await;
+    run(&state, &id, "hello").await;
+    end(&state, &id).await.unwrap();
+
+    let gz = packet(&state, &id).await.unwrap();
+
+    assert_eq!(gz, packet(&state, &id).await.unwrap());
+    let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(gz.as_slice()));
+    let mut entries = Vec::new();
+    for entry in tar.entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().to_string_lossy().into_owned();
+        let mut body = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut body).unwrap();
+        entries.push((name, body));
+    }
+    let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
+    let want: Vec<String> = [
+        "README.txt",
+        "trace.ndjson",
+        "verify.json",
+        "seal.json",
+        "files.json",
+        "review.html",
+        "otlp.json",
+    ]
+    .iter()
+    .map(|f| format!("{id}/{f}"))
+    .collect();
+    assert_eq!(names, want);
+    let lines = events(&state, &id, Filter::default()).await.unwrap();
+    let joined: String = lines.iter().map(|l| format!("{}\n", l.text)).collect();
+    assert_eq!(String::from_utf8_lossy(&entries[1].1), joined);
+    let verify: Value = serde_json::from_slice(&entries[2].1).unwrap();
+    assert_eq!(verify["ok"], true);
+    assert_eq!(verify["sealed"], true);
+    assert_eq!(entries[4].1, b"[]");
+}
+
+#[tokio::test]
+async fn review_otlp_and_packet_of_an_unknown_session_are_no_trace() {
+    let dir = TempDir::new("trace-unknown");
+    let state = traced(&dir, TraceConfig::default());
+    let id = "ses-none";
+
+    let errors = [
+        review(&state, id).await.unwrap_err(),
+        spans(&state, id).await.unwrap_err(),
+        packet(&state, id).await.unwrap_err(),
+    ];
+
+    for e in errors {
+        assert!(matches!(&e, Error::NoTrace(s) if s == id), "{e:?}");
+    }
 }
