@@ -82,6 +82,8 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     // Boots its own template (the guest with a network card).
     ("tests/network.rs", 86, ON_GUEST),
     ("tests/session.rs", 69, ON_PYTHON),
+    // Installs Debian's chromium on first use (112 MB fetched); 21 s once installed.
+    ("tests/review.rs", 45, ON_PYTHON),
     ("tests/stress.rs", 48, ON_PYTHON),
     ("tests/guest_boot.rs", 145, ON_GUEST),
     ("server/tests/processes.rs", 68, ON_PYTHON),
