@@ -4,6 +4,10 @@
 //! review packet. A timeline of every event (each cell's code, output and end), the files
 //! changed through the API, the network log, and links to a fork's parent and children.
 //!
+//! A long trace is tens of thousands of elements: each event is laid out only when near the
+//! screen (`content-visibility: auto`, with a size kept for the ones not yet drawn), which
+//! is what holds a 10 000-event page to the browser's budget (docs/measurements.md).
+//!
 //! Every text from the trace is escaped ([`esc`]) and the page is served with a policy
 //! that runs no script but its own one ([`content_security_policy`]): what a sandbox
 //! printed is shown, never run. That one script writes, once the page is laid out, how
@@ -43,6 +47,7 @@ dl.facts dd { margin: 0; word-break: break-all; }
 nav.counts { color: var(--mute); }
 ol.timeline { list-style: none; margin: 0; padding: 0; }
 ol.timeline > li { border-left: 3px solid var(--line); padding: .2rem 0 .5rem .7rem; margin: 0 0 .3rem; }
+ol.timeline > li { content-visibility: auto; contain-intrinsic-size: auto 4.5em; }
 li.ok { border-left-color: var(--ok) !important; }
 li.bad { border-left-color: var(--bad) !important; }
 li.warn { border-left-color: var(--warn) !important; }
