@@ -430,6 +430,64 @@ fn a_sandbox_listing_shows_a_key_only_its_own_sandboxes() {
 }
 
 #[test]
+fn an_e2b_sandbox_has_the_same_trace_as_a_session() {
+    let state_dir = std::env::temp_dir().join(format!("bud-e2b-trace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state_dir);
+    let mut config: Config = test_config();
+    config.state_dir = Some(state_dir.clone());
+    let s = TestServer::with_config(config);
+
+    let seen = client_script("e2b_trace.py", &[], &e2b_env(&s, "e2b_any"));
+    let id = seen["id"].as_str().expect("a sandbox id").to_owned();
+    let get = |path: &str| {
+        let r = client().get(s.url(path)).send().unwrap();
+        (r.status().as_u16(), r.text().unwrap_or_default())
+    };
+    let (status, trace) = get(&format!("/v1/sessions/{id}/trace"));
+    let (verify_status, verify) = get(&format!("/v1/sessions/{id}/trace/verify"));
+    let (review_status, review) = get(&format!("/v1/sessions/{id}/review"));
+    let _ = std::fs::remove_dir_all(&state_dir);
+
+    assert_eq!(seen["cell"], json!(["42\n"]), "{seen}");
+    assert_eq!(seen["cmd"], json!(4), "{seen}");
+    assert_eq!(seen["killed"], json!(true), "{seen}");
+    assert_eq!(status, 200, "{trace}");
+    let events: Vec<Value> = trace
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    let find = |kind: &str| {
+        events
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} in {kinds:?}"))
+    };
+    assert_eq!(kinds.first(), Some(&"created"), "{kinds:?}");
+    assert_eq!(&kinds[kinds.len() - 2..], ["ended", "sealed"], "{kinds:?}");
+    let cell = find("cell");
+    assert_eq!(cell["data"]["code"], "print(6 * 7)");
+    assert_eq!(cell["data"]["stdout"], "42\n");
+    let process = find("process");
+    assert!(
+        process["data"].to_string().contains("echo traced; exit 4"),
+        "{process}"
+    );
+    assert_eq!(find("process_end")["data"]["exit_code"], 4);
+    // Paths are kept as the native API names them: relative to /home/user.
+    assert_eq!(find("file_written")["data"]["path"], "evidence.txt");
+    assert_eq!(find("file_written")["data"]["bytes"], 4);
+    assert_eq!(verify_status, 200, "{verify}");
+    let verify: Value = serde_json::from_str(&verify).unwrap();
+    assert_eq!(
+        (&verify["ok"], &verify["sealed"]),
+        (&json!(true), &json!(true))
+    );
+    assert_eq!(review_status, 200);
+    assert!(review.contains("echo traced; exit 4"), "{review}");
+}
+
+#[test]
 fn a_piston_client_runs_python_and_bash_with_stdin_and_args() {
     let s = server(None);
     let seen = client_script("piston_client.py", &[&s.url("/api/v2/piston/"), ""], &[]);
