@@ -179,3 +179,58 @@ fn a_session_trace_streams_resumes_survives_a_kill_and_verifies() {
     let (status, _) = request(&s, "GET", "/v1/sessions/ses-nope/trace", None);
     assert_eq!(status, 404);
 }
+
+#[test]
+fn a_one_shot_job_that_asks_for_a_trace_gets_one_sealed_and_a_session_cell_is_refused_it() {
+    common::require_kvm();
+    let mut s = serve(&[]);
+    s.wait_ready();
+
+    let (status, r) = json_of(
+        &s,
+        "POST",
+        "/v1/exec",
+        Some(json!({"code": "print(7); raise SystemExit(2)", "trace": true})),
+    );
+    let (plain_status, plain) = json_of(&s, "POST", "/v1/exec", Some(json!({"code": "1"})));
+    let (session_status, session) = json_of(&s, "POST", "/v1/sessions", Some(json!({})));
+    let sid = session["id"].as_str().unwrap_or_default().to_owned();
+    let (cell_status, refused) = json_of(
+        &s,
+        "POST",
+        &format!("/v1/sessions/{sid}/exec"),
+        Some(json!({"code": "1", "trace": true})),
+    );
+
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(
+        (&r["stdout"], &r["exit_code"]),
+        (&json!("7\n"), &json!(2)),
+        "{r}"
+    );
+    let id = r["trace_id"].as_str().expect("a trace_id").to_owned();
+    assert_eq!(plain_status, 200, "{plain}");
+    assert!(plain.get("trace_id").is_none(), "{plain}");
+    let (status, text) = request(&s, "GET", &format!("/v1/sessions/{id}/trace"), None);
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["created", "cell", "ended", "sealed"]);
+    assert_eq!(events[0]["data"]["one_shot"], true);
+    assert_eq!(events[1]["data"]["code"], "print(7); raise SystemExit(2)");
+    assert_eq!(events[1]["data"]["stdout"], "7\n");
+    assert_eq!(events[2]["data"]["reason"], "finished");
+    let (status, check) = json_of(&s, "GET", &format!("/v1/sessions/{id}/trace/verify"), None);
+    assert_eq!(status, 200, "{check}");
+    assert_eq!(
+        (&check["ok"], &check["sealed"]),
+        (&json!(true), &json!(true)),
+        "{check}"
+    );
+    assert_eq!(session_status, 201, "{session}");
+    assert_eq!(cell_status, 400, "{refused}");
+    assert_eq!(refused["error"]["field"], "trace", "{refused}");
+}

@@ -40,6 +40,7 @@ pub fn one_shot(
     let template = req.template.take();
     let runtime = req.language.take();
     let network = req.network.take();
+    let trace = std::mem::take(&mut req.trace);
     Ok(OneShot {
         job: req.into_job(&state.config().limits, prefix)?,
         template,
@@ -47,6 +48,7 @@ pub fn one_shot(
         files,
         route: route.to_owned(),
         network,
+        trace,
     })
 }
 
@@ -59,6 +61,7 @@ pub fn response(ran: Ran, output_b64: bool) -> ExecResponse {
             .map(|(name, bytes)| (name, crate::http::jobs::b64(&bytes)))
             .collect()
     });
+    resp.trace_id = ran.trace;
     resp.network = ran.network.map(|g| {
         serde_json::to_value(crate::service::network::NetworkView::of(Some(&g))).unwrap_or_default()
     });
@@ -182,6 +185,10 @@ pub struct ExecResponse {
     #[serde(default)]
     pub results: Vec<RichResult>,
     pub timings: Timings,
+    /// The id of the job's trace (`trace: true`): read as a session's,
+    /// `GET /v1/sessions/{trace_id}/trace`, `/review`, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 /// One rich result of a job or cell.
@@ -235,6 +242,7 @@ impl ExecResponse {
             console_tail: r.console_tail,
             files: None,
             network: None,
+            trace_id: None,
             results: r
                 .figures
                 .into_iter()

@@ -49,6 +49,8 @@ pub struct OneShot {
     pub route: String,
     /// What its network may reach (a template with a card only; default: the server's).
     pub network: Option<crate::core::egress::PolicySpec>,
+    /// Keep a trace of it (`trace: true`).
+    pub trace: bool,
 }
 
 /// A job that ran (whatever its status).
@@ -61,6 +63,8 @@ pub struct Ran {
     pub files: files::Returned,
     /// Its network's gate (what it resolved and connected to), on a template with a card.
     pub network: Option<Arc<Gate>>,
+    /// The id of its trace, when it asked for one.
+    pub trace: Option<String>,
 }
 
 /// Sends `one` to a job thread in `slot`; `field` names it in errors (a batch's job).
@@ -77,9 +81,15 @@ fn submit(
         template,
         files,
         route,
+        trace,
         ..
     } = one;
     let origin = Origin::here(&route, state.template_name(template.as_deref()), None);
+    let trace = if trace {
+        Some(start_trace(state, &origin, &job)?)
+    } else {
+        None
+    };
     job.egress = gate
         .clone()
         .map(|g| vmm::JobEgress(g as Arc<dyn vmm::Egress>));
@@ -88,6 +98,16 @@ fn submit(
     let st = state.clone();
     let rx = admission::spawn(state, slot, move |reply: Reply<Result<Ran, Error>>| {
         if reply.caller_gone() {
+            if let Some(id) = &trace {
+                end_trace(
+                    &st,
+                    id,
+                    &origin,
+                    &job,
+                    Err(&"its client left first"),
+                    Duration::ZERO,
+                );
+            }
             return; // never started: nobody waits for it
         }
         let waited = reply.waited();
@@ -99,7 +119,10 @@ fn submit(
                 Box::new(|result| {
                     let shown = result.as_ref().map_err(|e| e as &dyn std::fmt::Display);
                     finished(&st, &origin, "job", &job, shown, waited);
-                    reply.send(ran(result, waited, field, gate));
+                    if let Some(id) = &trace {
+                        end_trace(&st, id, &origin, &job, shown, waited);
+                    }
+                    reply.send(ran(result, waited, field, gate).map(|r| Ran { trace, ..r }));
                 }),
             );
             return;
@@ -114,14 +137,59 @@ fn submit(
             .map(|(r, _)| r)
             .map_err(|e| e as &dyn std::fmt::Display);
         finished(&st, &origin, "job", &job, shown, waited);
+        if let Some(id) = &trace {
+            end_trace(&st, id, &origin, &job, shown, waited);
+        }
         reply.send(result.map(|(result, files)| Ran {
             result,
             waited,
             files,
             network: gate,
+            trace,
         }));
     })?;
     Ok(Pending::new(rx, cancel))
+}
+
+/// Opens the trace of a one-shot job that asked for one: a new `job_` id on this node and
+/// its `created` event. Refused when the server keeps no traces, or (with
+/// `--trace-over-quota refuse`) they are at their quota.
+fn start_trace(state: &AppState, origin: &Origin, job: &Job) -> Result<String, Error> {
+    let Some(t) = state.traces() else {
+        return Err(Error::invalid(
+            "trace",
+            "this server keeps no traces (it has no state directory, or runs with --no-trace)",
+        ));
+    };
+    crate::service::sessions::check_traces(state)?;
+    let id = state.sessions().new_id("job").map_err(Error::internal)?;
+    t.record(&id, "created", |_| {
+        serde_json::json!({"one_shot": true, "template": origin.template,
+                           "language": job.language, "route": origin.route, "key": origin.key})
+    });
+    Ok(id)
+}
+
+/// Closes one-shot job `id`'s trace: its `cell` (what ran and how it ended), then `ended`
+/// and the seal; a job that could not run ends it `failed` with why.
+fn end_trace(
+    state: &AppState,
+    id: &str,
+    origin: &Origin,
+    job: &Job,
+    result: Result<&JobResult, &dyn std::fmt::Display>,
+    waited: Duration,
+) {
+    let Some(t) = state.traces() else { return };
+    match result {
+        Ok(r) => {
+            t.record(id, "cell", |budget| {
+                crate::core::trace::event::cell(origin, job, r, waited, budget)
+            });
+            t.end(id, "finished", None);
+        }
+        Err(e) => t.end(id, "failed", Some(&e.to_string())),
+    }
 }
 
 fn ran(
@@ -136,6 +204,7 @@ fn ran(
             waited,
             files: None,
             network,
+            trace: None,
         }),
         Err(e) => Err(Error::exec(e, field)),
     }
@@ -257,6 +326,11 @@ pub struct ExecRequest {
     /// server's `--egress-default`). Not for session cells: a session's is set when it is
     /// created, or replaced with `PUT /v1/sessions/{id}/network`.
     pub network: Option<crate::core::egress::PolicySpec>,
+    /// Keep a trace of this one-shot job, as a session's (needs a server that keeps
+    /// traces); its id comes back as `trace_id`. Not for session cells: those are always
+    /// traced.
+    #[serde(default)]
+    pub trace: bool,
     /// How a session cell runs (set by the code-interpreter compat layer, not by clients).
     #[serde(skip)]
     pub cell: vmm::CellOptions,
@@ -372,6 +446,12 @@ impl ExecRequest {
     /// mode until the caller sets it from the template's runtime (`language` is the
     /// template's to check: [`templates::runtime`]).
     pub fn into_job(self, limits: &Limits, prefix: &str) -> Result<Job, Error> {
+        if self.trace {
+            return Err(Error::invalid(
+                format!("{prefix}trace"),
+                "trace is for one-shot jobs: a session's cells are always traced",
+            ));
+        }
         if !(self.files.is_empty() && self.return_files.is_empty()) {
             return Err(Error::invalid(
                 format!("{prefix}files"),

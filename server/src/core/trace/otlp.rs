@@ -170,7 +170,10 @@ pub fn export(id: &str, events: &[Recorded]) -> Value {
             "process_stdin" | "process_signal" | "process_end" => {}
             kind => {
                 if kind == "ended"
-                    && matches!(e.str("reason"), Some("crashed" | "lost" | "timeout"))
+                    && matches!(
+                        e.str("reason"),
+                        Some("crashed" | "lost" | "timeout" | "failed")
+                    )
                 {
                     root_status = json!({"code": STATUS_ERROR, "message": e.str("reason")});
                 }

@@ -135,7 +135,7 @@ fn mark(e: &Recorded) -> &'static str {
             }
         }
         "ended" => match e.str("reason") {
-            Some("deleted") => "",
+            Some("deleted" | "finished") => "",
             _ => "warn",
         },
         _ => "",

@@ -78,6 +78,7 @@ fn job(code: &str) -> OneShot {
         files: JobFiles::default(),
         route: "/test".into(),
         network: None,
+        trace: false,
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{TempDir, cell, server_with, stopped};
+use super::{TempDir, cell, job, server_with, stopped};
 use crate::core::config::Config;
 use crate::core::state::AppState;
 use crate::core::trace::{OverQuota, TraceConfig};
@@ -485,4 +485,101 @@ async fn review_otlp_and_packet_of_an_unknown_session_are_no_trace() {
     for e in errors {
         assert!(matches!(&e, Error::NoTrace(s) if s == id), "{e:?}");
     }
+}
+
+#[tokio::test]
+async fn a_one_shot_job_that_asks_is_traced_alone_and_sealed_and_one_that_does_not_is_not() {
+    let dir = TempDir::new("trace-job");
+    let state = traced(&dir, TraceConfig::default());
+    let mut asked = job("exit 5");
+    asked.trace = true;
+
+    let ran = crate::service::jobs::run(&state, asked, no_sink())
+        .await
+        .unwrap();
+    let plain = crate::service::jobs::run(&state, job("plain"), no_sink())
+        .await
+        .unwrap();
+
+    let id = ran.trace.expect("a trace id");
+    assert!(id.starts_with("job_"), "{id}");
+    assert_eq!(plain.trace, None);
+    let ev = all(&state, &id).await;
+    assert_eq!(kinds(&ev), ["created", "cell", "ended", "sealed"]);
+    assert_eq!(ev[0].1["one_shot"], true);
+    assert_eq!(ev[0].1["route"], "/test");
+    assert_eq!(ev[1].1["code"], "exit 5");
+    assert_eq!(ev[1].1["exit_code"], 5);
+    assert_eq!(ev[2].1["reason"], "finished");
+    let c = check(&state, &id).await.unwrap();
+    assert!(c.ok && c.sealed, "{c:?}");
+    assert!(state.traces().unwrap().usage().0 > 0);
+    assert_eq!(
+        state
+            .traces()
+            .unwrap()
+            .counts
+            .events
+            .load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
+}
+
+#[tokio::test]
+async fn a_trace_asked_of_a_server_without_traces_or_of_a_session_cell_is_a_clear_error() {
+    let dir = TempDir::new("trace-job-refused");
+    let off = traced(
+        &dir,
+        TraceConfig {
+            off: true,
+            ..TraceConfig::default()
+        },
+    );
+    let mut asked = job("x");
+    asked.trace = true;
+    let on = traced(&TempDir::new("trace-cell-refused"), TraceConfig::default());
+    let id = session(&on).await;
+    let mut traced_cell = cell("x");
+    traced_cell.trace = true;
+
+    let e = crate::service::jobs::run(&off, asked, no_sink())
+        .await
+        .unwrap_err();
+    let c = crate::service::sessions::cell(&on, &id, traced_cell, "/test", no_sink())
+        .await
+        .unwrap_err();
+
+    assert!(
+        matches!(&e, Error::Invalid { field: Some(f), .. } if f == "trace"),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("keeps no traces"), "{e}");
+    assert!(
+        matches!(&c, Error::Invalid { field: Some(f), .. } if f == "trace"),
+        "{c:?}"
+    );
+    assert!(c.to_string().contains("always traced"), "{c}");
+}
+
+#[tokio::test]
+async fn a_traced_one_shot_job_past_the_quota_with_refuse_is_refused() {
+    let dir = TempDir::new("trace-job-quota");
+    let state = traced(
+        &dir,
+        TraceConfig {
+            quota_mib: 0,
+            over_quota: OverQuota::Refuse,
+            ..TraceConfig::default()
+        },
+    );
+    let mut asked = job("x");
+    asked.trace = true;
+
+    let e = crate::service::jobs::run(&state, asked, no_sink())
+        .await
+        .unwrap_err();
+    let plain = crate::service::jobs::run(&state, job("plain"), no_sink()).await;
+
+    assert!(matches!(e, Error::TraceQuota { .. }), "{e:?}");
+    assert!(plain.is_ok(), "an untraced job is not refused: {plain:?}");
 }
