@@ -234,3 +234,85 @@ fn a_one_shot_job_that_asks_for_a_trace_gets_one_sealed_and_a_session_cell_is_re
     assert_eq!(cell_status, 400, "{refused}");
     assert_eq!(refused["error"]["field"], "trace", "{refused}");
 }
+
+#[test]
+fn checkpoints_of_the_work_directory_record_what_the_sandboxs_programs_changed_with_diffs() {
+    common::require_kvm();
+    let mut s = serve(&[]);
+    s.wait_ready();
+    let (status, r) = json_of(&s, "POST", "/v1/sessions", Some(json!({})));
+    assert_eq!(status, 201, "{r}");
+    let id = r["id"].as_str().unwrap().to_owned();
+    cell(
+        &s,
+        &id,
+        "import os\nopen('a.txt', 'w').write('one\\ntwo\\n')\n\
+         open('b.bin', 'wb').write(bytes(range(256)))\n\
+         os.makedirs('d', exist_ok=True)\nopen('d/c.txt', 'w').write('c\\n')",
+    );
+
+    let (status, first) = json_of(
+        &s,
+        "POST",
+        &format!("/v1/sessions/{id}/trace/checkpoint"),
+        None,
+    );
+    cell(
+        &s,
+        &id,
+        "import os\nopen('a.txt', 'w').write('one\\nTWO\\n')\nos.remove('b.bin')",
+    );
+    let (deleted, _) = json_of(&s, "DELETE", &format!("/v1/sessions/{id}"), None);
+    let (_, text) = request(&s, "GET", &format!("/v1/sessions/{id}/trace"), None);
+    let (_, page) = request(&s, "GET", &format!("/v1/sessions/{id}/review"), None);
+
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["why"], "asked");
+    assert_eq!(first["against"], "empty");
+    assert_eq!(
+        (&first["files"], &first["unchanged"]),
+        (&json!(3), &json!(0)),
+        "{first}"
+    );
+    let change = |e: &Value, path: &str| {
+        e["changes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["path"] == path)
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    assert_eq!(change(&first, "a.txt")["change"], "added", "{first}");
+    assert_eq!(change(&first, "b.bin")["size"], 256, "{first}");
+    assert!(change(&first, "b.bin").get("diff").is_none(), "{first}");
+    assert_eq!(change(&first, "d/c.txt")["text"], "c\n", "{first}");
+    assert_eq!(deleted, 204);
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let walks: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["kind"] == "files_changed")
+        .collect();
+    assert_eq!(walks.len(), 2, "{text}");
+    let last = &walks[1]["data"];
+    assert_eq!(last["why"], "ended");
+    assert_eq!(last["against"], walks[0]["seq"]);
+    assert_eq!(change(last, "a.txt")["change"], "modified", "{last}");
+    assert_eq!(
+        change(last, "a.txt")["diff"],
+        "--- a/a.txt\n+++ b/a.txt\n@@ -1,2 +1,2 @@\n one\n-two\n+TWO\n"
+    );
+    assert_eq!(change(last, "b.bin")["change"], "removed", "{last}");
+    assert_eq!(change(last, "d/c.txt"), Value::Null, "{last}");
+    let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        &kinds[kinds.len() - 3..],
+        ["files_changed", "ended", "sealed"]
+    );
+    assert!(page.contains("-two\n+TWO"), "{page}");
+    let (status, _) = request(&s, "POST", "/v1/sessions/ses-nope/trace/checkpoint", None);
+    assert_eq!(status, 404);
+}

@@ -38,7 +38,7 @@ use crate::service;
 use error::ApiError;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 54] = [
+pub const ROUTES: [(&str, &str); 55] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -86,6 +86,7 @@ pub const ROUTES: [(&str, &str); 54] = [
     ("get", "/v1/sessions/{id}/export"),
     ("get", "/v1/sessions/{id}/trace"),
     ("get", "/v1/sessions/{id}/trace/verify"),
+    ("post", "/v1/sessions/{id}/trace/checkpoint"),
     ("get", "/v1/sessions/{id}/trace/otlp"),
     ("get", "/v1/sessions/{id}/trace.tar.gz"),
     ("get", "/v1/sessions/{id}/review"),
@@ -187,6 +188,10 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/export", get(durable::export))
         .route("/v1/sessions/{id}/trace", get(trace::lines))
         .route("/v1/sessions/{id}/trace/verify", get(trace::verify))
+        .route(
+            "/v1/sessions/{id}/trace/checkpoint",
+            post(trace::checkpoint),
+        )
         .route("/v1/sessions/{id}/trace/otlp", get(trace::otlp))
         .route("/v1/sessions/{id}/trace.tar.gz", get(trace::packet))
         .route("/v1/sessions/{id}/review", get(trace::review))

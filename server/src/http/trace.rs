@@ -3,6 +3,7 @@
 //!   (`?kind=cell,process`, `?since=` and `?until=` RFC 3339 UTC or a prefix of it,
 //!   `?after=SEQ`);
 //! - `GET /v1/sessions/{id}/trace/verify` the chain and the seal checked;
+//! - `POST /v1/sessions/{id}/trace/checkpoint` the work directory's changes recorded;
 //! - `GET /v1/sessions/{id}/trace/otlp` the trace as OpenTelemetry spans (OTLP JSON);
 //! - `GET /v1/sessions/{id}/trace.tar.gz` the review packet;
 //! - `GET /v1/sessions/{id}/review` the review page (HTML, served with a policy that runs
@@ -104,6 +105,15 @@ pub async fn packet(
         h.insert(header::CONTENT_DISPOSITION, v);
     }
     Ok(response)
+}
+
+/// `POST /v1/sessions/{id}/trace/checkpoint`: what the sandbox's programs changed in its
+/// work directory since the last checkpoint, recorded (and answered).
+pub async fn checkpoint(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    Ok(Json(trace::checkpoint(&state, &id, "asked").await?))
 }
 
 /// `GET /v1/sessions/{id}/review`.

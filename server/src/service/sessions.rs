@@ -140,6 +140,12 @@ pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
         }
         Err(u) => return Err(unavailable(id, u)),
     }
+    // What its programs changed in its work directory, while its VM is still there.
+    if state.traces().is_some()
+        && let Err(e) = crate::service::trace::checkpoint(state, id, "ended").await
+    {
+        tracing::debug!(session = id, error = %e, "no files checkpoint at the end");
+    }
     let sessions = state.sessions().clone();
     let id = id.to_owned();
     let why = Ended {

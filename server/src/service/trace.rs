@@ -14,6 +14,7 @@ use std::sync::Arc;
 use tokio::sync::{broadcast, mpsc};
 
 use crate::core::state::AppState;
+use crate::core::trace::files::{self as changed, Found};
 use crate::core::trace::view::{self, Recorded, Verdict};
 use crate::core::trace::{Broken, Line, Traces, Verified, chain, otlp, packet, review};
 use crate::service::error::Error;
@@ -247,4 +248,104 @@ async fn read_after(t: &Arc<Traces>, id: &str, after: u64) -> Result<Vec<Line>, 
         .map_err(Error::internal)?
         .map_err(|e| io(id, &e))?
         .ok_or_else(|| Error::NoTrace(id.to_owned()))
+}
+
+/// Records what session `id`'s own programs changed in its work directory since its last
+/// checkpoint (a `files_changed` event, [`crate::core::trace::files`]), `why` it was taken;
+/// the event's data. The walk reads the files through the same operations as the files
+/// API, within [`changed::MAX_FILES`], [`changed::MAX_FILE_BYTES`] each and
+/// [`changed::MAX_READ_BYTES`] in all (past them, `cut` says which).
+pub async fn checkpoint(state: &AppState, id: &str, why: &str) -> Result<serde_json::Value, Error> {
+    let t = traces(state, id)?.clone();
+    let (now, cut) = walk(state, id).await?;
+    let (owned, why) = (id.to_owned(), why.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let events = t
+            .whole(&owned)?
+            .map(|w| view::events(&w.lines))
+            .unwrap_or_default();
+        let before = changed::seen(&events);
+        let mut data = serde_json::Value::Null;
+        t.record(&owned, changed::KIND, |budget| {
+            data = changed::event(&why, &before, &now, cut, budget);
+            data.clone()
+        });
+        Ok::<_, std::io::Error>(data)
+    })
+    .await
+    .map_err(Error::internal)?
+    .map_err(|e| io(id, &e))
+}
+
+/// The work directory of session `id`: path (relative to it) -> what was found, and what
+/// the walk left out.
+async fn walk(
+    state: &AppState,
+    id: &str,
+) -> Result<
+    (
+        std::collections::BTreeMap<String, Found>,
+        Option<&'static str>,
+    ),
+    Error,
+> {
+    use vmm::files::FileKind;
+    let mut now = std::collections::BTreeMap::new();
+    let (mut cut, mut read) = (None, 0u64);
+    let mut dirs = vec![(".".to_owned(), 0usize)];
+    while let Some((dir, depth)) = dirs.pop() {
+        for e in crate::service::files::list(state, id, &dir).await? {
+            let path = if dir == "." {
+                e.name.clone()
+            } else {
+                format!("{dir}/{}", e.name)
+            };
+            if e.kind == FileKind::Dir {
+                if depth + 1 < changed::MAX_DEPTH {
+                    dirs.push((path, depth + 1));
+                } else {
+                    cut = Some("depth");
+                }
+                continue;
+            }
+            if now.len() >= changed::MAX_FILES {
+                cut = Some("files");
+                break;
+            }
+            let found = match e.kind {
+                FileKind::File
+                    if e.size <= changed::MAX_FILE_BYTES
+                        && read + e.size <= changed::MAX_READ_BYTES =>
+                {
+                    let bytes = crate::service::files::read(state, id, &path).await?;
+                    read += bytes.len() as u64;
+                    Found::read(&bytes)
+                }
+                FileKind::File => {
+                    cut = Some("bytes");
+                    Found {
+                        size: e.size,
+                        sha256: None,
+                        text: None,
+                        kind: "file",
+                    }
+                }
+                FileKind::Symlink => {
+                    let target = e.target.clone().unwrap_or_default();
+                    Found {
+                        kind: "symlink",
+                        ..Found::read(target.as_bytes())
+                    }
+                }
+                _ => Found {
+                    size: e.size,
+                    sha256: None,
+                    text: None,
+                    kind: "other",
+                },
+            };
+            now.insert(path, found);
+        }
+    }
+    Ok((now, cut))
 }

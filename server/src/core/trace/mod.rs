@@ -30,6 +30,7 @@
 
 pub mod chain;
 pub mod event;
+pub mod files;
 pub mod otlp;
 pub mod packet;
 pub mod review;

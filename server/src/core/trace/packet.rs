@@ -6,7 +6,8 @@
 //! ID/trace.ndjson   the trace file as it is on disk (`bud trace verify` reads it)
 //! ID/verify.json    what the server's check found (chain, seal, signature)
 //! ID/seal.json      the seal (key id, HMAC, events, the hash it signs), when sealed
-//! ID/files.json     each path changed through the API, its last change, size and hash
+//! ID/files.json     each path changed (through the API, or found by a checkpoint of the
+//!                   work directory with its diff), its last change, size and hash
 //! ID/review.html    the review page, readable offline
 //! ID/otlp.json      the OpenTelemetry spans
 //! ID/README.txt     what these are and how to check them
@@ -35,7 +36,7 @@ pub struct Contents<'a> {
     pub check: Value,
 }
 
-/// Each path's last change through the API.
+/// Each path's last change: through the API, or as a checkpoint found it (`via`).
 pub fn files(events: &[Recorded]) -> Value {
     let mut last: BTreeMap<String, Value> = BTreeMap::new();
     for e in events {
@@ -57,6 +58,21 @@ pub fn files(events: &[Recorded]) -> Value {
                     last.insert(to.to_owned(), moved);
                 }
             }
+            super::files::KIND => {
+                for c in e.data["changes"].as_array().into_iter().flatten() {
+                    if let Some(p) = c["path"].as_str() {
+                        let mut seen = change(p);
+                        seen["change"] = c["change"].clone();
+                        seen["via"] = json!("checkpoint");
+                        seen["bytes"] = c["size"].clone();
+                        seen["sha256"] = c["sha256"].clone();
+                        if let Some(diff) = c.get("diff") {
+                            seen["diff"] = diff.clone();
+                        }
+                        last.insert(p.to_owned(), seen);
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -69,13 +85,14 @@ fn readme(c: &Contents<'_>) -> String {
          trace.ndjson  every event of the session, one JSON line each, hash-chained\n\
          verify.json   the server's check when this packet was made: {verdict}\n\
          seal.json     the seal: an HMAC-SHA256 under the server's session key\n\
-         files.json    each path changed through the API: its last change, size, SHA-256\n\
+         files.json    each path changed (through the API or found by a checkpoint of the\n\
+         \x20             work directory, with its diff): its last change, size, SHA-256\n\
          review.html   the timeline, outputs, files and network, for a browser (offline)\n\
          otlp.json     the events as OpenTelemetry spans (OTLP JSON)\n\n\
          Check the chain:             bud trace verify trace.ndjson\n\
          and the seal's signature:    bud trace verify trace.ndjson --key-file SESSION_KEY\n\
-         Files changed by the sandbox's own programs are not recorded; see bud's \
-         docs/evidence.md.\n",
+         What the sandbox's own programs changed is recorded at each checkpoint of its work \
+         directory (files_changed events); see bud's docs/evidence.md.\n",
         id = c.id,
         verdict = c.verdict.text,
     )

@@ -215,6 +215,27 @@ fn event(out: &mut String, e: &Recorded) {
             format!("into {}", children.join(", "))
         }
         "snapshot" => format!("<code>{}</code>", s("snapshot")),
+        "files_changed" => {
+            let against = match &d["against"] {
+                Value::Number(n) => format!("<a href=\"#e{n}\">#{n}</a>"),
+                _ => "an empty work directory".into(),
+            };
+            let mut w = format!(
+                "{} changes · {} files, {} unchanged · {} · against {against}",
+                d["changes"].as_array().map_or(0, Vec::len),
+                d["files"],
+                d["unchanged"],
+                s("why"),
+            );
+            if let Some(cut) = e.str("cut") {
+                let _ = write!(
+                    w,
+                    " · <span class=\"bad-text\">walk cut ({})</span>",
+                    esc(cut)
+                );
+            }
+            w
+        }
         "dns" | "connect" => network_words(d),
         "ended" => {
             let mut w = format!("<b>{}</b>", s("reason"));
@@ -259,6 +280,26 @@ fn event(out: &mut String, e: &Recorded) {
             }
         }
         "process" => pre(out, "code", e.str("script").unwrap_or("")),
+        "files_changed" => {
+            for c in d["changes"].as_array().into_iter().flatten() {
+                let _ = write!(
+                    out,
+                    "<p class=\"note\"><b>{}</b> <code>{}</code> {}</p>",
+                    esc(c["change"].as_str().unwrap_or("")),
+                    esc(c["path"].as_str().unwrap_or("")),
+                    c.get("size")
+                        .map(|n| format!("· {n} bytes"))
+                        .unwrap_or_default(),
+                );
+                if let Some(diff) = c["diff"].as_str() {
+                    pre(out, "diff", diff);
+                } else if c["text_cut"] == true {
+                    out.push_str(
+                        "<p class=\"note\">its diff is past the trace's output budget</p>",
+                    );
+                }
+            }
+        }
         _ => {}
     }
     out.push_str("</li>\n");
@@ -397,10 +438,23 @@ pub fn page(id: &str, events: &[Recorded], verdict: &Verdict) -> String {
         }
         out.push_str("</table></div>");
     }
-    out.push_str(
-        "<p class=\"note\">Files the sandbox's own programs changed are not recorded \
-         (docs/evidence.md).</p></section>\n<section id=\"network\"><h2>Network</h2>",
-    );
+    let walks: Vec<&Recorded> = events
+        .iter()
+        .filter(|e| e.kind == "files_changed")
+        .collect();
+    if walks.is_empty() {
+        out.push_str(
+            "<p class=\"note\">No checkpoint of the work directory was taken, so what the \
+             sandbox's own programs changed is not recorded (docs/evidence.md).</p>",
+        );
+    } else {
+        out.push_str("<h2>Work directory checkpoints</h2><ol class=\"timeline\">");
+        for e in walks {
+            event(&mut out, e);
+        }
+        out.push_str("</ol>");
+    }
+    out.push_str("</section>\n<section id=\"network\"><h2>Network</h2>");
     if network.is_empty() {
         out.push_str("<p class=\"note\">No attempt.</p>");
     } else {
