@@ -16,6 +16,8 @@
 #      timed by the client (keep-alive): p50 / p90 / p99, traced / untraced p50;
 #   2. one-shot jobs (POST /v1/exec, not traced: the control), the same;
 #      for both, the server's own mean job time from /metrics (bud_job_total_seconds);
+#   2b. $ENDS sessions a server: a cell writes a file, then DELETE timed (the traced server
+#      takes its checkpoint of the work directory there);
 #   3. emulated guest-kernel instructions per cell: perf's kvm:kvm_emulate_insn on each
 #      server's pid over $PERF_CELLS alternating cells, beside bud_kvm_emulated_instructions;
 #   4. a $TRACE_EVENTS-event trace on the traced server (one `cell` event a cell): GET
@@ -32,6 +34,7 @@ CELLS=${CELLS:-400}
 TRACE_EVENTS=${TRACE_EVENTS:-10000}
 FETCHES=${FETCHES:-10}
 RENDERS=${RENDERS:-5}
+ENDS=${ENDS:-50}
 PERF_CELLS=${PERF_CELLS:-100}
 WARMUP=${WARMUP:-50}
 PORT=${PORT:-18481}
@@ -85,12 +88,12 @@ start_server untraced "$((PORT + 1))" --no-trace $SERVE_ARGS
 PERF=$(command -v perf || true)
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 python3 - "$PORT" "${PIDS[0]}" "$((PORT + 1))" "${PIDS[1]}" "$CELLS" "$TRACE_EVENTS" \
-    "$FETCHES" "$PERF_CELLS" "$WARMUP" "$CODE" "$PERF" "$DIR" "$LOAD_BEFORE" "$RENDERS" <<'PY'
+    "$FETCHES" "$PERF_CELLS" "$WARMUP" "$CODE" "$PERF" "$DIR" "$LOAD_BEFORE" "$RENDERS" "$ENDS" <<'PY'
 import http.client, json, os, re, shutil, signal, statistics, subprocess, sys, tempfile, time
 
 (port_a, pid_a, port_b, pid_b, cells, trace_events, fetches, perf_cells, warmup, code,
- perf, state, load_before, renders_wanted) = sys.argv[1:]
-renders_wanted = int(renders_wanted)
+ perf, state, load_before, renders_wanted, ends) = sys.argv[1:]
+renders_wanted, ends = int(renders_wanted), int(ends)
 cells, trace_events, fetches = int(cells), int(trace_events), int(fetches)
 perf_cells, warmup = int(perf_cells), int(warmup)
 BODY = json.dumps({"code": code}).encode()
@@ -279,6 +282,17 @@ for s, sid in ((A, sa), (B, sb)):
 # 2. One-shot jobs (not traced): the control.
 exec_a, exec_b, exec_srv_a, exec_srv_b = timed_phase("one-shot jobs", cells, "/v1/exec", "/v1/exec")
 
+# 2b. Session ends: the traced server takes a checkpoint of the work directory at DELETE.
+log(f"session ends: {ends} sessions a server (a cell writing one file, then DELETE timed)")
+del_a, del_b = [], []
+WRITE = json.dumps({"code": "open('out.txt', 'w').write('x' * 1000)"}).encode()
+for _ in range(ends):
+    for s, out in ((A, del_a), (B, del_b)):
+        sid = s.session()
+        s.json("POST", f"/v1/sessions/{sid}/exec", WRITE)
+        _, took = s.json("DELETE", f"/v1/sessions/{sid}", want=(200, 204))
+        out.append(took * 1e3)
+
 # 4. A long trace on the traced server.
 def trace_lines(sid):
     status, data, _ = A.request("GET", f"/v1/sessions/{sid}/trace")
@@ -384,6 +398,9 @@ print(f"  client-side ms per request (keep-alive), A/B alternating; server = mea
       f" bud_job_total_seconds (clone + run + collect) over the run, ms")
 row(f"session cells x{cells}", cell_a, cell_b, cell_srv_a, cell_srv_b)
 row(f"one-shot jobs x{cells}", exec_a, exec_b, exec_srv_a, exec_srv_b)
+if ends:
+    print(f"  session DELETE (one file in the work directory) x{ends}: traced p50"
+          f" {pct(del_a, 50):.2f} ms (with its checkpoint), untraced {pct(del_b, 50):.2f} ms")
 if emu:
     def f(v):
         return "n/a" if v is None else f"{v:,.0f}"

@@ -118,6 +118,9 @@ pub fn check_traces(state: &AppState) -> Result<(), Error> {
     }
 }
 
+/// How long a delete waits for the checkpoint of the session's work directory.
+pub const END_CHECKPOINT: Duration = Duration::from_secs(10);
+
 /// Ends session `id` as deleted (its tombstone too, if it had ended already); waits for a
 /// running request's end.
 pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
@@ -140,11 +143,15 @@ pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
         }
         Err(u) => return Err(unavailable(id, u)),
     }
-    // What its programs changed in its work directory, while its VM is still there.
-    if state.traces().is_some()
-        && let Err(e) = crate::service::trace::checkpoint(state, id, "ended").await
-    {
-        tracing::debug!(session = id, error = %e, "no files checkpoint at the end");
+    // What its programs changed in its work directory, while its VM is still there; given
+    // up after END_CHECKPOINT (a wedged guest must not hold a delete up).
+    if state.traces().is_some() {
+        let walk = crate::service::trace::checkpoint(state, id, "ended");
+        match tokio::time::timeout(END_CHECKPOINT, walk).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::debug!(session = id, error = %e, "no checkpoint at the end"),
+            Err(_) => tracing::warn!(session = id, "the checkpoint at the end took too long"),
+        }
     }
     let sessions = state.sessions().clone();
     let id = id.to_owned();
