@@ -701,3 +701,69 @@ fn a_session_imported_where_it_had_ended_before_is_served_not_hidden_by_its_end(
     assert_eq!(status, 201, "{r}");
     assert_eq!(printed, "again\n");
 }
+
+/// The kinds of session `id`'s trace on `s`, and its check.
+fn trace_of(s: &TestServer, id: &str) -> (Vec<Value>, Value) {
+    let r = s.get(&format!("/v1/sessions/{id}/trace"));
+    assert_eq!(r.status().as_u16(), 200);
+    let events = r
+        .text()
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let check = s
+        .get(&format!("/v1/sessions/{id}/trace/verify"))
+        .json()
+        .unwrap();
+    (events, check)
+}
+
+fn kinds(events: &[Value]) -> Vec<&str> {
+    events.iter().map(|e| e["kind"].as_str().unwrap()).collect()
+}
+
+#[test]
+fn an_exported_session_carries_its_trace_and_the_importing_server_goes_on_with_it() {
+    let here = server_on(&state_dir("trace-export-here"));
+    let there = server_on(&state_dir("trace-export-there"));
+    let id = session(&here, json!({}));
+    cell(&here, &id, "print('before the move')");
+    assert_eq!(
+        here.post(&format!("/v1/sessions/{id}/pause"), &json!({})).0,
+        200
+    );
+    let file = here
+        .get(&format!("/v1/sessions/{id}/export"))
+        .bytes()
+        .unwrap()
+        .to_vec();
+    let (before, _) = trace_of(&here, &id);
+
+    let (status, r) = there.post_raw("/v1/sessions/import", "application/octet-stream", file);
+    cell(&there, &id, "print('after the move')");
+    assert_eq!(there.delete(&format!("/v1/sessions/{id}")), 204);
+    let (after, check) = trace_of(&there, &id);
+
+    assert_eq!(status, 201, "{r}");
+    let carried = before.len() - 1; // the `paused` event came after the file was written
+    assert_eq!(kinds(&before).last(), Some(&"paused"), "{before:?}");
+    assert_eq!(
+        after[..carried],
+        before[..carried],
+        "the carried events, byte for byte"
+    );
+    let moved = kinds(&after[carried..]);
+    assert_eq!(moved.first(), Some(&"imported"), "{moved:?}");
+    assert_eq!(after[carried]["data"]["kept"], true);
+    assert!(moved.contains(&"resumed"), "{moved:?}");
+    let last_cell = after.iter().rev().find(|e| e["kind"] == "cell").unwrap();
+    assert_eq!(last_cell["data"]["stdout"], "after the move\n");
+    assert_eq!(&moved[moved.len() - 2..], ["ended", "sealed"]);
+    assert_eq!(
+        (&check["ok"], &check["sealed"]),
+        (&json!(true), &json!(true)),
+        "{check}"
+    );
+    assert_eq!(check["events"], after.len());
+}

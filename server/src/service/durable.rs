@@ -107,8 +107,14 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         attachment: e.attachment_record(),
         contexts: e.contexts().clone(),
         network: e.network.as_ref().and_then(|g| g.policy()),
+        trace: None,
     };
-    let app = serde_json::to_vec(&record).map_err(Error::internal)?;
+    let mut carried = SessionRecord {
+        trace: carried_trace(state, &e.id),
+        ..record.clone()
+    };
+    let app = serde_json::to_vec(&carried).map_err(Error::internal)?;
+    carried.trace = None;
     let path = dir.paused().path(&e.id);
     let exec = crate::service::access::executor(&e)?;
     let saved = e
@@ -138,6 +144,22 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         memory_bytes: saved.page_bytes,
         pause_ms: started.elapsed().as_secs_f64() * 1e3,
     })
+}
+
+/// Session `id`'s trace so far, to carry in its file (None without one, or past
+/// [`crate::core::durable::MAX_CARRIED_TRACE`]).
+fn carried_trace(state: &AppState, id: &str) -> Option<String> {
+    let path = state.traces()?.file_of(id)?;
+    let size = std::fs::metadata(&path).ok()?.len();
+    if size > crate::core::durable::MAX_CARRIED_TRACE as u64 {
+        tracing::warn!(
+            session = id,
+            bytes = size,
+            "its trace is too large to carry in its file"
+        );
+        return None;
+    }
+    std::fs::read_to_string(path).ok()
 }
 
 /// Takes a snapshot of session `id`, which goes on (module docs).
@@ -358,6 +380,25 @@ pub async fn pause_all(state: &AppState) -> Vec<(String, Result<PauseResponse, E
 /// ([`crate::service::import_check`]), its template and host this server's, its id new
 /// here. The file is moved into place, or removed if refused. `held` is the quota the
 /// upload holds, given back once the file is counted.
+/// Keeps the trace an imported session's file carried (when this server has no trace of
+/// it) and records the import in it.
+fn adopt_trace(state: &AppState, id: &str, carried: Option<String>) {
+    let Some(t) = state.traces() else { return };
+    let bytes = carried.as_ref().map_or(0, String::len);
+    let kept = match carried {
+        Some(text) => t.adopt(id, &text).unwrap_or_else(|e| {
+            tracing::warn!(session = id, error = %e, "cannot keep an imported trace");
+            false
+        }),
+        None => false,
+    };
+    t.record(
+        id,
+        "imported",
+        |_| serde_json::json!({"carried_bytes": bytes, "kept": kept}),
+    );
+}
+
 pub async fn import(
     state: &AppState,
     tmp: std::path::PathBuf,
@@ -371,8 +412,11 @@ pub async fn import(
     let st = state.clone();
     tokio::task::spawn_blocking(move || {
         let checked = crate::service::import_check::check_import(&st, &dir, &tmp);
-        let adopted = checked.and_then(|p| match dir.adopt_upload(&tmp, p.clone()) {
-            Ok(true) => Ok(p),
+        let adopted = checked.and_then(|(p, trace)| match dir.adopt_upload(&tmp, p.clone()) {
+            Ok(true) => {
+                adopt_trace(&st, &p.record.id, trace);
+                Ok(p)
+            }
             Ok(false) => Err(Error::Exists(p.record.id.clone())),
             Err(e) => {
                 tracing::error!(error = %e, "an import could not be moved into place");

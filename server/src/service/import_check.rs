@@ -34,9 +34,9 @@ pub fn check_import(
     state: &AppState,
     dir: &StateDir,
     tmp: &std::path::Path,
-) -> Result<Paused, Error> {
+) -> Result<(Paused, Option<String>), Error> {
     let f = session_file::read(tmp, dir.keys()).map_err(refuse)?;
-    let record: SessionRecord = serde_json::from_slice(f.app())
+    let mut record: SessionRecord = serde_json::from_slice(f.app())
         .map_err(|e| refuse(format!("not a paused session's file: {e}")))?;
     if record.version != RECORD_VERSION {
         return Err(refuse(format!(
@@ -61,12 +61,16 @@ pub fn check_import(
     let key = exec.template().key();
     let bytes = std::fs::metadata(tmp).map_or(0, |m| m.len());
     let _ = exec.template().pin(dir.holder());
-    Ok(Paused {
-        record,
-        bytes,
-        key,
-        written_here: true,
-    })
+    let trace = record.trace.take();
+    Ok((
+        Paused {
+            record,
+            bytes,
+            key,
+            written_here: true,
+        },
+        trace,
+    ))
 }
 
 /// Checks a record against this server's session limits, as a start checks a request's:

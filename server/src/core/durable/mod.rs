@@ -41,8 +41,8 @@ use std::time::{Duration, SystemTime};
 
 pub use quota::{Quota, Reservation};
 pub use records::{
-    Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot, SnapshotRecord, epoch_ms,
-    from_epoch_ms,
+    MAX_CARRIED_TRACE, Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot,
+    SnapshotRecord, epoch_ms, from_epoch_ms,
 };
 pub use store::{Kept, Store};
 

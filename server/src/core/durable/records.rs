@@ -68,7 +68,15 @@ pub struct SessionRecord {
     /// Its network policy (None: no route out, as for records older than networks).
     #[serde(default)]
     pub network: Option<crate::core::egress::PolicySpec>,
+    /// Its trace up to the pause (NDJSON), carried in the file so that an import on another
+    /// server keeps it (at most [`MAX_CARRIED_TRACE`] bytes). Only in the file: taken out
+    /// whenever a record is read, never kept in memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
+
+/// The largest trace a session's file carries (a larger one stays on its server only).
+pub const MAX_CARRIED_TRACE: usize = 8 << 20;
 
 /// What a snapshot is besides its VM.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -148,7 +156,8 @@ impl Kept for Paused {
     type Record = SessionRecord;
     const FOLDER: &'static str = "paused";
 
-    fn found(record: SessionRecord, bytes: u64, key: String) -> Self {
+    fn found(mut record: SessionRecord, bytes: u64, key: String) -> Self {
+        record.trace = None;
         Self {
             record,
             bytes,

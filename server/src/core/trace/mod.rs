@@ -513,6 +513,39 @@ impl Traces {
         }))
     }
 
+    /// Keeps `text`, the trace an imported session's file carried, as session `id`'s, if
+    /// this server has none of it and `text`'s chain is whole and of that one session
+    /// (then it is reopened and goes on where it stopped). Whether it was kept.
+    pub fn adopt(&self, id: &str, text: &str) -> std::io::Result<bool> {
+        if !valid_id(id) || self.has(id) {
+            return Ok(false);
+        }
+        match chain::verify(text.as_bytes(), None) {
+            Ok(v) if !v.sealed && v.session == id && !v.torn_tail => {}
+            _ => return Ok(false),
+        }
+        let tmp = self.dir.join(format!(".{id}.adopt"));
+        {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, self.path(id))?;
+        self.index().insert(
+            id.to_owned(),
+            Kept {
+                bytes: text.len() as u64,
+                ended: None,
+            },
+        );
+        Ok(true)
+    }
+
     /// The path of session `id`'s trace file, if it has one (to export it whole).
     pub fn file_of(&self, id: &str) -> Option<PathBuf> {
         self.has(id).then(|| self.path(id))
