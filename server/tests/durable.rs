@@ -748,6 +748,11 @@ fn an_exported_session_carries_its_trace_and_the_importing_server_goes_on_with_i
     assert_eq!(status, 201, "{r}");
     let carried = before.len() - 1; // the `paused` event came after the file was written
     assert_eq!(kinds(&before).last(), Some(&"paused"), "{before:?}");
+    let walk = before
+        .iter()
+        .find(|e| e["kind"] == "files_changed")
+        .expect("a checkpoint");
+    assert_eq!(walk["data"]["why"], "paused", "{walk}");
     assert_eq!(
         after[..carried],
         before[..carried],

@@ -72,6 +72,7 @@ pub async fn pause(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
     if dir.paused().get(id).is_some() {
         return Err(Error::Paused(id.to_owned()));
     }
+    crate::service::sessions::checkpoint_before(state, id, "paused").await;
     let busy = acquire(state, id).await?;
     let origin = Origin::here("pause", &busy.entry().template, Some(id));
     let st = state.clone();
@@ -165,6 +166,7 @@ fn carried_trace(state: &AppState, id: &str) -> Option<String> {
 /// Takes a snapshot of session `id`, which goes on (module docs).
 pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
     let dir = dir(state)?;
+    crate::service::sessions::checkpoint_before(state, id, "snapshot").await;
     let busy = acquire(state, id).await?;
     let origin = Origin::here("snapshot", &busy.entry().template, Some(id));
     let started = Instant::now();

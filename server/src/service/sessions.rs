@@ -118,8 +118,25 @@ pub fn check_traces(state: &AppState) -> Result<(), Error> {
     }
 }
 
-/// How long a delete waits for the checkpoint of the session's work directory.
+/// How long a delete, pause or snapshot waits for the checkpoint of the session's work
+/// directory.
 pub const END_CHECKPOINT: Duration = Duration::from_secs(10);
+
+/// A checkpoint of live session `id`'s work directory in its trace before it is deleted,
+/// paused or snapshotted (`why`), when the server keeps traces; given up after
+/// [`END_CHECKPOINT`] (a wedged guest must not hold the operation up), and skipped where it
+/// fails (a session with no files to read: the operation says what is wrong).
+pub async fn checkpoint_before(state: &AppState, id: &str, why: &str) {
+    if state.traces().is_none() || state.sessions().get(id).is_err() {
+        return;
+    }
+    let walk = crate::service::trace::checkpoint(state, id, why);
+    match tokio::time::timeout(END_CHECKPOINT, walk).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::debug!(session = id, why, error = %e, "no checkpoint"),
+        Err(_) => tracing::warn!(session = id, why, "the checkpoint took too long"),
+    }
+}
 
 /// Ends session `id` as deleted (its tombstone too, if it had ended already); waits for a
 /// running request's end.
@@ -143,16 +160,8 @@ pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
         }
         Err(u) => return Err(unavailable(id, u)),
     }
-    // What its programs changed in its work directory, while its VM is still there; given
-    // up after END_CHECKPOINT (a wedged guest must not hold a delete up).
-    if state.traces().is_some() {
-        let walk = crate::service::trace::checkpoint(state, id, "ended");
-        match tokio::time::timeout(END_CHECKPOINT, walk).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::debug!(session = id, error = %e, "no checkpoint at the end"),
-            Err(_) => tracing::warn!(session = id, "the checkpoint at the end took too long"),
-        }
-    }
+    // What its programs changed in its work directory, while its VM is still there.
+    checkpoint_before(state, id, "ended").await;
     let sessions = state.sessions().clone();
     let id = id.to_owned();
     let why = Ended {
