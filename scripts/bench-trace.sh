@@ -16,6 +16,8 @@
 #      timed by the client (keep-alive): p50 / p90 / p99, traced / untraced p50;
 #   2. one-shot jobs (POST /v1/exec, not traced: the control), the same;
 #      for both, the server's own mean job time from /metrics (bud_job_total_seconds);
+#   2a. one-shot jobs with `"trace": true` on the traced server against plain ones on the
+#      untraced one (each such job writes its own trace: created, cell, ended, seal);
 #   2b. $ENDS sessions a server: a cell writes a file, then DELETE timed (the traced server
 #      takes its checkpoint of the work directory there);
 #   3. emulated guest-kernel instructions per cell: perf's kvm:kvm_emulate_insn on each
@@ -138,9 +140,9 @@ class Server:
             return None, took
         return (json.loads(data) if data else None), took
 
-    def run(self, path):
+    def run(self, path, body=None):
         """Runs CODE; its client-side time in ms, or None if it failed."""
-        r, took = self.json("POST", path, BODY)
+        r, took = self.json("POST", path, body or BODY)
         if r is None:
             return None
         if r.get("status") != "ok" or (code == "print(1+1)" and r.get("stdout") != "2\n"):
@@ -194,23 +196,23 @@ def pct(xs, p):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def alternate(n, path_a, path_b):
+def alternate(n, path_a, path_b, body_a=None):
     """n requests to each, A, B, A, B: their times in ms (failed ones left out)."""
     ta, tb = [], []
     for _ in range(n):
-        for s, path, out in ((A, path_a, ta), (B, path_b, tb)):
-            ms = s.run(path)
+        for s, path, out, body in ((A, path_a, ta, body_a), (B, path_b, tb, None)):
+            ms = s.run(path, body)
             if ms is not None:
                 out.append(ms)
     return ta, tb
 
 
-def timed_phase(name, n, path_a, path_b):
+def timed_phase(name, n, path_a, path_b, body_a=None):
     """The alternating run with each server's own mean job time over it (/metrics)."""
     sa0, ca0 = A.job_seconds()
     sb0, cb0 = B.job_seconds()
     log(f"{name}: {n} requests a server, alternating")
-    ta, tb = alternate(n, path_a, path_b)
+    ta, tb = alternate(n, path_a, path_b, body_a)
     sa1, ca1 = A.job_seconds()
     sb1, cb1 = B.job_seconds()
     server_a = (sa1 - sa0) * 1e3 / max(1, ca1 - ca0)
@@ -281,6 +283,10 @@ for s, sid in ((A, sa), (B, sb)):
 
 # 2. One-shot jobs (not traced): the control.
 exec_a, exec_b, exec_srv_a, exec_srv_b = timed_phase("one-shot jobs", cells, "/v1/exec", "/v1/exec")
+# 2a. One-shot jobs that ask for a trace (traced server) against plain ones (untraced).
+TRACED_BODY = json.dumps({"code": code, "trace": True}).encode()
+texec_a, texec_b, texec_srv_a, texec_srv_b = timed_phase(
+    "one-shot jobs with trace: true", cells, "/v1/exec", "/v1/exec", TRACED_BODY)
 
 # 2b. Session ends: the traced server takes a checkpoint of the work directory at DELETE.
 log(f"session ends: {ends} sessions a server (a cell writing one file, then DELETE timed)")
@@ -398,6 +404,7 @@ print(f"  client-side ms per request (keep-alive), A/B alternating; server = mea
       f" bud_job_total_seconds (clone + run + collect) over the run, ms")
 row(f"session cells x{cells}", cell_a, cell_b, cell_srv_a, cell_srv_b)
 row(f"one-shot jobs x{cells}", exec_a, exec_b, exec_srv_a, exec_srv_b)
+row(f"jobs, trace: true x{cells}", texec_a, texec_b, texec_srv_a, texec_srv_b)
 if ends:
     print(f"  session DELETE (one file in the work directory) x{ends}: traced p50"
           f" {pct(del_a, 50):.2f} ms (with its checkpoint), untraced {pct(del_b, 50):.2f} ms")

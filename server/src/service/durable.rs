@@ -260,7 +260,7 @@ pub async fn start_from(
             format!("snapshot {snap} is of template {}", s.record.template),
         ));
     }
-    crate::service::sessions::check_traces(state)?;
+    crate::service::trace::check_traces(state)?;
     let r = s.record.clone();
     let lim = &state.config().sessions;
     let idle = req.idle_timeout_s.unwrap_or(r.idle_timeout_s);

@@ -161,7 +161,7 @@ fn start_trace(state: &AppState, origin: &Origin, job: &Job) -> Result<String, E
             "this server keeps no traces (it has no state directory, or runs with --no-trace)",
         ));
     };
-    crate::service::sessions::check_traces(state)?;
+    crate::service::trace::check_traces(state)?;
     let id = state.sessions().new_id("job").map_err(Error::internal)?;
     t.record(&id, "created", |_| {
         serde_json::json!({"one_shot": true, "template": origin.template,

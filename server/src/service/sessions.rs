@@ -43,7 +43,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     if req.auto_pause == Some(true) && state.state_dir().is_none() {
         return Err(Error::NoStateDir);
     }
-    check_traces(state)?;
+    crate::service::trace::check_traces(state)?;
     let lim = &state.config().sessions;
     let idle = seconds(
         "idle_timeout_s",
@@ -104,18 +104,6 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
         Ok::<_, Error>(made)
     })
     .await?
-}
-
-/// Refuses a new session while the traces are at their quota and `--trace-over-quota
-/// refuse` keeps them all.
-pub fn check_traces(state: &AppState) -> Result<(), Error> {
-    match state.traces() {
-        Some(t) if t.refuses_sessions() => {
-            let (used, quota) = t.usage();
-            Err(Error::TraceQuota { used, quota })
-        }
-        _ => Ok(()),
-    }
 }
 
 /// How long a delete, pause or snapshot waits for the checkpoint of the session's work
@@ -288,7 +276,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
     let busy = acquire(state, id).await?;
     check_count(state, count)?;
     check_memory(state)?;
-    check_traces(state)?;
+    crate::service::trace::check_traces(state)?;
     let sessions = state.sessions().clone();
     let forked = admission::call(state, move || {
         let e = busy.entry().clone();

@@ -250,6 +250,18 @@ async fn read_after(t: &Arc<Traces>, id: &str, after: u64) -> Result<Vec<Line>, 
         .ok_or_else(|| Error::NoTrace(id.to_owned()))
 }
 
+/// Refuses a new session (or a traced one-shot job) while the traces are at their quota and `--trace-over-quota
+/// refuse` keeps them all.
+pub fn check_traces(state: &AppState) -> Result<(), Error> {
+    match state.traces() {
+        Some(t) if t.refuses_sessions() => {
+            let (used, quota) = t.usage();
+            Err(Error::TraceQuota { used, quota })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Records what session `id`'s own programs changed in its work directory since its last
 /// checkpoint (a `files_changed` event, [`crate::core::trace::files`]), `why` it was taken;
 /// the event's data. The walk reads the files through the same operations as the files
