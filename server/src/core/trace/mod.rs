@@ -33,6 +33,8 @@ pub mod event;
 pub mod files;
 pub mod otlp;
 pub mod packet;
+mod read;
+mod retention;
 pub mod review;
 pub mod view;
 
@@ -476,138 +478,6 @@ impl Traces {
             return None;
         }
         self.writer(id).map(|o| o.live.subscribe())
-    }
-
-    /// Session `id`'s events on disk with seq after `after`, in order (None: it has no
-    /// trace). A line cut short at the end is left out.
-    pub fn read(&self, id: &str, after: u64) -> std::io::Result<Option<Vec<Line>>> {
-        if !self.has(id) {
-            return Ok(None);
-        }
-        let text = match std::fs::read_to_string(self.path(id)) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        Ok(Some(lines_of(&text, after)))
-    }
-
-    /// Session `id`'s trace read once, whole: its bytes, its lines and their check with
-    /// this server's keys (what the review page, the packet and the spans are made of).
-    pub fn whole(&self, id: &str) -> std::io::Result<Option<Whole>> {
-        let Some(path) = self.file_of(id) else {
-            return Ok(None);
-        };
-        let bytes = match std::fs::read(path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        let check = |key: &str, mac: &str, input: &[u8]| self.keys.verify_bytes(key, mac, input);
-        let check = chain::verify(bytes.as_slice(), Some(&check));
-        let lines = lines_of(&String::from_utf8_lossy(&bytes), 0);
-        Ok(Some(Whole {
-            bytes,
-            lines,
-            check,
-        }))
-    }
-
-    /// Keeps `text`, the trace an imported session's file carried, as session `id`'s, if
-    /// this server has none of it and `text`'s chain is whole and of that one session
-    /// (then it is reopened and goes on where it stopped). Whether it was kept.
-    pub fn adopt(&self, id: &str, text: &str) -> std::io::Result<bool> {
-        if !valid_id(id) || self.has(id) {
-            return Ok(false);
-        }
-        match chain::verify(text.as_bytes(), None) {
-            Ok(v) if !v.sealed && v.session == id && !v.torn_tail => {}
-            _ => return Ok(false),
-        }
-        let tmp = self.dir.join(format!(".{id}.adopt"));
-        {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(text.as_bytes())?;
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, self.path(id))?;
-        self.index().insert(
-            id.to_owned(),
-            Kept {
-                bytes: text.len() as u64,
-                ended: None,
-            },
-        );
-        Ok(true)
-    }
-
-    /// The path of session `id`'s trace file, if it has one (to export it whole).
-    pub fn file_of(&self, id: &str) -> Option<PathBuf> {
-        self.has(id).then(|| self.path(id))
-    }
-
-    /// Checks session `id`'s trace on disk, its seal with this server's keys.
-    pub fn verify(&self, id: &str) -> std::io::Result<Option<Result<Verified, Broken>>> {
-        let Some(path) = self.file_of(id) else {
-            return Ok(None);
-        };
-        let file = std::io::BufReader::new(File::open(path)?);
-        let check = |key: &str, mac: &str, input: &[u8]| self.keys.verify_bytes(key, mac, input);
-        Ok(Some(chain::verify(file, Some(&check))))
-    }
-
-    /// Removes ended traces past the retention time, then (with `prune`) ended traces
-    /// oldest first while all are over the quota. Traces of live sessions are never
-    /// removed.
-    pub fn sweep(&self, now: SystemTime) {
-        let retention = self.config.retention();
-        let mut index = self.index();
-        let mut ended: Vec<(SystemTime, String)> = index
-            .iter()
-            .filter_map(|(id, k)| k.ended.map(|t| (t, id.clone())))
-            .collect();
-        ended.sort();
-        let mut gone = Vec::new();
-        for (t, id) in &ended {
-            if now.duration_since(*t).unwrap_or_default() >= retention {
-                gone.push(id.clone());
-            }
-        }
-        let quota = self.config.quota_mib << 20;
-        let mut used: u64 = index.values().map(|k| k.bytes).sum::<u64>()
-            - gone
-                .iter()
-                .filter_map(|id| index.get(id))
-                .map(|k| k.bytes)
-                .sum::<u64>();
-        if self.config.over_quota == OverQuota::Prune {
-            for (_, id) in &ended {
-                if used <= quota {
-                    break;
-                }
-                if !gone.contains(id) {
-                    used -= index.get(id).map_or(0, |k| k.bytes);
-                    gone.push(id.clone());
-                }
-            }
-        }
-        for id in gone {
-            match std::fs::remove_file(self.path(&id)) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(session = id, error = %e, "cannot remove an old trace");
-                    continue;
-                }
-            }
-            index.remove(&id);
-            self.counts.removed.fetch_add(1, Ordering::Relaxed);
-        }
     }
 }
 
