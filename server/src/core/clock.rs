@@ -62,16 +62,20 @@ pub fn rfc3339_nanos(s: &str) -> Option<u64> {
         }
         _ => return None,
     };
-    // Days since 1970-01-01 of a civil date (the inverse of [`rfc3339`]'s).
+    let secs = days_from_civil(y, m, d) * 86_400 + hh * 3600 + mm * 60 + ss;
+    u64::try_from(secs * 1_000_000_000 + nanos).ok()
+}
+
+/// Days since 1970-01-01 of the civil (proleptic Gregorian) date `y-m-d`: the inverse of
+/// [`rfc3339`]'s date.
+pub fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
     let yoe = y - era * 400;
     let mp = (m + 9) % 12;
     let doy = (153 * mp + 2) / 5 + d - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
-    u64::try_from(secs * 1_000_000_000 + nanos).ok()
+    era * 146_097 + doe - 719_468
 }
 
 #[cfg(test)]

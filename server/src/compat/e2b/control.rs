@@ -111,14 +111,7 @@ fn parse_rfc3339(s: &str) -> Option<f64> {
         min.parse::<i64>().ok()?,
         sec.parse::<f64>().ok()?,
     );
-    // Days from the civil date (the inverse of crate::core::clock::rfc3339's).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = crate::core::clock::days_from_civil(y, m, day);
     Some((days * 86_400 + h * 3600 + min * 60 - offset_s) as f64 + sec)
 }
 
