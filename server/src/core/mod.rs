@@ -6,7 +6,7 @@
 //! durable state on disk ([`durable`]), what a sandbox's network may reach ([`egress`]),
 //! the audit trail ([`audit`]), metrics ([`metrics`]), API keys ([`keys`]), the jail
 //! ([`jail`]), this node and its peers ([`node`], [`peer`], [`registry`]), the clock
-//! ([`clock`]).
+//! ([`clock`]), and what an error message may repeat of a client's value ([`echo`]).
 //!
 //! The core imports nothing from the layers above it (`service`, `http`, `compat`) and
 //! names no dialect; `server/tests/layers.rs` checks it from the paths.
@@ -16,6 +16,7 @@ pub mod clock;
 pub mod config;
 pub mod contexts;
 pub mod durable;
+pub mod echo;
 pub mod egress;
 pub mod engine;
 pub mod jail;

@@ -13,6 +13,7 @@ use axum::http::header;
 use http_body_util::BodyExt;
 use serde::de::DeserializeOwned;
 
+use crate::core::echo;
 use crate::core::state::AppState;
 use crate::http::error::{ApiError, Error};
 
@@ -92,14 +93,16 @@ async fn read_all(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
     Ok(buf)
 }
 
-/// Deserializes `bytes`, naming the field at fault in errors.
+/// Deserializes `bytes`, naming the field at fault in errors. An error repeats at most a
+/// short prefix of a value or key the client sent ([`echo`]), in its message and its field.
 pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        let message = inner.to_string();
-        let field = field_of(&path, &message);
+        let said = inner.to_string();
+        let field = field_of(&path, &said).map(|f| echo::excerpt(&f).into_owned());
+        let message = echo::shorten(&said).into_owned();
         if inner.is_data() {
             ApiError::Service(Error::Invalid { field, message })
         } else if is_one_json_document(bytes) {
@@ -220,6 +223,38 @@ mod tests {
                 "{field}: {e:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_huge_value_or_key_is_repeated_by_its_prefix_in_the_message_and_the_field() {
+        let long = "a".repeat(1 << 20);
+        let value = format!(r#"{{"code": "x", "network": {{"allow_out": "{long}"}}}}"#);
+        let key = format!(r#"{{"code": "x", "network": {{"{long}": []}}}}"#);
+
+        let wrong_type = parse::<ExecRequest>(value.as_bytes()).unwrap_err();
+        let unknown = parse::<ExecRequest>(key.as_bytes()).unwrap_err();
+
+        let a = |n| "a".repeat(n);
+        assert_eq!(wrong_type.code(), "invalid_request");
+        assert_eq!(wrong_type.field(), Some("network.allow_out"));
+        assert_eq!(
+            wrong_type.to_string(),
+            format!(
+                "invalid type: string \"{}\"… (1048576 bytes), expected a sequence at line 1 column 1048617",
+                a(64)
+            )
+        );
+        assert_eq!(
+            unknown.field(),
+            Some(format!("network.{}… (1048584 bytes)", a(56)).as_str())
+        );
+        assert_eq!(
+            unknown.to_string(),
+            format!(
+                "unknown field `{}`… (1048576 bytes), expected `allow_out` or `deny_out` at line 1 column 1048604",
+                a(64)
+            )
+        );
     }
 
     #[tokio::test]

@@ -22,20 +22,27 @@ use std::ops::RangeInclusive;
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::echo::quote;
+
 /// Entries one list may hold, at most.
 pub const MAX_ENTRIES: usize = 256;
 
-/// A malformed entry of a policy, with the list and the entry it is in.
+/// A malformed entry of a policy, with the list and the entry it is in (its message quotes
+/// a long entry by its prefix: [`quote`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PolicyError {
-    #[error("{list}: {entry:?} is not an IPv4 address, a CIDR, a domain or `*` ({why})")]
+    #[error(
+        "{list}: {} is not an IPv4 address, a CIDR, a domain or `*` ({why})",
+        quote(.entry)
+    )]
     Malformed {
         list: &'static str,
         entry: String,
         why: &'static str,
     },
     #[error(
-        "deny_out: {entry:?} is a domain; deny_out takes addresses and CIDRs (leave a name out of allow_out to deny it)"
+        "deny_out: {} is a domain; deny_out takes addresses and CIDRs (leave a name out of allow_out to deny it)",
+        quote(.entry)
     )]
     DomainDenied { entry: String },
     #[error("{list}: {count} entries, more than {MAX_ENTRIES}")]
@@ -118,7 +125,9 @@ enum Target {
 struct Entry {
     target: Target,
     ports: RangeInclusive<u16>,
-    /// As the client wrote it (named in the connection log as the rule that decided).
+    /// As the client wrote it, without the whitespace around it (named in the connection
+    /// log as the rule that decided, once per attempt: the grammar bounds its length, where
+    /// the whitespace a client may pad an entry with is bounded only by the body).
     text: String,
 }
 
@@ -160,7 +169,7 @@ impl Entry {
         Ok(Self {
             target,
             ports,
-            text: text.to_owned(),
+            text: trimmed.to_owned(),
         })
     }
 
@@ -438,6 +447,40 @@ mod tests {
                 count: MAX_ENTRIES + 1
             }
         );
+    }
+
+    #[test]
+    fn a_huge_entry_is_refused_by_its_prefix_and_a_padded_one_is_logged_trimmed() {
+        let huge = format!("{}!", "a".repeat(1 << 20));
+        let padded = format!("{0}pypi.test{0}", " ".repeat(1 << 20));
+        let err = Policy::parse(&PolicySpec {
+            allow_out: vec![huge],
+            deny_out: vec![],
+        })
+        .unwrap_err();
+        let denied = Policy::parse(&PolicySpec {
+            allow_out: vec![],
+            deny_out: vec![padded.clone()],
+        })
+        .unwrap_err();
+        let p = policy(&[&padded], &["0.0.0.0/0"]);
+
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "allow_out: \"{}\"… (1048577 bytes) is not an IPv4 address, a CIDR, a domain or `*` (bad domain)",
+                "a".repeat(64)
+            )
+        );
+        assert_eq!(
+            denied.to_string(),
+            "deny_out: \"pypi.test\" is a domain; deny_out takes addresses and CIDRs (leave a name out of allow_out to deny it)"
+        );
+        assert_eq!(
+            p.decide(Some("pypi.test"), None, 443),
+            Decision::Allowed("pypi.test".into())
+        );
+        assert_eq!(p.spec().allow_out, [padded], "the policy as written");
     }
 
     #[test]

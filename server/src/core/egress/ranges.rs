@@ -16,6 +16,7 @@ use std::net::Ipv4Addr;
 use std::path::Path;
 
 use super::policy::Cidr;
+use crate::core::echo::quote;
 
 /// The ranges no sandbox policy opens.
 pub const ALWAYS_DENIED: [Cidr; 11] = [
@@ -43,7 +44,9 @@ impl Private {
         text.split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(|s| Cidr::parse(s).ok_or_else(|| format!("{s:?} is not an IPv4 address or CIDR")))
+            .map(|s| {
+                Cidr::parse(s).ok_or_else(|| format!("{} is not an IPv4 address or CIDR", quote(s)))
+            })
             .collect::<Result<Vec<_>, _>>()
             .map(Self)
     }
@@ -98,11 +101,11 @@ impl Hosts {
             }
             let mut words = line.split_whitespace();
             let (Some(name), Some(addr), None) = (words.next(), words.next(), words.next()) else {
-                return Err((i + 1, format!("{line:?}")));
+                return Err((i + 1, quote(line)));
             };
             let addr: Ipv4Addr = addr
                 .parse()
-                .map_err(|_| (i + 1, format!("{addr:?} is not an IPv4 address")))?;
+                .map_err(|_| (i + 1, format!("{} is not an IPv4 address", quote(addr))))?;
             map.entry(name.trim_end_matches('.').to_ascii_lowercase())
                 .or_default()
                 .push(addr);
