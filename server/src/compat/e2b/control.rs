@@ -257,8 +257,7 @@ async fn fork_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, Api
     let req: ForkBody = if body.is_empty() {
         ForkBody::default()
     } else {
-        serde_json::from_slice(body)
-            .map_err(|err| Error::invalid("body", format!("bad JSON body: {err}")))?
+        super::json_body(body, "body")?
     };
     let forked = sessions::fork(&c.app, id, req.count.unwrap_or(1)).await?;
     let mut results = Vec::with_capacity(forked.ids.len());

@@ -124,8 +124,7 @@ pub async fn snapshot(State(c): State<Compat>, Path(id): Path<String>, body: Byt
         let req: SnapshotBody = if body.is_empty() {
             SnapshotBody::default()
         } else {
-            serde_json::from_slice(&body)
-                .map_err(|e| Error::invalid("body", format!("bad JSON body: {e}")))?
+            super::json_body(&body, "body")?
         };
         live(&c, &id)?;
         let snap = durable::snapshot(&c.app, &id).await?;

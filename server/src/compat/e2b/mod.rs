@@ -220,8 +220,10 @@ pub struct NewSandbox {
     pub auto_pause: Option<bool>,
     /// `{"enabled": bool}`: resume at any in-sandbox request while paused.
     pub auto_resume: Option<AutoResume>,
-    /// E2B's switch for the whole internet (its SDK sends `true` unless told otherwise).
-    #[serde(rename = "allow_internet_access")]
+    /// E2B's switch for the whole internet (its SDK sends `true` unless told otherwise;
+    /// the camelCase some clients write is read too, rather than ignored: its `false`
+    /// ignored would leave the server's default in force).
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
     pub allow_internet_access: Option<bool>,
     /// E2B's egress lists ([`network`]).
     pub network: Option<network::NetworkConfig>,
@@ -325,9 +327,9 @@ async fn create_sandbox(c: &Compat, req: NewSandbox) -> Result<Response, Error> 
 
 /// `POST /v2/sandboxes`.
 pub async fn create(State(c): State<Compat>, body: axum::body::Bytes) -> Response {
-    let req = match serde_json::from_slice::<NewSandbox>(&body) {
+    let req = match json_body::<NewSandbox>(&body, "body") {
         Ok(r) => r,
-        Err(e) => return e2b_error(Error::invalid("body", format!("bad JSON body: {e}"))),
+        Err(e) => return e2b_error(e),
     };
     create_sandbox(&c, req).await.unwrap_or_else(e2b_error)
 }
@@ -554,10 +556,18 @@ fn set_lifetime(state: &AppState, e: &Entry, seconds: u64) -> Result<(), Error> 
     Ok(())
 }
 
-/// A request's JSON body as `T`, or a 400 naming `field`.
-pub fn json_body<T: serde::de::DeserializeOwned>(body: &[u8], field: &str) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|err| ApiError::invalid(field, format!("bad JSON body: {err}")))
+/// A request's JSON body as `T`, or a 400 naming the field at fault (`network.deny_out`;
+/// `what` where the body is not JSON at all) and repeating at most a short prefix of what
+/// the client sent ([`crate::core::echo`]).
+pub fn json_body<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, ApiError> {
+    crate::http::body::parse(body).map_err(|e| match e {
+        ApiError::Service(Error::Invalid { field, message })
+        | ApiError::Json { field, message } => match field {
+            Some(f) => ApiError::invalid(f.clone(), format!("bad JSON body: {f}: {message}")),
+            None => ApiError::invalid(what, format!("bad JSON body: {message}")),
+        },
+        other => other,
+    })
 }
 
 /// `POST /sandboxes/{id}/timeout`: 204.

@@ -13,7 +13,14 @@
 //! - what bud does not do yet is refused, never ignored: `rules` (headers injected into a
 //!   host's requests), `dnsServers`, `egressProxy`; the ingress settings
 //!   (`allowPublicTraffic`, `maskRequestHost`, `httpsPorts`) are accepted and have no effect,
-//!   as bud serves no public URL.
+//!   as bud serves no public URL;
+//! - a key the object does not have is refused with a 400 naming it (as bud's own API
+//!   refuses one): `{"deny_out": [...]}`, the spelling E2B's Python SDK takes before it
+//!   sends `denyOut`, would otherwise leave the server's default in force. The keys are those
+//!   E2B's OpenAPI spec and SDKs send (`spec/openapi.yml`'s `SandboxNetworkConfig` and
+//!   `SandboxNetworkUpdateConfig`, and `httpsPorts` of its newer SDKs);
+//!   `allow_internet_access` is a key of the update's body, and beside `network` at create
+//!   (refused inside it there: E2B would not read it).
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -25,9 +32,9 @@ use crate::core::egress::PolicySpec;
 use crate::http::error::ApiError;
 use crate::service::error::Error;
 
-/// E2B's `network` object (create and update).
+/// E2B's `network` object at create, and the body of `PUT /sandboxes/{id}/network`.
 #[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NetworkConfig {
     #[serde(default)]
     pub allow_out: Option<Vec<String>>,
@@ -46,15 +53,13 @@ pub struct NetworkConfig {
     pub mask_request_host: Option<String>,
     #[serde(default)]
     pub https_ports: Option<Vec<u16>>,
-}
-
-/// `PUT /sandboxes/{id}/network`'s body.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct NetworkUpdate {
-    #[serde(flatten)]
-    pub network: NetworkConfig,
-    #[serde(rename = "allow_internet_access")]
+    /// The update's switch for the whole internet (snake_case in E2B's JSON); at create it
+    /// goes beside `network`, and is refused in it.
+    #[serde(
+        default,
+        rename = "allow_internet_access",
+        alias = "allowInternetAccess"
+    )]
     pub allow_internet_access: Option<bool>,
 }
 
@@ -112,6 +117,12 @@ pub fn at_create(
     allow_internet_access: Option<bool>,
     network: Option<&NetworkConfig>,
 ) -> Result<Option<PolicySpec>, Error> {
+    if network.is_some_and(|n| n.allow_internet_access.is_some()) {
+        return Err(Error::invalid(
+            "network.allow_internet_access",
+            "allow_internet_access goes beside network at create, not in it",
+        ));
+    }
     let spec = policy(allow_internet_access, network)?;
     let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
     let card = crate::service::templates::engine_for(state, Some(template))
@@ -138,8 +149,8 @@ pub async fn update(
 ) -> Response {
     let run = || -> Result<Response, ApiError> {
         let (_, e) = live(&c, &id)?;
-        let u: NetworkUpdate = json_body(&body, "network")?;
-        let spec = policy(u.allow_internet_access, Some(&u.network))?.unwrap_or_default();
+        let u: NetworkConfig = json_body(&body, "network")?;
+        let spec = policy(u.allow_internet_access, Some(&u))?.unwrap_or_default();
         crate::service::network::put(&c.app, &e.id, &spec)?;
         Ok(StatusCode::NO_CONTENT.into_response())
     };
