@@ -264,6 +264,7 @@ impl AppState {
                 None => crate::core::egress::Hosts::default(),
             },
             private: config.egress_allow_private.clone(),
+            listeners: Arc::default(),
             max_bytes: config.egress_max_bytes,
             totals: Arc::default(),
             audit: audit.clone(),

@@ -238,12 +238,15 @@ pub async fn count_responses(State(state): State<AppState>, req: Request, next: 
 
 /// Serves `app` (the router over `state`, [`crate::app`]) on `listener` until `shutdown` resolves; then stops accepting, waits for
 /// every in-flight request (so every running job) to finish, and stops the job threads.
+/// The listener's address is one no sandbox's network reaches
+/// ([`crate::core::egress::listeners`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    state.egress_site().listeners.add(listener.local_addr()?);
     let reaper = tokio::spawn(service::lifecycle::reaper(state.clone()));
     let header_timeout = state.config().limits.header_timeout();
     // Once the shutdown starts, running and queued jobs get the grace period to finish;

@@ -180,6 +180,11 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
             let agent = TcpListener::bind(addr)
                 .await
                 .map_err(|source| ServeError::Bind { addr, source })?;
+            // Never reached from a sandbox, as the API's own listener is not (`http::serve`).
+            state
+                .egress_site()
+                .listeners
+                .add(agent.local_addr().map_err(ServeError::Serve)?);
             info!(addr = %addr, node = state.node().id(), "answering HAProxy's agent checks");
             tokio::spawn(crate::http::agent::serve(agent, state.clone()));
         }

@@ -69,7 +69,8 @@ pub struct Config {
     pub egress_default: EgressDefault,
     /// Private ranges sandboxes' policies may reach after all (comma-separated IPv4
     /// addresses and CIDRs): loopback, RFC 1918, link-local and the like are never dialed
-    /// otherwise, whatever a policy says.
+    /// otherwise, whatever a policy says. bud's own listening addresses and ports are never
+    /// dialed, whatever this opens.
     #[arg(
         long,
         value_name = "CIDRS",

@@ -4,10 +4,12 @@
 //! For a connection by name (the guest resolved it through bud's DNS, so the stack knows
 //! which name a synthetic address stands for), the gate resolves the *name* on the host
 //! (`--egress-hosts` first, then the host's resolver) and dials the first address that is
-//! dialable ([`super::ranges`]) and that the policy allows for that name: the address the
-//! guest used is never dialed, so an `/etc/hosts` line or a rebinding in the guest changes
-//! nothing. A connection to an address the guest used directly is decided on that
-//! address alone (no name: domain entries do not match it).
+//! dialable ([`super::ranges`]), is not the server's own listener on that port
+//! ([`super::listeners`]: checked before the policy, which cannot open it) and that the
+//! policy allows for that name: the address the guest used is never dialed, so an
+//! `/etc/hosts` line or a rebinding in the guest changes nothing. A connection to an
+//! address the guest used directly is decided on that address alone (no name: domain
+//! entries do not match it).
 //!
 //! Every attempt is kept in the gate's log (`GET /v1/sessions/{id}/network`), counted in the
 //! site's [`Totals`] (`/metrics`) and, with an audit log, written to it as a `dns` or
@@ -31,6 +33,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use vmm::{ConnectRequest, Egress, Limit, Traffic, Verdict};
 
+use super::listeners::Listeners;
 use super::policy::{Decision, Policy, PolicySpec};
 use super::ranges::{Hosts, Private};
 use crate::core::audit::{AuditLog, Origin};
@@ -39,11 +42,14 @@ use crate::core::audit::{AuditLog, Origin};
 pub const LOG_KEPT: usize = 10_000;
 
 /// What every gate of the server shares: what the operator decided (pinned names, private
-/// ranges opened), the totals the metrics read, and the audit log attempts are written to.
+/// ranges opened), the server's own listening sockets (never dialed), the totals the
+/// metrics read, and the audit log attempts are written to.
 #[derive(Debug, Clone, Default)]
 pub struct Site {
     pub hosts: Hosts,
     pub private: Private,
+    /// Where the server listens, registered as it binds ([`crate::http::serve`]).
+    pub listeners: Arc<Listeners>,
     /// Bytes each sandbox's connections may move in all (`--egress-max-bytes`).
     pub max_bytes: Option<u64>,
     pub totals: Arc<Totals>,
@@ -105,9 +111,11 @@ pub struct Attempt {
     /// Why: `allowed` (an allow entry), `unlisted` (no entry: allowed), `denied` (a deny
     /// entry), `no-policy`, `always-denied` (every address the name had is in a range no
     /// policy opens), `unresolved`, `nxdomain` (a name no entry allows where every address
-    /// is denied), `limit` (the sandbox had as many connections open or being dialed as one
-    /// may: refused by the stack without asking the policy), `bytes` (its connections had
-    /// moved all the bytes `--egress-max-bytes` allows).
+    /// is denied), `bud-listener` (the address and port are one the server itself listens
+    /// on: never dialed, whatever the policy or `--egress-allow-private` says), `limit` (the
+    /// sandbox had as many connections open or being dialed as one may: refused by the stack
+    /// without asking the policy), `bytes` (its connections had moved all the bytes
+    /// `--egress-max-bytes` allows).
     pub reason: &'static str,
     /// The entry that decided, as the client wrote it.
     pub rule: Option<String>,
@@ -281,6 +289,10 @@ impl Gate {
         }
         let mut refusal = ("always-denied", None);
         for addr in candidates {
+            if self.site.listeners.reached_by(addr, req.port).is_some() {
+                refusal = ("bud-listener", None);
+                continue;
+            }
             let decision = policy.decide(req.name, Some(addr), req.port);
             let (reason, rule) = match decision {
                 Decision::Allowed(rule) => ("allowed", Some(rule)),
@@ -483,6 +495,30 @@ mod tests {
         let child = g.child();
         assert_eq!(child.policy(), g.policy());
         assert!(child.attempts().0.is_empty(), "a child's log is its own");
+    }
+
+    #[test]
+    fn the_servers_own_listener_is_refused_whatever_the_policy_and_the_private_ranges_say() {
+        let g = gate(&["*"], &[], "api.test 127.0.0.1\n", "0.0.0.0/0");
+        g.site.listeners.add("127.0.0.1:8080".parse().unwrap());
+
+        let named = g.connect(&by_name("api.test", 8080));
+        let literal = g.connect(&by_addr(Ipv4Addr::LOCALHOST, 8080));
+        let other_port = g.connect(&by_name("api.test", 8081));
+
+        assert_eq!((named, literal), (Verdict::Refuse, Verdict::Refuse));
+        assert_eq!(other_port, Verdict::Dial("127.0.0.1:8081".parse().unwrap()));
+        let (log, _) = g.attempts();
+        assert_eq!(
+            log.iter()
+                .map(|a| (a.allowed, a.reason, a.rule.as_deref()))
+                .collect::<Vec<_>>(),
+            [
+                (false, "bud-listener", None),
+                (false, "bud-listener", None),
+                (true, "allowed", Some("*")),
+            ]
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 mod admission;
 mod conn;
+mod network;
 mod requests;
 mod sessions;
 
@@ -62,8 +63,18 @@ impl Served {
 
     /// Only the templates in `ready` served (the others stay `building`).
     async fn with_templates(config: Config, ready: &[&str]) -> Self {
+        Self::on(config, ready, FakeEngine::new()).await
+    }
+
+    /// Every template of `config.templates` served by `engine`.
+    async fn with_engine(config: Config, engine: FakeEngine) -> Self {
+        let all = config.templates.clone();
+        let ready: Vec<&str> = all.iter().map(String::as_str).collect();
+        Self::on(config, &ready, engine).await
+    }
+
+    async fn on(config: Config, ready: &[&str], engine: FakeEngine) -> Self {
         let state = AppState::new(config, None).expect("a state");
-        let engine = FakeEngine::new();
         for name in ready {
             let e = std::sync::Arc::new(engine.clone());
             assert!(state.set_engine(name, e, TemplateInfo::default()));
