@@ -48,6 +48,7 @@ use crate::devices::virtio::net::{
 };
 use crate::memory::{GuestRam, MemoryError};
 use crate::vcpu::Kicker;
+pub use dialer::queued as dialer_queued;
 pub use egress::{ConnectRequest, Egress, JobEgress, Limit, NoEgress, Traffic, Verdict};
 pub use stack::StackCounters;
 

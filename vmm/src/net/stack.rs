@@ -153,6 +153,8 @@ pub(crate) struct Stack {
     refused: HashSet<Conn>,
     dns_in_flight: usize,
     inbox: Arc<Mutex<Inbox>>,
+    /// This VM in the dialer's turns (its work waits in a queue of its own).
+    owner: dialer::Owner,
     egress: Arc<dyn Egress>,
     waker: Arc<Waker>,
     origin: Instant,
@@ -213,6 +215,7 @@ impl Stack {
             refused: HashSet::new(),
             dns_in_flight: 0,
             inbox: Arc::default(),
+            owner: dialer::Owner::new(),
             egress,
             waker,
             origin,
@@ -335,19 +338,23 @@ impl Stack {
         }
         self.held.insert(conn, (frame.to_vec(), id));
         let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
-        dialer::submit(Box::new(move || {
-            let req = ConnectRequest {
-                name: name.as_deref(),
-                addr,
-                port: dst.port,
-                id,
-            };
-            let dialed = match egress.connect(&req) {
-                Verdict::Refuse => Dialed::Refused,
-                Verdict::Dial(target) => dial(target, &waker),
-            };
-            deliver(&inbox, &waker, Done::Dial(conn, dialed));
-        }));
+        dialer::submit(
+            self.owner,
+            dialer::Kind::Dial,
+            Box::new(move || {
+                let req = ConnectRequest {
+                    name: name.as_deref(),
+                    addr,
+                    port: dst.port,
+                    id,
+                };
+                let dialed = match egress.connect(&req) {
+                    Verdict::Refuse => Dialed::Refused,
+                    Verdict::Dial(target) => dial(target, &waker),
+                };
+                deliver(&inbox, &waker, Done::Dial(conn, dialed));
+            }),
+        );
         true
     }
 
@@ -435,10 +442,14 @@ impl Stack {
                     let query = query.to_vec();
                     let (egress, inbox, waker) =
                         (self.egress.clone(), self.inbox.clone(), self.waker.clone());
-                    dialer::submit(Box::new(move || {
-                        let known = egress.knows(&name);
-                        deliver(&inbox, &waker, Done::Dns { query, meta, known });
-                    }));
+                    dialer::submit(
+                        self.owner,
+                        dialer::Kind::Lookup,
+                        Box::new(move || {
+                            let known = egress.knows(&name);
+                            deliver(&inbox, &waker, Done::Dns { query, meta, known });
+                        }),
+                    );
                 }
                 // Too many waiting: dropped, the guest's resolver asks again.
                 Answer::Ask(_) | Answer::Ignore => {}

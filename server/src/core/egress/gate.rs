@@ -91,6 +91,7 @@ impl Totals {
             connect_refused: n(&self.connect_refused),
             bytes_sent: n(&self.bytes_sent),
             bytes_received: n(&self.bytes_received),
+            queued: vmm::net::dialer_queued() as u64,
         }
     }
 }
@@ -576,6 +577,7 @@ mod tests {
                 connect_refused: 1,
                 bytes_sent: 121,
                 bytes_received: 4097,
+                queued: 0,
             }
         );
         // Once closed, the same number finds nothing more to close.

@@ -1,7 +1,7 @@
 //! The figures `/metrics` shows that other parts own: the job queue's, the executors',
 //! the sessions', the state directory's, the audit log's and the sandboxes' networks'
-//! (`bud_egress_attempts_total{kind,result}`, `bud_egress_bytes_total{direction}`, zero
-//! on a server whose templates have no network card), handed in as [`Gauges`] by
+//! (`bud_egress_attempts_total{kind,result}`, `bud_egress_bytes_total{direction}`,
+//! `bud_egress_queued`, zero on a server whose templates have no network card), handed in as [`Gauges`] by
 //! the handler and registered in a registry made for that scrape (prometheus-client's
 //! constant gauges and counters); and the process's memory, read from `/proc`. Nothing
 //! here is kept between scrapes.
@@ -47,6 +47,8 @@ pub struct EgressGauges {
     pub connect_refused: u64,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// Lookups and dials waiting for a dial thread (`vmm::net::dialer_queued`).
+    pub queued: u64,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -168,6 +170,12 @@ fn egress(r: &mut Registry, e: &EgressGauges) {
         "bud_egress_bytes",
         "Bytes of sandboxes' closed connections, sent by the guests and received by them",
         bytes,
+    );
+    gauge(
+        r,
+        "bud_egress_queued",
+        "Sandboxes' lookups and dials waiting for a dial thread",
+        e.queued,
     );
 }
 

@@ -17,8 +17,9 @@
 //! - with an audit log, `bud_audit_records_total{result}` (`written`, `dropped`) and
 //!   `bud_audit_failing`.
 //! - sandboxes' networks: `bud_egress_attempts_total{kind,result}` (`dns`, `connect`;
-//!   `allowed`, `refused`) and `bud_egress_bytes_total{direction}` (`sent`, `received`: bytes
-//!   of connections that are over).
+//!   `allowed`, `refused`), `bud_egress_bytes_total{direction}` (`sent`, `received`: bytes
+//!   of connections that are over) and `bud_egress_queued` (lookups and dials waiting for a
+//!   dial thread).
 //! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
 //!   idle warm VMs, live clones, and the process's resident memory.
 //! - VM reuse: `bud_resets_total`, `bud_reset_seconds_total`, `bud_reset_restored_pages_total`,
@@ -408,6 +409,7 @@ mod tests {
                 dns_allowed: 2,
                 connect_refused: 1,
                 bytes_received: 4096,
+                queued: 3,
                 ..Default::default()
             }),
             ..Default::default()
@@ -432,6 +434,7 @@ mod tests {
                 "bud_audit_records_total counter",
                 "bud_egress_attempts_total counter",
                 "bud_egress_bytes_total counter",
+                "bud_egress_queued gauge",
                 "bud_http_responses_total counter",
                 "bud_job_clone_seconds histogram",
                 "bud_job_exits_total counter",
@@ -517,6 +520,7 @@ mod tests {
             "bud_egress_attempts_total{kind=\"connect\",result=\"allowed\"} 0\n",
             "bud_egress_bytes_total{direction=\"received\"} 4096\n",
             "bud_egress_bytes_total{direction=\"sent\"} 0\n",
+            "bud_egress_queued 3\n",
         ] {
             assert!(text.contains(series), "{series}: {text}");
         }
