@@ -8,6 +8,7 @@
 //!   template on first use), print its output and exit with its exit code.
 //! - `bud serve`: the HTTP API (`bud-server`), until SIGINT or SIGTERM.
 //! - `bud audit`: the records of an audit log that match filters.
+//! - `bud template`: user templates built from a definition (`build FILE`, `list`, `rm`).
 //!
 //! Each subcommand is a module (`*_cmd.rs`: its options and what it does); this file holds
 //! the global options, the guest build they share, and the dispatch.
@@ -18,9 +19,11 @@ use std::time::Instant;
 
 mod audit_cmd;
 mod boot_cmd;
+mod builder_cmd;
 mod remote;
 mod run_cmd;
 mod serve_cmd;
+mod template_cmd;
 mod trace_cmd;
 
 use anyhow::Context;
@@ -60,6 +63,11 @@ enum Command {
     Audit(audit_cmd::AuditArgs),
     /// Check a session's trace (`bud trace verify FILE`).
     Trace(trace_cmd::TraceArgs),
+    /// User templates: build one from a definition, list, remove (docs/templates.md).
+    Template {
+        #[command(subcommand)]
+        command: template_cmd::TemplateCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -151,6 +159,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve_cmd::serve(&cli, args),
         Command::Audit(args) => audit_cmd::audit(args),
         Command::Trace(args) => trace_cmd::trace(args),
+        Command::Template { command } => template_cmd::template(&cli, command),
     };
     match result {
         Ok(code) => code,

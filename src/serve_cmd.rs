@@ -9,6 +9,8 @@ use std::process::ExitCode;
 
 use bud_server::core::state::{Moment, SourceError};
 
+use anyhow::Context;
+
 use crate::Cli;
 
 #[derive(Debug, clap::Args)]
@@ -65,8 +67,21 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
     if config.state_dir.is_none() && args.port != 0 {
         config.state_dir = Some(build.build_dir.join("state").join(args.port.to_string()));
     }
+    // The user templates this server built before (its state directory's record) are
+    // served again, after the configured ones.
+    if let Some(dir) = &config.state_dir {
+        for name in bud_server::core::builds::recorded(dir) {
+            if !config.templates.contains(&name) {
+                config.templates.push(name);
+            }
+        }
+    }
     let ram_size = args.mem_mib.map(|m| m << 20);
     let network = config.network;
+    let builder = match config.builds.template_builds {
+        0 => None,
+        _ => Some(start_builder(cli, &config)?),
+    };
     bud_server::run(bud_server::ServeOptions {
         listen: args.listen,
         port: args.port,
@@ -74,6 +89,8 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         template: std::sync::Arc::new(move |name: &str, moment: Moment| {
             let mut build = build.clone();
             build.template = name.to_owned();
+            // A user template may say its sandboxes get no card (`network = false`).
+            let network = network && user_network(&build);
             let opts = bud_templates::TemplateOptions {
                 build,
                 // Added to a running server: its guest must be built (the server may not
@@ -81,6 +98,7 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 guest: match moment {
                     Moment::Start => bud_templates::GuestBuild::Existing,
                     Moment::Added => bud_templates::GuestBuild::Built,
+                    Moment::Built => bud_templates::GuestBuild::Saved,
                 },
                 ram_size,
                 network,
@@ -103,6 +121,53 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             };
             Ok((template, info))
         }),
+        builder,
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether `build`'s template (a user template stored under the build directory) wants a network card;
+/// true for a built-in template and for a user template that does not say.
+fn user_network(build: &bud_guest::BuildOptions) -> bool {
+    build
+        .layers()
+        .ok()
+        .flatten()
+        .and_then(|layers| layers.network())
+        .unwrap_or(true)
+}
+
+/// Starts the helper process that builds user templates (`bud template builder`:
+/// `bud_server::core::builds`), now, before the server's jail closes.
+fn start_builder(
+    cli: &Cli,
+    config: &bud_server::Config,
+) -> anyhow::Result<std::sync::Arc<dyn bud_server::core::builds::Builder>> {
+    let build = cli.build_options();
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.arg("--source-dir")
+        .arg(&build.source_dir)
+        .arg("--build-dir")
+        .arg(&build.build_dir)
+        .args(["template", "builder"])
+        .args([
+            "--timeout-s",
+            &config.builds.template_build_timeout_s.to_string(),
+        ])
+        .args([
+            "--max-image-mib",
+            &config.builds.template_max_image_mib.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    if config.network {
+        cmd.arg("--network");
+    }
+    let child = cmd.spawn().context("starting the template builder")?;
+    let built_in =
+        bud_guest::recipe::template_names(&build.source_dir.join(bud_guest::pipeline::RECIPE_DIR));
+    Ok(std::sync::Arc::new(
+        bud_server::core::builds::HelperBuilder::new(child, built_in)
+            .context("starting the template builder")?,
+    ))
 }

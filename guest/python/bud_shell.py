@@ -104,7 +104,8 @@ RESTORED_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 
 # Run once by the parked shell before READY (including what the EXIT trap of a job does:
 # trap, command exec, printf to an fd, kill); everything it defines is removed again, so
-# the shell a job gets is the state `sh -c` starts in. Output goes to /dev/null.
+# the shell a job gets is the state `sh -c` starts in (its working directory too: the
+# worker's, a user template's `workdir`). Output goes to /dev/null.
 WARM_SCRIPT = b"""exec 3<&-
 bud_warm_fn() { local a="$1"; shift; echo "$a" "$#" "$@"; return 0; }
 {
@@ -120,12 +121,12 @@ hello world
 EOF
   echo "${#bud_line} ${bud_line%world} ${bud_line:-none} ${bud_unset:=def} ${bud_y##* }"
   export BUD_WARM=1; unset BUD_WARM; :
-  cd /tmp && pwd; command -v echo; eval 'echo "$bud_x"'; echo err >&2
+  bud_d=$PWD; cd /tmp && pwd; cd "$bud_d"; command -v echo; eval 'echo "$bud_x"'; echo err >&2
   trap 'echo trap' USR1; trap - USR1; kill -0 $$
   command exec 5>/dev/null && printf '%d\n' 0 >&5; exec 5>&-
 } >/dev/null 2>&1
 unset -f bud_warm_fn
-unset -v bud_x bud_y bud_z bud_i bud_w bud_line bud_unset
+unset -v bud_x bud_y bud_z bud_i bud_w bud_line bud_unset bud_d
 set --
 printf 'bud-shell-ready\\n' >&4
 exec 4>&-

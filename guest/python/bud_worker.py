@@ -65,6 +65,7 @@ import bud_procs
 # 1 stays Python's own "uncaught exception" (a bug here; the traceback is on the console).
 EXIT_USAGE = 64  # not started as `-m bud_worker --guest` or `--dry-run`
 EXIT_SETUP_FAILED = 70  # an OS call of the warm-up failed (doorbell, mailbox, mlockall)
+EXIT_USER_WARM_FAILED = 71  # a user template's warm-up code raised (traceback on the console)
 
 # Standard-library modules imported before the snapshot, so that jobs find them in
 # sys.modules. A cold import costs ~0.1-0.5 s in the guest (each file is several syscalls),
@@ -280,6 +281,65 @@ def warm_template(path=TEMPLATE_MANIFEST):
     return name, None
 
 
+class UserWarmFailed(Exception):
+    """A user template's warm-up code raised: the template must not come up."""
+
+
+# The guest's non-root user (etc/passwd), who owns the work directory.
+USER_UID = USER_GID = 1000
+
+
+def apply_user_layers(path=TEMPLATE_MANIFEST):
+    """A user template's part of the manifest (guest/src/image/user_layer.rs): its
+    environment (the worker's, so every job and child process inherits it), its files under
+    the work directory (staged elsewhere, since /tmp and /home/user are mounted over the
+    image), its working directory, then its warm-up code, each layer's in order. Unlike a
+    built-in template's warm-up, a failure here is fatal: raises UserWarmFailed with the
+    traceback, which fails the template's build."""
+    import json
+    import shutil
+    import traceback
+
+    try:
+        with open(path, "rb") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return
+    for key, value in (manifest.get("env") or {}).items():
+        os.environ[key] = value
+    for staged, dest in manifest.get("home_files") or ():
+        _make_user_dirs(os.path.dirname(dest))
+        shutil.copyfile(staged, dest)
+        os.chown(dest, USER_UID, USER_GID)
+    workdir = manifest.get("workdir")
+    if workdir:
+        _make_user_dirs(workdir)
+        os.chdir(workdir)
+    for code_path in manifest.get("user_warm") or ():
+        with open(code_path, "rb") as f:
+            source = f.read()
+        try:
+            exec(compile(source, code_path, "exec"), {"__name__": "__bud_warm__"})
+        except BaseException as error:  # noqa: BLE001 - SystemExit too: the build fails
+            # From the warm-up's own frames on (the first one is this function's exec).
+            tb = error.__traceback__.tb_next if error.__traceback__ else None
+            text = "".join(traceback.format_exception(type(error), error, tb))
+            raise UserWarmFailed(f"warm-up {code_path} failed:\n{text}") from None
+
+
+def _make_user_dirs(path):
+    """Makes ``path`` and its missing parents; those under the work directory belong to
+    the guest's user, as the work directory does."""
+    missing = []
+    while path and path != "/" and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.mkdir(directory)
+        if directory.startswith(("/tmp/", "/home/user/")):
+            os.chown(directory, USER_UID, USER_GID)
+
+
 def template_kernels(path=TEMPLATE_MANIFEST):
     """How many code-context kernels the template holds (its manifest's ``kernels``; see
     ``bud_procs.Table.prepare_kernels``)."""
@@ -351,6 +411,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     code_failure = warm_code_paths()
     mark("code")
     template, template_failure = warm_template()
+    apply_user_layers()
     kernels = template_kernels()
     mark("template")
     reserve_memory()
@@ -484,6 +545,9 @@ def main(argv):
     dry_run = mode == "--dry-run"
     try:
         runner, steps, facts = warm(doorbell=not dry_run)
+    except UserWarmFailed as failure:
+        log(str(failure))
+        return EXIT_USER_WARM_FAILED
     except OSError as error:
         log(f"warm-up failed: {error}")
         return EXIT_SETUP_FAILED

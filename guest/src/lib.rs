@@ -7,6 +7,7 @@
 
 pub mod cpio;
 pub mod debs;
+pub mod definition;
 pub mod elf;
 pub mod hashes;
 pub mod host;
@@ -20,7 +21,9 @@ pub mod recipe;
 pub mod run;
 pub mod site;
 pub mod stage;
+pub mod user;
 pub mod venv;
+pub mod wheels;
 pub mod zip;
 pub mod zipped;
 

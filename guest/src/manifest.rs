@@ -38,7 +38,7 @@ const SHELL_PACKAGE: &str = "busybox-static";
 /// The shell the worker runs, relative to the root.
 const SHELL: &str = "bin/sh";
 /// Where tools are looked for, relative to the root.
-const TOOL_DIRS: &[&str] = &["bin", "usr/bin", "sbin", "usr/sbin"];
+const TOOL_DIRS: &[&str] = &["bin", "usr/bin", "sbin", "usr/sbin", "usr/local/bin"];
 
 /// The upstream part of a Debian version: `1:1.35.0-4+b3` is `1.35.0`.
 pub fn upstream(version: &str) -> &str {
@@ -111,8 +111,25 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             .iter()
             .map(|p| (p.name.clone(), p.version.clone()))
             .collect::<BTreeMap<_, _>>(),
+        python_packages: python_packages(&rootfs.join(crate::wheels::SITE_DIR)),
         network: Network::None,
     }
+}
+
+/// Name to version of every `{name}-{version}.dist-info` directory in `site`.
+fn python_packages(site: &Path) -> BTreeMap<String, String> {
+    let Ok(entries) = std::fs::read_dir(site) else {
+        return BTreeMap::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let stem = name.strip_suffix(".dist-info")?;
+            let (name, version) = stem.rsplit_once('-')?;
+            Some((name.to_owned(), version.to_owned()))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -155,6 +172,12 @@ mod derive_tests {
         symlink("/bin/busybox", root.join("bin/sh")).unwrap();
         symlink("/bin/busybox", root.join("usr/bin/awk")).unwrap();
         std::fs::write(root.join("usr/bin/README"), b"not a program").unwrap();
+        executable(&root, "usr/local/bin/tabulate");
+        std::fs::create_dir_all(
+            root.join(crate::wheels::SITE_DIR)
+                .join("tabulate-0.9.0.dist-info"),
+        )
+        .unwrap();
         let packages = [
             package("python3.11-minimal", "3.11.2-6+deb12u9"),
             package("busybox-static", "1:1.35.0-4+b3"),
@@ -173,7 +196,8 @@ mod derive_tests {
                 ("shell", "1.35.0", Language::Shell)
             ]
         );
-        assert_eq!(m.tools, ["bash", "busybox", "git"]);
+        assert_eq!(m.tools, ["bash", "busybox", "git", "tabulate"]);
+        assert_eq!(m.python_packages["tabulate"], "0.9.0");
         assert_eq!(m.packages["bash"], "5.2.15-2+b7");
         assert_eq!(m.kernel("python").map(|k| k.warm), Some(0));
         assert_eq!(m.kernel("bash").map(|k| k.run), Some(Language::Shell));

@@ -15,13 +15,16 @@ use std::time::Instant;
 use sha2::{Digest, Sha256};
 
 use crate::debs::{self, DebError, Package};
+use crate::definition::Definition;
 use crate::hashes::{HashCache, HashError};
 use crate::host::{self, Apt, HostError};
 use crate::image::{self, Image, ImageError, ImageInputs, ImageReport};
 use crate::lock::{BuildLock, LockError};
 use crate::manifest::{self, MANIFEST_FILE, ManifestError};
-use crate::recipe::{Recipe, RecipeError};
+use crate::recipe::{Recipe, RecipeError, Site};
 use crate::run::{self, RunError};
+use crate::user::{Layers, UserError};
+use crate::wheels::{self, WheelError};
 
 /// The kernel build (kept in scripts/): `bash <script> <out dir>` leaves `<out dir>/vmlinux`.
 pub const KERNEL_SCRIPT: &str = "scripts/build-kernel.sh";
@@ -68,7 +71,17 @@ pub enum BuildError {
     StagedImageMissing(PathBuf),
     #[error("manifest step")]
     Manifest(#[source] ManifestError),
+    #[error("user template")]
+    User(#[source] UserError),
+    #[error("Python packages")]
+    Wheels(#[source] WheelError),
+    #[error("pip: the base image's packages have no {PIP_PACKAGE}")]
+    NoPip,
 }
+
+/// The Debian package of the base image that carries pip as a wheel (run on the host to
+/// fetch a user template's wheels: `wheels.rs`).
+const PIP_PACKAGE: &str = "python3-pip-whl";
 
 /// Where to build from and to.
 #[derive(Debug, Clone)]
@@ -79,9 +92,12 @@ pub struct BuildOptions {
     pub build_dir: PathBuf,
     /// Ask apt for the current package versions even when the cached ones are complete.
     pub refresh_packages: bool,
-    /// The template whose image to build: [`recipe::BASE_TEMPLATE`] or one of
-    /// `guest/image/templates/`.
+    /// The template whose image to build: [`recipe::BASE_TEMPLATE`], one of
+    /// `guest/image/templates/`, or a user template (stored, or [`Self::definition`]).
     pub template: String,
+    /// A user template's definition to build (not stored yet: `user::save` stores it once
+    /// its build and first boot succeeded). `None`: a built-in or stored template.
+    pub definition: Option<Definition>,
 }
 
 impl BuildOptions {
@@ -92,6 +108,43 @@ impl BuildOptions {
             source_dir,
             refresh_packages: false,
             template: crate::recipe::BASE_TEMPLATE.to_owned(),
+            definition: None,
+        }
+    }
+
+    /// The template's user layers: `None` for a built-in template; the definition given or
+    /// stored for a user template.
+    pub fn layers(&self) -> Result<Option<Layers>, BuildError> {
+        let recipe_dir = self.source_dir.join(RECIPE_DIR);
+        if let Some(def) = self.definition.as_ref().filter(|d| d.name == self.template) {
+            return Layers::resolve(def, &recipe_dir, &self.build_dir)
+                .map(Some)
+                .map_err(BuildError::User);
+        }
+        if crate::recipe::template_names(&recipe_dir).contains(&self.template) {
+            return Ok(None);
+        }
+        match Layers::of_stored(&self.template, &recipe_dir, &self.build_dir) {
+            Ok(Some(layers)) => Ok(Some(layers)),
+            // Neither built in nor stored: the recipe's error names the known ones.
+            Ok(None) => crate::recipe::load_site(&recipe_dir, &self.template)
+                .map(|_| None)
+                .map_err(BuildError::Recipe),
+            Err(e) => Err(BuildError::User(e)),
+        }
+    }
+
+    /// The template's site (what it adds to the base image) and its user layers.
+    pub fn site(&self) -> Result<(Option<Site>, Option<Layers>), BuildError> {
+        let recipe_dir = self.source_dir.join(RECIPE_DIR);
+        match self.layers()? {
+            Some(layers) => {
+                let site = layers.site(&recipe_dir).map_err(BuildError::User)?;
+                Ok((Some(site), Some(layers)))
+            }
+            None => crate::recipe::load_site(&recipe_dir, &self.template)
+                .map(|site| (site, None))
+                .map_err(BuildError::Recipe),
         }
     }
 }
@@ -300,7 +353,7 @@ pub fn build_image(
 ) -> Result<(Image, Vec<Package>), BuildError> {
     let recipe_dir = opts.source_dir.join(RECIPE_DIR);
     let recipe = Recipe::load(&recipe_dir).map_err(BuildError::Recipe)?;
-    let site = crate::recipe::load_site(&recipe_dir, &opts.template).map_err(BuildError::Recipe)?;
+    let (site, layers) = opts.site()?;
     let debs_dir = opts.build_dir.join("debs");
     let mut hashes = HashCache::load(&opts.build_dir.join(HASH_CACHE));
     let specs = &recipe.packages.debs;
@@ -327,6 +380,13 @@ pub fn build_image(
         )
         .map_err(BuildError::Packages)?,
     };
+    let user = match layers {
+        None => None,
+        Some(layers) => {
+            let wheels = fetch_wheels(opts, &layers, &packages, progress)?;
+            Some(image::UserInputs { layers, wheels })
+        }
+    };
     let mut all = packages.clone();
     all.extend(site_packages.iter().cloned());
     let inputs = ImageInputs {
@@ -340,6 +400,7 @@ pub fn build_image(
         site,
         site_debs_dir,
         site_packages,
+        user,
     };
     let image = image::ensure(
         &inputs,
@@ -368,12 +429,50 @@ fn write_manifest(
     if !rootfs.join(image::INIT_PATH).is_file() {
         return Err(BuildError::StagedImageMissing(rootfs));
     }
-    let site = crate::recipe::load_site(&opts.source_dir.join(RECIPE_DIR), &opts.template)
-        .map_err(BuildError::Recipe)?;
+    let (site, _) = opts.site()?;
     let m = manifest::derive(&opts.template, site.as_ref(), packages, &rootfs);
     m.write(&dir.join(MANIFEST_FILE))
         .map_err(BuildError::Manifest)?;
     Ok(m)
+}
+
+/// The wheels of a user template's Python requirements (`wheels.rs`), fetched with the pip
+/// of the base image's packages (unpacked once under `<build>/pip/`) into `<build>/wheels/`.
+fn fetch_wheels(
+    opts: &BuildOptions,
+    layers: &Layers,
+    packages: &[Package],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<wheels::Wheel>, BuildError> {
+    let requirements = layers.requirements();
+    if requirements.is_empty() {
+        return Ok(Vec::new());
+    }
+    let pip = packages
+        .iter()
+        .find(|p| p.name == PIP_PACKAGE)
+        .ok_or(BuildError::NoPip)?;
+    let pip_root = opts.build_dir.join("pip").join(&pip.sha256[..16]);
+    let wheel = match wheels::pip_wheel(&pip_root) {
+        Some(wheel) => wheel,
+        None => {
+            debs::extract(
+                std::slice::from_ref(pip),
+                &opts.build_dir.join("debs"),
+                &pip_root,
+                progress,
+            )
+            .map_err(BuildError::Packages)?;
+            wheels::pip_wheel(&pip_root).ok_or(BuildError::NoPip)?
+        }
+    };
+    wheels::fetch(
+        &requirements,
+        &wheel,
+        &opts.build_dir.join("wheels"),
+        progress,
+    )
+    .map_err(BuildError::Wheels)
 }
 
 /// sha256 over the kernel's and the image's sha256.
@@ -496,6 +595,7 @@ mod tests {
             site: None,
             site_debs_dir: opts.build_dir.join("debs-python"),
             site_packages: Vec::new(),
+            user: None,
         }
     }
 

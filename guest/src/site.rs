@@ -188,12 +188,14 @@ pub fn stage_site(
 }
 
 /// Writes the template manifest (module docs) and the warm-up code into the image.
-/// `recipe_dir` holds `templates/` (where the warm-up file is).
+/// `recipe_dir` holds `templates/` (where the warm-up file is); `user` is a user template's
+/// part of it (`image::user_layer`).
 pub fn write_manifest(
     name: &str,
     site: Option<&Site>,
     packages: &[Package],
     recipe_dir: &Path,
+    user: Option<BTreeMap<&'static str, serde_json::Value>>,
     staging: &Staging,
 ) -> Result<(), SiteError> {
     let mut warm = None;
@@ -207,13 +209,18 @@ pub fn write_manifest(
         .iter()
         .map(|p| (p.name.as_str(), p.version.as_str()))
         .collect();
-    let manifest = serde_json::json!({
+    let mut manifest = serde_json::json!({
         "name": name,
         "preload": site.map(|s| s.preload.clone()).unwrap_or_default(),
         "kernels": site.map_or(0, |s| s.kernels),
         "warm": warm,
         "packages": versions,
     });
+    if let Some(object) = manifest.as_object_mut() {
+        for (key, value) in user.into_iter().flatten() {
+            object.insert(key.to_owned(), value);
+        }
+    }
     staging.write(
         MANIFEST_PATH,
         serde_json::to_string_pretty(&manifest)

@@ -25,6 +25,9 @@ pub enum GuestBuild {
     /// Use them as they are and never build: missing ones are an error (a template added
     /// to a running server, which may no longer run a build).
     Built,
+    /// As [`Self::Built`], and the template too must be saved already: it is loaded, never
+    /// booted (a jailed server loading what its builder process built and booted).
+    Saved,
 }
 
 /// Errors of getting a template.
@@ -38,6 +41,13 @@ pub enum TemplateSetupError {
     Recipe(#[from] bud_guest::recipe::RecipeError),
     #[error("template {0} has no guest build (`bud guest build --template {0}` makes one)")]
     NotBuilt(String),
+    #[error("storing the definition: {0}")]
+    Store(#[from] bud_guest::user::UserError),
+    #[error(
+        "the image is {size_mib} MiB, over the limit of {limit_mib} MiB (fewer or smaller \
+         packages, or a larger limit)"
+    )]
+    TooLarge { size_mib: u64, limit_mib: u64 },
 }
 
 /// What to prepare.
@@ -101,6 +111,39 @@ pub fn image_facts(opts: &TemplateOptions) -> (u64, std::collections::BTreeMap<S
     (size, manifest.map(|m| m.packages).unwrap_or_default())
 }
 
+/// Builds user template `definition` (`bud_guest::user`): its image brought up to date,
+/// its first boot (which runs its warm-up code: an exception fails the build), and only
+/// then its definition stored, so that a failed build leaves nothing registered.
+/// `build`'s template and definition are set from `definition`; an image over
+/// `max_image_bytes` is refused before it boots.
+pub fn build_user(
+    mut build: BuildOptions,
+    definition: bud_guest::definition::Definition,
+    network: bool,
+    max_image_bytes: u64,
+    progress: &mut dyn FnMut(&str),
+    echo: Option<EchoFn>,
+) -> Result<Template, TemplateSetupError> {
+    build.template = definition.name.clone();
+    build.definition = Some(definition.clone());
+    let artifacts = ensure(&build, progress).map_err(Box::new)?;
+    if artifacts.image_size > max_image_bytes {
+        return Err(TemplateSetupError::TooLarge {
+            size_mib: artifacts.image_size.div_ceil(1 << 20),
+            limit_mib: max_image_bytes >> 20,
+        });
+    }
+    let opts = TemplateOptions {
+        build,
+        guest: GuestBuild::Built,
+        ram_size: None,
+        network,
+    };
+    let template = template(&opts, progress, echo)?;
+    bud_guest::user::save(&opts.build.build_dir, &definition)?;
+    Ok(template)
+}
+
 /// The guest (found or built), then its template (loaded, or booted and saved: about a
 /// minute the first time). `progress` sees the guest build's lines; `echo` the console of a
 /// template boot.
@@ -109,21 +152,21 @@ pub fn template(
     progress: &mut dyn FnMut(&str),
     echo: Option<EchoFn>,
 ) -> Result<Template, TemplateSetupError> {
-    if opts.guest == GuestBuild::Built {
+    if matches!(opts.guest, GuestBuild::Built | GuestBuild::Saved) {
         let (kernel, initramfs) = artifact_paths(&opts.build.build_dir, opts.name());
         let manifest = bud_guest::manifest_path(&opts.build.build_dir, opts.name());
         if !(kernel.is_file() && initramfs.is_file() && manifest.is_file()) {
             return Err(TemplateSetupError::NotBuilt(opts.name().to_owned()));
         }
     }
-    let site = bud_guest::recipe::load_site(&opts.build.source_dir.join(RECIPE_DIR), opts.name())?;
+    let (site, _) = opts.build.site().map_err(Box::new)?;
     let (kernel, initramfs) = match opts.guest {
         GuestBuild::Existing => built_or_ensure(&opts.build, progress).map_err(Box::new)?,
         GuestBuild::Current => {
             let a = ensure(&opts.build, progress).map_err(Box::new)?;
             (a.kernel, a.initramfs)
         }
-        GuestBuild::Built => artifact_paths(&opts.build.build_dir, opts.name()),
+        GuestBuild::Built | GuestBuild::Saved => artifact_paths(&opts.build.build_dir, opts.name()),
     };
     let mut boot = BootConfig::new(kernel, initramfs);
     boot.ram_size = opts.ram_size.unwrap_or_else(|| {
@@ -138,5 +181,8 @@ pub fn template(
         boot,
         root: opts.template_root(),
     };
-    Ok(Template::load_or_build(&spec, echo)?)
+    Ok(match opts.guest {
+        GuestBuild::Saved => Template::load_saved(&spec)?,
+        _ => Template::load_or_build(&spec, echo)?,
+    })
 }

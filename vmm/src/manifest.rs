@@ -95,6 +95,10 @@ pub struct Manifest {
     pub tools: Vec<String>,
     /// Every Debian package of the image, name to version.
     pub packages: BTreeMap<String, String>,
+    /// The Python packages a user template's wheels put in (`*.dist-info` under
+    /// `/usr/local/lib/python3.11/dist-packages`), name to version; empty for the others.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub python_packages: BTreeMap<String, String>,
     pub network: Network,
 }
 
@@ -242,6 +246,7 @@ mod tests {
             }],
             tools: vec!["bash".into(), "busybox".into()],
             packages: BTreeMap::from([("bash".into(), "5.2.15-2+b7".into())]),
+            python_packages: BTreeMap::from([("tabulate".into(), "0.9.0".into())]),
             network: Network::None,
         }
     }

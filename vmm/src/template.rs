@@ -49,6 +49,8 @@ pub(crate) const TEMPLATES_KEPT: usize = 3;
 /// Errors of building, loading or cloning a template.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
+    #[error("no saved template at {0} (its first boot has not run, or its files were removed)")]
+    NotSaved(PathBuf),
     #[error("cannot read {path}")]
     ReadInput {
         path: PathBuf,
@@ -231,6 +233,18 @@ impl Template {
     /// Processes that ask for the same template at once (a server and a `bud run`, two test
     /// binaries) take turns on a lock file beside it: one boots, the others then load.
     pub fn load_or_build(spec: &TemplateSpec, echo: Option<EchoFn>) -> Result<Self, TemplateError> {
+        Self::load_or(spec, Some(echo))
+    }
+
+    /// The template of `spec` as saved by an earlier first boot; never boots (an error
+    /// when there is none). For a caller that may not boot: a jailed server loading a
+    /// template its builder process booted.
+    pub fn load_saved(spec: &TemplateSpec) -> Result<Self, TemplateError> {
+        Self::load_or(spec, None)
+    }
+
+    /// [`Self::load_or_build`]'s work; `boot: None` forbids the boot.
+    fn load_or(spec: &TemplateSpec, boot: Option<Option<EchoFn>>) -> Result<Self, TemplateError> {
         let manifest = Manifest::load(&manifest_path(&spec.boot.initramfs))?;
         let key = template_key(&spec.boot)?;
         let dir = spec.root.join(&key);
@@ -254,6 +268,9 @@ impl Template {
         if let Some(loaded) = found(&dir) {
             return loaded;
         }
+        let Some(echo) = boot else {
+            return Err(TemplateError::NotSaved(dir));
+        };
         let _lock = lock_file(&spec.root.join(format!("{key}.lock")))?;
         if let Some(loaded) = found(&dir) {
             return loaded;

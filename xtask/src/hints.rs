@@ -76,6 +76,9 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     // (the kernel build is the head of every guest test's chain; fuzz's build is nobody's).
     ("tests/fuzz.rs", 269, ON_GUEST),
     ("server/tests/templates.rs", 229, ON_ALL),
+    // Builds two user templates (apt, a wheel, a first boot each) through bud serve's
+    // builder process, and restarts the server twice.
+    ("tests/user_templates.rs", 200, ON_PYTHON),
     ("tests/reset.rs", 116, ON_PYTHON),
     // Two memory bombs and a job just under the cap.
     ("tests/memory_cap.rs", 95, ON_PYTHON),

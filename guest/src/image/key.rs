@@ -53,6 +53,23 @@ pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String,
     for p in inputs.packages.iter().chain(&inputs.site_packages) {
         text.push_str(&format!("deb {} {} {}\n", p.name, p.version, p.sha256));
     }
+    if let Some(user) = &inputs.user {
+        for def in &user.layers.chain {
+            let json = def.to_json();
+            text.push_str(&format!(
+                "definition {} {}\n",
+                def.name,
+                hex::encode(Sha256::digest(json.as_bytes()))
+            ));
+        }
+        for wheel in &user.wheels {
+            text.push_str(&format!(
+                "wheel {} {}\n",
+                wheel.path.file_name().unwrap_or_default().to_string_lossy(),
+                hash_of(hashes, &wheel.path)?
+            ));
+        }
+    }
     text.push_str(&format!("agent {}\n", hash_of(hashes, &inputs.agent)?));
     text.push_str(&format!(
         "extension {}\n",

@@ -29,6 +29,7 @@ mod extras;
 mod key;
 mod passwd;
 mod report;
+mod user_layer;
 
 use key::current;
 use report::{report, write_contents};
@@ -89,6 +90,8 @@ pub enum ImageError {
     Zipped(#[from] crate::zipped::ZippedError),
     #[error("resolve shared libraries")]
     Libs(#[from] LibError),
+    #[error("unpack the template's wheels")]
+    Wheels(#[source] crate::wheels::WheelError),
     #[error("write archive {path}")]
     Archive {
         path: PathBuf,
@@ -131,6 +134,15 @@ pub struct ImageInputs {
     pub site_debs_dir: PathBuf,
     /// The template's packages: those it lists, then the libraries they need.
     pub site_packages: Vec<Package>,
+    /// A user template's layers and wheels (`crate::user`); `None` for a built-in one.
+    pub user: Option<UserInputs>,
+}
+
+/// What a user template adds ([`user_layer`]).
+#[derive(Debug, Clone)]
+pub struct UserInputs {
+    pub layers: crate::user::Layers,
+    pub wheels: Vec<crate::wheels::Wheel>,
 }
 
 /// A finished image.
@@ -219,6 +231,18 @@ pub fn build(
         progress("compiling and staging the template's dist-packages");
         site::stage_site(site, root, &staging, work_dir, progress)?;
     }
+    if let Some(user) = &inputs.user {
+        progress("staging the user template's packages, wheels and files");
+        user_layer::stage(
+            user,
+            &inputs.site_packages,
+            &inputs.site_debs_dir,
+            root,
+            &staging,
+            work_dir,
+            progress,
+        )?;
+    }
     passwd::fix_login_shells(&staging)?;
     // The manifest lists the Python the template offers: the interpreter's package and the
     // packages the template recipe names (not the libraries found for them).
@@ -239,6 +263,7 @@ pub fn build(
         inputs.site.as_ref(),
         &listed,
         &inputs.recipe_dir,
+        inputs.user.as_ref().map(user_layer::manifest_fields),
         &staging,
     )?;
 

@@ -12,6 +12,7 @@
 //! names no dialect; `server/tests/layers.rs` checks it from the paths.
 
 pub mod audit;
+pub mod builds;
 pub mod clock;
 pub mod config;
 pub mod contexts;

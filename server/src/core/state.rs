@@ -40,6 +40,9 @@ pub enum Moment {
     Start,
     /// Added to a running server: only an existing guest build is used, never built.
     Added,
+    /// A user template the builder process just built and booted: only loaded, never
+    /// booted (the server may be jailed).
+    Built,
 }
 
 /// Why a [`TemplateSource`] gave no template.
@@ -129,6 +132,9 @@ pub struct TemplateStatus {
     pub tools: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network: Option<Network>,
+    /// The Python packages a user template's wheels put in, name to version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python_packages: Option<std::collections::BTreeMap<String, String>>,
 }
 
 #[derive(Debug)]
@@ -138,8 +144,9 @@ struct Shared {
     templates: RwLock<Vec<Arc<Served>>>,
     source: OnceLock<Source>,
     /// Held while a template is added, and while the jail closes; true once the jail's
-    /// filters are on, after which no template is added (loading one opens files and
-    /// `/dev/kvm`, which the filters do not allow).
+    /// filters are on, after which no template is added with `PUT` (adding one may boot
+    /// it, which the filters do not allow; a user template built by the builder process is
+    /// only loaded, which they do).
     fixed: Mutex<bool>,
     jobs: JobThreads,
     metrics: Arc<Metrics>,
@@ -152,6 +159,9 @@ struct Shared {
     registry: Option<Arc<crate::core::registry::Registry>>,
     /// What the operator decides for every sandbox's network (`--egress-*`).
     egress_site: Arc<crate::core::egress::Site>,
+    /// User templates built while the server runs, and who builds them.
+    builds: crate::core::builds::Builds,
+    builder: OnceLock<Arc<dyn crate::core::builds::Builder>>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -284,7 +294,24 @@ impl AppState {
             node,
             registry,
             egress_site,
+            builds: Default::default(),
+            builder: OnceLock::new(),
         })))
+    }
+
+    /// The builds of user templates (`POST /v1/templates`).
+    pub fn builds(&self) -> &crate::core::builds::Builds {
+        &self.0.builds
+    }
+
+    /// Who builds user templates, if the server was given a builder (set once, at start).
+    pub fn builder(&self) -> Option<&Arc<dyn crate::core::builds::Builder>> {
+        self.0.builder.get()
+    }
+
+    /// Sets the builder of user templates (once; a second call is ignored).
+    pub fn set_builder(&self, builder: Arc<dyn crate::core::builds::Builder>) {
+        let _ = self.0.builder.set(builder);
     }
 
     /// What the operator decides for every sandbox's network.
@@ -528,6 +555,9 @@ impl AppState {
                     kernels: manifest.map(|m| m.kernels.clone()),
                     tools: manifest.map(|m| m.tools.clone()),
                     network: manifest.map(|m| m.network),
+                    python_packages: manifest
+                        .map(|m| m.python_packages.clone())
+                        .filter(|p| !p.is_empty()),
                 }
             })
             .collect()

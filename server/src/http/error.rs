@@ -163,7 +163,8 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::KeyQuota { .. }
         | Error::TooManySessions { .. }
         | Error::TooManyProcesses { .. }
-        | Error::TooManyStreams { .. } => StatusCode::TOO_MANY_REQUESTS,
+        | Error::TooManyStreams { .. }
+        | Error::TooManyBuilds { .. } => StatusCode::TOO_MANY_REQUESTS,
         Error::NotReady { .. }
         | Error::MemoryBudget { .. }
         | Error::ShuttingDown
@@ -183,8 +184,9 @@ fn service_status(e: &Error) -> StatusCode {
         | Error::NotPaused(_)
         | Error::Exists(_)
         | Error::TemplateInUse(_)
+        | Error::TemplateExists(_)
         | Error::Jailed => StatusCode::CONFLICT,
-        Error::NoStateDir => StatusCode::NOT_IMPLEMENTED,
+        Error::NoStateDir | Error::NoBuilds(_) => StatusCode::NOT_IMPLEMENTED,
         Error::StateQuota { .. } | Error::TraceQuota { .. } => StatusCode::INSUFFICIENT_STORAGE,
         Error::Unresumable { .. } => StatusCode::GONE,
         Error::WrongNode { .. } => StatusCode::MISDIRECTED_REQUEST,
@@ -210,6 +212,9 @@ fn service_code(e: &Error) -> &'static str {
         Error::NoTemplate(_) => "unknown_template",
         Error::TemplateInUse(_) => "template_in_use",
         Error::Jailed => "jailed",
+        Error::TemplateExists(_) => "template_exists",
+        Error::NoBuilds(_) => "no_builds",
+        Error::TooManyBuilds { .. } => "too_many_builds",
         Error::ShuttingDown => "shutting_down",
         Error::Draining { .. } => "draining",
         Error::WrongNode { .. } => "wrong_node",

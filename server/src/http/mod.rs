@@ -31,14 +31,14 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
+use axum::routing::{delete, get, post};
 
 use crate::core::state::AppState;
 use crate::service;
 use error::ApiError;
 
 /// Every route and its method, as documented in the OpenAPI document.
-pub const ROUTES: [(&str, &str); 55] = [
+pub const ROUTES: [(&str, &str); 58] = [
     ("post", "/v1/exec"),
     ("post", "/v1/exec/batch"),
     ("post", "/v1/exec/stream"),
@@ -46,8 +46,11 @@ pub const ROUTES: [(&str, &str); 55] = [
     ("get", "/metrics"),
     ("get", "/v1/openapi.json"),
     ("get", "/v1/templates"),
+    ("post", "/v1/templates"),
+    ("get", "/v1/templates/{name}"),
     ("put", "/v1/templates/{name}"),
     ("delete", "/v1/templates/{name}"),
+    ("get", "/v1/templates/{name}/build"),
     ("post", "/v1/sessions"),
     ("get", "/v1/sessions"),
     ("get", "/v1/sessions/{id}"),
@@ -106,11 +109,17 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/health", get(node::health))
         .route("/metrics", get(node::metrics))
         .route("/v1/openapi.json", get(openapi::serve))
-        .route("/v1/templates", get(templates::list))
+        .route(
+            "/v1/templates",
+            get(templates::list).post(templates::create),
+        )
         .route(
             "/v1/templates/{name}",
-            put(templates::add).delete(templates::remove),
+            get(templates::get)
+                .put(templates::add)
+                .delete(templates::remove),
         )
+        .route("/v1/templates/{name}/build", get(templates::build_log))
         .route("/v1/sessions", post(sessions::create).get(sessions::list))
         .route(
             "/v1/sessions/{id}",

@@ -31,6 +31,9 @@ pub struct ServeOptions {
     /// Where each template of `config.templates`, and each one added while the server
     /// runs, comes from (the `bud` binary passes `bud_templates::template`).
     pub template: TemplateSource,
+    /// Who builds user templates (`POST /v1/templates`): the `bud` binary's helper process,
+    /// started before the jail closes; `None`: the server builds none.
+    pub builder: Option<Arc<dyn crate::core::builds::Builder>>,
 }
 
 impl std::fmt::Debug for ServeOptions {
@@ -194,6 +197,9 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
         let prep_config = opts.config.clone();
         let source = opts.template;
         state.set_template_source(source.clone());
+        if let Some(builder) = opts.builder.clone() {
+            state.set_builder(builder);
+        }
         let prep_error = failed.clone();
         // Detached: a signal during a long guest build must not wait for it.
         std::thread::Builder::new()

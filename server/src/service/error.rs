@@ -82,9 +82,20 @@ pub enum Error {
     TemplateInUse(String),
     /// Templates cannot be added or removed under the jail's filters.
     #[error(
-        "the served templates are fixed once the jail's filters are on (loading one opens /dev/kvm and its files): serve it with --templates, or run with --no-jail"
+        "the served templates are fixed once the jail's filters are on (adding one may boot it, which they do not allow): serve it with --templates, build it with POST /v1/templates, or run with --no-jail"
     )]
     Jailed,
+    /// A user template to build is named like one served, built in, or building.
+    #[error("{0}")]
+    TemplateExists(String),
+    /// As many user templates are building as the server allows at once.
+    #[error(
+        "{limit} template builds are running, the server's limit (--template-builds); retry later"
+    )]
+    TooManyBuilds { limit: usize },
+    /// This server builds no user templates (no builder, or `--template-builds 0`).
+    #[error("{0}")]
+    NoBuilds(String),
     /// The server is finishing in-flight jobs before it stops.
     #[error("the server is shutting down")]
     ShuttingDown,

@@ -27,6 +27,7 @@
 
 pub mod access;
 pub mod admission;
+pub mod builds;
 pub mod contexts;
 pub mod drain;
 pub mod durable;

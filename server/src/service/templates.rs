@@ -244,6 +244,18 @@ pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
         )));
     }
     state.remove_template(name);
+    // A user template this server built is no longer served after a restart either.
+    if let Some(dir) = state.state_dir()
+        && crate::core::builds::recorded(dir.root())
+            .iter()
+            .any(|n| n == name)
+        && let Err(e) = crate::core::builds::record(dir.root(), name, false)
+    {
+        tracing::warn!(
+            template = name,
+            "cannot update the record of user templates: {e}"
+        );
+    }
     info!(template = name, "template removed");
     Ok(())
 }

@@ -157,6 +157,9 @@ pub struct Config {
     /// This server as one node of many: its id, HAProxy's agent check, Redis.
     #[command(flatten)]
     pub cluster: crate::core::node::ClusterConfig,
+    /// User templates built over HTTP: how many at once, how long, how big.
+    #[command(flatten)]
+    pub builds: crate::core::builds::BuildConfig,
     /// Limits on one session.
     #[command(flatten)]
     pub sessions: SessionLimits,
@@ -201,6 +204,7 @@ impl Default for Config {
             pause_on_shutdown: false,
             trace: Default::default(),
             cluster: Default::default(),
+            builds: Default::default(),
         }
     }
 }

@@ -5,8 +5,10 @@
 //! jail logs one line saying what is in force (filters on or off and why, the uid).
 //!
 //! Why then: preparing a template may build the guest (a kernel build, apt, Python's
-//! compiler: `execve` and root), and loading one opens `/dev/kvm` and the template's files.
-//! After that the server needs none of it: every VM comes from an executor that holds the
+//! compiler: `execve` and root), and a first boot writes the template's files. After that
+//! the server needs none of it (a user template built while it runs is built and booted by
+//! the builder process, started before the jail closes, and only loaded here: the filters
+//! allow reading its directory, `mkdir` and `flock`): every VM comes from an executor that holds the
 //! KVM fd and the open memory file, sessions' layers are `memfd`s, the listening socket and
 //! the audit log are open. So [`close`]:
 //! 1. with `--user NAME`, drops to that user and its group (supplementary groups cleared,

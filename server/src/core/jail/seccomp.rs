@@ -132,6 +132,13 @@ const OTHER_THREADS: &[i64] = &[
     libc::SYS_prctl,
     // A job thread stacks its own filter with it (a filter can only narrow what is allowed).
     libc::SYS_seccomp,
+    // Loading a user template built while the server runs (`crate::service::builds`): the
+    // template directory is listed (getdents64), made if missing (mkdir), and its lock
+    // taken (flock); the build itself runs in the builder process, never here.
+    libc::SYS_getdents64,
+    libc::SYS_mkdir,
+    libc::SYS_mkdirat,
+    libc::SYS_flock,
 ];
 
 /// The `ioctl` requests a job thread makes: KVM's (type 0xAE in the request number, the

@@ -12,6 +12,7 @@ mod conn;
 mod network;
 mod requests;
 mod sessions;
+mod templates;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

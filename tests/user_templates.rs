@@ -1,0 +1,228 @@
+//! User templates through the real `bud serve` (jailed, as by default) and its builder
+//! process: a definition POSTed, its build followed as NDJSON (Debian's `jq` and a wheel
+//! from the package index fetched on the host, the first boot run, the warm-up's output in
+//! the log), jobs on it (the wheel imported, the Debian program run, the definition's
+//! environment, working directory and files), a build whose warm-up raises (its traceback
+//! in the log, nothing served), the template served again after a restart, then deleted
+//! and gone after the next. Needs /dev/kvm and the package registries (apt, PyPI).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use common::served::{Served, own_state_dir, serve};
+
+/// The definition this test builds (a fixed name and content: a second run finds its image
+/// and its first boot in the build cache).
+fn definition() -> Value {
+    json!({
+        "name": "ci-report",
+        "from": "python",
+        "apt": ["jq"],
+        "pip": ["tabulate==0.9.0"],
+        "env": {"REPORT_STYLE": "github"},
+        "workdir": "/home/user/report",
+        "files": {"/home/user/report/data.json": "[{\"region\": \"north\", \"sales\": 12}]"},
+        "warm": "import tabulate\nprint('warm: tabulate', tabulate.__version__)\n",
+    })
+}
+
+fn call(req: ureq::Request, body: Option<Value>) -> (u16, Value) {
+    let r = match body {
+        Some(b) => req.send_json(b),
+        None => req.call(),
+    };
+    let r = match r {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("request failed: {e}"),
+    };
+    let status = r.status();
+    (status, r.into_json().unwrap_or(Value::Null))
+}
+
+fn post(s: &Served, path: &str, body: Value) -> (u16, Value) {
+    call(
+        ureq::post(&format!("{}{path}", s.base)).timeout(Duration::from_secs(120)),
+        Some(body),
+    )
+}
+
+fn get(s: &Served, path: &str) -> (u16, Value) {
+    call(ureq::get(&format!("{}{path}", s.base)), None)
+}
+
+/// The build log of `name` to its end (the server streams it as the build goes).
+fn build_log(s: &Served, name: &str) -> Vec<Value> {
+    let r = ureq::get(&format!("{}/v1/templates/{name}/build", s.base))
+        .timeout(Duration::from_secs(1800))
+        .call()
+        .expect("the build log");
+    assert_eq!(r.content_type(), "application/x-ndjson");
+    let text = r.into_string().expect("the log text");
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+fn lines_of(log: &[Value]) -> Vec<&str> {
+    log.iter().filter_map(|l| l["line"].as_str()).collect()
+}
+
+fn exec(s: &Served, body: Value) -> Value {
+    let (status, r) = post(s, "/v1/exec", body);
+    assert_eq!(status, 200, "{r}");
+    r
+}
+
+/// Starts a server on `state` (a directory kept across restarts) and waits until it is
+/// ready and jailed.
+fn start(state: &std::path::Path) -> Served {
+    let mut s = serve(&["--state-dir", state.to_str().unwrap()]);
+    s.wait_ready();
+    s
+}
+
+/// Waits until `name` is served and ready (a restart prepares the recorded user templates
+/// after the default one).
+fn wait_served(s: &Served, name: &str) -> Value {
+    let until = Instant::now() + Duration::from_secs(600);
+    loop {
+        let (status, t) = get(s, &format!("/v1/templates/{name}"));
+        if status == 200 && t["status"] == "ready" {
+            return t;
+        }
+        assert!(Instant::now() < until, "{name} never became ready: {t}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_deleted() {
+    common::require_kvm();
+    let state = own_state_dir(0).with_file_name("user-templates-state");
+    let _ = std::fs::remove_dir_all(&state);
+    let mut s = start(&state);
+
+    let (status, created) = post(&s, "/v1/templates", definition());
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["name"], "ci-report");
+    assert_eq!(created["status"], "building");
+    let log = build_log(&s, "ci-report");
+    let last = log.last().expect("a last line");
+    assert_eq!(last["status"], "ready", "{}", json!(lines_of(&log)));
+    let lines = lines_of(&log);
+    assert!(
+        lines.iter().any(|l| l.contains("tabulate")),
+        "the wheel's fetch is in the log: {lines:?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("ready: the template is served")),
+        "{lines:?}"
+    );
+
+    let t = wait_served(&s, "ci-report");
+    assert_eq!(t["python_packages"]["tabulate"], "0.9.0", "{t}");
+    assert!(t["packages"]["jq"].is_string(), "{t}");
+    let tools = t["tools"].as_array().expect("tools");
+    assert!(
+        tools.contains(&json!("jq")) && tools.contains(&json!("tabulate")),
+        "{t}"
+    );
+    assert_eq!(t["build"]["status"], "ready", "{t}");
+
+    let py = exec(
+        &s,
+        json!({"template": "ci-report", "code": "import os, json, tabulate\n\
+               rows = json.load(open('data.json'))\n\
+               print(os.getcwd(), os.environ['REPORT_STYLE'])\n\
+               print(tabulate.tabulate(rows, headers='keys', tablefmt='github'))"}),
+    );
+    assert_eq!(py["status"], "ok", "{py}");
+    assert_eq!(
+        py["stdout"],
+        "/home/user/report github\n| region   |   sales |\n|----------|---------|\n| north    |      12 |\n",
+        "{py}"
+    );
+    let sh = exec(
+        &s,
+        json!({"template": "ci-report", "language": "shell",
+               "code": "pwd; jq -r '.[0].region' data.json; tabulate --help | head -1"}),
+    );
+    assert_eq!(sh["status"], "ok", "{sh}");
+    assert_eq!(
+        sh["stdout"], "/home/user/report\nnorth\nUsage: tabulate [options] [FILE ...]\n",
+        "{sh}"
+    );
+    // The other templates are as they were.
+    let plain = exec(&s, json!({"code": "import os; print(os.getcwd())"}));
+    assert_eq!(plain["stdout"], "/tmp\n", "{plain}");
+
+    // A warm-up that raises: the build fails with its traceback, and nothing is served.
+    let broken =
+        json!({"name": "ci-broken", "warm": "raise ValueError('the model file is missing')"});
+    let (status, r) = post(&s, "/v1/templates", broken);
+    assert_eq!(status, 201, "{r}");
+    let log = build_log(&s, "ci-broken");
+    let last = log.last().expect("a last line");
+    assert_eq!(last["status"], "failed", "{last}");
+    let text = lines_of(&log).join("\n");
+    assert!(
+        text.contains("ValueError: the model file is missing"),
+        "the traceback is in the log: {text}"
+    );
+    let (status, r) = post(
+        &s,
+        "/v1/exec",
+        json!({"template": "ci-broken", "code": "1"}),
+    );
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (400, &json!("unknown_template")),
+        "{r}"
+    );
+    let (status, r) = get(&s, "/v1/templates/ci-broken");
+    assert_eq!((status, &r["status"]), (200, &json!("failed")), "{r}");
+
+    // A restart on the same state directory serves it again.
+    drop(s);
+    s = start(&state);
+    wait_served(&s, "ci-report");
+    let again = exec(
+        &s,
+        json!({"template": "ci-report", "code": "import tabulate; print(tabulate.__version__)"}),
+    );
+    assert_eq!(again["stdout"], "0.9.0\n", "{again}");
+
+    // Deleted, it is gone now and after the next restart.
+    let deleted = ureq::delete(&format!("{}/v1/templates/ci-report", s.base))
+        .call()
+        .expect("the delete");
+    assert_eq!(deleted.status(), 204);
+    let (status, r) = post(
+        &s,
+        "/v1/exec",
+        json!({"template": "ci-report", "code": "1"}),
+    );
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (400, &json!("unknown_template")),
+        "{r}"
+    );
+    drop(s);
+    let s = start(&state);
+    let (_, list) = get(&s, "/v1/templates");
+    let names: Vec<&str> = list["templates"]
+        .as_array()
+        .expect("templates")
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert_eq!(names, ["python"], "{list}");
+    drop(s);
+    let _ = std::fs::remove_dir_all(&state);
+}
