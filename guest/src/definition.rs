@@ -24,6 +24,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::echo::{excerpt, quote, shorten};
+
 /// Why a definition was refused: the field, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DefinitionError {
@@ -54,10 +56,10 @@ impl DefinitionError {
             .map(|(name, _)| name.to_owned());
         let field = match (path, named) {
             (".", Some(name)) => name,
-            (".", None) => return DefinitionError::Syntax(shorten(message)),
+            (".", None) => return DefinitionError::Syntax(shorten(message).into_owned()),
             (path, _) => path.to_owned(),
         };
-        DefinitionError::at(quote_field(&field), shorten(message))
+        DefinitionError::at(excerpt(&field), shorten(message))
     }
 
     fn at(field: impl Into<String>, why: impl Into<String>) -> Self {
@@ -142,34 +144,6 @@ impl Default for Limits {
 /// (`/run` is a tmpfs mounted over the image; `/tmp` and `/home/user` are too, and their
 /// files are put in place by the worker.)
 const RESERVED: &[&str] = &["/init", "/usr/lib/bud", "/dev", "/proc", "/sys", "/run"];
-/// The most of a bad value an error quotes.
-const QUOTE: usize = 64;
-
-/// A deserializer's message with every long quoted value in it cut (it may quote a value
-/// of any size).
-fn shorten(message: &str) -> String {
-    match message.char_indices().nth(4 * QUOTE) {
-        None => message.to_owned(),
-        Some((end, _)) => format!("{}… ({} bytes)", &message[..end], message.len()),
-    }
-}
-
-/// A field path for an error: at most [`QUOTE`] characters of it.
-fn quote_field(path: &str) -> String {
-    match path.char_indices().nth(QUOTE) {
-        None => path.to_owned(),
-        Some((end, _)) => format!("{}…", &path[..end]),
-    }
-}
-
-/// `value` for an error message: at most [`QUOTE`] characters, its length said when cut.
-pub fn quote(value: &str) -> String {
-    match value.char_indices().nth(QUOTE) {
-        None => format!("{value:?}"),
-        Some((end, _)) => format!("{:?}… ({} bytes)", &value[..end], value.len()),
-    }
-}
-
 /// A template name: lowercase letters, digits, `-` and `_`, at most 64, starting with a
 /// letter or digit.
 pub fn valid_name(name: &str) -> bool {
@@ -200,7 +174,7 @@ impl Definition {
             let path = e.path().to_string();
             let inner = e.into_inner();
             if inner.is_syntax() || inner.is_eof() {
-                DefinitionError::Syntax(shorten(&inner.to_string()))
+                DefinitionError::Syntax(shorten(&inner.to_string()).into_owned())
             } else {
                 DefinitionError::shape(&path, &inner.to_string())
             }

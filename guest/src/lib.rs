@@ -8,6 +8,7 @@
 pub mod cpio;
 pub mod debs;
 pub mod definition;
+pub mod echo;
 pub mod elf;
 pub mod hashes;
 pub mod host;

@@ -17,7 +17,8 @@ pub mod clock;
 pub mod config;
 pub mod contexts;
 pub mod durable;
-pub mod echo;
+/// What an error may repeat of a client's value (shared with the user templates' checks).
+pub use bud_guest::echo;
 pub mod egress;
 pub mod engine;
 pub mod jail;
