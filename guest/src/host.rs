@@ -152,6 +152,10 @@ impl Apt {
         }
         // Run as root, apt drops to the `_apt` user to download unless told otherwise, and
         // that user cannot write to our build directory.
+        let specs: Vec<String> = specs
+            .iter()
+            .map(|spec| downloadable(spec, progress))
+            .collect();
         let mut args = vec!["download", "-q", "-o", "APT::Sandbox::User=root"];
         args.extend(specs.iter().map(String::as_str));
         let wrap = |source| HostError::Download {
@@ -161,6 +165,44 @@ impl Apt {
         self.with_update_retry(progress, wrap, |p| {
             run::run(Self::command(&args).current_dir(dir), false, p).map(|_| ())
         })
+    }
+}
+
+/// `spec` as `apt-get download` can fetch it: an unpinned package whose candidate version
+/// comes from no repository (a version installed on the host from a source that is gone,
+/// such as a third-party repository) is pinned to the newest version a repository has, so
+/// that what an image holds does not depend on what the host has installed.
+fn downloadable(spec: &str, progress: &mut dyn FnMut(&str)) -> String {
+    if spec.contains('=') {
+        return spec.to_owned();
+    }
+    let out = |args: &[&str]| {
+        let mut cmd = Command::new("apt-cache");
+        cmd.args(args).arg(spec);
+        run::stdout_of(&mut cmd, &mut |_| {})
+            .map(|o| String::from_utf8_lossy(&o).into_owned())
+            .unwrap_or_default()
+    };
+    let candidate = out(&["policy"]).lines().find_map(|l| {
+        l.trim()
+            .strip_prefix("Candidate:")
+            .map(|v| v.trim().to_owned())
+    });
+    // `apt-cache madison` lists the versions the repositories have, newest first.
+    let in_repositories: Vec<String> = out(&["madison"])
+        .lines()
+        .filter(|l| l.trim_end().ends_with("Packages"))
+        .filter_map(|l| l.split('|').nth(1).map(|v| v.trim().to_owned()))
+        .collect();
+    match (candidate, in_repositories.first()) {
+        (Some(c), Some(newest)) if !in_repositories.contains(&c) => {
+            progress(&format!(
+                "{spec}: the candidate {c} is in no repository (installed from elsewhere); \
+                 taking {newest}"
+            ));
+            format!("{spec}={newest}")
+        }
+        _ => spec.to_owned(),
     }
 }
 
