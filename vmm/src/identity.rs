@@ -8,15 +8,20 @@
 //!   `CLOCK_REALTIME` (and TAI) is then moved by `host now - guest wall clock at READY`
 //!   ([`set_realtime`]): the same fields `do_settimeofday64()` changes (both timekeepers,
 //!   the fast timekeeper, the vDSO data), with their sequence counts bumped so that a reader
-//!   caught between two reads retries. The guest is stopped in user mode while this happens
-//!   (one vCPU, no preemption), so no kernel writer is half-way through an update.
+//!   caught between two reads retries, and, as the kernel would, the fields it derives from
+//!   them (the monotonic clock's base, which balances the change of xtime's sub-second part,
+//!   its realtime base, `ktime_sec`). The guest's monotonic clock, in the kernel and in the
+//!   vDSO, reads the same value before and after. The guest is stopped in user mode while
+//!   this happens (one vCPU, no preemption), so no kernel writer is half-way through an
+//!   update.
 //! - **CRNG.** [`reseed_crng`] writes fresh host randomness over the base CRNG key, the CPU's
 //!   CRNG key, the input pool's BLAKE2s chaining value (so a later reseed in the guest draws
 //!   on a secret of this clone, not the template's) and the batched-entropy buffers
 //!   (`get_random_u32()` and friends), so no value the template could have produced is ever
 //!   handed out by a clone.
 //!
-//! This module must never write guest memory outside the fields the layouts name.
+//! This module must never write guest memory outside the fields the layouts name (and the
+//! two a layout places between named ones, [`TimeLayout::derived_fields`]).
 
 use crate::kernel_layout::{RandomLayout, TimeLayout};
 use crate::memory::{GuestRam, MemoryError};
@@ -30,6 +35,8 @@ pub enum IdentityError {
     Entropy(std::io::Error),
     #[error("the guest's timekeeper shift {0} is not below 64")]
     BadShift(u32),
+    #[error("the guest kernel's timekeeper layout is not the one bud writes")]
+    Layout,
     #[error("guest memory: {0}")]
     Memory(#[from] MemoryError),
 }
@@ -107,12 +114,14 @@ fn shift_timestamp(sec: u64, nsec_shifted: u64, shift: u32, delta_ns: i128) -> (
 }
 
 /// Moves the guest's `CLOCK_REALTIME` and `CLOCK_TAI` by `delta_ns` (module docs). Monotonic
-/// and boot time are untouched.
+/// and boot time are untouched, in the kernel's own reads (`ktime_get()`, which timers and
+/// sleeps run on) as in the vDSO's.
 pub(crate) fn set_realtime(
     ram: &GuestRam,
     t: &TimeLayout,
     delta_ns: i128,
 ) -> Result<(), IdentityError> {
+    let derived = t.derived_fields().ok_or(IdentityError::Layout)?;
     let mut shift_bits = 0;
     for &tk in &t.timekeepers {
         let mut b = [0u8; 4];
@@ -134,14 +143,32 @@ pub(crate) fn set_realtime(
         let wtm_ns = i128::from(read_i64(ram, wtm)?) * NSEC_PER_SEC
             + i128::from(read_i64(ram, wtm + 8)?)
             - delta_ns;
-        ram.write_u64(wtm, wtm_ns.div_euclid(NSEC_PER_SEC) as i64 as u64)?;
-        ram.write_u64(wtm + 8, wtm_ns.rem_euclid(NSEC_PER_SEC) as u64)?;
+        let (wtm_sec, wtm_nsec) = (
+            wtm_ns.div_euclid(NSEC_PER_SEC),
+            wtm_ns.rem_euclid(NSEC_PER_SEC),
+        );
+        ram.write_u64(wtm, wtm_sec as i64 as u64)?;
+        ram.write_u64(wtm + 8, wtm_nsec as u64)?;
         add_i64(ram, tk + t.offs_real, delta_ns)?;
         add_i64(ram, tk + t.offs_tai, delta_ns)?;
-        add_i64(ram, tk + t.base_real, delta_ns)?;
+        let offs_real = i128::from(read_i64(ram, tk + t.offs_real)?);
+        // What the kernel derives from those (`tk_update_ktime_data()` and
+        // `timekeeping_update()`). `ktime_get()` is `tkr_mono.base` plus `tkr_mono.xtime_nsec`
+        // plus the clock's progress since the last update, so the base must take back what
+        // xtime_nsec's sub-second part moved: left as it was, the kernel's monotonic clock
+        // (not the vDSO's) was off by that much, up to a second either way, until its next
+        // timekeeping update, and a job's first sleeps ended that much late or at once.
+        let seconds = i128::from(sec) + wtm_sec;
+        let mono_base = seconds * NSEC_PER_SEC + wtm_nsec;
+        let carry = wtm_nsec + i128::from(nsec >> shift) >= NSEC_PER_SEC;
+        ram.write_u64(tk + derived.mono_base, mono_base as i64 as u64)?;
+        ram.write_u64(tk + t.base_real, (mono_base + offs_real) as i64 as u64)?;
+        ram.write_u64(tk + derived.ktime_sec, (seconds + i128::from(carry)) as u64)?;
         bump_u32(ram, tk + t.clock_was_set_seq, 1)?;
     }
     bump_u32(ram, t.timekeeper_seq, 2)?;
+    // The fast timekeeper keeps its own copy of the old base and xtime_nsec, which still
+    // agree with each other: only its realtime base moves.
     for i in 0..2 {
         let base = t.fast_mono + t.fast_base + i * t.read_base_size;
         add_i64(ram, base + t.read_base_base_real, delta_ns)?;
@@ -237,6 +264,79 @@ mod tests {
         assert_eq!(ram.read_u64(t.vdso_data + t.vdso_basetime).unwrap(), 1003);
         assert_eq!(ram.read_u64(t.timekeeper_seq).unwrap() & 0xffff_ffff, 2);
         assert_eq!(ram.read_u64(t.vdso_data).unwrap() & 0xffff_ffff, 2);
+    }
+
+    /// The kernel's reads of one timekeeper with no clock progress since its last update:
+    /// `ktime_get()`, `ktime_get_real()`, `ktime_get_seconds()`.
+    fn kernel_reads(ram: &GuestRam, t: &TimeLayout, tk: u64) -> (i128, i128, u64) {
+        let d = t.derived_fields().unwrap();
+        let shift = 8;
+        let xn = i128::from(ram.read_u64(tk + t.xtime_nsec).unwrap() >> shift);
+        let base = i128::from(ram.read_u64(tk + d.mono_base).unwrap() as i64);
+        let base_real = i128::from(ram.read_u64(tk + t.base_real).unwrap() as i64);
+        (
+            base + xn,
+            base_real + xn,
+            ram.read_u64(tk + d.ktime_sec).unwrap(),
+        )
+    }
+
+    #[test]
+    fn moving_realtime_leaves_the_kernels_monotonic_clock_where_it_was() {
+        // A timekeeper as the kernel leaves it: wall clock 1000.9 s, monotonic 51.2 s.
+        let ram = GuestRam::anonymous(0x10000).unwrap();
+        let t = layout();
+        let d = t.derived_fields().unwrap();
+        let (xs, xn, wtm_sec, wtm_nsec) = (1000i64, 900_000_000i64, -950i64, 300_000_000i64);
+        let base = (xs + wtm_sec) * 1_000_000_000 + wtm_nsec;
+        let offs_real = -(wtm_sec * 1_000_000_000 + wtm_nsec);
+        for tk in t.timekeepers {
+            ram.write(tk + t.shift, &8u32.to_le_bytes()).unwrap();
+            ram.write_u64(tk + t.xtime_sec, xs as u64).unwrap();
+            ram.write_u64(tk + t.xtime_nsec, (xn as u64) << 8 | 0x55)
+                .unwrap();
+            ram.write_u64(tk + t.wall_to_monotonic, wtm_sec as u64)
+                .unwrap();
+            ram.write_u64(tk + t.wall_to_monotonic + 8, wtm_nsec as u64)
+                .unwrap();
+            ram.write_u64(tk + t.offs_real, offs_real as u64).unwrap();
+            ram.write_u64(tk + d.mono_base, base as u64).unwrap();
+            ram.write_u64(tk + t.base_real, (base + offs_real) as u64)
+                .unwrap();
+            ram.write_u64(tk + d.ktime_sec, 51).unwrap();
+        }
+        let before: Vec<_> = t
+            .timekeepers
+            .iter()
+            .map(|&tk| kernel_reads(&ram, &t, tk))
+            .collect();
+        // 12.3 s: the sub-second part of xtime carries (0.9 + 0.3).
+        let delta = 12 * NSEC_PER_SEC + 300_000_000;
+
+        set_realtime(&ram, &t, delta).unwrap();
+
+        for (&tk, &(mono, real, _)) in t.timekeepers.iter().zip(&before) {
+            let (mono_after, real_after, ktime_sec) = kernel_reads(&ram, &t, tk);
+            assert_eq!(mono_after, mono, "monotonic moved");
+            assert_eq!(real_after, real + delta, "realtime did not move by delta");
+            assert_eq!(mono, 51_200_000_000);
+            assert_eq!(i128::from(ktime_sec), mono_after / NSEC_PER_SEC);
+            assert_eq!(ram.read_u64(tk + t.xtime_nsec).unwrap() & 0xff, 0x55);
+        }
+    }
+
+    #[test]
+    fn a_layout_whose_structs_differ_is_refused_and_nothing_written() {
+        let ram = GuestRam::anonymous(0x10000).unwrap();
+        let t = TimeLayout {
+            base_real: 0x38,
+            ..layout()
+        };
+
+        let r = set_realtime(&ram, &t, NSEC_PER_SEC);
+
+        assert!(matches!(r, Err(IdentityError::Layout)), "{r:?}");
+        assert_eq!(ram.read_u64(t.timekeepers[0] + t.xtime_sec).unwrap(), 0);
     }
 
     #[test]

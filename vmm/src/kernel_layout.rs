@@ -100,6 +100,31 @@ pub(crate) struct TimeLayout {
     pub(crate) clock_tai: u64,
 }
 
+impl TimeLayout {
+    /// Offsets of the two timekeeper fields that the kernel derives from the wall clock and
+    /// that patch 0006 does not name: `tkr_mono.base` (the monotonic clock's base, which a
+    /// change of `tkr_mono.xtime_nsec` must be balanced by) and `ktime_sec`. Each lies
+    /// between two fields the patch does name, with no room for anything else: in `struct
+    /// tk_read_base`, `xtime_nsec`, `base`, `base_real` (8 bytes each); in `struct
+    /// timekeeper`, `xtime_sec`, `ktime_sec`, `wall_to_monotonic`. None when the named
+    /// fields are not so placed (a kernel whose structs differ: nothing is written then).
+    pub(crate) fn derived_fields(&self) -> Option<DerivedTimeFields> {
+        (self.base_real == self.xtime_nsec + 16 && self.wall_to_monotonic == self.xtime_sec + 16)
+            .then_some(DerivedTimeFields {
+                mono_base: self.xtime_nsec + 8,
+                ktime_sec: self.xtime_sec + 8,
+            })
+    }
+}
+
+/// Byte offsets in `struct timekeeper` of `tkr_mono.base` and `ktime_sec`
+/// ([`TimeLayout::derived_fields`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DerivedTimeFields {
+    pub(crate) mono_base: u64,
+    pub(crate) ktime_sec: u64,
+}
+
 /// Where the guest kernel keeps its CRNG state (guest-physical addresses). Read from
 /// `bud_random_layout`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -341,6 +366,7 @@ fn parse_time(f: &Fields, seg: &Segments) -> Result<TimeLayout, LayoutError> {
         .max(t.clock_tai);
     let vdso_end = t.vdso_basetime + (last_clock + 1) * t.vdso_timestamp_size;
     if !fields_fit
+        || t.derived_fields().is_none()
         || t.read_base_base_real + 8 > t.read_base_size
         || t.vdso_timestamp_size != 16
         || last_clock > 16

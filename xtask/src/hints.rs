@@ -94,6 +94,7 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("tests/cluster.rs", 24, ON_PYTHON),
     ("tests/processes.rs", 68, ON_PYTHON),
     ("tests/jobs.rs", 51, ON_PYTHON),
+    ("tests/sleeps.rs", 10, ON_PYTHON),
     ("server/tests/sessions.rs", 36, ON_PYTHON),
     ("tests/deploy.rs", 27, ON_PYTHON),
     // Its pipeline tests run the guest build's steps on the shared build folder.

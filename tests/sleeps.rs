@@ -1,0 +1,211 @@
+//! Sleeps in the real guest last what they ask: a job's first sleep and its later ones, on
+//! fresh clones and on VMs reset in place; a session's first cell, a later one, a cell after
+//! a pause and resume (a session file) and a fork's first cell. Needs /dev/kvm.
+//!
+//! Each job or cell measures itself with the guest's own clock: `time.monotonic()` (the
+//! vDSO) around each `time.sleep(d)`, and, before any sleep, the guest kernel's own clock
+//! (`/proc/uptime`) against the vDSO's. The bound is correctness, not speed: a sleep never
+//! returns before `d` has passed, and ends within [`SLACK`] after it. Measured on an idle
+//! kvm_pvm host the excess is 2-4 ms (the emulated wake-up; docs/measurements.md); the issue's
+//! target is 10 ms; [`SLACK`] is 50 ms so that a loaded CI machine (a host thread waiting for
+//! a core) does not fail the suite. Before the fix the first sleep of most jobs ended up to a
+//! second late, or at once: the host moved the guest's wall clock in a way that shifted the
+//! guest kernel's monotonic clock, not the vDSO's, until the kernel's next timekeeping update
+//! (vmm/src/identity.rs).
+//!
+//! `BUD_SLEEP_ROUNDS` (default 1) repeats every measurement, for the figures in
+//! docs/measurements.md; with `--nocapture` each test prints its excesses.
+
+mod common;
+
+use std::time::Duration;
+
+use serde_json::Value;
+use vmm::executor::ExecutorStats;
+use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
+use vmm::session_file::{self, SessionKeys};
+use vmm::{Executor, ExecutorOptions, Job, Reuse, Status};
+
+/// How long after its time a sleep may end (module docs).
+const SLACK: f64 = 0.050;
+/// `/proc/uptime` shows the kernel's boot time cut to hundredths of a second.
+const UPTIME_RESOLUTION: f64 = 0.010;
+/// The first sleeps a job or cell is measured with, and the sleeps that follow each first one.
+const FIRST: [f64; 5] = [0.001, 0.01, 0.05, 0.3, 1.0];
+const LATER: [f64; 3] = [0.001, 0.01, 0.05];
+
+/// Python that checks the kernel's clock against the vDSO's, then sleeps `first`, then each
+/// of `later`, and prints what it measured as JSON.
+fn probe(first: f64, later: &[f64]) -> String {
+    let sleeps: Vec<String> = std::iter::once(first)
+        .chain(later.iter().copied())
+        .map(|d| d.to_string())
+        .collect();
+    format!(
+        "import json, time\n\
+         u0 = time.monotonic()\n\
+         k = float(open('/proc/uptime').read().split()[0])\n\
+         u1 = time.monotonic()\n\
+         slept = []\n\
+         for d in [{}]:\n\
+         \x20   a = time.monotonic(); time.sleep(d); b = time.monotonic()\n\
+         \x20   slept.append([d, b - a])\n\
+         print(json.dumps({{'vdso': [u0, u1], 'kernel': k, 'slept': slept}}))\n",
+        sleeps.join(", ")
+    )
+}
+
+/// One job's or cell's measurements, checked: the kernel's clock agreed with the vDSO's and
+/// every sleep lay in [d, d + SLACK]. Returns each sleep's excess in ms, first sleep first.
+fn checked(what: &str, stdout: &[u8]) -> Vec<f64> {
+    let text = String::from_utf8_lossy(stdout);
+    let v: Value = serde_json::from_str(text.trim())
+        .unwrap_or_else(|e| panic!("{what}: not the probe's output ({e}): {text:?}"));
+    let (u0, u1) = (
+        v["vdso"][0].as_f64().unwrap(),
+        v["vdso"][1].as_f64().unwrap(),
+    );
+    let kernel = v["kernel"].as_f64().unwrap();
+    assert!(
+        u0 - UPTIME_RESOLUTION - 0.001 <= kernel && kernel <= u1,
+        "{what}: the guest kernel's clock reads {kernel} s while the vDSO's reads {u0}..{u1} s"
+    );
+    let slept: Vec<(f64, f64)> = v["slept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_f64().unwrap(), p[1].as_f64().unwrap()))
+        .collect();
+    let wrong: Vec<_> = slept
+        .iter()
+        .filter(|&&(d, took)| !(d..=d + SLACK).contains(&took))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{what}: sleeps (asked, took) outside [asked, asked + {SLACK}] s: {wrong:?}; all: {slept:?}"
+    );
+    slept.iter().map(|&(d, took)| (took - d) * 1e3).collect()
+}
+
+/// Prints the excesses of one kind of measurement (with `--nocapture`).
+fn report(what: &str, first: &[f64], later: &[f64]) {
+    let summary = |xs: &[f64]| {
+        let mut s = xs.to_vec();
+        s.sort_by(f64::total_cmp);
+        format!(
+            "n {}, excess ms min {:.2} median {:.2} max {:.2}",
+            s.len(),
+            s[0],
+            s[s.len() / 2],
+            s[s.len() - 1]
+        )
+    };
+    eprintln!("{what}: first sleeps {}", summary(first));
+    eprintln!("{what}: later sleeps {}", summary(later));
+}
+
+/// Runs the probe as one-shot jobs, each first sleep of [`FIRST`] in turn, and checks each;
+/// `vm_kind` checks, before each job, that the VM it will take is of the kind measured.
+fn one_shot_jobs(ex: &Executor, what: &str, vm_kind: fn(&ExecutorStats) -> bool) {
+    let (mut first, mut later) = (Vec::new(), Vec::new());
+    for _ in 0..common::size("BUD_SLEEP_ROUNDS", 1) {
+        for d in FIRST {
+            let st = ex.stats();
+            assert!(vm_kind(&st), "{what}: not the kind of VM measured: {st:?}");
+            let r = ex.run(&Job::python(probe(d, &LATER))).unwrap();
+            assert_eq!(r.status, Status::Ok, "{r:?}");
+            let excess = checked(&format!("{what}, first sleep {d} s"), &r.stdout);
+            first.push(excess[0]);
+            later.extend_from_slice(&excess[1..]);
+        }
+    }
+    report(what, &first, &later);
+}
+
+#[test]
+fn a_fresh_clones_first_and_later_sleeps_last_what_they_ask() {
+    let ex = Executor::new(
+        common::template(),
+        ExecutorOptions {
+            pool_size: 1,
+            reuse: Reuse::Fresh,
+            ..ExecutorOptions::default()
+        },
+    )
+    .unwrap();
+
+    // No VM is ever reset, so every job takes a new clone.
+    one_shot_jobs(&ex, "fresh clones", |st| st.resets == 0 && st.warm == 0);
+}
+
+#[test]
+fn a_reused_vms_first_and_later_sleeps_last_what_they_ask() {
+    let ex = Executor::new(
+        common::template(),
+        ExecutorOptions {
+            pool_size: 1,
+            ..ExecutorOptions::default()
+        },
+    )
+    .unwrap();
+    let warm_up = ex.run(&Job::python("pass")).unwrap();
+    assert_eq!(warm_up.status, Status::Ok, "{warm_up:?}");
+
+    // A VM reset in place is waiting, and a job takes one before any new clone.
+    one_shot_jobs(&ex, "reused VMs", |st| st.warm >= 1);
+}
+
+#[test]
+fn session_cells_sleep_what_they_ask_first_later_after_a_resume_and_in_a_fork() {
+    let ex = common::verifying_executor();
+    let keys =
+        SessionKeys::parse("5e551011f11e5e551011f11e5e551011f11e5e551011f11e5e551011f11e0002")
+            .unwrap();
+    let dir = common::source_dir()
+        .join("target/tmp/sleeps")
+        .join(std::process::id().to_string());
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("session.bud");
+    let cell = |s: &mut Session, what: &str, first: f64| {
+        let r = s
+            .exec(
+                &ex,
+                &Job::python(probe(first, &LATER)),
+                DEFAULT_INTERRUPT_GRACE,
+                &mut |_, _| {},
+            )
+            .unwrap();
+        assert_eq!(r.status, Status::Ok, "{what}: {r:?}");
+        checked(what, &r.stdout)
+    };
+    let (mut first, mut later) = (Vec::new(), Vec::new());
+    let mut keep = |excess: Vec<f64>| {
+        first.push(excess[0]);
+        later.extend_from_slice(&excess[1..]);
+    };
+
+    for _ in 0..common::size("BUD_SLEEP_ROUNDS", 1) {
+        let mut s = Session::start(&ex).unwrap();
+        keep(cell(&mut s, "a session's first cell", 0.3));
+        std::thread::sleep(Duration::from_millis(300));
+        keep(cell(&mut s, "a later cell", 0.01));
+        s.save(&ex, &path, Vec::new(), &keys).unwrap();
+        s.end(&ex);
+        std::thread::sleep(Duration::from_millis(700));
+        let f = session_file::read(&path, &keys).unwrap();
+        let mut s = Session::load(&ex, &f, false).unwrap();
+        drop(f);
+        keep(cell(&mut s, "the first cell after a resume", 0.05));
+        let (mut kids, _) = s.fork(&ex, 1).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        keep(cell(&mut kids[0], "a fork's first cell", 0.001));
+        keep(cell(&mut s, "the fork's parent's next cell", 1.0));
+        for k in kids {
+            k.end(&ex);
+        }
+        s.end(&ex);
+    }
+
+    std::fs::remove_dir_all(&dir).unwrap();
+    report("session cells", &first, &later);
+}
