@@ -126,8 +126,17 @@ fn a_batch_answers_in_request_order_when_later_jobs_finish_first() {
 #[test]
 fn streaming_sends_chunks_as_they_come_then_the_result() {
     let s = TestServer::start();
-    let code = "import sys, time\nprint('a', flush=True)\ntime.sleep(0.3)\n\
-                sys.stderr.write('b\\n'); sys.stderr.flush()\ntime.sleep(0.3)\nprint('c')";
+    // The job waits by its own clock, not for a sleep's length: each write after a wait
+    // comes at least 0.3 s of the guest's time after the last FLUSH, so it rings one (the
+    // worker streams output pending for 50 ms, guest/python/bud_io.py), and the chunks
+    // are as written however long a sleep lasts or the host takes. What is checked is
+    // their order, never timings.
+    let code = "import sys, time\n\
+                def wait(s):\n\
+                \x20   end = time.monotonic() + s\n\
+                \x20   while time.monotonic() < end: time.sleep(max(0, end - time.monotonic()))\n\
+                print('a', flush=True)\nwait(0.3)\n\
+                sys.stderr.write('b\\n'); sys.stderr.flush()\nwait(0.3)\nprint('c')";
 
     let r = client()
         .post(s.url("/v1/exec/stream"))
