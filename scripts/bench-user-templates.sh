@@ -8,6 +8,7 @@
 #   scripts/bench-user-templates.sh
 #   JOBS=500 WHEEL=rich==13.7.1 APT=sqlite3 scripts/bench-user-templates.sh
 #   BUD=path/to/bud scripts/bench-user-templates.sh
+#   RUN=5647 ONLY_JOBS=1 scripts/bench-user-templates.sh  # jobs and cells only, on run 5647's template
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
