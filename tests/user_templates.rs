@@ -77,6 +77,17 @@ fn exec(s: &Served, body: Value) -> Value {
     r
 }
 
+/// Stops `s` with SIGTERM and checks it exits cleanly (a system call outside the jail's
+/// filters at shutdown kills it with SIGSYS instead).
+fn stop(mut s: Served) {
+    // SAFETY: kill on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let status = s.child.wait().expect("the server's exit");
+    assert!(status.success(), "bud serve did not stop cleanly: {status}");
+    // Reaped: its Drop must not signal the pid again (another process may have it now).
+    std::mem::forget(s);
+}
+
 /// Starts a server on `state` (a directory kept across restarts) and waits until it is
 /// ready and jailed.
 fn start(state: &std::path::Path) -> Served {
@@ -189,7 +200,7 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     assert_eq!((status, &r["status"]), (200, &json!("failed")), "{r}");
 
     // A restart on the same state directory serves it again.
-    drop(s);
+    stop(s);
     s = start(&state);
     wait_served(&s, "ci-report");
     let again = exec(
@@ -213,7 +224,7 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
         (400, &json!("unknown_template")),
         "{r}"
     );
-    drop(s);
+    stop(s);
     let s = start(&state);
     let (_, list) = get(&s, "/v1/templates");
     let names: Vec<&str> = list["templates"]
@@ -223,6 +234,6 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
         .filter_map(|t| t["name"].as_str())
         .collect();
     assert_eq!(names, ["python"], "{list}");
-    drop(s);
+    stop(s);
     let _ = std::fs::remove_dir_all(&state);
 }

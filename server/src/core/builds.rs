@@ -296,7 +296,8 @@ pub struct HelperBuilder {
     stdin: Mutex<Option<ChildStdin>>,
     pending: Arc<Mutex<Pending>>,
     next: Mutex<u64>,
-    child: Mutex<Child>,
+    /// Held, never waited for (see `Drop`).
+    _child: Child,
 }
 
 impl std::fmt::Debug for HelperBuilder {
@@ -328,7 +329,7 @@ impl HelperBuilder {
             stdin: Mutex::new(Some(stdin)),
             pending,
             next: Mutex::new(0),
-            child: Mutex::new(child),
+            _child: child,
         })
     }
 }
@@ -400,11 +401,11 @@ impl Builder for HelperBuilder {
 
 impl Drop for HelperBuilder {
     fn drop(&mut self) {
-        // Closing its stdin tells the helper to stop; builds in flight end with it.
+        // Closing its stdin tells the helper to stop; builds in flight end with it. Nothing
+        // more: the jailed server may not signal or reap a process (`kill` and `wait4` are
+        // outside its filters, and a call outside them kills the server with SIGSYS), and
+        // this runs as the server stops, so the helper is reaped with it.
         self.stdin.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let mut child = self.child.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = child.kill();
-        let _ = child.wait();
     }
 }
 
