@@ -2,16 +2,20 @@
 //! fresh clones and on VMs reset in place; a session's first cell, a later one, a cell after
 //! a pause and resume (a session file) and a fork's first cell. Needs /dev/kvm.
 //!
-//! Each job or cell measures itself with the guest's own clock: `time.monotonic()` (the
-//! vDSO) around each `time.sleep(d)`, and, before any sleep, the guest kernel's own clock
+//! Each job or cell measures itself with the guest's own clock: `time.monotonic()` (the vDSO)
+//! around each `time.sleep(d)`, and, before any sleep, the guest kernel's own clock
 //! (`/proc/uptime`) against the vDSO's. The bound is correctness, not speed: a sleep never
-//! returns before `d` has passed, and ends within [`SLACK`] after it. Measured on an idle
-//! kvm_pvm host the excess is 2-4 ms (the emulated wake-up; docs/measurements.md); the issue's
-//! target is 10 ms; [`SLACK`] is 50 ms so that a loaded CI machine (a host thread waiting for
-//! a core) does not fail the suite. Before the fix the first sleep of most jobs ended up to a
-//! second late, or at once: the host moved the guest's wall clock in a way that shifted the
-//! guest kernel's monotonic clock, not the vDSO's, until the kernel's next timekeeping update
-//! (vmm/src/identity.rs).
+//! returns before `d` has passed, and ends within [`SLACK`] after it, plus the time the host
+//! kept the vCPU thread (this test's thread) waiting for a core during that job or cell (its
+//! `run_delay` in `/proc/thread-self/schedstat`). What a sleep takes beyond `d` is the guest's
+//! emulated wake-up (3 800-11 500 emulated instructions, 2-8 ms on kvm_pvm) plus that wait:
+//! medians of 4-5 ms; beside other sessions' LTO builds single sleeps were 70-220 ms late,
+//! with the vCPU thread waiting up to 117 ms (`perf sched`) or 199 ms (schedstat) for a core
+//! (docs/measurements.md). No fixed bound survives a loaded machine; this one does, and still
+//! catches what it guards against, sleeps up to a second late, or early: before the fix the
+//! host moved the guest's wall clock in a way that shifted the guest kernel's monotonic clock,
+//! not the vDSO's, until the kernel's next timekeeping update (vmm/src/identity.rs), and the
+//! kernel's clock read up to a second off (checked exactly here, before any sleep).
 //!
 //! `BUD_SLEEP_ROUNDS` (default 1) repeats every measurement, for the figures in
 //! docs/measurements.md; with `--nocapture` each test prints its excesses.
@@ -26,7 +30,7 @@ use vmm::session::{DEFAULT_INTERRUPT_GRACE, Session};
 use vmm::session_file::{self, SessionKeys};
 use vmm::{Executor, ExecutorOptions, Job, Reuse, Status};
 
-/// How long after its time a sleep may end (module docs).
+/// How long after its time a sleep may end, beyond the host's run-queue wait (module docs).
 const SLACK: f64 = 0.050;
 /// `/proc/uptime` shows the kernel's boot time cut to hundredths of a second.
 const UPTIME_RESOLUTION: f64 = 0.010;
@@ -55,9 +59,19 @@ fn probe(first: f64, later: &[f64]) -> String {
     )
 }
 
+/// Seconds this thread has waited on a run queue, runnable but not running, since it started
+/// (the host's scheduler statistics). The vCPU of a job or cell runs on the thread that runs
+/// it, so this counts the host's delays of a guest's wake-ups.
+fn run_delay() -> f64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+    let ns: u64 = stat.split_whitespace().nth(1).unwrap().parse().unwrap();
+    ns as f64 / 1e9
+}
+
 /// One job's or cell's measurements, checked: the kernel's clock agreed with the vDSO's and
-/// every sleep lay in [d, d + SLACK]. Returns each sleep's excess in ms, first sleep first.
-fn checked(what: &str, stdout: &[u8]) -> Vec<f64> {
+/// every sleep lay in [d, d + SLACK + `host_wait`], `host_wait` being how long the host kept
+/// its vCPU from running meanwhile. Returns each sleep's excess in ms, first sleep first.
+fn checked(what: &str, stdout: &[u8], host_wait: f64) -> Vec<f64> {
     let text = String::from_utf8_lossy(stdout);
     let v: Value = serde_json::from_str(text.trim())
         .unwrap_or_else(|e| panic!("{what}: not the probe's output ({e}): {text:?}"));
@@ -76,50 +90,78 @@ fn checked(what: &str, stdout: &[u8]) -> Vec<f64> {
         .iter()
         .map(|p| (p[0].as_f64().unwrap(), p[1].as_f64().unwrap()))
         .collect();
+    let slack = SLACK + host_wait;
     let wrong: Vec<_> = slept
         .iter()
-        .filter(|&&(d, took)| !(d..=d + SLACK).contains(&took))
+        .filter(|&&(d, took)| !(d..=d + slack).contains(&took))
         .collect();
     assert!(
         wrong.is_empty(),
-        "{what}: sleeps (asked, took) outside [asked, asked + {SLACK}] s: {wrong:?}; all: {slept:?}"
+        "{what}: sleeps (asked, took) outside [asked, asked + {slack}] s ({host_wait} s of it \
+         the host's run-queue wait): {wrong:?}; all: {slept:?}"
     );
     slept.iter().map(|&(d, took)| (took - d) * 1e3).collect()
 }
 
-/// Prints the excesses of one kind of measurement (with `--nocapture`).
-fn report(what: &str, first: &[f64], later: &[f64]) {
-    let summary = |xs: &[f64]| {
-        let mut s = xs.to_vec();
-        s.sort_by(f64::total_cmp);
-        format!(
-            "n {}, excess ms min {:.2} median {:.2} max {:.2}",
-            s.len(),
-            s[0],
-            s[s.len() / 2],
-            s[s.len() - 1]
-        )
-    };
-    eprintln!("{what}: first sleeps {}", summary(first));
-    eprintln!("{what}: later sleeps {}", summary(later));
+/// The excesses (ms) of one kind of measurement, first sleeps and later ones, and the host's
+/// run-queue wait (ms) of each job or cell.
+#[derive(Default)]
+struct Tally {
+    first: Vec<f64>,
+    later: Vec<f64>,
+    host_waits: Vec<f64>,
+}
+
+impl Tally {
+    fn add(&mut self, excess: &[f64], host_wait: f64) {
+        self.first.push(excess[0]);
+        self.later.extend_from_slice(&excess[1..]);
+        self.host_waits.push(host_wait * 1e3);
+    }
+
+    /// Prints the figures (with `--nocapture`).
+    fn report(&self, what: &str) {
+        let summary = |xs: &[f64]| {
+            let mut s = xs.to_vec();
+            s.sort_by(f64::total_cmp);
+            let at = |q: f64| s[((s.len() - 1) as f64 * q).round() as usize];
+            format!(
+                "n {}, ms min {:.2} median {:.2} p90 {:.2} p99 {:.2} max {:.2}, over 10 ms {}",
+                s.len(),
+                s[0],
+                at(0.5),
+                at(0.9),
+                at(0.99),
+                s[s.len() - 1],
+                s.iter().filter(|&&x| x > 10.0).count()
+            )
+        };
+        eprintln!("{what}: first sleeps' excess {}", summary(&self.first));
+        eprintln!("{what}: later sleeps' excess {}", summary(&self.later));
+        eprintln!(
+            "{what}: host run-queue wait per run {}",
+            summary(&self.host_waits)
+        );
+    }
 }
 
 /// Runs the probe as one-shot jobs, each first sleep of [`FIRST`] in turn, and checks each;
 /// `vm_kind` checks, before each job, that the VM it will take is of the kind measured.
 fn one_shot_jobs(ex: &Executor, what: &str, vm_kind: fn(&ExecutorStats) -> bool) {
-    let (mut first, mut later) = (Vec::new(), Vec::new());
+    let mut tally = Tally::default();
     for _ in 0..common::size("BUD_SLEEP_ROUNDS", 1) {
         for d in FIRST {
             let st = ex.stats();
             assert!(vm_kind(&st), "{what}: not the kind of VM measured: {st:?}");
+            let waited = run_delay();
             let r = ex.run(&Job::python(probe(d, &LATER))).unwrap();
+            let waited = run_delay() - waited;
             assert_eq!(r.status, Status::Ok, "{r:?}");
-            let excess = checked(&format!("{what}, first sleep {d} s"), &r.stdout);
-            first.push(excess[0]);
-            later.extend_from_slice(&excess[1..]);
+            let excess = checked(&format!("{what}, first sleep {d} s"), &r.stdout, waited);
+            tally.add(&excess, waited);
         }
     }
-    report(what, &first, &later);
+    tally.report(what);
 }
 
 #[test]
@@ -167,6 +209,7 @@ fn session_cells_sleep_what_they_ask_first_later_after_a_resume_and_in_a_fork() 
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("session.bud");
     let cell = |s: &mut Session, what: &str, first: f64| {
+        let waited = run_delay();
         let r = s
             .exec(
                 &ex,
@@ -175,14 +218,12 @@ fn session_cells_sleep_what_they_ask_first_later_after_a_resume_and_in_a_fork() 
                 &mut |_, _| {},
             )
             .unwrap();
+        let waited = run_delay() - waited;
         assert_eq!(r.status, Status::Ok, "{what}: {r:?}");
-        checked(what, &r.stdout)
+        (checked(what, &r.stdout, waited), waited)
     };
-    let (mut first, mut later) = (Vec::new(), Vec::new());
-    let mut keep = |excess: Vec<f64>| {
-        first.push(excess[0]);
-        later.extend_from_slice(&excess[1..]);
-    };
+    let mut tally = Tally::default();
+    let mut keep = |(excess, waited): (Vec<f64>, f64)| tally.add(&excess, waited);
 
     for _ in 0..common::size("BUD_SLEEP_ROUNDS", 1) {
         let mut s = Session::start(&ex).unwrap();
@@ -207,5 +248,5 @@ fn session_cells_sleep_what_they_ask_first_later_after_a_resume_and_in_a_fork() 
     }
 
     std::fs::remove_dir_all(&dir).unwrap();
-    report("session cells", &first, &later);
+    tally.report("session cells");
 }
