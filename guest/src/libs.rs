@@ -137,6 +137,36 @@ fn find_library(root: &Path, name: &str) -> Result<Option<Vec<stage::Hop>>, LibE
     Ok(None)
 }
 
+/// Whether `file`'s own `DT_RUNPATH`/`DT_RPATH` finds library `name` inside `root`, as the
+/// loader searches it before the system directories: `$ORIGIN` is the file's directory
+/// (wheels from the package index bundle their libraries beside their extension modules,
+/// `numpy.libs/` with `$ORIGIN/../numpy.libs`), an absolute entry is a path in the image.
+fn in_runpath(root: &Path, file: &ElfFile, name: &str) -> Result<bool, LibError> {
+    let Some(runpath) = &file.runpath else {
+        return Ok(false);
+    };
+    let origin = Path::new(&file.path)
+        .parent()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    for entry in runpath.split(':').filter(|e| !e.is_empty()) {
+        let dir = entry
+            .replace("${ORIGIN}", &format!("/{origin}"))
+            .replace("$ORIGIN", &format!("/{origin}"));
+        // A relative entry is relative to the process's working directory: never ours.
+        if !dir.starts_with('/') {
+            continue;
+        }
+        let Ok(dir) = stage::normalize("", &dir) else {
+            continue;
+        };
+        if stage::resolve_in(root, &format!("{dir}/{name}"))?.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Where Debian's alternatives keep libraries that several packages provide (BLAS and LAPACK:
 /// `blas/libblas.so.3`, `lapack/liblapack.so.3`, ...), one directory below this one;
 /// `update-alternatives` links the chosen one into this directory when a package is
@@ -222,7 +252,7 @@ pub fn complete(
             }
         }
         for name in &file.needed {
-            if find_library(root, name)?.is_some() {
+            if in_runpath(root, &file, name)? || find_library(root, name)?.is_some() {
                 continue;
             }
             if let Some(hops) = find_library(source, name)? {
@@ -271,7 +301,7 @@ pub fn check(root: &Path) -> Result<Vec<ElfFile>, LibError> {
             }
         }
         for name in &file.needed {
-            if find_library(root, name)?.is_none() {
+            if !in_runpath(root, &file, name)? && find_library(root, name)?.is_none() {
                 let (path, name) = (rel.clone(), name.clone());
                 return Err(LibError::Unresolved {
                     path,
@@ -315,6 +345,41 @@ mod tests {
             dir.join("lib64/ld-linux-x86-64.so.2"),
         )
         .unwrap();
+    }
+
+    #[test]
+    fn a_library_beside_its_user_through_origin_is_found_there() {
+        let root = scratch("origin");
+        let lib = root.join("usr/local/lib/python3.11/dist-packages/numpy.libs/libx.so.1");
+        std::fs::create_dir_all(lib.parent().unwrap()).unwrap();
+        std::fs::write(&lib, b"").unwrap();
+        let module = |runpath: &str| ElfFile {
+            path: "usr/local/lib/python3.11/dist-packages/numpy/core/_m.so".into(),
+            interpreter: None,
+            needed: vec!["libx.so.1".into()],
+            runpath: Some(runpath.into()),
+        };
+
+        assert!(in_runpath(&root, &module("$ORIGIN/../../numpy.libs"), "libx.so.1").unwrap());
+        assert!(
+            in_runpath(
+                &root,
+                &module("/nowhere:${ORIGIN}/../../numpy.libs"),
+                "libx.so.1"
+            )
+            .unwrap()
+        );
+        assert!(!in_runpath(&root, &module("$ORIGIN"), "libx.so.1").unwrap());
+        assert!(!in_runpath(&root, &module("numpy.libs"), "libx.so.1").unwrap());
+        assert!(
+            !in_runpath(
+                &root,
+                &module("$ORIGIN/../../../../../../../.."),
+                "libx.so.1"
+            )
+            .unwrap()
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
