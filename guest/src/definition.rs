@@ -170,7 +170,23 @@ impl Definition {
     /// Parses a JSON definition and checks it.
     pub fn from_json(bytes: &[u8], limits: &Limits) -> Result<Definition, DefinitionError> {
         let de = &mut serde_json::Deserializer::from_slice(bytes);
-        let def: Definition = serde_path_to_error::deserialize(de).map_err(|e| {
+        Self::checked(serde_path_to_error::deserialize(de), limits)
+    }
+
+    /// A definition already parsed as JSON (an HTTP body), checked.
+    pub fn from_value(
+        value: serde_json::Value,
+        limits: &Limits,
+    ) -> Result<Definition, DefinitionError> {
+        Self::checked(serde_path_to_error::deserialize(value), limits)
+    }
+
+    /// A JSON deserializer's outcome, its error named by field, then [`Self::check`]ed.
+    fn checked(
+        parsed: Result<Definition, serde_path_to_error::Error<serde_json::Error>>,
+        limits: &Limits,
+    ) -> Result<Definition, DefinitionError> {
+        let def = parsed.map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
             if inner.is_syntax() || inner.is_eof() {

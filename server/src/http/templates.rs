@@ -81,8 +81,7 @@ pub async fn create(
     State(state): State<AppState>,
     JsonBody(definition): JsonBody<serde_json::Value>,
 ) -> Result<Response, ApiError> {
-    let bytes = serde_json::to_vec(&definition).unwrap_or_default();
-    let (status, _build) = builds::create(&state, &bytes)?;
+    let (status, _build) = builds::create(&state, definition)?;
     let location = format!("/v1/templates/{}", status.name);
     Ok((
         StatusCode::CREATED,

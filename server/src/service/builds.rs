@@ -22,9 +22,13 @@ fn limits(state: &AppState) -> Limits {
     }
 }
 
-/// Checks `body` (a definition as JSON) and starts its build; the template is served as
-/// `building` from now on. Refused (409) when the name is built in, served or building.
-pub fn create(state: &AppState, body: &[u8]) -> Result<(TemplateStatus, Arc<Build>), Error> {
+/// Checks `body` (a definition, parsed as JSON) and starts its build; the template is
+/// served as `building` from now on. Refused (409) when the name is built in, served or
+/// building.
+pub fn create(
+    state: &AppState,
+    body: serde_json::Value,
+) -> Result<(TemplateStatus, Arc<Build>), Error> {
     let builder = state
         .builder()
         .cloned()
@@ -36,15 +40,14 @@ pub fn create(state: &AppState, body: &[u8]) -> Result<(TemplateStatus, Arc<Buil
         ));
     }
     // A built-in name is taken whatever the rest says.
-    let asked = serde_json::from_slice::<serde_json::Value>(body).ok();
-    if let Some(name) = asked.as_ref().and_then(|v| v["name"].as_str())
+    if let Some(name) = body["name"].as_str()
         && builder.built_in().iter().any(|b| b == name)
     {
         return Err(Error::TemplateExists(format!(
             "template {name} is built into bud; give yours another name"
         )));
     }
-    let definition = Definition::from_json(body, &limits(state)).map_err(|e| Error::Invalid {
+    let definition = Definition::from_value(body, &limits(state)).map_err(|e| Error::Invalid {
         field: Some(e.field().to_owned()),
         message: e.to_string(),
     })?;
