@@ -43,11 +43,17 @@ fn default_addr() -> Option<SocketAddr> {
         .next()
 }
 
-/// Runs `job` on the server at `url`.
-pub fn run(url: &str, job: &Job, template: &str) -> anyhow::Result<JobResult> {
+/// Runs `job` on the server at `url`, in runtime `runtime` of `template` (a name or an alias
+/// its manifest has; `None`: the template's default), which the server resolves.
+pub fn run(
+    url: &str,
+    job: &Job,
+    template: &str,
+    runtime: Option<&str>,
+) -> anyhow::Result<JobResult> {
     let req = ExecRequest {
         template: Some(template.to_owned()),
-        language: Some(job.language.name().to_owned()),
+        language: runtime.map(str::to_owned),
         code_b64: Some(BASE64.encode(&job.code)),
         stdin_b64: (!job.stdin.is_empty()).then(|| BASE64.encode(&job.stdin)),
         args: job.args.clone(),

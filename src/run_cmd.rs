@@ -11,12 +11,6 @@ use anyhow::Context;
 
 use crate::{Cli, progress, remote};
 
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum Lang {
-    Python,
-    Shell,
-}
-
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// The code to run (instead of FILE).
@@ -28,9 +22,11 @@ pub struct RunArgs {
     /// Arguments for the job (`sys.argv[1:]` or `$1...`); put them after `--`.
     #[arg(last = true)]
     args: Vec<String>,
-    /// Language of the code.
-    #[arg(long, value_enum, default_value = "python")]
-    lang: Lang,
+    /// The runtime to run the code in: one of the template's runtimes, by name or alias
+    /// (`python`, `shell`; `javascript`, `js` or `node` on the `node` template). Default: the
+    /// template's first (`javascript` on `node`, `python` on the others).
+    #[arg(long, value_name = "RUNTIME")]
+    lang: Option<String>,
     /// A file whose bytes become the job's stdin.
     #[arg(long)]
     stdin: Option<PathBuf>,
@@ -69,13 +65,9 @@ pub fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         (None, Some(f)) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
         (None, None) => anyhow::bail!("give code with -c or a FILE"),
     };
-    let mut job = vmm::Job::new(
-        match args.lang {
-            Lang::Python => vmm::Language::Python,
-            Lang::Shell => vmm::Language::Shell,
-        },
-        code,
-    );
+    // Its worker mode is the template's to say (its manifest's runtime of that name): the
+    // server's, or run_local's once the template is loaded.
+    let mut job = vmm::Job::new(vmm::Language::Python, code);
     job.args = args.args.clone();
     job.timeout = Duration::from_millis(args.timeout_ms);
     job.output_limit = args.output_limit;
@@ -95,8 +87,8 @@ pub fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
         remote::server_url()?
     };
     let result = match server {
-        Some(url) => remote::run(&url, &job, &args.template)?,
-        None => run_local(cli, args, &job)?,
+        Some(url) => remote::run(&url, &job, &args.template, args.lang.as_deref())?,
+        None => run_local(cli, args, job)?,
     };
     {
         let mut out = std::io::stdout().lock();
@@ -149,8 +141,8 @@ fn save_figures(result: &vmm::JobResult, dir: Option<&std::path::Path>) -> anyho
 
 /// Runs `job` in a fresh clone in this process (loading or building the template; an
 /// existing guest build is used as it is, so a run stays fast: `bud guest build` picks up
-/// source changes).
-fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::JobResult> {
+/// source changes), in the template's runtime `--lang` names.
+fn run_local(cli: &Cli, args: &RunArgs, mut job: vmm::Job) -> anyhow::Result<vmm::JobResult> {
     let started = Instant::now();
     let mut build = cli.build_options();
     build.template.clone_from(&args.template);
@@ -162,6 +154,22 @@ fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::J
     };
     let template = bud_templates::template(&opts, &mut |l: &str| progress(l), None)
         .context("preparing the template")?;
+    let manifest = template.manifest();
+    let runtime = match args.lang.as_deref() {
+        Some(name) => manifest.runtime(name),
+        None => manifest.default_runtime(),
+    };
+    job.language = match runtime {
+        Some(r) => r.run,
+        None => anyhow::bail!(
+            "template {} has no runtime {}; its runtimes: {}",
+            args.template,
+            args.lang
+                .as_deref()
+                .map_or_else(|| "at all".to_owned(), |l| format!("{l:?}")),
+            bud_server::service::templates::runtime_list(manifest)
+        ),
+    };
     if let vmm::template::Origin::Built {
         boot,
         capture,
@@ -184,7 +192,7 @@ fn run_local(cli: &Cli, args: &RunArgs, job: &vmm::Job) -> anyhow::Result<vmm::J
         ..vmm::ExecutorOptions::default()
     };
     let executor = vmm::Executor::new(template, once)?;
-    Ok(executor.run(job)?)
+    Ok(executor.run(&job)?)
 }
 
 /// The process exit code for a job: its own exit status, 128 + signal, or (like `timeout(1)`)

@@ -135,6 +135,7 @@ class JobRunner:
         self._cwd_of = 0  # the namespace whose working directory the process has
         self._started = set()  # namespaces that have entered their start directory
         self.beside = None  # the lane beside (bud_beside.Beside), in a guest
+        self.kernel = None  # the image's kernel runtime (bud_runtime), started
 
     # ---- before READY
 
@@ -204,6 +205,11 @@ class JobRunner:
                 request = bud_request.Request.read(self.view)
             except BaseException as error:  # noqa: BLE001 - see below
                 failure = f"{type(error).__name__}: {error}"
+            if (request is not None and request.language == _bud.LANGUAGE_KERNEL
+                    and self.kernel is not None):
+                # The kernel runtime's request: it runs it and rings DONE (bud_runtime).
+                self.kernel.hand_over()
+                continue
             if request is not None and request.sequence == done:
                 self._ring_done(done)
                 continue
@@ -311,6 +317,8 @@ class JobRunner:
             return self._run_shell(request)
         if request.language in (_bud.LANGUAGE_FILES, _bud.LANGUAGE_PROCESS):
             return self._run_operation(request)
+        if request.language == _bud.LANGUAGE_KERNEL:
+            return self._internal_failure("this template has no kernel runtime")
         return self._internal_failure(f"unknown job language {request.language}")
 
     # ---- Python jobs

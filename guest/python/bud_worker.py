@@ -60,6 +60,7 @@ import bud_capture
 import bud_io
 import bud_jobs
 import bud_procs
+import bud_runtime
 
 # Exit statuses (the agent forwards the wait status in FAILED(WORKER_EXITED, status)).
 # 1 stays Python's own "uncaught exception" (a bug here; the traceback is on the console).
@@ -441,6 +442,13 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     if doorbell and not interrupts:
         signal.signal(signal.SIGINT, runner.on_sigint)
     job_problems = runner.prepare()
+    kernel = bud_runtime.load(TEMPLATE_MANIFEST, capture_dir) if doorbell else None
+    if kernel is not None:
+        # A template whose kernel runtime does not come up is broken: the OSError fails
+        # its boot (main), with the kernel's own words.
+        warm_ms = kernel.start()
+        runner.kernel = kernel
+        mark(f"{kernel.name} ({warm_ms} ms warm-up)")
     if doorbell and kernels:
         job_problems += bud_procs.TABLE.prepare_kernels(kernels)
         mark("kernels")
@@ -563,7 +571,12 @@ def main(argv):
     waiting = settle_run_queue()
     if waiting:
         log(f"still runnable at READY after {READY_SETTLE_LIMIT_S:.0f} s: {', '.join(waiting)}")
-    _bud.ready()
+    if runner.kernel is not None and runner.kernel.default:
+        # The kernel runtime is the default one: it rings READY and holds the doorbell; the
+        # worker waits here for a request of its own (bud_runtime).
+        runner.kernel.ring_ready()
+    else:
+        _bud.ready()
     # ---- A clone resumes here, and serve() never returns (DONE, then DONE again).
     runner.serve()
 

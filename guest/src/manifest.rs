@@ -4,7 +4,8 @@
 //!
 //! - **Runtimes**: `python` when the image has the interpreter, at the upstream version of
 //!   its package; `shell` when it has `/bin/sh` (busybox's), at busybox's version. The
-//!   worker runs them as its Python and shell modes.
+//!   worker runs them as its Python and shell modes. A template recipe's `[site.runtime]`
+//!   (JavaScript in `node`) adds a kernel runtime, first when it is the default.
 //! - **Tools**: every executable file directly in `bin/`, `usr/bin/`, `sbin/` and
 //!   `usr/sbin/` of the staged image but the interpreters (busybox's applets are links to
 //!   `busybox`, which counts once).
@@ -62,6 +63,7 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             version: version(PYTHON_PACKAGE),
             run: Language::Python,
             interpreter: "/usr/bin/python3".into(),
+            ..Runtime::default()
         });
         kernels.push(Kernel {
             language: "python".into(),
@@ -75,6 +77,7 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             version: version(SHELL_PACKAGE),
             run: Language::Shell,
             interpreter: format!("/{SHELL}"),
+            ..Runtime::default()
         });
         kernels.push(Kernel {
             language: "bash".into(),
@@ -82,7 +85,26 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             warm: 0,
         });
     }
-    let interpreters = [python::INTERPRETER];
+    if let Some(r) = site.and_then(|s| s.runtime.as_ref()) {
+        let runtime = Runtime {
+            name: r.name.clone(),
+            aliases: r.aliases.clone(),
+            version: version(&r.package),
+            run: Language::Kernel,
+            interpreter: r.interpreter.clone(),
+            kernel: r.kernel.clone(),
+        };
+        // The default runtime comes first.
+        let at = if r.default { 0 } else { runtimes.len() };
+        runtimes.insert(at, runtime);
+    }
+    let kernel_interpreter = site
+        .and_then(|s| s.runtime.as_ref())
+        .map(|r| r.interpreter.trim_start_matches('/'));
+    let interpreters: Vec<&str> = [python::INTERPRETER]
+        .into_iter()
+        .chain(kernel_interpreter)
+        .collect();
     let mut tools = Vec::new();
     for dir in TOOL_DIRS {
         let Ok(entries) = std::fs::read_dir(rootfs.join(dir)) else {

@@ -36,10 +36,12 @@ pub const PYTHON_DIR: &str = "guest/python";
 /// waits on the lock of an outer `cargo run` or `cargo test`.
 pub const GUEST_TARGET_DIR: &str = "target/guest";
 /// The guest crates the nested cargo build makes.
-const GUEST_PACKAGES: &[&str] = &["bud-agent", "bud-pyext"];
+const GUEST_PACKAGES: &[&str] = &["bud-agent", "bud-pyext", "bud-nodeext"];
 /// Outputs of the nested build, relative to its target directory.
 const AGENT_BINARY: &str = "release/bud-agent";
 const EXTENSION_LIBRARY: &str = "release/lib_bud.so";
+/// The Node-API addon of a kernel runtime's kernel (`guest/nodeext`), beside the extension.
+const KERNEL_ADDON_LIBRARY: &str = "libbud_nodeext.so";
 /// Remembered sha256 of the inputs, inside the build directory (see `hashes.rs`).
 const HASH_CACHE: &str = "sha256-cache.tsv";
 
@@ -393,6 +395,8 @@ pub fn build_image(
         recipe_dir,
         agent: agent.to_owned(),
         extension: extension.to_owned(),
+        kernel_addon: extension.with_file_name(KERNEL_ADDON_LIBRARY),
+        source_dir: opts.source_dir.clone(),
         python_dir: opts.source_dir.join(PYTHON_DIR),
         debs_dir,
         packages,
@@ -588,6 +592,8 @@ mod tests {
             recipe_dir: recipe_dir.to_owned(),
             agent: guest_target.join(AGENT_BINARY),
             extension: guest_target.join(EXTENSION_LIBRARY),
+            kernel_addon: guest_target.join("release").join(KERNEL_ADDON_LIBRARY),
+            source_dir: opts.source_dir.clone(),
             python_dir: opts.source_dir.join(PYTHON_DIR),
             debs_dir: opts.build_dir.join("debs"),
             packages: built.packages.clone(),

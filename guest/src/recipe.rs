@@ -122,11 +122,41 @@ pub struct Site {
     /// Python code (a file next to the template recipe) the worker runs before READY, after
     /// the imports: it drives the common code paths once.
     pub warm: Option<String>,
+    /// A runtime the template adds beside Python and the shell, run by a warm kernel program
+    /// of bud's (`guest/node/kernel.js` for JavaScript): `[site.runtime]`.
+    #[serde(default)]
+    pub runtime: Option<KernelRuntime>,
     /// Guest RAM in MiB.
     pub ram_mib: u64,
     /// How long the template's first boot may take to READY, in seconds (the guest kernel
     /// unpacks the whole image first: minutes for a big one under kvm_pvm).
     pub boot_timeout_s: u64,
+}
+
+/// A kernel runtime of a template recipe (`[site.runtime]`): the manifest's runtime entry
+/// (`run: "kernel"`) and what the image needs for it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelRuntime {
+    /// What a job names (`javascript`).
+    pub name: String,
+    /// Other names for it (`js`, `node`).
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    /// The Debian package whose upstream version is the runtime's (`nodejs`).
+    pub package: String,
+    /// The program that runs the kernel (`/usr/bin/node`).
+    pub interpreter: String,
+    /// The interpreter's arguments before READY; the kernel program among them is one of
+    /// [`Self::files`] staged under `/usr/lib/bud/<dir name>/`.
+    pub kernel: Vec<String>,
+    /// bud's files of the kernel, a directory of the source tree (`guest/node`): staged
+    /// under `/usr/lib/bud/<its name>/`, with the kernel's addon (`bud.node`).
+    pub files: String,
+    /// Whether it is the template's default runtime (a job that names none), which also
+    /// makes it the one that holds the doorbell at READY (`guest/python/bud_runtime.py`).
+    #[serde(default)]
+    pub default: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -209,12 +209,22 @@ pub fn write_manifest(
         .iter()
         .map(|p| (p.name.as_str(), p.version.as_str()))
         .collect();
+    // The kernel runtime the worker starts before READY (guest/python/bud_runtime.py).
+    let runtime = site.and_then(|s| s.runtime.as_ref()).map(|r| {
+        serde_json::json!({
+            "name": r.name,
+            "interpreter": r.interpreter,
+            "kernel": r.kernel,
+            "default": r.default,
+        })
+    });
     let mut manifest = serde_json::json!({
         "name": name,
         "preload": site.map(|s| s.preload.clone()).unwrap_or_default(),
         "kernels": site.map_or(0, |s| s.kernels),
         "warm": warm,
         "packages": versions,
+        "runtime": runtime,
     });
     if let Some(object) = manifest.as_object_mut() {
         for (key, value) in user.into_iter().flatten() {

@@ -247,6 +247,7 @@ impl Layers {
             preload: Vec::new(),
             kernels: 0,
             warm: None,
+            runtime: None,
             ram_mib: vmm_default_ram_mib(),
             boot_timeout_s: 600,
         });

@@ -5,9 +5,12 @@
 //! tools (bash or only busybox), the code-context kernels, the packages and their versions,
 //! the network.
 //!
-//! A runtime is a name (`python`, `shell`) with how the guest worker runs it
-//! ([`Language`], the worker's modes: the wire protocol's language codes). A new runtime or a
-//! user's template changes a manifest, not a Rust enum.
+//! A runtime is a name (`python`, `shell`, `javascript`), the other names a client may use
+//! for it (`js`, `node`), and how the guest worker runs it ([`Language`], the worker's modes:
+//! the wire protocol's language codes). Python and the shell are the worker's own modes; any
+//! other runtime is a [`Language::Kernel`]: a warm program of the image (`Runtime::kernel`)
+//! started before READY that runs the jobs (`guest/python/bud_kernels.py`). A new runtime or
+//! a user's template changes a manifest, not a Rust enum.
 //!
 //! Shared verbatim with the builder (`guest/src/manifest.rs` includes this file), like
 //! `protocol.rs`: it uses std, serde, serde_json and thiserror only, and never anything of
@@ -23,13 +26,19 @@ pub const MANIFEST_FORMAT: u32 = 1;
 
 /// How the guest worker runs a runtime's code: its modes, which the wire protocol names
 /// (`protocol::language`). Not a list of languages: those are a manifest's runtimes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Language {
     /// CPython with `python3 -c CODE` semantics, in the worker's own interpreter.
+    #[default]
     Python,
     /// A POSIX shell (the image's `/bin/sh`) with `sh -c CODE` semantics.
     Shell,
+    /// The image's kernel program ([`Runtime::kernel`]), warm before READY, runs the code
+    /// (JavaScript: `node -e CODE` semantics in a warm Node.js).
+    Kernel,
 }
 
 impl Language {
@@ -39,6 +48,7 @@ impl Language {
         match self {
             Language::Python => "python",
             Language::Shell => "shell",
+            Language::Kernel => "kernel",
         }
     }
 }
@@ -57,16 +67,30 @@ pub enum Network {
 }
 
 /// A runtime: a name a job asks for, and how the worker runs it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Runtime {
     /// What a job names (`language` of `/v1/exec`).
     pub name: String,
+    /// Other names a job or a client may use for it (`js`, `node` for `javascript`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub aliases: Vec<String>,
     /// Its upstream version (`3.11.2`), from the package that provides it.
     pub version: String,
     /// How the worker runs it.
     pub run: Language,
-    /// The program behind it in the guest (`/usr/bin/python3`, `/bin/sh`).
+    /// The program behind it in the guest (`/usr/bin/python3`, `/bin/sh`, `/usr/bin/node`).
     pub interpreter: String,
+    /// A [`Language::Kernel`] runtime's kernel: the arguments the interpreter is started
+    /// with before READY (`["--single-threaded-gc", "/usr/lib/bud/node/kernel.js"]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernel: Vec<String>,
+}
+
+impl Runtime {
+    /// Whether a job naming `name` means this runtime (its name or one of its aliases).
+    pub fn answers_to(&self, name: &str) -> bool {
+        self.name == name || self.aliases.iter().any(|a| a == name)
+    }
 }
 
 /// A code-context kernel (a Jupyter-style context of E2B's code interpreter).
@@ -127,6 +151,10 @@ pub enum ManifestError {
     Format { path: PathBuf, found: u32 },
     #[error("the template manifest {path} names runtime `{name}` twice")]
     DuplicateRuntime { path: PathBuf, name: String },
+    #[error("the template manifest {path} has kernel runtime `{name}` without its kernel")]
+    KernelWithoutProgram { path: PathBuf, name: String },
+    #[error("the template manifest {path} has more than one kernel runtime")]
+    SecondKernel { path: PathBuf },
 }
 
 impl Manifest {
@@ -152,13 +180,31 @@ impl Manifest {
                 found: manifest.format,
             });
         }
-        for (i, r) in manifest.runtimes.iter().enumerate() {
-            if manifest.runtimes[..i].iter().any(|o| o.name == r.name) {
-                return Err(ManifestError::DuplicateRuntime {
+        let mut names = std::collections::BTreeSet::new();
+        for r in &manifest.runtimes {
+            for name in std::iter::once(&r.name).chain(&r.aliases) {
+                if !names.insert(name.as_str()) {
+                    return Err(ManifestError::DuplicateRuntime {
+                        path: path.to_owned(),
+                        name: name.clone(),
+                    });
+                }
+            }
+            if r.run == Language::Kernel && r.kernel.is_empty() {
+                return Err(ManifestError::KernelWithoutProgram {
                     path: path.to_owned(),
                     name: r.name.clone(),
                 });
             }
+        }
+        let kernels = manifest
+            .runtimes
+            .iter()
+            .filter(|r| r.run == Language::Kernel);
+        if kernels.count() > 1 {
+            return Err(ManifestError::SecondKernel {
+                path: path.to_owned(),
+            });
         }
         Ok(manifest)
     }
@@ -186,9 +232,9 @@ impl Manifest {
         std::fs::rename(&tmp, path).map_err(err)
     }
 
-    /// The runtime named `name`.
+    /// The runtime named `name`, by its name or an alias.
     pub fn runtime(&self, name: &str) -> Option<&Runtime> {
-        self.runtimes.iter().find(|r| r.name == name)
+        self.runtimes.iter().find(|r| r.answers_to(name))
     }
 
     /// The runtime a job that names none runs in: the first.
@@ -294,6 +340,41 @@ mod tests {
         let err = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap_err();
 
         assert!(matches!(err, ManifestError::Format { found, .. } if found == MANIFEST_FORMAT + 1));
+    }
+
+    #[test]
+    fn a_runtime_answers_to_its_aliases_and_a_kernel_needs_its_program() {
+        let mut m = sample();
+        m.runtimes.push(Runtime {
+            name: "javascript".into(),
+            aliases: vec!["js".into(), "node".into()],
+            version: "18.20.4".into(),
+            run: Language::Kernel,
+            interpreter: "/usr/bin/node".into(),
+            kernel: vec!["/usr/lib/bud/node/kernel.js".into()],
+        });
+        let back = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap();
+        m.runtimes[2].kernel.clear();
+        let no_program = Manifest::parse(m.to_json().as_bytes(), Path::new("m"));
+
+        assert_eq!(
+            back.runtime("js").map(|r| r.name.as_str()),
+            Some("javascript")
+        );
+        assert_eq!(back.runtime("node").map(|r| r.run), Some(Language::Kernel));
+        assert!(
+            matches!(no_program, Err(ManifestError::KernelWithoutProgram { name, .. }) if name == "javascript")
+        );
+    }
+
+    #[test]
+    fn an_alias_taken_by_another_runtime_is_refused() {
+        let mut m = sample();
+        m.runtimes[1].aliases = vec!["sh".into(), "python".into()];
+
+        let err = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap_err();
+
+        assert!(matches!(err, ManifestError::DuplicateRuntime { name, .. } if name == "python"));
     }
 
     #[test]

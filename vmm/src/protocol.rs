@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -116,6 +116,9 @@ pub mod language {
     /// A process operation (`job::FILE_OP` holds a [`super::process_op`]): the sandbox's
     /// background processes, kept by the worker between requests.
     pub const PROCESS: u32 = 4;
+    /// The image's kernel runtime (the manifest's one `run: "kernel"` runtime, JavaScript in
+    /// the `node` template): the warm kernel program runs the code.
+    pub const KERNEL: u32 = 5;
 }
 
 /// How the worker treats a request (`job::MODE`).

@@ -28,12 +28,15 @@ pub const PYTHON: &str = "build: template python";
 pub const DATASCIENCE: &str = "build: template datascience";
 /// The build job of the `tools` template.
 pub const TOOLS: &str = "build: template tools";
+/// The build job of the `node` template (Node.js, the JavaScript kernel warm in it).
+pub const NODE: &str = "build: template node";
 /// The build jobs, in the order of the chain; each needs the ones before it that it names.
-pub const BUILDS: [(&str, Option<&str>); 4] = [
+pub const BUILDS: [(&str, Option<&str>); 5] = [
     (GUEST, None),
     (PYTHON, Some("python")),
     (DATASCIENCE, Some("datascience")),
     (TOOLS, Some("tools")),
+    (NODE, Some("node")),
 ];
 
 /// Whether `label` is one of the build jobs ([`BUILDS`]).
@@ -55,6 +58,7 @@ const ON_GUEST: &[&str] = &[GUEST];
 const ON_PYTHON: &[&str] = &[GUEST, PYTHON];
 const ON_DATASCIENCE: &[&str] = &[GUEST, PYTHON, DATASCIENCE];
 const ON_ALL: &[&str] = &[GUEST, PYTHON, DATASCIENCE, TOOLS];
+const ON_NODE: &[&str] = &[GUEST, PYTHON, NODE];
 
 /// A binary the table does not name: short, and needing the `python` template to be safe.
 pub const UNLISTED: Hint = Hint {
@@ -68,6 +72,9 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     (PYTHON, 125, ON_GUEST),
     (DATASCIENCE, 537, ON_PYTHON),
     (TOOLS, 102, ON_PYTHON),
+    // Its image (Node.js, ~120 MB) and a first boot that warms Node.js up.
+    (NODE, 150, ON_PYTHON),
+    ("server/tests/javascript.rs", 40, ON_NODE),
     ("server/tests/compat.rs", 175, ON_DATASCIENCE),
     // A first-level VM under QEMU's TCG (installs QEMU on first use): one host thread.
     ("tests/hwvirt.rs", 194, ON_GUEST),
@@ -271,9 +278,9 @@ mod tests {
     }
 
     #[test]
-    fn only_the_four_builds_are_build_jobs() {
+    fn only_the_five_builds_are_build_jobs() {
         assert!(
-            [GUEST, PYTHON, DATASCIENCE, TOOLS]
+            [GUEST, PYTHON, DATASCIENCE, TOOLS, NODE]
                 .iter()
                 .all(|l| is_build(l))
         );

@@ -350,6 +350,7 @@ mod tests {
                 crate::hints::PYTHON,
                 crate::hints::DATASCIENCE,
                 crate::hints::TOOLS,
+                crate::hints::NODE,
                 "tests/jobs.rs"
             ]
         );

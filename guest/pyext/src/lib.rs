@@ -87,6 +87,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("LANGUAGE_SHELL", language::SHELL as u64),
     ("LANGUAGE_FILES", language::FILES as u64),
     ("LANGUAGE_PROCESS", language::PROCESS as u64),
+    ("LANGUAGE_KERNEL", language::KERNEL as u64),
     ("PROCESS_OP_START", process_op::START as u64),
     ("PROCESS_OP_POLL", process_op::POLL as u64),
     ("PROCESS_OP_STDIN", process_op::STDIN as u64),
@@ -271,6 +272,13 @@ fn mailbox_view(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     view(py, existing_mailbox()?)
 }
 
+/// The file descriptor of the mailbox's memory (a memfd, close-on-exec): a kernel runtime
+/// started with it maps the same pages (`bud_runtime`).
+#[pyfunction]
+fn mailbox_fd() -> PyResult<i32> {
+    Ok(existing_mailbox()?.fd())
+}
+
 /// Guest-virtual address of the mailbox.
 #[pyfunction]
 fn mailbox_address() -> PyResult<usize> {
@@ -386,6 +394,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mailbox_view, m)?)?;
     m.add_function(wrap_pyfunction!(mailbox_address, m)?)?;
     m.add_function(wrap_pyfunction!(mailbox_size, m)?)?;
+    m.add_function(wrap_pyfunction!(mailbox_fd, m)?)?;
     m.add_function(wrap_pyfunction!(ring, m)?)?;
     m.add_function(wrap_pyfunction!(ready, m)?)?;
     m.add_function(wrap_pyfunction!(inotify::inotify_init, m)?)?;

@@ -1,6 +1,9 @@
-//! The worker's mailbox: one locked, pre-touched anonymous mapping per process.
+//! The worker's mailbox: one locked, pre-touched shared mapping of a memfd per process.
 //!
-//! Owns the mapping and its header. It is made once, before READY, and never unmapped: the
+//! Owns the mapping, its memfd and its header. The memory is a memfd mapped shared, not
+//! anonymous private memory, so that a kernel runtime's process (a warm Node.js that rings
+//! the doorbell itself, `guest/python/bud_runtime.py`) maps the very same pages: the host
+//! finds the mailbox once, by guest-physical page, whichever process rings. It is made once, before READY, and never unmapped: the
 //! host learns its address at READY and reads and writes it straight in guest memory from
 //! then on, so it must stay put, resident and writable for the life of the process. The
 //! mapping is made so that a job never takes a page fault in it:
@@ -32,11 +35,12 @@ pub enum MailboxError {
     Os { op: &'static str, source: io::Error },
 }
 
-/// A live mailbox: address and length of a mapping that is never unmapped.
+/// A live mailbox: address and length of a mapping that is never unmapped, and its memfd.
 #[derive(Debug)]
 pub struct Mailbox {
     addr: usize,
     len: usize,
+    fd: i32,
 }
 
 impl Mailbox {
@@ -48,6 +52,11 @@ impl Mailbox {
     /// Length in bytes (whole pages).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The memfd behind it (close-on-exec; open for the life of the process).
+    pub fn fd(&self) -> i32 {
+        self.fd
     }
 
     /// Writes `CLOCK_REALTIME` now into `header::READY_WALL_NS` (a vDSO read, no syscall).
@@ -100,6 +109,7 @@ pub fn create(size: usize) -> Result<&'static Mailbox, MailboxError> {
     let mailbox = Mailbox {
         addr: mapping.addr.as_ptr() as usize,
         len: size,
+        fd: mapping.fd,
     };
     MAILBOX
         .set(mailbox)
@@ -134,31 +144,53 @@ pub fn write_header(buf: &mut [u8]) {
     head[header::VERSION..header::VERSION + 4].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
 }
 
-/// An anonymous private read-write mapping, unmapped on drop unless forgotten.
+/// A shared read-write mapping of a fresh memfd, unmapped and closed on drop unless
+/// forgotten.
 struct Mapping {
     addr: NonNull<u8>,
     len: usize,
+    fd: i32,
 }
 
 impl Mapping {
     fn new(len: usize) -> Result<Self, MailboxError> {
-        // SAFETY: a fresh anonymous mapping at an address of the kernel's choice; it
-        // overlaps nothing and nothing else refers to it.
+        // SAFETY: the name is a NUL-terminated string; the flags ask for a new memfd.
+        let fd = unsafe { libc::memfd_create(c"bud-mailbox".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(os_error("memfd_create"));
+        }
+        let close = |err| {
+            // SAFETY: `fd` is the memfd made above, owned here and not used after.
+            unsafe { libc::close(fd) };
+            err
+        };
+        let size = libc::off_t::try_from(len).map_err(|_| {
+            close(MailboxError::BadSize {
+                size: len,
+                reason: "larger than a file offset",
+            })
+        })?;
+        // SAFETY: sizes the memfd made above; no memory is involved.
+        if unsafe { libc::ftruncate(fd, size) } != 0 {
+            return Err(close(os_error("ftruncate")));
+        }
+        // SAFETY: a fresh shared mapping of our own memfd at an address of the kernel's
+        // choice; it overlaps nothing and nothing else refers to it.
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
+                libc::MAP_SHARED,
+                fd,
                 0,
             )
         };
         if addr == libc::MAP_FAILED {
-            return Err(os_error("mmap"));
+            return Err(close(os_error("mmap")));
         }
-        let addr = NonNull::new(addr.cast::<u8>()).ok_or_else(|| os_error("mmap"))?;
-        Ok(Self { addr, len })
+        let addr = NonNull::new(addr.cast::<u8>()).ok_or_else(|| close(os_error("mmap")))?;
+        Ok(Self { addr, len, fd })
     }
 
     fn madvise(&mut self, advice: libc::c_int, op: &'static str) -> Result<(), MailboxError> {
@@ -189,6 +221,8 @@ impl Drop for Mapping {
         // SAFETY: unmaps exactly the mapping this value owns; no reference into it outlives
         // self (bytes_mut borrows self).
         let rc = unsafe { libc::munmap(self.addr.as_ptr().cast(), self.len) };
+        // SAFETY: closes the memfd this value owns; nothing else holds this number.
+        unsafe { libc::close(self.fd) };
         // A failed munmap of our own mapping means the bookkeeping is wrong; nothing to do
         // but say so (a Drop cannot return errors and must not panic into Python).
         if rc != 0 {

@@ -75,6 +75,11 @@ pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String,
         "extension {}\n",
         hash_of(hashes, &inputs.extension)?
     ));
+    if let Some(runtime) = inputs.site.as_ref().and_then(|s| s.runtime.as_ref()) {
+        for (from, to) in super::kernel_files(inputs, runtime)? {
+            text.push_str(&format!("kernel {to} {}\n", hash_of(hashes, &from)?));
+        }
+    }
     for path in python::bud_modules(&inputs.python_dir)? {
         let name = path
             .file_name()

@@ -49,6 +49,38 @@ pub const EXTENSION_PATH: &str = "usr/lib/bud/_bud.abi3.so";
 /// busybox itself; its applets are symlinks to this path.
 pub const BUSYBOX_PATH: &str = "bin/busybox";
 
+/// The addon's name beside a kernel runtime's files.
+pub const KERNEL_ADDON_NAME: &str = "bud.node";
+
+/// A kernel runtime's files (source path, path in the image): bud's files of it under
+/// `usr/lib/bud/<dir name>/`, and the addon as [`KERNEL_ADDON_NAME`] beside them.
+pub fn kernel_files(
+    inputs: &ImageInputs,
+    runtime: &recipe::KernelRuntime,
+) -> Result<Vec<(PathBuf, String)>, ImageError> {
+    let dir = inputs.source_dir.join(&runtime.files);
+    let name = Path::new(&runtime.files)
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    let mut files = Vec::new();
+    for rel in files_under(&dir)? {
+        files.push((dir.join(&rel), format!("{BUD_PYTHON_DIR}/{name}/{rel}")));
+    }
+    if !inputs.kernel_addon.is_file() {
+        return Err(ImageError::MissingInput {
+            what: "kernel addon",
+            path: inputs.kernel_addon.clone(),
+        });
+    }
+    files.push((
+        inputs.kernel_addon.clone(),
+        format!("{BUD_PYTHON_DIR}/{name}/{KERNEL_ADDON_NAME}"),
+    ));
+    Ok(files)
+}
+
 /// The staged files inside the image work directory (what the archive is made of; kept).
 pub const ROOTFS_DIR: &str = "rootfs";
 /// The archive inside the image work directory.
@@ -121,6 +153,11 @@ pub struct ImageInputs {
     pub agent: PathBuf,
     /// The extension (`target/guest/release/lib_bud.so`).
     pub extension: PathBuf,
+    /// A kernel runtime's Node-API addon (`target/guest/release/libbud_nodeext.so`), staged
+    /// as `bud.node` beside the kernel's files when the site has a runtime.
+    pub kernel_addon: PathBuf,
+    /// The source tree (a kernel runtime's `files` are relative to it).
+    pub source_dir: PathBuf,
     /// `guest/python`: bud's Python modules.
     pub python_dir: PathBuf,
     /// Where the `.deb` files of `packages` are.
@@ -205,6 +242,11 @@ pub fn build(
         strip_debug(&staging.path(to), progress)?;
     }
     let bud_jobs = python::stage_bud_modules(&inputs.python_dir, BUD_PYTHON_DIR, &staging)?;
+    if let Some(runtime) = inputs.site.as_ref().and_then(|s| s.runtime.as_ref()) {
+        for (from, to) in kernel_files(inputs, runtime)? {
+            staging.copy(&from, &to)?;
+        }
+    }
     let overlay = inputs.recipe_dir.join(recipe::OVERLAY_DIR);
     if overlay.exists() {
         for rel in files_under(&overlay)? {

@@ -17,7 +17,9 @@
 //! Contexts: `context_id` picks a context made by `POST /contexts`, a kernel of its own
 //! (`crate::service::kernels`: a Python interpreter, or a shell whose `cd` and variables
 //! carry from cell to cell); without one, `language` `python` (default) is the session's
-//! `__main__` and `bash` / `sh` the sandbox's default bash kernel. Restarting a context
+//! `__main__` and `bash` / `sh` the sandbox's default bash kernel. JavaScript and
+//! TypeScript (`js`, `ts`) cells and contexts are not built yet: 400, pointing at one-shot
+//! jobs. Restarting a context
 //! kills its kernel (the next cell starts a new one) or empties the default namespace;
 //! deleting one kills its kernel and forgets it. A cell's time limit is the
 //! server's `max_timeout_ms` (E2B's own limit is the client's HTTP timeout).
@@ -80,6 +82,12 @@ fn target(state: &AppState, id: &str, req: &ExecuteRequest) -> Result<Target, Er
         None => match contexts::language_of(req.language.as_deref().unwrap_or("python"))? {
             Language::Python => Target::Session,
             Language::Shell => Target::Kernel(Language::Shell, None),
+            Language::Kernel => {
+                return Err(crate::service::templates::kernel_cells(
+                    "language",
+                    "javascript",
+                ));
+            }
         },
     })
 }

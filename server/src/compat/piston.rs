@@ -8,7 +8,10 @@
 //!   one the worker runs as Python is `python` (aliases `py`, `py3`, `python3`,
 //!   `python3.11`); the shell is `bash` (alias `sh`) — bud's shell is busybox `ash`, and the
 //!   runtime list says so (`runtime: "busybox"`, busybox's version) where the manifest has
-//!   busybox; any other runtime under its own name.
+//!   busybox; the kernel runtime answering to `javascript` (the `node` template's) is
+//!   `javascript` (aliases `node-javascript`, `node-js`, `javascript`, `js`, as Piston's node
+//!   runtime has them; `runtime: "node"`); any other runtime under its own name. Each also
+//!   answers to the manifest's aliases of it (`node`).
 //! - `version`: `*`, absent, or a prefix of the real version (`3`, `3.11`, `3.11.2`), as the
 //!   manifest has it (the upstream version of the runtime's Debian package).
 //! - `files[0]` is the program (its code); every named file, the first one too, is also put
@@ -114,24 +117,41 @@ async fn run_native(
     Ok(response(jobs::run(state, one, task::no_sink()).await?, b64))
 }
 
+/// Piston's names of its runtimes: the language, then its aliases.
 const PYTHON_NAMES: [&str; 5] = ["python", "py", "py3", "python3", "python3.11"];
 const SHELL_NAMES: [&str; 2] = ["bash", "sh"];
+const JAVASCRIPT_NAMES: [&str; 5] = [
+    "javascript",
+    "node-javascript",
+    "node-js",
+    "javascript",
+    "js",
+];
 
 /// The default template's manifest (503 while it is not ready, as a job would be).
 fn manifest(c: &Compat) -> Result<vmm::Manifest, Error> {
-    let exec = crate::service::templates::default_executor(&c.app)?;
-    Ok(exec.template().manifest().clone())
+    let engine = crate::service::templates::engine_for(&c.app, None)?;
+    Ok(engine.manifest().clone())
 }
 
 /// Piston's runtime list of `manifest`, each with the name of the manifest runtime it runs.
 fn runtimes_of(manifest: &vmm::Manifest) -> Vec<(Runtime, String)> {
-    let names = |n: &[&str]| n[1..].iter().map(|s| s.to_string()).collect();
     manifest
         .runtimes
         .iter()
         .map(|r| {
-            // The first runtime of each worker mode takes Piston's name for it; another one
-            // keeps its own.
+            // Piston's aliases, then the manifest's that Piston's do not have.
+            let names = |n: &[&str]| {
+                let mut all: Vec<String> = n[1..].iter().map(|s| s.to_string()).collect();
+                for a in &r.aliases {
+                    if *a != n[0] && !all.contains(a) {
+                        all.push(a.clone());
+                    }
+                }
+                all
+            };
+            // The first runtime of each worker mode takes Piston's name for it (the kernel
+            // runtime, where it is JavaScript); another one keeps its own.
             let first = manifest
                 .runtime_running(r.run)
                 .is_some_and(|f| f.name == r.name);
@@ -142,7 +162,12 @@ fn runtimes_of(manifest: &vmm::Manifest) -> Vec<(Runtime, String)> {
                     names(&SHELL_NAMES),
                     manifest.has_tool("busybox").then(|| "busybox".to_owned()),
                 ),
-                _ => (r.name.clone(), Vec::new(), None),
+                (Language::Kernel, true) if is_javascript(r) => (
+                    "javascript".to_owned(),
+                    names(&JAVASCRIPT_NAMES),
+                    Some("node".to_owned()),
+                ),
+                _ => (r.name.clone(), names(&[r.name.as_str()]), None),
             };
             let piston = Runtime {
                 language,
@@ -153,6 +178,11 @@ fn runtimes_of(manifest: &vmm::Manifest) -> Vec<(Runtime, String)> {
             (piston, r.name.clone())
         })
         .collect()
+}
+
+/// Whether kernel runtime `r` is JavaScript: it answers to `javascript`, `js` or `node`.
+fn is_javascript(r: &vmm::manifest::Runtime) -> bool {
+    ["javascript", "js", "node"].iter().any(|n| r.answers_to(n))
 }
 
 /// `GET /api/v2/runtimes`.
@@ -370,7 +400,7 @@ mod tests {
                     name: name.to_string(),
                     version: version.to_string(),
                     run: *run,
-                    interpreter: String::new(),
+                    ..vmm::manifest::Runtime::default()
                 })
                 .collect(),
             tools: tools.iter().map(|t| t.to_string()).collect(),
@@ -421,6 +451,42 @@ mod tests {
             [("bash", None, "shell"), ("zsh", None, "zsh")]
         );
         assert!(list[1].0.aliases.is_empty());
+    }
+
+    #[test]
+    fn a_javascript_kernel_runtime_is_pistons_node_with_the_manifests_aliases_too() {
+        let mut m = manifest(
+            &[
+                ("python", Language::Python, "3.11.2"),
+                ("shell", Language::Shell, "1.35.0"),
+            ],
+            &[],
+        );
+        m.runtimes.push(vmm::manifest::Runtime {
+            name: "javascript".into(),
+            aliases: vec!["js".into(), "node".into()],
+            version: "18.20.4".into(),
+            run: Language::Kernel,
+            ..vmm::manifest::Runtime::default()
+        });
+        let mut other = m.clone();
+        other.runtimes[2].name = "ruby".into();
+        other.runtimes[2].aliases = vec!["rb".into()];
+
+        let list = runtimes_of(&m);
+        let other = runtimes_of(&other);
+
+        assert_eq!(
+            serde_json::to_value(&list[2].0).unwrap(),
+            serde_json::json!({"language": "javascript", "version": "18.20.4",
+                "aliases": ["node-javascript", "node-js", "javascript", "js", "node"],
+                "runtime": "node"})
+        );
+        assert_eq!(list[2].1, "javascript");
+        assert_eq!(
+            serde_json::to_value(&other[2].0).unwrap(),
+            serde_json::json!({"language": "ruby", "version": "18.20.4", "aliases": ["rb"]})
+        );
     }
 
     #[test]

@@ -16,16 +16,26 @@ use crate::core::state::AppState;
 use crate::service::error::Error;
 use crate::service::kernels::{self, KernelCell, Ran};
 use crate::service::task::Sink;
-use crate::service::{access, processes};
+use crate::service::{access, processes, templates};
 
 /// The longest context `cwd` (Linux's `PATH_MAX`).
 pub const MAX_CWD: usize = 4096;
 
 /// The language a context's `language` names: `python` (`python3`) or `bash` (`sh`).
+/// JavaScript (`js`, `javascript`, `node`) and TypeScript (`ts`, `typescript`) contexts,
+/// which E2B's code interpreter has, are not built yet: 400 saying so.
 pub fn language_of(name: &str) -> Result<Language, Error> {
     match name {
         "python" | "python3" => Ok(Language::Python),
         "bash" | "sh" => Ok(Language::Shell),
+        "js" | "javascript" | "node" => Err(templates::kernel_cells("language", "javascript")),
+        "ts" | "typescript" => Err(Error::invalid(
+            "language",
+            format!(
+                "bud runs no TypeScript; {}",
+                templates::kernel_cells_message("javascript")
+            ),
+        )),
         other => Err(Error::invalid(
             "language",
             format!("bud runs python and bash (busybox sh) code, not {other}"),
@@ -44,13 +54,19 @@ pub fn create(
 ) -> Result<Context, Error> {
     let e = access::get(state, id)?;
     let language = language.unwrap_or("python");
+    // The template's manifest says which kernels it has (one made before manifests lists
+    // none, and keeps both), and which name is its kernel runtime's (JavaScript).
+    let manifest = e.engine.manifest();
+    if let Some(r) = manifest.runtime(language)
+        && r.run == Language::Kernel
+    {
+        return Err(templates::kernel_cells("language", &r.name));
+    }
     let kernel = match language_of(language)? {
         Language::Python => "python",
         Language::Shell => "bash",
+        Language::Kernel => return Err(templates::kernel_cells("language", language)),
     };
-    // The template's manifest says which kernels it has (one made before manifests lists
-    // none, and keeps both).
-    let manifest = e.engine.manifest();
     if !manifest.kernels.is_empty() && manifest.kernel(kernel).is_none() {
         let has: Vec<&str> = manifest
             .kernels
@@ -184,7 +200,7 @@ async fn kill(state: &AppState, id: &str, kernel: Kernel) -> Result<(), Error> {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateContext {
-    /// `python` (default) or `bash`.
+    /// `python` (default) or `bash` (JavaScript contexts are not built yet: 400).
     pub language: Option<String>,
     /// Where its kernel starts (default: the session's work directory, `/tmp`).
     pub cwd: Option<String>,

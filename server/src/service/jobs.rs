@@ -293,8 +293,8 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
-    /// A runtime of the template (its manifest's: `python`, `shell`, ...); default: the
-    /// template's first.
+    /// A runtime of the template by name or alias (its manifest's: `python`, `shell`,
+    /// `javascript` or `js` on `node`, ...); default: the template's first.
     #[serde(default)]
     pub language: Option<String>,
     pub code: Option<String>,

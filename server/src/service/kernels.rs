@@ -127,7 +127,8 @@ const MARK_PREFIX: &str = "\u{1e}bud-kernel-";
 /// A cell for a kernel.
 #[derive(Debug, Clone)]
 pub struct KernelCell {
-    /// Python or shell: what the kernel is (a context's language, which never changes).
+    /// Python or shell: what the kernel is (a context's language, which never changes; a
+    /// JavaScript one is refused, not built yet).
     pub language: Language,
     pub code: String,
     pub env: BTreeMap<String, String>,
@@ -163,6 +164,7 @@ pub async fn run(
     let job = match cell.language {
         Language::Python => vmm::Job::python(cell.code.clone()),
         Language::Shell => vmm::Job::shell(cell.code.clone()),
+        Language::Kernel => return Err(not_built()),
     };
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let (end_tx, end_rx) = oneshot::channel();
@@ -260,6 +262,7 @@ async fn in_turn(
             let env = match cell.language {
                 Language::Python => crate::service::access::get(state, id)?.env.clone(),
                 Language::Shell => BTreeMap::new(),
+                Language::Kernel => return Err(not_built()),
             };
             let probe = KernelCell {
                 code: String::new(),
@@ -434,6 +437,7 @@ fn request(
             let sync = mark.trim_start_matches('\u{1e}').trim_end();
             return Ok(format!("{sync} {seq} {}\n{code}{SHELL_TRAILER}", code.len()).into_bytes());
         }
+        Language::Kernel => return Err(not_built()),
     };
     Ok((line + "\n").into_bytes())
 }
@@ -490,6 +494,7 @@ async fn start(
             user: None,
             internal: true,
         },
+        Language::Kernel => return Err(not_built()),
     };
     let pid = processes::start(state, id, req, "/contexts").await?;
     kernel.set(|k| {
@@ -498,6 +503,12 @@ async fn start(
         k.count = 0;
     });
     Ok(pid)
+}
+
+/// A context in the kernel runtime (JavaScript): not built yet (contexts refuse it when
+/// made, [`crate::service::contexts::language_of`]; this is the kernels' own guard).
+fn not_built() -> Error {
+    crate::service::templates::kernel_cells("language", "javascript")
 }
 
 /// The end of a cell a kernel did not finish.

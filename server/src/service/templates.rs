@@ -3,8 +3,9 @@
 //! the served templates changed while the server runs.
 //!
 //! What a template can run is its manifest ([`vmm::Manifest`], written by the image
-//! builder): a job's `language` is one of its runtimes, checked here, and the worker runs
-//! it as the runtime's [`Language`] says. Templates are prepared ([`prepare`]) at start
+//! builder): a job's `language` is one of its runtimes (by name or alias), checked here,
+//! and the worker runs it as the runtime's [`Language`] says. A kernel runtime
+//! ([`Language::Kernel`], JavaScript) runs one-shot jobs only, not cells or contexts yet. Templates are prepared ([`prepare`]) at start
 //! and by [`add`] later, from the server's [`TemplateSource`]; [`remove`] stops serving one
 //! that no live session runs on.
 
@@ -13,7 +14,7 @@ use std::time::Instant;
 
 use tracing::info;
 use vmm::template::Origin;
-use vmm::{Executor, Language};
+use vmm::{Executor, Language, Manifest};
 
 use crate::core::config::{Config, valid_template_name};
 use crate::core::engine::Engine;
@@ -78,9 +79,9 @@ pub fn default_executor(state: &AppState) -> Result<Arc<Executor>, Error> {
     executor_for(state, None)
 }
 
-/// How the worker runs runtime `asked` of the template `exec` serves (`None`: its default
-/// runtime, the manifest's first): 400 on `field` naming the template's runtimes when it
-/// has no such runtime.
+/// How the worker runs runtime `asked` of the template `engine` serves, by its name or an
+/// alias (`None`: its default runtime, the manifest's first): 400 on `field` naming the
+/// template's runtimes when it has no such runtime.
 pub fn runtime(engine: &dyn Engine, asked: Option<&str>, field: &str) -> Result<Language, Error> {
     let manifest = engine.manifest();
     let found = match asked {
@@ -88,19 +89,73 @@ pub fn runtime(engine: &dyn Engine, asked: Option<&str>, field: &str) -> Result<
         None => manifest.default_runtime(),
     };
     found.map(|r| r.run).ok_or_else(|| {
-        let offers = match manifest.runtime_names() {
-            names if names.is_empty() => "none".to_owned(),
-            names => names.join(", "),
-        };
         Error::invalid(
             field,
             format!(
-                "template {} has no runtime {}; its runtimes: {offers}",
+                "template {} has no runtime {}; its runtimes: {}",
                 manifest.name,
                 asked.map_or_else(|| "at all".to_owned(), |a| format!("{a:?}")),
+                runtime_list(manifest),
             ),
         )
     })
+}
+
+/// The runtimes of `manifest` as a message names them, each with its aliases:
+/// `javascript (js, node), python, shell` (`none` for none).
+pub fn runtime_list(manifest: &Manifest) -> String {
+    if manifest.runtimes.is_empty() {
+        return "none".to_owned();
+    }
+    let each = manifest
+        .runtimes
+        .iter()
+        .map(|r| match r.aliases.as_slice() {
+            [] => r.name.clone(),
+            aliases => format!("{} ({})", r.name, aliases.join(", ")),
+        });
+    each.collect::<Vec<_>>().join(", ")
+}
+
+/// How the worker runs the cells of a session on `engine` in runtime `asked` (`None`: the
+/// template's first runtime that cells run in). As [`runtime`], except that a kernel
+/// runtime ([`Language::Kernel`], JavaScript) runs one-shot jobs only: 400
+/// ([`kernel_cells`]).
+pub fn cell_runtime(
+    engine: &dyn Engine,
+    asked: Option<&str>,
+    field: &str,
+) -> Result<Language, Error> {
+    let manifest = engine.manifest();
+    let found = match asked {
+        Some(name) => manifest.runtime(name),
+        None => {
+            let cells = manifest.runtimes.iter().find(|r| r.run != Language::Kernel);
+            cells.or_else(|| manifest.default_runtime())
+        }
+    };
+    match found {
+        Some(r) if r.run == Language::Kernel => Err(kernel_cells(field, &r.name)),
+        Some(r) => Ok(r.run),
+        None => runtime(engine, asked, field),
+    }
+}
+
+/// 400 on `field`: a session cell or a code context in kernel runtime `name` (JavaScript),
+/// which the guest does not run yet; one-shot jobs do.
+pub fn kernel_cells(field: &str, name: &str) -> Error {
+    Error::invalid(field, kernel_cells_message(name))
+}
+
+/// What [`kernel_cells`] says.
+pub fn kernel_cells_message(name: &str) -> String {
+    let shown = match name {
+        "javascript" => "JavaScript",
+        other => other,
+    };
+    format!(
+        "{shown} cells and contexts are not built yet: run {shown} as one-shot jobs (POST /v1/exec with language \"{name}\")"
+    )
 }
 
 /// Gets template `name` from `source` at `moment`, then starts its executor.

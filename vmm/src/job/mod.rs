@@ -40,6 +40,7 @@ impl Language {
         match self {
             Language::Python => language::PYTHON,
             Language::Shell => language::SHELL,
+            Language::Kernel => language::KERNEL,
         }
     }
 }

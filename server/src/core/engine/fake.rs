@@ -10,6 +10,10 @@
 //! - `wait NAME`: runs until the test opens gate NAME ([`FakeEngine::open`]), then answers;
 //! - anything else: answers `ok` with the code as its stdout (streamed as it "runs").
 //!
+//! Its template is bud's python template (runtimes `python` and `shell`), or with
+//! [`FakeEngine::with_node`] the node template's (and `javascript`, a kernel runtime); it
+//! records the worker mode each job and cell ran in ([`FakeEngine::languages`]).
+//!
 //! The engine itself can hold starts back ([`FakeEngine::hold_starts`]: a slow start that
 //! ends when [`FakeEngine::release_starts`] is called), fail them, and says what it did
 //! ([`FakeEngine::counts`]).
@@ -25,7 +29,7 @@ use std::time::{Duration, Instant};
 use vmm::executor::{Executor, ExecutorStats};
 use vmm::job::{JobTimings, Stream};
 use vmm::session::{ForkStats, Session, SessionError};
-use vmm::{Cancel, ExecError, Health, Job, JobResult, Status, Unusable};
+use vmm::{Cancel, ExecError, Health, Job, JobResult, Language, Status, Unusable};
 
 use super::{Deliver, Engine, LayerShare, Output, SessionVm};
 
@@ -57,6 +61,8 @@ struct Inner {
     vm_bytes: AtomicU64,
     /// What the fake template offers: python and shell, as bud's python template.
     manifest: FakeManifest,
+    /// The worker mode of each job and cell it ran, in order.
+    languages: Mutex<Vec<Language>>,
     /// Open gates, starts held, a start's failure.
     state: Mutex<Gates>,
     changed: Condvar,
@@ -92,6 +98,38 @@ impl FakeEngine {
             manifest,
             ..Inner::default()
         }))
+    }
+
+    /// A fake template with a JavaScript kernel runtime too (`javascript`, aliases `js` and
+    /// `node`, run as [`Language::Kernel`]), as bud's node template: javascript (its
+    /// default), python, shell.
+    pub fn with_node() -> Self {
+        let mut manifest = FakeManifest::default();
+        manifest.0.name = "fake-node".to_owned();
+        manifest.0.runtimes.insert(
+            0,
+            ::vmm::manifest::Runtime {
+                name: "javascript".to_owned(),
+                aliases: vec!["js".to_owned(), "node".to_owned()],
+                version: "18.20.4".to_owned(),
+                run: Language::Kernel,
+                interpreter: "/usr/bin/node".to_owned(),
+                kernel: vec!["/usr/lib/bud/node/kernel.js".to_owned()],
+            },
+        );
+        Self(Arc::new(Inner {
+            manifest,
+            ..Inner::default()
+        }))
+    }
+
+    /// The worker mode of each job and cell it ran so far, in order.
+    pub fn languages(&self) -> Vec<Language> {
+        self.0
+            .languages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Opens gate `name`: jobs waiting on it answer, and later ones pass at once.
@@ -140,6 +178,11 @@ impl FakeEngine {
     /// Runs `job` as its code says; the health its VM is left in.
     fn run(&self, job: &Job, grace: bool, out: Output<'_>) -> (JobResult, Health) {
         self.0.running.fetch_add(1, Ordering::AcqRel);
+        self.0
+            .languages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(job.language);
         let started = Instant::now();
         let code = String::from_utf8_lossy(&job.code).into_owned();
         let mut words = code.split_whitespace();
@@ -254,12 +297,13 @@ struct FakeManifest(::vmm::manifest::Manifest);
 
 impl Default for FakeManifest {
     fn default() -> Self {
-        use ::vmm::manifest::{Language, Manifest, Runtime};
+        use ::vmm::manifest::{Manifest, Runtime};
         let runtime = |name: &str, run, interpreter: &str| Runtime {
             name: name.to_owned(),
             version: "0".to_owned(),
             run,
             interpreter: interpreter.to_owned(),
+            ..Runtime::default()
         };
         Self(Manifest {
             name: "fake".to_owned(),

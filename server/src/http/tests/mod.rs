@@ -9,6 +9,7 @@
 
 mod admission;
 mod conn;
+mod javascript;
 mod network;
 mod requests;
 mod sessions;

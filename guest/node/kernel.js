@@ -1,0 +1,505 @@
+'use strict';
+// bud's JavaScript kernel: a warm Node.js that runs one-shot JavaScript jobs with
+// `node -e CODE ARG...` semantics, and rings bud's doorbell itself.
+//
+// Why it holds the doorbell
+// -------------------------
+// A Node.js start in the guest costs ~15 s under kvm_pvm (mapping and relocating libnode,
+// compiling its internal modules from source: Debian's node has no startup snapshot), and a
+// hand-off through a pipe from the Python worker costs ~10-20 ms per job (a wake-up and two
+// context switches, all emulated guest-kernel work). So the worker starts this kernel before
+// READY (`guest/python/bud_runtime.py`), lets it warm up, and hands it the doorbell: this
+// process rings READY, the template is snapshotted with the vCPU in it, and every clone
+// resumes here. A JavaScript job then costs what a Python job costs: the request is read from
+// the mailbox (the worker's memfd, mapped here too: the same guest-physical pages), the
+// output goes into the mailbox's areas, and DONE is one `out`.
+//
+// A request for another runtime (Python, the shell, a file or process operation) is handed
+// to the worker: one token byte on fd 5, then this process blocks reading fd 4 until the
+// worker hands the doorbell back (a JavaScript request reached the worker). Whoever holds
+// the doorbell rings DONE for the request it ran.
+//
+// The life of a job (`serve`)
+// ---------------------------
+// `serve` runs on the resume from a doorbell: it reads the request, gives the clone its own
+// random streams (Math.random from the job's seed, OpenSSL's generator reseeded with it),
+// sets argv and env, runs the code as `node -e` does (a script in the main context with
+// `require`, `module`, `exports`, `__filename` = `[eval]`) and returns to the event loop.
+// When the loop has nothing left, `beforeExit` finishes the job: exit code
+// `process.exitCode`, DONE. `process.exit(n)` and an uncaught error finish it at once (the
+// error printed as node prints it, exit code 1). A one-shot job's VM is reset after DONE, so
+// nothing of a job (globals, timers, modules it required) reaches the next one.
+//
+// Output: `process.stdout`/`process.stderr` writes (so `console.*`) and `fs.writeSync` to
+// fds 1 and 2 go straight into the mailbox areas, no syscalls. Output written below that (a
+// child process that inherits fds 1 and 2) lands in this process's capture files, which are
+// read into the areas at the end of a job that started child processes.
+//
+// Not yet: session cells (stateful contexts, top-level await, the last expression's value),
+// the host's interrupt (a job past its deadline ends with its VM), TypeScript.
+
+const fs = require('fs');
+const path = require('path');
+const vm = require('vm');
+const util = require('util');
+const Module = require('module');
+const childProcess = require('child_process');
+
+// The addon (guest/nodeext); BUD_KERNEL_ADDON names another (a fake host, in host tests).
+const addon = require(process.env.BUD_KERNEL_ADDON || path.join(__dirname, 'bud.node'));
+delete process.env.BUD_KERNEL_ADDON;
+
+// What the worker gives: the protocol's constants (from `_bud`, which has them from
+// protocol.rs), the mailbox memfd, the token pipes.
+const P = JSON.parse(process.env.BUD_PROTOCOL);
+delete process.env.BUD_PROTOCOL;
+const MAILBOX_FD = 3;
+const TOKEN_IN = 4;
+const TOKEN_OUT = 5;
+const TOKEN_TO_WORKER = 0x4a; // 'J'
+const TOKEN_READY = 0x52; // 'R'
+const EXITED = P.OUTCOME_EXITED;
+
+// ---- the mailbox
+
+let box = null; // Uint8Array over the mailbox
+let dv = null; // DataView over it
+
+function u32(at) {
+  return dv.getUint32(at, true);
+}
+
+function setU32(at, value) {
+  dv.setUint32(at, value >>> 0, true);
+}
+
+// ---- output areas
+
+const STREAMS = [
+  { lenAt: P.RESULT_STDOUT_LEN, start: P.RESULT_STDOUT_AREA, end: P.RESULT_STDOUT_AREA_END },
+  { lenAt: P.RESULT_STDERR_LEN, start: P.RESULT_STDERR_AREA, end: P.RESULT_STDERR_AREA_END },
+];
+
+let ring = (code, a, b) => addon.ring(code, a, b);
+
+// Appends bytes to stream 0 (stdout) or 1 (stderr), ringing FLUSH whenever its area is full.
+function emit(which, bytes) {
+  const s = STREAMS[which];
+  let off = 0;
+  while (off < bytes.length) {
+    const used = u32(s.lenAt);
+    const room = s.end - s.start - used;
+    if (room <= 0) {
+      ring(P.FLUSH, 0, 0);
+      continue;
+    }
+    const n = Math.min(room, bytes.length - off);
+    box.set(bytes.subarray(off, off + n), s.start + used);
+    setU32(s.lenAt, used + n);
+    off += n;
+  }
+}
+
+function toBytes(chunk, encoding) {
+  if (typeof chunk === 'string') {
+    return Buffer.from(chunk, typeof encoding === 'string' ? encoding : 'utf8');
+  }
+  if (chunk instanceof Uint8Array) return chunk;
+  if (ArrayBuffer.isView(chunk)) return new Uint8Array(chunk.buffer, chunk.byteOffset, chunk.byteLength);
+  throw new TypeError('The "chunk" argument must be of type string or an instance of Buffer or Uint8Array');
+}
+
+function streamWrite(which) {
+  return function write(chunk, encoding, callback) {
+    if (typeof encoding === 'function') {
+      callback = encoding;
+      encoding = undefined;
+    }
+    emit(which, toBytes(chunk, encoding));
+    if (typeof callback === 'function') process.nextTick(callback);
+    return true;
+  };
+}
+
+// fs.writeSync / fs.write / fs.writeFileSync to fds 1 and 2 go to the areas too.
+const realWriteSync = fs.writeSync;
+const realWrite = fs.write;
+fs.writeSync = function writeSync(fd, buffer, ...rest) {
+  if (fd === 1 || fd === 2) {
+    const bytes = typeof buffer === 'string' ? Buffer.from(buffer, typeof rest[1] === 'string' ? rest[1] : 'utf8') : sliceOf(buffer, rest);
+    emit(fd - 1, bytes);
+    return bytes.length;
+  }
+  return realWriteSync.call(fs, fd, buffer, ...rest);
+};
+fs.write = function write(fd, buffer, ...rest) {
+  if (fd === 1 || fd === 2) {
+    const callback = rest.pop();
+    const bytes = typeof buffer === 'string' ? Buffer.from(buffer, typeof rest[1] === 'string' ? rest[1] : 'utf8') : sliceOf(buffer, rest);
+    emit(fd - 1, bytes);
+    process.nextTick(callback, null, bytes.length, buffer);
+    return undefined;
+  }
+  return realWrite.call(fs, fd, buffer, ...rest);
+};
+
+function sliceOf(buffer, rest) {
+  const bytes = toBytes(buffer);
+  let offset = 0;
+  let length = bytes.length;
+  if (rest[0] !== null && typeof rest[0] === 'object') {
+    offset = rest[0].offset ?? 0;
+    length = rest[0].length ?? bytes.length - offset;
+  } else {
+    if (typeof rest[0] === 'number') offset = rest[0];
+    length = typeof rest[1] === 'number' ? rest[1] : bytes.length - offset;
+  }
+  return bytes.subarray(offset, offset + length);
+}
+
+process.stdout.write = streamWrite(0);
+process.stderr.write = streamWrite(1);
+
+// Child processes write to fds 1 and 2 themselves (the capture files): a job that starts one
+// has them read into the areas at its end (`collectFdOutput`).
+let childStarted = false;
+const fdStart = [0, 0];
+for (const name of ['spawn', 'spawnSync', 'exec', 'execSync', 'execFile', 'execFileSync', 'fork']) {
+  const real = childProcess[name];
+  childProcess[name] = function (...args) {
+    if (!childStarted) {
+      childStarted = true;
+      fdStart[0] = fs.fstatSync(1).size;
+      fdStart[1] = fs.fstatSync(2).size;
+    }
+    return real.apply(this, args);
+  };
+}
+
+function collectFdOutput() {
+  if (!childStarted) return;
+  for (const fd of [1, 2]) {
+    const size = fs.fstatSync(fd).size;
+    const from = fdStart[fd - 1];
+    if (size > from) {
+      const buf = Buffer.allocUnsafe(size - from);
+      const n = fs.readSync(fd, buf, 0, buf.length, from);
+      emit(fd - 1, buf.subarray(0, n));
+    }
+  }
+}
+
+// ---- the request
+
+function readRequest() {
+  const lang = u32(P.JOB_LANGUAGE);
+  const codeLen = u32(P.JOB_CODE_LEN);
+  const stdinLen = u32(P.JOB_STDIN_LEN);
+  const argsLen = u32(P.JOB_ARGS_LEN);
+  const envLen = u32(P.JOB_ENV_LEN);
+  const total = codeLen + stdinLen + argsLen + envLen;
+  if (total > P.JOB_DATA_END - P.JOB_DATA) throw new Error(`request data of ${total} bytes overflows the request area`);
+  let at = P.JOB_DATA;
+  const take = (n) => {
+    const bytes = box.subarray(at, at + n);
+    at += n;
+    return bytes;
+  };
+  const code = Buffer.from(take(codeLen)).toString('utf8');
+  const stdin = Buffer.from(take(stdinLen));
+  const args = strings(take(argsLen));
+  const env = strings(take(envLen));
+  return {
+    language: lang,
+    sequence: u32(P.JOB_SEQUENCE),
+    mode: u32(P.JOB_MODE),
+    seed: Buffer.from(box.subarray(P.JOB_SEED, P.JOB_SEED + P.JOB_SEED_LEN)),
+    code,
+    stdin,
+    args,
+    env,
+  };
+}
+
+function strings(bytes) {
+  const out = [];
+  let start = 0;
+  for (let i = 0; i < bytes.length; i++) {
+    if (bytes[i] === 0) {
+      out.push(Buffer.from(bytes.subarray(start, i)).toString('utf8'));
+      start = i + 1;
+    }
+  }
+  return out;
+}
+
+// ---- per-clone identity
+
+// xoshiro128** over the job's seed: Math.random of every clone differs (V8's own generator
+// was seeded once, at the template's boot, and is the same in every clone).
+function seededRandom(seed) {
+  const s = new Uint32Array(4);
+  for (let i = 0; i < 4; i++) s[i] = seed.readUInt32LE(i * 4) ^ seed.readUInt32LE(16 + i * 4);
+  if ((s[0] | s[1] | s[2] | s[3]) === 0) s[0] = 1;
+  const rotl = (x, k) => (x << k) | (x >>> (32 - k));
+  const next = () => {
+    const result = Math.imul(rotl(Math.imul(s[1], 5), 7), 9) >>> 0;
+    const t = s[1] << 9;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 11);
+    return result;
+  };
+  return function random() {
+    // 53 random bits, as V8's own Math.random gives.
+    return ((next() >>> 5) * 67108864 + (next() >>> 6)) / 9007199254740992;
+  };
+}
+
+function applyIdentity(request) {
+  Math.random = seededRandom(request.seed);
+  addon.reseed(request.seed);
+}
+
+// ---- running a job
+
+let current = null; // { sequence, finished }
+let warming = false; // before READY: a finished warm-up job serves nothing
+
+function runJob(request) {
+  current = { sequence: request.sequence, finished: false };
+  process.exitCode = undefined;
+  process.argv = [process.execPath, ...request.args];
+  for (const entry of request.env) {
+    const eq = entry.indexOf('=');
+    if (eq > 0) process.env[entry.slice(0, eq)] = entry.slice(eq + 1);
+  }
+  if (request.stdin.length > 0) {
+    // fd 0 is this process's own stdin file, at offset 0 in every clone: a positional write
+    // leaves the offset there, so the job reads what it was given.
+    realWriteSync.call(fs, 0, request.stdin, 0, request.stdin.length, 0);
+  }
+  const filename = path.join(process.cwd(), '[eval]');
+  const evalModule = new Module(filename, null);
+  evalModule.filename = filename;
+  evalModule.paths = Module._nodeModulePaths(process.cwd());
+  globalThis.module = evalModule;
+  globalThis.exports = evalModule.exports;
+  globalThis.require = Module.createRequire(filename);
+  globalThis.__filename = '[eval]';
+  globalThis.__dirname = '.';
+  vm.runInThisContext(request.code, { filename: '[eval]', displayErrors: true });
+}
+
+function finish(code) {
+  if (current === null || current.finished) return;
+  current.finished = true;
+  collectFdOutput();
+  setU32(P.RESULT_OUTCOME, EXITED);
+  dv.setInt32(P.RESULT_EXIT_CODE, code | 0, true);
+  if (warming) return;
+  const done = current.sequence;
+  ring(P.DONE, 0, 0);
+  // Resumed: a session's next request (a one-shot job's VM is reset instead).
+  serve(done);
+}
+
+// An uncaught error as node prints it (util.inspect: the stack and own properties), without
+// the kernel's own frames.
+function reportUncaught(error) {
+  let text;
+  try {
+    text = error instanceof Error ? util.inspect(error) : `Uncaught ${util.inspect(error)}`;
+  } catch {
+    text = String(error);
+  }
+  text = text
+    .split('\n')
+    .filter((line) => !line.includes(__filename))
+    .join('\n');
+  emit(1, Buffer.from(`${text}\n\nNode.js ${process.version}\n`));
+}
+
+function exitCodeOf(code) {
+  if (code === undefined || code === null) return process.exitCode === undefined ? 0 : Number(process.exitCode) | 0;
+  return Number(code) | 0;
+}
+
+const EXITED_SENTINEL = Object.freeze({ exited: true });
+
+// The kernel's own failures (outside a job): on its real stderr (the worker shows it), and
+// the process ends.
+const realReallyExit = process.reallyExit.bind(process);
+function kernelFailed(error) {
+  realWriteSync.call(fs, 2, `bud-kernel: ${util.inspect(error)}\n`);
+  realReallyExit(70);
+}
+
+process.exit = function exit(code) {
+  if (code !== undefined) process.exitCode = code;
+  process.emit('exit', exitCodeOf(code));
+  finish(exitCodeOf(code));
+  // Only a session's next request gets here, after it ran: stop the exited job's code (the
+  // sentinel is not reported as an error of the next one).
+  throw EXITED_SENTINEL;
+};
+process.reallyExit = process.exit;
+
+process.on('uncaughtException', (error) => {
+  if (error === EXITED_SENTINEL) return;
+  if (current === null) kernelFailed(error);
+  if (current.finished) return;
+  reportUncaught(error);
+  process.exitCode = 1;
+  process.emit('exit', 1);
+  finish(1);
+});
+
+process.on('beforeExit', () => {
+  if (current === null || current.finished) return;
+  const code = exitCodeOf(undefined);
+  process.emit('exit', code);
+  finish(code);
+});
+
+// ---- the doorbell and the hand-off
+
+function noop() {}
+
+function handToWorker() {
+  realWriteSync.call(fs, TOKEN_OUT, Buffer.from([TOKEN_TO_WORKER]));
+  const buf = Buffer.alloc(1);
+  for (;;) {
+    try {
+      if (fs.readSync(TOKEN_IN, buf, 0, 1, null) === 1) return;
+    } catch (error) {
+      if (error.code !== 'EINTR' && error.code !== 'EAGAIN') throw error;
+    }
+  }
+}
+
+// Runs the requests the host gives, one per resume. `done`: the sequence number of the last
+// request this kernel answered (a resume with it again rings DONE again).
+function serve(done) {
+  for (;;) {
+    const request = readRequest();
+    if (request.language !== P.LANGUAGE_KERNEL) {
+      handToWorker();
+      continue;
+    }
+    if (request.sequence === done) {
+      ring(P.DONE, 0, 0);
+      continue;
+    }
+    try {
+      applyIdentity(request);
+      runJob(request);
+    } catch (error) {
+      if (error === EXITED_SENTINEL) throw error; // an earlier job's process.exit, unwinding
+      reportUncaught(error);
+      finish(1);
+    }
+    // To the event loop; beforeExit finishes the job. The immediate makes the loop turn at
+    // least once, so that beforeExit comes again also when a job runs from inside the last
+    // one's beforeExit (a session's next request) and schedules nothing.
+    setImmediate(noop);
+    return;
+  }
+}
+
+// ---- before READY
+
+// Jobs run before READY through the same path as real ones, with the output dropped, so
+// that clones find the code they need compiled: printing, errors with stacks, require,
+// promises and timers, process.exit.
+// Each runs inside a function, so its declarations stay in it: a script's top-level `const`
+// or `function` would stay in the global scope of the snapshot (and a job's own `const fs`
+// or `let f` would then be a SyntaxError); the global object's own names are checked after.
+const WARM_JOBS = [
+  'console.log(1 + 1); console.error("e"); console.log({ a: [1, "x"] })',
+  'const fs = require("fs"); const os = require("os"); const p = require("path"); ' +
+    'process.stdout.write(p.join("a", "b") + os.EOL + String(fs.existsSync("/")))',
+  'function f() { null.x; } try { f(); } catch (e) { console.log(e.stack); }',
+  'Promise.resolve(1).then((v) => setTimeout(() => console.log(v), 0))',
+  'const c = require("crypto"); console.log(c.createHash("sha256").update("x").digest("hex"))',
+  'JSON.parse(JSON.stringify({ a: 1 })); [3, 1, 2].sort().map((x) => x * 2).join()',
+  'throw new TypeError("warm")',
+  'process.exitCode = 3',
+];
+
+function warmUp() {
+  const scratch = new Uint8Array(P.MAILBOX_DEFAULT_SIZE);
+  const realBox = box;
+  const realDv = dv;
+  box = scratch;
+  dv = new DataView(scratch.buffer);
+  const realRing = ring;
+  ring = (code) => {
+    setU32(P.RESULT_STDOUT_LEN, 0);
+    setU32(P.RESULT_STDERR_LEN, 0);
+    return code;
+  };
+  const seed = Buffer.alloc(P.JOB_SEED_LEN, 7);
+  let index = 0;
+  warming = true;
+  return new Promise((resolve) => {
+    const next = () => {
+      if (index === WARM_JOBS.length) {
+        box = realBox;
+        dv = realDv;
+        ring = realRing;
+        current = null;
+        warming = false;
+        resolve();
+        return;
+      }
+      const code = `(function () {\n${WARM_JOBS[index++]}\n})();`;
+      current = { sequence: index, finished: false };
+      try {
+        applyIdentity({ seed });
+        runJob({ sequence: index, code, args: ['a'], env: ['BUD_WARM=1'], stdin: Buffer.alloc(0) });
+      } catch (error) {
+        reportUncaught(error);
+      }
+      setTimeout(next, 5);
+    };
+    next();
+  });
+}
+
+function main() {
+  const mailbox = addon.mapMailbox(MAILBOX_FD, P.MAILBOX_DEFAULT_SIZE);
+  box = new Uint8Array(mailbox);
+  dv = new DataView(mailbox);
+  const started = Date.now();
+  const globalsBefore = new Set(Object.getOwnPropertyNames(globalThis));
+  warmUp().then(() => {
+    // Restore the process's own state the warm-up jobs changed.
+    process.exitCode = undefined;
+    delete process.env.BUD_WARM;
+    for (const name of Object.getOwnPropertyNames(globalThis)) {
+      if (!globalsBefore.has(name) && !delete globalThis[name]) {
+        kernelFailed(new Error(`the warm-up left the global ${name} behind`));
+      }
+    }
+    realWriteSync.call(fs, TOKEN_OUT, Buffer.from(`W${Date.now() - started}\n`));
+    // Wait for the worker's word to ring READY (it settles the guest first).
+    // (`R`, when JavaScript is the template's default runtime), or the first request for
+    // it (`K`, when the worker rang READY).
+    const buf = Buffer.alloc(1);
+    while (fs.readSync(TOKEN_IN, buf, 0, 1, null) !== 1);
+    addon.takeDoorbell();
+    if (buf[0] === TOKEN_READY) {
+      const wallNs = BigInt(Math.round((performance.timeOrigin + performance.now()) * 1000)) * 1000n;
+      dv.setBigUint64(P.HEADER_READY_WALL_NS, wallNs, true);
+      ring(P.READY, BigInt(addon.mailboxAddress()), BigInt(P.MAILBOX_DEFAULT_SIZE));
+      // A clone resumes here.
+    }
+    serve(null);
+  });
+}
+
+main();

@@ -1,0 +1,372 @@
+//! JavaScript one-shot jobs on the `node` template against the real server on loopback: the
+//! warm Node.js kernel that holds the doorbell (guest/node/kernel.js), `node -e` semantics
+//! (output, args, env, stdin, exit codes, uncaught errors, the event loop drained), limits,
+//! no state between jobs, randomness of its own in every clone, and the worker's own
+//! runtimes beside it (Python and shell jobs handed over). Needs /dev/kvm; the first run
+//! builds and boots the node template (minutes), later runs load it.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use bud_server::Config;
+use common::*;
+use serde_json::{Value, json};
+
+fn node() -> TestServer {
+    let mut config: Config = test_config();
+    config.templates = vec!["node".into()];
+    TestServer::with_config(config)
+}
+
+fn js(s: &TestServer, body: Value) -> Value {
+    let mut body = body;
+    body["template"] = json!("node");
+    if body.get("language").is_none() {
+        body["language"] = json!("javascript");
+    }
+    let (status, r) = s.exec(body);
+    assert_eq!(status, 200, "{r}");
+    r
+}
+
+fn outcome(r: &Value) -> (&Value, &Value, &Value, &Value) {
+    (&r["status"], &r["exit_code"], &r["stdout"], &r["stderr"])
+}
+
+#[test]
+fn console_output_args_env_and_stdin_come_back_as_from_node_e() {
+    let s = node();
+
+    let r = js(
+        &s,
+        json!({
+            "code": "console.log(1 + 1); console.error('to stderr');\n\
+                     console.log(process.argv.slice(1).join('|'), process.env.GREETING);\n\
+                     process.stdout.write(require('fs').readFileSync(0, 'utf8').toUpperCase())",
+            "args": ["one", "two words"],
+            "env": {"GREETING": "hello"},
+            "stdin": "from stdin\n",
+        }),
+    );
+
+    assert_eq!(
+        outcome(&r),
+        (
+            &json!("ok"),
+            &json!(0),
+            &json!("2\none|two words hello\nFROM STDIN\n"),
+            &json!("to stderr\n")
+        ),
+        "{r}"
+    );
+}
+
+#[test]
+fn every_alias_names_javascript_and_it_is_the_templates_default() {
+    let s = node();
+
+    for language in ["javascript", "js", "node"] {
+        let r = js(
+            &s,
+            json!({"code": "console.log(typeof require)", "language": language}),
+        );
+        assert_eq!(outcome(&r).2, &json!("function\n"), "{language}: {r}");
+    }
+    let (status, r) = s.exec(json!({"template": "node", "code": "console.log(6 * 7)"}));
+
+    assert_eq!((status, &r["stdout"]), (200, &json!("42\n")), "{r}");
+}
+
+#[test]
+fn exit_codes_follow_process_exit_and_exit_code() {
+    let s = node();
+
+    let exit = js(
+        &s,
+        json!({"code": "console.log('before'); process.exit(7); console.log('after')"}),
+    );
+    let code = js(
+        &s,
+        json!({"code": "process.exitCode = 4; setTimeout(() => console.log('ran'), 20)"}),
+    );
+
+    assert_eq!(
+        outcome(&exit),
+        (&json!("error"), &json!(7), &json!("before\n"), &json!("")),
+        "{exit}"
+    );
+    assert_eq!(
+        outcome(&code),
+        (&json!("error"), &json!(4), &json!("ran\n"), &json!("")),
+        "{code}"
+    );
+}
+
+#[test]
+fn an_uncaught_error_prints_its_stack_and_exits_1() {
+    let s = node();
+
+    let thrown = js(&s, json!({"code": "function f() { return null.x; }\nf()"}));
+    let rejected = js(
+        &s,
+        json!({"code": "Promise.reject(new RangeError('no such range'))"}),
+    );
+    let syntax = js(&s, json!({"code": "let = ;"}));
+
+    for r in [&thrown, &rejected, &syntax] {
+        assert_eq!(
+            (&r["status"], &r["exit_code"], &r["stdout"]),
+            (&json!("error"), &json!(1), &json!("")),
+            "{r}"
+        );
+        assert!(
+            !r["stderr"].as_str().unwrap().contains("kernel.js"),
+            "bud's frames shown: {r}"
+        );
+    }
+    let stderr = thrown["stderr"].as_str().unwrap();
+    assert!(
+        stderr.contains("TypeError: Cannot read properties of null (reading 'x')")
+            && stderr.contains("at f ([eval]:1:")
+            && stderr.ends_with(&format!("\n\nNode.js {}\n", node_version(&s))),
+        "{thrown}"
+    );
+    assert!(
+        rejected["stderr"]
+            .as_str()
+            .unwrap()
+            .contains("RangeError: no such range"),
+        "{rejected}"
+    );
+    assert!(
+        syntax["stderr"].as_str().unwrap().contains("SyntaxError"),
+        "{syntax}"
+    );
+}
+
+fn node_version(s: &TestServer) -> String {
+    let r = js(s, json!({"code": "process.stdout.write(process.version)"}));
+    r["stdout"].as_str().unwrap().to_owned()
+}
+
+#[test]
+fn timers_promises_and_async_functions_run_before_the_job_ends() {
+    let s = node();
+
+    let r = js(
+        &s,
+        json!({"code": "const sleep = (ms) => new Promise((r) => setTimeout(r, ms));\n\
+                        (async () => { await sleep(30); console.log('after 30 ms'); })();\n\
+                        setImmediate(() => console.log('immediate'));\n\
+                        process.on('exit', (c) => console.log('exit', c));\n\
+                        console.log('sync')"}),
+    );
+
+    assert_eq!(
+        outcome(&r),
+        (
+            &json!("ok"),
+            &json!(0),
+            &json!("sync\nimmediate\nafter 30 ms\nexit 0\n"),
+            &json!("")
+        ),
+        "{r}"
+    );
+}
+
+#[test]
+fn nothing_of_one_job_reaches_the_next() {
+    let s = node();
+
+    let first = js(
+        &s,
+        json!({"code": "globalThis.leaked = 'secret'; Object.prototype.polluted = 1;\n\
+                        require('fs').writeFileSync('/tmp/left-behind', 'x');\n\
+                        process.env.LEFT = 'yes'; console.log('planted')"}),
+    );
+    let second = js(
+        &s,
+        json!({"code": "console.log(typeof leaked, ({}).polluted, process.env.LEFT,\n\
+                        require('fs').existsSync('/tmp/left-behind'))"}),
+    );
+
+    assert_eq!(first["stdout"], json!("planted\n"), "{first}");
+    assert_eq!(
+        outcome(&second),
+        (
+            &json!("ok"),
+            &json!(0),
+            &json!("undefined undefined undefined false\n"),
+            &json!("")
+        ),
+        "{second}"
+    );
+}
+
+#[test]
+fn a_job_may_declare_any_top_level_name() {
+    let s = node();
+
+    // The names the kernel's warm-up used: none of them is left declared in the snapshot.
+    let r = js(
+        &s,
+        json!({"code": "const fs = require('fs'); const os = require('os'); const p = require('path');\n\
+                        const c = require('crypto'); let f = 1; class e {}\n\
+                        console.log(typeof fs.readFileSync, typeof os.EOL, p.join('a', 'b'), f)"}),
+    );
+
+    assert_eq!(
+        outcome(&r),
+        (
+            &json!("ok"),
+            &json!(0),
+            &json!("function string a/b 1\n"),
+            &json!("")
+        ),
+        "{r}"
+    );
+}
+
+#[test]
+fn every_clone_has_its_own_math_random_and_crypto_streams() {
+    let s = node();
+    let mut seen = BTreeSet::new();
+
+    for _ in 0..12 {
+        let r = js(
+            &s,
+            json!({"code": "const c = require('crypto');\n\
+                            console.log(Math.random(), c.randomBytes(16).toString('hex'), c.randomUUID())"}),
+        );
+        let out = r["stdout"].as_str().unwrap().to_owned();
+        let parts: Vec<&str> = out.split_whitespace().collect();
+        assert_eq!(parts.len(), 3, "{r}");
+        for part in parts {
+            assert!(seen.insert(part.to_owned()), "{part} seen twice");
+        }
+    }
+
+    assert_eq!(seen.len(), 36);
+}
+
+#[test]
+fn a_loop_times_out_and_the_next_job_runs() {
+    let s = node();
+
+    let r = js(
+        &s,
+        json!({"code": "console.log('start'); while (true) {}", "timeout_ms": 1500}),
+    );
+    let next = js(&s, json!({"code": "console.log('next')"}));
+
+    assert_eq!(r["status"], json!("timeout"), "{r}");
+    assert_eq!(
+        outcome(&next),
+        (&json!("ok"), &json!(0), &json!("next\n"), &json!("")),
+        "{next}"
+    );
+}
+
+#[test]
+fn output_past_the_cap_ends_with_output_limit() {
+    let s = node();
+
+    let r = js(
+        &s,
+        json!({"code": "for (;;) console.log('x'.repeat(1000))", "output_limit": 100000}),
+    );
+
+    assert_eq!(r["status"], json!("output_limit"), "{r}");
+    let kept = r["stdout"].as_str().unwrap().len();
+    assert!(
+        (100_000..=100_000 + 1001).contains(&kept) || kept == 100_000,
+        "{kept}"
+    );
+}
+
+#[test]
+fn a_mebibyte_of_output_and_a_childs_output_come_back_intact() {
+    let s = node();
+
+    let big = js(
+        &s,
+        json!({"code": "process.stdout.write('y'.repeat(3 * 1024 * 1024 + 5))"}),
+    );
+    let child = js(
+        &s,
+        json!({"code": "const out = require('child_process').execSync('echo from-child; echo child-err >&2');\n\
+                        console.log(out.toString().trim())"}),
+    );
+
+    assert_eq!(
+        big["stdout"].as_str().map(str::len),
+        Some(3 * 1024 * 1024 + 5),
+        "{}",
+        big["status"]
+    );
+    assert_eq!(
+        outcome(&child),
+        (
+            &json!("ok"),
+            &json!(0),
+            &json!("from-child\n"),
+            &json!("child-err\n")
+        ),
+        "{child}"
+    );
+}
+
+#[test]
+fn python_and_shell_jobs_still_run_on_the_node_template() {
+    let s = node();
+
+    let py = js(
+        &s,
+        json!({"code": "import sys; print(sys.version_info[0])", "language": "python"}),
+    );
+    let sh = js(&s, json!({"code": "echo $((6 * 7))", "language": "shell"}));
+    let after = js(&s, json!({"code": "console.log('js again')"}));
+
+    assert_eq!(
+        outcome(&py),
+        (&json!("ok"), &json!(0), &json!("3\n"), &json!("")),
+        "{py}"
+    );
+    assert_eq!(
+        outcome(&sh),
+        (&json!("ok"), &json!(0), &json!("42\n"), &json!("")),
+        "{sh}"
+    );
+    assert_eq!(after["stdout"], json!("js again\n"), "{after}");
+}
+
+#[test]
+fn the_template_lists_javascript_with_its_aliases_and_version() {
+    let s = node();
+
+    let r: Value = s.get("/v1/templates/node").json().unwrap();
+
+    let runtimes = r["runtimes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no runtimes: {r}"));
+    let first = &runtimes[0];
+    assert_eq!(
+        (
+            &first["name"],
+            &first["aliases"],
+            &first["run"],
+            &first["interpreter"]
+        ),
+        (
+            &json!("javascript"),
+            &json!(["js", "node"]),
+            &json!("kernel"),
+            &json!("/usr/bin/node")
+        ),
+        "{r}"
+    );
+    assert!(first["version"].as_str().unwrap().starts_with("18."), "{r}");
+    let names: Vec<&str> = runtimes.iter().filter_map(|r| r["name"].as_str()).collect();
+    assert_eq!(names, ["javascript", "python", "shell"], "{r}");
+}
