@@ -213,6 +213,8 @@ function readRequest() {
     language: lang,
     sequence: u32(P.JOB_SEQUENCE),
     mode: u32(P.JOB_MODE),
+    flags: u32(P.JOB_FLAGS),
+    namespace: u32(P.JOB_NAMESPACE),
     seed: Buffer.from(box.subarray(P.JOB_SEED, P.JOB_SEED + P.JOB_SEED_LEN)),
     code,
     stdin,
@@ -237,9 +239,11 @@ function strings(bytes) {
 
 // xoshiro128** over the job's seed: Math.random of every clone differs (V8's own generator
 // was seeded once, at the template's boot, and is the same in every clone).
-function seededRandom(seed) {
+function seededRandom(seed, salt = 0) {
   const s = new Uint32Array(4);
-  for (let i = 0; i < 4; i++) s[i] = seed.readUInt32LE(i * 4) ^ seed.readUInt32LE(16 + i * 4);
+  for (let i = 0; i < 4; i++) {
+    s[i] = seed.readUInt32LE(i * 4) ^ seed.readUInt32LE(16 + i * 4) ^ Math.imul(salt + i, 0x9e3779b9);
+  }
   if ((s[0] | s[1] | s[2] | s[3]) === 0) s[0] = 1;
   const rotl = (x, k) => (x << k) | (x >>> (32 - k));
   const next = () => {
@@ -259,9 +263,22 @@ function seededRandom(seed) {
   };
 }
 
+// The seed of the clone's identity, for contexts made later (each its own stream).
+let identitySeed = null;
+
+// Every `vm` context has its own Math (seeded by V8 when it is made, from a generator that
+// is the same in every clone): each gets a stream of its own from the clone's seed.
+function seedContext(context, namespace) {
+  if (identitySeed !== null) {
+    vm.runInContext('Math', context).random = seededRandom(identitySeed, namespace + 1);
+  }
+}
+
 function applyIdentity(request) {
+  identitySeed = request.seed;
   Math.random = seededRandom(request.seed);
   addon.reseed(request.seed);
+  for (const [namespace, context] of contexts) seedContext(context, namespace);
 }
 
 // ---- running a job
@@ -294,10 +311,12 @@ function runJob(request) {
   vm.runInThisContext(request.code, { filename: '[eval]', displayErrors: true });
 }
 
-function finish(code) {
+function finish(code, display) {
   if (current === null || current.finished) return;
   current.finished = true;
+  if (current.restoreEnv) current.restoreEnv();
   collectFdOutput();
+  writeDisplay(display);
   setU32(P.RESULT_OUTCOME, EXITED);
   dv.setInt32(P.RESULT_EXIT_CODE, code | 0, true);
   if (warming) return;
@@ -312,7 +331,9 @@ function finish(code) {
 function reportUncaught(error) {
   let text;
   try {
-    text = error instanceof Error ? util.inspect(error) : `Uncaught ${util.inspect(error)}`;
+    // isNativeError: an error made in a cell's context is no `instanceof Error` here.
+    const isError = util.types.isNativeError(error) || error instanceof Error;
+    text = isError ? util.inspect(error) : `Uncaught ${util.inspect(error)}`;
   } catch {
     text = String(error);
   }
@@ -360,10 +381,244 @@ process.on('uncaughtException', (error) => {
 
 process.on('beforeExit', () => {
   if (current === null || current.finished) return;
+  // A cell ends when its code settles; one whose promise can no longer settle (nothing left
+  // to run) ends here, without a value.
+  if (current.cell) {
+    finish(0);
+    return;
+  }
   const code = exitCodeOf(undefined);
   process.emit('exit', code);
   finish(code);
 });
+
+// ---- session cells
+
+// A session's JavaScript contexts, by namespace number (0: the session's own; another: a
+// code-interpreter client's context, made on first use). Each is a `vm` context whose global
+// object has Node's globals (timers, `process`, `Buffer`, `require` relative to the working
+// directory...), so that contexts do not see each other's variables.
+const contexts = new Map();
+// Node's globals a context gets, copied as property descriptors (the lazy `fetch` and
+// `crypto` stay lazy).
+const CONTEXT_GLOBALS = [
+  'process', 'console', 'Buffer', 'global', 'setTimeout', 'setInterval', 'setImmediate',
+  'clearTimeout', 'clearInterval', 'clearImmediate', 'queueMicrotask', 'structuredClone',
+  'atob', 'btoa', 'performance', 'fetch', 'crypto', 'URL', 'URLSearchParams', 'TextEncoder',
+  'TextDecoder', 'AbortController', 'AbortSignal', 'Event', 'EventTarget', 'MessageChannel',
+  'MessagePort', 'MessageEvent', 'BroadcastChannel', 'Blob', 'Headers', 'Request', 'Response',
+  'FormData', 'DOMException', 'WebAssembly',
+];
+
+function newContext() {
+  const sandbox = {};
+  for (const name of CONTEXT_GLOBALS) {
+    const descriptor = Object.getOwnPropertyDescriptor(globalThis, name);
+    if (descriptor) Object.defineProperty(sandbox, name, descriptor);
+  }
+  const filename = path.join(process.cwd(), '[cell]');
+  const cellModule = new Module(filename, null);
+  cellModule.filename = filename;
+  cellModule.paths = Module._nodeModulePaths(process.cwd());
+  sandbox.module = cellModule;
+  sandbox.exports = cellModule.exports;
+  sandbox.require = Module.createRequire(filename);
+  sandbox.__filename = '[cell]';
+  sandbox.__dirname = '.';
+  const context = vm.createContext(sandbox, { name: 'bud cell context' });
+  sandbox.global = vm.runInContext('globalThis', context);
+  return context;
+}
+
+// acorn (Debian's node-acorn, which node's own REPL uses too) parses a cell so that it can
+// run as the body of an async function (top-level `await`) while its declarations stay in
+// the context for the next cells.
+let acorn = null;
+// Where it is (another place in host tests, which use the host's node).
+const ACORN = process.env.BUD_ACORN || '/usr/share/nodejs/acorn/dist/acorn.js';
+delete process.env.BUD_ACORN;
+
+// A cell as [a prelude script declaring its top-level names with `var`, an async function
+// expression running it]: `const x = 1` becomes `void (x = 1)`, `function f(){}` and
+// `class C {}` assignments (functions first, as they are hoisted), and a last expression
+// statement becomes the function's return value (the cell's value). Re-running a cell that
+// declares `const x` is then no error, as in node's REPL.
+function cellSource(code) {
+  acorn = acorn || require(ACORN);
+  const ast = acorn.parse(code, {
+    ecmaVersion: 'latest',
+    sourceType: 'script',
+    allowAwaitOutsideFunction: true,
+    allowHashBang: true,
+  });
+  const names = [];
+  const hoisted = [];
+  const edits = [];
+  const text = (node) => code.slice(node.start, node.end);
+  ast.body.forEach((node, i) => {
+    if (node.type === 'VariableDeclaration') {
+      const parts = node.declarations.map((d) => {
+        patternNames(d.id, names);
+        return `(${text(d.id)} = ${d.init ? text(d.init) : 'undefined'})`;
+      });
+      edits.push([node.start, node.end, `void (${parts.join(', ')});`]);
+    } else if (node.type === 'FunctionDeclaration') {
+      names.push(node.id.name);
+      hoisted.push(`${node.id.name} = ${text(node)};`);
+      edits.push([node.start, node.end, '']);
+    } else if (node.type === 'ClassDeclaration') {
+      names.push(node.id.name);
+      edits.push([node.start, node.end, `${node.id.name} = ${text(node)};`]);
+    } else if (i === ast.body.length - 1 && node.type === 'ExpressionStatement') {
+      edits.push([node.start, node.end, `return (${text(node.expression)});`]);
+    }
+  });
+  let body = '';
+  let at = 0;
+  for (const [start, end, replacement] of edits) {
+    body += code.slice(at, start) + replacement;
+    at = end;
+  }
+  body += code.slice(at);
+  const prelude = names.length ? `var ${[...new Set(names)].join(', ')};` : '';
+  return [prelude, `(async () => {${hoisted.join(' ')}\n${body}\n})()`];
+}
+
+function patternNames(pattern, names) {
+  switch (pattern.type) {
+    case 'Identifier':
+      names.push(pattern.name);
+      break;
+    case 'ObjectPattern':
+      for (const p of pattern.properties) patternNames(p.type === 'RestElement' ? p.argument : p.value, names);
+      break;
+    case 'ArrayPattern':
+      for (const e of pattern.elements) if (e) patternNames(e, names);
+      break;
+    case 'RestElement':
+      patternNames(pattern.argument, names);
+      break;
+    case 'AssignmentPattern':
+      patternNames(pattern.left, names);
+      break;
+    default:
+      break;
+  }
+}
+
+function runCell(request) {
+  current = { sequence: request.sequence, finished: false, cell: true, restoreEnv: null };
+  if (request.flags & P.JOB_FLAGS_RESEED) applyIdentity(request);
+  const args = [...request.args];
+  const start = request.flags & P.JOB_FLAGS_START_DIRECTORY ? args.shift() : undefined;
+  if (request.flags & P.JOB_FLAGS_RESET_NAMESPACE) contexts.delete(request.namespace);
+  let context = contexts.get(request.namespace);
+  if (context === undefined) {
+    if (start !== undefined) {
+      try {
+        process.chdir(start);
+      } catch {
+        // as for Python contexts: a directory it cannot enter leaves it where it is
+      }
+    }
+    context = newContext();
+    seedContext(context, request.namespace);
+    contexts.set(request.namespace, context);
+  }
+  current.restoreEnv = setCellEnv(request.env);
+  const inDisplay = (request.flags & P.JOB_FLAGS_ERROR_IN_DISPLAY) !== 0;
+  const failed = (error) => {
+    if (error === EXITED_SENTINEL) return;
+    if (inDisplay) {
+      finish(1, { error: errorOf(error) });
+    } else {
+      reportUncaught(error);
+      finish(1);
+    }
+  };
+  let promise;
+  try {
+    let source;
+    try {
+      source = cellSource(request.code);
+    } catch {
+      // Not JavaScript acorn reads: V8's own SyntaxError says where, as for a job.
+      new vm.Script(request.code, { filename: '[cell]' });
+      throw new SyntaxError('the cell could not be parsed');
+    }
+    if (source[0]) vm.runInContext(source[0], context);
+    // lineOffset: the cell's own first line is line 1 in stacks (the wrapper's is 0).
+    promise = vm.runInContext(source[1], context, { filename: '[cell]', lineOffset: -1 });
+  } catch (error) {
+    failed(error);
+    return;
+  }
+  promise.then((value) => {
+    if (current === null || current.finished || current.sequence !== request.sequence) return;
+    finish(0, value === undefined ? undefined : { value: [{ type: 'text/plain', data: inspectValue(value) }] });
+  }, (error) => {
+    if (current === null || current.finished || current.sequence !== request.sequence) return;
+    failed(error);
+  });
+  setImmediate(noop);
+}
+
+function inspectValue(value) {
+  try {
+    return util.inspect(value);
+  } catch (error) {
+    return `<inspect failed: ${error}>`;
+  }
+}
+
+// Jupyter's error: name, message, and the stack as text (without the kernel's frames).
+function errorOf(error) {
+  if (!util.types.isNativeError(error) && !(error instanceof Error)) {
+    return { name: 'Error', value: inspectValue(error), traceback: `Uncaught ${inspectValue(error)}` };
+  }
+  const stack = String(error.stack || `${error.name}: ${error.message}`)
+    .split('\n')
+    .filter((line) => !line.includes(__filename))
+    .join('\n');
+  return { name: String(error.name), value: String(error.message), traceback: stack };
+}
+
+// A cell's env for its run only (as the Python worker's cells): returns the undo.
+function setCellEnv(entries) {
+  if (entries.length === 0) return null;
+  const saved = [];
+  for (const entry of entries) {
+    const eq = entry.indexOf('=');
+    if (eq <= 0) continue;
+    const name = entry.slice(0, eq);
+    saved.push([name, Object.prototype.hasOwnProperty.call(process.env, name) ? process.env[name] : undefined]);
+    process.env[name] = entry.slice(eq + 1);
+  }
+  return () => {
+    for (const [name, value] of saved.reverse()) {
+      if (value === undefined) delete process.env[name];
+      else process.env[name] = value;
+    }
+  };
+}
+
+// The display JSON at the request area (its length at RESULT_DISPLAY_LEN), as the Python
+// worker writes it (bud_session.display_json); 0 when there is none.
+function writeDisplay(display) {
+  if (display === undefined) {
+    setU32(P.RESULT_DISPLAY_LEN, 0);
+    return;
+  }
+  const room = P.JOB_DATA_END - P.JOB_DATA;
+  let bytes = Buffer.from(JSON.stringify({ value: display.value || [], figures: [], ...(display.error ? { error: display.error } : {}) }));
+  if (bytes.length > room) {
+    const cut = { value: [], figures: [] };
+    if (display.error) cut.error = { ...display.error, traceback: display.error.traceback.slice(-room / 2) };
+    bytes = Buffer.from(JSON.stringify(cut));
+  }
+  box.set(bytes, P.JOB_DATA);
+  setU32(P.RESULT_DISPLAY_LEN, bytes.length);
+}
 
 // ---- the doorbell and the hand-off
 
@@ -393,6 +648,10 @@ function serve(done) {
     if (request.sequence === done) {
       ring(P.DONE, 0, 0);
       continue;
+    }
+    if (request.mode === P.MODE_CELL) {
+      runCell(request);
+      return;
     }
     try {
       applyIdentity(request);
@@ -430,6 +689,13 @@ const WARM_JOBS = [
   'process.exitCode = 3',
 ];
 
+// Cells run before READY too (in namespace 0, which then starts empty again).
+const WARM_CELLS = [
+  'const a = [1, 2, 3]; let b = a.map((x) => x * 2); function f() { return b; } f()',
+  'await new Promise((r) => setTimeout(r, 1)); ({ a, b })',
+  'null.x',
+];
+
 function warmUp() {
   const scratch = new Uint8Array(P.MAILBOX_DEFAULT_SIZE);
   const realBox = box;
@@ -447,7 +713,20 @@ function warmUp() {
   warming = true;
   return new Promise((resolve) => {
     const next = () => {
-      if (index === WARM_JOBS.length) {
+      if (index >= WARM_JOBS.length && index < WARM_JOBS.length + WARM_CELLS.length) {
+        const code = WARM_CELLS[index - WARM_JOBS.length];
+        index += 1;
+        const flags = index === WARM_JOBS.length + WARM_CELLS.length ? P.JOB_FLAGS_ERROR_IN_DISPLAY : 0;
+        runCell({ sequence: index, code, args: [], env: ['BUD_WARM=1'], stdin: Buffer.alloc(0), flags, namespace: 0, seed });
+        setTimeout(next, 20);
+        return;
+      }
+      if (index === WARM_JOBS.length + WARM_CELLS.length) {
+        // Namespace 0 starts empty in every session, and made: its first cell pays no
+        // context creation.
+        contexts.clear();
+        contexts.set(0, newContext());
+        identitySeed = null;
         box = realBox;
         dv = realDv;
         ring = realRing;
