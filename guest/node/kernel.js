@@ -58,6 +58,7 @@ const TOKEN_IN = 4;
 const TOKEN_OUT = 5;
 const TOKEN_TO_WORKER = 0x4a; // 'J'
 const TOKEN_READY = 0x52; // 'R'
+const TOKEN_RESEED = 0x53; // 'S'
 const EXITED = P.OUTCOME_EXITED;
 
 // ---- the mailbox
@@ -624,12 +625,19 @@ function writeDisplay(display) {
 
 function noop() {}
 
+// Whether the next request gives this clone its identity whatever its flags (the worker
+// served the clone's or fork's first request, with its RESEED).
+let reseedNext = false;
+
 function handToWorker() {
   realWriteSync.call(fs, TOKEN_OUT, Buffer.from([TOKEN_TO_WORKER]));
   const buf = Buffer.alloc(1);
   for (;;) {
     try {
-      if (fs.readSync(TOKEN_IN, buf, 0, 1, null) === 1) return;
+      if (fs.readSync(TOKEN_IN, buf, 0, 1, null) === 1) {
+        if (buf[0] === TOKEN_RESEED) reseedNext = true;
+        return;
+      }
     } catch (error) {
       if (error.code !== 'EINTR' && error.code !== 'EAGAIN') throw error;
     }
@@ -648,6 +656,10 @@ function serve(done) {
     if (request.sequence === done) {
       ring(P.DONE, 0, 0);
       continue;
+    }
+    if (reseedNext) {
+      reseedNext = false;
+      applyIdentity(request);
     }
     if (request.mode === P.MODE_CELL) {
       runCell(request);
@@ -771,6 +783,7 @@ function main() {
     const buf = Buffer.alloc(1);
     while (fs.readSync(TOKEN_IN, buf, 0, 1, null) !== 1);
     addon.takeDoorbell();
+    if (buf[0] === TOKEN_RESEED) reseedNext = true;
     if (buf[0] === TOKEN_READY) {
       const wallNs = BigInt(Math.round((performance.timeOrigin + performance.now()) * 1000)) * 1000n;
       dv.setBigUint64(P.HEADER_READY_WALL_NS, wallNs, true);

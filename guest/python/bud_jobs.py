@@ -136,6 +136,7 @@ class JobRunner:
         self._started = set()  # namespaces that have entered their start directory
         self.beside = None  # the lane beside (bud_beside.Beside), in a guest
         self.kernel = None  # the image's kernel runtime (bud_runtime), started
+        self._kernel_reseed = False  # its next request must give it the clone's identity
 
     # ---- before READY
 
@@ -207,9 +208,14 @@ class JobRunner:
                 failure = f"{type(error).__name__}: {error}"
             if (request is not None and request.language == _bud.LANGUAGE_KERNEL
                     and self.kernel is not None):
-                # The kernel runtime's request: it runs it and rings DONE (bud_runtime).
-                self.kernel.hand_over()
+                # The kernel runtime's request: it runs it and rings DONE (bud_runtime). A
+                # clone's (or fork's) first request that the worker served carried the
+                # RESEED the kernel must see too.
+                self.kernel.hand_over(reseed=self._kernel_reseed)
+                self._kernel_reseed = False
                 continue
+            if request is not None and request.reseed:
+                self._kernel_reseed = True
             if request is not None and request.sequence == done:
                 self._ring_done(done)
                 continue

@@ -35,8 +35,11 @@ import os
 import _bud
 import bud_capture
 
-# Token bytes: to the kernel ("it is your request" / "ring READY"), to the worker.
+# Token bytes: to the kernel ("it is your request"; "it is, and give the clone its own
+# identity first": the worker served this clone's or fork's first request, whose RESEED the
+# kernel never saw; "ring READY"), to the worker.
 TOKEN_KERNEL = b"K"
+TOKEN_KERNEL_RESEED = b"S"
 TOKEN_READY = b"R"
 TOKEN_WORKER = b"J"
 # How long the kernel's warm-up may take before the template's boot gives up on it.
@@ -124,10 +127,11 @@ class KernelRuntime:
         os.write(self._to_kernel, TOKEN_READY)
         self._wait()
 
-    def hand_over(self):
-        """Hands the doorbell to the kernel for the request in the mailbox; returns when the
+    def hand_over(self, reseed=False):
+        """Hands the doorbell to the kernel for the request in the mailbox (``reseed``: the
+        kernel takes the request's seed as the clone's identity first); returns when the
         kernel hands it back (a later request for the worker)."""
-        os.write(self._to_kernel, TOKEN_KERNEL)
+        os.write(self._to_kernel, TOKEN_KERNEL_RESEED if reseed else TOKEN_KERNEL)
         self._wait()
 
     def _wait(self):

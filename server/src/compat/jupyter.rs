@@ -14,15 +14,20 @@
 //! exit status, a timeout past the interrupt, the output cap) gets an `error` line named
 //! after how it ended.
 //!
-//! Contexts: `context_id` picks a context made by `POST /contexts`, a kernel of its own
-//! (`crate::service::kernels`: a Python interpreter, or a shell whose `cd` and variables
-//! carry from cell to cell); without one, `language` `python` (default) is the session's
-//! `__main__` and `bash` / `sh` the sandbox's default bash kernel. JavaScript and
-//! TypeScript (`js`, `ts`) cells and contexts are not built yet: 400, pointing at one-shot
-//! jobs. Restarting a context
-//! kills its kernel (the next cell starts a new one) or empties the default namespace;
-//! deleting one kills its kernel and forgets it. A cell's time limit is the
-//! server's `max_timeout_ms` (E2B's own limit is the client's HTTP timeout).
+//! Contexts: `context_id` picks a context made by `POST /contexts`: a Python or bash
+//! context is a kernel of its own (`crate::service::kernels`: a Python interpreter, or a
+//! shell whose `cd` and variables carry from cell to cell), a JavaScript one (`js`,
+//! `javascript`; named `javascript` as E2B names it) a namespace of the session's Node.js
+//! (`crate::service::contexts`). Without one, `language` `python` (default) is the session's
+//! `__main__`, `js` / `javascript` the session's main JavaScript namespace (namespace 0,
+//! which the native API's JavaScript cells share), and `bash` / `sh` the sandbox's default
+//! bash kernel. JavaScript cells report their error in the display data as Python's do, and
+//! their value's `text/plain` (`util.inspect`) is the main result. TypeScript (`ts`) is
+//! 400, and JavaScript on a template without it 400 naming the template's runtimes.
+//! Restarting a context kills its kernel (the next cell starts a new one) or empties its
+//! namespace (the default context's: Python's `__main__`); deleting one does so and forgets
+//! it. A cell's time limit is the server's `max_timeout_ms` (E2B's own limit is the
+//! client's HTTP timeout).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -62,33 +67,33 @@ pub struct ExecuteRequest {
     pub env_vars: Option<BTreeMap<String, String>>,
 }
 
-/// Where a cell runs: a context's kernel (a made one, or the default bash context), or the
-/// session's `__main__` (the default Python context).
+/// Where a cell runs: a context (a made one, or the default bash context), or the
+/// session's own namespace 0 (the default Python context, `__main__`; the default
+/// JavaScript context, the main namespace of the session's Node.js).
 enum Target {
-    /// A kernel: a made context's (by id), or the default bash context (None).
-    Kernel(Language, Option<String>),
-    Session,
+    /// A context run by `contexts::run`: a made one (by id) or the default bash one (None).
+    Context(Language, Option<String>),
+    /// The session's namespace 0 in this language.
+    Session(Language),
 }
 
 /// Which context `req` asks for in session `id` (an unknown context is 404 here, before
-/// the stream starts).
+/// the stream starts; a language the template does not run, 400).
 fn target(state: &AppState, id: &str, req: &ExecuteRequest) -> Result<Target, Error> {
     Ok(match req.context_id.as_deref() {
-        Some(DEFAULT_CONTEXT) => Target::Session,
+        Some(DEFAULT_CONTEXT) => Target::Session(Language::Python),
         Some(ctx) => {
             let c = contexts::get(state, id, ctx)?;
-            Target::Kernel(contexts::language_of(&c.language)?, Some(c.id))
+            Target::Context(contexts::language(state, id, &c)?, Some(c.id))
         }
-        None => match contexts::language_of(req.language.as_deref().unwrap_or("python"))? {
-            Language::Python => Target::Session,
-            Language::Shell => Target::Kernel(Language::Shell, None),
-            Language::Kernel => {
-                return Err(crate::service::templates::kernel_cells(
-                    "language",
-                    "javascript",
-                ));
+        None => {
+            let e = crate::service::access::get(state, id)?;
+            let asked = req.language.as_deref().unwrap_or("python");
+            match contexts::language_of(e.engine.manifest(), asked)? {
+                Language::Shell => Target::Context(Language::Shell, None),
+                language => Target::Session(language),
             }
-        },
+        }
     })
 }
 
@@ -351,7 +356,7 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
     let key = s.key.clone();
     let id = e.id.clone();
     let mut rx = match target {
-        Target::Kernel(language, ctx) => {
+        Target::Context(language, ctx) => {
             let end = move |r: Result<kernels::Ran, Error>| {
                 let r = r
                     .map(|c| CellResponse::new(c.result, Duration::ZERO, c.execution_count, false));
@@ -361,6 +366,7 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
                 code: req.code,
                 env,
                 timeout: Duration::from_millis(timeout_ms),
+                stream: true,
             };
             task::spawn(key, Event::Output, end, move |sink| async move {
                 let which = match &ctx {
@@ -370,9 +376,9 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
                 contexts::run(&state, &id, which, cell, "/execute", sink).await
             })
         }
-        Target::Session => {
+        Target::Session(language) => {
             let native = ExecRequest {
-                mode: Some(Language::Python),
+                mode: Some(language),
                 code: Some(req.code),
                 env,
                 timeout_ms: Some(timeout_ms),
@@ -387,7 +393,7 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
             };
             let end = move |r: Result<sessions::Cell, Error>| {
                 let r = r.map(|c| CellResponse::new(c.result, c.waited, c.execution_count, false));
-                Event::End(Box::new(r), Language::Python)
+                Event::End(Box::new(r), language)
             };
             task::spawn(key, Event::Output, end, move |sink| async move {
                 sessions::cell(&state, &id, native, "/execute", sink).await
@@ -462,16 +468,21 @@ pub async fn list_contexts(State(c): State<Compat>, headers: HeaderMap) -> Respo
 }
 
 /// Empties context `id` (and forgets it if `forget`): a made context's kernel is killed
-/// (its next cell starts a new one), the default context's namespace emptied by a cell.
+/// (its next cell starts a new one) or its namespace emptied, the default context's
+/// namespace (Python's `__main__`) emptied by a cell.
 async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Response {
     let run = async {
         let (s, e) = sandbox_of(&c, &headers)?;
         if id != DEFAULT_CONTEXT {
-            if forget {
-                contexts::remove(&c.app, &e.id, &id).await?;
-            } else {
-                contexts::restart(&c.app, &e.id, &id).await?;
-            }
+            let (app, sid) = (&c.app, &e.id);
+            let done = async {
+                if forget {
+                    contexts::remove(app, sid, &id, "/contexts").await
+                } else {
+                    contexts::restart(app, sid, &id, "/contexts").await
+                }
+            };
+            crate::core::audit::KEY.scope(s.key.clone(), done).await?;
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
         if forget {
@@ -481,6 +492,8 @@ async fn reset(c: Compat, headers: HeaderMap, id: String, forget: bool) -> Respo
             ));
         }
         let native = ExecRequest {
+            // Python's, whatever the session's default runtime (`javascript` on `node`).
+            mode: Some(Language::Python),
             code: Some(String::new()),
             cell: CellOptions {
                 namespace: 0,
@@ -581,6 +594,57 @@ mod tests {
                 (json!("<Figure>"), json!("BBBB"), json!(false)),
                 (json!("<Figure>"), json!("AAAA"), json!(false)),
                 (json!("x"), json!(null), json!(false)),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_javascript_cells_value_and_error_map_as_e2bs_js_kernel_gives_them() {
+        // The node kernel's display JSON, as a Python cell's: util.inspect of the value.
+        let value = br#"{"value": [{"type": "text/plain", "data": "'hi'"}], "figures": []}"#;
+        let error = br#"{"value": [], "figures": [], "error": {"name": "ReferenceError", "value": "y is not defined", "traceback": "ReferenceError: y is not defined\n    at cell:1:1"}}"#;
+        let object = br#"{"value": [{"type": "text/plain", "data": "{ a: 1 }"}], "figures": []}"#;
+        let end = |status, exit_code, display: &[u8]| {
+            let r = vmm::JobResult::of_cell(status, exit_code, None, display);
+            let mut out = Vec::new();
+            end_lines(
+                &CellResponse::new(r, Duration::ZERO, 2, false),
+                Language::Kernel,
+                &mut out,
+            );
+            lines(&out)
+        };
+        let count = json!({"type": "number_of_executions", "execution_count": 2});
+
+        assert_eq!(
+            end(Status::Ok, Some(0), value),
+            [
+                json!({"type": "result", "is_main_result": true, "text": "hi"}),
+                count.clone()
+            ]
+        );
+        assert_eq!(
+            end(Status::Ok, Some(0), object),
+            [
+                json!({"type": "result", "is_main_result": true, "text": "{ a: 1 }"}),
+                count.clone()
+            ]
+        );
+        assert_eq!(
+            end(Status::Error, Some(1), error),
+            [
+                json!({"type": "error", "name": "ReferenceError", "value": "y is not defined",
+                       "traceback": "ReferenceError: y is not defined\n    at cell:1:1"}),
+                count.clone()
+            ]
+        );
+        // An exit without an error (process.exit(3)) is no SystemExit: it is Python's.
+        assert_eq!(
+            end(Status::Error, Some(3), b"{}"),
+            [
+                json!({"type": "error", "name": "CommandExitError", "value": "exit status 3",
+                       "traceback": ""}),
+                count
             ]
         );
     }

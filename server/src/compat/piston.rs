@@ -299,11 +299,22 @@ fn native(
             code = bytes;
         }
     }
+    // Piston runs `node FILE ARG...`, so a program's arguments are `process.argv.slice(2)`;
+    // bud's JavaScript runs as `node -e CODE ARG...` (`process.argv.slice(1)`): the first
+    // file's name goes first, so both count the same.
+    let mut args = req.args.unwrap_or_default();
+    if manifest
+        .runtime(&runtime)
+        .is_some_and(|r| r.run == vmm::Language::Kernel)
+    {
+        let first = files[0].name.as_deref().filter(|n| !n.is_empty());
+        args.insert(0, first.unwrap_or("file0.code").to_owned());
+    }
     let native = ExecRequest {
         language: Some(runtime),
         code_b64: Some(b64.encode(&code)),
         stdin: req.stdin,
-        args: req.args.unwrap_or_default(),
+        args,
         timeout_ms,
         files: put,
         ..ExecRequest::default()

@@ -1,6 +1,7 @@
 //! A session's code contexts: what each is (its language and starting directory) and the
 //! handle of its kernel, the process that runs its cells (`crate::service::kernels`,
-//! `crate::service::contexts`). They belong to the session ([`crate::core::sessions::Entry`]):
+//! `crate::service::contexts`), or for a context in the template's kernel runtime
+//! (JavaScript) its namespace in the session's own kernel. They belong to the session ([`crate::core::sessions::Entry`]):
 //! saved with it when it pauses or is snapshotted, copied into the children of a fork, the
 //! same whichever API (bud's, E2B's code interpreter) made them.
 
@@ -95,27 +96,43 @@ impl Kernel {
 }
 
 /// One code context: a kernel of its own, a Python interpreter or a shell after its
-/// language.
+/// language; or, in the template's kernel runtime (JavaScript), a namespace of the
+/// session's kernel.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Context {
     pub id: String,
-    /// `python` or `bash`.
+    /// `python` or `bash` (as the client named it), or the name of the template's kernel
+    /// runtime (`javascript`).
     pub language: String,
-    /// Where its kernel starts.
+    /// Where its kernel (or namespace) starts.
     pub cwd: String,
-    /// The context's kernel (a handle: clones of the context share it).
+    /// The context's kernel (a handle: clones of the context share it). A namespace
+    /// context has no process: only its turn and execution count are used.
     #[serde(default)]
     pub kernel: Kernel,
+    /// A context in the template's kernel runtime: its namespace in the session's kernel
+    /// (`vmm::CellOptions::namespace`: 1, 2, ..., never reused in a session; 0 is the
+    /// session's own). 0 for a context with a kernel process of its own.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub namespace: u32,
 }
 
-/// A session's contexts: those made by clients (each a kernel) and the default bash one
-/// (E2B's cells with `language` bash and no context). The default Python context is the
-/// session's own interpreter, not a kernel.
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A session's contexts: those made by clients (each a kernel, or a namespace of the
+/// session's kernel runtime) and the default bash one (E2B's cells with `language` bash and
+/// no context). The default Python and JavaScript contexts are the session's own
+/// namespace 0, not kernels.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub struct Contexts {
     pub made: BTreeMap<String, Context>,
     #[serde(default)]
     pub bash: Kernel,
+    /// The last namespace given to a context ([`Contexts::add`] with `namespaced`).
+    #[serde(default)]
+    pub next_namespace: u32,
 }
 
 impl Contexts {
@@ -133,16 +150,31 @@ impl Contexts {
         c
     }
 
-    /// A new context with a fresh id, or None at [`Contexts::MAX`].
-    pub fn add(&mut self, language: &str, cwd: &str, id: String) -> Option<Context> {
+    /// A new context with a fresh id, or None at [`Contexts::MAX`]; `namespaced`: one in
+    /// the template's kernel runtime, given the next namespace (1, 2, ...; a removed
+    /// context's is not given again).
+    pub fn add(
+        &mut self,
+        language: &str,
+        cwd: &str,
+        id: String,
+        namespaced: bool,
+    ) -> Option<Context> {
         if self.made.len() >= Self::MAX {
             return None;
         }
+        let namespace = if namespaced {
+            self.next_namespace = self.next_namespace.checked_add(1)?;
+            self.next_namespace
+        } else {
+            0
+        };
         let c = Context {
             id,
             language: language.to_owned(),
             cwd: cwd.to_owned(),
             kernel: Kernel::default(),
+            namespace,
         };
         self.made.insert(c.id.clone(), c.clone());
         Some(c)
@@ -156,13 +188,15 @@ mod tests {
     #[test]
     fn contexts_are_added_up_to_the_cap_and_copied_with_kernels_of_their_own() {
         let mut c = Contexts::default();
-        let a = c.add("python", "/home/user", "ctx_a".into()).unwrap();
+        let a = c
+            .add("python", "/home/user", "ctx_a".into(), false)
+            .unwrap();
         a.kernel.set(|k| k.pid = Some(7));
-        c.add("bash", "/tmp", "ctx_b".into()).unwrap();
+        c.add("bash", "/tmp", "ctx_b".into(), false).unwrap();
         for i in 2..Contexts::MAX {
-            c.add("python", "/", format!("ctx_{i}")).unwrap();
+            c.add("python", "/", format!("ctx_{i}"), false).unwrap();
         }
-        assert!(c.add("python", "/", "ctx_over".into()).is_none());
+        assert!(c.add("python", "/", "ctx_over".into(), false).is_none());
         let copy = c.copy();
         assert_eq!(copy.made["ctx_a"].kernel.state().pid, Some(7));
         copy.made["ctx_a"].kernel.set(|k| k.pid = None);
@@ -172,5 +206,41 @@ mod tests {
             "a copy, not a share"
         );
         assert_eq!(copy.made["ctx_b"].cwd, "/tmp");
+        assert_eq!(copy.made["ctx_a"].namespace, 0);
+    }
+
+    #[test]
+    fn namespaced_contexts_get_namespaces_never_given_again_and_forks_go_on_counting() {
+        let mut c = Contexts::default();
+        let a = c.add("javascript", "/tmp", "ctx_a".into(), true).unwrap();
+        let p = c.add("python", "/tmp", "ctx_p".into(), false).unwrap();
+        let b = c.add("javascript", "/tmp", "ctx_b".into(), true).unwrap();
+        c.made.remove("ctx_b");
+        let d = c.add("javascript", "/tmp", "ctx_d".into(), true).unwrap();
+        let mut fork = c.copy();
+        let e = fork
+            .add("javascript", "/tmp", "ctx_e".into(), true)
+            .unwrap();
+
+        assert_eq!(
+            (
+                a.namespace,
+                p.namespace,
+                b.namespace,
+                d.namespace,
+                e.namespace
+            ),
+            (1, 0, 2, 3, 4)
+        );
+        // Saved and read back (a pause, a snapshot) with its namespaces and counter.
+        let back: Contexts = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(back.made["ctx_d"].namespace, 3);
+        assert_eq!(back.next_namespace, 3);
+        // A record from before namespaced contexts reads as none.
+        let old: Context = serde_json::from_value(
+            serde_json::json!({"id": "ctx_o", "language": "python", "cwd": "/tmp"}),
+        )
+        .unwrap();
+        assert_eq!(old.namespace, 0);
     }
 }

@@ -1,15 +1,16 @@
-//! bud's routes for a session's code contexts (`crate::service::contexts`): each context a
-//! kernel of its own (a Python interpreter or a shell), so cells of different contexts run
-//! at the same time, beside the session's own cells and commands.
+//! bud's routes for a session's code contexts (`crate::service::contexts`): a Python or bash
+//! context is a kernel of its own (a Python interpreter or a shell), so cells of different
+//! contexts run at the same time, beside the session's own cells and commands; a context
+//! in the template's kernel runtime (JavaScript) is a namespace of the session's kernel.
 //!
-//! - `POST /v1/sessions/{id}/contexts` `{"language": "python"|"bash", "cwd": DIR}`: 201,
-//!   the context (its kernel starts at its first cell);
+//! - `POST /v1/sessions/{id}/contexts` `{"language": "python"|"bash"|"javascript", "cwd":
+//!   DIR}`: 201, the context (its kernel or namespace starts at its first cell);
 //! - `GET /v1/sessions/{id}/contexts`: the session's contexts;
 //! - `POST /v1/sessions/{id}/contexts/{context}/exec` `{"code", "env", "timeout_ms"}`: the
 //!   cell's answer, as a session cell's (a Python cell's displayed value in `result`);
 //! - `POST /v1/sessions/{id}/contexts/{context}/restart`: 204, its kernel killed (the next
-//!   cell starts a new one);
-//! - `DELETE /v1/sessions/{id}/contexts/{context}`: 204, its kernel killed and the context
+//!   cell starts a new one) or its namespace emptied;
+//! - `DELETE /v1/sessions/{id}/contexts/{context}`: 204, emptied so and the context
 //!   forgotten.
 
 use axum::Json;
@@ -60,7 +61,12 @@ pub async fn exec(
     JsonBody(req): JsonBody<ContextCell>,
 ) -> Result<Json<CellResponse>, ApiError> {
     let (code, env, timeout) = req.checked(&state.config().limits)?;
-    let cell = contexts::Cell { code, env, timeout };
+    let cell = contexts::Cell {
+        code,
+        env,
+        timeout,
+        stream: false,
+    };
     let route = "/v1/sessions/{id}/contexts/{context}/exec";
     let which = contexts::Which::Made(&context);
     let ran = contexts::run(&state, &id, which, cell, route, task::no_sink()).await?;
@@ -80,7 +86,8 @@ pub async fn restart(
     State(state): State<AppState>,
     Path((id, context)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    contexts::restart(&state, &id, &context).await?;
+    let route = "/v1/sessions/{id}/contexts/{context}/restart";
+    contexts::restart(&state, &id, &context, route).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -89,7 +96,8 @@ pub async fn remove(
     State(state): State<AppState>,
     Path((id, context)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    contexts::remove(&state, &id, &context).await?;
+    let route = "/v1/sessions/{id}/contexts/{context}";
+    contexts::remove(&state, &id, &context, route).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

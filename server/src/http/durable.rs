@@ -183,7 +183,7 @@ pub async fn import(
         return Err(e);
     }
     let p = durable::import(&state, tmp, held).await?;
-    Ok((StatusCode::CREATED, Json(SessionInfo::paused(&p))))
+    Ok((StatusCode::CREATED, Json(SessionInfo::paused(&state, &p))))
 }
 
 /// A snapshot as the API shows it.

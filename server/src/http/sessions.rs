@@ -15,13 +15,13 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use vmm::Language;
 
 use crate::core::state::AppState;
 use crate::http::body::JsonBody;
 use crate::http::error::{ApiError, Error};
 use crate::service::jobs::ExecRequest;
 use crate::service::sessions::{CreateSession, ForkRequest};
+use crate::service::templates::runtime_name;
 use crate::service::{files, lifecycle, sessions, task};
 
 /// `POST /v1/sessions`.
@@ -42,7 +42,12 @@ pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
         .map(|e| SessionInfo::of(e))
         .collect();
     if let Some(dir) = state.state_dir() {
-        all.extend(dir.paused().list().iter().map(SessionInfo::paused));
+        all.extend(
+            dir.paused()
+                .list()
+                .iter()
+                .map(|p| SessionInfo::paused(&state, p)),
+        );
     }
     Json(serde_json::json!({ "sessions": all }))
 }
@@ -57,7 +62,7 @@ pub async fn show(
         Err(Error::Paused(_)) => state
             .state_dir()
             .and_then(|d| d.paused().get(&id))
-            .map(|p| Json(SessionInfo::paused(&p)))
+            .map(|p| Json(SessionInfo::paused(&state, &p)))
             .ok_or_else(|| Error::NoSession(id).into()),
         Err(e) => Err(e.into()),
     }
@@ -183,7 +188,9 @@ pub struct SessionInfo {
     pub created_at: f64,
     pub expires_at: f64,
     pub idle_timeout_s: u64,
-    pub language: Language,
+    /// The runtime its cells run in unless a cell names another, by its template's name
+    /// for it (`python`, `shell`, `javascript`).
+    pub language: String,
     pub execution_count: u64,
     /// Host memory this session holds alone (its private pages).
     pub memory_bytes: u64,
@@ -206,16 +213,20 @@ pub struct SessionInfo {
 impl SessionInfo {
     /// A paused session as the API shows it: its lifetime stands still (`expires_at` is
     /// what it would be if it resumed now).
-    pub fn paused(p: &crate::core::durable::Paused) -> Self {
+    pub fn paused(state: &AppState, p: &crate::core::durable::Paused) -> Self {
         use crate::core::durable::from_epoch_ms;
         let r = &p.record;
         let now = std::time::SystemTime::now();
+        let engine = match state.template_state(&r.template) {
+            Some(crate::core::state::TemplateState::Ready(e)) => Some(e),
+            _ => None,
+        };
         Self {
             id: r.id.clone(),
             created_at: epoch_s(from_epoch_ms(r.created_at_ms)),
             expires_at: epoch_s(now + std::time::Duration::from_millis(r.lifetime_left_ms)),
             idle_timeout_s: r.idle_timeout_s,
-            language: r.language,
+            language: runtime_name(engine.as_ref().map(|e| e.manifest()), r.language),
             execution_count: 0,
             memory_bytes: 0,
             shared_memory_bytes: 0,
@@ -237,7 +248,7 @@ impl SessionInfo {
             created_at: epoch_s(e.created_at),
             expires_at: epoch_s(e.expires_at()),
             idle_timeout_s: e.idle_timeout.as_secs(),
-            language: e.language,
+            language: runtime_name(Some(e.engine.manifest()), e.language),
             execution_count: e.executions.load(Relaxed),
             memory_bytes: e.private_bytes.load(Relaxed),
             shared_memory_bytes: e.layer_bytes.load(Relaxed),

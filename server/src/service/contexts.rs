@@ -1,50 +1,85 @@
 //! Code contexts, whoever asks (bud's `/v1/sessions/{id}/contexts`, E2B's code
-//! interpreter): make one, list them, run a cell in one, restart or remove one. A context is
-//! a kernel of its own ([`crate::service::kernels`]): a Python interpreter or a shell, so
-//! cells of different contexts run at the same time, beside the session's own cells and
-//! commands. The contexts are the session's ([`crate::core::contexts`]): paused, snapshotted and
-//! forked with it.
+//! interpreter): make one, list them, run a cell in one, restart or remove one. A Python or
+//! bash context is a kernel of its own ([`crate::service::kernels`]): a Python interpreter
+//! or a shell, so cells of different contexts run at the same time, beside the session's
+//! own cells and commands. A context in the template's kernel runtime (JavaScript on
+//! `node`) is a namespace of the session's own kernel: its cells are session cells
+//! ([`crate::service::sessions::cell`]) in [`Language::Kernel`] with the context's
+//! namespace (`vmm::CellOptions`), one at a time with the session's other cells. The
+//! contexts are the session's ([`crate::core::contexts`]): paused, snapshotted and forked
+//! with it.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use vmm::Language;
+use vmm::{CellOptions, Language, Manifest};
 
 use crate::core::contexts::{Context, Contexts, Kernel};
 use crate::core::state::AppState;
 use crate::service::error::Error;
+use crate::service::jobs::ExecRequest;
 use crate::service::kernels::{self, KernelCell, Ran};
 use crate::service::task::Sink;
-use crate::service::{access, processes, templates};
+use crate::service::{access, processes, sessions, task, templates};
 
 /// The longest context `cwd` (Linux's `PATH_MAX`).
 pub const MAX_CWD: usize = 4096;
 
-/// The language a context's `language` names: `python` (`python3`) or `bash` (`sh`).
-/// JavaScript (`js`, `javascript`, `node`) and TypeScript (`ts`, `typescript`) contexts,
-/// which E2B's code interpreter has, are not built yet: 400 saying so.
-pub fn language_of(name: &str) -> Result<Language, Error> {
+/// What clients call JavaScript (E2B's code interpreter sends `js`, its docs say
+/// `javascript`; Node's own name): on a template whose runtimes none of them names, a
+/// context or cell in one is told the template's runtimes.
+const JAVASCRIPT_NAMES: [&str; 3] = ["js", "javascript", "node"];
+
+/// How the cells of a context in `name` run on the template of `manifest`: `python`
+/// (`python3`) and `bash` (`sh`) in a kernel process of their own, a name or alias of the
+/// template's kernel runtime ([`Language::Kernel`]: `javascript`, `js`, `node` on `node`)
+/// in a namespace of the session's kernel. TypeScript (`ts`, `typescript`), which E2B's
+/// code interpreter has, is not built: 400 saying so; JavaScript on a template without
+/// it: 400 naming the template's runtimes.
+pub fn language_of(manifest: &Manifest, name: &str) -> Result<Language, Error> {
     match name {
-        "python" | "python3" => Ok(Language::Python),
-        "bash" | "sh" => Ok(Language::Shell),
-        "js" | "javascript" | "node" => Err(templates::kernel_cells("language", "javascript")),
-        "ts" | "typescript" => Err(Error::invalid(
-            "language",
-            format!(
-                "bud runs no TypeScript; {}",
-                templates::kernel_cells_message("javascript")
-            ),
-        )),
-        other => Err(Error::invalid(
-            "language",
-            format!("bud runs python and bash (busybox sh) code, not {other}"),
-        )),
+        "python" | "python3" => return Ok(Language::Python),
+        "bash" | "sh" => return Ok(Language::Shell),
+        "ts" | "typescript" => {
+            return Err(Error::invalid(
+                "language",
+                format!(
+                    "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template {}'s runtimes: {}",
+                    manifest.name,
+                    templates::runtime_list(manifest)
+                ),
+            ));
+        }
+        _ => {}
     }
+    if manifest
+        .runtime(name)
+        .is_some_and(|r| r.run == Language::Kernel)
+    {
+        return Ok(Language::Kernel);
+    }
+    if JAVASCRIPT_NAMES.contains(&name) {
+        return Err(templates::no_runtime(manifest, Some(name), "language"));
+    }
+    let mut runs = vec!["python".to_owned(), "bash (busybox sh)".to_owned()];
+    let kernels = manifest
+        .runtimes
+        .iter()
+        .filter(|r| r.run == Language::Kernel);
+    runs.extend(kernels.map(|r| r.name.clone()));
+    let last = runs.pop().unwrap_or_default();
+    Err(Error::invalid(
+        "language",
+        format!("bud runs {} and {last} code, not {name}", runs.join(", ")),
+    ))
 }
 
 /// A new context of session `id`: `language` (default `python`), starting in `cwd` (empty
-/// or none: `home`). Its kernel starts at its first cell.
+/// or none: `home`). A Python or bash context's kernel starts at its first cell; a context
+/// in the template's kernel runtime is named as that runtime (`js` makes a `javascript`
+/// context, as E2B names it) and gets a namespace of the session's kernel, made empty at
+/// its first cell.
 pub fn create(
     state: &AppState,
     id: &str,
@@ -53,35 +88,39 @@ pub fn create(
     home: &str,
 ) -> Result<Context, Error> {
     let e = access::get(state, id)?;
-    let language = language.unwrap_or("python");
+    let asked = language.unwrap_or("python");
     // The template's manifest says which kernels it has (one made before manifests lists
-    // none, and keeps both), and which name is its kernel runtime's (JavaScript).
+    // none, and keeps both) and which runtime is its kernel runtime (JavaScript).
     let manifest = e.engine.manifest();
-    if let Some(r) = manifest.runtime(language)
-        && r.run == Language::Kernel
-    {
-        return Err(templates::kernel_cells("language", &r.name));
-    }
-    let kernel = match language_of(language)? {
-        Language::Python => "python",
-        Language::Shell => "bash",
-        Language::Kernel => return Err(templates::kernel_cells("language", language)),
+    let (language, namespaced) = match language_of(manifest, asked)? {
+        Language::Kernel => {
+            let runtime = manifest.runtime(asked).map_or(asked, |r| r.name.as_str());
+            (runtime, true)
+        }
+        run => {
+            let kernel = if run == Language::Python {
+                "python"
+            } else {
+                "bash"
+            };
+            if !manifest.kernels.is_empty() && manifest.kernel(kernel).is_none() {
+                let has: Vec<&str> = manifest
+                    .kernels
+                    .iter()
+                    .map(|k| k.language.as_str())
+                    .collect();
+                return Err(Error::invalid(
+                    "language",
+                    format!(
+                        "template {} has no {kernel} kernel; its kernels: {}",
+                        e.template,
+                        has.join(", ")
+                    ),
+                ));
+            }
+            (asked, false)
+        }
     };
-    if !manifest.kernels.is_empty() && manifest.kernel(kernel).is_none() {
-        let has: Vec<&str> = manifest
-            .kernels
-            .iter()
-            .map(|k| k.language.as_str())
-            .collect();
-        return Err(Error::invalid(
-            "language",
-            format!(
-                "template {} has no {kernel} kernel; its kernels: {}",
-                e.template,
-                has.join(", ")
-            ),
-        ));
-    }
     let cwd = cwd.filter(|d| !d.is_empty()).unwrap_or(home);
     if cwd.contains('\0') || cwd.len() > MAX_CWD {
         return Err(Error::invalid(
@@ -91,13 +130,19 @@ pub fn create(
     }
     let name = crate::core::node::random_hex(8).map_err(Error::internal)?;
     e.contexts()
-        .add(language, cwd, format!("ctx_{name}"))
+        .add(language, cwd, format!("ctx_{name}"), namespaced)
         .ok_or_else(|| {
             Error::invalid(
                 "contexts",
                 format!("a session has at most {} contexts", Contexts::MAX),
             )
         })
+}
+
+/// How the cells of context `c` of session `id` run (as [`language_of`] says of its
+/// language on the session's template).
+pub fn language(state: &AppState, id: &str, c: &Context) -> Result<Language, Error> {
+    language_of(access::get(state, id)?.engine.manifest(), &c.language)
 }
 
 /// Session `id`'s contexts, in the order of their ids.
@@ -130,6 +175,9 @@ pub struct Cell {
     pub code: String,
     pub env: BTreeMap<String, String>,
     pub timeout: Duration,
+    /// Its output goes to a client as it comes (a kernel process's always does; a
+    /// namespace context's cell is then streamed as a streamed session cell is).
+    pub stream: bool,
 }
 
 /// Which kernel a cell runs in.
@@ -142,8 +190,9 @@ pub enum Which<'a> {
     DefaultBash(&'a str),
 }
 
-/// Runs `cell` in a context of session `id` (its kernel started first if it has none), its
-/// output to `sink` as it comes; one cell of a context at a time, the next waiting.
+/// Runs `cell` in a context of session `id` (its kernel started first if it has none),
+/// its output to `sink` as it comes; one cell of a context at a time, the next waiting. A
+/// context in the template's kernel runtime runs it as a session cell in its namespace.
 pub async fn run(
     state: &AppState,
     id: &str,
@@ -155,7 +204,11 @@ pub async fn run(
     let (kernel, language, cwd, name) = match which {
         Which::Made(context) => {
             let c = get(state, id, context)?;
-            (c.kernel, language_of(&c.language)?, c.cwd, c.id)
+            let language = language(state, id, &c)?;
+            if language == Language::Kernel {
+                return in_namespace(state, id, &c, cell, route, sink).await;
+            }
+            (c.kernel, language, c.cwd, c.id)
         }
         Which::DefaultBash(cwd) => {
             let kernel = access::get(state, id)?.contexts().bash.clone();
@@ -173,15 +226,84 @@ pub async fn run(
     kernels::run(state, id, kernel, cell, route, sink).await
 }
 
-/// Kills context `context`'s kernel: its running cell ends with `DeadKernelError`, its next
-/// cell starts a new kernel, empty, back in the context's `cwd`.
-pub async fn restart(state: &AppState, id: &str, context: &str) -> Result<(), Error> {
-    kill(state, id, get(state, id, context)?.kernel).await
+/// Runs `cell` in the namespace of context `c` (one in the template's kernel runtime): a
+/// session cell in [`Language::Kernel`], entering the context's `cwd` before the
+/// namespace's first cell, its error in the display data as a kernel's is; the execution
+/// count is the context's own.
+async fn in_namespace(
+    state: &AppState,
+    id: &str,
+    c: &Context,
+    cell: Cell,
+    route: &str,
+    sink: Sink,
+) -> Result<Ran, Error> {
+    let req = ExecRequest {
+        mode: Some(Language::Kernel),
+        code: Some(cell.code),
+        env: cell.env,
+        timeout_ms: Some(u64::try_from(cell.timeout.as_millis()).unwrap_or(u64::MAX)),
+        cell: CellOptions {
+            namespace: c.namespace,
+            reset: false,
+            directory: Some(c.cwd.clone()),
+            error_in_display: true,
+        },
+        stream: cell.stream,
+        ..ExecRequest::default()
+    };
+    let ran = sessions::cell(state, id, req, route, sink).await?;
+    let mut count = 0;
+    c.kernel.set(|k| {
+        k.count += 1;
+        count = k.count;
+    });
+    Ok(Ran {
+        result: ran.result,
+        execution_count: count,
+    })
 }
 
-/// Kills context `context`'s kernel and forgets the context.
-pub async fn remove(state: &AppState, id: &str, context: &str) -> Result<(), Error> {
-    restart(state, id, context).await?;
+/// Empties context `c`'s namespace (one in the template's kernel runtime): a session cell
+/// without code that resets it (waiting for the session's running cell, if any); its next
+/// cell starts again in its `cwd`, counted from 1.
+async fn reset_namespace(
+    state: &AppState,
+    id: &str,
+    c: &Context,
+    route: &str,
+) -> Result<(), Error> {
+    let req = ExecRequest {
+        mode: Some(Language::Kernel),
+        code: Some(String::new()),
+        cell: CellOptions {
+            namespace: c.namespace,
+            reset: true,
+            directory: Some(c.cwd.clone()),
+            error_in_display: true,
+        },
+        ..ExecRequest::default()
+    };
+    sessions::cell(state, id, req, route, task::no_sink()).await?;
+    c.kernel.set(|k| k.count = 0);
+    Ok(())
+}
+
+/// Empties context `context`: a kernel process is killed (its running cell ends with
+/// `DeadKernelError`, its next cell starts a new kernel, empty, back in the context's
+/// `cwd`); a namespace of the session's kernel is emptied (after the session's running
+/// cell). `route` names the route in the audit trail.
+pub async fn restart(state: &AppState, id: &str, context: &str, route: &str) -> Result<(), Error> {
+    let c = get(state, id, context)?;
+    if language(state, id, &c)? == Language::Kernel {
+        return reset_namespace(state, id, &c, route).await;
+    }
+    kill(state, id, c.kernel).await
+}
+
+/// Empties context `context` ([`restart`]) and forgets it.
+pub async fn remove(state: &AppState, id: &str, context: &str, route: &str) -> Result<(), Error> {
+    restart(state, id, context, route).await?;
     access::get(state, id)?.contexts().made.remove(context);
     Ok(())
 }
@@ -200,9 +322,11 @@ async fn kill(state: &AppState, id: &str, kernel: Kernel) -> Result<(), Error> {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateContext {
-    /// `python` (default) or `bash` (JavaScript contexts are not built yet: 400).
+    /// `python` (default), `bash`, or the template's kernel runtime by name or alias
+    /// (`javascript`, `js`, `node` on `node`: a namespace of the session's Node.js).
     pub language: Option<String>,
-    /// Where its kernel starts (default: the session's work directory, `/tmp`).
+    /// Where its kernel (or namespace) starts (default: the session's work directory,
+    /// `/tmp`).
     pub cwd: Option<String>,
 }
 

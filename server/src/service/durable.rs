@@ -283,7 +283,7 @@ pub async fn start_from(
     let settings = NewSession {
         language: match req.language.as_deref() {
             None => r.language,
-            Some(name) => templates::cell_runtime(&exec, Some(name), "language")?,
+            Some(name) => templates::runtime(&exec, Some(name), "language")?,
         },
         env,
         idle_timeout: Duration::from_secs(idle),

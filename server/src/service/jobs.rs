@@ -294,7 +294,8 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
 #[serde(deny_unknown_fields)]
 pub struct ExecRequest {
     /// A runtime of the template by name or alias (its manifest's: `python`, `shell`,
-    /// `javascript` or `js` on `node`, ...); default: the template's first.
+    /// `javascript` or `js` on `node`, ...); default: the template's first (a session
+    /// cell's: its session's `language`).
     #[serde(default)]
     pub language: Option<String>,
     pub code: Option<String>,

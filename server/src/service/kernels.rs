@@ -3,7 +3,9 @@
 //! kernel per context: a Python interpreter for a Python context, a shell for a bash one.
 //! So cells of different contexts run at the same time, beside each other and beside a cell
 //! of the session itself, and each context has its own interpreter: modules (or shell
-//! variables and functions), working directory, environment, `__main__`.
+//! variables and functions), working directory, environment, `__main__`. (A context in the
+//! template's kernel runtime, JavaScript, is not one of these: it is a namespace of the
+//! session's own kernel, `crate::service::contexts`.)
 //!
 //! A kernel is one of the session's background processes ([`crate::service::processes`]):
 //! `python3 -m bud_kernel` (`guest/python/bud_kernel.py`) with a stdin pipe, started at the
@@ -127,8 +129,9 @@ const MARK_PREFIX: &str = "\u{1e}bud-kernel-";
 /// A cell for a kernel.
 #[derive(Debug, Clone)]
 pub struct KernelCell {
-    /// Python or shell: what the kernel is (a context's language, which never changes; a
-    /// JavaScript one is refused, not built yet).
+    /// Python or shell: what the kernel is (a context's language, which never changes). A
+    /// context in the template's kernel runtime has no process of its own: its cells are
+    /// the session's (`crate::service::contexts`), never a [`KernelCell`].
     pub language: Language,
     pub code: String,
     pub env: BTreeMap<String, String>,
@@ -164,7 +167,7 @@ pub async fn run(
     let job = match cell.language {
         Language::Python => vmm::Job::python(cell.code.clone()),
         Language::Shell => vmm::Job::shell(cell.code.clone()),
-        Language::Kernel => return Err(not_built()),
+        Language::Kernel => return Err(not_a_process()),
     };
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let (end_tx, end_rx) = oneshot::channel();
@@ -262,7 +265,7 @@ async fn in_turn(
             let env = match cell.language {
                 Language::Python => crate::service::access::get(state, id)?.env.clone(),
                 Language::Shell => BTreeMap::new(),
-                Language::Kernel => return Err(not_built()),
+                Language::Kernel => return Err(not_a_process()),
             };
             let probe = KernelCell {
                 code: String::new(),
@@ -437,7 +440,7 @@ fn request(
             let sync = mark.trim_start_matches('\u{1e}').trim_end();
             return Ok(format!("{sync} {seq} {}\n{code}{SHELL_TRAILER}", code.len()).into_bytes());
         }
-        Language::Kernel => return Err(not_built()),
+        Language::Kernel => return Err(not_a_process()),
     };
     Ok((line + "\n").into_bytes())
 }
@@ -494,7 +497,7 @@ async fn start(
             user: None,
             internal: true,
         },
-        Language::Kernel => return Err(not_built()),
+        Language::Kernel => return Err(not_a_process()),
     };
     let pid = processes::start(state, id, req, "/contexts").await?;
     kernel.set(|k| {
@@ -505,10 +508,13 @@ async fn start(
     Ok(pid)
 }
 
-/// A context in the kernel runtime (JavaScript): not built yet (contexts refuse it when
-/// made, [`crate::service::contexts::language_of`]; this is the kernels' own guard).
-fn not_built() -> Error {
-    crate::service::templates::kernel_cells("language", "javascript")
+/// A [`KernelCell`] in [`Language::Kernel`]: a context in the template's kernel runtime is
+/// a namespace of the session's kernel, run as a session cell
+/// (`crate::service::contexts::run`), never a process here; this is the kernels' own guard.
+fn not_a_process() -> Error {
+    Error::internal(
+        "a context in the template's kernel runtime runs in the session's kernel, not in a kernel process",
+    )
 }
 
 /// The end of a cell a kernel did not finish.

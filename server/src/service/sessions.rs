@@ -70,7 +70,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     };
     probe.into_job(&state.config().limits, "")?;
     let engine = templates::engine_for(state, req.template.as_deref())?;
-    let language = templates::cell_runtime(engine.as_ref(), req.language.as_deref(), "language")?;
+    let language = templates::runtime(engine.as_ref(), req.language.as_deref(), "language")?;
     let template = state.template_name(req.template.as_deref()).to_owned();
     let network = crate::service::network::gate_for(
         state,
@@ -192,7 +192,7 @@ fn cell_job(state: &AppState, e: &Entry, mut req: ExecRequest) -> Result<vmm::Jo
     let language = match (req.mode, req.language.take()) {
         (Some(mode), _) => mode,
         (None, None) => e.language,
-        (None, Some(name)) => templates::cell_runtime(e.engine.as_ref(), Some(&name), "language")?,
+        (None, Some(name)) => templates::runtime(e.engine.as_ref(), Some(&name), "language")?,
     };
     let mut env = e.env.clone();
     env.append(&mut req.env);
@@ -348,8 +348,9 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// Default runtime of its cells, one of its template's (the template's first that cells
-    /// run in unless given; a kernel runtime, JavaScript, runs no cells yet: 400).
+    /// Default runtime of its cells, one of its template's by name or alias (unless given,
+    /// the template's default runtime, its manifest's first, as for one-shot jobs:
+    /// `javascript` on `node`). A cell may name another (its own `language`).
     pub language: Option<String>,
     /// Environment of every cell.
     #[serde(default)]

@@ -4,10 +4,10 @@
 //!
 //! What a template can run is its manifest ([`vmm::Manifest`], written by the image
 //! builder): a job's `language` is one of its runtimes (by name or alias), checked here,
-//! and the worker runs it as the runtime's [`Language`] says. A kernel runtime
-//! ([`Language::Kernel`], JavaScript) runs one-shot jobs only, not cells or contexts yet. Templates are prepared ([`prepare`]) at start
-//! and by [`add`] later, from the server's [`TemplateSource`]; [`remove`] stops serving one
-//! that no live session runs on.
+//! and the worker runs it as the runtime's [`Language`] says (one-shot jobs, session cells
+//! and, for a kernel runtime ([`Language::Kernel`], JavaScript), code contexts alike).
+//! Templates are prepared ([`prepare`]) at start and by [`add`] later, from the server's
+//! [`TemplateSource`]; [`remove`] stops serving one that no live session runs on.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -81,24 +81,31 @@ pub fn default_executor(state: &AppState) -> Result<Arc<Executor>, Error> {
 
 /// How the worker runs runtime `asked` of the template `engine` serves, by its name or an
 /// alias (`None`: its default runtime, the manifest's first): 400 on `field` naming the
-/// template's runtimes when it has no such runtime.
+/// template's runtimes when it has no such runtime. One-shot jobs, a session's cells (its
+/// default and a cell's own `language`) and sessions resolve their runtime here alike.
 pub fn runtime(engine: &dyn Engine, asked: Option<&str>, field: &str) -> Result<Language, Error> {
     let manifest = engine.manifest();
     let found = match asked {
         Some(name) => manifest.runtime(name),
         None => manifest.default_runtime(),
     };
-    found.map(|r| r.run).ok_or_else(|| {
-        Error::invalid(
-            field,
-            format!(
-                "template {} has no runtime {}; its runtimes: {}",
-                manifest.name,
-                asked.map_or_else(|| "at all".to_owned(), |a| format!("{a:?}")),
-                runtime_list(manifest),
-            ),
-        )
-    })
+    found
+        .map(|r| r.run)
+        .ok_or_else(|| no_runtime(manifest, asked, field))
+}
+
+/// 400 on `field`: the template of `manifest` has no runtime `asked` (`None`: none at all),
+/// naming the runtimes it has.
+pub fn no_runtime(manifest: &Manifest, asked: Option<&str>, field: &str) -> Error {
+    Error::invalid(
+        field,
+        format!(
+            "template {} has no runtime {}; its runtimes: {}",
+            manifest.name,
+            asked.map_or_else(|| "at all".to_owned(), |a| format!("{a:?}")),
+            runtime_list(manifest),
+        ),
+    )
 }
 
 /// The runtimes of `manifest` as a message names them, each with its aliases:
@@ -117,45 +124,13 @@ pub fn runtime_list(manifest: &Manifest) -> String {
     each.collect::<Vec<_>>().join(", ")
 }
 
-/// How the worker runs the cells of a session on `engine` in runtime `asked` (`None`: the
-/// template's first runtime that cells run in). As [`runtime`], except that a kernel
-/// runtime ([`Language::Kernel`], JavaScript) runs one-shot jobs only: 400
-/// ([`kernel_cells`]).
-pub fn cell_runtime(
-    engine: &dyn Engine,
-    asked: Option<&str>,
-    field: &str,
-) -> Result<Language, Error> {
-    let manifest = engine.manifest();
-    let found = match asked {
-        Some(name) => manifest.runtime(name),
-        None => {
-            let cells = manifest.runtimes.iter().find(|r| r.run != Language::Kernel);
-            cells.or_else(|| manifest.default_runtime())
-        }
-    };
-    match found {
-        Some(r) if r.run == Language::Kernel => Err(kernel_cells(field, &r.name)),
-        Some(r) => Ok(r.run),
-        None => runtime(engine, asked, field),
-    }
-}
-
-/// 400 on `field`: a session cell or a code context in kernel runtime `name` (JavaScript),
-/// which the guest does not run yet; one-shot jobs do.
-pub fn kernel_cells(field: &str, name: &str) -> Error {
-    Error::invalid(field, kernel_cells_message(name))
-}
-
-/// What [`kernel_cells`] says.
-pub fn kernel_cells_message(name: &str) -> String {
-    let shown = match name {
-        "javascript" => "JavaScript",
-        other => other,
-    };
-    format!(
-        "{shown} cells and contexts are not built yet: run {shown} as one-shot jobs (POST /v1/exec with language \"{name}\")"
-    )
+/// The name of the runtime a session's cells run in by default, as its API shows it: the
+/// first runtime of `manifest` the worker runs as `language` (`python`, `shell`,
+/// `javascript`), or the mode's own name without one (a template no longer served).
+pub fn runtime_name(manifest: Option<&Manifest>, language: Language) -> String {
+    manifest
+        .and_then(|m| m.runtime_running(language))
+        .map_or_else(|| language.name().to_owned(), |r| r.name.clone())
 }
 
 /// Gets template `name` from `source` at `moment`, then starts its executor.

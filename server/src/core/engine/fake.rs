@@ -12,7 +12,8 @@
 //!
 //! Its template is bud's python template (runtimes `python` and `shell`), or with
 //! [`FakeEngine::with_node`] the node template's (and `javascript`, a kernel runtime); it
-//! records the worker mode each job and cell ran in ([`FakeEngine::languages`]).
+//! records the worker mode each job and cell ran in ([`FakeEngine::languages`]), and each
+//! session cell's mode and options: namespace, reset, directory ([`FakeEngine::cells`]).
 //!
 //! The engine itself can hold starts back ([`FakeEngine::hold_starts`]: a slow start that
 //! ends when [`FakeEngine::release_starts`] is called), fail them, and says what it did
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 use vmm::executor::{Executor, ExecutorStats};
 use vmm::job::{JobTimings, Stream};
 use vmm::session::{ForkStats, Session, SessionError};
-use vmm::{Cancel, ExecError, Health, Job, JobResult, Language, Status, Unusable};
+use vmm::{Cancel, CellOptions, ExecError, Health, Job, JobResult, Language, Status, Unusable};
 
 use super::{Deliver, Engine, LayerShare, Output, SessionVm};
 
@@ -63,6 +64,8 @@ struct Inner {
     manifest: FakeManifest,
     /// The worker mode of each job and cell it ran, in order.
     languages: Mutex<Vec<Language>>,
+    /// The worker mode and options of each session cell it ran, in order.
+    cells: Mutex<Vec<(Language, CellOptions)>>,
     /// Open gates, starts held, a start's failure.
     state: Mutex<Gates>,
     changed: Condvar,
@@ -127,6 +130,16 @@ impl FakeEngine {
     pub fn languages(&self) -> Vec<Language> {
         self.0
             .languages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The worker mode and cell options (namespace, reset, directory, error in the display)
+    /// of each session cell it ran so far, in order (one-shot jobs are not cells).
+    pub fn cells(&self) -> Vec<(Language, CellOptions)> {
+        self.0
+            .cells
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
@@ -347,6 +360,12 @@ impl SessionVm for FakeVm {
         if let Health::Discard(why) = &self.health {
             return Err(SessionError::Unusable(why.clone()));
         }
+        self.engine
+            .0
+            .cells
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((job.language, job.cell.clone()));
         let (r, health) = self.engine.run(job, true, out);
         self.health = health;
         self.executions += 1;

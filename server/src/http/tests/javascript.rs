@@ -1,15 +1,13 @@
 //! JavaScript, the node template's kernel runtime, as clients see it: `POST /v1/exec` by
-//! its name or aliases, Piston's `javascript` runtime only where the template has it, and
-//! the 400 of a JavaScript cell or context (native and E2B's), which are not built yet.
+//! its name or aliases, Piston's `javascript` runtime only where the template has it,
+//! sessions, cells and code contexts in it (native and E2B's), and the 400s of TypeScript
+//! and of JavaScript on a template without it.
 
 use serde_json::{Value, json};
-use vmm::Language;
+use vmm::{CellOptions, Language};
 
 use super::{Served, test_config};
 use crate::core::engine::fake::FakeEngine;
-
-/// What a cell or context in JavaScript is told.
-const NOT_BUILT: &str = "JavaScript cells and contexts are not built yet: run JavaScript as one-shot jobs (POST /v1/exec with language \"javascript\")";
 
 /// A server whose default template is the node template (javascript, python, shell).
 async fn node() -> Served {
@@ -31,6 +29,62 @@ impl Served {
             .json(body);
         super::answer(req.send().await.expect("request failed")).await
     }
+
+    /// GETs `path` with E2B's sandbox header for `sandbox`.
+    async fn get_in_sandbox(&self, sandbox: &str, path: &str) -> (u16, Value) {
+        let req = self
+            .client
+            .get(self.url(path))
+            .header(crate::compat::e2b::SANDBOX_ID_HEADER, sandbox);
+        super::answer(req.send().await.expect("request failed")).await
+    }
+
+    /// E2B's `POST /execute` of `body` in `sandbox`: the status and the NDJSON lines (an
+    /// error's JSON body as one line).
+    async fn execute(&self, sandbox: &str, body: &Value) -> (u16, Vec<Value>) {
+        let req = self
+            .client
+            .post(self.url("/execute"))
+            .header(crate::compat::e2b::SANDBOX_ID_HEADER, sandbox)
+            .json(body);
+        let r = req.send().await.expect("request failed");
+        let status = r.status().as_u16();
+        let text = r.text().await.expect("the body");
+        let lines = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("one JSON value a line"))
+            .collect();
+        (status, lines)
+    }
+
+    /// E2B's sandbox on template `python` (served by this server's engine): its id.
+    async fn sandbox(&self) -> String {
+        let (created, sandbox) = self
+            .post("/v2/sandboxes", &json!({"templateID": "python"}))
+            .await;
+        assert_eq!(created, 201, "{sandbox}");
+        sandbox["sandboxID"].as_str().expect("an id").to_owned()
+    }
+}
+
+/// A cell's options as the fake engine records them.
+fn opts(namespace: u32, directory: Option<&str>, error_in_display: bool) -> CellOptions {
+    CellOptions {
+        namespace,
+        reset: false,
+        directory: directory.map(str::to_owned),
+        error_in_display,
+    }
+}
+
+/// An E2B answer's lines without their timestamps.
+fn untimed(mut lines: Vec<Value>) -> Vec<Value> {
+    for l in &mut lines {
+        if let Some(o) = l.as_object_mut() {
+            o.remove("timestamp");
+        }
+    }
+    lines
 }
 
 /// `(status, error.field, error.message)` of a native answer.
@@ -147,78 +201,335 @@ async fn pistons_execute_runs_javascript_as_a_kernel_job() {
 }
 
 #[tokio::test]
-async fn a_javascript_session_cell_or_context_is_400_saying_where_javascript_runs() {
+async fn a_javascript_session_and_its_contexts_run_in_the_kernel_runtime() {
     let s = node().await;
-    let id = s.session(json!({})).await;
+    let id = s.session(json!({"language": "js"})).await;
+    let default = s.session(json!({})).await;
 
-    let (session, session_r) = s
-        .post("/v1/sessions", &json!({"language": "javascript"}))
-        .await;
+    let (_, shown) = s.get(&format!("/v1/sessions/{id}")).await;
+    let (_, shown_default) = s.get(&format!("/v1/sessions/{default}")).await;
     let (cell, cell_r) = s
         .post(
             &format!("/v1/sessions/{id}/exec"),
-            &json!({"language": "js", "code": "1"}),
+            &json!({"code": "1 + 1"}),
         )
         .await;
-    let (context, context_r) = s
+    let (python, python_r) = s
         .post(
-            &format!("/v1/sessions/{id}/contexts"),
-            &json!({"language": "node"}),
+            &format!("/v1/sessions/{id}/exec"),
+            &json!({"language": "python", "code": "2"}),
         )
         .await;
-
-    for (status, r) in [
-        (session, &session_r),
-        (cell, &cell_r),
-        (context, &context_r),
-    ] {
-        assert_eq!(
-            native_error(status, r),
-            (400, &json!("language"), &json!(NOT_BUILT)),
-            "{r}"
-        );
+    let contexts = format!("/v1/sessions/{id}/contexts");
+    let (made_a, a) = s.post(&contexts, &json!({"language": "js"})).await;
+    let (made_b, b) = s
+        .post(&contexts, &json!({"language": "javascript", "cwd": "/srv"}))
+        .await;
+    let mut ran = Vec::new();
+    for (ctx, code) in [(&a, "let x = 1"), (&a, "x"), (&b, "typeof x")] {
+        let path = format!("{contexts}/{}/exec", ctx["id"].as_str().unwrap());
+        ran.push(s.post(&path, &json!({"code": code})).await);
     }
-    assert_eq!(s.engine.counts().started, 1);
-    assert!(s.engine.languages().is_empty());
+    let (listed, list) = s.get(&contexts).await;
+
+    assert_eq!(
+        (shown["language"].clone(), shown_default["language"].clone()),
+        (json!("javascript"), json!("javascript"))
+    );
+    assert_eq!(
+        (
+            cell,
+            &cell_r["status"],
+            &cell_r["stdout"],
+            &cell_r["execution_count"]
+        ),
+        (200, &json!("ok"), &json!("1 + 1"), &json!(1)),
+        "{cell_r}"
+    );
+    assert_eq!(
+        (python, &python_r["execution_count"]),
+        (200, &json!(2)),
+        "{python_r}"
+    );
+    assert_eq!(
+        (made_a, &a["language"], &a["cwd"]),
+        (201, &json!("javascript"), &json!("/tmp")),
+        "{a}"
+    );
+    assert_eq!(
+        (made_b, &b["language"], &b["cwd"]),
+        (201, &json!("javascript"), &json!("/srv")),
+        "{b}"
+    );
+    let counts: Vec<_> = ran
+        .iter()
+        .map(|(status, r)| (*status, r["status"].clone(), r["execution_count"].clone()))
+        .collect();
+    assert_eq!(
+        counts,
+        [
+            (200, json!("ok"), json!(1)),
+            (200, json!("ok"), json!(2)),
+            (200, json!("ok"), json!(1)),
+        ]
+    );
+    assert_eq!((listed, list.as_array().map(Vec::len)), (200, Some(2)));
+    let in_a = opts(1, Some("/tmp"), true);
+    assert_eq!(
+        s.engine.cells(),
+        [
+            (Language::Kernel, opts(0, None, false)),
+            (Language::Python, opts(0, None, false)),
+            (Language::Kernel, in_a.clone()),
+            (Language::Kernel, in_a),
+            (Language::Kernel, opts(2, Some("/srv"), true)),
+        ]
+    );
 }
 
 #[tokio::test]
-async fn e2bs_js_and_ts_cells_and_contexts_are_400_saying_where_javascript_runs() {
+async fn a_javascript_contexts_restart_and_delete_empty_its_namespace() {
     let s = node().await;
-    let (created, sandbox) = s
-        .post("/v2/sandboxes", &json!({"templateID": "python"}))
-        .await;
-    assert_eq!(created, 201, "{sandbox}");
-    let id = sandbox["sandboxID"].as_str().expect("an id");
+    let id = s.session(json!({})).await;
+    let contexts = format!("/v1/sessions/{id}/contexts");
+    let (_, a) = s.post(&contexts, &json!({"language": "node"})).await;
+    let ctx = format!("{contexts}/{}", a["id"].as_str().unwrap());
 
-    let (js_context, js_context_r) = s
-        .post_in_sandbox(id, "/contexts", &json!({"language": "js"}))
+    let (restarted, _) = s.post(&format!("{ctx}/restart"), &json!({})).await;
+    let deleted = s.delete(&ctx).await;
+    let (after, after_r) = s.post(&format!("{ctx}/exec"), &json!({"code": "1"})).await;
+
+    assert_eq!((restarted, deleted), (204, 204));
+    assert_eq!(
+        (after, &after_r["error"]["code"]),
+        (404, &json!("no_context")),
+        "{after_r}"
+    );
+    let reset = CellOptions {
+        reset: true,
+        ..opts(1, Some("/tmp"), true)
+    };
+    assert_eq!(
+        s.engine.cells(),
+        [(Language::Kernel, reset.clone()), (Language::Kernel, reset)]
+    );
+}
+
+#[tokio::test]
+async fn javascript_on_the_python_template_and_typescript_are_400_saying_what_runs() {
+    let (p, n) = (python().await, node().await);
+    let on_python = p.session(json!({})).await;
+    let on_node = n.session(json!({})).await;
+
+    let (session, session_r) = p
+        .post("/v1/sessions", &json!({"language": "javascript"}))
         .await;
-    let (ts_context, ts_context_r) = s
-        .post_in_sandbox(id, "/contexts", &json!({"language": "ts"}))
+    let (cell, cell_r) = p
+        .post(
+            &format!("/v1/sessions/{on_python}/exec"),
+            &json!({"language": "js", "code": "1"}),
+        )
         .await;
-    let (js_cell, js_cell_r) = s
-        .post_in_sandbox(
-            id,
-            "/execute",
-            &json!({"code": "1", "language": "javascript"}),
+    let (context, context_r) = p
+        .post(
+            &format!("/v1/sessions/{on_python}/contexts"),
+            &json!({"language": "node"}),
+        )
+        .await;
+    let (ts, ts_r) = n
+        .post(
+            &format!("/v1/sessions/{on_node}/contexts"),
+            &json!({"language": "typescript"}),
         )
         .await;
 
+    let no = |name: &str| {
+        json!(format!(
+            "template fake has no runtime \"{name}\"; its runtimes: python, shell"
+        ))
+    };
     assert_eq!(
-        (js_context, &js_context_r),
-        (400, &json!({"code": 400, "message": NOT_BUILT}))
+        native_error(session, &session_r),
+        (400, &json!("language"), &no("javascript")),
+        "{session_r}"
     );
     assert_eq!(
-        (ts_context, &ts_context_r),
+        native_error(cell, &cell_r),
+        (400, &json!("language"), &no("js")),
+        "{cell_r}"
+    );
+    assert_eq!(
+        native_error(context, &context_r),
+        (400, &json!("language"), &no("node")),
+        "{context_r}"
+    );
+    assert_eq!(
+        native_error(ts, &ts_r),
         (
             400,
-            &json!({"code": 400, "message": format!("bud runs no TypeScript; {NOT_BUILT}")})
+            &json!("language"),
+            &json!(
+                "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake-node's runtimes: javascript (js, node), python, shell"
+            )
+        ),
+        "{ts_r}"
+    );
+    assert_eq!(
+        (p.engine.counts().started, n.engine.counts().started),
+        (1, 1)
+    );
+    assert!(p.engine.cells().is_empty() && n.engine.cells().is_empty());
+}
+
+#[tokio::test]
+async fn e2bs_js_contexts_and_cells_run_in_the_kernel_runtime() {
+    let s = node().await;
+    let id = s.sandbox().await;
+
+    let (made, ctx) = s
+        .post_in_sandbox(&id, "/contexts", &json!({"language": "js"}))
+        .await;
+    let ctx_id = ctx["id"].as_str().expect("a context id").to_owned();
+    let (in_ctx, in_ctx_lines) = s
+        .execute(&id, &json!({"code": "let a = 1", "context_id": ctx_id}))
+        .await;
+    let (again, again_lines) = s
+        .execute(&id, &json!({"code": "a", "context_id": ctx_id}))
+        .await;
+    let mut default_js = Vec::new();
+    for language in ["js", "javascript"] {
+        default_js.push(
+            s.execute(&id, &json!({"code": "b", "language": language}))
+                .await,
+        );
+    }
+    let (python, _) = s.execute(&id, &json!({"code": "c"})).await;
+    let (listed, list) = s.get_in_sandbox(&id, "/contexts").await;
+    let (restarted, _) = s
+        .post_in_sandbox(&id, &format!("/contexts/{ctx_id}/restart"), &json!({}))
+        .await;
+
+    assert_eq!(
+        (made, &ctx["language"], &ctx["cwd"]),
+        (200, &json!("javascript"), &json!("/home/user")),
+        "{ctx}"
+    );
+    assert_eq!(
+        (in_ctx, untimed(in_ctx_lines)),
+        (
+            200,
+            vec![
+                json!({"type": "stdout", "text": "let a = 1"}),
+                json!({"type": "number_of_executions", "execution_count": 1}),
+                json!({"type": "end_of_execution"}),
+            ]
         )
     );
     assert_eq!(
-        (js_cell, &js_cell_r),
-        (400, &json!({"code": 400, "message": NOT_BUILT}))
+        (again, &again_lines[1]),
+        (
+            200,
+            &json!({"type": "number_of_executions", "execution_count": 2})
+        )
     );
-    assert!(s.engine.languages().is_empty());
+    for (status, lines) in &default_js {
+        assert_eq!(*status, 200);
+        assert_eq!(
+            lines.first().map(|l| &l["text"]),
+            Some(&json!("b")),
+            "{lines:?}"
+        );
+    }
+    assert_eq!((python, restarted), (200, 204));
+    assert_eq!(listed, 200);
+    assert_eq!(
+        list,
+        json!([
+            {"id": "default", "language": "python", "cwd": "/home/user"},
+            {"id": ctx_id, "language": "javascript", "cwd": "/home/user"},
+        ])
+    );
+    let (in_ctx, main) = (
+        opts(1, Some("/home/user"), true),
+        opts(0, Some("/home/user"), true),
+    );
+    assert_eq!(
+        s.engine.cells(),
+        [
+            (Language::Kernel, in_ctx.clone()),
+            (Language::Kernel, in_ctx.clone()),
+            (Language::Kernel, main.clone()),
+            (Language::Kernel, main.clone()),
+            (Language::Python, main),
+            (
+                Language::Kernel,
+                CellOptions {
+                    reset: true,
+                    ..in_ctx
+                }
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn e2bs_default_context_restart_empties_pythons_main_on_a_javascript_template() {
+    let s = node().await;
+    let id = s.sandbox().await;
+
+    let (restarted, _) = s
+        .post_in_sandbox(&id, "/contexts/default/restart", &json!({}))
+        .await;
+
+    assert_eq!(restarted, 204);
+    assert_eq!(
+        s.engine.cells(),
+        [(
+            Language::Python,
+            CellOptions {
+                reset: true,
+                ..opts(0, Some("/home/user"), true)
+            }
+        )]
+    );
+}
+
+#[tokio::test]
+async fn e2bs_ts_and_js_without_the_runtime_are_400_saying_what_runs() {
+    let (n, p) = (node().await, python().await);
+    let (on_node, on_python) = (n.sandbox().await, p.sandbox().await);
+
+    let (ts_context, ts_context_r) = n
+        .post_in_sandbox(&on_node, "/contexts", &json!({"language": "ts"}))
+        .await;
+    let (ts_cell, ts_cell_r) = n
+        .execute(&on_node, &json!({"code": "1", "language": "typescript"}))
+        .await;
+    let (js_context, js_context_r) = p
+        .post_in_sandbox(&on_python, "/contexts", &json!({"language": "js"}))
+        .await;
+    let (js_cell, js_cell_r) = p
+        .execute(&on_python, &json!({"code": "1", "language": "javascript"}))
+        .await;
+
+    let ts = json!({"code": 400, "message": "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake-node's runtimes: javascript (js, node), python, shell"});
+    assert_eq!((ts_context, &ts_context_r), (400, &ts));
+    assert_eq!((ts_cell, ts_cell_r), (400, vec![ts]));
+    assert_eq!(
+        (js_context, &js_context_r),
+        (
+            400,
+            &json!({"code": 400, "message": "template fake has no runtime \"js\"; its runtimes: python, shell"})
+        )
+    );
+    assert_eq!(
+        (js_cell, js_cell_r),
+        (
+            400,
+            vec![
+                json!({"code": 400, "message": "template fake has no runtime \"javascript\"; its runtimes: python, shell"})
+            ]
+        )
+    );
+    assert!(n.engine.cells().is_empty() && p.engine.cells().is_empty());
 }

@@ -1,10 +1,11 @@
 //! A template's runtimes by name and alias, and its kernel runtime (JavaScript in the node
-//! template): one-shot jobs and batches run in it; session cells and code contexts refuse it
-//! (not built yet), saying where JavaScript runs.
+//! template): one-shot jobs, batches and session cells run in it; its code contexts are
+//! namespaces of the session's kernel, each its own; TypeScript and JavaScript on a
+//! template without it are refused, naming what runs.
 
 use std::sync::Arc;
 
-use vmm::{Language, Status};
+use vmm::{CellOptions, Language, Status};
 
 use super::{job, new_session};
 use crate::core::config::Config;
@@ -14,9 +15,6 @@ use crate::service::error::Error;
 use crate::service::jobs::{OneShot, batch, run};
 use crate::service::sessions::{CreateSession, start_fresh};
 use crate::service::task::no_sink;
-
-/// What a cell or context in JavaScript is told.
-const NOT_BUILT: &str = "JavaScript cells and contexts are not built yet: run JavaScript as one-shot jobs (POST /v1/exec with language \"javascript\")";
 
 /// A server with templates `python` (the default: python and shell) and `node`
 /// (javascript, its default, then python and shell), each on a fake engine of its own.
@@ -149,46 +147,261 @@ async fn a_batch_resolves_each_jobs_runtime_on_its_own_template() {
     );
 }
 
+/// A session cell's options as the fake engine records them: `namespace`, entering
+/// `directory` before its first cell, its error in the display data.
+fn opts(namespace: u32, directory: Option<&str>, error_in_display: bool) -> CellOptions {
+    CellOptions {
+        namespace,
+        reset: false,
+        directory: directory.map(str::to_owned),
+        error_in_display,
+    }
+}
+
+/// Runs cell `code` in session `id`, in runtime `language` (None: the session's).
+async fn cell_in(state: &AppState, id: &str, language: Option<&str>, code: &str) -> Status {
+    let req = crate::service::jobs::ExecRequest {
+        language: language.map(str::to_owned),
+        ..super::cell(code)
+    };
+    let ran = crate::service::sessions::cell(state, id, req, "/test", no_sink()).await;
+    ran.expect("the cell ran").result.status
+}
+
+/// A cell `code` for a context, with the default limits.
+fn context_cell(code: &str) -> crate::service::contexts::Cell {
+    crate::service::contexts::Cell {
+        code: code.to_owned(),
+        env: Default::default(),
+        timeout: std::time::Duration::from_secs(5),
+        stream: false,
+    }
+}
+
 #[tokio::test]
-async fn a_session_in_javascript_is_400_and_none_starts() {
-    let (state, _python, node) = two_templates();
+async fn a_javascript_session_runs_its_cells_in_the_kernel_runtime_by_any_of_its_names() {
+    let (state, python, node) = two_templates();
+
+    let mut ids = Vec::new();
+    for name in ["javascript", "js", "node"] {
+        let req = CreateSession {
+            template: Some("node".into()),
+            language: Some(name.into()),
+            ..CreateSession::default()
+        };
+        let e = start_fresh(&state, req).await.expect("a session");
+        assert_eq!(e.language, Language::Kernel, "{name}");
+        ids.push(e.id.clone());
+    }
+    for id in &ids {
+        assert_eq!(cell_in(&state, id, None, "1 + 1").await, Status::Ok);
+    }
+    // A cell may name another runtime of the template, as in a Python session.
+    assert_eq!(
+        cell_in(&state, &ids[0], Some("python"), "x").await,
+        Status::Ok
+    );
+    assert_eq!(
+        cell_in(&state, &ids[0], Some("shell"), "x").await,
+        Status::Ok
+    );
+
+    let main = opts(0, None, false);
+    assert_eq!(
+        node.cells(),
+        [
+            (Language::Kernel, main.clone()),
+            (Language::Kernel, main.clone()),
+            (Language::Kernel, main.clone()),
+            (Language::Python, main.clone()),
+            (Language::Shell, main),
+        ]
+    );
+    assert_eq!(node.counts().started, 3);
+    assert_eq!(python.counts().started, 0);
+}
+
+#[tokio::test]
+async fn a_node_session_runs_javascript_by_default_and_python_by_name() {
+    let (state, python, node) = two_templates();
+    let on_node = session_of(&state, "node").await;
+    let on_python = new_session(&state).await;
+
+    assert_eq!(cell_in(&state, &on_node, None, "1").await, Status::Ok);
+    assert_eq!(
+        cell_in(&state, &on_node, Some("python"), "2").await,
+        Status::Ok
+    );
+    assert_eq!(cell_in(&state, &on_node, Some("js"), "3").await, Status::Ok);
+    assert_eq!(cell_in(&state, &on_python, None, "4").await, Status::Ok);
+
+    assert_eq!(
+        state.sessions().get(&on_node).unwrap().language,
+        Language::Kernel
+    );
+    assert_eq!(
+        node.languages(),
+        [Language::Kernel, Language::Python, Language::Kernel]
+    );
+    assert_eq!(python.languages(), [Language::Python]);
+}
+
+#[tokio::test]
+async fn javascript_on_the_python_template_is_400_naming_its_runtimes() {
+    let (state, python, _node) = two_templates();
     let req = CreateSession {
-        template: Some("node".into()),
         language: Some("js".into()),
         ..CreateSession::default()
     };
+    let id = new_session(&state).await;
 
-    let e = start_fresh(&state, req).await.unwrap_err();
+    let session = start_fresh(&state, req).await.unwrap_err();
+    let cell = crate::service::sessions::cell(
+        &state,
+        &id,
+        crate::service::jobs::ExecRequest {
+            language: Some("javascript".into()),
+            ..super::cell("1")
+        },
+        "/test",
+        no_sink(),
+    )
+    .await
+    .unwrap_err();
+    let context =
+        crate::service::contexts::create(&state, &id, Some("js"), None, "/tmp").unwrap_err();
 
-    assert_invalid(&e, "language", NOT_BUILT);
-    assert_eq!(node.counts().started, 0);
-    assert_eq!(state.sessions().count(), 0);
+    let runtimes = "its runtimes: python, shell";
+    assert_invalid(
+        &session,
+        "language",
+        &format!("template fake has no runtime \"js\"; {runtimes}"),
+    );
+    assert_invalid(
+        &cell,
+        "language",
+        &format!("template fake has no runtime \"javascript\"; {runtimes}"),
+    );
+    assert_invalid(
+        &context,
+        "language",
+        &format!("template fake has no runtime \"js\"; {runtimes}"),
+    );
+    assert_eq!(python.counts().started, 1);
+    assert!(python.cells().is_empty());
+    assert!(
+        crate::service::contexts::list(&state, &id)
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[tokio::test]
-async fn a_cell_in_javascript_is_400_and_a_node_session_runs_python_cells_by_default() {
+async fn javascript_contexts_are_namespaces_of_their_own_beside_a_python_context() {
+    use crate::service::contexts::{self, Which};
     let (state, _python, node) = two_templates();
     let id = session_of(&state, "node").await;
-    let cell = |language: Option<&str>| crate::service::jobs::ExecRequest {
-        language: language.map(str::to_owned),
-        ..super::cell("x")
-    };
 
-    let js = crate::service::sessions::cell(&state, &id, cell(Some("node")), "/test", no_sink())
+    let a = contexts::create(&state, &id, Some("js"), None, "/tmp").unwrap();
+    let b = contexts::create(&state, &id, Some("javascript"), Some("/srv"), "/tmp").unwrap();
+    let py = contexts::create(&state, &id, Some("python"), None, "/tmp").unwrap();
+    let mut counts = Vec::new();
+    for (ctx, code) in [(&a, "let x = 1"), (&b, "x"), (&a, "x")] {
+        let ran = contexts::run(
+            &state,
+            &id,
+            Which::Made(&ctx.id),
+            context_cell(code),
+            "/test",
+            no_sink(),
+        )
         .await
-        .unwrap_err();
-    let default = crate::service::sessions::cell(&state, &id, cell(None), "/test", no_sink())
-        .await
-        .unwrap();
+        .expect("a cell");
+        assert_eq!(ran.result.status, Status::Ok);
+        counts.push(ran.execution_count);
+    }
+    let in_python = contexts::language(&state, &id, &py).unwrap();
+    // A Python context's cell goes to a kernel process of its own (which the fake engine,
+    // without a VMM, cannot start), never to the session's cells.
+    let py_cell = contexts::run(
+        &state,
+        &id,
+        Which::Made(&py.id),
+        context_cell("1"),
+        "/test",
+        no_sink(),
+    )
+    .await;
 
-    assert_invalid(&js, "language", NOT_BUILT);
-    assert_eq!(default.result.status, Status::Ok);
-    assert_eq!(default.execution_count, 1);
-    assert_eq!(node.languages(), [Language::Python]);
+    // Named as the template names the runtime (E2B names a `js` context `javascript`).
+    assert_eq!(
+        [&a.language, &b.language, &py.language],
+        ["javascript", "javascript", "python"]
+    );
+    assert_eq!((a.namespace, b.namespace, py.namespace), (1, 2, 0));
+    assert_eq!((a.cwd.as_str(), b.cwd.as_str()), ("/tmp", "/srv"));
+    assert_eq!(in_python, Language::Python);
+    assert!(py_cell.is_err(), "{py_cell:?}");
+    assert_eq!(counts, [1, 1, 2], "each context counts its own cells");
+    assert_eq!(
+        node.cells(),
+        [
+            (Language::Kernel, opts(1, Some("/tmp"), true)),
+            (Language::Kernel, opts(2, Some("/srv"), true)),
+            (Language::Kernel, opts(1, Some("/tmp"), true)),
+        ]
+    );
 }
 
 #[tokio::test]
-async fn a_javascript_or_typescript_context_is_400_on_any_template() {
+async fn restarting_a_javascript_context_empties_its_namespace_and_removing_it_too() {
+    use crate::service::contexts::{self, Which};
+    let (state, _python, node) = two_templates();
+    let id = session_of(&state, "node").await;
+    let a = contexts::create(&state, &id, Some("node"), None, "/tmp").unwrap();
+    let run = |code: &'static str| {
+        contexts::run(
+            &state,
+            &id,
+            Which::Made(&a.id),
+            context_cell(code),
+            "/test",
+            no_sink(),
+        )
+    };
+
+    run("1").await.unwrap();
+    contexts::restart(&state, &id, &a.id, "/test")
+        .await
+        .unwrap();
+    let after = run("2").await.unwrap();
+    contexts::remove(&state, &id, &a.id, "/test").await.unwrap();
+    let gone = run("3").await.unwrap_err();
+    let next = contexts::create(&state, &id, Some("js"), None, "/tmp").unwrap();
+
+    assert_eq!(after.execution_count, 1, "counted again from 1");
+    assert!(matches!(gone, Error::NoContext(_)), "{gone:?}");
+    assert_eq!(
+        next.namespace, 2,
+        "a removed context's namespace is not given again"
+    );
+    let reset = CellOptions {
+        reset: true,
+        ..opts(1, Some("/tmp"), true)
+    };
+    assert_eq!(
+        node.cells(),
+        [
+            (Language::Kernel, opts(1, Some("/tmp"), true)),
+            (Language::Kernel, reset.clone()),
+            (Language::Kernel, opts(1, Some("/tmp"), true)),
+            (Language::Kernel, reset),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_typescript_or_unknown_context_is_400_saying_what_runs() {
     let (state, _python, _node) = two_templates();
     let on_python = new_session(&state).await;
     let on_node = session_of(&state, "node").await;
@@ -196,23 +409,33 @@ async fn a_javascript_or_typescript_context_is_400_on_any_template() {
         crate::service::contexts::create(&state, id, Some(language), None, "/tmp").unwrap_err()
     };
 
-    for language in ["js", "javascript", "node"] {
-        assert_invalid(&create(&on_python, language), "language", NOT_BUILT);
-        assert_invalid(&create(&on_node, language), "language", NOT_BUILT);
-    }
     for language in ["ts", "typescript"] {
         assert_invalid(
             &create(&on_node, language),
             "language",
-            &format!("bud runs no TypeScript; {NOT_BUILT}"),
+            "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake-node's runtimes: javascript (js, node), python, shell",
+        );
+        assert_invalid(
+            &create(&on_python, language),
+            "language",
+            "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake's runtimes: python, shell",
         );
     }
-    let python = crate::service::contexts::create(&state, &on_node, Some("python"), None, "/tmp");
-    assert_eq!(python.expect("a python context").language, "python");
-    assert_eq!(
-        crate::service::contexts::list(&state, &on_node)
-            .unwrap()
-            .len(),
-        1
+    assert_invalid(
+        &create(&on_node, "r"),
+        "language",
+        "bud runs python, bash (busybox sh) and javascript code, not r",
     );
+    assert_invalid(
+        &create(&on_python, "r"),
+        "language",
+        "bud runs python and bash (busybox sh) code, not r",
+    );
+    for id in [&on_python, &on_node] {
+        assert!(
+            crate::service::contexts::list(&state, id)
+                .unwrap()
+                .is_empty()
+        );
+    }
 }
