@@ -2,7 +2,8 @@
 
 Prints, for each kind of job, the median and p90 of the wall time over HTTP (one request at
 a time), bud's own run time and the emulated guest-kernel instructions KVM counted
-(`timings.kvm.emulated_instructions`: noise-free on a busy machine), and the host's
+(`timings.kvm.emulated_instructions`: noise-free on a busy machine) and the VM's page faults
+(`timings.kvm.page_faults`), and the host's
 `node -e` / `python3 -c` beside; then a CPU-bound loop against the host's node, and the
 templates' image and memory-file sizes. Measures and reports only.
 """
@@ -43,7 +44,7 @@ def pct(values, p):
 def jobs(label, body, n=JOBS):
     for _ in range(10):  # every pooled VM has run once
         post("/v1/exec", body)
-    walls, runs, insns = [], [], []
+    walls, runs, insns, faults = [], [], [], []
     for _ in range(n):
         t = time.perf_counter()
         r = post("/v1/exec", body)
@@ -52,8 +53,10 @@ def jobs(label, body, n=JOBS):
             sys.exit(f"{label}: {r}")
         runs.append(r["timings"]["run_ms"])
         insns.append(r["timings"]["kvm"]["emulated_instructions"])
+        faults.append(r["timings"]["kvm"]["page_faults"])
     print(f"{label:44s} wall p50 {statistics.median(walls):7.2f} ms  p90 {pct(walls, 0.9):7.2f} ms"
-          f"  run p50 {statistics.median(runs):6.2f} ms  emulated p50 {statistics.median(insns):8.0f}")
+          f"  run p50 {statistics.median(runs):6.2f} ms  emulated p50 {statistics.median(insns):8.0f}"
+          f"  page faults p50 {statistics.median(faults):6.0f}")
     return statistics.median(walls)
 
 

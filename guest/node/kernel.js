@@ -785,6 +785,11 @@ function main() {
     addon.takeDoorbell();
     if (buf[0] === TOKEN_RESEED) reseedNext = true;
     if (buf[0] === TOKEN_READY) {
+      // Every page mapped now present in the template (as the Python worker does): a job
+      // that touched a page for the first time would take a guest page fault (emulated
+      // under kvm_pvm) and change a template page table, which makes the VM's reset drop
+      // every shadow mapping (vmm/src/reset.rs): ~1 700 faults in the next job.
+      addon.lockMemory();
       const wallNs = BigInt(Math.round((performance.timeOrigin + performance.now()) * 1000)) * 1000n;
       dv.setBigUint64(P.HEADER_READY_WALL_NS, wallNs, true);
       ring(P.READY, BigInt(addon.mailboxAddress()), BigInt(P.MAILBOX_DEFAULT_SIZE));

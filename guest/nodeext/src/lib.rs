@@ -122,6 +122,22 @@ fn mailbox_address(env: Env, []: [napi_value; 0]) -> JsResult<napi_value> {
     env.double(addr as f64)
 }
 
+/// `lockMemory()`: `mlockall(MCL_CURRENT)`, as the Python worker does before READY: every
+/// page mapped now is made present (and its page-table entry written) in the template, so a
+/// clone's job neither takes a guest page fault for it nor changes a template page table
+/// (which makes the VM's reset drop every shadow mapping, vmm/src/reset.rs).
+fn lock_memory(env: Env, []: [napi_value; 0]) -> JsResult<napi_value> {
+    // SAFETY: mlockall changes the residency of this process's mappings, never their
+    // contents.
+    if unsafe { libc::mlockall(libc::MCL_CURRENT) } != 0 {
+        return Err(JsError::error(format!(
+            "mlockall: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    env.undefined()
+}
+
 /// `reseed(buf)`: see [`rand`].
 fn reseed(env: Env, [buf]: [napi_value; 1]) -> JsResult<napi_value> {
     env.with_uint8_array(buf, "buf", rand::seed)??;
@@ -148,6 +164,11 @@ unsafe extern "C" fn mailbox_address_cb(env: napi_env, info: napi_callback_info)
     unsafe { js::callback(env, info, "mailboxAddress", mailbox_address) }
 }
 
+unsafe extern "C" fn lock_memory_cb(env: napi_env, info: napi_callback_info) -> napi_value {
+    // SAFETY: Node calls this with the env and info of the call in progress.
+    unsafe { js::callback(env, info, "lockMemory", lock_memory) }
+}
+
 unsafe extern "C" fn reseed_cb(env: napi_env, info: napi_callback_info) -> napi_value {
     // SAFETY: Node calls this with the env and info of the call in progress.
     unsafe { js::callback(env, info, "reseed", reseed) }
@@ -158,10 +179,11 @@ fn register(env: Env, exports: napi_value) -> JsResult<()> {
     env.set_function(exports, c"takeDoorbell", take_doorbell_cb)?;
     env.set_function(exports, c"ring", ring_cb)?;
     env.set_function(exports, c"mailboxAddress", mailbox_address_cb)?;
+    env.set_function(exports, c"lockMemory", lock_memory_cb)?;
     env.set_function(exports, c"reseed", reseed_cb)
 }
 
-/// The module initializer Node looks up when it loads the addon: adds the five functions to
+/// The module initializer Node looks up when it loads the addon: adds the six functions to
 /// `exports`. On failure it throws, so `require` does.
 ///
 /// # Safety

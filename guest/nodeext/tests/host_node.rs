@@ -177,7 +177,7 @@ const attempt = (f) => {
 "#;
 
 #[test]
-fn exports_are_the_five_functions() {
+fn exports_are_the_six_functions() {
     let stage = stage("exports");
 
     let stdout = run(
@@ -196,6 +196,7 @@ for (const [name, value] of Object.entries(bud)) console.log(name, typeof value,
          takeDoorbell function takeDoorbell\n\
          ring function ring\n\
          mailboxAddress function mailboxAddress\n\
+         lockMemory function lockMemory\n\
          reseed function reseed\n"
     );
 }
