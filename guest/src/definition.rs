@@ -6,6 +6,7 @@
 //! from = "python"                  # a built-in template or another user template
 //! apt = ["jq", "sqlite3=3.40.1-2+deb12u1"]
 //! pip = ["tabulate==0.9.0"]        # requirement strings; `requirements` takes a file's text
+//! npm = ["sucrase@3.35.1"]         # npm packages; only `from` a template with Node.js (`node`)
 //! env = { REPORT_MODE = "fast" }
 //! workdir = "/home/user/project"
 //! warm = "import tabulate"        # Python run in the guest before the snapshot
@@ -16,7 +17,9 @@
 //!
 //! Everything a definition names is data: Debian packages are unpacked (never their
 //! maintainer scripts), Python packages come as wheels and are unpacked (never built or run
-//! on the host: `wheels.rs`), and `warm` runs only inside the guest. This module checks the
+//! on the host: `wheels.rs`), npm packages are installed by the host's npm without their
+//! install scripts, and refused where a package needs one (`npm.rs`), and `warm` runs only
+//! inside the guest. This module checks the
 //! shape and the limits ([`Limits`]) and says which field is wrong; it knows nothing of the
 //! network or the build.
 
@@ -88,6 +91,12 @@ pub struct Definition {
     /// `pip`. Options (`-r`, `--index-url`, `-e`) and URLs are refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requirements: Option<String>,
+    /// npm packages (`name`, `name@1.2.3`, `@scope/name@^1`, a dist-tag), from the registry
+    /// the host's npm is configured with; their install scripts never run, and a package
+    /// that has one is refused at the build. Only on a template with Node.js (`from =
+    /// "node"`, or a user template from it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub npm: Vec<String>,
     /// Files of the image: absolute guest path -> text content.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, String>,
@@ -118,7 +127,7 @@ fn default_from() -> String {
 /// The bounds a definition must keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Debian packages plus Python requirements named.
+    /// Debian packages, Python requirements and npm packages named.
     pub packages: usize,
     /// Bytes of `files`, `warm`, `env` and `requirements` together.
     pub inline_bytes: usize,
@@ -265,12 +274,28 @@ impl Definition {
                 }
             }
         }
-        let packages = self.apt.len() + self.requirements().len();
+        crate::npm::check_specs(&self.npm).map_err(|e| match e {
+            crate::npm::NpmError::BadSpec { index, why } => {
+                DefinitionError::at(format!("npm[{index}]"), why)
+            }
+            other => DefinitionError::at("npm", other.to_string()),
+        })?;
+        if !self.npm.is_empty() && self.from == crate::recipe::BASE_TEMPLATE {
+            return Err(DefinitionError::at(
+                "npm",
+                format!(
+                    "npm packages need Node.js: build from the node template (`from = \"node\"`), \
+                     not {}",
+                    quote(&self.from)
+                ),
+            ));
+        }
+        let packages = self.apt.len() + self.requirements().len() + self.npm.len();
         if packages > limits.packages {
             return Err(DefinitionError::at(
-                "pip",
+                if self.npm.is_empty() { "pip" } else { "npm" },
                 format!(
-                    "{packages} packages named (apt and pip); at most {} are allowed",
+                    "{packages} packages named (apt, pip and npm); at most {} are allowed",
                     limits.packages
                 ),
             ));
@@ -467,6 +492,7 @@ mod tests {
             apt = ["jq", "sqlite3=3.40.1-2+deb12u1"]
             pip = ["tabulate==0.9.0", "rich[jupyter]>=13,<14"]
             requirements = "httpx  # a comment\n\n# only a comment\nidna>=3\n"
+            npm = ["sucrase@3.35.1", "@scope/x@^1 || 2.x", "lodash"]
             env = { REPORT_MODE = "fast" }
             workdir = "/home/user/project"
             warm = "import tabulate"
@@ -488,6 +514,7 @@ mod tests {
                 "idna>=3"
             ]
         );
+        assert_eq!(def.npm, ["sucrase@3.35.1", "@scope/x@^1 || 2.x", "lodash"]);
         let again = Definition::from_json(def.to_json().as_bytes(), &Limits::default()).unwrap();
         assert_eq!(again, def);
     }
@@ -546,6 +573,25 @@ mod tests {
             ("name = \"a\"\nunknown = 1", "unknown"),
             ("name = \"a\"\napt = \"jq\"", "apt"),
             ("name = \"a\"\napt = [1]", "apt[0]"),
+            (
+                "name = \"a\"\nfrom = \"node\"\nnpm = [\"ok\", \"x@file:../y\"]",
+                "npm[1]",
+            ),
+            (
+                "name = \"a\"\nfrom = \"node\"\nnpm = [\"a\", \"b\", \"a@1\"]",
+                "npm[2]",
+            ),
+            (
+                "name = \"a\"\nfrom = \"node\"\nnpm = [\"--global\"]",
+                "npm[0]",
+            ),
+            (
+                "name = \"a\"\nfrom = \"node\"\nnpm = [\"u/repo\"]",
+                "npm[0]",
+            ),
+            ("name = \"a\"\nfrom = \"node\"\nnpm = \"lodash\"", "npm"),
+            ("name = \"a\"\nfrom = \"node\"\nnpm = [1]", "npm[0]"),
+            ("name = \"a\"\nnpm = [\"lodash\"]", "npm"),
             ("apt = []", "name"),
             ("name = ", "body"),
         ];
@@ -573,9 +619,44 @@ mod tests {
             &limits,
         );
 
+        let too_many_npm = Definition::from_toml(
+            "name = \"a\"\nfrom = \"node\"\napt = [\"jq\"]\nnpm = [\"x\", \"y\"]",
+            &limits,
+        );
+
         assert_eq!(too_many.unwrap_err().field(), "pip");
+        assert_eq!(too_many_npm.unwrap_err().field(), "npm");
         assert_eq!(too_big.unwrap_err().field(), "files");
         assert_eq!(too_many_files.unwrap_err().field(), "files");
+    }
+
+    #[test]
+    fn npm_faults_are_named_in_json_too() {
+        let bad = Definition::from_json(
+            br#"{"name": "a", "from": "node", "npm": ["sucrase@3.35.1", "x@https://h/x.tgz"]}"#,
+            &Limits::default(),
+        )
+        .unwrap_err();
+        let no_node =
+            Definition::from_json(br#"{"name": "a", "npm": ["sucrase"]}"#, &Limits::default())
+                .unwrap_err();
+        let good = Definition::from_json(
+            br#"{"name": "a", "from": "node", "npm": ["sucrase@3.35.1"]}"#,
+            &Limits::default(),
+        )
+        .unwrap();
+
+        assert_eq!(bad.field(), "npm[1]");
+        assert!(bad.to_string().contains("no URLs"), "{bad}");
+        assert_eq!(no_node.field(), "npm");
+        assert!(
+            no_node
+                .to_string()
+                .contains("npm packages need Node.js: build from the node template"),
+            "{no_node}"
+        );
+        assert_eq!(good.npm, ["sucrase@3.35.1"]);
+        assert!(good.to_json().contains("\"npm\": ["), "{}", good.to_json());
     }
 
     #[test]

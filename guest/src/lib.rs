@@ -16,6 +16,7 @@ pub mod image;
 pub mod libs;
 pub mod lock;
 pub mod manifest;
+pub mod npm;
 pub mod pipeline;
 pub mod python;
 pub mod recipe;

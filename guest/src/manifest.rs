@@ -134,6 +134,7 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             .map(|p| (p.name.clone(), p.version.clone()))
             .collect::<BTreeMap<_, _>>(),
         python_packages: python_packages(&rootfs.join(crate::wheels::SITE_DIR)),
+        npm_packages: crate::npm::installed(&rootfs.join(crate::npm::GLOBAL_DIR)),
         network: Network::None,
     }
 }

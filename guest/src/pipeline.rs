@@ -21,6 +21,7 @@ use crate::host::{self, Apt, HostError};
 use crate::image::{self, Image, ImageError, ImageInputs, ImageReport};
 use crate::lock::{BuildLock, LockError};
 use crate::manifest::{self, MANIFEST_FILE, ManifestError};
+use crate::npm::{self, NpmError};
 use crate::recipe::{Recipe, RecipeError, Site};
 use crate::run::{self, RunError};
 use crate::user::{Layers, UserError};
@@ -77,6 +78,8 @@ pub enum BuildError {
     User(#[source] UserError),
     #[error("Python packages")]
     Wheels(#[source] WheelError),
+    #[error("npm packages")]
+    Npm(#[source] NpmError),
     #[error("pip: the base image's packages have no {PIP_PACKAGE}")]
     NoPip,
 }
@@ -343,9 +346,10 @@ pub fn build_guest_binaries(
     Ok((agent, extension))
 }
 
-/// Step 4 (under the caller's [`BuildLock`]): fetches the packages (cached) and returns the
-/// image, rebuilt only when an input changed, with the packages it is made of. The agent and extension are the files to place
-/// at `/init` and [`image::EXTENSION_PATH`].
+/// Step 4 (under the caller's [`BuildLock`]): fetches the packages (cached: Debian
+/// packages, a user template's wheels, the template's npm packages) and returns the image,
+/// rebuilt only when an input changed, with the packages it is made of. The agent and
+/// extension are the files to place at `/init` and [`image::EXTENSION_PATH`].
 pub fn build_image(
     opts: &BuildOptions,
     agent: &Path,
@@ -389,6 +393,14 @@ pub fn build_image(
             Some(image::UserInputs { layers, wheels })
         }
     };
+    // The site's npm packages, a user template's among them (`Layers::site`).
+    let npm = match site.as_ref().filter(|s| !s.npm.is_empty()) {
+        None => None,
+        Some(site) => Some(
+            npm::fetch(&site.npm, &opts.build_dir.join(npm::CACHE_DIR), progress)
+                .map_err(BuildError::Npm)?,
+        ),
+    };
     let mut all = packages.clone();
     all.extend(site_packages.iter().cloned());
     let inputs = ImageInputs {
@@ -405,6 +417,7 @@ pub fn build_image(
         site_debs_dir,
         site_packages,
         user,
+        npm,
     };
     let image = image::ensure(
         &inputs,
@@ -602,6 +615,7 @@ mod tests {
             site_debs_dir: opts.build_dir.join("debs-python"),
             site_packages: Vec::new(),
             user: None,
+            npm: None,
         }
     }
 

@@ -38,6 +38,17 @@ pub enum RecipeError {
     BadPath(String),
     #[error("unknown template `{name}` (known: {})", .known.join(", "))]
     UnknownTemplate { name: String, known: Vec<String> },
+    #[error("template recipe {template}: {source}")]
+    Npm {
+        template: String,
+        #[source]
+        source: crate::npm::NpmError,
+    },
+    #[error(
+        "template recipe {0}: `npm` packages need Node.js, a `[site.runtime]` whose interpreter \
+         is node"
+    )]
+    NpmWithoutNode(String),
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -112,6 +123,11 @@ pub struct Site {
     /// by name (`blas`, the reference BLAS, before `openblas-*`).
     #[serde(default)]
     pub alternatives: BTreeMap<String, String>,
+    /// npm packages (`name`, `name@version`, `@scope/name@range`), fetched by the host's npm
+    /// without their install scripts (`npm.rs`) and staged on Node.js's global module path;
+    /// only with a `runtime` whose interpreter is node.
+    #[serde(default)]
+    pub npm: Vec<String>,
     /// Modules the worker imports before READY.
     pub preload: Vec<String>,
     /// Code-context kernels the worker starts before READY, so that as many contexts of a
@@ -157,6 +173,17 @@ pub struct KernelRuntime {
     /// makes it the one that holds the doorbell at READY (`guest/python/bud_runtime.py`).
     #[serde(default)]
     pub default: bool,
+}
+
+impl Site {
+    /// Whether the template runs Node.js: its kernel runtime's interpreter is `node`.
+    pub fn has_node(&self) -> bool {
+        self.runtime.as_ref().is_some_and(|r| {
+            Path::new(&r.interpreter)
+                .file_name()
+                .is_some_and(|n| n == "node")
+        })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -218,6 +245,15 @@ pub fn load_site(dir: &Path, name: &str) -> Result<Option<Site>, RecipeError> {
         && !is_relative_clean(warm)
     {
         return Err(RecipeError::BadPath(warm.clone()));
+    }
+    if !file.site.npm.is_empty() {
+        crate::npm::check_specs(&file.site.npm).map_err(|source| RecipeError::Npm {
+            template: name.to_owned(),
+            source,
+        })?;
+        if !file.site.has_node() {
+            return Err(RecipeError::NpmWithoutNode(name.to_owned()));
+        }
     }
     Ok(Some(file.site))
 }
@@ -333,9 +369,13 @@ mod tests {
         let names = template_names(&dir);
         let ds = load_site(&dir, "datascience").unwrap().unwrap();
         let tools = load_site(&dir, "tools").unwrap().unwrap();
+        let node = load_site(&dir, "node").unwrap().unwrap();
         let err = load_site(&dir, "nope").unwrap_err().to_string();
 
-        assert_eq!(names, ["datascience", "python", "tools"]);
+        assert_eq!(names, ["datascience", "node", "python", "tools"]);
+        assert!(node.has_node() && !ds.has_node() && !tools.has_node());
+        assert!(node.npm.iter().any(|p| p == "sucrase@3.35.1"), "{node:?}");
+        assert!(ds.npm.is_empty());
         assert!(load_site(&dir, BASE_TEMPLATE).unwrap().is_none());
         assert!(ds.debs.iter().any(|d| d == "python3-pandas"), "{ds:?}");
         assert_eq!(ds.preload[0], "numpy");
@@ -348,8 +388,37 @@ mod tests {
         );
         assert_eq!(
             err,
-            "unknown template `nope` (known: datascience, python, tools)"
+            "unknown template `nope` (known: datascience, node, python, tools)"
         );
+    }
+
+    #[test]
+    fn npm_packages_need_node_and_valid_specs() {
+        let dir = std::env::temp_dir().join(format!("bud-recipe-npm-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join(TEMPLATES_DIR)).unwrap();
+        let site = "[site]\ndebs = []\ndrop = []\npreload = []\nram_mib = 256\n\
+                    boot_timeout_s = 60\n";
+        let runtime = "[site.runtime]\nname = \"javascript\"\npackage = \"nodejs\"\n\
+                       interpreter = \"/usr/bin/node\"\nkernel = []\nfiles = \"guest/node\"\n";
+        let write = |name: &str, text: String| {
+            std::fs::write(dir.join(TEMPLATES_DIR).join(format!("{name}.toml")), text).unwrap()
+        };
+        write("plain", format!("{site}npm = [\"lodash\"]\n"));
+        write("bad", format!("{site}npm = [\"x@file:y\"]\n{runtime}"));
+        write("good", format!("{site}npm = [\"lodash@4\"]\n{runtime}"));
+
+        let plain = load_site(&dir, "plain").unwrap_err().to_string();
+        let bad = load_site(&dir, "bad").unwrap_err();
+        let good = load_site(&dir, "good").unwrap().unwrap();
+
+        assert!(plain.contains("need Node.js"), "{plain}");
+        assert!(
+            matches!(&bad, RecipeError::Npm { template, .. } if template == "bad"),
+            "{bad}"
+        );
+        assert_eq!(good.npm, ["lodash@4"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

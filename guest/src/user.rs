@@ -51,6 +51,21 @@ pub enum UserError {
     },
     #[error("{0}")]
     Recipe(#[from] recipe::RecipeError),
+    #[error(
+        "npm: npm packages need Node.js: build from the node template (or a user template from \
+         it); {template} builds on {base}, which has none"
+    )]
+    NpmNeedsNode { template: String, base: String },
+}
+
+impl UserError {
+    /// The definition's field at fault, when one is (`npm`).
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            UserError::NpmNeedsNode { .. } => Some("npm"),
+            _ => None,
+        }
+    }
 }
 
 fn none_if_empty(names: &[String]) -> String {
@@ -201,6 +216,20 @@ impl Layers {
         order.iter().map(|n| by_name[n].to_owned()).collect()
     }
 
+    /// npm packages of every layer, each named once (a later layer's spec wins), installed
+    /// together with the base template's.
+    pub fn npm(&self) -> Vec<String> {
+        let mut by_name: BTreeMap<&str, &str> = BTreeMap::new();
+        let mut order = Vec::new();
+        for spec in self.chain.iter().flat_map(|d| &d.npm) {
+            let name = crate::npm::spec_name(spec);
+            if by_name.insert(name, spec).is_none() {
+                order.push(name);
+            }
+        }
+        order.iter().map(|n| by_name[n].to_owned()).collect()
+    }
+
     /// Python requirements of every layer, resolved together.
     pub fn requirements(&self) -> Vec<String> {
         self.chain.iter().flat_map(|d| d.requirements()).collect()
@@ -236,14 +265,16 @@ impl Layers {
         self.chain.iter().rev().find_map(|d| d.network)
     }
 
-    /// The build's site: the built-in base's (if it has one) with the layers' Debian
-    /// packages added, their RAM, and boot time for a bigger image.
+    /// The build's site: the built-in base's (if it has one) with the layers' Debian and npm
+    /// packages added, their RAM, and boot time for a bigger image. npm packages need a base
+    /// with Node.js ([`Site::has_node`]).
     pub fn site(&self, recipe_dir: &Path) -> Result<Site, UserError> {
         let mut site = recipe::load_site(recipe_dir, &self.base)?.unwrap_or_else(|| Site {
             debs: Vec::new(),
             drop: Vec::new(),
             share: Vec::new(),
             alternatives: BTreeMap::new(),
+            npm: Vec::new(),
             preload: Vec::new(),
             kernels: 0,
             warm: None,
@@ -255,6 +286,18 @@ impl Layers {
             let name = recipe::package_name(&spec);
             site.debs.retain(|d| recipe::package_name(d) != name);
             site.debs.push(spec);
+        }
+        let npm = self.npm();
+        if !npm.is_empty() && !site.has_node() {
+            return Err(UserError::NpmNeedsNode {
+                template: self.top().name.clone(),
+                base: self.base.clone(),
+            });
+        }
+        for spec in npm {
+            let name = crate::npm::spec_name(&spec);
+            site.npm.retain(|s| crate::npm::spec_name(s) != name);
+            site.npm.push(spec);
         }
         if let Some(mib) = self.memory_mib() {
             site.ram_mib = mib;
@@ -316,6 +359,49 @@ mod tests {
         assert_eq!(site.debs, ["jq=1.6-2.1", "sqlite3"]);
         assert_eq!(site.ram_mib, 512);
         assert_eq!(names(&dir), ["a", "b"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn npm_packages_merge_over_the_base_and_need_node() {
+        let dir = scratch("npm");
+        let recipe_dir = dir.join("recipe");
+        std::fs::create_dir_all(recipe_dir.join("templates")).unwrap();
+        std::fs::write(
+            recipe_dir.join("templates/node.toml"),
+            "[site]\ndebs = [\"nodejs\"]\ndrop = []\nnpm = [\"sucrase@3.35.1\", \"lodash@4\"]\n\
+             preload = []\nram_mib = 512\nboot_timeout_s = 60\n[site.runtime]\n\
+             name = \"javascript\"\npackage = \"nodejs\"\ninterpreter = \"/usr/bin/node\"\n\
+             kernel = []\nfiles = \"guest/node\"\n",
+        )
+        .unwrap();
+        std::fs::write(
+            recipe_dir.join("templates/tools.toml"),
+            "[site]\ndebs = []\ndrop = []\npreload = []\nram_mib = 256\nboot_timeout_s = 60\n",
+        )
+        .unwrap();
+        let a = def("name = \"a\"\nfrom = \"node\"\nnpm = [\"lodash@4.17.21\", \"@s/x\"]");
+        let b = def("name = \"b\"\nfrom = \"a\"\nnpm = [\"@s/x@2\"]");
+        save(&dir, &a).unwrap();
+        save(&dir, &b).unwrap();
+        let on_tools = def("name = \"c\"\nfrom = \"tools\"\nnpm = [\"lodash\"]");
+
+        let layers = Layers::of_stored("b", &recipe_dir, &dir).unwrap().unwrap();
+        let site = layers.site(&recipe_dir).unwrap();
+        let refused = Layers::resolve(&on_tools, &recipe_dir, &dir)
+            .unwrap()
+            .site(&recipe_dir)
+            .unwrap_err();
+
+        assert_eq!(layers.npm(), ["lodash@4.17.21", "@s/x@2"]);
+        assert_eq!(site.npm, ["sucrase@3.35.1", "lodash@4.17.21", "@s/x@2"]);
+        assert_eq!(refused.field(), Some("npm"));
+        let text = refused.to_string();
+        assert!(
+            text.starts_with("npm: npm packages need Node.js: build from the node template"),
+            "{text}"
+        );
+        assert!(text.contains("c builds on tools"), "{text}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

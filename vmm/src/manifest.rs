@@ -123,6 +123,10 @@ pub struct Manifest {
     /// `/usr/local/lib/python3.11/dist-packages`), name to version; empty for the others.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub python_packages: BTreeMap<String, String>,
+    /// The npm packages of the image (`node_modules` of its global module directory), name
+    /// to version; empty without any.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub npm_packages: BTreeMap<String, String>,
     pub network: Network,
 }
 
@@ -277,12 +281,14 @@ mod tests {
                     version: "3.11.2".into(),
                     run: Language::Python,
                     interpreter: "/usr/bin/python3".into(),
+                    ..Runtime::default()
                 },
                 Runtime {
                     name: "shell".into(),
                     version: "1.35.0".into(),
                     run: Language::Shell,
                     interpreter: "/bin/sh".into(),
+                    ..Runtime::default()
                 },
             ],
             kernels: vec![Kernel {
@@ -293,6 +299,7 @@ mod tests {
             tools: vec!["bash".into(), "busybox".into()],
             packages: BTreeMap::from([("bash".into(), "5.2.15-2+b7".into())]),
             python_packages: BTreeMap::from([("tabulate".into(), "0.9.0".into())]),
+            npm_packages: BTreeMap::new(),
             network: Network::None,
         }
     }

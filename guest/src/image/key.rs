@@ -16,8 +16,10 @@ fn hash_of(hashes: &mut HashCache, path: &Path) -> Result<String, ImageError> {
 }
 
 /// The input hash: the builder version, every recipe file, the packages (name, version,
-/// sha256), the agent, the extension and bud's Python modules (only the files staged, so a
-/// stray `__pycache__/` in guest/python does not force a rebuild).
+/// sha256), a user template's definitions and wheels, the npm specs and the content of
+/// their installed tree (every staged file's path, mode and sha256), the agent, the
+/// extension and bud's Python modules (only the files staged, so a stray `__pycache__/` in
+/// guest/python does not force a rebuild).
 pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String, ImageError> {
     for (what, path) in [("agent", &inputs.agent), ("extension", &inputs.extension)] {
         if !path.is_file() {
@@ -69,6 +71,13 @@ pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String,
                 hash_of(hashes, &wheel.path)?
             ));
         }
+    }
+    if let Some(tree) = &inputs.npm {
+        for spec in &tree.specs {
+            text.push_str(&format!("npm {spec}\n"));
+        }
+        let digest = crate::npm::tree_digest(tree, hashes).map_err(ImageError::Npm)?;
+        text.push_str(&format!("npm-tree {digest}\n"));
     }
     text.push_str(&format!("agent {}\n", hash_of(hashes, &inputs.agent)?));
     text.push_str(&format!(

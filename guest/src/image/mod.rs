@@ -124,6 +124,8 @@ pub enum ImageError {
     Libs(#[from] LibError),
     #[error("unpack the template's wheels")]
     Wheels(#[source] crate::wheels::WheelError),
+    #[error("stage the template's npm packages")]
+    Npm(#[source] crate::npm::NpmError),
     #[error("write archive {path}")]
     Archive {
         path: PathBuf,
@@ -173,6 +175,9 @@ pub struct ImageInputs {
     pub site_packages: Vec<Package>,
     /// A user template's layers and wheels (`crate::user`); `None` for a built-in one.
     pub user: Option<UserInputs>,
+    /// The template's npm packages, installed in the cache (`crate::npm`): the site's
+    /// `npm` list with the user layers'; `None` when it names none.
+    pub npm: Option<crate::npm::NpmTree>,
 }
 
 /// What a user template adds ([`user_layer`]).
@@ -285,6 +290,17 @@ pub fn build(
             progress,
         )?;
     }
+    if let Some(tree) = &inputs.npm {
+        crate::npm::check_search_path(root).map_err(ImageError::Npm)?;
+        let staged = crate::npm::stage(tree, &staging).map_err(ImageError::Npm)?;
+        progress(&format!(
+            "npm packages: {} files, {} links, {} programs in /{}",
+            staged.files,
+            staged.links,
+            staged.programs,
+            crate::npm::BIN_DIR
+        ));
+    }
     passwd::fix_login_shells(&staging)?;
     // The manifest lists the Python the template offers: the interpreter's package and the
     // packages the template recipe names (not the libraries found for them).
@@ -300,12 +316,19 @@ pub fn build(
         }))
         .cloned()
         .collect();
+    // The worker's manifest: a user template's part, and the npm packages (name to version).
+    let mut worker_fields = inputs.user.as_ref().map(user_layer::manifest_fields);
+    if let Some(tree) = &inputs.npm {
+        worker_fields
+            .get_or_insert_with(Default::default)
+            .insert("npm_packages", serde_json::json!(tree.packages));
+    }
     site::write_manifest(
         &inputs.template,
         inputs.site.as_ref(),
         &listed,
         &inputs.recipe_dir,
-        inputs.user.as_ref().map(user_layer::manifest_fields),
+        worker_fields,
         &staging,
     )?;
 

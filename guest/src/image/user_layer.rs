@@ -9,6 +9,9 @@
 //! - **Wheels**: unpacked by `crate::wheels`, then every `.py` compiled by the guest's
 //!   interpreter to a sourceless unchecked-hash `.pyc` in its place, as Debian's
 //!   `dist-packages` are (`site.rs`): one initramfs entry per module.
+//! - **npm packages** are not staged here: the layers' `npm` lists join the base template's
+//!   (`Layers::site`), and the whole list is installed and staged as one tree
+//!   (`crate::npm`), on a built-in template's image as on a user template's.
 //! - **Files**: written as given, mode 0644, at their absolute paths; those under the work
 //!   directory (`/tmp`, `/home/user`: tmpfs mounts over the image) are staged under
 //!   [`HOME_FILES`] and copied into place by the worker before the snapshot, owned by the

@@ -135,6 +135,9 @@ pub struct TemplateStatus {
     /// The Python packages a user template's wheels put in, name to version.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub python_packages: Option<std::collections::BTreeMap<String, String>>,
+    /// The npm packages of its image (`node` and user templates from it), name to version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub npm_packages: Option<std::collections::BTreeMap<String, String>>,
 }
 
 #[derive(Debug)]
@@ -557,6 +560,9 @@ impl AppState {
                     network: manifest.map(|m| m.network),
                     python_packages: manifest
                         .map(|m| m.python_packages.clone())
+                        .filter(|p| !p.is_empty()),
+                    npm_packages: manifest
+                        .map(|m| m.npm_packages.clone())
                         .filter(|p| !p.is_empty()),
                 }
             })
