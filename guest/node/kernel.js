@@ -380,18 +380,34 @@ process.on('uncaughtException', (error) => {
   finish(1);
 });
 
+// Whether the kernel is inside a beforeExit handler: a request run from there must leave
+// the loop something to do (`keepLoop`), or node ends when the handler returns.
+let inBeforeExit = false;
+
 process.on('beforeExit', () => {
   if (current === null || current.finished) return;
-  // A cell ends when its code settles; one whose promise can no longer settle (nothing left
-  // to run) ends here, without a value.
-  if (current.cell) {
-    finish(0);
-    return;
+  inBeforeExit = true;
+  try {
+    // A cell ends when its code settles; one whose promise can no longer settle (nothing
+    // left to run) ends here, without a value.
+    if (current.cell) {
+      finish(0);
+      return;
+    }
+    const code = exitCodeOf(undefined);
+    process.emit('exit', code);
+    finish(code);
+  } finally {
+    inBeforeExit = false;
   }
-  const code = exitCodeOf(undefined);
-  process.emit('exit', code);
-  finish(code);
 });
+
+// The loop turns once more, so that beforeExit comes again for a request that schedules
+// nothing; not needed (one poll of the loop saved) for a clone's first request, which runs
+// before the loop has started or from a callback of it.
+function keepLoop() {
+  if (inBeforeExit) setImmediate(noop);
+}
 
 // ---- session cells
 
@@ -561,7 +577,7 @@ function runCell(request) {
     if (current === null || current.finished || current.sequence !== request.sequence) return;
     failed(error);
   });
-  setImmediate(noop);
+  keepLoop();
 }
 
 function inspectValue(value) {
@@ -673,10 +689,8 @@ function serve(done) {
       reportUncaught(error);
       finish(1);
     }
-    // To the event loop; beforeExit finishes the job. The immediate makes the loop turn at
-    // least once, so that beforeExit comes again also when a job runs from inside the last
-    // one's beforeExit (a session's next request) and schedules nothing.
-    setImmediate(noop);
+    // To the event loop; beforeExit finishes the job.
+    keepLoop();
     return;
   }
 }

@@ -32,7 +32,7 @@ pub enum HostKind {
 /// emulator cannot run (CPUID masking alone is not enough there, see module doc). The last
 /// three, `bud.host_zero`, `bud.host_copy` and `bud.host_random`, switch on guest kernel
 /// patches 0009, 0013 and 0016: the VMM zeroes fresh memory, does user<->kernel copies of
-/// 512 bytes and more, and fills `getrandom`/`/dev/urandom` reads of 64 bytes and more from
+/// 512 bytes and more, and fills `getrandom`/`/dev/urandom` reads of any size from
 /// the host's CSPRNG (see [`crate::devices::host_zero`], [`crate::devices::host_copy`] and
 /// [`crate::devices::host_random`]), work that kvm_pvm otherwise emulates one `rep stos`/
 /// `rep movs` iteration or one ChaCha20 round at a time. On hardware virtualization the

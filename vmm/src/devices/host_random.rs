@@ -5,7 +5,7 @@
 //! ~18 us per byte: `os.urandom(1 MiB)` took ~21 s. bud's guest kernel patch
 //! `guest/kernel/patches/0016-bud-host-random.patch` (active only with `bud.host_random` on
 //! the command line, which bud adds on kvm_pvm only, see [`crate::host`]) instead serves a
-//! `getrandom()` or `/dev/urandom` read of 64 bytes or more from a 64 KiB kernel buffer: one
+//! `getrandom()` or `/dev/urandom` read of any size from a 64 KiB kernel buffer: one
 //! 32-bit `out` to [`PORT`] names the buffer's first page frame number (bits `0..PFN_BITS`)
 //! and the order of the range (the 4 bits above); the VMM fills that guest-physical range from
 //! the host's `getrandom(2)` before the `out` returns. With [`WIPE`] set the VMM zeroes the
