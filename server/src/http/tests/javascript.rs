@@ -9,6 +9,10 @@ use vmm::{CellOptions, Language};
 use super::{Served, test_config};
 use crate::core::engine::fake::FakeEngine;
 
+/// The header E2B's SDKs name a sandbox with (spelled out: this layer does not import the
+/// compat layer it tests through).
+const E2B_SANDBOX_HEADER: &str = "e2b-sandbox-id";
+
 /// A server whose default template is the node template (javascript, python, shell).
 async fn node() -> Served {
     Served::with_engine(test_config(), FakeEngine::with_node()).await
@@ -25,7 +29,7 @@ impl Served {
         let req = self
             .client
             .post(self.url(path))
-            .header(crate::compat::e2b::SANDBOX_ID_HEADER, sandbox)
+            .header(E2B_SANDBOX_HEADER, sandbox)
             .json(body);
         super::answer(req.send().await.expect("request failed")).await
     }
@@ -35,7 +39,7 @@ impl Served {
         let req = self
             .client
             .get(self.url(path))
-            .header(crate::compat::e2b::SANDBOX_ID_HEADER, sandbox);
+            .header(E2B_SANDBOX_HEADER, sandbox);
         super::answer(req.send().await.expect("request failed")).await
     }
 
@@ -45,7 +49,7 @@ impl Served {
         let req = self
             .client
             .post(self.url("/execute"))
-            .header(crate::compat::e2b::SANDBOX_ID_HEADER, sandbox)
+            .header(E2B_SANDBOX_HEADER, sandbox)
             .json(body);
         let r = req.send().await.expect("request failed");
         let status = r.status().as_u16();
