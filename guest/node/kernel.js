@@ -270,9 +270,18 @@ let identitySeed = null;
 // Every `vm` context has its own Math (seeded by V8 when it is made, from a generator that
 // is the same in every clone): each gets a stream of its own from the clone's seed.
 function seedContext(context, namespace) {
-  if (identitySeed !== null) {
-    vm.runInContext('Math', context).random = seededRandom(identitySeed, namespace + 1);
+  if (identitySeed !== null) mathOf(context).random = seededRandom(identitySeed, namespace + 1);
+}
+
+// Each context's Math, found once (a script run in the context: ~1 ms in the guest).
+const maths = new WeakMap();
+function mathOf(context) {
+  let math = maths.get(context);
+  if (math === undefined) {
+    math = vm.runInContext('Math', context);
+    maths.set(context, math);
   }
+  return math;
 }
 
 function applyIdentity(request) {
@@ -285,6 +294,10 @@ function applyIdentity(request) {
 // ---- running a job
 
 let current = null; // { sequence, finished }
+// The guest's own phases of the request (result::PHASE_*_NS): nanoseconds of the monotonic
+// clock from the resume to the end of reading the request, giving the clone its identity,
+// compiling the code, and finishing (what `timings.guest` shows).
+const marks = { resumed: 0n, read: 0n, identity: 0n, compiled: 0n };
 let warming = false; // before READY: a finished warm-up job serves nothing
 
 function runJob(request) {
@@ -309,7 +322,9 @@ function runJob(request) {
   globalThis.require = Module.createRequire(filename);
   globalThis.__filename = '[eval]';
   globalThis.__dirname = '.';
-  vm.runInThisContext(request.code, { filename: '[eval]', displayErrors: true });
+  const script = new vm.Script(request.code, { filename: '[eval]' });
+  marks.compiled = process.hrtime.bigint();
+  script.runInThisContext({ displayErrors: true });
 }
 
 function finish(code, display) {
@@ -320,6 +335,7 @@ function finish(code, display) {
   writeDisplay(display);
   setU32(P.RESULT_OUTCOME, EXITED);
   dv.setInt32(P.RESULT_EXIT_CODE, code | 0, true);
+  writePhases();
   if (warming) return;
   const done = current.sequence;
   ring(P.DONE, 0, 0);
@@ -407,6 +423,17 @@ process.on('beforeExit', () => {
 // before the loop has started or from a callback of it.
 function keepLoop() {
   if (inBeforeExit) setImmediate(noop);
+}
+
+function writePhases() {
+  const since = (at) => (at === 0n || marks.resumed === 0n ? 0n : at - marks.resumed);
+  const finished = process.hrtime.bigint();
+  dv.setBigUint64(P.RESULT_PHASE_READ_NS, since(marks.read), true);
+  dv.setBigUint64(P.RESULT_PHASE_IDENTITY_NS, since(marks.identity), true);
+  dv.setBigUint64(P.RESULT_PHASE_COMPILED_NS, since(marks.compiled), true);
+  dv.setBigUint64(P.RESULT_PHASE_FINISHED_NS, since(finished), true);
+  setU32(P.RESULT_GUEST_FLAGS, 0);
+  marks.read = marks.identity = marks.compiled = 0n;
 }
 
 // ---- session cells
@@ -664,7 +691,9 @@ function handToWorker() {
 // request this kernel answered (a resume with it again rings DONE again).
 function serve(done) {
   for (;;) {
+    marks.resumed = process.hrtime.bigint();
     const request = readRequest();
+    marks.read = process.hrtime.bigint();
     if (request.language !== P.LANGUAGE_KERNEL) {
       handToWorker();
       continue;
@@ -683,6 +712,7 @@ function serve(done) {
     }
     try {
       applyIdentity(request);
+      marks.identity = process.hrtime.bigint();
       runJob(request);
     } catch (error) {
       if (error === EXITED_SENTINEL) throw error; // an earlier job's process.exit, unwinding
@@ -722,6 +752,50 @@ const WARM_CELLS = [
   'null.x',
 ];
 
+// A request as the host writes it (vmm/src/job/run.rs), into the scratch mailbox of the
+// warm-up.
+function writeWarmRequest(request) {
+  const parts = [
+    Buffer.from(request.code),
+    Buffer.from(request.stdin),
+    Buffer.from(request.args.map((a) => `${a}\0`).join('')),
+    Buffer.from(request.env.map((e) => `${e}\0`).join('')),
+  ];
+  setU32(P.JOB_LANGUAGE, P.LANGUAGE_KERNEL);
+  setU32(P.JOB_CODE_LEN, parts[0].length);
+  setU32(P.JOB_STDIN_LEN, parts[1].length);
+  setU32(P.JOB_ARGC, request.args.length);
+  setU32(P.JOB_ARGS_LEN, parts[2].length);
+  setU32(P.JOB_ENVC, request.env.length);
+  setU32(P.JOB_ENV_LEN, parts[3].length);
+  setU32(P.JOB_SEQUENCE, request.sequence);
+  setU32(P.JOB_MODE, request.mode);
+  setU32(P.JOB_FLAGS, request.flags);
+  setU32(P.JOB_NAMESPACE, 0);
+  box.set(request.seed, P.JOB_SEED);
+  let at = P.JOB_DATA;
+  for (const part of parts) {
+    box.set(part, at);
+    at += part.length;
+  }
+}
+
+// The request path itself, before READY: reading a request, the phases, the display, the
+// end of a job (V8 compiles a function when it is first called: done here, in the template,
+// not in every clone). A job's and a cell's, a few times each.
+function warmRequestPath(seed) {
+  for (let round = 0; round < 3; round++) {
+    for (const mode of [P.MODE_JOB, P.MODE_CELL]) {
+      const sequence = 1000 + round * 2 + mode;
+      writeWarmRequest({ code: '1 + 1', stdin: 'in', args: ['a'], env: ['BUD_WARM=1'], sequence, mode, flags: P.JOB_FLAGS_RESEED, seed });
+      serve(null);
+      finish(0, { value: [{ type: 'text/plain', data: '2' }] });
+    }
+  }
+  process.exitCode = undefined;
+  process.argv = [process.execPath];
+}
+
 function warmUp() {
   const scratch = new Uint8Array(P.MAILBOX_DEFAULT_SIZE);
   const realBox = box;
@@ -748,10 +822,13 @@ function warmUp() {
         return;
       }
       if (index === WARM_JOBS.length + WARM_CELLS.length) {
+        warmRequestPath(seed);
         // Namespace 0 starts empty in every session, and made: its first cell pays no
         // context creation.
         contexts.clear();
-        contexts.set(0, newContext());
+        const first = newContext();
+        mathOf(first);
+        contexts.set(0, first);
         identitySeed = null;
         box = realBox;
         dv = realDv;

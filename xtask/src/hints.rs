@@ -74,7 +74,7 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     (TOOLS, 102, ON_PYTHON),
     // Its image (Node.js, ~120 MB) and a first boot that warms Node.js up.
     (NODE, 150, ON_PYTHON),
-    ("server/tests/javascript.rs", 40, ON_NODE),
+    ("server/tests/javascript.rs", 135, ON_NODE),
     ("server/tests/compat.rs", 175, ON_DATASCIENCE),
     // A first-level VM under QEMU's TCG (installs QEMU on first use): one host thread.
     ("tests/hwvirt.rs", 194, ON_GUEST),
