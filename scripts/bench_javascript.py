@@ -70,6 +70,40 @@ def host(label, argv, n=HOST_RUNS):
     return statistics.median(walls)
 
 
+def delete(path):
+    req = urllib.request.Request(URL + path, method="DELETE")
+    with urllib.request.urlopen(req, timeout=30):
+        pass
+
+
+def cells(n=JOBS):
+    """Session cells on `node` (`1 + 1`, one at a time) and the first cell of new JavaScript
+    contexts, beside a Python session's cells on `python`."""
+    for template, code in (("node", "1 + 1"), ("python", "1 + 1")):
+        sid = post("/v1/sessions", {"template": template})["id"]
+        for _ in range(5):
+            post(f"/v1/sessions/{sid}/exec", {"code": code})
+        walls, insns = [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            r = post(f"/v1/sessions/{sid}/exec", {"code": code})
+            walls.append((time.perf_counter() - t) * 1000)
+            insns.append(r["timings"]["kvm"]["emulated_instructions"])
+        label = f"session cell 1 + 1 [{template}]"
+        print(f"{label:44s} wall p50 {statistics.median(walls):7.2f} ms  p90 {pct(walls, 0.9):7.2f} ms"
+              f"  emulated p50 {statistics.median(insns):8.0f}")
+        if template == "node":
+            firsts = []
+            for _ in range(5):
+                ctx = post(f"/v1/sessions/{sid}/contexts", {"language": "javascript"})["id"]
+                t = time.perf_counter()
+                post(f"/v1/sessions/{sid}/contexts/{ctx}/exec", {"code": "typeof require"})
+                firsts.append((time.perf_counter() - t) * 1000)
+            print(f"{'first cell of a new JS context':44s} wall p50 {statistics.median(firsts):7.2f} ms"
+                  f"  max {max(firsts):7.2f} ms")
+        delete(f"/v1/sessions/{sid}")
+
+
 def main():
     node_version = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
     print(f"{JOBS} jobs each, one at a time, over HTTP; host node {node_version}")
@@ -82,6 +116,8 @@ def main():
     host_node = host("host node -e 'console.log(1+1)'", ["node", "-e", "console.log(1+1)"])
     host("host python3 -c 'print(1+1)'", ["python3", "-c", "print(1+1)"])
     print(f"ratio bud javascript / host node -e: {js / host_node:.3f}")
+
+    cells()
 
     loops = []
     for _ in range(5):
