@@ -81,17 +81,22 @@ pub fn template(cli: &Cli, command: &TemplateCommand) -> anyhow::Result<ExitCode
             )
             .with_context(|| format!("building template {name}"))?;
             let manifest = template.manifest();
-            progress(&format!(
-                "template {name} built in {:.1} s: runtimes {}; tools {}; Python packages {}",
-                started.elapsed().as_secs_f64(),
-                manifest.runtime_names().join(", "),
-                manifest.tools.join(", "),
-                manifest
-                    .python_packages
+            let listed = |packages: &std::collections::BTreeMap<String, String>| match packages {
+                p if p.is_empty() => "none".to_owned(),
+                p => p
                     .iter()
                     .map(|(n, v)| format!("{n} {v}"))
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+            };
+            progress(&format!(
+                "template {name} built in {:.1} s: runtimes {}; tools {}; Python packages {}; \
+                 npm packages {}",
+                started.elapsed().as_secs_f64(),
+                manifest.runtime_names().join(", "),
+                manifest.tools.join(", "),
+                listed(&manifest.python_packages),
+                listed(&manifest.npm_packages),
             ));
             Ok(ExitCode::SUCCESS)
         }
