@@ -10,7 +10,7 @@
 
 use crate::memory::{GuestRam, MemoryError, PAGE_SIZE};
 use crate::paging::{self, PagingError};
-use crate::protocol::{MAILBOX_MAGIC, MAILBOX_MAX_SIZE, PROTOCOL_VERSION, header};
+use crate::protocol::{MAILBOX_MAGIC, PROTOCOL_VERSION, header};
 
 /// Errors of locating or accessing the mailbox.
 #[derive(Debug, thiserror::Error)]
@@ -52,7 +52,7 @@ impl Mailbox {
         if gva % PAGE_SIZE != 0 {
             return Err(MailboxError::Unaligned(gva));
         }
-        if len % PAGE_SIZE != 0 || len < header::SIZE as u64 || len > MAILBOX_MAX_SIZE as u64 {
+        if crate::protocol::mailbox_len_fault(len).is_some() {
             return Err(MailboxError::BadLength(len));
         }
         let pages = paging::translate_pages(ram, cr3, cr4, gva, len)?;

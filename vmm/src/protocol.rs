@@ -38,6 +38,22 @@ pub const MAILBOX_DEFAULT_SIZE: usize = 2 * lane::SIZE;
 /// Upper bound the host accepts for the mailbox length at READY.
 pub const MAILBOX_MAX_SIZE: usize = 64 << 20;
 
+/// Why a mailbox of `len` bytes breaks the protocol's rules (room for the header, whole
+/// 4 KiB pages, at most [`MAILBOX_MAX_SIZE`]), or `None` when it keeps them: the one check of
+/// whoever makes a mailbox in the guest (the worker's `_bud`, the node kernel's addon) and of
+/// the host at READY.
+pub fn mailbox_len_fault(len: u64) -> Option<&'static str> {
+    if len < header::SIZE as u64 {
+        Some("smaller than the mailbox header")
+    } else if len % 4096 != 0 {
+        Some("not a whole number of pages")
+    } else if len > MAILBOX_MAX_SIZE as u64 {
+        Some("larger than MAILBOX_MAX_SIZE")
+    } else {
+        None
+    }
+}
+
 /// Bytes past a request's [`job::OUTPUT_LIMIT`] that the guest's output capture may hold:
 /// enough for the host to see the cap crossed (and so say `output_limit`).
 pub const CAPTURE_SLACK: usize = 64 << 10;

@@ -19,7 +19,7 @@ use std::io;
 use std::ptr::NonNull;
 use std::sync::{Mutex, PoisonError};
 
-use crate::protocol::{MAILBOX_MAX_SIZE, header};
+use crate::protocol::mailbox_len_fault;
 
 /// Page size of the guest (x86-64).
 pub const PAGE_SIZE: usize = 4096;
@@ -57,16 +57,10 @@ impl fmt::Display for MapError {
 /// Checks a requested length against the protocol: room for the header, whole pages, at
 /// most [`MAILBOX_MAX_SIZE`] (the rules, and reasons, of the Python worker's mailbox).
 pub fn check_length(len: usize) -> Result<(), MapError> {
-    let reason = if len < header::SIZE {
-        "smaller than the mailbox header"
-    } else if len % PAGE_SIZE != 0 {
-        "not a whole number of pages"
-    } else if len > MAILBOX_MAX_SIZE {
-        "larger than MAILBOX_MAX_SIZE"
-    } else {
-        return Ok(());
-    };
-    Err(MapError::BadLength { len, reason })
+    match mailbox_len_fault(len as u64) {
+        None => Ok(()),
+        Some(reason) => Err(MapError::BadLength { len, reason }),
+    }
 }
 
 /// The mailbox's address in this process, once mapped (what READY announces: the host finds
@@ -206,7 +200,7 @@ fn os_error(op: &'static str) -> MapError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::MAILBOX_DEFAULT_SIZE;
+    use crate::protocol::{MAILBOX_DEFAULT_SIZE, MAILBOX_MAX_SIZE};
 
     /// A memfd of `len` bytes holding `byte(i)` at offset i.
     fn memfd(len: usize, byte: impl Fn(usize) -> u8) -> std::fs::File {

@@ -16,7 +16,7 @@ use std::io;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
-use crate::protocol::{MAILBOX_MAGIC, MAILBOX_MAX_SIZE, PROTOCOL_VERSION, header};
+use crate::protocol::{MAILBOX_MAGIC, PROTOCOL_VERSION, header, mailbox_len_fault};
 
 /// Page size of the guest (x86-64).
 pub const PAGE_SIZE: usize = 4096;
@@ -122,16 +122,10 @@ pub fn create(size: usize) -> Result<&'static Mailbox, MailboxError> {
 /// Checks a requested size against the protocol: whole pages, room for the header, at most
 /// [`MAILBOX_MAX_SIZE`].
 pub fn check_size(size: usize) -> Result<(), MailboxError> {
-    let reason = if size < header::SIZE {
-        "smaller than the mailbox header"
-    } else if size % PAGE_SIZE != 0 {
-        "not a whole number of pages"
-    } else if size > MAILBOX_MAX_SIZE {
-        "larger than MAILBOX_MAX_SIZE"
-    } else {
-        return Ok(());
-    };
-    Err(MailboxError::BadSize { size, reason })
+    match mailbox_len_fault(size as u64) {
+        None => Ok(()),
+        Some(reason) => Err(MailboxError::BadSize { size, reason }),
+    }
 }
 
 /// Writes the header (magic, version; the rest of it zero) at the start of `buf`.
@@ -241,7 +235,7 @@ fn os_error(op: &'static str) -> MailboxError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::MAILBOX_DEFAULT_SIZE;
+    use crate::protocol::{MAILBOX_DEFAULT_SIZE, MAILBOX_MAX_SIZE};
 
     #[test]
     fn default_size_is_accepted() {
