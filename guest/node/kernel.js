@@ -127,7 +127,7 @@ const realWriteSync = fs.writeSync;
 const realWrite = fs.write;
 fs.writeSync = function writeSync(fd, buffer, ...rest) {
   if (fd === 1 || fd === 2) {
-    const bytes = typeof buffer === 'string' ? Buffer.from(buffer, typeof rest[1] === 'string' ? rest[1] : 'utf8') : sliceOf(buffer, rest);
+    const bytes = bytesOf(buffer, rest);
     emit(fd - 1, bytes);
     return bytes.length;
   }
@@ -136,7 +136,7 @@ fs.writeSync = function writeSync(fd, buffer, ...rest) {
 fs.write = function write(fd, buffer, ...rest) {
   if (fd === 1 || fd === 2) {
     const callback = rest.pop();
-    const bytes = typeof buffer === 'string' ? Buffer.from(buffer, typeof rest[1] === 'string' ? rest[1] : 'utf8') : sliceOf(buffer, rest);
+    const bytes = bytesOf(buffer, rest);
     emit(fd - 1, bytes);
     process.nextTick(callback, null, bytes.length, buffer);
     return undefined;
@@ -144,7 +144,13 @@ fs.write = function write(fd, buffer, ...rest) {
   return realWrite.call(fs, fd, buffer, ...rest);
 };
 
-function sliceOf(buffer, rest) {
+// What fs.writeSync(fd, buffer, ...rest) / fs.write would write: a string in its encoding
+// (`(string[, position[, encoding]])`), or the slice of a buffer that `rest` names
+// (`(buffer[, offset[, length]])` or `(buffer, { offset, length })`).
+function bytesOf(buffer, rest) {
+  if (typeof buffer === 'string') {
+    return Buffer.from(buffer, typeof rest[1] === 'string' ? rest[1] : 'utf8');
+  }
   const bytes = toBytes(buffer);
   let offset = 0;
   let length = bytes.length;
@@ -300,6 +306,23 @@ let current = null; // { sequence, finished }
 const marks = { resumed: 0n, read: 0n, identity: 0n, compiled: 0n };
 let warming = false; // before READY: a finished warm-up job serves nothing
 
+// The CommonJS names code gets as `node -e` gives them (`[eval]` for a job, `[cell]` for a
+// cell's context): a module of that name in the working directory, its `exports`, a
+// `require` that resolves from there, `__filename` and `__dirname`.
+function moduleBindings(name) {
+  const filename = path.join(process.cwd(), name);
+  const module = new Module(filename, null);
+  module.filename = filename;
+  module.paths = Module._nodeModulePaths(process.cwd());
+  return {
+    module,
+    exports: module.exports,
+    require: Module.createRequire(filename),
+    __filename: name,
+    __dirname: '.',
+  };
+}
+
 function runJob(request) {
   current = { sequence: request.sequence, finished: false };
   process.exitCode = undefined;
@@ -313,15 +336,7 @@ function runJob(request) {
     // leaves the offset there, so the job reads what it was given.
     realWriteSync.call(fs, 0, request.stdin, 0, request.stdin.length, 0);
   }
-  const filename = path.join(process.cwd(), '[eval]');
-  const evalModule = new Module(filename, null);
-  evalModule.filename = filename;
-  evalModule.paths = Module._nodeModulePaths(process.cwd());
-  globalThis.module = evalModule;
-  globalThis.exports = evalModule.exports;
-  globalThis.require = Module.createRequire(filename);
-  globalThis.__filename = '[eval]';
-  globalThis.__dirname = '.';
+  Object.assign(globalThis, moduleBindings('[eval]'));
   const script = new vm.Script(request.code, { filename: '[eval]' });
   marks.compiled = process.hrtime.bigint();
   script.runInThisContext({ displayErrors: true });
@@ -460,15 +475,7 @@ function newContext() {
     const descriptor = Object.getOwnPropertyDescriptor(globalThis, name);
     if (descriptor) Object.defineProperty(sandbox, name, descriptor);
   }
-  const filename = path.join(process.cwd(), '[cell]');
-  const cellModule = new Module(filename, null);
-  cellModule.filename = filename;
-  cellModule.paths = Module._nodeModulePaths(process.cwd());
-  sandbox.module = cellModule;
-  sandbox.exports = cellModule.exports;
-  sandbox.require = Module.createRequire(filename);
-  sandbox.__filename = '[cell]';
-  sandbox.__dirname = '.';
+  Object.assign(sandbox, moduleBindings('[cell]'));
   const context = vm.createContext(sandbox, { name: 'bud cell context' });
   sandbox.global = vm.runInContext('globalThis', context);
   return context;
