@@ -1,21 +1,23 @@
 //! The network stacks' blocking work, off their vCPU threads: asking a VM's [`super::Egress`]
-//! about a name (which may resolve it on the host) and about a connection, and dialing what
-//! it allows. A stack holds the guest's DNS query or SYN meanwhile and answers it when the
-//! work comes back ([`super::stack`]), so a slow resolver or a far host never stops a vCPU,
-//! and a job thread (which a jailed server forbids to open sockets) never opens one.
+//! about a name (which may resolve it on the host) and about a connection, and starting the
+//! dial of what it allows ([`super::connect`], non-blocking: the connect's completion and its
+//! timeout are waited for by the connect thread, not here). A stack holds the guest's DNS
+//! query or SYN meanwhile and answers it when the work comes back ([`super::stack`]), so a
+//! slow resolver or a far host never stops a vCPU, and a job thread (which a jailed server
+//! forbids to open sockets) never opens one.
 //!
 //! A fixed pool of [`THREADS`] threads for the whole process, started with the first
-//! executor ([`start`]) as the other helper threads are. Each piece of work is bounded: a
-//! dial by its timeout (10 s), a lookup by the host resolver's own; but while it runs it
-//! holds its thread, so one VM must not be able to hold them all (issue 58: 16 dials to a
-//! port that never answers stalled every other VM's lookups for seconds). So the pool is
-//! fair between VMs ([`Owner`]: one per stack):
+//! executor ([`start`]) as the other helper threads are. Each piece of work is short but for
+//! a name the egress resolves on the host, bounded by the host resolver's own timeouts; a
+//! dial never holds a thread past its start, so hosts that never answer stall no one (issue
+//! 58: 16 dials to a port that never answers once held a thread each for 10 s and stalled
+//! every other VM's lookups). Slow resolutions still hold their thread, so the pool is fair
+//! between VMs ([`Owner`]: one per stack):
 //! - each VM's work waits in a queue of its own, and the threads take from the VMs in turn
-//!   (round robin), a VM's own work in order, its lookups before its dials;
-//! - a VM runs at most [`PER_OWNER`] pieces at once: its slow dials hold that many threads
-//!   and wait for them, whatever it queues;
-//! - dials run on at most [`DIAL_THREADS`] threads in all: the rest only ever run lookups,
-//!   so a name is decided while every dial thread is held.
+//!   (round robin), a VM's own work in order, its lookups before its connections;
+//! - a VM runs at most [`PER_OWNER`] pieces at once, whatever it queues;
+//! - connections are decided on at most [`DIAL_THREADS`] threads in all: the rest only ever
+//!   run lookups, so a name is decided while every other thread is held.
 //!
 //! [`queued`] is the work waiting for a thread, for the server's metrics.
 
@@ -27,14 +29,15 @@ use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 pub(crate) const THREADS: usize = 8;
 /// Pieces of work one VM may have running at once.
 pub(crate) const PER_OWNER: usize = 2;
-/// Threads that may run dials at once; the others are kept for lookups.
+/// Threads that may decide connections (and start their dials) at once; the others are
+/// kept for lookups.
 pub(crate) const DIAL_THREADS: usize = 6;
 
 /// One piece of blocking work.
 pub(crate) type Work = Box<dyn FnOnce() + Send>;
 
 /// What a piece of work is: a lookup (a DNS query's decision) goes before a dial (a
-/// connection's decision and its dial), and never waits for a dial thread.
+/// connection's decision and the start of its dial), and never waits for a dial thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Lookup,

@@ -40,6 +40,9 @@ pub struct Traffic {
 pub enum Limit {
     /// The VM already had as many connections open or being dialed as one may.
     Connections,
+    /// The VM already had as many connections being dialed (not yet connected or failed)
+    /// as one may.
+    Dials,
     /// The VM's connections had moved all the bytes its egress allows
     /// ([`Egress::byte_budget`]).
     Bytes,

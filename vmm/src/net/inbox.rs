@@ -1,22 +1,20 @@
-//! Work a network stack hands off its vCPU thread ([`super::dialer`]) and the way it comes
-//! back: a dial's outcome or a DNS query's answer, left in the stack's [`Inbox`] by a dial
-//! thread, which then wakes the stack's vCPU ([`Waker::wake`]). An inbox closes with its
-//! stack (a reset makes a new one), and work that comes back to a closed inbox is dropped:
-//! a connection dialed for a stack that is gone is closed, and wakes nothing.
+//! Work a network stack hands off its vCPU thread ([`super::dialer`], [`super::connect`])
+//! and the way it comes back: a dial's outcome or a DNS query's answer, left in the stack's
+//! [`Inbox`] by a dial thread or the connect thread, which then wakes the stack's vCPU
+//! ([`Waker::wake`]). An inbox closes with its stack (a reset makes a new one), and work
+//! that comes back to a closed inbox is dropped: a connection dialed for a stack that is
+//! gone is closed, and wakes nothing.
 
 use std::fs::File;
-use std::net::{SocketAddr, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
 
 use smoltcp::socket::udp;
 use smoltcp::wire::IpEndpoint;
 
+use super::connect::DialError;
 use super::waker::Waker;
-
-/// How long a dial may take (the guest's SYN is held meanwhile).
-pub(crate) const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A guest connection: its source and destination.
 pub(crate) type Conn = (IpEndpoint, IpEndpoint);
@@ -69,14 +67,12 @@ pub(crate) fn deliver(inbox: &Mutex<Inbox>, waker: &Waker, done: Done) {
     waker.wake();
 }
 
-/// Dials `target` on a dialer thread and prepares the socket for the relay.
-pub(crate) fn dial(target: SocketAddr, waker: &Waker) -> Dialed {
-    let Ok(host) = TcpStream::connect_timeout(&target, DIAL_TIMEOUT) else {
+/// The outcome of a dial ([`super::connect`]) made ready for the relay: non-blocking (it
+/// is), without Nagle, watched by the VM's waker.
+pub(crate) fn connected(outcome: Result<TcpStream, DialError>, waker: &Waker) -> Dialed {
+    let Ok(host) = outcome else {
         return Dialed::Failed;
     };
-    if host.set_nonblocking(true).is_err() {
-        return Dialed::Failed;
-    }
     let _ = host.set_nodelay(true);
     let host = File::from(OwnedFd::from(host));
     if waker.watch(host.as_raw_fd()).is_err() {

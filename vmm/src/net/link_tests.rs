@@ -14,8 +14,10 @@ use smoltcp::wire::{
     TcpSeqNumber, UdpPacket, UdpRepr,
 };
 
+use super::connect::tests::hanging_listener;
+use super::dialer;
 use super::egress::{ConnectRequest, Egress, Limit, Traffic, Verdict};
-use super::stack::Stack;
+use super::stack::{MAX_DIALS_IN_FLIGHT, Stack};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_IP};
 use crate::devices::virtio::net::DEFAULT_MAC;
@@ -141,8 +143,26 @@ fn segment(
     ack: Option<i32>,
     payload: &[u8],
 ) -> Vec<u8> {
+    segment_from(40001, dst, port, control, seq, ack, payload)
+}
+
+/// A SYN from the guest's port `src` to `dst:port`.
+fn syn_from(src: u16, dst: Ipv4Addr, port: u16) -> Vec<u8> {
+    segment_from(src, dst, port, TcpControl::Syn, 1000, None, &[])
+}
+
+/// A TCP segment from the guest's port `src` to `dst:port`.
+fn segment_from(
+    src: u16,
+    dst: Ipv4Addr,
+    port: u16,
+    control: TcpControl,
+    seq: i32,
+    ack: Option<i32>,
+    payload: &[u8],
+) -> Vec<u8> {
     let tcp = TcpRepr {
-        src_port: 40001,
+        src_port: src,
         dst_port: port,
         control,
         seq_number: TcpSeqNumber(seq),
@@ -438,4 +458,98 @@ fn no_byte_passes_the_budget_then_the_connection_is_reset_and_new_ones_refused()
     assert!(refused.rst, "a new connection is refused");
     assert_eq!(*egress.limits.lock().unwrap(), [Limit::Bytes]);
     assert_eq!(egress.ids.lock().unwrap().len(), 1, "and never dialed");
+}
+
+/// A stack for `egress` that has answered the guest's ARP (so it can send it frames).
+fn linked_stack(egress: Arc<dyn Egress>) -> (Stack, Arc<Waker>) {
+    let (mut stack, waker) = stack_with(egress);
+    stack.link.to_stack.push_back(arp_request());
+    stack.poll();
+    stack.link.to_guest.clear();
+    (stack, waker)
+}
+
+/// `n` SYNs from as many guest ports to DST:80, each held while it is dialed.
+fn hold_syns(stack: &mut Stack, n: usize) {
+    for i in 0..n {
+        stack
+            .link
+            .to_stack
+            .push_back(syn_from(41000 + i as u16, DST, 80));
+    }
+    stack.poll();
+}
+
+#[test]
+fn many_vms_whose_dials_hang_leave_another_vms_dial_to_complete_while_theirs_still_hang() {
+    let (hanging, _filler) = hanging_listener();
+    let good = TcpListener::bind("127.0.0.1:0").unwrap();
+    // More VMs than the dial pool has threads, each with as many hanging dials as it may
+    // have: blocking dials would hold every thread until the first timed out.
+    let mut hostile: Vec<(Stack, Arc<Waker>)> = (0..dialer::THREADS)
+        .map(|_| {
+            let (mut stack, waker) =
+                linked_stack(DialsOne::new(hanging.local_addr().unwrap(), None));
+            // Longer than the test may take: none ends by its timeout meanwhile.
+            stack.set_dial_timeout(Duration::from_secs(600));
+            hold_syns(&mut stack, MAX_DIALS_IN_FLIGHT);
+            (stack, waker)
+        })
+        .collect();
+    let (mut victim, waker) = linked_stack(DialsOne::new(good.local_addr().unwrap(), None));
+
+    victim.link.to_stack.push_back(syn(DST, 80));
+    let answer = next_segment(&mut victim, &waker);
+    let accepted = good.accept();
+    for (stack, _) in &mut hostile {
+        stack.poll();
+    }
+
+    assert!(
+        !answer.rst,
+        "the victim's dial connected: its SYN opened a socket"
+    );
+    assert!(accepted.is_ok());
+    for (stack, _) in &hostile {
+        assert!(stack.is_waiting(), "every hanging dial is still under way");
+        assert!(stack.link.to_guest.is_empty());
+        assert_eq!(stack.counters().dials_failed, 0);
+    }
+}
+
+#[test]
+fn a_syn_past_the_vms_dials_in_flight_is_refused_at_once_and_reported() {
+    let (hanging, _filler) = hanging_listener();
+    let egress = DialsOne::new(hanging.local_addr().unwrap(), None);
+    let (mut stack, _waker) = linked_stack(egress.clone());
+    stack.set_dial_timeout(Duration::from_secs(600));
+    hold_syns(&mut stack, MAX_DIALS_IN_FLIGHT);
+    assert!(stack.link.to_guest.is_empty(), "all held");
+
+    stack.link.to_stack.push_back(syn_from(40999, DST, 443));
+    stack.poll();
+
+    let reply = only_reply(&mut stack);
+    let tcp = TcpPacket::new_checked(&reply[34..]).unwrap();
+    assert!(tcp.rst(), "refused without waiting for any dial");
+    assert_eq!((tcp.src_port(), tcp.dst_port()), (443, 40999));
+    assert_eq!(*egress.limits.lock().unwrap(), [Limit::Dials]);
+    assert_eq!(stack.counters().connections_refused, 1);
+}
+
+#[test]
+fn a_dial_that_never_answers_ends_at_the_stacks_dial_timeout_with_a_rst() {
+    let (hanging, _filler) = hanging_listener();
+    let (mut stack, waker) = linked_stack(DialsOne::new(hanging.local_addr().unwrap(), None));
+    stack.set_dial_timeout(Duration::from_millis(20));
+
+    stack.link.to_stack.push_back(syn(DST, 80));
+    let answer = next_segment(&mut stack, &waker);
+
+    assert!(
+        answer.rst,
+        "the guest's connect is refused once the dial gave up"
+    );
+    assert_eq!(stack.counters().dials_failed, 1);
+    assert!(stack.is_pristine());
 }

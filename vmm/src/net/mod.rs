@@ -12,7 +12,8 @@
 //! out through the irqfd. Host-side events (a host socket ready, a smoltcp timer, a lookup or
 //! dial done) are seen by one thread of the process ([`waker`]) that only marks the card
 //! pending and kicks the vCPU out of `KVM_RUN`; the run loop then serves the card. Lookups
-//! and dials run on a pool of threads of the process ([`dialer`]). So a VM that is not
+//! and connections are decided, and dials started, on a pool of threads of the process
+//! ([`dialer`]); one more thread waits for the dials to complete ([`connect`]). So a VM that is not
 //! running does nothing on the network, a reset finds the card quiescent, and the thread
 //! that makes a card (a jailed server's job thread) creates no thread and no socket.
 //!
@@ -26,6 +27,7 @@
 //! [`crate::boot`]'s `NIC_CMDLINE`), the gateway and DNS server [`GATEWAY_IP`] (smoltcp's own
 //! address), every other destination is routed through the gateway and accepted by smoltcp.
 
+mod connect;
 mod dialer;
 pub mod dns;
 pub mod egress;
@@ -48,6 +50,7 @@ use crate::devices::virtio::net::{
 };
 use crate::memory::{GuestRam, MemoryError};
 use crate::vcpu::Kicker;
+pub use connect::in_flight as dials_in_flight;
 pub use dialer::queued as dialer_queued;
 pub use egress::{ConnectRequest, Egress, JobEgress, Limit, NoEgress, Traffic, Verdict};
 pub use stack::StackCounters;
@@ -96,12 +99,13 @@ pub struct Nic {
     waker: Arc<waker::Waker>,
 }
 
-/// Starts the process's network threads (the wake-up thread and the dial pool) if they have
-/// not started: [`crate::Executor::new`] calls it, before a jailed server's job threads
-/// (which may not create threads) make any card.
+/// Starts the process's network threads (the wake-up thread, the dial pool and the connect
+/// thread) if they have not started: [`crate::Executor::new`] calls it, before a jailed
+/// server's job threads (which may not create threads) make any card.
 pub(crate) fn start() {
     waker::start();
     dialer::start();
+    connect::start();
 }
 
 impl Nic {

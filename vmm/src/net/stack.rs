@@ -6,11 +6,20 @@
 //! **Transparent accept.** smoltcp accepts packets for any destination routed through the
 //! gateway (`any_ip`); before a frame reaches it, a TCP SYN for a connection no socket holds
 //! is *held*, and the VM's [`Egress`] is asked about it on a thread of [`super::dialer`],
-//! which dials what the egress allows. When that comes back: refused (or a dial that
-//! failed) leaves no socket, and the SYN goes to smoltcp, which answers it with a RST
+//! which starts a non-blocking dial of what the egress allows ([`super::connect`]: no thread
+//! waits for it). When that comes back: refused (or a dial that failed or timed out) leaves
+//! no socket, and the SYN goes to smoltcp, which answers it with a RST
 //! (`ECONNREFUSED` in the guest); allowed, a smoltcp socket listens on the SYN's destination
 //! and the SYN opens it. The guest's retransmits of a held SYN are dropped. DNS queries are
 //! held the same way while the egress is asked about the name (it may resolve it).
+//!
+//! **Limits per VM**, each refused at once with a RST and reported to the egress
+//! ([`Egress::over_limit`], for its log) without asking it: [`MAX_RELAYS`] connections open
+//! or being dialed, [`MAX_DIALS_IN_FLIGHT`] of them being dialed (held: their SYN not yet
+//! answered), and the egress's byte budget. A refusal past the dials cap is what the guest
+//! can see and the log can show (`ECONNREFUSED` at once): a SYN held until another dial
+//! ended would be a wait the guest's program could not tell from a slow network, and
+//! would need a second queue per VM.
 //!
 //! Everything else runs on the vCPU thread, between guest exits ([`super::Nic`]), and makes no
 //! system call but `read`, `write` and `shutdown` on connected sockets (the dialer connects
@@ -33,15 +42,22 @@ use smoltcp::wire::{
     IpListenEndpoint, IpProtocol, Ipv4Packet, TcpPacket,
 };
 
+use super::connect::{self, DIAL_TIMEOUT};
 use super::dialer;
 use super::dns::{Answer, DnsMap};
 use super::egress::{ConnectRequest, Egress, Limit, Traffic, Verdict, next_connection_id};
-use super::inbox::{Conn, Dialed, Done, Inbox, deliver, dial, lock};
+use super::inbox::{Conn, Dialed, Done, Inbox, connected, deliver, lock};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
 
 /// Connections one VM may have open or being dialed at once; a SYN past it is refused.
 const MAX_RELAYS: usize = 64;
+/// Connections one VM may have being dialed at once (from its SYN until the dial's outcome
+/// comes back): a SYN past it is refused. Dials hold no thread ([`super::connect`]); this
+/// bounds what one VM's dials to hosts that never answer keep in flight (sockets, entries
+/// in the connect thread's wait), and how fast it can probe such hosts: a dial that hangs
+/// frees its place only at its timeout.
+pub(crate) const MAX_DIALS_IN_FLIGHT: usize = 32;
 /// DNS queries one VM may have waiting for its egress; more are dropped (the guest's
 /// resolver asks again).
 const MAX_DNS_IN_FLIGHT: usize = 16;
@@ -155,6 +171,8 @@ pub(crate) struct Stack {
     inbox: Arc<Mutex<Inbox>>,
     /// This VM in the dialer's turns (its work waits in a queue of its own).
     owner: dialer::Owner,
+    /// How long each dial may take ([`DIAL_TIMEOUT`]).
+    dial_timeout: Duration,
     egress: Arc<dyn Egress>,
     waker: Arc<Waker>,
     origin: Instant,
@@ -216,6 +234,7 @@ impl Stack {
             dns_in_flight: 0,
             inbox: Arc::default(),
             owner: dialer::Owner::new(),
+            dial_timeout: DIAL_TIMEOUT,
             egress,
             waker,
             origin,
@@ -232,6 +251,12 @@ impl Stack {
     /// The egress in force.
     pub(crate) fn egress(&self) -> Arc<dyn Egress> {
         self.egress.clone()
+    }
+
+    /// Dials take at most `timeout` from now on (tests use a short one).
+    #[cfg(test)]
+    pub(crate) fn set_dial_timeout(&mut self, timeout: Duration) {
+        self.dial_timeout = timeout;
     }
 
     pub(crate) fn counters(&self) -> StackCounters {
@@ -296,7 +321,7 @@ impl Stack {
     /// Whether the SYN of `conn` (`frame`) is held: a new connection, whose egress the
     /// dialer is asked about now, or a retransmit of one being dialed (dropped). Not held: a
     /// connection a socket already has, one just refused (smoltcp answers with a RST), or one
-    /// past [`MAX_RELAYS`].
+    /// past a limit (module docs).
     fn hold(&mut self, conn: Conn, frame: &[u8]) -> bool {
         if self.refused.remove(&conn) {
             return false;
@@ -320,6 +345,8 @@ impl Stack {
         let id = next_connection_id();
         let limit = if self.relays.len() + self.held.len() >= MAX_RELAYS {
             Some(Limit::Connections)
+        } else if self.held.len() >= MAX_DIALS_IN_FLIGHT {
+            Some(Limit::Dials)
         } else if self.bytes_left() == Some(0) {
             Some(Limit::Bytes)
         } else {
@@ -338,6 +365,7 @@ impl Stack {
         }
         self.held.insert(conn, (frame.to_vec(), id));
         let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
+        let timeout = self.dial_timeout;
         dialer::submit(
             self.owner,
             dialer::Kind::Dial,
@@ -348,11 +376,18 @@ impl Stack {
                     port: dst.port,
                     id,
                 };
-                let dialed = match egress.connect(&req) {
-                    Verdict::Refuse => Dialed::Refused,
-                    Verdict::Dial(target) => dial(target, &waker),
-                };
-                deliver(&inbox, &waker, Done::Dial(conn, dialed));
+                match egress.connect(&req) {
+                    Verdict::Refuse => deliver(&inbox, &waker, Done::Dial(conn, Dialed::Refused)),
+                    // The dialer's thread is free once the connect is started.
+                    Verdict::Dial(target) => connect::dial(
+                        target,
+                        timeout,
+                        Box::new(move |outcome| {
+                            let dialed = connected(outcome, &waker);
+                            deliver(&inbox, &waker, Done::Dial(conn, dialed));
+                        }),
+                    ),
+                }
             }),
         );
         true

@@ -92,6 +92,7 @@ impl Totals {
             bytes_sent: n(&self.bytes_sent),
             bytes_received: n(&self.bytes_received),
             queued: vmm::net::dialer_queued() as u64,
+            dialing: vmm::net::dials_in_flight() as u64,
         }
     }
 }
@@ -115,8 +116,9 @@ pub struct Attempt {
     /// is denied), `bud-listener` (the address and port are one the server itself listens
     /// on: never dialed, whatever the policy or `--egress-allow-private` says), `limit` (the
     /// sandbox had as many connections open or being dialed as one may: refused by the stack
-    /// without asking the policy), `bytes` (its connections had moved all the bytes
-    /// `--egress-max-bytes` allows).
+    /// without asking the policy), `dials` (it had as many connections being dialed, not
+    /// yet connected, as one may: refused the same way), `bytes` (its connections had moved
+    /// all the bytes `--egress-max-bytes` allows).
     pub reason: &'static str,
     /// The entry that decided, as the client wrote it.
     pub rule: Option<String>,
@@ -358,6 +360,7 @@ impl Egress for Gate {
     fn over_limit(&self, req: &ConnectRequest<'_>, limit: Limit) {
         let reason = match limit {
             Limit::Connections => "limit",
+            Limit::Dials => "dials",
             Limit::Bytes => "bytes",
         };
         self.record_connect(req, reason, None, None);
@@ -578,6 +581,7 @@ mod tests {
                 bytes_sent: 121,
                 bytes_received: 4097,
                 queued: 0,
+                dialing: 0,
             }
         );
         // Once closed, the same number finds nothing more to close.

@@ -49,6 +49,9 @@ pub struct EgressGauges {
     pub bytes_received: u64,
     /// Lookups and dials waiting for a dial thread (`vmm::net::dialer_queued`).
     pub queued: u64,
+    /// Dials under way: connects started and not yet completed, failed or timed out
+    /// (`vmm::net::dials_in_flight`).
+    pub dialing: u64,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -176,6 +179,12 @@ fn egress(r: &mut Registry, e: &EgressGauges) {
         "bud_egress_queued",
         "Sandboxes' lookups and dials waiting for a dial thread",
         e.queued,
+    );
+    gauge(
+        r,
+        "bud_egress_dialing",
+        "Sandboxes' dials under way: connects started, not yet completed, failed or timed out",
+        e.dialing,
     );
 }
 

@@ -18,8 +18,8 @@
 //!   `bud_audit_failing`.
 //! - sandboxes' networks: `bud_egress_attempts_total{kind,result}` (`dns`, `connect`;
 //!   `allowed`, `refused`), `bud_egress_bytes_total{direction}` (`sent`, `received`: bytes
-//!   of connections that are over) and `bud_egress_queued` (lookups and dials waiting for a
-//!   dial thread).
+//!   of connections that are over), `bud_egress_queued` (lookups and dials waiting for a
+//!   dial thread) and `bud_egress_dialing` (dials under way: connects not yet completed).
 //! - gauges: workers, queue capacity, jobs running and queued, pool size and ready clones,
 //!   idle warm VMs, live clones, and the process's resident memory.
 //! - VM reuse: `bud_resets_total`, `bud_reset_seconds_total`, `bud_reset_restored_pages_total`,
@@ -410,6 +410,7 @@ mod tests {
                 connect_refused: 1,
                 bytes_received: 4096,
                 queued: 3,
+                dialing: 5,
                 ..Default::default()
             }),
             ..Default::default()
@@ -434,6 +435,7 @@ mod tests {
                 "bud_audit_records_total counter",
                 "bud_egress_attempts_total counter",
                 "bud_egress_bytes_total counter",
+                "bud_egress_dialing gauge",
                 "bud_egress_queued gauge",
                 "bud_http_responses_total counter",
                 "bud_job_clone_seconds histogram",
@@ -521,6 +523,7 @@ mod tests {
             "bud_egress_bytes_total{direction=\"received\"} 4096\n",
             "bud_egress_bytes_total{direction=\"sent\"} 0\n",
             "bud_egress_queued 3\n",
+            "bud_egress_dialing 5\n",
         ] {
             assert!(text.contains(series), "{series}: {text}");
         }
