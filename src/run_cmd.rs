@@ -23,7 +23,7 @@ pub struct RunArgs {
     #[arg(last = true)]
     args: Vec<String>,
     /// The runtime to run the code in: one of the template's runtimes, by name or alias
-    /// (`python`, `shell`; `javascript`, `js` or `node` on the `node` template). Default: the
+    /// (`python`, `shell`; `javascript` (`js`, `node`) and `typescript` (`ts`) on the `node` template). Default: the
     /// template's first (`javascript` on `node`, `python` on the others).
     #[arg(long, value_name = "RUNTIME")]
     lang: Option<String>,
@@ -159,8 +159,8 @@ fn run_local(cli: &Cli, args: &RunArgs, mut job: vmm::Job) -> anyhow::Result<vmm
         Some(name) => manifest.runtime(name),
         None => manifest.default_runtime(),
     };
-    job.language = match runtime {
-        Some(r) => r.run,
+    match runtime {
+        Some(r) => job.set_runtime(r),
         None => anyhow::bail!(
             "template {} has no runtime {}; its runtimes: {}",
             args.template,

@@ -35,8 +35,13 @@
 // child process that inherits fds 1 and 2) lands in this process's capture files, which are
 // read into the areas at the end of a job that started child processes.
 //
-// Not yet: session cells (stateful contexts, top-level await, the last expression's value),
-// the host's interrupt (a job past its deadline ends with its VM), TypeScript.
+// Dialects: the template may name other languages this kernel runs (`BUD_DIALECTS`, from
+// the recipe's `[[site.runtime.dialects]]`); a request's JOB_DIALECT n >= 1 is written in
+// the n-th. Each is turned into JavaScript first, keeping its lines where they were (so a
+// stack points at the user's line): TypeScript by sucrase, which strips the types and
+// checks none (as `tsc --noCheck`, tsx or node's --experimental-strip-types do).
+//
+// Not yet: the host's interrupt (a job past its deadline ends with its VM).
 
 const fs = require('fs');
 const path = require('path');
@@ -222,6 +227,7 @@ function readRequest() {
     mode: u32(P.JOB_MODE),
     flags: u32(P.JOB_FLAGS),
     namespace: u32(P.JOB_NAMESPACE),
+    dialect: u32(P.JOB_DIALECT),
     seed: Buffer.from(box.subarray(P.JOB_SEED, P.JOB_SEED + P.JOB_SEED_LEN)),
     code,
     stdin,
@@ -337,7 +343,8 @@ function runJob(request) {
     realWriteSync.call(fs, 0, request.stdin, 0, request.stdin.length, 0);
   }
   Object.assign(globalThis, moduleBindings('[eval]'));
-  const script = new vm.Script(request.code, { filename: '[eval]' });
+  const code = request.dialect ? inJavaScript(request.dialect, request.code, '[eval]', true) : request.code;
+  const script = new vm.Script(code, { filename: '[eval]' });
   marks.compiled = process.hrtime.bigint();
   script.runInThisContext({ displayErrors: true });
 }
@@ -451,6 +458,45 @@ function writePhases() {
   marks.read = marks.identity = marks.compiled = 0n;
 }
 
+// ---- dialects
+
+// What each dialect a template may name is turned into JavaScript by.
+const TRANSLATORS = { typescript: stripTypes };
+// The template's dialects, in wire order (main() checks each has a translator).
+const DIALECTS = JSON.parse(process.env.BUD_DIALECTS || '[]');
+delete process.env.BUD_DIALECTS;
+
+// `code` of dialect number `dialect` as JavaScript; a job's (`job`) as a CommonJS script
+// (its `import`s made `require`s), a cell's with its `import`s kept for cellSource. A
+// syntax error of the dialect is thrown as a SyntaxError that says where, as V8's do.
+function inJavaScript(dialect, code, filename, job) {
+  const name = DIALECTS[dialect - 1];
+  if (name === undefined) throw new Error(`this kernel runs no dialect number ${dialect}`);
+  try {
+    return TRANSLATORS[name](code, job);
+  } catch (error) {
+    if (!error || !error.loc) throw error;
+    const line = code.split('\n')[error.loc.line - 1] || '';
+    const caret = `${' '.repeat(Math.max(0, error.loc.column - 1))}^`;
+    const syntax = new SyntaxError(error.message);
+    const at = `${filename}:${error.loc.line}:${error.loc.column}`;
+    syntax.stack = `${filename}:${error.loc.line}\n${line}\n${caret}\n\nSyntaxError: ${error.message}\n    at ${at}`;
+    throw syntax;
+  }
+}
+
+// sucrase (an npm package of the template, loaded in the warm-up): a TypeScript parser that
+// drops the types and keeps every line where it was. A cell keeps its imports, even those it
+// does not use itself (a later cell may); enums and parameter properties become JavaScript.
+let sucrase = null;
+const SUCRASE = process.env.BUD_SUCRASE || 'sucrase';
+delete process.env.BUD_SUCRASE;
+function stripTypes(code, job) {
+  sucrase = sucrase || require(SUCRASE);
+  const transforms = job ? ['typescript', 'imports'] : ['typescript'];
+  return sucrase.transform(code, { transforms, disableESTransforms: true, keepUnusedImports: !job }).code;
+}
+
 // ---- session cells
 
 // A session's JavaScript contexts, by namespace number (0: the session's own; another: a
@@ -500,28 +546,46 @@ function cellSource(code) {
     ecmaVersion: 'latest',
     sourceType: 'script',
     allowAwaitOutsideFunction: true,
+    allowImportExportEverywhere: true,
     allowHashBang: true,
   });
   const names = [];
   const hoisted = [];
   const edits = [];
   const text = (node) => code.slice(node.start, node.end);
-  ast.body.forEach((node, i) => {
+  // `node` (a statement, or the declaration of an `export`) in place of `[start, end)`.
+  const declare = (node, start, end, last) => {
     if (node.type === 'VariableDeclaration') {
       const parts = node.declarations.map((d) => {
         patternNames(d.id, names);
         return `(${text(d.id)} = ${d.init ? text(d.init) : 'undefined'})`;
       });
-      edits.push([node.start, node.end, `void (${parts.join(', ')});`]);
+      edits.push([start, end, `void (${parts.join(', ')});`]);
     } else if (node.type === 'FunctionDeclaration') {
       names.push(node.id.name);
       hoisted.push(`${node.id.name} = ${text(node)};`);
-      edits.push([node.start, node.end, '']);
+      edits.push([start, end, '']);
     } else if (node.type === 'ClassDeclaration') {
       names.push(node.id.name);
-      edits.push([node.start, node.end, `${node.id.name} = ${text(node)};`]);
-    } else if (i === ast.body.length - 1 && node.type === 'ExpressionStatement') {
-      edits.push([node.start, node.end, `return (${text(node.expression)});`]);
+      edits.push([start, end, `${node.id.name} = ${text(node)};`]);
+    } else if (node.type === 'ImportDeclaration') {
+      edits.push([start, end, importSource(node, names, text)]);
+    } else if (last && node.type === 'ExpressionStatement') {
+      edits.push([start, end, `return (${text(node.expression)});`]);
+    } else if (start !== node.start) {
+      edits.push([start, end, `${text(node)};`]);
+    }
+  };
+  ast.body.forEach((node, i) => {
+    const last = i === ast.body.length - 1;
+    if (node.type === 'ExportNamedDeclaration') {
+      // A cell is no module: what it exports is declared in its context, the rest dropped.
+      if (node.declaration) declare(node.declaration, node.start, node.end, false);
+      else edits.push([node.start, node.end, '']);
+    } else if (node.type === 'ExportDefaultDeclaration' || node.type === 'ExportAllDeclaration') {
+      edits.push([node.start, node.end, node.declaration ? `void (${text(node.declaration)});` : '']);
+    } else {
+      declare(node, node.start, node.end, last);
     }
   });
   let body = '';
@@ -533,6 +597,23 @@ function cellSource(code) {
   body += code.slice(at);
   const prelude = names.length ? `var ${[...new Set(names)].join(', ')};` : '';
   return [prelude, `(async () => {${hoisted.join(' ')}\n${body}\n})()`];
+}
+
+// An `import` of a cell as `require`s into the context's names: the default import is a
+// CommonJS module's exports (or an ES module's `default`, as compiled), a namespace import
+// the module, a named import its property. A module only `import()` can load (ES-only
+// packages) throws ERR_REQUIRE_ESM.
+function importSource(node, names, text) {
+  const from = `require(${text(node.source)})`;
+  if (node.specifiers.length === 0) return `${from};`;
+  const sets = node.specifiers.map((s) => {
+    names.push(s.local.name);
+    if (s.type === 'ImportDefaultSpecifier') return `${s.local.name} = m && m.__esModule ? m.default : m;`;
+    if (s.type === 'ImportNamespaceSpecifier') return `${s.local.name} = m;`;
+    const imported = s.imported.type === 'Literal' ? JSON.stringify(s.imported.value) : JSON.stringify(s.imported.name);
+    return `${s.local.name} = m[${imported}];`;
+  });
+  return `void ((m) => { ${sets.join(' ')} })(${from});`;
 }
 
 function patternNames(pattern, names) {
@@ -589,12 +670,13 @@ function runCell(request) {
   };
   let promise;
   try {
+    const code = request.dialect ? inJavaScript(request.dialect, request.code, '[cell]', false) : request.code;
     let source;
     try {
-      source = cellSource(request.code);
+      source = cellSource(code);
     } catch {
       // Not JavaScript acorn reads: V8's own SyntaxError says where, as for a job.
-      new vm.Script(request.code, { filename: '[cell]' });
+      new vm.Script(code, { filename: '[cell]' });
       throw new SyntaxError('the cell could not be parsed');
     }
     if (source[0]) vm.runInContext(source[0], context);
@@ -759,6 +841,25 @@ const WARM_CELLS = [
   'null.x',
 ];
 
+// Each dialect's own job and cell before READY (its translator loaded and compiled).
+const WARM_DIALECT = {
+  typescript: {
+    job: 'interface P { x: number } enum E { A, B } const p: P = { x: E.B }; console.log(p.x as number)',
+    cell: 'import * as os from "os"; type T = string[]; const t: T = [os.EOL]; t.length',
+  },
+};
+
+// The warm-up's jobs and cells, with the dialect each is written in.
+function warmRequests() {
+  const jobs = WARM_JOBS.map((code) => ({ code, dialect: 0 }));
+  const cells = WARM_CELLS.map((code) => ({ code, dialect: 0 }));
+  DIALECTS.forEach((name, i) => {
+    jobs.push({ code: WARM_DIALECT[name].job, dialect: i + 1 });
+    cells.unshift({ code: WARM_DIALECT[name].cell, dialect: i + 1 });
+  });
+  return { jobs, cells };
+}
+
 // A request as the host writes it (vmm/src/job/run.rs), into the scratch mailbox of the
 // warm-up.
 function writeWarmRequest(request) {
@@ -779,6 +880,7 @@ function writeWarmRequest(request) {
   setU32(P.JOB_MODE, request.mode);
   setU32(P.JOB_FLAGS, request.flags);
   setU32(P.JOB_NAMESPACE, 0);
+  setU32(P.JOB_DIALECT, 0);
   box.set(request.seed, P.JOB_SEED);
   let at = P.JOB_DATA;
   for (const part of parts) {
@@ -816,19 +918,20 @@ function warmUp() {
     return code;
   };
   const seed = Buffer.alloc(P.JOB_SEED_LEN, 7);
+  const { jobs, cells } = warmRequests();
   let index = 0;
   warming = true;
   return new Promise((resolve) => {
     const next = () => {
-      if (index >= WARM_JOBS.length && index < WARM_JOBS.length + WARM_CELLS.length) {
-        const code = WARM_CELLS[index - WARM_JOBS.length];
+      if (index >= jobs.length && index < jobs.length + cells.length) {
+        const { code, dialect } = cells[index - jobs.length];
         index += 1;
-        const flags = index === WARM_JOBS.length + WARM_CELLS.length ? P.JOB_FLAGS_ERROR_IN_DISPLAY : 0;
-        runCell({ sequence: index, code, args: [], env: ['BUD_WARM=1'], stdin: Buffer.alloc(0), flags, namespace: 0, seed });
+        const flags = index === jobs.length + cells.length ? P.JOB_FLAGS_ERROR_IN_DISPLAY : 0;
+        runCell({ sequence: index, code, dialect, args: [], env: ['BUD_WARM=1'], stdin: Buffer.alloc(0), flags, namespace: 0, seed });
         setTimeout(next, 20);
         return;
       }
-      if (index === WARM_JOBS.length + WARM_CELLS.length) {
+      if (index === jobs.length + cells.length) {
         warmRequestPath(seed);
         // Namespace 0 starts empty in every session, and made: its first cell pays no
         // context creation.
@@ -845,11 +948,12 @@ function warmUp() {
         resolve();
         return;
       }
-      const code = `(function () {\n${WARM_JOBS[index++]}\n})();`;
+      const { code: body, dialect } = jobs[index++];
+      const code = `(function () {\n${body}\n})();`;
       current = { sequence: index, finished: false };
       try {
         applyIdentity({ seed });
-        runJob({ sequence: index, code, args: ['a'], env: ['BUD_WARM=1'], stdin: Buffer.alloc(0) });
+        runJob({ sequence: index, code, dialect, args: ['a'], env: ['BUD_WARM=1'], stdin: Buffer.alloc(0) });
       } catch (error) {
         reportUncaught(error);
       }
@@ -860,6 +964,11 @@ function warmUp() {
 }
 
 function main() {
+  for (const name of DIALECTS) {
+    if (!TRANSLATORS[name]) {
+      kernelFailed(new Error(`the template names dialect ${JSON.stringify(name)}; this kernel runs ${Object.keys(TRANSLATORS).join(', ')}`));
+    }
+  }
   const mailbox = addon.mapMailbox(MAILBOX_FD, P.MAILBOX_DEFAULT_SIZE);
   box = new Uint8Array(mailbox);
   dv = new DataView(mailbox);

@@ -12,7 +12,9 @@ kernel arguments, e.g. ``/usr/bin/node --single-threaded-gc /usr/lib/bud/node/ke
     fd 4  tokens to it (read end), fd 5  tokens from it (write end)
 
 and ``BUD_PROTOCOL``: the protocol's constants as JSON (from ``_bud``, which has them from
-``protocol.rs``). The kernel warms up and writes ``W<ms>\\n`` on fd 5.
+``protocol.rs``); ``BUD_DIALECTS``: the names of the runtime's dialects as a JSON list, the
+languages a request with ``job::DIALECT`` 1, 2, ... is written in (``["typescript"]``). The
+kernel warms up and writes ``W<ms>\\n`` on fd 5.
 
 Who rings: the template's *default* runtime holds the doorbell at READY, so that its jobs
 resume in the process that runs them, with no hand-off (a hand-off is a pipe wake-up and
@@ -62,6 +64,8 @@ class KernelRuntime:
         self.name = spec["name"]
         self.argv = [spec["interpreter"], *spec["kernel"]]
         self.default = bool(spec.get("default"))
+        # The other languages it runs, dialect 1, 2, ... on the wire (TypeScript).
+        self.dialects = list(spec.get("dialects") or [])
         self.capture_dir = capture_dir
         self.pid = None
         self._to_kernel = None
@@ -78,6 +82,7 @@ class KernelRuntime:
         err = bud_capture._open_tmpfile(self.capture_dir, flags | os.O_APPEND)
         env = dict(os.environ)
         env["BUD_PROTOCOL"] = json.dumps(protocol_constants())
+        env["BUD_DIALECTS"] = json.dumps(self.dialects)
         # posix_spawn with dup2 file actions: the child gets exactly fds 0-5.
         actions = [
             (os.POSIX_SPAWN_DUP2, stdin, 0),

@@ -93,10 +93,21 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             run: Language::Kernel,
             interpreter: r.interpreter.clone(),
             kernel: r.kernel.clone(),
+            dialect: 0,
         };
+        // Its dialects run in the same kernel, at the same version (the kernel's program
+        // turns them into its own language).
+        let dialects = r.dialects.iter().zip(1..).map(|(d, n)| Runtime {
+            name: d.name.clone(),
+            aliases: d.aliases.clone(),
+            dialect: n,
+            ..runtime.clone()
+        });
+        let dialects: Vec<Runtime> = dialects.collect();
         // The default runtime comes first.
         let at = if r.default { 0 } else { runtimes.len() };
         runtimes.insert(at, runtime);
+        runtimes.extend(dialects);
     }
     let kernel_interpreter = site
         .and_then(|s| s.runtime.as_ref())
@@ -225,6 +236,45 @@ mod derive_tests {
         assert_eq!(m.kernel("python").map(|k| k.warm), Some(0));
         assert_eq!(m.kernel("bash").map(|k| k.run), Some(Language::Shell));
         assert_eq!(m.network, Network::None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn the_node_recipe_gives_javascript_first_and_typescript_as_its_dialect() {
+        let recipe_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("image");
+        let site = crate::recipe::load_site(&recipe_dir, "node")
+            .unwrap()
+            .unwrap();
+        let root = std::env::temp_dir().join(format!("bud-derive-js-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        executable(&root, python::INTERPRETER);
+        executable(&root, "usr/bin/node");
+        let packages = [
+            package("python3.11-minimal", "3.11.2-6+deb12u9"),
+            package("nodejs", "18.20.4+dfsg-1~deb12u3"),
+        ];
+
+        let m = derive("node", Some(&site), &packages, &root);
+        let check = Manifest::parse(m.to_json().as_bytes(), Path::new("node"));
+
+        let seen: Vec<_> = m
+            .runtimes
+            .iter()
+            .map(|r| (r.name.as_str(), r.version.as_str(), r.run, r.dialect))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("javascript", "18.20.4+dfsg", Language::Kernel, 0),
+                ("python", "3.11.2", Language::Python, 0),
+                ("typescript", "18.20.4+dfsg", Language::Kernel, 1),
+            ]
+        );
+        assert_eq!(
+            m.runtime("ts").map(|r| &r.kernel),
+            Some(&m.runtimes[0].kernel)
+        );
+        assert_eq!(check.map(|c| c.runtimes.len()).ok(), Some(3));
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -173,6 +173,23 @@ pub struct KernelRuntime {
     /// makes it the one that holds the doorbell at READY (`guest/python/bud_runtime.py`).
     #[serde(default)]
     pub default: bool,
+    /// Other languages the same kernel runs, each a runtime of its own (TypeScript, which
+    /// the JavaScript kernel strips of its types): `[[site.runtime.dialects]]`. The `n`-th
+    /// is dialect `n` on the wire; the kernel is told their names and refuses to start if
+    /// it knows one not.
+    #[serde(default)]
+    pub dialects: Vec<Dialect>,
+}
+
+/// A language a kernel runtime's kernel also runs (`[[site.runtime.dialects]]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dialect {
+    /// What a job names (`typescript`), as the kernel knows it.
+    pub name: String,
+    /// Other names for it (`ts`).
+    #[serde(default)]
+    pub aliases: Vec<String>,
 }
 
 impl Site {

@@ -216,6 +216,7 @@ pub fn write_manifest(
             "interpreter": r.interpreter,
             "kernel": r.kernel,
             "default": r.default,
+            "dialects": r.dialects.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
         })
     });
     let mut manifest = serde_json::json!({

@@ -2,7 +2,8 @@
 //! warm Node.js kernel that holds the doorbell (guest/node/kernel.js), `node -e` semantics
 //! (output, args, env, stdin, exit codes, uncaught errors, the event loop drained), limits,
 //! no state between jobs, randomness of its own in every clone, and the worker's own
-//! runtimes beside it (Python and shell jobs handed over). Needs /dev/kvm; the first run
+//! runtimes beside it (Python and shell jobs handed over); TypeScript jobs and cells in the
+//! same kernel; E2B's and Piston's clients. Needs /dev/kvm; the first run
 //! builds and boots the node template (minutes), later runs load it.
 
 mod common;
@@ -365,7 +366,7 @@ fn python_and_shell_jobs_still_run_on_the_node_template() {
 }
 
 #[test]
-fn the_template_lists_javascript_with_its_aliases_and_version() {
+fn the_template_lists_javascript_and_typescript_with_their_aliases_and_version() {
     let s = node();
 
     let r: Value = s.get("/v1/templates/node").json().unwrap();
@@ -391,7 +392,13 @@ fn the_template_lists_javascript_with_its_aliases_and_version() {
     );
     assert!(first["version"].as_str().unwrap().starts_with("18."), "{r}");
     let names: Vec<&str> = runtimes.iter().filter_map(|r| r["name"].as_str()).collect();
-    assert_eq!(names, ["javascript", "python", "shell"], "{r}");
+    assert_eq!(names, ["javascript", "python", "shell", "typescript"], "{r}");
+    let ts = &runtimes[3];
+    assert_eq!(
+        (&ts["aliases"], &ts["run"], &ts["dialect"], &ts["version"]),
+        (&json!(["ts"]), &json!("kernel"), &json!(1), &first["version"]),
+        "{r}"
+    );
 }
 
 // ---- session cells
@@ -444,6 +451,98 @@ fn cells_keep_variables_functions_and_modules_and_show_the_last_value() {
     assert_eq!(shown(&again), &json!("'redeclared'"), "{again}");
     assert_eq!(shown(&awaited), &json!("42"), "{awaited}");
     assert_eq!(shown(&later), &json!("43"), "{later}");
+}
+
+#[test]
+fn typescript_jobs_lose_their_types_keep_their_lines_and_import_modules() {
+    let s = node();
+
+    let ran = js(
+        &s,
+        json!({"language": "ts", "args": ["a"],
+               "code": "import * as path from 'path';\ninterface P { n: number }\nenum E { A, B }\nconst p: P = { n: E.B };\nconsole.log(path.join('x', process.argv[1]), p.n as number);"}),
+    );
+    let thrown = js(
+        &s,
+        json!({"language": "typescript",
+               "code": "function f(a: number): never {\n  throw new Error(`no ${a}`);\n}\nf(7);"}),
+    );
+    let bad = js(&s, json!({"language": "ts", "code": "let n: number = ;"}));
+
+    assert_eq!(
+        outcome(&ran),
+        (&json!("ok"), &json!(0), &json!("x/a 1\n"), &json!("")),
+        "{ran}"
+    );
+    assert_eq!(
+        (&thrown["status"], &thrown["exit_code"]),
+        (&json!("error"), &json!(1)),
+        "{thrown}"
+    );
+    let stderr = thrown["stderr"].as_str().unwrap();
+    assert!(
+        stderr.starts_with("[eval]:2\n")
+            && stderr.contains("Error: no 7\n    at f ([eval]:2:9)\n    at [eval]:4:1\n"),
+        "{thrown}"
+    );
+    assert_eq!(
+        outcome(&bad),
+        (
+            &json!("error"),
+            &json!(1),
+            &json!(""),
+            &json!(format!(
+                "[eval]:1\nlet n: number = ;\n                ^\n\nSyntaxError: Unexpected token (1:17)\n    at [eval]:1:17\n\nNode.js {}\n",
+                node_version(&s)
+            ))
+        ),
+        "{bad}"
+    );
+}
+
+#[test]
+fn typescript_cells_and_javascript_imports_keep_their_names_for_the_next_cells() {
+    let s = node();
+    let (status, r) = s.post(
+        "/v1/sessions",
+        &json!({"template": "node", "language": "typescript"}),
+    );
+    assert_eq!(status, 201, "{r}");
+    assert_eq!(r["language"], json!("typescript"), "{r}");
+    let id = r["id"].as_str().expect("id").to_owned();
+
+    let first = cell(
+        &s,
+        &id,
+        json!({"code": "import * as path from 'path';\nimport type { Stats } from 'fs';\nclass K { constructor(public n: number) {} }\nconst k: K = new K(2);"}),
+    );
+    let second = cell(&s, &id, json!({"code": "path.basename('/a/b') + k.n"}));
+    let in_js = cell(
+        &s,
+        &id,
+        json!({"language": "js", "code": "import { join as j } from 'path';\nimport fs from 'fs';\n[j('a', 'b'), typeof fs.readFileSync, k.n]"}),
+    );
+    let bad = cell(&s, &id, json!({"code": "let q: = 1"}));
+
+    assert_eq!(
+        (&first["status"], shown(&first)),
+        (&json!("ok"), &Value::Null),
+        "{first}"
+    );
+    assert_eq!(shown(&second), &json!("'b2'"), "{second}");
+    assert_eq!(shown(&in_js), &json!("[ 'a/b', 'function', 2 ]"), "{in_js}");
+    assert_eq!(
+        (&bad["status"], &bad["exit_code"]),
+        (&json!("error"), &json!(1)),
+        "{bad}"
+    );
+    assert!(
+        bad["stderr"]
+            .as_str()
+            .unwrap()
+            .contains("SyntaxError: Unexpected token (1:8)"),
+        "{bad}"
+    );
 }
 
 #[test]
@@ -554,8 +653,14 @@ fn e2b_code_interpreter_and_piston_clients_run_javascript() {
     assert_eq!(seen["context_state"], json!("in context"), "{seen}");
     assert_eq!(seen["default_untouched"], json!("undefined"), "{seen}");
     assert_eq!(seen["python_beside"], json!("42"), "{seen}");
-    // A 400 from bud ("TypeScript is not built yet"), which the SDK raises as this.
-    assert_eq!(seen["typescript"], json!("SandboxException"), "{seen}");
+    assert_eq!(seen["typescript"], json!(["42", null]), "{seen}");
+    assert_eq!(
+        seen["typescript_error"],
+        json!(["SyntaxError", "Unexpected token (1:8)"]),
+        "{seen}"
+    );
+    assert_eq!(seen["ts_context_language"], json!("typescript"), "{seen}");
+    assert_eq!(seen["ts_context_state"], json!("Green"), "{seen}");
     assert_eq!(
         seen["piston_runtime"],
         json!([
@@ -566,4 +671,5 @@ fn e2b_code_interpreter_and_piston_clients_run_javascript() {
         "{seen}"
     );
     assert_eq!(seen["piston_run"], json!(["a|b c PIPED IN\n", 3]), "{seen}");
+    assert_eq!(seen["piston_ts"], json!(["typescript", "2\n", 0]), "{seen}");
 }

@@ -84,12 +84,26 @@ pub struct Runtime {
     /// with before READY (`["--single-threaded-gc", "/usr/lib/bud/node/kernel.js"]`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kernel: Vec<String>,
+    /// Which of the kernel's languages a [`Language::Kernel`] runtime is: 0 the kernel's
+    /// own (JavaScript), `n` its `n`-th dialect (TypeScript), which the kernel turns into
+    /// its own before it runs it. Every kernel runtime of a template shares its one kernel.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dialect: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl Runtime {
     /// Whether a job naming `name` means this runtime (its name or one of its aliases).
     pub fn answers_to(&self, name: &str) -> bool {
         self.name == name || self.aliases.iter().any(|a| a == name)
+    }
+
+    /// How its code runs: the worker's mode and the kernel's dialect.
+    pub fn runs(&self) -> (Language, u32) {
+        (self.run, self.dialect)
     }
 }
 
@@ -157,8 +171,10 @@ pub enum ManifestError {
     DuplicateRuntime { path: PathBuf, name: String },
     #[error("the template manifest {path} has kernel runtime `{name}` without its kernel")]
     KernelWithoutProgram { path: PathBuf, name: String },
-    #[error("the template manifest {path} has more than one kernel runtime")]
-    SecondKernel { path: PathBuf },
+    #[error(
+        "the template manifest {path} has kernel runtimes that differ in their kernel or share a dialect number (`{name}`): a template has one kernel, each runtime one dialect of it"
+    )]
+    SecondKernel { path: PathBuf, name: String },
 }
 
 impl Manifest {
@@ -201,14 +217,21 @@ impl Manifest {
                 });
             }
         }
-        let kernels = manifest
+        let mut kernels = manifest
             .runtimes
             .iter()
             .filter(|r| r.run == Language::Kernel);
-        if kernels.count() > 1 {
-            return Err(ManifestError::SecondKernel {
-                path: path.to_owned(),
-            });
+        if let Some(first) = kernels.next() {
+            let mut dialects = std::collections::BTreeSet::from([first.dialect]);
+            for r in kernels {
+                let same = r.interpreter == first.interpreter && r.kernel == first.kernel;
+                if !same || !dialects.insert(r.dialect) {
+                    return Err(ManifestError::SecondKernel {
+                        path: path.to_owned(),
+                        name: r.name.clone(),
+                    });
+                }
+            }
         }
         Ok(manifest)
     }
@@ -359,6 +382,7 @@ mod tests {
             run: Language::Kernel,
             interpreter: "/usr/bin/node".into(),
             kernel: vec!["/usr/lib/bud/node/kernel.js".into()],
+            dialect: 0,
         });
         let back = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap();
         m.runtimes[2].kernel.clear();
@@ -372,6 +396,42 @@ mod tests {
         assert!(
             matches!(no_program, Err(ManifestError::KernelWithoutProgram { name, .. }) if name == "javascript")
         );
+    }
+
+    #[test]
+    fn kernel_runtimes_share_one_kernel_each_as_a_dialect_of_its_own() {
+        let js = Runtime {
+            name: "javascript".into(),
+            version: "18.20.4".into(),
+            run: Language::Kernel,
+            interpreter: "/usr/bin/node".into(),
+            kernel: vec!["/usr/lib/bud/node/kernel.js".into()],
+            ..Runtime::default()
+        };
+        let ts = Runtime {
+            name: "typescript".into(),
+            aliases: vec!["ts".into()],
+            dialect: 1,
+            ..js.clone()
+        };
+        let mut m = sample();
+        m.runtimes.extend([js, ts]);
+        let both = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap();
+        let mut same_dialect = m.clone();
+        same_dialect.runtimes[3].dialect = 0;
+        let mut other_kernel = m.clone();
+        other_kernel.runtimes[3].kernel = vec!["/usr/lib/bud/deno/kernel.js".into()];
+
+        assert_eq!(both.runtime("ts").map(|r| r.dialect), Some(1));
+        assert_eq!(both.runtime("javascript").map(|r| r.dialect), Some(0));
+        assert!(!m.to_json().contains(r#""dialect": 0"#), "{}", m.to_json());
+        for bad in [same_dialect, other_kernel] {
+            let err = Manifest::parse(bad.to_json().as_bytes(), Path::new("m")).unwrap_err();
+            assert!(
+                matches!(&err, ManifestError::SecondKernel { name, .. } if name == "typescript"),
+                "{err:?}"
+            );
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -132,8 +132,9 @@ pub mod language {
     /// A process operation (`job::FILE_OP` holds a [`super::process_op`]): the sandbox's
     /// background processes, kept by the worker between requests.
     pub const PROCESS: u32 = 4;
-    /// The image's kernel runtime (the manifest's one `run: "kernel"` runtime, JavaScript in
-    /// the `node` template): the warm kernel program runs the code.
+    /// The image's kernel runtime (the manifest's `run: "kernel"` runtimes, JavaScript and
+    /// TypeScript in the `node` template): the warm kernel program runs the code, as the
+    /// language `job::DIALECT` names.
     pub const KERNEL: u32 = 5;
 }
 
@@ -348,6 +349,11 @@ pub mod job {
     /// plus [`super::CAPTURE_SLACK`], so a flood there ends promptly (the writer gets
     /// `ENOSPC`) instead of filling the guest's RAM.
     pub const OUTPUT_LIMIT: usize = 160;
+    /// Which of the kernel's languages a [`super::language::KERNEL`] request is written in
+    /// (`u32`): 0 the kernel runtime's own (JavaScript), `n` the `n`-th of its dialects
+    /// (TypeScript), as the manifest's runtimes number them (`Runtime::dialect`). 0 in
+    /// every other request.
+    pub const DIALECT: usize = 168;
     /// Start of the request data.
     pub const DATA: usize = 4096;
     /// End of the request data: code + stdin + args + env must fit in `DATA..DATA_END`.

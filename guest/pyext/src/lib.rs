@@ -156,6 +156,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("JOB_INTERRUPT", job::INTERRUPT as u64),
     ("JOB_NAMESPACE", job::NAMESPACE as u64),
     ("JOB_OUTPUT_LIMIT", job::OUTPUT_LIMIT as u64),
+    ("JOB_DIALECT", job::DIALECT as u64),
     ("JOB_DATA", job::DATA as u64),
     ("JOB_DATA_END", job::DATA_END as u64),
     ("RESULT_STDOUT_LEN", result::STDOUT_LEN as u64),

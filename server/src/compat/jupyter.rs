@@ -22,8 +22,11 @@
 //! `__main__`, `js` / `javascript` the session's main JavaScript namespace (namespace 0,
 //! which the native API's JavaScript cells share), and `bash` / `sh` the sandbox's default
 //! bash kernel. JavaScript cells report their error in the display data as Python's do, and
-//! their value's `text/plain` (`util.inspect`) is the main result. TypeScript (`ts`) is
-//! 400, and JavaScript on a template without it 400 naming the template's runtimes.
+//! their value's `text/plain` (`util.inspect`) is the main result. TypeScript (`ts`,
+//! `typescript`) runs in the same kernel, stripped of its types: a `ts` context is a
+//! namespace of its own, while `ts` cells without a context share namespace 0 with the
+//! `js` ones. JavaScript or TypeScript on a template without them is 400 naming the
+//! template's runtimes.
 //! Restarting a context kills its kernel (the next cell starts a new one) or empties its
 //! namespace (the default context's: Python's `__main__`); deleting one does so and forgets
 //! it. A cell's time limit is the server's `max_timeout_ms` (E2B's own limit is the
@@ -73,15 +76,16 @@ pub struct ExecuteRequest {
 enum Target {
     /// A context run by `contexts::run`: a made one (by id) or the default bash one (None).
     Context(Language, Option<String>),
-    /// The session's namespace 0 in this language.
-    Session(Language),
+    /// The session's namespace 0 in this language; for a kernel runtime, the name it was
+    /// asked by (`ts` picks the kernel's TypeScript dialect).
+    Session(Language, Option<String>),
 }
 
 /// Which context `req` asks for in session `id` (an unknown context is 404 here, before
 /// the stream starts; a language the template does not run, 400).
 fn target(state: &AppState, id: &str, req: &ExecuteRequest) -> Result<Target, Error> {
     Ok(match req.context_id.as_deref() {
-        Some(DEFAULT_CONTEXT) => Target::Session(Language::Python),
+        Some(DEFAULT_CONTEXT) => Target::Session(Language::Python, None),
         Some(ctx) => {
             let c = contexts::get(state, id, ctx)?;
             Target::Context(contexts::language(state, id, &c)?, Some(c.id))
@@ -91,7 +95,8 @@ fn target(state: &AppState, id: &str, req: &ExecuteRequest) -> Result<Target, Er
             let asked = req.language.as_deref().unwrap_or("python");
             match contexts::language_of(e.engine.manifest(), asked)? {
                 Language::Shell => Target::Context(Language::Shell, None),
-                language => Target::Session(language),
+                Language::Kernel => Target::Session(Language::Kernel, Some(asked.to_owned())),
+                language => Target::Session(language, None),
             }
         }
     })
@@ -376,9 +381,10 @@ async fn start_execute(c: Compat, headers: HeaderMap, body: Bytes) -> Result<Res
                 contexts::run(&state, &id, which, cell, "/execute", sink).await
             })
         }
-        Target::Session(language) => {
+        Target::Session(language, runtime) => {
             let native = ExecRequest {
-                mode: Some(language),
+                mode: runtime.is_none().then_some(language),
+                language: runtime,
                 code: Some(req.code),
                 env,
                 timeout_ms: Some(timeout_ms),

@@ -120,6 +120,7 @@ async fn run_native(
 /// Piston's names of its runtimes: the language, then its aliases.
 const PYTHON_NAMES: [&str; 5] = ["python", "py", "py3", "python3", "python3.11"];
 const SHELL_NAMES: [&str; 2] = ["bash", "sh"];
+const TYPESCRIPT_NAMES: [&str; 4] = ["typescript", "ts", "node-ts", "tsc"];
 const JAVASCRIPT_NAMES: [&str; 5] = [
     "javascript",
     "node-javascript",
@@ -167,6 +168,9 @@ fn runtimes_of(manifest: &vmm::Manifest) -> Vec<(Runtime, String)> {
                     names(&JAVASCRIPT_NAMES),
                     Some("node".to_owned()),
                 ),
+                (Language::Kernel, _) if r.answers_to("typescript") => {
+                    ("typescript".to_owned(), names(&TYPESCRIPT_NAMES), None)
+                }
                 _ => (r.name.clone(), names(&[r.name.as_str()]), None),
             };
             let piston = Runtime {

@@ -26,31 +26,20 @@ use crate::service::{access, processes, sessions, task, templates};
 /// The longest context `cwd` (Linux's `PATH_MAX`).
 pub const MAX_CWD: usize = 4096;
 
-/// What clients call JavaScript (E2B's code interpreter sends `js`, its docs say
-/// `javascript`; Node's own name): on a template whose runtimes none of them names, a
-/// context or cell in one is told the template's runtimes.
-const JAVASCRIPT_NAMES: [&str; 3] = ["js", "javascript", "node"];
+/// What clients call JavaScript and TypeScript (E2B's code interpreter sends `js` and `ts`,
+/// its docs say `javascript` and `typescript`; Node's own name): on a template whose
+/// runtimes none of them names, a context or cell in one is told the template's runtimes.
+const KERNEL_NAMES: [&str; 5] = ["js", "javascript", "node", "ts", "typescript"];
 
 /// How the cells of a context in `name` run on the template of `manifest`: `python`
-/// (`python3`) and `bash` (`sh`) in a kernel process of their own, a name or alias of the
-/// template's kernel runtime ([`Language::Kernel`]: `javascript`, `js`, `node` on `node`)
-/// in a namespace of the session's kernel. TypeScript (`ts`, `typescript`), which E2B's
-/// code interpreter has, is not built: 400 saying so; JavaScript on a template without
-/// it: 400 naming the template's runtimes.
+/// (`python3`) and `bash` (`sh`) in a kernel process of their own, a name or alias of one
+/// of the template's kernel runtimes ([`Language::Kernel`]: `javascript`, `js`, `node`,
+/// `typescript`, `ts` on `node`) in a namespace of the session's kernel. JavaScript or
+/// TypeScript on a template without them: 400 naming the template's runtimes.
 pub fn language_of(manifest: &Manifest, name: &str) -> Result<Language, Error> {
     match name {
         "python" | "python3" => return Ok(Language::Python),
         "bash" | "sh" => return Ok(Language::Shell),
-        "ts" | "typescript" => {
-            return Err(Error::invalid(
-                "language",
-                format!(
-                    "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template {}'s runtimes: {}",
-                    manifest.name,
-                    templates::runtime_list(manifest)
-                ),
-            ));
-        }
         _ => {}
     }
     if manifest
@@ -59,7 +48,7 @@ pub fn language_of(manifest: &Manifest, name: &str) -> Result<Language, Error> {
     {
         return Ok(Language::Kernel);
     }
-    if JAVASCRIPT_NAMES.contains(&name) {
+    if KERNEL_NAMES.contains(&name) {
         return Err(templates::no_runtime(manifest, Some(name), "language"));
     }
     let mut runs = vec!["python".to_owned(), "bash (busybox sh)".to_owned()];
@@ -238,8 +227,9 @@ async fn in_namespace(
     route: &str,
     sink: Sink,
 ) -> Result<Ran, Error> {
+    // By the context's runtime name: the kernel's mode, and its dialect (TypeScript).
     let req = ExecRequest {
-        mode: Some(Language::Kernel),
+        language: Some(c.language.clone()),
         code: Some(cell.code),
         env: cell.env,
         timeout_ms: Some(u64::try_from(cell.timeout.as_millis()).unwrap_or(u64::MAX)),
@@ -274,7 +264,7 @@ async fn reset_namespace(
     route: &str,
 ) -> Result<(), Error> {
     let req = ExecRequest {
-        mode: Some(Language::Kernel),
+        language: Some(c.language.clone()),
         code: Some(String::new()),
         cell: CellOptions {
             namespace: c.namespace,

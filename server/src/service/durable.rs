@@ -98,6 +98,7 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         idle_timeout_s: e.idle_timeout.as_secs(),
         lifetime_left_ms: u64::try_from(e.lifetime_left().as_millis()).unwrap_or(u64::MAX),
         language: e.language,
+        dialect: e.dialect,
         env: e.env.clone(),
         metadata: e.metadata.clone(),
         parent: e.parent.clone(),
@@ -181,6 +182,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             created_at_ms: epoch_ms(SystemTime::now()),
             source: e.id.clone(),
             language: e.language,
+            dialect: e.dialect,
             env: e.env.clone(),
             metadata: e.metadata.clone(),
             template: e.template.clone(),
@@ -280,11 +282,13 @@ pub async fn start_from(
     let mut env = r.env.clone();
     env.extend(req.env);
     crate::service::import_check::check_env(state, &env)?;
+    let (language, dialect) = match req.language.as_deref() {
+        None => (r.language, r.dialect),
+        Some(name) => templates::runtime(&exec, Some(name), "language")?.runs(),
+    };
     let settings = NewSession {
-        language: match req.language.as_deref() {
-            None => r.language,
-            Some(name) => templates::runtime(&exec, Some(name), "language")?,
-        },
+        language,
+        dialect,
         env,
         idle_timeout: Duration::from_secs(idle),
         max_lifetime: Duration::from_secs(life),

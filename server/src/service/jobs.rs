@@ -215,7 +215,11 @@ fn ran(
 pub async fn run(state: &AppState, mut one: OneShot, sink: Sink) -> Result<Ran, Error> {
     admission::check_open(state)?;
     let engine = templates::engine_for(state, one.template.as_deref())?;
-    one.job.language = templates::runtime(engine.as_ref(), one.runtime.as_deref(), "language")?;
+    one.job.set_runtime(templates::runtime(
+        engine.as_ref(),
+        one.runtime.as_deref(),
+        "language",
+    )?);
     let gate = gate_of(state, engine.as_ref(), &one, "network")?;
     let slot = admission::admit(state, 1)?.remove(0);
     submit(state, (engine, gate), slot, one, sink, None)?
@@ -260,11 +264,11 @@ pub async fn batch(state: &AppState, jobs: Vec<OneShot>) -> Result<Vec<Ran>, Err
     for (i, mut one) in jobs.into_iter().enumerate() {
         let engine = templates::engine_for(state, one.template.as_deref())
             .map_err(|e| e.in_field(&format!("jobs[{i}].template")))?;
-        one.job.language = templates::runtime(
+        one.job.set_runtime(templates::runtime(
             engine.as_ref(),
             one.runtime.as_deref(),
             &format!("jobs[{i}].language"),
-        )?;
+        )?);
         one.job.output_limit = one.job.output_limit.min(share);
         let gate = gate_of(state, engine.as_ref(), &one, &format!("jobs[{i}].network"))?;
         ready.push(((engine, gate), one));

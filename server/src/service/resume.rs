@@ -171,6 +171,7 @@ fn resume_file(
     let (idle_timeout, max_lifetime) = clamp(state, &r);
     let settings = NewSession {
         language: r.language,
+        dialect: r.dialect,
         env: r.env,
         idle_timeout,
         max_lifetime,

@@ -70,7 +70,8 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     };
     probe.into_job(&state.config().limits, "")?;
     let engine = templates::engine_for(state, req.template.as_deref())?;
-    let language = templates::runtime(engine.as_ref(), req.language.as_deref(), "language")?;
+    let (language, dialect) =
+        templates::runtime(engine.as_ref(), req.language.as_deref(), "language")?.runs();
     let template = state.template_name(req.template.as_deref()).to_owned();
     let network = crate::service::network::gate_for(
         state,
@@ -83,6 +84,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
     check_memory(state)?;
     let settings = NewSession {
         language,
+        dialect,
         env: req.env,
         idle_timeout: idle,
         max_lifetime: life,
@@ -189,16 +191,19 @@ fn cell_job(state: &AppState, e: &Entry, mut req: ExecRequest) -> Result<vmm::Jo
             ),
         ));
     }
-    let language = match (req.mode, req.language.take()) {
-        (Some(mode), _) => mode,
-        (None, None) => e.language,
-        (None, Some(name)) => templates::runtime(e.engine.as_ref(), Some(&name), "language")?,
+    let (language, dialect) = match (req.mode, req.language.take()) {
+        (Some(mode), _) => (mode, 0),
+        (None, None) => (e.language, e.dialect),
+        (None, Some(name)) => {
+            templates::runtime(e.engine.as_ref(), Some(&name), "language")?.runs()
+        }
     };
     let mut env = e.env.clone();
     env.append(&mut req.env);
     req.env = env;
     let mut job = req.into_job(&state.config().limits, "")?;
     job.language = language;
+    job.dialect = dialect;
     Ok(job)
 }
 
@@ -288,6 +293,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
         for child in children {
             let settings = NewSession {
                 language: e.language,
+                dialect: e.dialect,
                 env: e.env.clone(),
                 idle_timeout: e.idle_timeout,
                 max_lifetime: e

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tracing::info;
+use vmm::manifest::Runtime;
 use vmm::template::Origin;
 use vmm::{Executor, Language, Manifest};
 
@@ -79,19 +80,21 @@ pub fn default_executor(state: &AppState) -> Result<Arc<Executor>, Error> {
     executor_for(state, None)
 }
 
-/// How the worker runs runtime `asked` of the template `engine` serves, by its name or an
+/// The runtime `asked` of the template `engine` serves (how the worker runs it), by its name or an
 /// alias (`None`: its default runtime, the manifest's first): 400 on `field` naming the
 /// template's runtimes when it has no such runtime. One-shot jobs, a session's cells (its
 /// default and a cell's own `language`) and sessions resolve their runtime here alike.
-pub fn runtime(engine: &dyn Engine, asked: Option<&str>, field: &str) -> Result<Language, Error> {
+pub fn runtime<'e>(
+    engine: &'e dyn Engine,
+    asked: Option<&str>,
+    field: &str,
+) -> Result<&'e Runtime, Error> {
     let manifest = engine.manifest();
     let found = match asked {
         Some(name) => manifest.runtime(name),
         None => manifest.default_runtime(),
     };
-    found
-        .map(|r| r.run)
-        .ok_or_else(|| no_runtime(manifest, asked, field))
+    found.ok_or_else(|| no_runtime(manifest, asked, field))
 }
 
 /// 400 on `field`: the template of `manifest` has no runtime `asked` (`None`: none at all),
@@ -125,11 +128,13 @@ pub fn runtime_list(manifest: &Manifest) -> String {
 }
 
 /// The name of the runtime a session's cells run in by default, as its API shows it: the
-/// first runtime of `manifest` the worker runs as `language` (`python`, `shell`,
-/// `javascript`), or the mode's own name without one (a template no longer served).
-pub fn runtime_name(manifest: Option<&Manifest>, language: Language) -> String {
+/// first runtime of `manifest` the worker runs as `language` in `dialect` (`python`,
+/// `shell`, `javascript`, `typescript`), or the mode's own name without one (a template no
+/// longer served).
+pub fn runtime_name(manifest: Option<&Manifest>, language: Language, dialect: u32) -> String {
+    let runs = |r: &&Runtime| r.run == language && r.dialect == dialect;
     manifest
-        .and_then(|m| m.runtime_running(language))
+        .and_then(|m| m.runtimes.iter().find(runs))
         .map_or_else(|| language.name().to_owned(), |r| r.name.clone())
 }
 

@@ -1,8 +1,8 @@
 """The unmodified E2B code-interpreter SDK and the Piston client aiopyston, running
 JavaScript on bud's `node` template (E2B_API_URL / E2B_SANDBOX_URL point at bud; argv[1] is
 Piston's base URL): stateful JS cells with run_code(language="js"), logs, the last value, an
-error, JS contexts of their own beside Python, and a Piston `javascript` run with stdin and
-args. Prints what it saw as one JSON object; the Rust test (server/tests/compat.rs) asserts
+error, JS contexts of their own beside Python, TypeScript cells and a TypeScript context
+(language="ts"), and Piston `javascript` and `typescript` runs with stdin and args. Prints what it saw as one JSON object; the Rust test (server/tests/compat.rs) asserts
 every value."""
 
 import asyncio
@@ -33,11 +33,15 @@ try:
     seen["context_state"] = sbx.run_code("y", context=ctx).text
     seen["default_untouched"] = sbx.run_code("typeof y", language="js").text
     seen["python_beside"] = sbx.run_code("6 * 7").text
-    try:
-        sbx.run_code("let a: number = 1", language="ts")
-        seen["typescript"] = "ran"
-    except Exception as error:  # noqa: BLE001 - the refusal is what is looked at
-        seen["typescript"] = type(error).__name__
+    ts = sbx.run_code("interface P { n: number }\nconst p: P = { n: 20 };\np.n * 2 + 2",
+                      language="ts")
+    seen["typescript"] = [ts.text, ts.error]
+    bad = sbx.run_code("let q: = 1", language="typescript")
+    seen["typescript_error"] = [bad.error.name, bad.error.value] if bad.error else None
+    tctx = sbx.create_code_context(language="ts")
+    seen["ts_context_language"] = tctx.language
+    sbx.run_code("enum Color { Red, Green }\nconst c: Color = Color.Green", context=tctx)
+    seen["ts_context_state"] = sbx.run_code("Color[c]", context=tctx).text
 finally:
     sbx.kill()
 
@@ -56,6 +60,14 @@ async def piston(base):
         args=["a", "b c"],
     )
     seen["piston_run"] = [out.run_stage.stdout, out.run_stage.code]
+    ts = await client.execute(
+        "typescript",
+        [File("const args: string[] = process.argv.slice(2);\nconsole.log(args.length)",
+              "main.ts")],
+        args=["x", "y"],
+    )
+    # aiopyston spells the answer's language field `langauge`.
+    seen["piston_ts"] = [ts.langauge, ts.run_stage.stdout, ts.run_stage.code]
     await client.close_session()
 
 

@@ -49,6 +49,10 @@ impl Language {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Job {
     pub language: Language,
+    /// Which of the kernel's languages a [`Language::Kernel`] job is written in (the
+    /// runtime's [`crate::manifest::Runtime::dialect`]: 0 JavaScript, 1 TypeScript on
+    /// `node`); 0 for the worker's own modes.
+    pub dialect: u32,
     pub code: Vec<u8>,
     pub stdin: Vec<u8>,
     /// `sys.argv[1:]` (Python) or `$1...` (shell).
@@ -107,6 +111,7 @@ impl Job {
     pub fn new(language: Language, code: impl Into<Vec<u8>>) -> Self {
         Self {
             language,
+            dialect: 0,
             code: code.into(),
             stdin: Vec::new(),
             args: Vec::new(),
@@ -118,6 +123,12 @@ impl Job {
             stream_output: false,
             egress: None,
         }
+    }
+
+    /// Runs in `runtime` (a manifest's runtime): its worker mode and dialect.
+    pub fn set_runtime(&mut self, runtime: &crate::manifest::Runtime) {
+        self.language = runtime.run;
+        self.dialect = runtime.dialect;
     }
 
     /// Checks the job fits the protocol; on success returns the encoded args and env blobs.

@@ -96,6 +96,10 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
     identity::host_random(&mut seed)?;
     let wall_ns = identity::host_wall_ns() as u64;
     let put32 = |off: usize, v: usize| mb.write(ram, off as u64, &(v as u32).to_le_bytes());
+    let dialect = match r.kind {
+        Kind::Job | Kind::Cell { .. } if j.language == super::Language::Kernel => j.dialect,
+        _ => 0,
+    };
     let (lang, mode, flags, op) = match r.kind {
         Kind::Job => (j.language.code(), mode::JOB, 0, 0),
         Kind::Cell { reseed } => {
@@ -121,6 +125,7 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
     put32(job::FILE_OP, op as usize)?;
     put32(job::INTERRUPT, 0)?;
     put32(job::NAMESPACE, j.cell.namespace as usize)?;
+    put32(job::DIALECT, dialect as usize)?;
     put32(result::DISPLAY_LEN, 0)?;
     put32(job::CODE_LEN, j.code.len())?;
     put32(job::STDIN_LEN, j.stdin.len())?;

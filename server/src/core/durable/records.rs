@@ -49,6 +49,9 @@ pub struct SessionRecord {
     /// still).
     pub lifetime_left_ms: u64,
     pub language: vmm::Language,
+    /// Its default dialect (0 for records older than dialects: JavaScript's, or none).
+    #[serde(default)]
+    pub dialect: u32,
     pub env: BTreeMap<String, String>,
     pub metadata: serde_json::Value,
     pub parent: Option<String>,
@@ -87,6 +90,8 @@ pub struct SnapshotRecord {
     /// The session it was taken of.
     pub source: String,
     pub language: vmm::Language,
+    #[serde(default)]
+    pub dialect: u32,
     pub env: BTreeMap<String, String>,
     pub metadata: serde_json::Value,
     pub template: String,

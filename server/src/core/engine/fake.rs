@@ -64,6 +64,8 @@ struct Inner {
     manifest: FakeManifest,
     /// The worker mode of each job and cell it ran, in order.
     languages: Mutex<Vec<Language>>,
+    /// The kernel dialect of each job and cell it ran, in order.
+    dialects: Mutex<Vec<u32>>,
     /// The worker mode and options of each session cell it ran, in order.
     cells: Mutex<Vec<(Language, CellOptions)>>,
     /// Open gates, starts held, a start's failure.
@@ -104,22 +106,29 @@ impl FakeEngine {
     }
 
     /// A fake template with a JavaScript kernel runtime too (`javascript`, aliases `js` and
-    /// `node`, run as [`Language::Kernel`]), as bud's node template: javascript (its
-    /// default), python, shell.
+    /// `node`, run as [`Language::Kernel`]) and its TypeScript dialect (`typescript`, alias
+    /// `ts`, dialect 1), as bud's node template: javascript (its default), python, shell,
+    /// typescript.
     pub fn with_node() -> Self {
         let mut manifest = FakeManifest::default();
         manifest.0.name = "fake-node".to_owned();
-        manifest.0.runtimes.insert(
-            0,
-            ::vmm::manifest::Runtime {
-                name: "javascript".to_owned(),
-                aliases: vec!["js".to_owned(), "node".to_owned()],
-                version: "18.20.4".to_owned(),
-                run: Language::Kernel,
-                interpreter: "/usr/bin/node".to_owned(),
-                kernel: vec!["/usr/lib/bud/node/kernel.js".to_owned()],
-            },
-        );
+        let javascript = ::vmm::manifest::Runtime {
+            name: "javascript".to_owned(),
+            aliases: vec!["js".to_owned(), "node".to_owned()],
+            version: "18.20.4".to_owned(),
+            run: Language::Kernel,
+            interpreter: "/usr/bin/node".to_owned(),
+            kernel: vec!["/usr/lib/bud/node/kernel.js".to_owned()],
+            dialect: 0,
+        };
+        let typescript = ::vmm::manifest::Runtime {
+            name: "typescript".to_owned(),
+            aliases: vec!["ts".to_owned()],
+            dialect: 1,
+            ..javascript.clone()
+        };
+        manifest.0.runtimes.insert(0, javascript);
+        manifest.0.runtimes.push(typescript);
         Self(Arc::new(Inner {
             manifest,
             ..Inner::default()
@@ -130,6 +139,16 @@ impl FakeEngine {
     pub fn languages(&self) -> Vec<Language> {
         self.0
             .languages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The kernel dialect of each job and cell it ran so far, in order (0 but for a kernel
+    /// runtime's dialect: 1 for `typescript` on [`FakeEngine::with_node`]).
+    pub fn dialects(&self) -> Vec<u32> {
+        self.0
+            .dialects
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
@@ -196,6 +215,11 @@ impl FakeEngine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(job.language);
+        self.0
+            .dialects
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(job.dialect);
         let started = Instant::now();
         let code = String::from_utf8_lossy(&job.code).into_owned();
         let mut words = code.split_whitespace();

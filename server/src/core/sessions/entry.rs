@@ -19,6 +19,8 @@ pub struct Entry {
     pub created_at: SystemTime,
     pub idle_timeout: Duration,
     pub language: vmm::Language,
+    /// Which of the kernel's languages its cells are in by default (`vmm::Job::dialect`).
+    pub dialect: u32,
     pub env: BTreeMap<String, String>,
     pub metadata: serde_json::Value,
     pub parent: Option<String>,
@@ -76,6 +78,7 @@ enum Attached {
 #[derive(Debug, Clone)]
 pub struct NewSession {
     pub language: vmm::Language,
+    pub dialect: u32,
     pub env: BTreeMap<String, String>,
     pub idle_timeout: Duration,
     pub max_lifetime: Duration,
@@ -132,6 +135,7 @@ impl Entry {
             created_at: s.again.map_or(now, |a| a.1),
             idle_timeout: s.idle_timeout,
             language: s.language,
+            dialect: s.dialect,
             env: s.env,
             metadata: s.metadata,
             parent: s.parent,

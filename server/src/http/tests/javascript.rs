@@ -1,7 +1,8 @@
 //! JavaScript, the node template's kernel runtime, as clients see it: `POST /v1/exec` by
 //! its name or aliases, Piston's `javascript` runtime only where the template has it,
-//! sessions, cells and code contexts in it (native and E2B's), and the 400s of TypeScript
-//! and of JavaScript on a template without it.
+//! sessions, cells and code contexts in it (native and E2B's), TypeScript as its dialect
+//! 1 through every client, and the 400s of JavaScript and TypeScript on a template without
+//! them.
 
 use serde_json::{Value, json};
 use vmm::{CellOptions, Language};
@@ -158,6 +159,8 @@ async fn pistons_runtimes_list_javascript_only_where_the_template_has_it() {
              "runtime": "node"},
             python_and_bash[0],
             python_and_bash[1],
+            {"language": "typescript", "version": "18.20.4",
+             "aliases": ["ts", "node-ts", "tsc"]},
         ])
     );
 }
@@ -202,6 +205,61 @@ async fn pistons_execute_runs_javascript_as_a_kernel_job() {
         (400, json!({"message": "javascript-18 runtime is unknown"}))
     );
     assert_eq!(without.engine.counts().jobs, 0);
+}
+
+#[tokio::test]
+async fn typescript_runs_as_the_kernels_dialect_1_through_every_client() {
+    let s = node().await;
+    let id = s.sandbox().await;
+    let session = s.session(json!({"language": "typescript"})).await;
+
+    let (job, job_r) = s
+        .post(
+            "/v1/exec",
+            &json!({"language": "ts", "code": "let a: number"}),
+        )
+        .await;
+    let (cell, cell_r) = s
+        .post(
+            &format!("/v1/sessions/{session}/exec"),
+            &json!({"code": "1"}),
+        )
+        .await;
+    let (_, shown) = s.get(&format!("/v1/sessions/{session}")).await;
+    let (e2b_cell, e2b_lines) = s
+        .execute(&id, &json!({"code": "1", "language": "ts"}))
+        .await;
+    let (made, ctx) = s
+        .post_in_sandbox(&id, "/contexts", &json!({"language": "ts"}))
+        .await;
+    let ctx_id = ctx["id"].as_str().expect("a context id").to_owned();
+    let (in_ctx, _) = s
+        .execute(&id, &json!({"code": "2", "context_id": ctx_id}))
+        .await;
+    let (piston, piston_r) = s
+        .post(
+            "/api/v2/execute",
+            &json!({"language": "tsc", "version": "*", "files": [{"content": "3"}]}),
+        )
+        .await;
+
+    assert_eq!((job, &job_r["status"]), (200, &json!("ok")), "{job_r}");
+    assert_eq!((cell, &cell_r["status"]), (200, &json!("ok")), "{cell_r}");
+    assert_eq!(shown["language"], json!("typescript"), "{shown}");
+    assert_eq!(e2b_cell, 200, "{e2b_lines:?}");
+    assert_eq!(
+        (made, &ctx["language"]),
+        (200, &json!("typescript")),
+        "{ctx}"
+    );
+    assert_eq!(in_ctx, 200);
+    assert_eq!(
+        (piston, &piston_r["language"]),
+        (200, &json!("typescript")),
+        "{piston_r}"
+    );
+    assert_eq!(s.engine.languages(), [Language::Kernel; 5]);
+    assert_eq!(s.engine.dialects(), [1; 5]);
 }
 
 #[tokio::test]
@@ -320,7 +378,7 @@ async fn a_javascript_contexts_restart_and_delete_empty_its_namespace() {
 }
 
 #[tokio::test]
-async fn javascript_on_the_python_template_and_typescript_are_400_saying_what_runs() {
+async fn javascript_and_typescript_on_the_python_template_are_400_naming_its_runtimes() {
     let (p, n) = (python().await, node().await);
     let on_python = p.session(json!({})).await;
     let on_node = n.session(json!({})).await;
@@ -340,11 +398,14 @@ async fn javascript_on_the_python_template_and_typescript_are_400_saying_what_ru
             &json!({"language": "node"}),
         )
         .await;
-    let (ts, ts_r) = n
+    let (ts, ts_r) = p
         .post(
-            &format!("/v1/sessions/{on_node}/contexts"),
+            &format!("/v1/sessions/{on_python}/contexts"),
             &json!({"language": "typescript"}),
         )
+        .await;
+    let (ts_job, ts_job_r) = p
+        .post("/v1/exec", &json!({"language": "ts", "code": "1"}))
         .await;
 
     let no = |name: &str| {
@@ -369,14 +430,13 @@ async fn javascript_on_the_python_template_and_typescript_are_400_saying_what_ru
     );
     assert_eq!(
         native_error(ts, &ts_r),
-        (
-            400,
-            &json!("language"),
-            &json!(
-                "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake-node's runtimes: javascript (js, node), python, shell"
-            )
-        ),
+        (400, &json!("language"), &no("typescript")),
         "{ts_r}"
+    );
+    assert_eq!(
+        native_error(ts_job, &ts_job_r),
+        (400, &json!("language"), &no("ts")),
+        "{ts_job_r}"
     );
     assert_eq!(
         (p.engine.counts().started, n.engine.counts().started),
@@ -500,14 +560,14 @@ async fn e2bs_default_context_restart_empties_pythons_main_on_a_javascript_templ
 
 #[tokio::test]
 async fn e2bs_ts_and_js_without_the_runtime_are_400_saying_what_runs() {
-    let (n, p) = (node().await, python().await);
-    let (on_node, on_python) = (n.sandbox().await, p.sandbox().await);
+    let p = python().await;
+    let on_python = p.sandbox().await;
 
-    let (ts_context, ts_context_r) = n
-        .post_in_sandbox(&on_node, "/contexts", &json!({"language": "ts"}))
+    let (ts_context, ts_context_r) = p
+        .post_in_sandbox(&on_python, "/contexts", &json!({"language": "ts"}))
         .await;
-    let (ts_cell, ts_cell_r) = n
-        .execute(&on_node, &json!({"code": "1", "language": "typescript"}))
+    let (ts_cell, ts_cell_r) = p
+        .execute(&on_python, &json!({"code": "1", "language": "typescript"}))
         .await;
     let (js_context, js_context_r) = p
         .post_in_sandbox(&on_python, "/contexts", &json!({"language": "js"}))
@@ -516,9 +576,22 @@ async fn e2bs_ts_and_js_without_the_runtime_are_400_saying_what_runs() {
         .execute(&on_python, &json!({"code": "1", "language": "javascript"}))
         .await;
 
-    let ts = json!({"code": 400, "message": "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake-node's runtimes: javascript (js, node), python, shell"});
-    assert_eq!((ts_context, &ts_context_r), (400, &ts));
-    assert_eq!((ts_cell, ts_cell_r), (400, vec![ts]));
+    assert_eq!(
+        (ts_context, &ts_context_r),
+        (
+            400,
+            &json!({"code": 400, "message": "template fake has no runtime \"ts\"; its runtimes: python, shell"})
+        )
+    );
+    assert_eq!(
+        (ts_cell, ts_cell_r),
+        (
+            400,
+            vec![
+                json!({"code": 400, "message": "template fake has no runtime \"typescript\"; its runtimes: python, shell"})
+            ]
+        )
+    );
     assert_eq!(
         (js_context, &js_context_r),
         (
@@ -535,5 +608,5 @@ async fn e2bs_ts_and_js_without_the_runtime_are_400_saying_what_runs() {
             ]
         )
     );
-    assert!(n.engine.cells().is_empty() && p.engine.cells().is_empty());
+    assert!(p.engine.cells().is_empty());
 }

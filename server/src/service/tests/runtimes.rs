@@ -1,7 +1,8 @@
 //! A template's runtimes by name and alias, and its kernel runtime (JavaScript in the node
 //! template): one-shot jobs, batches and session cells run in it; its code contexts are
-//! namespaces of the session's kernel, each its own; TypeScript and JavaScript on a
-//! template without it are refused, naming what runs.
+//! namespaces of the session's kernel, each its own; TypeScript is the kernel's dialect 1
+//! in jobs, cells and contexts alike; TypeScript and JavaScript on a template without them
+//! are refused, naming what runs.
 
 use std::sync::Arc;
 
@@ -109,7 +110,7 @@ async fn a_javascript_job_on_a_template_without_it_is_400_naming_its_runtimes() 
     assert_invalid(
         &unknown_on_node,
         "language",
-        "template fake-node has no runtime \"ruby\"; its runtimes: javascript (js, node), python, shell",
+        "template fake-node has no runtime \"ruby\"; its runtimes: javascript (js, node), python, shell, typescript (ts)",
     );
     assert_eq!((python.counts().jobs, node.counts().jobs), (0, 0));
 }
@@ -219,6 +220,60 @@ async fn a_javascript_session_runs_its_cells_in_the_kernel_runtime_by_any_of_its
     );
     assert_eq!(node.counts().started, 3);
     assert_eq!(python.counts().started, 0);
+}
+
+#[tokio::test]
+async fn typescript_is_the_kernels_dialect_1_in_jobs_batches_sessions_and_cells() {
+    let (state, _python, node) = two_templates();
+
+    for name in ["typescript", "ts"] {
+        let ran = run(
+            &state,
+            job_in(Some("node"), name, "let x: number"),
+            no_sink(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(ran.result.status, Status::Ok, "{name}");
+    }
+    let ran = batch(
+        &state,
+        vec![
+            job_in(Some("node"), "ts", "a"),
+            job_in(Some("node"), "js", "b"),
+        ],
+    )
+    .await
+    .unwrap();
+    assert!(ran.iter().all(|r| r.result.status == Status::Ok));
+    let req = CreateSession {
+        template: Some("node".into()),
+        language: Some("ts".into()),
+        ..CreateSession::default()
+    };
+    let ts_session = start_fresh(&state, req).await.expect("a session");
+    let id = ts_session.id.clone();
+    assert_eq!(
+        (ts_session.language, ts_session.dialect),
+        (Language::Kernel, 1)
+    );
+    // Its cells are TypeScript unless one names another runtime.
+    for language in [None, Some("js"), Some("python"), Some("typescript")] {
+        assert_eq!(cell_in(&state, &id, language, "1").await, Status::Ok);
+    }
+
+    assert_eq!(
+        node.languages(),
+        [
+            [Language::Kernel; 6].as_slice(),
+            &[Language::Python, Language::Kernel]
+        ]
+        .concat()
+    );
+    let mut dialects = node.dialects();
+    // The batch's two jobs run side by side, in either order.
+    dialects[2..4].sort();
+    assert_eq!(dialects, [1, 1, 0, 1, 1, 0, 0, 1]);
 }
 
 #[tokio::test]
@@ -401,41 +456,58 @@ async fn restarting_a_javascript_context_empties_its_namespace_and_removing_it_t
 }
 
 #[tokio::test]
-async fn a_typescript_or_unknown_context_is_400_saying_what_runs() {
-    let (state, _python, _node) = two_templates();
+async fn a_typescript_context_is_a_namespace_in_the_kernels_dialect_and_an_unknown_is_400() {
+    use crate::service::contexts::{self, Which};
+    let (state, _python, node) = two_templates();
     let on_python = new_session(&state).await;
     let on_node = session_of(&state, "node").await;
     let create = |id: &str, language: &str| {
         crate::service::contexts::create(&state, id, Some(language), None, "/tmp").unwrap_err()
     };
+    let ts = contexts::create(&state, &on_node, Some("ts"), None, "/tmp").unwrap();
+    let js = contexts::create(&state, &on_node, Some("js"), None, "/tmp").unwrap();
+    for (ctx, code) in [(&ts, "let x: number = 1"), (&js, "1"), (&ts, "x")] {
+        let ran = contexts::run(
+            &state,
+            &on_node,
+            Which::Made(&ctx.id),
+            context_cell(code),
+            "/test",
+            no_sink(),
+        )
+        .await
+        .expect("a cell");
+        assert_eq!(ran.result.status, Status::Ok);
+    }
 
+    assert_eq!(
+        (ts.language.as_str(), ts.namespace),
+        ("typescript", 1),
+        "named as the template names the runtime"
+    );
+    assert_eq!(
+        contexts::language(&state, &on_node, &ts).unwrap(),
+        Language::Kernel
+    );
+    assert_eq!(node.languages(), [Language::Kernel; 3]);
+    assert_eq!(node.dialects(), [1, 0, 1], "TypeScript is dialect 1");
     for language in ["ts", "typescript"] {
-        assert_invalid(
-            &create(&on_node, language),
-            "language",
-            "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake-node's runtimes: javascript (js, node), python, shell",
-        );
         assert_invalid(
             &create(&on_python, language),
             "language",
-            "TypeScript is not built yet: write the code in JavaScript (language \"js\") on a template that has it; template fake's runtimes: python, shell",
+            &format!("template fake has no runtime {language:?}; its runtimes: python, shell"),
         );
     }
     assert_invalid(
         &create(&on_node, "r"),
         "language",
-        "bud runs python, bash (busybox sh) and javascript code, not r",
+        "bud runs python, bash (busybox sh), javascript and typescript code, not r",
     );
     assert_invalid(
         &create(&on_python, "r"),
         "language",
         "bud runs python and bash (busybox sh) code, not r",
     );
-    for id in [&on_python, &on_node] {
-        assert!(
-            crate::service::contexts::list(&state, id)
-                .unwrap()
-                .is_empty()
-        );
-    }
+    let made = |id: &str| crate::service::contexts::list(&state, id).unwrap().len();
+    assert_eq!((made(&on_python), made(&on_node)), (0, 2));
 }
