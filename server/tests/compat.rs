@@ -2,7 +2,9 @@
 //! the Piston client aiopyston, unmodified, installed from PyPI (pinned in
 //! `compat/requirements.txt`) into `<repo>/build/compat-venv` by the first test that needs
 //! them. Each client script prints what it saw as JSON and the test asserts every value.
-//! Needs /dev/kvm and PyPI; the first run builds and boots the datascience template.
+//! Needs /dev/kvm and PyPI. Everything here runs on the `python` template; what needs the
+//! `datascience` one (figures, DataFrames, charts) is in `compat_figures.rs`, so that this
+//! binary does not wait for that template's build in the suite.
 
 mod common;
 
@@ -16,13 +18,13 @@ use serde_json::{Value, json};
 
 fn server(keys: Option<&str>) -> TestServer {
     let mut config: Config = test_config();
-    config.templates = vec!["python".into(), "datascience".into()];
+    config.templates = vec!["python".into()];
     config.api_keys = keys.map(|k| Arc::new(ApiKeys::parse(k).expect("test keys")));
     TestServer::with_config(config)
 }
 
 #[test]
-fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
+fn the_e2b_sdk_runs_stateful_cells_errors_contexts_and_bash() {
     let s = server(None);
     let seen = client_script("e2b_interpreter.py", &[], &e2b_env(&s, "e2b_any"));
     assert_eq!(seen["id_prefix"], json!("ses_"));
@@ -63,108 +65,12 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
         json!("ZeroDivisionError: division by zero")
     );
     assert_eq!(seen["stderr_after_error"], json!([]));
-    // E2B shows a string's repr without its quotes.
-    assert_eq!(seen["figure"], json!([2, true, false, "done", true]));
-    assert_eq!(
-        seen["frame"],
-        json!([true, ["a", "b", "0", "1", "3", "1", "2", "4"]])
-    );
-    assert_eq!(
-        seen["frame_data"],
-        json!([
-            1,
-            true,
-            {"n": [1, 2], "x": [0.5, null], "s": ["p", "q"],
-             "t": ["2024-01-01T00:00:00", "2024-01-02T03:04:05"]},
-            ["data", "html", "text"]
-        ])
-    );
-    // In the frame's order (the server does not re-sort the keys).
-    assert_eq!(seen["frame_columns"], json!(["n", "x", "s", "t"]));
-    assert_eq!(seen["big_frame"], json!([10000, 9999.0]));
-    let figure = |chart: Value| -> Value {
-        let mut row = json!([false, "<Figure size 640x480 with 1 Axes>", true]);
-        row.as_array_mut()
-            .unwrap()
-            .extend(chart.as_array().unwrap().iter().cloned());
-        row
-    };
-    assert_eq!(
-        seen["charts"],
-        json!([
-            figure(json!([
-                "LineChart",
-                "line",
-                "growth",
-                "time (s)",
-                "size [m]",
-                "s",
-                "m",
-                [
-                    ["squares", [[1.0, 1.0], [2.0, 4.0], [3.0, 9.0]]],
-                    ["Line 1", [[1.0, 2.0], [2.0, 3.0], [3.0, 4.0]]]
-                ],
-                ["linear", [0.75, 1.0], ["0.75", "1.00"]]
-            ])),
-            figure(json!([
-                "BarChart",
-                "bar",
-                "bars",
-                null,
-                null,
-                null,
-                null,
-                [
-                    ["a", "counts", 3.0],
-                    ["b", "counts", 1.0],
-                    ["c", "counts", 2.0]
-                ]
-            ])),
-            figure(json!([
-                "ScatterChart",
-                "scatter",
-                null,
-                null,
-                null,
-                null,
-                null,
-                [["dots", [[1.0, 5.0], [2.0, 6.0]]]],
-                ["linear", [0.8, 1.0], ["0.8", "1.0"]]
-            ])),
-            [true, "value", false],
-            // Left open: after the value. Horizontal bars: x and y swapped, so that y is
-            // the value axis, as E2B has it.
-            figure(json!([
-                "BarChart",
-                "bar",
-                null,
-                null,
-                "amount (kg)",
-                null,
-                "kg",
-                [["p", "Group 0", 7.0], ["q", "Group 0", 8.0]]
-            ])),
-        ])
-    );
-    assert_eq!(
-        seen["display"],
-        json!([
-            [false, "shown", ["text"]],
-            [false, "   n\ni  1\nj  2", ["data", "html", "text"]],
-            [false, "{'k': 1}", ["text"]],
-            [false, "<Figure size 640x480 with 1 Axes>", ["chart", "png", "text"]],
-            [false, "{'k': [1, 2]}", ["json", "text"]],
-            [true, "42", ["text"]],
-            ["printed\n"],
-            {"n": [1, 2]}
-        ])
-    );
     assert_eq!(
         seen["display_only"],
         json!([[false, "0"], [false, "1"], [false, "2"]])
     );
     assert_eq!(seen["json_value"], json!({"a": [1, 2.5], "b": null}));
-    eprintln!("E2B cell wall times, s: {}", seen["timings"]);
+    eprintln!("E2B cell wall times (python), s: {}", seen["timings"]);
     assert_eq!(seen["context"], json!(["in the context", "41"]));
     assert_eq!(seen["indented_in_context"], json!("42"));
     assert_eq!(seen["exec_env_context"], json!(["two", "unset"]));
@@ -180,8 +86,6 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
             "/home/user/proj"
         ])
     );
-    assert_eq!(seen["kernel"], json!([true, true]));
-    assert_eq!(seen["fresh_kernel"], json!([true, false]));
     assert_eq!(
         seen["overlap"],
         json!(["ctx/default", "ctx/other", "default/other"])
@@ -203,10 +107,7 @@ fn the_e2b_sdk_runs_stateful_cells_figures_errors_and_contexts() {
     assert_eq!(seen["bash_exit"], json!([["bye\n"], "DeadKernelError"]));
     assert_eq!(seen["bash_new_shell"], json!(["gone /tmp\n"]));
     assert_eq!(seen["async"], json!([true, ["/tmp\n"], ["/tmp\n"]]));
-    assert_eq!(
-        seen["async_rich"],
-        json!([{"n": [1, 2]}, "symlink", "t.txt"])
-    );
+    assert_eq!(seen["async_symlink"], json!(["symlink", "t.txt"]));
     assert_eq!(seen["running"], json!(true));
     assert_eq!(seen["running_after_kill"], json!(false));
     assert_eq!(seen["kill_again"], json!(false));
