@@ -13,10 +13,19 @@
 //! lane runs the binaries that need no guest; while one template boots on one core, the
 //! other lane boots the next or runs tests that need only what is built.
 //!
+//! Only what needs the `datascience` template waits for it, the longest build of the chain:
+//! `compat_figures.rs` (E2B's charts, frames and the warm kernel) and
+//! `templates_datascience.rs`. `compat.rs` (every other client, on `python`) waits for
+//! `python`, and `templates.rs` (the registry, the `tools` template) for `tools`.
+//!
 //! The seconds are each job's from a clean-clone run in two lanes on the development machine
 //! (2 cores, kvm_pvm, 2026-11-28; docs/measurements.md, session 22), each beside whatever
-//! the other lane ran. They only order the queue: every binary runs whether it is listed or
-//! not, and one not listed counts as [`UNLISTED`].
+//! the other lane ran; those of the four binaries split from `compat.rs` and `templates.rs`
+//! on 2026-12-07 are each run alone with one test thread, its templates built, the other
+//! core busy with other work. They only order the queue: every binary runs whether it is
+//! listed or not, and one not listed counts as [`UNLISTED`]. The run has two bounds: the
+//! machine's two cores (docs/measurements.md, session 23: nothing idles), so the sum of these
+//! seconds over two lanes; and the chain of builds with what waits for its last one.
 
 use crate::suite::Job;
 
@@ -57,7 +66,7 @@ const NONE: &[&str] = &[];
 const ON_GUEST: &[&str] = &[GUEST];
 const ON_PYTHON: &[&str] = &[GUEST, PYTHON];
 const ON_DATASCIENCE: &[&str] = &[GUEST, PYTHON, DATASCIENCE];
-const ON_ALL: &[&str] = &[GUEST, PYTHON, DATASCIENCE, TOOLS];
+const ON_TOOLS: &[&str] = &[GUEST, PYTHON, TOOLS];
 const ON_NODE: &[&str] = &[GUEST, PYTHON, NODE];
 
 /// A binary the table does not name: short, and needing the `python` template to be safe.
@@ -75,14 +84,21 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     // Its image (Node.js, ~120 MB) and a first boot that warms Node.js up.
     (NODE, 150, ON_PYTHON),
     ("server/tests/javascript.rs", 135, ON_NODE),
-    ("server/tests/compat.rs", 175, ON_DATASCIENCE),
+    // The clients on the `python` template; the first of the two compat binaries to run
+    // makes their venv from PyPI (~16 s) under its lock, the other waits for it.
+    ("server/tests/compat.rs", 122, ON_PYTHON),
+    // E2B's figures, frames and charts: the only compat test on `datascience`.
+    ("server/tests/compat_figures.rs", 14, ON_DATASCIENCE),
     // A first-level VM under QEMU's TCG (installs QEMU on first use): one host thread.
     ("tests/hwvirt.rs", 194, ON_GUEST),
     // Builds the instrumented targets (one cargo job per lane), fuzzes each 5 s. It needs
     // no guest: it waits for the kernel build only so that the two do not share the cores
     // (the kernel build is the head of every guest test's chain; fuzz's build is nobody's).
     ("tests/fuzz.rs", 269, ON_GUEST),
-    ("server/tests/templates.rs", 229, ON_ALL),
+    // The registry on `python` and the `tools` template's jobs (bash, git, curl).
+    ("server/tests/templates.rs", 56, ON_TOOLS),
+    // numpy in three processes side by side (~43 s), the rest in seconds.
+    ("server/tests/templates_datascience.rs", 112, ON_DATASCIENCE),
     // Builds two user templates (apt, a wheel, a first boot each) through bud serve's
     // builder process, and restarts the server twice.
     ("tests/user_templates.rs", 200, ON_PYTHON),
@@ -229,7 +245,7 @@ mod tests {
                 GUEST,
                 PYTHON,
                 DATASCIENCE,
-                "server/tests/compat.rs",
+                "server/tests/compat_figures.rs",
                 "tests/reset.rs",
                 "tests/audit_cli.rs",
             ]
@@ -248,24 +264,66 @@ mod tests {
             next_ready(q, &|l: &str| ended.contains(&l), &in_run).map(|i| q[i].label.clone())
         };
         assert_eq!(ready_in(&rest, &[]), Some("tests/audit_cli.rs".into()));
-        // The guest built: the python template next; compat waits for datascience.
+        // The guest built: the python template next; the figures wait for datascience.
         assert_eq!(ready_in(&rest, &[GUEST]), Some(PYTHON.into()));
-        let compat_then_cli = ["server/tests/compat.rs", "tests/audit_cli.rs"].map(job);
+        let figures_then_cli = ["server/tests/compat_figures.rs", "tests/audit_cli.rs"].map(job);
         assert_eq!(
-            ready_in(&compat_then_cli, &[GUEST, PYTHON]),
+            ready_in(&figures_then_cli, &[GUEST, PYTHON]),
             Some("tests/audit_cli.rs".into())
         );
         assert_eq!(
-            ready_in(&compat_then_cli, &[GUEST, PYTHON, DATASCIENCE]),
-            Some("server/tests/compat.rs".into())
+            ready_in(&figures_then_cli, &[GUEST, PYTHON, DATASCIENCE]),
+            Some("server/tests/compat_figures.rs".into())
         );
         // The tools build is not in this run: templates.rs does not wait for it.
         let templates = [job("server/tests/templates.rs")];
         assert_eq!(
-            ready_in(&templates, &[GUEST, PYTHON, DATASCIENCE]),
+            ready_in(&templates, &[GUEST, PYTHON]),
             Some("server/tests/templates.rs".into())
         );
         assert_eq!(ready_in(&templates, &[GUEST]), None);
+    }
+
+    #[test]
+    fn only_the_datascience_tests_wait_for_the_datascience_template() {
+        assert_eq!(hint("server/tests/compat.rs").needs, [GUEST, PYTHON]);
+        assert_eq!(
+            hint("server/tests/compat_figures.rs").needs,
+            [GUEST, PYTHON, DATASCIENCE]
+        );
+        assert_eq!(
+            hint("server/tests/templates.rs").needs,
+            [GUEST, PYTHON, TOOLS]
+        );
+        assert_eq!(
+            hint("server/tests/templates_datascience.rs").needs,
+            [GUEST, PYTHON, DATASCIENCE]
+        );
+        let waiting: Vec<&str> = HINTS
+            .iter()
+            .filter(|(_, _, needs)| needs.contains(&DATASCIENCE))
+            .map(|(label, _, _)| *label)
+            .collect();
+        assert_eq!(
+            waiting,
+            [
+                "server/tests/compat_figures.rs",
+                "server/tests/templates_datascience.rs"
+            ]
+        );
+        // With every build in the run, templates.rs goes once tools has built, while
+        // datascience still boots.
+        let all = |l: &str| is_build(l);
+        let templates = [job("server/tests/templates.rs")];
+        let ended = [GUEST, PYTHON, TOOLS];
+        assert_eq!(
+            next_ready(&templates, &|l: &str| ended.contains(&l), &all),
+            Some(0)
+        );
+        assert_eq!(
+            next_ready(&templates, &|l: &str| [GUEST, PYTHON].contains(&l), &all),
+            None
+        );
     }
 
     #[test]
