@@ -90,6 +90,16 @@ def cells(n=JOBS):
             walls.append((time.perf_counter() - t) * 1000)
             insns.append(r["timings"]["kvm"]["emulated_instructions"])
         label = f"session cell 1 + 1 [{template}]"
+        if template == "node":
+            ts_walls = []
+            for _ in range(n):
+                t = time.perf_counter()
+                r = post(f"/v1/sessions/{sid}/exec", {"code": "const t: number = 2; t", "language": "ts"})
+                ts_walls.append((time.perf_counter() - t) * 1000)
+                if r["status"] != "ok":
+                    sys.exit(f"typescript cell: {r}")
+            print(f"{'session cell const t: number [node, ts]':44s} wall p50 {statistics.median(ts_walls):7.2f} ms"
+                  f"  p90 {pct(ts_walls, 0.9):7.2f} ms")
         print(f"{label:44s} wall p50 {statistics.median(walls):7.2f} ms  p90 {pct(walls, 0.9):7.2f} ms"
               f"  emulated p50 {statistics.median(insns):8.0f}")
         if template == "node":
@@ -109,6 +119,9 @@ def main():
     print(f"{JOBS} jobs each, one at a time, over HTTP; host node {node_version}")
     js = jobs("bud javascript console.log(1+1) [node]",
               {"template": "node", "language": "javascript", "code": "console.log(1+1)"})
+    jobs("bud typescript const x: number [node]",
+         {"template": "node", "language": "typescript",
+          "code": "const x: number = 1 + 1; console.log(x)"})
     jobs("bud python print(1+1) [python]",
          {"template": "python", "language": "python", "code": "print(1+1)"})
     jobs("bud python print(1+1) [node, handed over]",

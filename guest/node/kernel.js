@@ -41,7 +41,14 @@
 // stack points at the user's line): TypeScript by sucrase, which strips the types and
 // checks none (as `tsc --noCheck`, tsx or node's --experimental-strip-types do).
 //
-// Not yet: the host's interrupt (a job past its deadline ends with its VM).
+// The host's interrupt (a cell or job past its time): the worker's interrupt watcher sends
+// this process SIGINT for a kernel request. Code running synchronously from the request
+// (a loop in a cell or job) is stopped by V8 (`breakOnSigint`) with node's own
+// ERR_SCRIPT_EXECUTION_INTERRUPTED error; a request waiting in the event loop (a timer, a
+// promise) is ended by the SIGINT handler with the same error. The request then ends as an
+// uncaught error would (a cell's session goes on). Not interruptible: a synchronous loop
+// in a callback the loop runs later (after an `await`, in a timer); the host ends that
+// session after its grace.
 
 const fs = require('fs');
 const path = require('path');
@@ -346,7 +353,7 @@ function runJob(request) {
   const code = request.dialect ? inJavaScript(request.dialect, request.code, '[eval]', true) : request.code;
   const script = new vm.Script(code, { filename: '[eval]' });
   marks.compiled = process.hrtime.bigint();
-  script.runInThisContext({ displayErrors: true });
+  script.runInThisContext({ displayErrors: true, breakOnSigint: true });
 }
 
 function finish(code, display) {
@@ -372,14 +379,23 @@ function reportUncaught(error) {
   try {
     // isNativeError: an error made in a cell's context is no `instanceof Error` here.
     const isError = util.types.isNativeError(error) || error instanceof Error;
-    text = isError ? util.inspect(error) : `Uncaught ${util.inspect(error)}`;
+    if (isError && error.code === INTERRUPTED) {
+      // Where the interrupt found the code is node's and bud's frames, not the user's.
+      text = `${error.name}: ${error.message}`;
+    } else {
+      text = isError ? util.inspect(error) : `Uncaught ${util.inspect(error)}`;
+    }
   } catch {
     text = String(error);
   }
-  text = text
-    .split('\n')
-    .filter((line) => !line.includes(__filename))
-    .join('\n');
+  // Without the kernel's own frames; one that opened the error's own properties (` {`)
+  // leaves its brace on the line before.
+  const lines = [];
+  for (const line of text.split('\n')) {
+    if (!line.includes(__filename)) lines.push(line);
+    else if (line.endsWith(' {') && lines.length > 0) lines[lines.length - 1] += ' {';
+  }
+  text = lines.join('\n');
   emit(1, Buffer.from(`${text}\n\nNode.js ${process.version}\n`));
 }
 
@@ -417,6 +433,27 @@ process.on('uncaughtException', (error) => {
   process.emit('exit', 1);
   finish(1);
 });
+
+// The host's interrupt of the running request (module docs): only for the request it was
+// sent for (the host names it in JOB_INTERRUPT; a late signal stops nothing).
+const INTERRUPTED = 'ERR_SCRIPT_EXECUTION_INTERRUPTED';
+function interrupted() {
+  // As node's own (a loop stopped by breakOnSigint) says it.
+  const error = new Error('Script execution was interrupted by `SIGINT`');
+  error.code = INTERRUPTED;
+  return error;
+}
+process.on('SIGINT', () => {
+  if (current === null || current.finished || u32(P.JOB_INTERRUPT) !== current.sequence) return;
+  if (current.fail) {
+    current.fail(interrupted());
+  } else {
+    reportUncaught(interrupted());
+    finish(EXIT_INTERRUPTED);
+  }
+});
+// A job's exit code when interrupted: a shell's for a process ended by SIGINT.
+const EXIT_INTERRUPTED = 130;
 
 // Whether the kernel is inside a beforeExit handler: a request run from there must leave
 // the loop something to do (`keepLoop`), or node ends when the handler returns.
@@ -659,7 +696,7 @@ function runCell(request) {
   }
   current.restoreEnv = setCellEnv(request.env);
   const inDisplay = (request.flags & P.JOB_FLAGS_ERROR_IN_DISPLAY) !== 0;
-  const failed = (error) => {
+  const failed = (current.fail = (error) => {
     if (error === EXITED_SENTINEL) return;
     if (inDisplay) {
       finish(1, { error: errorOf(error) });
@@ -667,7 +704,7 @@ function runCell(request) {
       reportUncaught(error);
       finish(1);
     }
-  };
+  });
   let promise;
   try {
     const code = request.dialect ? inJavaScript(request.dialect, request.code, '[cell]', false) : request.code;
@@ -681,7 +718,7 @@ function runCell(request) {
     }
     if (source[0]) vm.runInContext(source[0], context);
     // lineOffset: the cell's own first line is line 1 in stacks (the wrapper's is 0).
-    promise = vm.runInContext(source[1], context, { filename: '[cell]', lineOffset: -1 });
+    promise = vm.runInContext(source[1], context, { filename: '[cell]', lineOffset: -1, breakOnSigint: true });
   } catch (error) {
     failed(error);
     return;
@@ -806,7 +843,7 @@ function serve(done) {
     } catch (error) {
       if (error === EXITED_SENTINEL) throw error; // an earlier job's process.exit, unwinding
       reportUncaught(error);
-      finish(1);
+      finish(error && error.code === INTERRUPTED ? EXIT_INTERRUPTED : 1);
     }
     // To the event loop; beforeExit finishes the job.
     keepLoop();

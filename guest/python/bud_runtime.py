@@ -98,6 +98,8 @@ class KernelRuntime:
             for fd in (stdin, out, to_read, from_write):
                 os.close(fd)
         self._to_kernel, self._from_kernel = to_write, from_read
+        # The host's interrupt of a kernel request goes to the kernel (interrupt.rs).
+        _bud.set_kernel_pid(self.pid)
         try:
             line = self._read_line()
         except OSError:

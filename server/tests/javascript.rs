@@ -392,11 +392,20 @@ fn the_template_lists_javascript_and_typescript_with_their_aliases_and_version()
     );
     assert!(first["version"].as_str().unwrap().starts_with("18."), "{r}");
     let names: Vec<&str> = runtimes.iter().filter_map(|r| r["name"].as_str()).collect();
-    assert_eq!(names, ["javascript", "python", "shell", "typescript"], "{r}");
+    assert_eq!(
+        names,
+        ["javascript", "python", "shell", "typescript"],
+        "{r}"
+    );
     let ts = &runtimes[3];
     assert_eq!(
         (&ts["aliases"], &ts["run"], &ts["dialect"], &ts["version"]),
-        (&json!(["ts"]), &json!("kernel"), &json!(1), &first["version"]),
+        (
+            &json!(["ts"]),
+            &json!("kernel"),
+            &json!(1),
+            &first["version"]
+        ),
         "{r}"
     );
 }
@@ -566,6 +575,44 @@ fn a_cells_error_comes_back_with_its_name_and_the_session_goes_on() {
     );
     assert!(!stderr.contains("kernel.js"), "{failed}");
     assert_eq!(shown(&next), &json!("2"), "{next}");
+}
+
+#[test]
+fn a_cell_past_its_timeout_is_interrupted_and_the_session_goes_on() {
+    let s = node();
+    let id = session(&s);
+    cell(&s, &id, json!({"code": "let count = 0"}));
+
+    let looping = cell(
+        &s,
+        &id,
+        json!({"code": "while (true) { count += 1; }", "timeout_ms": 1500}),
+    );
+    let after_loop = cell(&s, &id, json!({"code": "count > 0"}));
+    let waiting = cell(
+        &s,
+        &id,
+        json!({"code": "count = -1;\nawait new Promise((r) => setTimeout(r, 600000))", "timeout_ms": 1500}),
+    );
+    let after_wait = cell(&s, &id, json!({"code": "count"}));
+    let shown_session: Value = s.get(&format!("/v1/sessions/{id}")).json().unwrap();
+
+    for r in [&looping, &waiting] {
+        assert_eq!(
+            (&r["status"], &r["stderr"]),
+            (
+                &json!("timeout"),
+                &json!(format!(
+                    "Error: Script execution was interrupted by `SIGINT`\n\nNode.js {}\n",
+                    node_version(&s)
+                ))
+            ),
+            "{r}"
+        );
+    }
+    assert_eq!(shown(&after_loop), &json!("true"), "{after_loop}");
+    assert_eq!(shown(&after_wait), &json!("-1"), "{after_wait}");
+    assert_eq!(shown_session["state"], json!("running"), "{shown_session}");
 }
 
 #[test]

@@ -18,6 +18,11 @@
 //! the host's current one: a late signal must never interrupt the next cell. A SIGINT the
 //! watcher did not send (a job's own `os.kill`) records nothing and raises as usual.
 //!
+//! A request the image's kernel runtime runs (`language::KERNEL`: JavaScript on `node`) is
+//! not the worker's: its SIGINT goes to the kernel's process ([`set_kernel_pid`]), which
+//! stops the code it runs (guest/node/kernel.js) and ends the request itself; nothing is
+//! recorded for [`take_sent`] then.
+//!
 //! The same thread wakes the worker's lane thread (`bud_beside`): for a [`LANE_BYTE`] it
 //! writes one byte to that thread's pipe (non-blocking: a full pipe already holds a wakeup).
 //!
@@ -29,10 +34,10 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 
 use crate::mailbox::Mailbox;
-use crate::protocol::{job, lane};
+use crate::protocol::{job, lane, language};
 
 /// The byte that means "interrupt" (ETX, what a terminal's Ctrl-C sends).
 pub const INTERRUPT_BYTE: u8 = 0x03;
@@ -42,6 +47,14 @@ pub const LANE_BYTE: u8 = lane::BYTE;
 
 /// The request the watcher last sent SIGINT for (0: none since the last [`take_sent`]).
 static SENT: AtomicU32 = AtomicU32::new(0);
+
+/// The kernel runtime's process (0: none started).
+static KERNEL_PID: AtomicI32 = AtomicI32::new(0);
+
+/// The process that runs `language::KERNEL` requests, where their SIGINT goes.
+pub fn set_kernel_pid(pid: i32) {
+    KERNEL_PID.store(pid, Ordering::SeqCst);
+}
 
 /// The request the watcher's last SIGINT was for, and forget it (0: the watcher sent none
 /// since the last call, so a SIGINT came from elsewhere).
@@ -147,6 +160,13 @@ fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox, lane: Op
             && sequence != 0
             && field(mailbox, job::INTERRUPT) == sequence
         {
+            let kernel = KERNEL_PID.load(Ordering::SeqCst);
+            if kernel > 0 && field(mailbox, job::LANGUAGE) == language::KERNEL {
+                // SAFETY: kill has no memory effects; the kernel is a child of this process,
+                // so its pid is not reused while it is unreaped.
+                unsafe { libc::kill(kernel, libc::SIGINT) };
+                continue;
+            }
             SENT.store(sequence, Ordering::SeqCst);
             // SAFETY: `main` is the worker's main thread, which lives as long as the process.
             unsafe { libc::pthread_kill(main, libc::SIGINT) };

@@ -362,6 +362,13 @@ fn take_interrupt() -> u32 {
     interrupt::take_sent()
 }
 
+/// The process that runs `language::KERNEL` requests (the image's kernel runtime): the
+/// interrupt watcher sends a kernel request's SIGINT there (see `interrupt.rs`).
+#[pyfunction]
+fn set_kernel_pid(pid: i32) {
+    interrupt::set_kernel_pid(pid);
+}
+
 /// mlockall(MCL_CURRENT): every page mapped now becomes resident and present.
 #[pyfunction]
 fn lock_memory() -> PyResult<()> {
@@ -410,6 +417,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(use_arena_region, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
     m.add_function(wrap_pyfunction!(take_interrupt, m)?)?;
+    m.add_function(wrap_pyfunction!(set_kernel_pid, m)?)?;
     m.add_function(wrap_pyfunction!(punch_hole, m)?)?;
     m.add_function(wrap_pyfunction!(resize_tmpfs, m)?)?;
     m.add("INTERRUPT_BYTE", interrupt::INTERRUPT_BYTE)?;
