@@ -57,32 +57,78 @@ impl Default for BuildConfig {
 }
 
 /// The file in the state directory naming the user templates this server built and
-/// serves, one a line: served again after a restart (`bud serve` adds them to its
-/// templates).
+/// serves, one a line, `NAME` or `NAME OWNER` (the name of the API key that built it, for a
+/// server with keys): served again after a restart (`bud serve` adds them to its
+/// templates), each still its owner's (docs/templates.md).
 pub const RECORD_FILE: &str = "user-templates";
 
-/// The user templates recorded in `state_dir` (none if it has no record).
-pub fn recorded(state_dir: &std::path::Path) -> Vec<String> {
+/// One user template of the record ([`RECORD_FILE`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recorded {
+    pub name: String,
+    /// The API key's name that built it; None: built without keys, nobody's.
+    pub owner: Option<String>,
+}
+
+/// The user templates recorded in `state_dir` with their owners (none if it has no
+/// record). A line that is not a template name, with an optional key name after it, is
+/// skipped.
+pub fn recorded_owned(state_dir: &std::path::Path) -> Vec<Recorded> {
     std::fs::read_to_string(state_dir.join(RECORD_FILE))
         .unwrap_or_default()
         .lines()
-        .map(str::trim)
-        .filter(|n| bud_guest::definition::valid_name(n))
-        .map(str::to_owned)
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            let (name, owner) = (parts.next()?, parts.next());
+            (bud_guest::definition::valid_name(name) && parts.next().is_none()).then(|| Recorded {
+                name: name.to_owned(),
+                owner: owner.map(str::to_owned),
+            })
+        })
         .collect()
 }
 
-/// Adds `name` to the record in `state_dir` (`serve: true`) or takes it out; written
-/// atomically.
-pub fn record(state_dir: &std::path::Path, name: &str, serve: bool) -> std::io::Result<()> {
-    let mut names = recorded(state_dir);
-    names.retain(|n| n != name);
-    if serve {
-        names.push(name.to_owned());
-    }
+/// The names of the user templates recorded in `state_dir`.
+pub fn recorded(state_dir: &std::path::Path) -> Vec<String> {
+    recorded_owned(state_dir)
+        .into_iter()
+        .map(|r| r.name)
+        .collect()
+}
+
+/// Adds `name` to the record in `state_dir`, as `owner`'s (`Some`: an API key's name),
+/// replacing a line of that name; written atomically.
+pub fn record(state_dir: &std::path::Path, name: &str, owner: Option<&str>) -> std::io::Result<()> {
+    rewrite(state_dir, name, |all| {
+        all.push(Recorded {
+            name: name.to_owned(),
+            owner: owner.map(str::to_owned),
+        })
+    })
+}
+
+/// Takes `name` out of the record in `state_dir`; written atomically.
+pub fn forget(state_dir: &std::path::Path, name: &str) -> std::io::Result<()> {
+    rewrite(state_dir, name, |_| {})
+}
+
+fn rewrite(
+    state_dir: &std::path::Path,
+    name: &str,
+    then: impl FnOnce(&mut Vec<Recorded>),
+) -> std::io::Result<()> {
+    let mut all = recorded_owned(state_dir);
+    all.retain(|r| r.name != name);
+    then(&mut all);
     let path = state_dir.join(RECORD_FILE);
     let tmp = state_dir.join(format!("{RECORD_FILE}.tmp"));
-    let text: String = names.iter().map(|n| format!("{n}\n")).collect();
+    let text: String = all
+        .iter()
+        .map(|r| match &r.owner {
+            Some(owner) => format!("{} {owner}\n", r.name),
+            None => format!("{}\n", r.name),
+        })
+        .collect();
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, &path)
 }
@@ -141,15 +187,18 @@ struct Inner {
 #[derive(Debug)]
 pub struct Build {
     pub name: String,
+    /// The API key's name that asked for it (None without keys).
+    pub owner: Option<String>,
     started: Instant,
     inner: Mutex<Inner>,
     changed: watch::Sender<u64>,
 }
 
 impl Build {
-    fn new(name: &str) -> Arc<Self> {
+    fn new(name: &str, owner: Option<&str>) -> Arc<Self> {
         Arc::new(Self {
             name: name.to_owned(),
+            owner: owner.map(str::to_owned),
             started: Instant::now(),
             inner: Mutex::new(Inner {
                 state: BuildState::Building,
@@ -247,8 +296,9 @@ pub struct Builds {
 }
 
 impl Builds {
-    /// Starts the record of a build of `name`; `None` while one of that name is building.
-    pub fn begin(&self, name: &str) -> Option<Arc<Build>> {
+    /// Starts the record of a build of `name` for `owner` (an API key's name, if the
+    /// server has keys); `None` while one of that name is building.
+    pub fn begin(&self, name: &str, owner: Option<&str>) -> Option<Arc<Build>> {
         let mut all = self.all.lock().unwrap_or_else(|p| p.into_inner());
         if all
             .get(name)
@@ -256,7 +306,7 @@ impl Builds {
         {
             return None;
         }
-        let build = Build::new(name);
+        let build = Build::new(name, owner);
         all.insert(name.to_owned(), build.clone());
         Some(build)
     }
@@ -419,12 +469,42 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
 
         assert!(recorded(&dir).is_empty());
-        record(&dir, "a", true).unwrap();
-        record(&dir, "b", true).unwrap();
-        record(&dir, "a", true).unwrap();
+        record(&dir, "a", None).unwrap();
+        record(&dir, "b", None).unwrap();
+        record(&dir, "a", None).unwrap();
         assert_eq!(recorded(&dir), ["b", "a"]);
-        record(&dir, "b", false).unwrap();
+        forget(&dir, "b").unwrap();
         assert_eq!(recorded(&dir), ["a"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_record_keeps_each_templates_owner_and_reads_a_record_without_owners() {
+        let dir = std::env::temp_dir().join(format!("bud-builds-owners-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A record an older server wrote: names only, nobody's.
+        std::fs::write(dir.join(RECORD_FILE), "old\n\nBad Name\n").unwrap();
+
+        record(&dir, "report", Some("alice")).unwrap();
+        record(&dir, "plain", None).unwrap();
+        record(&dir, "old", Some("bob")).unwrap();
+
+        let text = std::fs::read_to_string(dir.join(RECORD_FILE)).unwrap();
+        assert_eq!(text, "report alice\nplain\nold bob\n");
+        let owned = |name: &str, owner: Option<&str>| Recorded {
+            name: name.into(),
+            owner: owner.map(Into::into),
+        };
+        assert_eq!(
+            recorded_owned(&dir),
+            [
+                owned("report", Some("alice")),
+                owned("plain", None),
+                owned("old", Some("bob"))
+            ]
+        );
+        forget(&dir, "report").unwrap();
+        assert_eq!(recorded(&dir), ["plain", "old"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -449,9 +529,10 @@ mod tests {
     #[test]
     fn a_build_keeps_its_log_and_one_of_a_name_builds_at_once() {
         let builds = Builds::default();
-        let build = builds.begin("a").unwrap();
+        let build = builds.begin("a", Some("alice")).unwrap();
 
-        assert!(builds.begin("a").is_none());
+        assert_eq!(build.owner.as_deref(), Some("alice"));
+        assert!(builds.begin("a", None).is_none());
         build.line("one");
         build.line(&"x".repeat(3 * MAX_LINE));
         let (lines, over, next) = build.since(0);
@@ -463,12 +544,12 @@ mod tests {
             (vec![], Some(BuildState::Failed("why".into())), 2)
         );
         assert_eq!(builds.building(), 0);
-        assert!(builds.begin("a").is_some());
+        assert!(builds.begin("a", None).is_some());
     }
 
     #[test]
     fn a_long_log_keeps_its_start_and_its_end() {
-        let build = Build::new("a");
+        let build = Build::new("a", None);
         for i in 0..MAX_LINES + 10 {
             build.line(&i.to_string());
         }

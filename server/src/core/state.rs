@@ -82,15 +82,19 @@ impl std::fmt::Debug for Source {
 #[derive(Debug)]
 struct Served {
     name: String,
+    /// The API key's name of a user template built under keys (None: nobody's, every
+    /// key's to see: `crate::service::templates::may_see`).
+    owner: Option<String>,
     engine: OnceLock<Arc<dyn Engine>>,
     info: OnceLock<TemplateInfo>,
     failed: OnceLock<String>,
 }
 
 impl Served {
-    fn new(name: &str) -> Arc<Self> {
+    fn new(name: &str, owner: Option<String>) -> Arc<Self> {
         Arc::new(Self {
             name: name.to_owned(),
+            owner,
             engine: OnceLock::new(),
             info: OnceLock::new(),
             failed: OnceLock::new(),
@@ -113,6 +117,10 @@ pub struct TemplateStatus {
     /// `ready`, `building` or `failed`.
     pub status: &'static str,
     pub default: bool,
+    /// The API key's name of a user template built under keys (only its owner sees it);
+    /// absent for nobody's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     #[serde(flatten)]
@@ -202,10 +210,23 @@ impl AppState {
         config.validate()?;
         let jobs = JobThreads::start(config.workers, config.capacity(), config.key_quota())
             .map_err(StateError::Threads)?;
+        // The user templates this server built keep their owners (its state directory's
+        // record of them: `crate::core::builds::RECORD_FILE`).
+        let owners = config
+            .state_dir
+            .as_deref()
+            .map(crate::core::builds::recorded_owned)
+            .unwrap_or_default();
+        let owner_of = |name: &str| {
+            owners
+                .iter()
+                .find(|r| r.name == name)
+                .and_then(|r| r.owner.clone())
+        };
         let templates: Vec<Arc<Served>> = config
             .templates
             .iter()
-            .map(|name| Served::new(name))
+            .map(|name| Served::new(name, owner_of(name)))
             .collect();
         if let (Some(e), Some(t)) = (
             executor,
@@ -422,15 +443,29 @@ impl AppState {
         }
     }
 
-    /// Serves template `name` from now on, as `building` until [`AppState::set_template`].
-    /// Returns `false` if it is served already.
-    pub fn add_template(&self, name: &str) -> bool {
+    /// Serves template `name` from now on, as `building` until [`AppState::set_template`];
+    /// `owner`'s (an API key's name) or nobody's. Returns `false` if it is served already.
+    pub fn add_template(&self, name: &str, owner: Option<&str>) -> bool {
         let mut all = self.0.templates.write().unwrap_or_else(|p| p.into_inner());
         if all.iter().any(|t| t.name == name) {
             return false;
         }
-        all.push(Served::new(name));
+        all.push(Served::new(name, owner.map(str::to_owned)));
         true
+    }
+
+    /// Whether template `name` is served, and whose it is: `Some(None)` for nobody's (a
+    /// template of `--templates`, one added with `PUT`, one built without keys).
+    pub fn template_owner(&self, name: &str) -> Option<Option<String>> {
+        Some(self.served(name)?.owner.clone())
+    }
+
+    /// The served templates' names with their owners, in order.
+    pub fn template_owners(&self) -> Vec<(String, Option<String>)> {
+        self.all_served()
+            .iter()
+            .map(|t| (t.name.clone(), t.owner.clone()))
+            .collect()
     }
 
     /// Stops serving template `name`; returns the state it was in (jobs that hold its
@@ -550,6 +585,7 @@ impl AppState {
                         (None, None) => "building",
                     },
                     default: t.name == default,
+                    owner: t.owner.clone(),
                     error: t.failed.get().cloned(),
                     info: t.info.get().cloned().unwrap_or_default(),
                     ram_bytes: e.map(|e| e.sizes().0),
@@ -621,8 +657,8 @@ mod tests {
     fn templates_are_added_and_removed_by_name_in_order() {
         let s = state();
 
-        let added = s.add_template("tools");
-        let again = s.add_template("tools");
+        let added = s.add_template("tools", None);
+        let again = s.add_template("tools", Some("alice"));
         let names = s.template_names();
         let removed = s.remove_template("tools");
         let twice = s.remove_template("tools");

@@ -18,14 +18,15 @@ use crate::core::builds::{Build, BuildState};
 use crate::core::state::{AppState, TemplateStatus};
 use crate::http::body::JsonBody;
 use crate::http::error::ApiError;
-use crate::service::builds;
+use crate::service::builds::{self, Found};
 use crate::service::templates::{self, Added};
 
-/// `GET /v1/templates`: the served templates, their state (`ready`, `building`, `failed`
+/// `GET /v1/templates`: the served templates the caller may see (with API keys: the
+/// built-in ones and its key's own), their state (`ready`, `building`, `failed`
 /// with why), image size, packages and memory, and from their manifests their runtimes,
 /// kernels, tools and network.
 pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "templates": state.templates() }))
+    Json(serde_json::json!({ "templates": templates::visible_templates(&state) }))
 }
 
 /// `GET /v1/templates/{name}`: one served template's entry, with its last build's state
@@ -35,27 +36,20 @@ pub async fn get(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let build = state.builds().get(&name);
-    let served = state.templates().into_iter().find(|t| t.name == name);
-    match (served, build) {
-        (Some(t), build) => {
+    match builds::find(&state, &name)? {
+        Found::Served(t, build) => {
             let mut entry = serde_json::to_value(&t).unwrap_or_default();
             if let (Some(b), Some(object)) = (build, entry.as_object_mut()) {
                 object.insert("build".into(), build_summary(&b));
             }
             Ok(Json(entry))
         }
-        (None, Some(b)) => Ok(Json(serde_json::json!({
+        Found::Built(b) => Ok(Json(serde_json::json!({
             "name": name,
             "status": state_name(&b.state()),
             "error": match b.state() { BuildState::Failed(why) => Some(why), _ => None },
             "build": build_summary(&b),
         }))),
-        (None, None) => Err(crate::service::error::Error::NoTemplate(format!(
-            "template {name} is not served and was not built here; this server serves: {}",
-            state.template_names().join(", ")
-        ))
-        .into()),
     }
 }
 

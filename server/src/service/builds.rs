@@ -3,6 +3,9 @@
 //! builder (`crate::core::builds`: another process), the template served as `building`
 //! meanwhile (its jobs get 503 `not_ready`), then loaded once built, or dropped with the
 //! build's error if it failed: a failed build leaves nothing served or stored.
+//!
+//! With API keys on, a template and its build belong to the key that asked for it, and
+//! another key's are answered as if they did not exist ([`crate::service::templates::may_see`]).
 
 use std::sync::Arc;
 
@@ -12,7 +15,7 @@ use tracing::{info, warn};
 use crate::core::builds::{Build, BuildState};
 use crate::core::state::{AppState, Moment, TemplateStatus};
 use crate::service::error::Error;
-use crate::service::templates::prepare;
+use crate::service::templates::{self, prepare};
 
 /// The limits a definition must keep on this server.
 fn limits(state: &AppState) -> Limits {
@@ -23,8 +26,10 @@ fn limits(state: &AppState) -> Limits {
 }
 
 /// Checks `body` (a definition, parsed as JSON) and starts its build; the template is
-/// served as `building` from now on. Refused (409) when the name is built in, served or
-/// building.
+/// served as `building` from now on, the current request's key's (with keys on). Refused
+/// (409) when the name is built in, served or building (another key's: taken, naming no
+/// key); with keys on, a `from` that is neither built in nor a served template the request
+/// may see is 400 `unknown_template` on `from`.
 pub fn create(
     state: &AppState,
     body: serde_json::Value,
@@ -52,19 +57,31 @@ pub fn create(
         message: e.to_string(),
     })?;
     let name = definition.name.clone();
+    if templates::taken_by_another(state, &name) {
+        return Err(templates::taken(&name));
+    }
     if state.template_state(&name).is_some() {
         return Err(Error::TemplateExists(format!(
             "template {name} is served already (DELETE /v1/templates/{name} first)"
         )));
     }
+    // Under keys the builder must not be asked for another key's template (nor be the one to
+    // say which stored templates there are).
+    if state.config().api_keys.is_some()
+        && !builder.built_in().contains(&definition.from)
+        && !templates::visible(state, &definition.from)
+    {
+        return Err(templates::unknown(state, &definition.from, "from"));
+    }
     if state.builds().building() >= allowed {
         return Err(Error::TooManyBuilds { limit: allowed });
     }
+    let owner = templates::owner_now(state);
     let build = state
         .builds()
-        .begin(&name)
+        .begin(&name, owner.as_deref())
         .ok_or_else(|| Error::TemplateExists(format!("template {name} is being built already")))?;
-    if !state.add_template(&name) {
+    if !state.add_template(&name, owner.as_deref()) {
         build.finish(BuildState::Failed("served meanwhile".into()));
         return Err(Error::TemplateExists(format!(
             "template {name} is served already"
@@ -99,7 +116,8 @@ async fn finish(state: AppState, build: Arc<Build>, built: Result<(), String>) {
     match loaded {
         Ok(()) => {
             if let Some(dir) = state.state_dir()
-                && let Err(e) = crate::core::builds::record(dir.root(), &name, true)
+                && let Err(e) =
+                    crate::core::builds::record(dir.root(), &name, build.owner.as_deref())
             {
                 warn!(template = %name, "cannot record the template for the next start: {e}");
                 build.line(&format!(
@@ -143,10 +161,40 @@ async fn load(state: &AppState, name: &str) -> Result<(), String> {
     }
 }
 
-/// The latest build of `name`: 404 if there was none on this server.
+/// The latest build of `name`, if the current request may see it.
+fn visible_build(state: &AppState, name: &str) -> Option<Arc<Build>> {
+    let build = state.builds().get(name)?;
+    templates::may_see(state, build.owner.as_deref()).then_some(build)
+}
+
+/// The latest build of `name`: 404 if there was none on this server (or it is another
+/// key's).
 pub fn build_of(state: &AppState, name: &str) -> Result<Arc<Build>, Error> {
-    state
-        .builds()
-        .get(name)
+    visible_build(state, name)
         .ok_or_else(|| Error::NoTemplate(format!("no build of template {name} on this server")))
+}
+
+/// What `GET /v1/templates/{name}` finds.
+#[derive(Debug)]
+pub enum Found {
+    /// Served, with its latest build on this server if it has one.
+    Served(Box<TemplateStatus>, Option<Arc<Build>>),
+    /// Not served: a build that failed (or one whose template was removed since).
+    Built(Arc<Build>),
+}
+
+/// Template `name` as `GET /v1/templates/{name}` finds it: its served entry and its latest
+/// build on this server, each if the current request may see it; 404 with neither.
+pub fn find(state: &AppState, name: &str) -> Result<Found, Error> {
+    let served = templates::visible_templates(state)
+        .into_iter()
+        .find(|t| t.name == name);
+    match (served, visible_build(state, name)) {
+        (Some(t), build) => Ok(Found::Served(Box::new(t), build)),
+        (None, Some(build)) => Ok(Found::Built(build)),
+        (None, None) => Err(Error::NoTemplate(format!(
+            "template {name} is not served and was not built here; this server serves: {}",
+            templates::visible_names(state).join(", ")
+        ))),
+    }
 }

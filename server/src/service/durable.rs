@@ -237,7 +237,7 @@ pub fn delete_snapshot(state: &AppState, id: &str) -> Result<(), Error> {
         .snapshots()
         .remove(id)
         .ok_or_else(|| Error::NoSnapshot(id.to_owned()))?;
-    if let Ok(exec) = templates::executor_for(state, Some(&s.record.template)) {
+    if let Ok(exec) = templates::served_executor(state, &s.record.template) {
         crate::service::resume::unpin_if_unneeded(&dir, &exec, &s.key);
     }
     Ok(())

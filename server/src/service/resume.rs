@@ -81,7 +81,7 @@ pub async fn executor_of_key(
     name: &str,
     key: &str,
 ) -> Result<Arc<vmm::Executor>, Error> {
-    let exec = templates::executor_for(state, Some(name))?;
+    let exec = templates::served_executor(state, name)?;
     if exec.template().key() == key {
         return Ok(exec);
     }

@@ -134,7 +134,7 @@ pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
     if let Some(dir) = state.state_dir()
         && let Some(p) = dir.paused().remove(id)
     {
-        if let Ok(exec) = templates::executor_for(state, Some(&p.record.template)) {
+        if let Ok(exec) = templates::served_executor(state, &p.record.template) {
             crate::service::resume::unpin_if_unneeded(dir, &exec, &p.key);
         }
         if let Some(t) = state.traces() {

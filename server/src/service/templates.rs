@@ -8,6 +8,19 @@
 //! and, for a kernel runtime ([`Language::Kernel`], JavaScript), code contexts alike).
 //! Templates are prepared ([`prepare`]) at start and by [`add`] later, from the server's
 //! [`TemplateSource`]; [`remove`] stops serving one that no live session runs on.
+//!
+//! **Whose a template is.** With API keys on, a user template built over HTTP belongs to
+//! the key that built it (its name, kept with the template and in the state directory's
+//! record): another key's is invisible, answered as a template that does not exist (not
+//! listed, 404 for its entry, its build and its `DELETE`, `unknown_template` for a job,
+//! batch, session or definition's `from` that names it; the templates an error lists are
+//! the caller's to see). The built-in ones (`--templates`), those added with `PUT` and
+//! those built without keys are nobody's: every key sees them. Names stay one namespace:
+//! a name another key holds is taken (409, naming no key). Without keys every template is
+//! every request's. [`may_see`] alone decides; every lookup by a name a request gives
+//! goes through [`visible`] ([`engine_for`], [`remove`], [`add`], the builds'), while what
+//! exists already (a session's, a paused session's or a snapshot's template) is found with
+//! [`served_engine`] (a session's id is what gives it).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,16 +51,80 @@ pub enum PrepareError {
     StateDir(#[from] crate::core::durable::DurableError),
 }
 
-/// The engine of template `asked` (`None`: the default one): unknown if it is not
-/// served; not ready (retry later) while it is built or loaded; failed if it could not be.
+/// Whether the current request may see a template that belongs to `owner` (an API key's
+/// name; None: nobody's): the one place that decides (module docs). Without API keys,
+/// always; with them, a template of nobody's or of the request's own key.
+pub fn may_see(state: &AppState, owner: Option<&str>) -> bool {
+    if state.config().api_keys.is_none() {
+        return true;
+    }
+    owner.is_none_or(|o| crate::core::audit::current_key().as_deref() == Some(o))
+}
+
+/// The owner a template made for the current request gets: its API key's name, with keys
+/// on; nobody without.
+pub fn owner_now(state: &AppState) -> Option<String> {
+    state.config().api_keys.as_ref()?;
+    crate::core::audit::current_key()
+}
+
+/// Whether template `name` is served and the current request may see it.
+pub fn visible(state: &AppState, name: &str) -> bool {
+    state
+        .template_owner(name)
+        .is_some_and(|owner| may_see(state, owner.as_deref()))
+}
+
+/// Whether template `name` is served for another key than the current request's: its
+/// name is taken, and nothing more is said.
+pub fn taken_by_another(state: &AppState, name: &str) -> bool {
+    state
+        .template_owner(name)
+        .is_some_and(|owner| !may_see(state, owner.as_deref()))
+}
+
+/// The served templates the current request may see, their states, in order.
+pub fn visible_templates(state: &AppState) -> Vec<TemplateStatus> {
+    let mut all = state.templates();
+    all.retain(|t| may_see(state, t.owner.as_deref()));
+    all
+}
+
+/// The names of the served templates the current request may see, in order: what an
+/// error about an unknown template lists.
+pub fn visible_names(state: &AppState) -> Vec<String> {
+    let mut all = state.template_owners();
+    all.retain(|(_, owner)| may_see(state, owner.as_deref()));
+    all.into_iter().map(|(name, _)| name).collect()
+}
+
+/// 400 `unknown_template` on `field`: `name` is not a template the current request may
+/// use, naming those it may.
+pub fn unknown(state: &AppState, name: &str, field: &str) -> Error {
+    Error::UnknownTemplate {
+        name: name.to_owned(),
+        served: visible_names(state),
+        field: field.into(),
+    }
+}
+
+/// The engine of template `asked` (`None`: the default one), a name a request gives:
+/// unknown if it is not served or not the request's to see ([`may_see`]); not ready (retry
+/// later) while it is built or loaded; failed if it could not be.
 pub fn engine_for(state: &AppState, asked: Option<&str>) -> Result<Arc<dyn Engine>, Error> {
     let name = state.template_name(asked);
+    if !visible(state, name) {
+        return Err(unknown(state, name, "template"));
+    }
+    served_engine(state, name)
+}
+
+/// The engine of served template `name` whoever it belongs to: for what exists already (a
+/// session's, a paused session's or a snapshot's template), never for a name a request
+/// gives ([`engine_for`]). Errors as [`engine_for`]'s.
+pub fn served_engine(state: &AppState, name: &str) -> Result<Arc<dyn Engine>, Error> {
     match state.template_state(name) {
-        None => Err(Error::UnknownTemplate {
-            name: name.to_owned(),
-            served: state.template_names(),
-            field: "template".into(),
-        }),
+        None => Err(unknown(state, name, "template")),
         Some(TemplateState::Ready(e)) => Ok(e),
         Some(TemplateState::Failed(why)) => {
             state.metrics().rejected(Rejection::NotReady);
@@ -69,7 +146,17 @@ pub fn engine_for(state: &AppState, asked: Option<&str>) -> Result<Arc<dyn Engin
 /// The VMM executor of template `asked`, as [`engine_for`] finds it; a template on a test
 /// engine has none.
 pub fn executor_for(state: &AppState, asked: Option<&str>) -> Result<Arc<Executor>, Error> {
-    engine_for(state, asked)?
+    executor_of_engine(engine_for(state, asked)?)
+}
+
+/// The VMM executor of served template `name`, as [`served_engine`] finds it (whoever it
+/// belongs to: for what exists already).
+pub fn served_executor(state: &AppState, name: &str) -> Result<Arc<Executor>, Error> {
+    executor_of_engine(served_engine(state, name)?)
+}
+
+fn executor_of_engine(engine: Arc<dyn Engine>) -> Result<Arc<Executor>, Error> {
+    engine
         .executor()
         .cloned()
         .ok_or_else(|| Error::internal("this template's engine has no VMM"))
@@ -198,9 +285,10 @@ pub enum Added {
 }
 
 /// Serves template `name` from now on: loads it from the server's source (its guest must be
-/// built; its template is loaded, or booted on first use) and waits until it is ready. A
-/// template served already is left as it is. Refused once the jail's filters are on (the
-/// jail never closes while one is loaded: [`AppState::fix_templates_if`]).
+/// built; its template is loaded, or booted on first use) and waits until it is ready;
+/// nobody's (every key's to see). A template served already is left as it is; one served
+/// for another key is taken (409, naming no key). Refused once the jail's filters are on
+/// (the jail never closes while one is loaded: [`AppState::fix_templates_if`]).
 pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
     if !valid_template_name(name) {
         return Err(Error::invalid(
@@ -208,12 +296,15 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
             "a template name is lowercase letters, digits, '-' and '_'",
         ));
     }
+    if taken_by_another(state, name) {
+        return Err(taken(name));
+    }
     let status = |state: &AppState| state.templates().into_iter().find(|t| t.name == name);
     let source = state
         .template_source()
         .cloned()
         .ok_or_else(|| Error::NoTemplate("this server has no source of templates".into()))?;
-    if !state.add_template(name) {
+    if !state.add_template(name, None) {
         return Ok(Added::Already(status(state).ok_or_else(|| gone(name))?));
     }
     let (st, owned) = (state.clone(), name.to_owned());
@@ -252,14 +343,21 @@ fn gone(name: &str) -> Error {
     Error::NoTemplate(format!("template {name} was removed meanwhile"))
 }
 
+/// 409: template `name` is another key's (and which is not said).
+pub fn taken(name: &str) -> Error {
+    Error::TemplateExists(format!(
+        "the name {name} is taken on this server; give yours another name"
+    ))
+}
+
 /// Stops serving template `name`: refused for the default template and while a live
 /// session runs on it (sessions are not drained: they are the client's to end or pause).
 /// Jobs already admitted on it finish; its executor goes with the last of them.
 pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
-    if state.template_state(name).is_none() {
+    if !visible(state, name) {
         return Err(Error::NoTemplate(format!(
             "template {name} is not served; this server serves: {}",
-            state.template_names().join(", ")
+            visible_names(state).join(", ")
         )));
     }
     if name == state.config().default_template() {
@@ -284,7 +382,7 @@ pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
         && crate::core::builds::recorded(dir.root())
             .iter()
             .any(|n| n == name)
-        && let Err(e) = crate::core::builds::record(dir.root(), name, false)
+        && let Err(e) = crate::core::builds::forget(dir.root(), name)
     {
         tracing::warn!(
             template = name,

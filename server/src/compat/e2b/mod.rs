@@ -176,9 +176,10 @@ const BASE_TOOLS: [&str; 3] = ["bash", "curl", "git"];
 
 /// The bud template of an E2B template name. E2B's `base` is the first served template
 /// whose manifest has bash, curl and git (bud's `tools`), else `tools` while it is still
-/// building, else `python`.
+/// building, else `python`; only among the templates the caller may see (with API keys,
+/// another key's user template is not there: `crate::service::templates::may_see`).
 fn bud_template(state: &AppState, asked: &str) -> Result<String, Error> {
-    let names = state.template_names();
+    let names = crate::service::templates::visible_names(state);
     let served = |name: &str| names.iter().any(|t| t == name);
     let with_tools = names.iter().find(|name| {
         state

@@ -125,7 +125,8 @@ pub fn at_create(
     }
     let spec = policy(allow_internet_access, network)?;
     let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
-    let card = crate::service::templates::engine_for(state, Some(template))
+    // The template named was found for the caller already (or is a snapshot's).
+    let card = crate::service::templates::served_engine(state, template)
         .is_ok_and(|e| crate::service::network::has_card(e.as_ref()));
     Ok(spec.filter(|_| listed || card))
 }

@@ -10,6 +10,8 @@ use serde_json::{Value, json};
 use super::*;
 use crate::core::builds::Builder;
 
+mod keys;
+
 /// A builder that ends each build as its definition's `env.END` says: `ok`, `fail`, or
 /// (anything else) never, until [`FakeBuilder::finish`].
 type Done = Box<dyn FnOnce(Result<(), String>) + Send>;

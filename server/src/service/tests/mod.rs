@@ -9,6 +9,7 @@
 mod drain;
 mod jobs;
 mod network;
+mod owners;
 mod queue;
 mod runtimes;
 mod sessions;
