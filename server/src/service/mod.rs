@@ -16,7 +16,9 @@
 //!   while they live;
 //! - [`files`]: a session's files, a one-shot job's files;
 //! - [`network`]: a sandbox's network policy, its gate and its record of connections;
-//! - [`templates`]: which executor a request runs on;
+//! - [`templates`]: which executor a request runs on, and whose a template is (under API
+//!   keys, a user template its builder's key's alone: [`templates::may_see`]);
+//! - [`builds`]: user templates built over HTTP;
 //! - [`record`]: a finished job or cell recorded once (metrics, log, audit);
 //! - [`task`]: where output goes ([`task::Sink`]), and a call whose output streams, on
 //!   its own task;
