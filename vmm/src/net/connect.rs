@@ -17,8 +17,10 @@
 //! asleep while no dial is under way.
 //!
 //! A stack caps its own dials in flight (`MAX_DIALS_IN_FLIGHT` in [`super::stack`]); this
-//! module bounds nothing itself but each dial's time. [`in_flight`] is the dials under way,
-//! all VMs together, for the server's metrics.
+//! module bounds nothing itself but each dial's time. A stack that goes (a reset, the end of
+//! a job) cancels its dials still under way ([`cancel`]): their sockets close at once
+//! rather than at their timeout, so a VM reset again and again does not pile up dials.
+//! [`in_flight`] is the dials under way, all VMs together, for the server's metrics.
 
 use std::collections::{BTreeSet, HashMap};
 use std::io;
@@ -29,6 +31,8 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
+
+use super::dialer::Owner;
 
 /// How long a dial may take (the guest's SYN is held meanwhile).
 pub(crate) const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -56,9 +60,10 @@ pub(crate) enum DialError {
 /// `bud-connect` thread: it must not block.
 pub(crate) type Finish = Box<dyn FnOnce(Result<TcpStream, DialError>) + Send>;
 
-/// Starts dialing `target` and returns at once; `finish` gets the outcome when the connect
-/// completes, fails, or has not completed within `timeout`.
-pub(crate) fn dial(target: SocketAddr, timeout: Duration, finish: Finish) {
+/// Starts dialing `target` for `owner` and returns at once; `finish` gets the outcome when
+/// the connect completes, fails, or has not completed within `timeout` (and is dropped
+/// uncalled if `owner` cancels it first).
+pub(crate) fn dial(owner: Owner, target: SocketAddr, timeout: Duration, finish: Finish) {
     let fd = match socket(target) {
         Ok(fd) => fd,
         Err(e) => return finish(Err(DialError::Socket(e))),
@@ -87,6 +92,7 @@ pub(crate) fn dial(target: SocketAddr, timeout: Duration, finish: Finish) {
     p.dials.insert(
         id,
         Connecting {
+            owner,
             fd,
             deadline,
             timeout,
@@ -107,6 +113,41 @@ pub fn in_flight() -> usize {
     POLLER.get().map_or(0, |p| p.pending().dials.len())
 }
 
+/// Abandons `owner`'s dials under way: each socket closes (which also takes it out of the
+/// `epoll`) and its finish is dropped uncalled. Makes no call but `close` (a job thread's
+/// stack goes on the job thread, which a jailed server allows little else), and only takes
+/// a lock when no dial is under way.
+pub(crate) fn cancel(owner: Owner) {
+    let Some(p) = POLLER.get() else { return };
+    let gone: Vec<Connecting> = {
+        let mut pending = p.pending();
+        if pending.dials.is_empty() {
+            return;
+        }
+        let ids: Vec<u64> = pending
+            .dials
+            .iter()
+            .filter(|(_, c)| c.owner == owner)
+            .map(|(id, _)| *id)
+            .collect();
+        ids.into_iter().filter_map(|id| pending.take(id)).collect()
+    };
+    // Outside the lock: closing a socket and dropping a finish (its stack's handles).
+    drop(gone);
+}
+
+/// `owner`'s dials under way.
+#[cfg(test)]
+pub(crate) fn in_flight_of(owner: Owner) -> usize {
+    POLLER.get().map_or(0, |p| {
+        p.pending()
+            .dials
+            .values()
+            .filter(|c| c.owner == owner)
+            .count()
+    })
+}
+
 /// Starts the `bud-connect` thread if it has not started ([`super::start`]).
 pub(crate) fn start() {
     poller();
@@ -114,6 +155,7 @@ pub(crate) fn start() {
 
 /// One connect under way.
 struct Connecting {
+    owner: Owner,
     fd: OwnedFd,
     deadline: Instant,
     timeout: Duration,
@@ -371,16 +413,49 @@ pub(crate) mod tests {
         let (hung_tx, hung) = mpsc::channel();
         let (done_tx, done) = mpsc::channel();
         // More hanging dials than the dial pool has threads, started from one thread.
+        let (hostile, other) = (Owner::new(), Owner::new());
         for _ in 0..super::super::dialer::THREADS * 8 {
-            dial(hanging.local_addr().unwrap(), PATIENCE, to(&hung_tx));
+            dial(
+                hostile,
+                hanging.local_addr().unwrap(),
+                PATIENCE,
+                to(&hung_tx),
+            );
         }
 
-        dial(good.local_addr().unwrap(), PATIENCE, to(&done_tx));
+        dial(other, good.local_addr().unwrap(), PATIENCE, to(&done_tx));
         let outcome = done.recv_timeout(PATIENCE);
 
         assert_eq!(outcome, Ok(Ok(())));
         assert!(hung.try_recv().is_err(), "the hanging dials are under way");
+        assert_eq!(in_flight_of(hostile), super::super::dialer::THREADS * 8);
         assert!(in_flight() >= super::super::dialer::THREADS * 8);
+        cancel(hostile);
+    }
+
+    #[test]
+    fn cancelled_dials_close_and_never_finish_and_others_dials_go_on() {
+        let (hanging, _filler) = hanging_listener();
+        let (gone, kept) = (Owner::new(), Owner::new());
+        let (gone_tx, gone_rx) = mpsc::channel();
+        let (kept_tx, kept_rx) = mpsc::channel();
+        for _ in 0..4 {
+            dial(gone, hanging.local_addr().unwrap(), PATIENCE, to(&gone_tx));
+        }
+        dial(kept, hanging.local_addr().unwrap(), PATIENCE, to(&kept_tx));
+        drop((gone_tx, kept_tx));
+
+        cancel(gone);
+
+        assert_eq!(in_flight_of(gone), 0);
+        assert_eq!(
+            gone_rx.recv_timeout(PATIENCE),
+            Err(mpsc::RecvTimeoutError::Disconnected),
+            "every finish dropped uncalled"
+        );
+        assert_eq!(in_flight_of(kept), 1);
+        assert!(kept_rx.try_recv().is_err(), "still under way");
+        cancel(kept);
     }
 
     #[test]
@@ -392,12 +467,13 @@ pub(crate) mod tests {
         let (tx, rx) = mpsc::channel();
 
         dial(
+            Owner::new(),
             hanging.local_addr().unwrap(),
             Duration::from_millis(50),
             to(&tx),
         );
         let hung = rx.recv_timeout(PATIENCE).unwrap();
-        dial(closed_addr, PATIENCE, to(&tx));
+        dial(Owner::new(), closed_addr, PATIENCE, to(&tx));
         let refused = rx.recv_timeout(PATIENCE).unwrap();
 
         assert_eq!(hung, Err("no answer within 50ms".to_owned()));

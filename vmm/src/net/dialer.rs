@@ -122,6 +122,21 @@ impl Queues {
         Some((owner, kind, work))
     }
 
+    /// Takes out `owner`'s work that has not started, for the caller to drop; what runs
+    /// ends as it would.
+    fn forget(&mut self, owner: Owner) -> Vec<Work> {
+        let Some(w) = self.of.get_mut(&owner) else {
+            return Vec::new();
+        };
+        let dropped: Vec<Work> = w.lookups.drain(..).chain(w.dials.drain(..)).collect();
+        self.queued -= dropped.len();
+        if w.running == 0 {
+            self.of.remove(&owner);
+        }
+        self.turn.retain(|o| *o != owner);
+        dropped
+    }
+
     fn done(&mut self, owner: Owner, kind: Kind) {
         if kind == Kind::Dial {
             self.dials_running -= 1;
@@ -146,6 +161,16 @@ pub(crate) fn submit(owner: Owner, kind: Kind, work: Work) {
     let pool = pool();
     lock(pool).push(owner, kind, work);
     pool.ready.notify_one();
+}
+
+/// Drops the work of `owner` that waits for a thread (its stack went: nothing is decided
+/// or dialed for a VM that is gone). Takes the pool's lock only if the pool has started.
+pub(crate) fn forget(owner: Owner) {
+    if let Some(pool) = POOL.get() {
+        let dropped = lock(pool).forget(owner);
+        // Outside the lock: the work holds its stack's handles.
+        drop(dropped);
+    }
 }
 
 /// Work waiting for a thread, all VMs together.
@@ -315,5 +340,28 @@ mod tests {
         assert_eq!(then, None, "every dial thread is held");
         assert_eq!(after, Some((late, Kind::Dial)));
         assert_eq!(q.queued, 0);
+    }
+
+    #[test]
+    fn a_forgotten_vms_waiting_work_never_runs_and_its_running_work_ends_as_before() {
+        let mut q = Queues::default();
+        let (gone, other) = (Owner::new(), Owner::new());
+        q.push(gone, Kind::Dial, Box::new(|| {}));
+        let running = q.take().map(|(o, k, _)| (o, k));
+        q.push(gone, Kind::Lookup, Box::new(|| {}));
+        q.push(gone, Kind::Dial, Box::new(|| {}));
+        q.push(other, Kind::Dial, Box::new(|| {}));
+
+        let dropped = q.forget(gone).len();
+        let next = q.take().map(|(o, k, _)| (o, k));
+        let then = q.take().map(|(o, k, _)| (o, k));
+        q.done(gone, Kind::Dial);
+
+        assert_eq!(running, Some((gone, Kind::Dial)));
+        assert_eq!(dropped, 2);
+        assert_eq!(next, Some((other, Kind::Dial)));
+        assert_eq!(then, None);
+        assert_eq!(q.queued, 0);
+        assert!(!q.of.contains_key(&gone));
     }
 }

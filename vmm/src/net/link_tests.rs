@@ -14,7 +14,7 @@ use smoltcp::wire::{
     TcpSeqNumber, UdpPacket, UdpRepr,
 };
 
-use super::connect::tests::hanging_listener;
+use super::connect::{self, tests::hanging_listener};
 use super::dialer;
 use super::egress::{ConnectRequest, Egress, Limit, Traffic, Verdict};
 use super::stack::{MAX_DIALS_IN_FLIGHT, Stack};
@@ -552,4 +552,25 @@ fn a_dial_that_never_answers_ends_at_the_stacks_dial_timeout_with_a_rst() {
     );
     assert_eq!(stack.counters().dials_failed, 1);
     assert!(stack.is_pristine());
+}
+
+#[test]
+fn a_stack_that_goes_cancels_its_dials_under_way() {
+    let (hanging, _filler) = hanging_listener();
+    let (mut stack, _waker) = linked_stack(DialsOne::new(hanging.local_addr().unwrap(), None));
+    stack.set_dial_timeout(Duration::from_secs(600));
+    hold_syns(&mut stack, 4);
+    let owner = stack.owner();
+    let started = Instant::now();
+    while connect::in_flight_of(owner) < 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the dials never started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    drop(stack);
+
+    assert_eq!(connect::in_flight_of(owner), 0);
 }

@@ -253,6 +253,12 @@ impl Stack {
         self.egress.clone()
     }
 
+    /// This VM in the dialer's turns and the connect thread's dials.
+    #[cfg(test)]
+    pub(crate) fn owner(&self) -> dialer::Owner {
+        self.owner
+    }
+
     /// Dials take at most `timeout` from now on (tests use a short one).
     #[cfg(test)]
     pub(crate) fn set_dial_timeout(&mut self, timeout: Duration) {
@@ -365,7 +371,7 @@ impl Stack {
         }
         self.held.insert(conn, (frame.to_vec(), id));
         let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
-        let timeout = self.dial_timeout;
+        let (owner, timeout) = (self.owner, self.dial_timeout);
         dialer::submit(
             self.owner,
             dialer::Kind::Dial,
@@ -380,6 +386,7 @@ impl Stack {
                     Verdict::Refuse => deliver(&inbox, &waker, Done::Dial(conn, Dialed::Refused)),
                     // The dialer's thread is free once the connect is started.
                     Verdict::Dial(target) => connect::dial(
+                        owner,
                         target,
                         timeout,
                         Box::new(move |outcome| {
@@ -603,11 +610,13 @@ impl Stack {
 }
 
 impl Drop for Stack {
-    /// Work of the dialer still under way for this stack is dropped when it comes back; the
-    /// connections still open are over (their host sockets close with the relays) and
-    /// reported so.
+    /// Work of the dialer that has not started is dropped, and so are dials under way (their
+    /// sockets close); work already running is dropped when it comes back. The connections
+    /// still open are over (their host sockets close with the relays) and reported so.
     fn drop(&mut self) {
         lock(&self.inbox).closed = true;
+        dialer::forget(self.owner);
+        connect::cancel(self.owner);
         for r in &self.relays {
             self.egress.closed(r.id, r.traffic);
         }
