@@ -13,9 +13,9 @@
 //! dial done) are seen by one thread of the process ([`waker`]) that only marks the card
 //! pending and kicks the vCPU out of `KVM_RUN`; the run loop then serves the card. Lookups
 //! and connections are decided, and dials started, on a pool of threads of the process
-//! ([`dialer`]); one more thread waits for the dials to complete ([`connect`]). So a VM that is not
-//! running does nothing on the network, a reset finds the card quiescent, and the thread
-//! that makes a card (a jailed server's job thread) creates no thread and no socket.
+//! ([`dialer`]); one more thread waits for the dials to complete ([`connect`]). So a VM that
+//! is not running does nothing on the network, a reset finds the card quiescent, and the
+//! thread that makes a card (a jailed server's job thread) creates no thread and no socket.
 //!
 //! **Exactness.** The card's guest-visible state ([`NetDeviceState`]) is part of
 //! [`crate::snapshot::MachineState`]; a clone starts from it, and a reset returns to it by

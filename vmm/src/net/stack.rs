@@ -22,9 +22,11 @@
 //! would need a second queue per VM.
 //!
 //! Everything else runs on the vCPU thread, between guest exits ([`super::Nic`]), and makes no
-//! system call but `read`, `write` and `shutdown` on connected sockets (the dialer connects
-//! them, makes them non-blocking and registers them with the VM's [`Waker`], which kicks the
-//! vCPU when one is ready, when smoltcp's next timer is due, or when the dialer is done).
+//! system call but `read`, `write` and `shutdown` on connected sockets (the dialer and the
+//! connect thread connect them, non-blocking, and register them with the VM's [`Waker`],
+//! which kicks the vCPU when one is ready, when smoltcp's next timer is due, or when a
+//! lookup or a dial is done); and `close` and a lock when the stack goes (its dials under
+//! way are cancelled).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;

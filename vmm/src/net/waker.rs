@@ -5,12 +5,13 @@
 //! and kicks its vCPU out of `KVM_RUN` ([`Kicker::poke`]), whose run loop runs the stack and
 //! goes back in. A guest blocked in `recv` sleeps in KVM (the in-kernel irqchip halts it
 //! there) until that kick delivers its data and interrupt. The blocking work of a stack
-//! (lookups and dials) runs on [`super::dialer`]'s threads, which wake it the same way.
+//! (lookups and decisions) runs on [`super::dialer`]'s threads and its dials complete on
+//! [`super::connect`]'s thread, which wake it the same way.
 //!
 //! One thread for every VM, started with the first executor ([`start`]), not one per card:
 //! a card is made by whichever thread makes the clone, and in a jailed server that is a job
 //! thread, which may not create threads (nor `epoll` instances, nor register with one: the
-//! dialer registers each host socket it connected).
+//! connect thread registers each host socket it connected).
 //!
 //! Host sockets are watched edge-triggered: a kick per new readiness, never a busy loop while
 //! data waits for the guest's window (the guest's next ACK exits to the card and runs the
