@@ -632,6 +632,30 @@ mod tests {
     }
 
     #[test]
+    fn each_limit_the_stack_refuses_at_is_logged_as_a_refusal_with_its_reason() {
+        let g = Gate::new(Some(Policy::allow_all()), Arc::default());
+
+        for limit in [Limit::Connections, Limit::Dials, Limit::Bytes] {
+            g.over_limit(&by_addr(Ipv4Addr::new(203, 0, 113, 7), 443), limit);
+        }
+
+        let seen: Vec<_> = g
+            .attempts()
+            .0
+            .iter()
+            .map(|a| (a.kind, a.allowed, a.reason, a.dialed))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("connect", false, "limit", None),
+                ("connect", false, "dials", None),
+                ("connect", false, "bytes", None),
+            ]
+        );
+    }
+
+    #[test]
     fn the_log_keeps_the_newest_attempts_and_counts_the_dropped() {
         let g = Gate::new(None, Arc::default());
         for _ in 0..LOG_KEPT + 3 {
