@@ -356,3 +356,47 @@ fn trivial_job_on_a_networked_clone() {
     assert_eq!(result.status, Status::Ok);
     assert_eq!(result.stdout, b"1\n");
 }
+
+/// Where a clone's first TCP connection goes, printed (never asserted): each job, on a VM
+/// reset to its template before it, connects first to its own loopback (a closed port: the
+/// card never sees it), then twice to the echo server through the card, timing `connect` on
+/// a non-blocking socket (the guest's work up to its SYN sent) and the answer. Run:
+/// `cargo test --test network first_tcp_connect -- --ignored --nocapture`
+/// (docs/measurements.md, "Dials under attack").
+#[test]
+#[ignore = "a measurement: run by hand with --nocapture"]
+fn the_first_tcp_connect_of_a_clone_and_the_next() {
+    let echo = echo_server();
+    let exec = one_verified_vm();
+    exec.set_egress(Arc::new(EchoOnly(echo)));
+    let code = format!(
+        "import select, socket, time\n\
+         def connect(addr):\n\
+         \x20   s = socket.socket()\n\
+         \x20   s.setblocking(False)\n\
+         \x20   t0 = time.monotonic()\n\
+         \x20   s.connect_ex(addr)\n\
+         \x20   t1 = time.monotonic()\n\
+         \x20   select.select([], [s], [], 60)\n\
+         \x20   t2 = time.monotonic()\n\
+         \x20   s.close()\n\
+         \x20   return f'connect {{t1 - t0:.4f}} s, answer {{t2 - t1:.4f}} s'\n\
+         echo = socket.getaddrinfo({ECHO_NAME:?}, {port}, socket.AF_INET)[0][4]\n\
+         print('own loopback:', connect(('127.0.0.1', 9)))\n\
+         print('echo server:', connect(echo))\n\
+         print('echo server again:', connect(echo))\n",
+        port = echo.port()
+    );
+
+    for _ in 0..3 {
+        let r = exec
+            .run(&job(code.clone()))
+            .expect("running the job failed");
+        println!(
+            "{:?}\n{}{}",
+            r.status,
+            String::from_utf8_lossy(&r.stdout),
+            String::from_utf8_lossy(&r.stderr)
+        );
+    }
+}
