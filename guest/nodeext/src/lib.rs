@@ -10,6 +10,8 @@
 //! - `ring(code, a, b)` -> number: the doorbell, one `out` with `eax` = code, `rdi` = a,
 //!   `rsi` = b (numbers or BigInts; omitted: 0); returns `eax` as the vCPU resumes. Refuses
 //!   (throws) on a thread that did not `takeDoorbell()`.
+//! - `afterTick()`: returns right after the guest kernel's next tick, so that READY (and
+//!   every clone's job) starts a whole tick period before the next one (`doorbell.rs`).
 //! - `reseed(buf)` ([`rand`]): mixes a `Uint8Array`/`Buffer` into OpenSSL's random
 //!   generator, so every clone of a snapshot gets its own `crypto.randomBytes` stream.
 //!
@@ -138,6 +140,13 @@ fn lock_memory(env: Env, []: [napi_value; 0]) -> JsResult<napi_value> {
     env.undefined()
 }
 
+/// `afterTick()`: returns right after the guest kernel's next tick (`doorbell::after_tick`,
+/// at most 200 ms); the kernel calls it right before READY. Returns whether it saw one.
+fn after_tick(env: Env, []: [napi_value; 0]) -> JsResult<napi_value> {
+    let seen = doorbell::after_tick(std::time::Duration::from_millis(200));
+    env.double(if seen { 1.0 } else { 0.0 })
+}
+
 /// `reseed(buf)`: see [`rand`].
 fn reseed(env: Env, [buf]: [napi_value; 1]) -> JsResult<napi_value> {
     env.with_uint8_array(buf, "buf", rand::seed)??;
@@ -169,6 +178,11 @@ unsafe extern "C" fn lock_memory_cb(env: napi_env, info: napi_callback_info) -> 
     unsafe { js::callback(env, info, "lockMemory", lock_memory) }
 }
 
+unsafe extern "C" fn after_tick_cb(env: napi_env, info: napi_callback_info) -> napi_value {
+    // SAFETY: Node calls this with the env and info of the call in progress.
+    unsafe { js::callback(env, info, "afterTick", after_tick) }
+}
+
 unsafe extern "C" fn reseed_cb(env: napi_env, info: napi_callback_info) -> napi_value {
     // SAFETY: Node calls this with the env and info of the call in progress.
     unsafe { js::callback(env, info, "reseed", reseed) }
@@ -180,10 +194,11 @@ fn register(env: Env, exports: napi_value) -> JsResult<()> {
     env.set_function(exports, c"ring", ring_cb)?;
     env.set_function(exports, c"mailboxAddress", mailbox_address_cb)?;
     env.set_function(exports, c"lockMemory", lock_memory_cb)?;
+    env.set_function(exports, c"afterTick", after_tick_cb)?;
     env.set_function(exports, c"reseed", reseed_cb)
 }
 
-/// The module initializer Node looks up when it loads the addon: adds the six functions to
+/// The module initializer Node looks up when it loads the addon: adds the seven functions to
 /// `exports`. On failure it throws, so `require` does.
 ///
 /// # Safety

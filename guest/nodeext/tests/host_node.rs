@@ -177,7 +177,7 @@ const attempt = (f) => {
 "#;
 
 #[test]
-fn exports_are_the_six_functions() {
+fn exports_are_the_seven_functions() {
     let stage = stage("exports");
 
     let stdout = run(
@@ -197,8 +197,27 @@ for (const [name, value] of Object.entries(bud)) console.log(name, typeof value,
          ring function ring\n\
          mailboxAddress function mailboxAddress\n\
          lockMemory function lockMemory\n\
+         afterTick function afterTick\n\
          reseed function reseed\n"
     );
+}
+
+#[test]
+fn after_tick_returns_once_the_coarse_clock_moved() {
+    let stage = stage("tick");
+
+    let stdout = run(
+        &stage,
+        &format!(
+            "{PRELUDE}
+console.log(bud.afterTick());
+"
+        ),
+        None,
+    );
+
+    // 1: it saw the host's coarse clock move (0 would be its 200 ms limit).
+    assert_eq!(stdout, "1\n");
 }
 
 #[test]

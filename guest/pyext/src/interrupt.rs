@@ -19,9 +19,10 @@
 //! watcher did not send (a job's own `os.kill`) records nothing and raises as usual.
 //!
 //! A request the image's kernel runtime runs (`language::KERNEL`: JavaScript on `node`) is
-//! not the worker's: its SIGINT goes to the kernel's process ([`set_kernel_pid`]), which
-//! stops the code it runs (guest/node/kernel.js) and ends the request itself; nothing is
-//! recorded for [`take_sent`] then.
+//! not the worker's: the kernel's process ([`set_kernel_pid`]) gets SIGINT, which stops the
+//! code it runs synchronously, then SIGUSR2, which ends a request waiting in its event loop
+//! (guest/node/kernel.js says why two); it ends the request itself, and nothing is recorded
+//! for [`take_sent`] then.
 //!
 //! The same thread wakes the worker's lane thread (`bud_beside`): for a [`LANE_BYTE`] it
 //! writes one byte to that thread's pipe (non-blocking: a full pipe already holds a wakeup).
@@ -164,7 +165,10 @@ fn watch(fd: OwnedFd, main: libc::pthread_t, mailbox: &'static Mailbox, lane: Op
             if kernel > 0 && field(mailbox, job::LANGUAGE) == language::KERNEL {
                 // SAFETY: kill has no memory effects; the kernel is a child of this process,
                 // so its pid is not reused while it is unreaped.
-                unsafe { libc::kill(kernel, libc::SIGINT) };
+                unsafe {
+                    libc::kill(kernel, libc::SIGINT);
+                    libc::kill(kernel, libc::SIGUSR2);
+                }
                 continue;
             }
             SENT.store(sequence, Ordering::SeqCst);

@@ -300,13 +300,19 @@ fn ring(code: u32, a: u64, b: u64) -> PyResult<u32> {
     with_doorbell(|doorbell| doorbell.ring(code, a, b))
 }
 
-/// Rings READY with the mailbox's address and length, after writing the wall clock into the
-/// header (`header::READY_WALL_NS`). The host snapshots here; in a clone this call returns,
-/// and the job starts.
+/// The longest [`ready`] waits for the guest's tick (several tick periods: the clock not
+/// moving in that time means there is no tick to wait for).
+const TICK_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Rings READY with the mailbox's address and length, right after a tick of the guest
+/// kernel (`doorbell::after_tick`) and after writing the wall clock into the header
+/// (`header::READY_WALL_NS`). The host snapshots here; in a clone this call returns, and the
+/// job starts.
 #[pyfunction]
 fn ready() -> PyResult<u32> {
     let mailbox = existing_mailbox()?;
     let (addr, len) = (mailbox.addr() as u64, mailbox.len() as u64);
+    doorbell::after_tick(TICK_WAIT_LIMIT);
     mailbox.set_ready_wall_clock();
     with_doorbell(|doorbell| doorbell.ring(code::READY, addr, len))
 }
