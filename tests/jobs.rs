@@ -712,6 +712,32 @@ fn the_template_memory_file_is_read_only_and_unchanged_by_jobs() {
     );
 }
 
+/// The image the guest kernel unpacked at boot is not in the template's memory file: the
+/// VMM zeroes the retained initramfs at READY, and the file holds no zero page, so a
+/// template's file is smaller by its image's size.
+#[test]
+fn the_template_memory_file_holds_no_copy_of_the_image() {
+    let template = executor().template();
+    let image = std::fs::read(&common::guest().initramfs).unwrap();
+    let memory = std::fs::read(template.dir().join("memory")).unwrap();
+    // Where the VMM loads it: the top of guest RAM, page-aligned down (vmm/src/boot).
+    let at = (memory.len() - image.len()) & !4095;
+
+    let region = &memory[at..at + image.len()];
+
+    assert_eq!(memory.len() as u64, template.state().ram_size);
+    assert!(
+        image.iter().any(|&b| b != 0),
+        "the image itself is not zeros"
+    );
+    assert!(
+        region.iter().all(|&b| b == 0),
+        "{} non-zero bytes of the image's {} in the memory file",
+        region.iter().filter(|&&b| b != 0).count(),
+        image.len()
+    );
+}
+
 /// The template's manifest (written by the image builder, read with the template) names
 /// the runtimes the guest really has, at the versions it really runs, and its copy in the
 /// template's directory reads back the same.

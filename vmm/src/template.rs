@@ -162,6 +162,11 @@ fn hash_file(h: &mut Sha256, path: &Path) -> Result<(), TemplateError> {
     }
 }
 
+/// What the VMM itself makes of a template's boot beyond its inputs, part of the key: bump it
+/// when that changes what a template holds, so templates made before are made again.
+/// 1: the retained initramfs zeroed at READY (`boot()`).
+const TEMPLATE_BOOT_VERSION: u32 = 1;
+
 /// The key naming a template: a hash of its inputs, this host's CPU and KVM identity among
 /// them ([`crate::host_identity`]): another host gets its own template, never this one.
 pub(crate) fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
@@ -170,6 +175,7 @@ pub(crate) fn template_key(cfg: &BootConfig) -> Result<String, TemplateError> {
     h.update(env!("CARGO_PKG_VERSION").as_bytes());
     h.update(SNAPSHOT_FORMAT_VERSION.to_le_bytes());
     h.update(PROTOCOL_VERSION.to_le_bytes());
+    h.update(TEMPLATE_BOOT_VERSION.to_le_bytes());
     h.update(cfg.host_kind.name().as_bytes());
     let kvm = crate::vm::open_kvm()?;
     h.update(host_identity(&kvm, cfg.host_kind)?.as_bytes());

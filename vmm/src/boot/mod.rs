@@ -210,8 +210,16 @@ fn host_seed() -> Result<[u8; params::RNG_SEED_SIZE], BootError> {
     Ok(seed)
 }
 
-/// Loads kernel, initramfs and boot structures into `ram`; returns the kernel entry point.
-fn load_guest(ram: &GuestRam, cfg: &BootConfig, cmdline: &str) -> Result<u64, BootError> {
+/// Where the initramfs lies in guest RAM: guest-physical start and length (whole pages).
+#[derive(Debug, Clone, Copy)]
+struct Initrd {
+    addr: u64,
+    len: u64,
+}
+
+/// Loads kernel, initramfs and boot structures into `ram`; returns the kernel entry point
+/// and where the initramfs went.
+fn load_guest(ram: &GuestRam, cfg: &BootConfig, cmdline: &str) -> Result<(u64, Initrd), BootError> {
     let mut kernel = File::open(&cfg.kernel).map_err(|source| BootError::OpenKernel {
         path: cfg.kernel.clone(),
         source,
@@ -264,7 +272,11 @@ fn load_guest(ram: &GuestRam, cfg: &BootConfig, cmdline: &str) -> Result<u64, Bo
     };
     ram.write(ZERO_PAGE_START, &zero_page.to_bytes()?)?;
     cpu::write_boot_tables(ram)?;
-    Ok(loaded.kernel_load.0)
+    let initrd = Initrd {
+        addr: initrd_addr,
+        len: initrd_size.next_multiple_of(PAGE_SIZE),
+    };
+    Ok((loaded.kernel_load.0, initrd))
 }
 
 /// Puts the vCPU in the state the kernel's 64-bit entry expects.
@@ -321,7 +333,7 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
     let mut console = ConsoleLog::default();
     console.set_echo(echo);
     let ram = GuestRam::anonymous(cfg.ram_size)?;
-    let entry = load_guest(&ram, cfg, &cmdline)?;
+    let (entry, initrd) = load_guest(&ram, cfg, &cmdline)?;
     let net = if cfg.network {
         NetStart::Fresh
     } else {
@@ -351,6 +363,10 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
             VcpuStop::Doorbell(code::AGENT_STARTED) => to_agent = Some(first_run.elapsed()),
             VcpuStop::Doorbell(code::READY) => {
                 let to_ready = first_run.elapsed();
+                // The image the guest kernel unpacked long before READY: retained, never
+                // read again (config.rs, `retain_initrd`), so zeros in the template's memory
+                // file, which holds only pages that are not zero.
+                machine.ram.zero(initrd.addr, initrd.len)?;
                 let regs = vcpu_op("KVM_GET_REGS", machine.vcpu.get_regs())?;
                 let sregs = vcpu_op("KVM_GET_SREGS", machine.vcpu.get_sregs())?;
                 let mailbox =
