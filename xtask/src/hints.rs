@@ -88,7 +88,9 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     // makes their venv from PyPI (~16 s) under its lock, the other waits for it.
     ("server/tests/compat.rs", 122, ON_PYTHON),
     // E2B's figures, frames and charts: the only compat test on `datascience`.
-    ("server/tests/compat_figures.rs", 14, ON_DATASCIENCE),
+    // Its sandbox's second code context starts a fresh kernel (numpy, pandas and matplotlib
+    // imported in a new process under emulation): most of its time (265 s in session 30).
+    ("server/tests/compat_figures.rs", 265, ON_DATASCIENCE),
     // A first-level VM under QEMU's TCG (installs QEMU on first use): one host thread.
     ("tests/hwvirt.rs", 194, ON_GUEST),
     // Builds the instrumented targets (one cargo job per lane), fuzzes each 5 s. It needs
@@ -107,6 +109,9 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("tests/memory_cap.rs", 95, ON_PYTHON),
     // Boots its own template (the guest with a network card).
     ("tests/network.rs", 86, ON_GUEST),
+    // Both boot the python image with a network card, a template of its own.
+    ("server/tests/network.rs", 77, ON_GUEST),
+    ("tests/network_attack.rs", 30, ON_GUEST),
     ("tests/session.rs", 69, ON_PYTHON),
     // Installs Debian's chromium on first use (112 MB fetched); 21 s once installed.
     ("tests/review.rs", 45, ON_PYTHON),
