@@ -9,8 +9,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,26 +38,6 @@ impl Egress for EchoOnly {
             _ => Verdict::Refuse,
         }
     }
-}
-
-/// An echo server on 127.0.0.1 (a thread per connection, until the peer closes).
-fn echo_server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { continue };
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    addr
 }
 
 /// The tests' guest booted with a network card (its own template: the card is part of it).
@@ -112,7 +91,7 @@ fn job(code: String) -> Job {
 
 #[test]
 fn a_networked_clone_reaches_a_mapped_name_fails_fast_otherwise_and_resets_exactly() {
-    let echo = echo_server();
+    let echo = common::echo_server();
     let exec = one_verified_vm();
     exec.set_egress(Arc::new(EchoOnly(echo)));
     let code = format!(
@@ -176,7 +155,7 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
     // An address outside the guest (its own 127.0.0.1 never reaches the card), from the
     // documentation range: refused by the gate, so never dialed.
     const ELSEWHERE: &str = "203.0.113.7";
-    let echo = echo_server();
+    let echo = common::echo_server();
     let exec = one_verified_vm();
     let gate = echo_only_gate();
     let port = echo.port();
@@ -280,7 +259,7 @@ fn the_egress_gate_lets_an_allowed_name_through_and_refuses_the_rest_of_a_real_g
 /// the executor's egress, not the session's.
 #[test]
 fn a_sessions_egress_changes_live_and_ends_with_the_session() {
-    let echo = echo_server();
+    let echo = common::echo_server();
     let exec = one_verified_vm();
     let gate = echo_only_gate();
     let probe = job(format!(
@@ -366,7 +345,7 @@ fn trivial_job_on_a_networked_clone() {
 #[test]
 #[ignore = "a measurement: run by hand with --nocapture"]
 fn the_first_tcp_connect_of_a_clone_and_the_next() {
-    let echo = echo_server();
+    let echo = common::echo_server();
     let exec = one_verified_vm();
     exec.set_egress(Arc::new(EchoOnly(echo)));
     let code = format!(

@@ -11,7 +11,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -85,26 +84,6 @@ impl Egress for Attacker {
             self.capped.fetch_add(1, Ordering::SeqCst);
         }
     }
-}
-
-/// An echo server on 127.0.0.1 (a thread per connection, until the peer closes).
-fn echo_server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { continue };
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-    addr
 }
 
 /// A listener on 127.0.0.1 whose accept queue is full (backlog 0, one connection never
@@ -355,7 +334,7 @@ fn victim(exec: &Executor, echo: SocketAddr) -> Result<Victim, String> {
 #[test]
 fn a_victims_lookup_and_connection_succeed_while_other_sandboxes_dials_hang() {
     let (hanging, _filler) = hanging_listener();
-    let echo = echo_server();
+    let echo = common::echo_server();
     let exec = executor();
 
     let attack = Attack::start(hanging.local_addr().unwrap());
@@ -438,7 +417,7 @@ fn measure(label: &str, exec: &Executor, echo: SocketAddr, rounds: usize) {
 fn victim_lookup_and_connect_with_and_without_the_attack() {
     let rounds = common::size("BUD_ATTACK_ROUNDS", 7);
     let (hanging, _filler) = hanging_listener();
-    let echo = echo_server();
+    let echo = common::echo_server();
     let exec = executor();
     // One job first: the VM and its template's pages warm, as the rounds after it find them.
     let _ = victim(&exec, echo);

@@ -210,3 +210,25 @@ pub fn new_secret() -> String {
     vmm::identity::host_random(&mut raw).unwrap();
     raw.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// An echo server on 127.0.0.1 (a thread per connection, until the peer closes): the far end
+/// of a sandbox's connections in the network tests.
+pub fn echo_server() -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}

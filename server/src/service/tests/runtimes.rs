@@ -179,6 +179,26 @@ fn context_cell(code: &str) -> crate::service::contexts::Cell {
     }
 }
 
+/// Runs cell `code` in context `ctx` of session `id`, which must take it.
+async fn in_context(
+    state: &AppState,
+    id: &str,
+    ctx: &str,
+    code: &str,
+) -> crate::service::kernels::Ran {
+    use crate::service::contexts::{Which, run};
+    run(
+        state,
+        id,
+        Which::Made(ctx),
+        context_cell(code),
+        "/test",
+        no_sink(),
+    )
+    .await
+    .expect("a cell")
+}
+
 #[tokio::test]
 async fn a_javascript_session_runs_its_cells_in_the_kernel_runtime_by_any_of_its_names() {
     let (state, python, node) = two_templates();
@@ -362,16 +382,7 @@ async fn javascript_contexts_are_namespaces_of_their_own_beside_a_python_context
     let py = contexts::create(&state, &id, Some("python"), None, "/tmp").unwrap();
     let mut counts = Vec::new();
     for (ctx, code) in [(&a, "let x = 1"), (&b, "x"), (&a, "x")] {
-        let ran = contexts::run(
-            &state,
-            &id,
-            Which::Made(&ctx.id),
-            context_cell(code),
-            "/test",
-            no_sink(),
-        )
-        .await
-        .expect("a cell");
+        let ran = in_context(&state, &id, &ctx.id, code).await;
         assert_eq!(ran.result.status, Status::Ok);
         counts.push(ran.execution_count);
     }
@@ -457,7 +468,7 @@ async fn restarting_a_javascript_context_empties_its_namespace_and_removing_it_t
 
 #[tokio::test]
 async fn a_typescript_context_is_a_namespace_in_the_kernels_dialect_and_an_unknown_is_400() {
-    use crate::service::contexts::{self, Which};
+    use crate::service::contexts;
     let (state, _python, node) = two_templates();
     let on_python = new_session(&state).await;
     let on_node = session_of(&state, "node").await;
@@ -467,16 +478,7 @@ async fn a_typescript_context_is_a_namespace_in_the_kernels_dialect_and_an_unkno
     let ts = contexts::create(&state, &on_node, Some("ts"), None, "/tmp").unwrap();
     let js = contexts::create(&state, &on_node, Some("js"), None, "/tmp").unwrap();
     for (ctx, code) in [(&ts, "let x: number = 1"), (&js, "1"), (&ts, "x")] {
-        let ran = contexts::run(
-            &state,
-            &on_node,
-            Which::Made(&ctx.id),
-            context_cell(code),
-            "/test",
-            no_sink(),
-        )
-        .await
-        .expect("a cell");
+        let ran = in_context(&state, &on_node, &ctx.id, code).await;
         assert_eq!(ran.result.status, Status::Ok);
     }
 
