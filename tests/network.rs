@@ -17,7 +17,7 @@ use bud_server::core::egress::{Gate, Hosts, Policy, PolicySpec, Private, Site};
 use vmm::session::Session;
 use vmm::{
     ConnectRequest, Egress, Executor, ExecutorOptions, Job, JobEgress, NoEgress, Reuse, Status,
-    Template, TemplateSpec, Verdict,
+    Verdict,
 };
 
 /// The one name the test's egress knows.
@@ -40,18 +40,6 @@ impl Egress for EchoOnly {
     }
 }
 
-/// The tests' guest booted with a network card (its own template: the card is part of it).
-fn network_template() -> Template {
-    common::guest();
-    let mut boot = common::boot_config();
-    boot.network = true;
-    let spec = TemplateSpec {
-        boot,
-        root: common::template_root(),
-    };
-    Template::load_or_build(&spec, None).expect("building the network template failed")
-}
-
 /// An executor that keeps one VM and reuses it (warm), verifying every reset by value.
 fn one_verified_vm() -> Executor {
     let opts = ExecutorOptions {
@@ -60,7 +48,7 @@ fn one_verified_vm() -> Executor {
         verify: true,
         ..ExecutorOptions::default()
     };
-    Executor::new(network_template(), opts).expect("starting the executor failed")
+    Executor::new(common::network_template(), opts).expect("starting the executor failed")
 }
 
 /// The server's gate with `allow_out: [ECHO_NAME], deny_out: ["0.0.0.0/0"]`, [`ECHO_NAME`]
@@ -326,7 +314,8 @@ fn trivial_job_on_a_networked_clone() {
         pool_size: 0,
         ..ExecutorOptions::default()
     };
-    let exec = Executor::new(network_template(), opts).expect("starting the executor failed");
+    let exec =
+        Executor::new(common::network_template(), opts).expect("starting the executor failed");
 
     let result = exec
         .run(&Job::python("print(1)"))

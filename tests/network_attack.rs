@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use vmm::{
     ConnectRequest, Egress, Executor, ExecutorOptions, Job, JobEgress, JobResult, Limit, Status,
-    Template, TemplateSpec, Verdict,
+    Verdict,
 };
 
 /// The name the victim may resolve and connect to (the echo server).
@@ -98,24 +98,12 @@ fn hanging_listener() -> (TcpListener, TcpStream) {
     (listener, filler)
 }
 
-/// The tests' guest booted with a network card.
-fn network_template() -> Template {
-    common::guest();
-    let mut boot = common::boot_config();
-    boot.network = true;
-    let spec = TemplateSpec {
-        boot,
-        root: common::template_root(),
-    };
-    Template::load_or_build(&spec, None).expect("building the network template failed")
-}
-
 fn executor() -> Executor {
     let opts = ExecutorOptions {
         pool_size: 0,
         ..ExecutorOptions::default()
     };
-    Executor::new(network_template(), opts).expect("starting the executor failed")
+    Executor::new(common::network_template(), opts).expect("starting the executor failed")
 }
 
 fn job(code: String, egress: Arc<dyn Egress>) -> Job {

@@ -232,3 +232,16 @@ pub fn echo_server() -> std::net::SocketAddr {
     });
     addr
 }
+
+/// The tests' guest booted with a network card (a template of its own: the card is part of
+/// it), for the network tests.
+pub fn network_template() -> Template {
+    guest();
+    let mut boot = boot_config();
+    boot.network = true;
+    let spec = vmm::TemplateSpec {
+        boot,
+        root: template_root(),
+    };
+    Template::load_or_build(&spec, None).expect("building the network template failed")
+}
