@@ -163,6 +163,7 @@ fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
     );
     assert_eq!(view["card"], true);
     assert_eq!(view["policy"], policy);
+    assert_eq!(view["reaches"], "\"echo.test\"; nothing else");
     assert_eq!(
         attempts(&view),
         [
@@ -189,6 +190,11 @@ fn a_sessions_policy_is_enforced_recorded_and_replaced_live() {
         .send()
         .unwrap();
     assert_eq!(put.status().as_u16(), 200);
+    let shown: Value = put.json().unwrap();
+    assert_eq!(
+        shown["reaches"],
+        "nothing: no name resolves, no connection opens"
+    );
     let code = format!(
         "import socket\n\
          addr = {:?}\n\
@@ -278,8 +284,10 @@ fn a_sandbox_given_no_policy_reaches_nothing_and_a_job_carries_its_own() {
 
     let closed = cell(&s, &id, &echo_code("echo.test", echo.port()));
     let view = network_of(&s, &id);
+    // An allow-list alone (bud's API): that destination and nothing else, where E2B's rule
+    // would leave `pypi.test` (pinned, and at the same address and port) open.
     let (status, job) = s.exec(json!({
-        "code": echo_code("echo.test", echo.port()),
+        "code": echo_code("echo.test", echo.port()) + &echo_code("pypi.test", echo.port()),
         "timeout_ms": 60_000,
         "network": {"allow_out": ["echo.test:{}".replace("{}", &echo.port().to_string())]},
     }));
@@ -287,14 +295,19 @@ fn a_sandbox_given_no_policy_reaches_nothing_and_a_job_carries_its_own() {
 
     assert_eq!(closed, "gaierror\n");
     assert_eq!(view["policy"], Value::Null);
+    assert_eq!(
+        view["reaches"],
+        "no route out: no name resolves, no connection opens"
+    );
     assert_eq!(attempts(&view), [a("dns", "echo.test", false, "no-policy")]);
     assert_eq!(status, 200, "{job}");
-    assert_eq!(job["stdout"], "through bud\n", "{job}");
+    assert_eq!(job["stdout"], "through bud\ngaierror\n", "{job}");
     assert_eq!(
         attempts(&job["network"]),
         [
             a("dns", "echo.test", true, "allowed"),
             a("connect", "echo.test", true, "allowed"),
+            a("dns", "pypi.test", false, "nxdomain"),
         ]
     );
     assert_eq!(bad_status, 400, "{bad}");

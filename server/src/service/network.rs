@@ -25,8 +25,12 @@ use crate::service::error::{Error, unavailable};
 pub struct NetworkView {
     /// Whether its template gives it a network card at all.
     pub card: bool,
-    /// The policy in force, as written (None: no route out).
+    /// The policy in force (None: no route out); an allow-list of bud's API shows the
+    /// `deny_out` it implies.
     pub policy: Option<PolicySpec>,
+    /// The policy in words: what the sandbox may reach (None: no card).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reaches: Option<String>,
     /// What its guest resolved and connected to, oldest first.
     pub attempts: Vec<Attempt>,
     /// Older attempts no longer kept.
@@ -40,6 +44,7 @@ impl NetworkView {
             None => Self {
                 card: false,
                 policy: None,
+                reaches: None,
                 attempts: Vec::new(),
                 dropped: 0,
             },
@@ -48,6 +53,7 @@ impl NetworkView {
                 Self {
                     card: true,
                     policy: g.policy(),
+                    reaches: Some(g.describe()),
                     attempts,
                     dropped,
                 }

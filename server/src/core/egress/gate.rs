@@ -181,6 +181,14 @@ impl Gate {
         self.current().map(|p| p.spec().clone())
     }
 
+    /// The policy in force in words ([`Policy::describe`]; None: no route out).
+    pub fn describe(&self) -> String {
+        match self.current() {
+            Some(p) => p.describe(),
+            None => "no route out: no name resolves, no connection opens".to_owned(),
+        }
+    }
+
     /// A gate for a copy of this sandbox (a fork): the same policy and site, a log of its
     /// own.
     pub fn child(&self) -> Self {

@@ -12,6 +12,14 @@
 //! reaches one name and nothing else, and an empty policy reaches everything (that the
 //! always-denied ranges of [`super::ranges`] leave).
 //!
+//! **An allow-list means one in bud's own API.** Under E2B's rule `allow_out` alone denies
+//! nothing (an allow entry only overrides a deny), which is not what a user who writes an
+//! allow-list means. So a [`PolicySpec`] read from JSON (bud's routes and records) that gives
+//! `allow_out` without `deny_out` gets `deny_out: ["0.0.0.0/0"]`: those destinations and
+//! nothing else. E2B's routes build their spec from E2B's own fields and keep E2B's meaning
+//! (`crate::compat::e2b::network`). Either way the spec a sandbox shows is the one in force,
+//! with [`Policy::describe`] saying it in words.
+//!
 //! Why not `ipnet` for the CIDRs: the guest has IPv4 only, and the 40 lines of
 //! [`Cidr`] are all the arithmetic needed; a crate would bring its IPv6 forms into every
 //! error message and parse path for nothing.
@@ -49,16 +57,45 @@ pub enum PolicyError {
     TooMany { list: &'static str, count: usize },
 }
 
-/// A policy as a client writes it (both APIs' `network` object, `rules` aside).
+/// The deny entry of every address: what an allow-list of bud's API denies
+/// (module docs).
+pub const EVERY_ADDRESS: &str = "0.0.0.0/0";
+
+/// A policy in force, in E2B's terms (both APIs' `network` object, `rules` aside). Read from
+/// JSON it takes bud's meaning of an allow-list (module docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(from = "WrittenSpec")]
 pub struct PolicySpec {
     /// What may be reached, whatever `deny_out` says.
-    #[serde(default)]
     pub allow_out: Vec<String>,
     /// What may not be reached (addresses and CIDRs).
-    #[serde(default)]
     pub deny_out: Vec<String>,
+}
+
+/// A `network` object as a client of bud's API writes it: each list given or not.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WrittenSpec {
+    #[serde(default)]
+    allow_out: Option<Vec<String>>,
+    #[serde(default)]
+    deny_out: Option<Vec<String>>,
+}
+
+impl From<WrittenSpec> for PolicySpec {
+    /// An allow-list without a deny list denies the rest.
+    fn from(w: WrittenSpec) -> Self {
+        let allow_out = w.allow_out.unwrap_or_default();
+        let deny_out = match w.deny_out {
+            Some(deny) => deny,
+            None if !allow_out.is_empty() => vec![EVERY_ADDRESS.to_owned()],
+            None => Vec::new(),
+        };
+        Self {
+            allow_out,
+            deny_out,
+        }
+    }
 }
 
 /// An IPv4 network: an address and a prefix length.
@@ -303,6 +340,35 @@ impl Policy {
         }
     }
 
+    /// The policy in words, as `GET .../network` shows it beside the lists.
+    pub fn describe(&self) -> String {
+        let join = |entries: &[Entry]| {
+            entries
+                .iter()
+                .map(|e| quote(&e.text))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let rest = if self.denies_every_address() {
+            "nothing else".to_owned()
+        } else if self.deny.is_empty() {
+            "everything else".to_owned()
+        } else {
+            format!("everything else but {}", join(&self.deny))
+        };
+        if self.allow.is_empty() {
+            if self.denies_every_address() {
+                "nothing: no name resolves, no connection opens".to_owned()
+            } else if self.deny.is_empty() {
+                "everything (but the ranges no policy opens)".to_owned()
+            } else {
+                format!("everything but {}", join(&self.deny))
+            }
+        } else {
+            format!("{}; {rest}", join(&self.allow))
+        }
+    }
+
     /// Whether a name could be reached without looking at its addresses: an allow entry
     /// names it (on some port). Where this is false and [`Self::denies_every_address`], bud's
     /// DNS answers NXDOMAIN without resolving anything.
@@ -337,6 +403,61 @@ mod tests {
     }
 
     const ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 7);
+
+    fn written(json: &str) -> PolicySpec {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn an_allow_list_alone_in_bud_s_json_denies_every_other_destination() {
+        let only = written(r#"{"allow_out": ["pypi.test"]}"#);
+        let both = written(r#"{"allow_out": ["pypi.test"], "deny_out": ["10.0.0.0/8"]}"#);
+        let open = written(r#"{"allow_out": ["pypi.test"], "deny_out": []}"#);
+        let deny_only = written(r#"{"deny_out": ["10.0.0.0/8"]}"#);
+        let empty = written("{}");
+
+        assert_eq!(only.deny_out, [EVERY_ADDRESS]);
+        let p = Policy::parse(&only).unwrap();
+        assert_eq!(
+            p.decide(Some("other.test"), Some(ADDR), 443),
+            Decision::Denied(EVERY_ADDRESS.into())
+        );
+        assert!(!p.allows_name("other.test"));
+        assert!(p.decide(Some("pypi.test"), Some(ADDR), 443).allows());
+        assert_eq!(p.describe(), "\"pypi.test\"; nothing else");
+        // Lists given both ways keep E2B's order: the rest is allowed.
+        assert_eq!(both.deny_out, ["10.0.0.0/8"]);
+        assert_eq!(
+            Policy::parse(&both).unwrap().describe(),
+            "\"pypi.test\"; everything else but \"10.0.0.0/8\""
+        );
+        assert_eq!(
+            Policy::parse(&open).unwrap().describe(),
+            "\"pypi.test\"; everything else"
+        );
+        assert_eq!(
+            Policy::parse(&deny_only).unwrap().describe(),
+            "everything but \"10.0.0.0/8\""
+        );
+        assert_eq!(empty, PolicySpec::default());
+        assert_eq!(
+            Policy::allow_all().describe(),
+            "everything (but the ranges no policy opens)"
+        );
+        assert_eq!(
+            policy(&[], &[EVERY_ADDRESS]).describe(),
+            "nothing: no name resolves, no connection opens"
+        );
+        // What a sandbox shows reads back as itself.
+        let shown = serde_json::to_string(&only).unwrap();
+        assert_eq!(written(&shown), only);
+        let err = serde_json::from_str::<PolicySpec>(r#"{"denyOut": []}"#).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("unknown field `denyOut`, expected `allow_out` or `deny_out`"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn an_allowed_name_wins_over_a_deny_of_every_address() {
