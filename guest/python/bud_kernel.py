@@ -4,10 +4,11 @@ context has its own interpreter (modules, working directory, environment).
 
 The host starts it as one of the sandbox's processes (``server/src/service/kernels.rs``):
 ``python3 -m bud_kernel`` with a stdin pipe. In a template whose manifest asks for kernels
-(``datascience``), the worker starts them before READY (``bud_procs.Table.prepare_kernels``,
-with ``BUD_KERNEL_POOL`` set): such a kernel imports the template's modules, says ``ready``
-on stdout and waits in the template for a context's first cell, which then costs no process
-start.
+(``datascience``), the worker makes them before READY by forking itself after the template's
+imports and warm-up (``bud_procs.Table.prepare_kernels``, then :func:`held` here): such a
+kernel has the template's modules, says ``ready`` on stdout and waits in the template for a
+context's first cell, which then costs no process start. Its random state is the template's
+until its first request reseeds it (:func:`_reseed`).
 
 **The wire.** Each request is one line of JSON on stdin, ``{"seq": N, "code": SOURCE,
 "env": {NAME: VALUE}, "mark": MARK, "cwd": DIR}``. The kernel enters ``cwd`` at its first
@@ -29,6 +30,7 @@ Cells cannot read stdin (it carries the requests; as in Jupyter without ``allow_
 ``input()`` meets end of file). The kernel ends at end of file on stdin.
 """
 
+import gc
 import importlib.abc
 import importlib.util
 import json
@@ -40,9 +42,6 @@ import types
 import _bud
 import bud_exec
 import bud_session
-
-# The template's manifest (``bud_worker.TEMPLATE_MANIFEST``).
-TEMPLATE_MANIFEST = "/usr/lib/bud/template.json"
 
 
 class _PyplotHook(importlib.abc.MetaPathFinder):
@@ -78,6 +77,8 @@ def _serve(requests, namespace):
             return
         request = json.loads(line)
         mark = request["mark"].encode()
+        if count == 0:
+            _reseed()
         if count == 0 and request.get("cwd"):
             try:
                 os.chdir(request["cwd"])
@@ -110,25 +111,52 @@ def _serve(requests, namespace):
             view = view[os.write(2, view):]
 
 
-def _preload():
-    """The template's modules (its manifest's ``preload``, as the worker imports them), so
-    that a kernel waiting in the template has them, as the worker does."""
+def _reseed():
+    """Random state of this sandbox's own, at the kernel's first request. A kernel held by
+    the template was seeded before READY, like every clone's copy of it, so ``random``,
+    ``tempfile``'s names and numpy's global state would repeat across sandboxes; the guest's
+    entropy pool is the clone's own by now (the host gives each clone its identity before it
+    runs), so seeding from it makes them distinct. A kernel started after READY loses
+    nothing by it. (Modules not imported yet seed themselves when they are.)"""
+    random = sys.modules.get("random")
+    if random is not None:
+        random.seed()
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile._name_sequence = None  # its own Random, made at its next name
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def held():
+    """A kernel the template holds: the worker forked right after its template's imports
+    and warm-up, with the pipes on fds 0-2 and nothing else open
+    (``bud_procs.Table.prepare_kernels``). Makes its memory its own (``mlockall`` breaks the
+    copy-on-write it shares with the worker, so neither pays those faults in a clone), says
+    ``ready`` on stdout and serves; it never returns (the worker's code is behind it)."""
+    sys.argv = [__file__]
+    gc.collect()
+    gc.freeze()  # the template's objects: never traversed, their pages never written for it
+    _bud.own_writable_pages()
     try:
-        with open(TEMPLATE_MANIFEST, "rb") as f:
-            modules = json.load(f).get("preload", ())
-    except (OSError, ValueError):
-        return
-    for module in modules:
-        try:
-            __import__(module)
-        except Exception:  # noqa: BLE001 - a cell that needs it meets the ImportError
-            pass
+        _serve_on_stdin(ready=True)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0)
 
 
 def main():
-    pooled = os.environ.pop("BUD_KERNEL_POOL", None)
-    if pooled:
-        _preload()
+    _serve_on_stdin(ready=False)
+
+
+def _serve_on_stdin(ready):
+    """Takes requests from stdin (which cells then see empty) and serves them; says
+    ``ready`` first if asked."""
     # The requests come on a descriptor of their own; a cell's stdin is empty.
     requests = os.fdopen(os.dup(0), "rb")
     null = os.open(os.devnull, os.O_RDONLY)
@@ -147,7 +175,7 @@ def main():
         bud_session.capture_figures_from(sys.modules["matplotlib.pyplot"])
     else:
         sys.meta_path.insert(0, _PyplotHook())
-    if pooled:
+    if ready:
         os.write(1, b"ready\n")
     _serve(requests, main_module.__dict__)
 

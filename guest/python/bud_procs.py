@@ -35,10 +35,10 @@ output, its clients and its end; this module only holds the pipes.
   One made with ``entries`` adds the entry (``bud_session.entry_of``: lstat, owner and
   group, metadata) to each create, write and chmod event, read when the poll takes it.
 - **Kernels** (a code context's, ``bud_kernel``): in a template whose manifest asks for
-  them (``kernels``), the worker starts them before READY (:meth:`Table.prepare_kernels`),
-  so every clone has them with their imports done; a START of the kernel's script takes one
-  (a pid like any other) instead of paying a fresh ``python3``. Others start as any process
-  does.
+  them (``kernels``), the worker makes them before READY (:meth:`Table.prepare_kernels`) by
+  forking itself right after the template's imports and warm-up, so every clone has them
+  with their imports done; a START of the kernel's script takes one (a pid like any other)
+  instead of paying a fresh ``python3``. Others start as any process does.
 - A process is reported ended only after its pipes are drained to EOF or it is reaped and
   its pipes have nothing more (a child it left behind may hold them open: its output after
   that is dropped with the pipes).
@@ -53,6 +53,7 @@ import fcntl
 import json
 import os
 import select
+import signal
 import struct
 import subprocess
 import termios
@@ -336,32 +337,32 @@ class Table:
         self.live = {}
         self.watchers = {}  # number -> (Watcher, root)
         self.next_watcher = 1
-        self.kernels = []  # Popens of kernels started before READY, not yet handed out
+        self.kernels = []  # kernels made before READY (_Forked), not yet handed out
 
     def prepare_kernels(self, count):
-        """Starts ``count`` code-context kernels (``bud_kernel``) before READY and waits
-        until each has done its imports (its ``ready`` line), so that they are template
-        state: a START of :data:`KERNEL_SCRIPT` takes one instead of paying a fresh
-        ``python3`` (~14 s under kvm_pvm). Returns the problems met (a kernel that did not
-        come up is left out)."""
+        """Makes ``count`` code-context kernels before READY, each a fork of the worker as
+        it stands when called (the template's modules imported and warmed up), and waits
+        until each says ``ready`` (``bud_kernel.held``: its memory its own by then), so that
+        they are template state: a START of :data:`KERNEL_SCRIPT` takes one instead of
+        paying a fresh ``python3`` that imports the modules again (116-132 s of the
+        datascience template's boot under kvm_pvm, against a fork). Call it before the
+        worker starts threads or opens its mailbox: the fork copies neither, and has nothing
+        of them to close. Returns the problems met (a kernel that did not come up is left
+        out)."""
         problems = []
         for _ in range(count):
             try:
-                popen = subprocess.Popen(
-                    ["/bin/sh", "-c", KERNEL_SCRIPT], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=WORKDIR,
-                    env=dict(os.environ, BUD_KERNEL_POOL="1"), start_new_session=True,
-                    close_fds=True)
+                kernel = _fork_kernel()
             except OSError as error:
                 problems.append(f"kernel: {error}")
                 continue
-            line = popen.stdout.readline()
+            line = kernel.stdout.readline()
             if line != b"ready\n":
-                popen.kill()
-                popen.wait()
-                problems.append(f"kernel: {popen.stderr.read()[-300:]!r}")
+                kernel.kill()
+                kernel.wait()
+                problems.append(f"kernel: {(line + kernel.stderr.read())[-300:]!r}")
                 continue
-            self.kernels.append(popen)
+            self.kernels.append(kernel)
         return problems
 
     def run(self, request, write_out, wait=None):
@@ -571,6 +572,61 @@ WORKDIR = "/tmp"
 
 # What a code context's kernel is started as (``server/src/service/kernels.rs``).
 KERNEL_SCRIPT = "exec python3 -m bud_kernel"
+
+
+class _Forked:
+    """A kernel forked by the worker, as :class:`Process` and :meth:`Table.prepare_kernels`
+    use a ``Popen``: its pid, its ends of the pipes as files, its return code."""
+
+    def __init__(self, pid, stdin, stdout, stderr):
+        self.pid = pid
+        self.stdin = os.fdopen(stdin, "wb")
+        self.stdout = os.fdopen(stdout, "rb")
+        self.stderr = os.fdopen(stderr, "rb")
+        self.returncode = None
+
+    def kill(self):
+        os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self):
+        _, status = os.waitpid(self.pid, 0)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _fork_kernel():
+    """Forks the worker into a code-context kernel (``bud_kernel.held``) on three new
+    pipes, in a session of its own as :meth:`Table.start` starts processes; returns it."""
+    import sys
+
+    ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read, write) each
+    child_ends = (ends[0][0], ends[1][1], ends[2][1])
+    # Text the worker has buffered would be written again by the child.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            for target, fd in enumerate(child_ends):
+                os.dup2(fd, target)
+            # Nothing of the worker's: the pipes' other ends, its console and directory
+            # descriptors (module globals, never collected, so never closed again).
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            os.chdir(WORKDIR)
+            import bud_kernel
+
+            bud_kernel.held()
+        except BaseException:  # noqa: BLE001 - the parent reads why from the stderr pipe
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+        finally:
+            os._exit(70)  # held() never returns; this is the worker's code after it
+    for fd in child_ends:
+        os.close(fd)
+    return _Forked(pid, ends[0][1], ends[1][0], ends[2][0])
 
 
 def _takes_kernel(request, cwd):

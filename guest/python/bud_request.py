@@ -9,6 +9,7 @@ clock. Here, with no syscall: Python's global ``random`` is seeded from ``job::S
 the clock is checked against ``job::WALL_CLOCK_NS`` (module docs of ``bud_jobs``).
 """
 
+import hashlib
 import random
 import struct
 import sys
@@ -126,11 +127,14 @@ class Identity:
             # A template that imported numpy (datascience) holds numpy's global RandomState
             # as seeded before READY: every clone would draw the same numbers.
             # (default_rng() and SeedSequence() take fresh entropy from the reseeded CRNG.)
+            # Its key is derived from the seed, not the seed itself: both generators are
+            # Mersenne Twisters seeded by key array, so the same words would make numpy's
+            # draws repeat random's, number for number.
             numpy_random = sys.modules.get("numpy.random")
             if numpy_random is not None:
-                seed = request.seed
-                numpy_random.seed([int.from_bytes(seed[i : i + 4], "little")
-                                   for i in range(0, len(seed), 4)])
+                key = hashlib.blake2b(request.seed, digest_size=32, person=b"bud numpy").digest()
+                numpy_random.seed([int.from_bytes(key[i : i + 4], "little")
+                                   for i in range(0, len(key), 4)])
         if not self.enabled:
             return None
         ahead = time.time_ns() - request.wall_clock_ns

@@ -415,6 +415,11 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     apply_user_layers()
     kernels = template_kernels()
     mark("template")
+    # Forks of the worker as it stands now: before its memory reserve, threads and mailbox.
+    kernel_problems = []
+    if doorbell and kernels:
+        kernel_problems = bud_procs.TABLE.prepare_kernels(kernels)
+        mark("kernels")
     reserve_memory()
     mailbox = _bud.create_mailbox(_bud.MAILBOX_DEFAULT_SIZE, doorbell=doorbell)
     mark("memory")
@@ -449,9 +454,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
         warm_ms = kernel.start()
         runner.kernel = kernel
         mark(f"{kernel.name} ({warm_ms} ms warm-up)")
-    if doorbell and kernels:
-        job_problems += bud_procs.TABLE.prepare_kernels(kernels)
-        mark("kernels")
+    job_problems += kernel_problems
     if interrupts:
         job_problems.append(interrupts)
     mark("jobs")

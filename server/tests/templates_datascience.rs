@@ -301,3 +301,58 @@ print(mine, 'wrong')
     assert_eq!(r["status"], json!("ok"), "{r}");
     assert_eq!(r["stdout"], json!("0 wrong\n0 wrong\n0 wrong\n"), "{r}");
 }
+
+/// A session's first Python context takes the kernel the template holds (forked from the
+/// worker before READY, numpy and pandas imported), yet draws random numbers of its own: two
+/// sessions' first contexts, each a clone of the same snapshot, never repeat each other's
+/// `random` or numpy draws, nor their sessions' (whose `random` and numpy generators are
+/// seeded apart too).
+#[test]
+fn the_held_kernel_of_each_sandbox_draws_its_own_random_numbers() {
+    let s = both();
+    let code = "import os, random, sys, numpy\n\
+                [os.getpid(), 'pandas' in sys.modules, random.random(), numpy.random.random()]";
+    let list = |text: &str| -> Vec<String> {
+        text.trim_matches(|c| c == '[' || c == ']')
+            .split(", ")
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut draws = BTreeSet::new();
+    for _ in 0..2 {
+        let (status, made) = s.post("/v1/sessions", &json!({"template": "datascience"}));
+        assert_eq!(status, 201, "{made}");
+        let id = made["id"].as_str().unwrap().to_owned();
+        let (status, ctx) = s.post(
+            &format!("/v1/sessions/{id}/contexts"),
+            &json!({"language": "python"}),
+        );
+        assert_eq!(status, 201, "{ctx}");
+        let ctx_id = ctx["id"].as_str().unwrap().to_owned();
+        let (status, cell) = s.post(
+            &format!("/v1/sessions/{id}/contexts/{ctx_id}/exec"),
+            &json!({"code": code, "timeout_ms": 60_000}),
+        );
+        assert_eq!(status, 200, "{cell}");
+        assert_eq!(cell["status"], "ok", "{cell}");
+        let fields = list(cell["result"]["text/plain"].as_str().unwrap());
+        assert_eq!(fields.len(), 4, "{cell}");
+        // The template's modules were imported before the snapshot: the held kernel.
+        assert_eq!(fields[1], "True", "{cell}");
+        draws.extend(fields[2..].iter().cloned());
+        let (status, own) = s.post(
+            &format!("/v1/sessions/{id}/exec"),
+            &json!({"code": "import random, numpy\n[random.random(), numpy.random.random()]"}),
+        );
+        assert_eq!(status, 200, "{own}");
+        draws.extend(list(own["result"]["text/plain"].as_str().unwrap()));
+        let status = client()
+            .delete(s.url(&format!("/v1/sessions/{id}")))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16();
+        assert_eq!(status, 204);
+    }
+    assert_eq!(draws.len(), 8, "{draws:?}");
+}

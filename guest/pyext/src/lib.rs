@@ -381,6 +381,13 @@ fn lock_memory() -> PyResult<()> {
     memory::lock_all().map_err(|e| os_error("mlockall", &e))
 }
 
+/// Makes every writable private page of this process its own (see
+/// `memory::own_writable_pages`); returns the bytes of those mappings.
+#[pyfunction]
+fn own_writable_pages() -> PyResult<usize> {
+    memory::own_writable_pages().map_err(|e| os_error("madvise(MADV_POPULATE_WRITE)", &e))
+}
+
 /// Makes pymalloc take its arenas from one reserved region of `bytes` (see `arenas.rs`).
 /// Call after `lock_memory` (which would make the whole region resident) and once.
 #[pyfunction]
@@ -420,6 +427,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(own_writable_pages, m)?)?;
     m.add_function(wrap_pyfunction!(use_arena_region, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;
     m.add_function(wrap_pyfunction!(take_interrupt, m)?)?;

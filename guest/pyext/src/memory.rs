@@ -73,9 +73,62 @@ pub fn lock_all() -> io::Result<()> {
     Ok(())
 }
 
+/// Makes every page of every writable private mapping this process's own and present:
+/// `MADV_POPULATE_WRITE` on each `rw-p` range of `/proc/self/maps`. After a fork that breaks
+/// the copy-on-write the process shares with its parent, so that neither pays a fault for
+/// it later; unlike [`lock_all`] it leaves alone what is only read (libraries' code and
+/// constants, files mapped read-only), which a fork shares for good. A range the kernel will
+/// not populate (a special mapping) is left as it is. Returns the bytes of the ranges.
+pub fn own_writable_pages() -> io::Result<usize> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let mut bytes = 0;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some("rw-p")) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (
+            usize::from_str_radix(start, 16),
+            usize::from_str_radix(end, 16),
+        ) else {
+            continue;
+        };
+        // SAFETY: advice on a mapping of this process as /proc lists it; populating for
+        // write changes which physical pages back it, never what they hold.
+        let r = unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                end - start,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if r != 0 {
+            let error = io::Error::last_os_error();
+            // A kernel older than 5.14 has no such advice: the caller's to handle.
+            if error.raw_os_error() == Some(libc::EINVAL) {
+                return Err(error);
+            }
+            continue;
+        }
+        bytes += end - start;
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn writable_pages_are_populated_with_their_contents_kept() {
+        let data = vec![7u8; 4 << 20];
+        let bytes = own_writable_pages().unwrap();
+        assert!(bytes >= data.len(), "{bytes}");
+        assert!(data.iter().all(|&b| b == 7));
+    }
 
     #[test]
     fn reserve_heap_of_a_few_pages_succeeds() {
