@@ -209,6 +209,31 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     );
     assert_eq!(again["stdout"], "0.9.0\n", "{again}");
 
+    // A paused session made on it keeps it: the delete is refused, naming the session,
+    // until the paused session is deleted.
+    let (status, session) = post(&s, "/v1/sessions", json!({"template": "ci-report"}));
+    assert_eq!(status, 201, "{session}");
+    let id = session["id"].as_str().expect("an id").to_owned();
+    let (status, paused) = post(&s, &format!("/v1/sessions/{id}/pause"), json!({}));
+    assert_eq!(status, 200, "{paused}");
+    let (status, refused) = call(
+        ureq::delete(&format!("{}/v1/templates/ci-report", s.base)),
+        None,
+    );
+    assert_eq!(
+        (status, &refused["error"]["code"]),
+        (409, &json!("template_in_use")),
+        "{refused}"
+    );
+    assert_eq!(
+        refused["error"]["message"],
+        format!(
+            "template ci-report is needed by paused session(s) {id}: end the sessions and delete the paused ones and the snapshots first"
+        )
+    );
+    let (status, _) = call(ureq::delete(&format!("{}/v1/sessions/{id}", s.base)), None);
+    assert_eq!(status, 204);
+
     // Deleted, it is gone now and after the next restart.
     let deleted = ureq::delete(&format!("{}/v1/templates/ci-report", s.base))
         .call()

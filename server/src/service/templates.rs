@@ -350,8 +350,28 @@ pub fn taken(name: &str) -> Error {
     ))
 }
 
-/// Stops serving template `name`: refused for the default template and while a live
-/// session runs on it (sessions are not drained: they are the client's to end or pause).
+/// Ids named in a refusal, at most.
+const NAMED: usize = 10;
+
+/// `what` and its ids (the first [`NAMED`], then how many more), or None if there are none.
+fn naming(what: &str, mut ids: Vec<String>) -> Option<String> {
+    if ids.is_empty() {
+        return None;
+    }
+    ids.sort();
+    let more = ids.len().saturating_sub(NAMED);
+    ids.truncate(NAMED);
+    let tail = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    Some(format!("{what} {}{tail}", ids.join(", ")))
+}
+
+/// Stops serving template `name`: refused for the default template, and while a session
+/// runs on it or a paused session or a snapshot was made on it (sessions are not drained:
+/// they are the client's to end; a paused file would no longer resume): the 409 names them.
 /// Jobs already admitted on it finish; its executor goes with the last of them.
 pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
     if !visible(state, name) {
@@ -365,15 +385,42 @@ pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
             "template {name} is the server's default"
         )));
     }
-    let live = state
+    let live: Vec<String> = state
         .sessions()
         .list()
         .iter()
         .filter(|s| s.template == name)
-        .count();
-    if live > 0 {
+        .map(|s| s.id.clone())
+        .collect();
+    let (paused, snapshots) = match state.state_dir() {
+        Some(dir) => (
+            dir.paused()
+                .list()
+                .into_iter()
+                .filter(|p| p.record.template == name)
+                .map(|p| p.record.id)
+                .collect(),
+            dir.snapshots()
+                .list()
+                .into_iter()
+                .filter(|s| s.record.template == name)
+                .map(|s| s.record.id)
+                .collect(),
+        ),
+        None => (Vec::new(), Vec::new()),
+    };
+    let needs: Vec<String> = [
+        naming("live session(s)", live),
+        naming("paused session(s)", paused),
+        naming("snapshot(s)", snapshots),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !needs.is_empty() {
         return Err(Error::TemplateInUse(format!(
-            "{live} live session(s) run on template {name}: end or pause them first"
+            "template {name} is needed by {}: end the sessions and delete the paused ones and the snapshots first",
+            needs.join("; ")
         )));
     }
     state.remove_template(name);
@@ -391,4 +438,24 @@ pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
     }
     info!(template = name, "template removed");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::naming;
+
+    #[test]
+    fn a_refusal_names_the_first_ids_in_order_and_counts_the_rest() {
+        let ids = |n: usize| (0..n).map(|i| format!("ses_{i:02}")).collect::<Vec<_>>();
+
+        assert_eq!(naming("snapshot(s)", vec![]), None);
+        assert_eq!(
+            naming("paused session(s)", vec!["ses_b".into(), "ses_a".into()]).unwrap(),
+            "paused session(s) ses_a, ses_b"
+        );
+        assert_eq!(
+            naming("live session(s)", ids(13)).unwrap(),
+            "live session(s) ses_00, ses_01, ses_02, ses_03, ses_04, ses_05, ses_06, ses_07, ses_08, ses_09 and 3 more"
+        );
+    }
 }
