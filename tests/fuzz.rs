@@ -1,6 +1,6 @@
 //! Runs every libFuzzer target of `fuzz/` (what a guest or a client controls: the mailbox
 //! announcement, the result decoder, request bodies and paths, the template state file, the
-//! virtio-net device's registers and rings)
+//! virtio-net device's registers and rings, the names in a guest connection's bytes)
 //! for a bounded time each (`BUD_FUZZ_SECONDS`: CI 5, built unoptimized, whose build is
 //! quicker; `scripts/fuzz.sh 300` for minutes, built optimized),
 //! with libFuzzer's coverage guidance, on the machine's one (stable) toolchain.
@@ -18,12 +18,13 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const TARGETS: [&str; 5] = [
+const TARGETS: [&str; 6] = [
     "mailbox",
     "result",
     "request",
     "template_state",
     "virtio_net",
+    "names",
 ];
 
 /// The rustc flags of a libFuzzer build (those cargo-fuzz 0.13 passes with `--sanitizer

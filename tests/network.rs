@@ -55,17 +55,14 @@ fn one_verified_vm() -> Executor {
 /// pinned to 127.0.0.1 and 127.0.0.1 opened by the operator (as `--egress-hosts` and
 /// `--egress-allow-private` will).
 fn echo_only_gate() -> Arc<Gate> {
-    let spec = PolicySpec {
-        allow_out: vec![ECHO_NAME.into()],
-        deny_out: vec!["0.0.0.0/0".into()],
-    };
+    let spec = PolicySpec::lists(vec![ECHO_NAME.into()], vec!["0.0.0.0/0".into()]);
     let site = Site {
         hosts: Hosts::parse(&format!("{ECHO_NAME} 127.0.0.1\n")).unwrap(),
         private: Private::parse("127.0.0.1").unwrap(),
         ..Site::default()
     };
     Arc::new(Gate::new(
-        Some(Policy::parse(&spec).unwrap()),
+        Some(Policy::parse(&spec, &site.secrets).unwrap()),
         Arc::new(site),
     ))
 }

@@ -55,7 +55,7 @@ fn networked_server_with(change: impl FnOnce(&mut bud_server::Config)) -> TestSe
     let hosts = dir.join("hosts");
     std::fs::write(
         &hosts,
-        "echo.test 127.0.0.1\npypi.test 127.0.0.1\ntls.test 127.0.0.1\n",
+        "echo.test 127.0.0.1\npypi.test 127.0.0.1\ntls.test 127.0.0.1\napi.test 127.0.0.1\n",
     )
     .unwrap();
     let mut opts = common::template_options("python");
@@ -337,7 +337,7 @@ fn e2bs_sdk_sets_lists_updates_and_cuts_off_a_sandboxs_network() {
     );
     assert_eq!(seen["no_internet"], "gaierror\n");
     // A 400 at create is what E2B's SDK raises as its SandboxException, with bud's message.
-    assert_eq!(seen["rules"], json!(["SandboxException", true]));
+    assert_eq!(seen["rules"], "X-Key: from-e2b\n", "{seen}");
 }
 
 #[test]
@@ -725,4 +725,212 @@ fn https_is_verified_against_the_images_ca_bundle_and_pip_installs_from_an_index
         *requests.lock().unwrap(),
         ["/simple/budtiny/", "/packages/budtiny-1.0-py3-none-any.whl"]
     );
+}
+
+/// A connection allowed for one name that then names another host in its bytes is reset
+/// and recorded (`host-mismatch`), over HTTP (`Host`) and TLS (SNI): `echo.test` and
+/// `pypi.test` share an address here, as names behind one front do. Bytes that name the
+/// allowed host go through.
+#[test]
+fn a_connection_naming_another_host_than_it_was_allowed_for_is_reset() {
+    let echo = echo_server();
+    let s = networked_server();
+    let id = session(
+        &s,
+        json!({"network": {"allow_out": ["echo.test", "pypi.test"]}}),
+    );
+    let code = format!(
+        "import socket, ssl\n\
+         def http(host):\n    \
+             s = socket.create_connection(('echo.test', {port}), timeout=40)\n    \
+             s.sendall(b'GET / HTTP/1.1\\r\\nHost: ' + host.encode() + b':{port}\\r\\n\\r\\n')\n    \
+             try:\n        \
+                 got = s.recv(100)\n        \
+                 print(host, 'echoed' if got.startswith(b'GET / HTTP/1.1') else got)\n    \
+             except OSError as e:\n        \
+                 print(host, type(e).__name__)\n    \
+             s.close()\n\
+         def tls(name):\n    \
+             s = socket.create_connection(('echo.test', {port}), timeout=40)\n    \
+             try:\n        \
+                 ssl.create_default_context().wrap_socket(s, server_hostname=name)\n        \
+                 print(name, 'handshake')\n    \
+             except ssl.SSLError as e:\n        \
+                 print(name, 'SSLError')\n    \
+             except OSError as e:\n        \
+                 print(name, type(e).__name__)\n\
+         http('echo.test'); http('pypi.test'); tls('echo.test'); tls('pypi.test')\n",
+        port = echo.port()
+    );
+
+    let out = cell(&s, &id, &code);
+    let view = network_of(&s, &id);
+
+    // The echo server sends the request back; the TLS client then meets its own hello
+    // where a server's should be.
+    assert_eq!(
+        out,
+        "echo.test echoed\npypi.test ConnectionResetError\n\
+         echo.test SSLError\npypi.test ConnectionResetError\n"
+    );
+    let refused: Vec<(String, String, String)> = view["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["allowed"] == false)
+        .map(|a| {
+            (
+                a["name"].as_str().unwrap().to_owned(),
+                a["reason"].as_str().unwrap().to_owned(),
+                a["detail"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let mismatch = (
+        "echo.test".to_owned(),
+        "host-mismatch".to_owned(),
+        "pypi.test".to_owned(),
+    );
+    assert_eq!(refused, [mismatch.clone(), mismatch], "{view}");
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
+}
+
+/// An HTTP server on 127.0.0.1 that keeps each request's head (they never go back: it
+/// answers `ok` to each, on a kept-alive connection).
+fn head_keeping_server() -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let heads = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = heads.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let kept = kept.clone();
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head: Vec<u8> = buf.drain(..end + 4).collect();
+                        kept.lock()
+                            .unwrap()
+                            .push(String::from_utf8_lossy(&head).into_owned());
+                        let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+                    }
+                }
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// Headers set outside the sandbox (issue 59): a rule for `api.test` whose value names a
+/// secret the server holds (`--egress-secrets`) is set on each HTTP request, in place of
+/// the guest's own; TLS to that host is refused rather than sent without it; the policy is
+/// shown with the value redacted, the connection's record names the rule and the secret;
+/// and the secret is nowhere in the sandbox's memory (its paused file, searched whole,
+/// holds the guest's own dummy token but not the secret).
+#[test]
+fn a_rules_headers_are_set_outside_the_sandbox_and_its_secret_never_enters_it() {
+    const SECRET: &str = "sk-test-5f1e0c9a-never-in-the-guest";
+    let (upstream, heads) = head_keeping_server();
+    let dir = common::empty_dir("network", "rules");
+    let secrets = dir.join("secrets");
+    std::fs::write(&secrets, format!("# for the test\nAPI_TOKEN={SECRET}\n")).unwrap();
+    let state = dir.join("state");
+    let s = networked_server_with(|c| {
+        c.egress_secrets = Some(secrets.clone());
+        c.state_dir = Some(state.clone());
+    });
+    let network = json!({
+        "allow_out": ["api.test"],
+        "rules": {"api.test": [{"transform": {"headers": {
+            "Authorization": "Bearer {{secret:API_TOKEN}}",
+            "X-Team": "blue",
+        }}}]},
+    });
+    let id = session(&s, json!({"network": network}));
+    let code = format!(
+        "import http.client, socket, ssl\n\
+         c = http.client.HTTPConnection('api.test', {port}, timeout=40)\n\
+         for path in ('/a', '/b'):\n    \
+             c.request('GET', path, headers={{'Authorization': 'Bearer dummy-guest-token'}})\n    \
+             print(c.getresponse().read().decode())\n\
+         c.close()\n\
+         s = socket.create_connection(('api.test', {port}), timeout=40)\n\
+         try:\n    \
+             ssl.create_default_context().wrap_socket(s, server_hostname='api.test')\n\
+         except OSError as e:\n    \
+             print(type(e).__name__)\n",
+        port = upstream.port()
+    );
+
+    let out = cell(&s, &id, &code);
+    let view = network_of(&s, &id);
+
+    assert_eq!(out, "ok\nok\nConnectionResetError\n");
+    let heads = heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    for (head, path) in heads.iter().zip(["/a", "/b"]) {
+        assert!(
+            head.starts_with(&format!("GET {path} HTTP/1.1\r\n")),
+            "{head}"
+        );
+        assert!(
+            head.contains(&format!("\r\nAuthorization: Bearer {SECRET}\r\n"))
+                && head.contains("\r\nX-Team: blue\r\n")
+                && !head.contains("dummy-guest-token"),
+            "{head}"
+        );
+    }
+    assert_eq!(
+        view["policy"]["rules"],
+        json!({"api.test": [{"transform": {"headers": {
+            "Authorization": "<redacted>", "X-Team": "<redacted>"}}}]})
+    );
+    let connects: Vec<&Value> = view["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["kind"] == "connect")
+        .collect();
+    assert_eq!(connects.len(), 3, "{view}");
+    assert_eq!(
+        (
+            &connects[0]["headers_from"],
+            &connects[0]["secrets"],
+            &connects[0]["requests_rewritten"]
+        ),
+        (&json!("api.test"), &json!(["API_TOKEN"]), &json!(2)),
+        "{view}"
+    );
+    assert_eq!(
+        (&connects[2]["reason"], connects[2]["allowed"].as_bool()),
+        (&json!("rules-need-http"), Some(false)),
+        "{view}"
+    );
+    assert!(!view.to_string().contains(SECRET));
+
+    // The guest's memory, as its paused file holds it.
+    let (status, p) = s.post(&format!("/v1/sessions/{id}/pause"), &json!({}));
+    assert_eq!(status, 200, "{p}");
+    let mut files = vec![state.clone()];
+    let (mut dummy, mut secret) = (0, 0);
+    while let Some(path) = files.pop() {
+        if path.is_dir() {
+            files.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let count = |needle: &[u8]| bytes.windows(needle.len()).filter(|w| *w == needle).count();
+        dummy += count(b"dummy-guest-token");
+        secret += count(SECRET.as_bytes());
+    }
+    assert!(dummy > 0, "the search finds what the guest did hold");
+    assert_eq!(secret, 0, "the secret is nowhere in the sandbox's memory");
+    assert_eq!(s.delete(&format!("/v1/sessions/{id}")), 204);
 }

@@ -68,5 +68,7 @@ pub use executor::{ExecError, Executor, ExecutorOptions, Reuse};
 pub use host::HostKind;
 pub use job::{Cancel, CellError, CellOptions, Health, Job, JobResult, Language, Status, Unusable};
 pub use manifest::{Manifest, ManifestError};
-pub use net::{ConnectRequest, Egress, JobEgress, Limit, NoEgress, Traffic, Verdict};
+pub use net::{
+    ConnectRequest, Egress, Headers, JobEgress, Limit, NoEgress, Refusal, Traffic, Verdict,
+};
 pub use template::{Template, TemplateSpec};

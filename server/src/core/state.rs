@@ -194,6 +194,8 @@ pub enum StateError {
     Registry(#[from] crate::core::registry::RegistryError),
     #[error(transparent)]
     EgressHosts(#[from] crate::core::egress::HostsError),
+    #[error("--egress-secrets")]
+    EgressSecrets(#[from] crate::core::egress::SecretsError),
     #[error(transparent)]
     Traces(#[from] crate::core::trace::TraceError),
 }
@@ -303,6 +305,10 @@ impl AppState {
             totals: Arc::default(),
             audit: audit.clone(),
             traces: traces.clone(),
+            secrets: Arc::new(match &config.egress_secrets {
+                Some(path) => crate::core::egress::Secrets::load(path)?,
+                None => crate::core::egress::Secrets::default(),
+            }),
         });
         Ok(Self(Arc::new(Shared {
             config,

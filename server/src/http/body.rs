@@ -251,7 +251,7 @@ mod tests {
         assert_eq!(
             unknown.to_string(),
             format!(
-                "unknown field `{}`… (1048576 bytes), expected `allow_out` or `deny_out` at line 1 column 1048604",
+                "unknown field `{}`… (1048576 bytes), expected one of `allow_out`, `deny_out`, `rules` at line 1 column 1048604",
                 a(64)
             )
         );

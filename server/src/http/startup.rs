@@ -95,6 +95,31 @@ pub fn log_build_line(line: &str) {
     info!(target: "bud::guest_build", "{line}");
 }
 
+/// Reads `--egress-secrets` again at each SIGHUP (a file that does not parse leaves the
+/// secrets held as they were). Watched only with the flag: without it SIGHUP ends the server,
+/// as it always has.
+fn reload_secrets_on_sighup(state: AppState) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!("cannot watch SIGHUP: {e}; --egress-secrets is read at start only");
+            return;
+        }
+    };
+    tokio::spawn(async move {
+        while hangup.recv().await.is_some() {
+            match state.egress_site().secrets.reload() {
+                Ok(n) => info!(secrets = n, "SIGHUP: --egress-secrets read again"),
+                Err(e) => warn!(
+                    "SIGHUP: --egress-secrets not read again, the secrets held stay: {}",
+                    crate::core::error_chain(&e)
+                ),
+            }
+        }
+    });
+}
+
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let ctrl_c = tokio::signal::ctrl_c();
@@ -270,6 +295,9 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
             })
             .map_err(ServeError::Thread)?;
 
+        if state.config().egress_secrets.is_some() {
+            reload_secrets_on_sighup(state.clone());
+        }
         let shutdown = async move {
             tokio::select! {
                 _ = shutdown_signal() => info!("shutting down: finishing in-flight jobs (signal again to exit now)"),

@@ -52,7 +52,7 @@ impl NetworkView {
                 let (attempts, dropped) = g.attempts();
                 Self {
                     card: true,
-                    policy: g.policy(),
+                    policy: g.shown_policy(),
                     reaches: Some(g.describe()),
                     attempts,
                     dropped,
@@ -74,7 +74,7 @@ fn policy_of(
     field: &str,
 ) -> Result<Option<Policy>, Error> {
     match spec {
-        Some(spec) => Policy::parse(spec)
+        Some(spec) => Policy::parse(spec, &state.egress_site().secrets)
             .map(Some)
             .map_err(|e| Error::invalid(field, e.to_string())),
         None => Ok(match state.config().egress_default {
@@ -124,7 +124,8 @@ pub fn restored(
     }
     // A record's policy was parsed when it was set; one that no longer parses (a grammar
     // grown stricter) gives no route out rather than a wider one.
-    let policy = spec.and_then(|s| Policy::parse(s).ok());
+    let secrets = &state.egress_site().secrets;
+    let policy = spec.and_then(|s| Policy::parse(s, secrets).ok());
     Some(Arc::new(Gate::new(policy, state.egress_site().clone())))
 }
 
@@ -147,7 +148,8 @@ pub fn put(state: &AppState, id: &str, spec: &PolicySpec) -> Result<NetworkView,
             ),
         ));
     };
-    let policy = Policy::parse(spec).map_err(|e| Error::invalid("network", e.to_string()))?;
+    let policy = Policy::parse(spec, &state.egress_site().secrets)
+        .map_err(|e| Error::invalid("network", e.to_string()))?;
     gate.set_policy(Some(policy));
     Ok(NetworkView::of(Some(gate)))
 }

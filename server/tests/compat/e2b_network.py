@@ -1,7 +1,8 @@
 """E2B's network settings through its SDK against bud (server/tests/network.rs): a sandbox
 created with `network` reaches the name its allow list names and nothing else,
 `get_info` shows it, `update_network` replaces it live, `allow_internet_access=False` cuts it off, and
-what bud does not do (`rules`) is refused at create. The one host reached is the test's echo
+`rules` set a header on the sandbox's HTTP requests outside it (the echo server sends the
+request back as it got it). The one host reached is the test's echo
 server (argv[1]: its port), named echo.test by the server's --egress-hosts. Prints what it
 saw as one JSON object."""
 
@@ -42,11 +43,21 @@ cut = Sandbox.create(template="base", timeout=600, allow_internet_access=False)
 seen["no_internet"] = reach(cut, "echo.test")
 cut.kill()
 
-try:
-    Sandbox.create(template="base", timeout=600,
-                   network={"rules": {"echo.test": [{"transform": {"headers": {"X-Key": "k"}}}]}})
-    seen["rules"] = "created"
-except Exception as e:
-    seen["rules"] = [type(e).__name__, "network.rules" in str(e)]
+http_probe = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=40)
+s.sendall(b'GET / HTTP/1.1\\r\\nHost: ' + sys.argv[1].encode() + b'\\r\\nX-Key: guest\\r\\n\\r\\n')
+got = b''
+while b'\\r\\n\\r\\n' not in got:
+    got += s.recv(1000)
+print(got.decode().split('\\r\\n')[2])
+"""
+ruled = Sandbox.create(template="base", timeout=600,
+                       network={"allow_out": ["echo.test"], "deny_out": ["0.0.0.0/0"],
+                                "rules": {"echo.test": [{"transform": {"headers": {"X-Key": "from-e2b"}}}]}})
+ruled.files.write("/home/user/http_probe.py", http_probe)
+seen["rules"] = ruled.commands.run(f"python3 /home/user/http_probe.py echo.test {port}",
+                                   timeout=120).stdout
+ruled.kill()
 
 print(json.dumps(seen))

@@ -11,6 +11,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub use super::names::Refusal;
+
 /// One TCP connection the guest opens, as the stack sees its first segment (SYN).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectRequest<'a> {
@@ -33,6 +35,8 @@ pub struct Traffic {
     pub sent: u64,
     /// From that host to the guest.
     pub received: u64,
+    /// HTTP requests that had headers set ([`Egress::headers`]).
+    pub rewritten: u64,
 }
 
 /// Why the stack refused a connection itself, without asking the egress's policy.
@@ -77,6 +81,21 @@ pub trait Egress: Send + Sync + fmt::Debug {
     /// record; called on the vCPU thread, so it must not block).
     fn over_limit(&self, _req: &ConnectRequest<'_>, _limit: Limit) {}
 
+    /// What connection `id`, which the egress allowed for `name` (the name the guest
+    /// resolved) and the stack just opened, carries besides the guest's bytes: headers the
+    /// relay sets on each of its HTTP requests ([`super::names::NameCheck::with_headers`]),
+    /// or a refusal (it cannot be given what it must carry). Called once per named
+    /// connection, on the vCPU thread: it must not block.
+    fn headers(&self, _id: u64, _name: &str) -> Headers {
+        Headers::None
+    }
+
+    /// Connection `id`, which the egress allowed for `name` (the name the guest resolved),
+    /// then named another host in its bytes, or bytes whose name could not be read
+    /// ([`super::names`]): the stack reset it (it is still reported to [`Self::closed`]).
+    /// Called on the vCPU thread: it must not block.
+    fn name_refused(&self, _id: u64, _name: &str, _refusal: &Refusal) {}
+
     /// Bytes, both ways together, that the VM's connections open now and later may still
     /// move (the cap less what its connections already over moved); None: no cap. The stack
     /// moves no byte past it, then resets every open connection and refuses new ones. Asked
@@ -105,6 +124,18 @@ impl Egress for NoEgress {
     fn connect(&self, _req: &ConnectRequest<'_>) -> Verdict {
         Verdict::Refuse
     }
+}
+
+/// What a connection carries besides the guest's bytes ([`Egress::headers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Headers {
+    /// Nothing: the guest's bytes as they are (its names checked).
+    None,
+    /// These headers (name, value), set on each HTTP request in place of the guest's of
+    /// the same names; TLS is refused ([`Refusal::Encrypted`]).
+    Set(Vec<(String, String)>),
+    /// Nothing may go: the connection is reset at once.
+    Refuse,
 }
 
 /// One job's egress ([`crate::Job::egress`]): a handle that compares by identity, as a

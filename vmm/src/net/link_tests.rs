@@ -418,6 +418,7 @@ fn a_relayed_connection_reports_the_bytes_it_moved_each_way_when_its_stack_goes(
     let expected = Traffic {
         sent: 5,
         received: 6,
+        rewritten: 0,
     };
     assert_eq!(*egress.closed.lock().unwrap(), [(id, expected)]);
 }
@@ -453,6 +454,7 @@ fn no_byte_passes_the_budget_then_the_connection_is_reset_and_new_ones_refused()
     let expected = Traffic {
         sent: 5,
         received: 3,
+        rewritten: 0,
     };
     assert_eq!(*egress.closed.lock().unwrap(), [(id, expected)]);
     assert!(refused.rst, "a new connection is refused");

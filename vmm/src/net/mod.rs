@@ -34,6 +34,7 @@ pub mod egress;
 mod inbox;
 #[cfg(test)]
 mod link_tests;
+pub mod names;
 mod stack;
 mod waker;
 
@@ -52,7 +53,9 @@ use crate::memory::{GuestRam, MemoryError};
 use crate::vcpu::Kicker;
 pub use connect::in_flight as dials_in_flight;
 pub use dialer::queued as dialer_queued;
-pub use egress::{ConnectRequest, Egress, JobEgress, Limit, NoEgress, Traffic, Verdict};
+pub use egress::{
+    ConnectRequest, Egress, Headers, JobEgress, Limit, NoEgress, Refusal, Traffic, Verdict,
+};
 pub use stack::StackCounters;
 
 /// The guest's address (eth0, static).

@@ -47,8 +47,9 @@ use smoltcp::wire::{
 use super::connect::{self, DIAL_TIMEOUT};
 use super::dialer;
 use super::dns::{Answer, DnsMap};
-use super::egress::{ConnectRequest, Egress, Limit, Traffic, Verdict, next_connection_id};
+use super::egress::{ConnectRequest, Egress, Headers, Limit, Traffic, Verdict, next_connection_id};
 use super::inbox::{Conn, Dialed, Done, Inbox, connected, deliver, lock};
+use super::names::NameCheck;
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
 
@@ -144,6 +145,12 @@ struct Relay {
     host_done: bool,
     /// The guest closed its side (passed on to the host with `shutdown(Write)`).
     guest_done: bool,
+    /// The name the connection was allowed for (the guest resolved it), if any.
+    name: Option<String>,
+    /// The check of the names its bytes carry, until it is over (None: nothing to check).
+    check: Option<NameCheck>,
+    /// Bytes the check let through that the host has not taken yet.
+    to_host: Vec<u8>,
 }
 
 /// What the stack did, for diagnostics and tests (not part of any state).
@@ -165,8 +172,9 @@ pub(crate) struct Stack {
     dns_socket: SocketHandle,
     dns: DnsMap,
     relays: Vec<Relay>,
-    /// SYNs held while the dialer works on their connection, with the connection's number.
-    held: HashMap<Conn, (Vec<u8>, u64)>,
+    /// SYNs held while the dialer works on their connection, with the connection's number
+    /// and the name the guest resolved for its address (if it did).
+    held: HashMap<Conn, (Vec<u8>, u64, Option<String>)>,
     /// Connections refused or failed whose SYN goes to smoltcp next (for its RST).
     refused: HashSet<Conn>,
     dns_in_flight: usize,
@@ -371,7 +379,7 @@ impl Stack {
             self.egress.over_limit(&req, limit);
             return false;
         }
-        self.held.insert(conn, (frame.to_vec(), id));
+        self.held.insert(conn, (frame.to_vec(), id, name.clone()));
         let (egress, inbox, waker) = (self.egress.clone(), self.inbox.clone(), self.waker.clone());
         let (owner, timeout) = (self.owner, self.dial_timeout);
         dialer::submit(
@@ -409,11 +417,23 @@ impl Stack {
         for d in done {
             match d {
                 Done::Dial(conn, dialed) => {
-                    let Some((syn, id)) = self.held.remove(&conn) else {
+                    let Some((syn, id, name)) = self.held.remove(&conn) else {
                         continue;
                     };
                     let opened = match dialed {
-                        Dialed::Connected(host) => self.open_relay(conn.1, host, id),
+                        Dialed::Connected(host) => {
+                            let headers = match &name {
+                                Some(name) => self.egress.headers(id, name),
+                                None => Headers::None,
+                            };
+                            if headers == Headers::Refuse {
+                                // Allowed and dialed, then refused: over before it opened.
+                                self.egress.closed(id, Traffic::default());
+                                false
+                            } else {
+                                self.open_relay(conn.1, host, id, name, headers)
+                            }
+                        }
                         Dialed::Failed => false,
                         Dialed::Refused => {
                             self.counters.connections_refused += 1;
@@ -442,9 +462,18 @@ impl Stack {
         }
     }
 
-    /// A socket listening on `dst` for the held SYN of connection `id`, relayed to `host`.
-    /// A connection that cannot listen is reported closed at once (the egress allowed it).
-    fn open_relay(&mut self, dst: IpEndpoint, host: File, id: u64) -> bool {
+    /// A socket listening on `dst` for the held SYN of connection `id`, relayed to `host`;
+    /// one the egress allowed for a `name` has its bytes checked for the names they carry
+    /// ([`NameCheck`]). A connection that cannot listen is reported closed at once (the
+    /// egress allowed it).
+    fn open_relay(
+        &mut self,
+        dst: IpEndpoint,
+        host: File,
+        id: u64,
+        name: Option<String>,
+        headers: Headers,
+    ) -> bool {
         let mut socket = tcp::Socket::new(
             tcp::SocketBuffer::new(vec![0; RELAY_BUFFER]),
             tcp::SocketBuffer::new(vec![0; RELAY_BUFFER]),
@@ -465,6 +494,12 @@ impl Stack {
             traffic: Traffic::default(),
             host_done: false,
             guest_done: false,
+            check: name.as_deref().map(|n| match headers {
+                Headers::Set(set) => NameCheck::with_headers(n, set),
+                Headers::None | Headers::Refuse => NameCheck::new(n),
+            }),
+            name,
+            to_host: Vec::new(),
         });
         true
     }
@@ -548,8 +583,46 @@ impl Stack {
                     _ => break,
                 }
             }
+            // Guest to host through the name check, while it lasts: what it lets through
+            // waits in `to_host` until the host takes it.
+            if let Some(check) = &mut r.check {
+                loop {
+                    if !r.to_host.is_empty() {
+                        let n = most(left, r.to_host.len());
+                        match r.host.write(&r.to_host[..n]) {
+                            Ok(n) => {
+                                r.to_host.drain(..n);
+                                self.counters.bytes_to_host += n as u64;
+                                r.traffic.sent += n as u64;
+                                left = left.map(|l| l - n as u64);
+                            }
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    ErrorKind::WouldBlock | ErrorKind::Interrupted
+                                ) => {}
+                            Err(_) => s.abort(),
+                        }
+                    }
+                    if !r.to_host.is_empty() || !s.can_recv() || left == Some(0) {
+                        break;
+                    }
+                    let fed = s.recv(|buf| (buf.len(), check.feed(buf, &mut r.to_host)));
+                    r.traffic.rewritten = check.rewritten();
+                    if let Ok(Err(refusal)) = fed {
+                        let name = r.name.as_deref().unwrap_or_default();
+                        self.egress.name_refused(r.id, name, &refusal);
+                        r.to_host.clear();
+                        s.abort();
+                        break;
+                    }
+                }
+                if check.is_open() && r.to_host.is_empty() {
+                    r.check = None;
+                }
+            }
             // Guest to host, while the host takes it.
-            while s.can_recv() && left != Some(0) {
+            while r.check.is_none() && s.can_recv() && left != Some(0) {
                 let sent = s.recv(|buf| match r.host.write(&buf[..most(left, buf.len())]) {
                     Ok(n) => (n, Ok(n)),
                     Err(e) => (0, Err(e.kind())),
@@ -576,7 +649,8 @@ impl Stack {
                     | tcp::State::TimeWait
                     | tcp::State::Closed
             );
-            if guest_closed && !r.guest_done && s.recv_queue() == 0 {
+            // Bytes the check still holds (an unfinished request head) never go.
+            if guest_closed && !r.guest_done && s.recv_queue() == 0 && r.to_host.is_empty() {
                 r.guest_done = true;
                 shutdown_write(&r.host);
             }

@@ -10,8 +10,11 @@
 //! - `allow_internet_access: true` without `network` (what E2B's SDK sends by default) is
 //!   the server's own default (`--egress-default`): an operator who opens nothing is not
 //!   overruled by a client library's default;
-//! - what bud does not do yet is refused, never ignored: `rules` (headers injected into a
-//!   host's requests), `dnsServers`, `egressProxy`; the ingress settings
+//! - `network.rules` (headers set on a host's requests, outside the sandbox) are bud's
+//!   `rules` (`crate::core::egress::rules`: HTTP only so far; a value may also name a secret
+//!   the operator gave the server), shown with their values redacted;
+//! - what bud does not do yet is refused, never ignored: `dnsServers`, `egressProxy`; the
+//!   ingress settings
 //!   (`allowPublicTraffic`, `maskRequestHost`, `httpsPorts`) are accepted and have no effect,
 //!   as bud serves no public URL;
 //! - a key the object does not have is refused with a 400 naming it (as bud's own API
@@ -40,8 +43,9 @@ pub struct NetworkConfig {
     pub allow_out: Option<Vec<String>>,
     #[serde(default)]
     pub deny_out: Option<Vec<String>>,
+    /// Headers set on requests to hosts (`crate::core::egress::rules`).
     #[serde(default)]
-    pub rules: Option<serde_json::Map<String, serde_json::Value>>,
+    pub rules: Option<crate::core::egress::RulesSpec>,
     #[serde(default)]
     pub dns_servers: Option<Vec<String>>,
     #[serde(default)]
@@ -71,10 +75,6 @@ pub fn policy(
     if let Some(n) = network {
         let unsupported = [
             (
-                "network.rules",
-                n.rules.as_ref().is_some_and(|r| !r.is_empty()),
-            ),
-            (
                 "network.dnsServers",
                 n.dns_servers.as_ref().is_some_and(|d| !d.is_empty()),
             ),
@@ -92,15 +92,17 @@ pub fn policy(
     }
     let denied_all = allow_internet_access == Some(false);
     let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
-    if !listed && !denied_all {
+    let ruled = network.is_some_and(|n| n.rules.as_ref().is_some_and(|r| !r.is_empty()));
+    if !listed && !denied_all && !ruled {
         return Ok(None);
     }
-    let mut spec = PolicySpec {
-        allow_out: network
+    let mut spec = PolicySpec::lists(
+        network
             .and_then(|n| n.allow_out.clone())
             .unwrap_or_default(),
-        deny_out: network.and_then(|n| n.deny_out.clone()).unwrap_or_default(),
-    };
+        network.and_then(|n| n.deny_out.clone()).unwrap_or_default(),
+    );
+    spec.rules = network.and_then(|n| n.rules.clone()).unwrap_or_default();
     let everything = "0.0.0.0/0";
     if denied_all && !spec.deny_out.iter().any(|d| d == everything) {
         spec.deny_out.push(everything.to_owned());
@@ -124,7 +126,11 @@ pub fn at_create(
         ));
     }
     let spec = policy(allow_internet_access, network)?;
-    let listed = network.is_some_and(|n| n.allow_out.is_some() || n.deny_out.is_some());
+    let listed = network.is_some_and(|n| {
+        n.allow_out.is_some()
+            || n.deny_out.is_some()
+            || n.rules.as_ref().is_some_and(|r| !r.is_empty())
+    });
     // The template named was found for the caller already (or is a snapshot's).
     let card = crate::service::templates::served_engine(state, template)
         .is_ok_and(|e| crate::service::network::has_card(e.as_ref()));
@@ -134,11 +140,14 @@ pub fn at_create(
 /// What `GET /sandboxes/{id}` shows of a sandbox's network (E2B's `network` of a
 /// `SandboxDetail`): the policy in force, no policy as the deny-all it is.
 pub fn detail(gate: &crate::core::egress::Gate) -> serde_json::Value {
-    let spec = gate.policy().unwrap_or_else(|| PolicySpec {
-        allow_out: Vec::new(),
-        deny_out: vec!["0.0.0.0/0".to_owned()],
-    });
-    serde_json::json!({"allowOut": spec.allow_out, "denyOut": spec.deny_out})
+    let spec = gate
+        .shown_policy()
+        .unwrap_or_else(|| PolicySpec::lists(Vec::new(), vec!["0.0.0.0/0".to_owned()]));
+    let mut shown = serde_json::json!({"allowOut": spec.allow_out, "denyOut": spec.deny_out});
+    if !spec.rules.is_empty() {
+        shown["rules"] = serde_json::to_value(&spec.rules).unwrap_or_default();
+    }
+    shown
 }
 
 /// `PUT /sandboxes/{id}/network`: 204. Replaces the sandbox's policy (omitting both lists
@@ -188,6 +197,7 @@ mod tests {
             Some(PolicySpec {
                 allow_out: vec![],
                 deny_out: vec!["0.0.0.0/0".into()],
+                rules: Default::default(),
             })
         );
         assert_eq!(
@@ -195,21 +205,30 @@ mod tests {
             Some(PolicySpec {
                 allow_out: vec!["pypi.org".into()],
                 deny_out: vec!["0.0.0.0/0".into()],
+                rules: Default::default(),
             })
         );
         assert_eq!(both, listed, "deny-all added once");
     }
 
     #[test]
-    fn what_bud_cannot_do_is_refused_and_ingress_is_accepted() {
-        let mut rules = config(Some(&["api.test"]), None);
-        rules.rules = serde_json::from_str(r#"{"api.test": [{"transform": {}}]}"#).unwrap();
+    fn what_bud_cannot_do_is_refused_rules_are_kept_and_ingress_is_accepted() {
+        let mut dns = config(Some(&["api.test"]), None);
+        dns.dns_servers = Some(vec!["9.9.9.9".into()]);
+        let mut rules = config(None, None);
+        rules.rules = serde_json::from_str(
+            r#"{"api.test": [{"transform": {"headers": {"Authorization": "Bearer x"}}}]}"#,
+        )
+        .unwrap();
         let mut ingress = config(None, None);
         ingress.allow_public_traffic = Some(false);
 
-        let e = policy(None, Some(&rules)).unwrap_err();
+        let e = policy(None, Some(&dns)).unwrap_err();
+        let kept = policy(None, Some(&rules)).unwrap().unwrap();
 
-        assert_eq!(e.field(), Some("network.rules"));
+        assert_eq!(e.field(), Some("network.dnsServers"));
+        assert_eq!(kept.rules, rules.rules.unwrap());
+        assert_eq!((kept.allow_out.len(), kept.deny_out.len()), (0, 0));
         assert_eq!(policy(None, Some(&ingress)).unwrap(), None);
     }
 }

@@ -83,6 +83,10 @@ pub struct Config {
     /// name is dialed there, without asking the host's resolver.
     #[arg(long, value_name = "FILE", requires = "network")]
     pub egress_hosts: Option<std::path::PathBuf>,
+    /// Secrets for network rules' header values (`{{secret:NAME}}`), `NAME=VALUE` a line:
+    /// held in the server's memory, never shown, read again on SIGHUP.
+    #[arg(long, value_name = "FILE", requires = "network")]
+    pub egress_secrets: Option<std::path::PathBuf>,
     /// Bytes each sandbox's connections may move in all, both ways (none past it: its open
     /// connections are reset and new ones refused). Default: no cap.
     #[arg(long, value_name = "BYTES", requires = "network")]
@@ -193,6 +197,7 @@ impl Default for Config {
             egress_default: EgressDefault::None,
             egress_allow_private: crate::core::egress::Private::default(),
             egress_hosts: None,
+            egress_secrets: None,
             egress_max_bytes: None,
             key_max_jobs: None,
             api_keys: None,

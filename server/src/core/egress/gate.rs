@@ -31,11 +31,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use vmm::{ConnectRequest, Egress, Limit, Traffic, Verdict};
+use vmm::{ConnectRequest, Egress, Headers, Limit, Refusal, Traffic, Verdict};
 
 use super::listeners::Listeners;
 use super::policy::{Decision, Policy, PolicySpec};
 use super::ranges::{Hosts, Private};
+use super::secrets::Secrets;
 use crate::core::audit::{AuditLog, Origin};
 
 /// Attempts one gate keeps (the oldest are dropped first, and counted).
@@ -56,6 +57,8 @@ pub struct Site {
     pub audit: Option<AuditLog>,
     /// The session traces attempts are written to, beside the audit log.
     pub traces: Option<Arc<crate::core::trace::Traces>>,
+    /// The operator's secrets, for rules' header values (`--egress-secrets`).
+    pub secrets: Arc<Secrets>,
 }
 
 /// Every gate's attempts and bytes added up (`bud_egress_*` in `/metrics`).
@@ -118,7 +121,12 @@ pub struct Attempt {
     /// sandbox had as many connections open or being dialed as one may: refused by the stack
     /// without asking the policy), `dials` (it had as many connections being dialed, not
     /// yet connected, as one may: refused the same way), `bytes` (its connections had moved
-    /// all the bytes `--egress-max-bytes` allows).
+    /// all the bytes `--egress-max-bytes` allows); for a connection allowed for a name and
+    /// reset once its bytes named another host (an HTTP `Host` or target, a TLS SNI),
+    /// `host-mismatch`, or whose bytes started as HTTP or TLS and could not be read so,
+    /// `unreadable` (`vmm::net::names`); for one to a host with rules, `rules-need-http`
+    /// (it started TLS, where the headers cannot be set) or `secret-missing` (a secret its
+    /// headers name is no longer held).
     pub reason: &'static str,
     /// The entry that decided, as the client wrote it.
     pub rule: Option<String>,
@@ -130,6 +138,18 @@ pub struct Attempt {
     pub closed_at_ms: Option<u64>,
     pub bytes_sent: Option<u64>,
     pub bytes_received: Option<u64>,
+    /// For `host-mismatch`, the host the connection's bytes named; for `unreadable`, what
+    /// could not be read; for `secret-missing`, the secret's name.
+    pub detail: Option<String>,
+    /// For a connection to a host with rules: the rule (its host key) whose headers were
+    /// set on its HTTP requests, the secrets their values named (names only), and, once it
+    /// is over, how many requests got them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headers_from: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests_rewritten: Option<u64>,
     /// The VMM's number of the connection ([`ConnectRequest::id`]), to find it at its end.
     #[serde(skip)]
     conn: Option<u64>,
@@ -176,9 +196,15 @@ impl Gate {
         *lock(&self.policy) = policy.map(Arc::new);
     }
 
-    /// The policy in force, as the client wrote it (None: no route out).
+    /// The policy in force, as the client wrote it, rules' values and all (None: no route
+    /// out): for the sandbox's own records, never to be shown.
     pub fn policy(&self) -> Option<PolicySpec> {
         self.current().map(|p| p.spec().clone())
+    }
+
+    /// The policy in force as it may be shown: rules' values redacted.
+    pub fn shown_policy(&self) -> Option<PolicySpec> {
+        self.current().map(|p| p.spec().shown())
     }
 
     /// The policy in force in words ([`Policy::describe`]; None: no route out).
@@ -240,6 +266,38 @@ impl Gate {
         }
     }
 
+    /// Records that connection `id`, allowed for `name`, was refused after it opened, for
+    /// `reason` (`detail` says more).
+    fn name_refused_as(&self, id: u64, name: &str, reason: &'static str, detail: String) {
+        // The connection's own attempt (allowed, still open) gives where it went.
+        let opened = lock(&self.log)
+            .kept
+            .iter()
+            .rev()
+            .find(|a| a.conn == Some(id))
+            .map(|a| (a.addr, a.port, a.dialed));
+        let (addr, port, dialed) = opened.unwrap_or_default();
+        self.record(Attempt {
+            at_ms: now_ms(),
+            kind: "connect",
+            name: Some(name.to_owned()),
+            addr,
+            port,
+            allowed: false,
+            reason,
+            rule: None,
+            dialed,
+            closed_at_ms: None,
+            bytes_sent: None,
+            bytes_received: None,
+            detail: Some(detail),
+            headers_from: None,
+            secrets: Vec::new(),
+            requests_rewritten: None,
+            conn: None,
+        });
+    }
+
     /// Records a connection attempt.
     fn record_connect(
         &self,
@@ -261,6 +319,10 @@ impl Gate {
             closed_at_ms: None,
             bytes_sent: None,
             bytes_received: None,
+            detail: None,
+            headers_from: None,
+            secrets: Vec::new(),
+            requests_rewritten: None,
             conn: dial.map(|_| req.id),
         });
     }
@@ -354,6 +416,10 @@ impl Egress for Gate {
             closed_at_ms: None,
             bytes_sent: None,
             bytes_received: None,
+            detail: None,
+            headers_from: None,
+            secrets: Vec::new(),
+            requests_rewritten: None,
             conn: None,
         });
         known
@@ -372,6 +438,43 @@ impl Egress for Gate {
             Limit::Bytes => "bytes",
         };
         self.record_connect(req, reason, None, None);
+    }
+
+    fn name_refused(&self, id: u64, name: &str, refusal: &Refusal) {
+        let (reason, detail) = match refusal {
+            Refusal::Mismatch(claimed) => ("host-mismatch", claimed.clone()),
+            Refusal::Unreadable(why) => ("unreadable", (*why).to_owned()),
+            Refusal::Encrypted => (
+                "rules-need-http",
+                "headers are set on HTTP requests only: TLS to this host is refused (bud does not terminate TLS yet)".to_owned(),
+            ),
+        };
+        self.name_refused_as(id, name, reason, detail);
+    }
+
+    fn headers(&self, id: u64, name: &str) -> Headers {
+        let Some(policy) = self.current() else {
+            return Headers::None;
+        };
+        match policy.rules().for_name(name, &self.site.secrets) {
+            None => Headers::None,
+            Some(Ok(applied)) => {
+                if let Some(a) = lock(&self.log)
+                    .kept
+                    .iter_mut()
+                    .rev()
+                    .find(|a| a.conn == Some(id))
+                {
+                    a.headers_from = Some(applied.rule);
+                    a.secrets = applied.secrets;
+                }
+                Headers::Set(applied.headers)
+            }
+            Some(Err(missing)) => {
+                self.name_refused_as(id, name, "secret-missing", missing.secret);
+                Headers::Refuse
+            }
+        }
     }
 
     fn byte_budget(&self) -> Option<u64> {
@@ -397,6 +500,9 @@ impl Egress for Gate {
             a.closed_at_ms = Some(now_ms());
             a.bytes_sent = Some(traffic.sent);
             a.bytes_received = Some(traffic.received);
+            if a.headers_from.is_some() {
+                a.requests_rewritten = Some(traffic.rewritten);
+            }
             a.conn = None;
             a.clone()
         };
@@ -412,13 +518,17 @@ mod tests {
         let spec = PolicySpec {
             allow_out: allow.iter().map(|s| s.to_string()).collect(),
             deny_out: deny.iter().map(|s| s.to_string()).collect(),
+            rules: Default::default(),
         };
         let site = Site {
             hosts: Hosts::parse(hosts).unwrap(),
             private: Private::parse(private).unwrap(),
             ..Site::default()
         };
-        Gate::new(Some(Policy::parse(&spec).unwrap()), Arc::new(site))
+        Gate::new(
+            Some(Policy::parse(&spec, &Secrets::default()).unwrap()),
+            Arc::new(site),
+        )
     }
 
     fn by_name(name: &str, port: u16) -> ConnectRequest<'_> {
@@ -562,6 +672,7 @@ mod tests {
             Traffic {
                 sent: 1,
                 received: 1,
+                rewritten: 0,
             },
         ); // not a connection it opened
         g.closed(
@@ -569,6 +680,7 @@ mod tests {
             Traffic {
                 sent: 120,
                 received: 4096,
+                rewritten: 0,
             },
         );
 
@@ -598,6 +710,7 @@ mod tests {
             Traffic {
                 sent: 5,
                 received: 5,
+                rewritten: 0,
             },
         );
         assert_eq!(g.attempts().0[1].bytes_sent, Some(120));
@@ -617,6 +730,7 @@ mod tests {
             Traffic {
                 sent: 300,
                 received: 400,
+                rewritten: 0,
             },
         );
         assert_eq!(g.byte_budget(), Some(300));
@@ -625,6 +739,7 @@ mod tests {
             Traffic {
                 sent: 500,
                 received: 0,
+                rewritten: 0,
             },
         );
         assert_eq!(g.byte_budget(), Some(0), "spent, never negative");

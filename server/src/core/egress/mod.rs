@@ -1,7 +1,8 @@
 //! Egress: what a sandbox's network may reach (issue 39, stage 2 of
 //! `docs/network-design.md`). A policy in E2B's shape ([`policy`]), the ranges no policy
 //! opens and the names the operator pins ([`ranges`]), the server's own listening sockets,
-//! which nothing opens ([`listeners`]), and the gate that applies them to each name and
+//! which nothing opens ([`listeners`]), the headers set on a sandbox's requests to a host
+//! ([`rules`]) and the operator's secrets their values may name ([`secrets`]), and the gate that applies them to each name and
 //! connection of one sandbox and records every attempt ([`gate`]): it is the
 //! [`vmm::Egress`] of that sandbox's network card.
 //!
@@ -11,8 +12,12 @@ pub mod gate;
 pub mod listeners;
 pub mod policy;
 pub mod ranges;
+pub mod rules;
+pub mod secrets;
 
 pub use gate::{Attempt, Gate, Site};
 pub use listeners::Listeners;
 pub use policy::{Decision, Policy, PolicyError, PolicySpec};
 pub use ranges::{Hosts, HostsError, Private};
+pub use rules::{Rules, RulesSpec};
+pub use secrets::{Secrets, SecretsError};

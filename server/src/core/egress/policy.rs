@@ -30,6 +30,8 @@ use std::ops::RangeInclusive;
 
 use serde::{Deserialize, Serialize};
 
+use super::rules::{RuleError, Rules, RulesSpec};
+use super::secrets::Secrets;
 use crate::core::echo::quote;
 
 /// Entries one list may hold, at most.
@@ -55,14 +57,16 @@ pub enum PolicyError {
     DomainDenied { entry: String },
     #[error("{list}: {count} entries, more than {MAX_ENTRIES}")]
     TooMany { list: &'static str, count: usize },
+    #[error(transparent)]
+    Rule(#[from] RuleError),
 }
 
 /// The deny entry of every address: what an allow-list of bud's API denies
 /// (module docs).
 pub const EVERY_ADDRESS: &str = "0.0.0.0/0";
 
-/// A policy in force, in E2B's terms (both APIs' `network` object, `rules` aside). Read from
-/// JSON it takes bud's meaning of an allow-list (module docs).
+/// A policy in force, in E2B's terms (both APIs' `network` object). Read from JSON it
+/// takes bud's meaning of an allow-list (module docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "WrittenSpec")]
 pub struct PolicySpec {
@@ -70,6 +74,10 @@ pub struct PolicySpec {
     pub allow_out: Vec<String>,
     /// What may not be reached (addresses and CIDRs).
     pub deny_out: Vec<String>,
+    /// Headers set on requests to hosts ([`super::rules`]); shown with their values
+    /// redacted ([`Self::shown`]).
+    #[serde(skip_serializing_if = "RulesSpec::is_empty")]
+    pub rules: RulesSpec,
 }
 
 /// A `network` object as a client of bud's API writes it: each list given or not.
@@ -80,6 +88,8 @@ struct WrittenSpec {
     allow_out: Option<Vec<String>>,
     #[serde(default)]
     deny_out: Option<Vec<String>>,
+    #[serde(default)]
+    rules: RulesSpec,
 }
 
 impl From<WrittenSpec> for PolicySpec {
@@ -94,6 +104,26 @@ impl From<WrittenSpec> for PolicySpec {
         Self {
             allow_out,
             deny_out,
+            rules: w.rules,
+        }
+    }
+}
+
+impl PolicySpec {
+    /// The lists alone, E2B's meaning (rules none).
+    pub fn lists(allow_out: Vec<String>, deny_out: Vec<String>) -> Self {
+        Self {
+            allow_out,
+            deny_out,
+            rules: RulesSpec::new(),
+        }
+    }
+
+    /// As a sandbox shows it: each rule's header values redacted.
+    pub fn shown(&self) -> Self {
+        Self {
+            rules: super::rules::redacted(&self.rules),
+            ..self.clone()
         }
     }
 }
@@ -232,7 +262,7 @@ fn parse_ports(text: &str) -> Option<RangeInclusive<u16>> {
 
 /// Labels of letters, digits and hyphens (underscores too, as service names use them), at
 /// least two labels... or one (`localhost`-like names pinned with `--egress-hosts`).
-fn valid_domain(name: &str) -> bool {
+pub(crate) fn valid_domain(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 253
         && name.split('.').all(|l| {
@@ -261,6 +291,7 @@ fn domain_matches(domain: &str, wildcard: bool, name: &str) -> bool {
 pub struct Policy {
     allow: Vec<Entry>,
     deny: Vec<Entry>,
+    rules: Rules,
     /// As the client wrote it.
     spec: PolicySpec,
 }
@@ -288,8 +319,14 @@ impl Policy {
         Self {
             allow: Vec::new(),
             deny: Vec::new(),
+            rules: Rules::default(),
             spec: PolicySpec::default(),
         }
+    }
+
+    /// Its rules ([`super::rules`]).
+    pub fn rules(&self) -> &Rules {
+        &self.rules
     }
 
     /// The policy as the client wrote it (an empty one for [`Self::allow_all`], which it
@@ -298,7 +335,8 @@ impl Policy {
         &self.spec
     }
 
-    pub fn parse(spec: &PolicySpec) -> Result<Self, PolicyError> {
+    /// Parses `spec`; the secrets its rules name must be among `secrets`.
+    pub fn parse(spec: &PolicySpec, secrets: &Secrets) -> Result<Self, PolicyError> {
         let list = |name: &'static str, entries: &[String]| {
             if entries.len() > MAX_ENTRIES {
                 return Err(PolicyError::TooMany {
@@ -321,9 +359,11 @@ impl Policy {
                 entry: d.text.clone(),
             });
         }
+        let rules = Rules::parse(&spec.rules, secrets)?;
         Ok(Self {
             allow,
             deny,
+            rules,
             spec: spec.clone(),
         })
     }
@@ -356,7 +396,13 @@ impl Policy {
         } else {
             format!("everything else but {}", join(&self.deny))
         };
-        if self.allow.is_empty() {
+        let rules = if self.rules.is_empty() {
+            String::new()
+        } else {
+            let keys: Vec<String> = self.spec.rules.keys().map(|k| quote(k)).collect();
+            format!("; headers set on HTTP requests to {}", keys.join(", "))
+        };
+        let reach = if self.allow.is_empty() {
             if self.denies_every_address() {
                 "nothing: no name resolves, no connection opens".to_owned()
             } else if self.deny.is_empty() {
@@ -366,7 +412,8 @@ impl Policy {
             }
         } else {
             format!("{}; {rest}", join(&self.allow))
-        }
+        };
+        reach + &rules
     }
 
     /// Whether a name could be reached without looking at its addresses: an allow entry
@@ -394,12 +441,16 @@ impl Policy {
 mod tests {
     use super::*;
 
+    fn parse(allow: &[&str], deny: &[&str]) -> Result<Policy, PolicyError> {
+        let list = |l: &[&str]| l.iter().map(|s| s.to_string()).collect();
+        Policy::parse(
+            &PolicySpec::lists(list(allow), list(deny)),
+            &Secrets::default(),
+        )
+    }
+
     fn policy(allow: &[&str], deny: &[&str]) -> Policy {
-        Policy::parse(&PolicySpec {
-            allow_out: allow.iter().map(|s| s.to_string()).collect(),
-            deny_out: deny.iter().map(|s| s.to_string()).collect(),
-        })
-        .unwrap()
+        parse(allow, deny).unwrap()
     }
 
     const ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 7);
@@ -417,7 +468,7 @@ mod tests {
         let empty = written("{}");
 
         assert_eq!(only.deny_out, [EVERY_ADDRESS]);
-        let p = Policy::parse(&only).unwrap();
+        let p = Policy::parse(&only, &Secrets::default()).unwrap();
         assert_eq!(
             p.decide(Some("other.test"), Some(ADDR), 443),
             Decision::Denied(EVERY_ADDRESS.into())
@@ -428,15 +479,21 @@ mod tests {
         // Lists given both ways keep E2B's order: the rest is allowed.
         assert_eq!(both.deny_out, ["10.0.0.0/8"]);
         assert_eq!(
-            Policy::parse(&both).unwrap().describe(),
+            Policy::parse(&both, &Secrets::default())
+                .unwrap()
+                .describe(),
             "\"pypi.test\"; everything else but \"10.0.0.0/8\""
         );
         assert_eq!(
-            Policy::parse(&open).unwrap().describe(),
+            Policy::parse(&open, &Secrets::default())
+                .unwrap()
+                .describe(),
             "\"pypi.test\"; everything else"
         );
         assert_eq!(
-            Policy::parse(&deny_only).unwrap().describe(),
+            Policy::parse(&deny_only, &Secrets::default())
+                .unwrap()
+                .describe(),
             "everything but \"10.0.0.0/8\""
         );
         assert_eq!(empty, PolicySpec::default());
@@ -453,8 +510,9 @@ mod tests {
         assert_eq!(written(&shown), only);
         let err = serde_json::from_str::<PolicySpec>(r#"{"denyOut": []}"#).unwrap_err();
         assert!(
-            err.to_string()
-                .starts_with("unknown field `denyOut`, expected `allow_out` or `deny_out`"),
+            err.to_string().starts_with(
+                "unknown field `denyOut`, expected one of `allow_out`, `deny_out`, `rules`"
+            ),
             "{err}"
         );
     }
@@ -528,12 +586,6 @@ mod tests {
 
     #[test]
     fn malformed_entries_are_refused_with_the_list_and_the_entry() {
-        let parse = |allow: &[&str], deny: &[&str]| {
-            Policy::parse(&PolicySpec {
-                allow_out: allow.iter().map(|s| s.to_string()).collect(),
-                deny_out: deny.iter().map(|s| s.to_string()).collect(),
-            })
-        };
         for bad in [
             "",
             "10.0.0.0/33",
@@ -574,15 +626,23 @@ mod tests {
     fn a_huge_entry_is_refused_by_its_prefix_and_a_padded_one_is_logged_trimmed() {
         let huge = format!("{}!", "a".repeat(1 << 20));
         let padded = format!("{0}pypi.test{0}", " ".repeat(1 << 20));
-        let err = Policy::parse(&PolicySpec {
-            allow_out: vec![huge],
-            deny_out: vec![],
-        })
+        let err = Policy::parse(
+            &PolicySpec {
+                allow_out: vec![huge],
+                deny_out: vec![],
+                rules: Default::default(),
+            },
+            &Secrets::default(),
+        )
         .unwrap_err();
-        let denied = Policy::parse(&PolicySpec {
-            allow_out: vec![],
-            deny_out: vec![padded.clone()],
-        })
+        let denied = Policy::parse(
+            &PolicySpec {
+                allow_out: vec![],
+                deny_out: vec![padded.clone()],
+                rules: Default::default(),
+            },
+            &Secrets::default(),
+        )
         .unwrap_err();
         let p = policy(&[&padded], &["0.0.0.0/0"]);
 

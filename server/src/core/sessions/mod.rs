@@ -208,7 +208,7 @@ impl Sessions {
                     "parent": e.parent,
                     "metadata": e.metadata,
                     "idle_timeout_s": e.idle_timeout.as_secs(),
-                    "network": e.network.as_ref().map(|g| g.policy()),
+                    "network": e.network.as_ref().map(|g| g.shown_policy()),
                 }),
             );
         }

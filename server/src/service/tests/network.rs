@@ -18,10 +18,10 @@ fn carded(config: Config) -> (AppState, FakeEngine) {
 }
 
 fn spec(allow: &[&str], deny: &[&str]) -> PolicySpec {
-    PolicySpec {
-        allow_out: allow.iter().map(|s| s.to_string()).collect(),
-        deny_out: deny.iter().map(|s| s.to_string()).collect(),
-    }
+    PolicySpec::lists(
+        allow.iter().map(|s| s.to_string()).collect(),
+        deny.iter().map(|s| s.to_string()).collect(),
+    )
 }
 
 async fn session_with(state: &AppState, network: Option<PolicySpec>) -> Result<String, Error> {
