@@ -55,10 +55,12 @@ pub async fn snapshot(
 /// `GET /v1/snapshots`.
 pub async fn list(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
     let dir = state.state_dir().ok_or(Error::NoStateDir)?;
+    // A key's own snapshots only (as sessions are listed).
     let all: Vec<SnapshotInfo> = dir
         .snapshots()
         .list()
         .iter()
+        .filter(|s| crate::core::sessions::listed_for(s.record.owner.as_deref()))
         .map(SnapshotInfo::of)
         .collect();
     Ok(Json(serde_json::json!({ "snapshots": all })))

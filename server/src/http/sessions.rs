@@ -6,7 +6,7 @@
 //! Error model as `/v1/exec`; a busy session is 409, an ended one 410 with why.
 
 use crate::core::clock::epoch_s;
-use crate::core::sessions::Entry;
+use crate::core::sessions::{Entry, listed_for};
 use crate::http::jobs::ExecResponse;
 use axum::Json;
 use axum::body::Bytes;
@@ -35,10 +35,13 @@ pub async fn create(
 
 /// `GET /v1/sessions`.
 pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
+    // With API keys, a key's own sessions only: an id is the way to a session, and a
+    // listing would hand out another key's.
     let mut all: Vec<SessionInfo> = state
         .sessions()
         .list()
         .iter()
+        .filter(|e| listed_for(e.owner.as_deref()))
         .map(|e| SessionInfo::of(e))
         .collect();
     if let Some(dir) = state.state_dir() {
@@ -46,6 +49,7 @@ pub async fn list(State(state): State<AppState>) -> Json<serde_json::Value> {
             dir.paused()
                 .list()
                 .iter()
+                .filter(|p| listed_for(p.record.owner.as_deref()))
                 .map(|p| SessionInfo::paused(&state, p)),
         );
     }

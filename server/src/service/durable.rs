@@ -104,6 +104,7 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         parent: e.parent.clone(),
         template: e.template.clone(),
         auto_pause: e.auto_pause.load(std::sync::atomic::Ordering::Relaxed),
+        owner: e.owner.clone(),
         processes: processes_of(&e),
         watches: e.processes.watch_list(),
         attachment: e.attachment_record(),
@@ -192,6 +193,7 @@ pub async fn snapshot(state: &AppState, id: &str) -> Result<Snapshot, Error> {
             attachment: e.attachment_record(),
             contexts: e.contexts().clone(),
             network: e.network.as_ref().and_then(|g| g.policy()),
+            owner: e.owner.clone(),
         };
         let app = serde_json::to_vec(&record).map_err(Error::internal)?;
         let path = dir.snapshots().path(&snap_id);
@@ -310,6 +312,7 @@ pub async fn start_from(
             }
             None => crate::service::network::restored(state, &exec, r.network.as_ref()),
         },
+        owner: crate::core::audit::current_key(),
     };
     let path = dir.snapshots().path(snap);
     let sessions = state.sessions().clone();

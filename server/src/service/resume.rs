@@ -182,6 +182,7 @@ fn resume_file(
         auto_pause: r.auto_pause,
         again: Some((id.clone(), from_epoch_ms(r.created_at_ms))),
         network: crate::service::network::restored(state, exec, r.network.as_ref()),
+        owner: r.owner,
     };
     let e = state
         .sessions()

@@ -95,6 +95,7 @@ pub async fn start_fresh(state: &AppState, req: CreateSession) -> Result<Arc<Ent
         auto_pause: req.auto_pause.unwrap_or(false),
         again: None,
         network,
+        owner: crate::core::audit::current_key(),
     };
     let sessions = state.sessions().clone();
     admission::call(state, move || {
@@ -309,6 +310,7 @@ pub async fn fork(state: &AppState, id: &str, count: usize) -> Result<Forked, Er
                 again: None,
                 // The parent's policy, a log of its own.
                 network: e.network.as_ref().map(|g| Arc::new(g.child())),
+                owner: e.owner.clone(),
             };
             let child_entry = sessions.insert(settings, child).map_err(Error::internal)?;
             child_entry.account();

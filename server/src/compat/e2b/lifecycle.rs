@@ -157,9 +157,10 @@ pub async fn list_snapshots(State(c): State<Compat>, Query(q): Query<SnapshotQue
         .list()
         .into_iter()
         .filter(|s| {
-            q.sandbox_id
-                .as_deref()
-                .is_none_or(|id| id == s.record.source)
+            crate::core::sessions::listed_for(s.record.owner.as_deref())
+                && q.sandbox_id
+                    .as_deref()
+                    .is_none_or(|id| id == s.record.source)
         })
         .map(|s| json!({"snapshotID": s.record.id, "names": []}))
         .collect();

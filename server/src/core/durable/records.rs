@@ -58,6 +58,10 @@ pub struct SessionRecord {
     pub template: String,
     /// Paused instead of ended when its time is up.
     pub auto_pause: bool,
+    /// The API key that made it (`crate::core::sessions::Entry::owner`; None in records
+    /// older than owners).
+    #[serde(default)]
+    pub owner: Option<String>,
     /// Its live background processes.
     pub processes: Vec<ProcessRecord>,
     /// Its directory watchers, (id, directory).
@@ -102,6 +106,9 @@ pub struct SnapshotRecord {
     pub attachment: serde_json::Value,
     #[serde(default)]
     pub contexts: crate::core::contexts::Contexts,
+    /// The API key of the session it was taken of (None in records older than owners).
+    #[serde(default)]
+    pub owner: Option<String>,
     /// The network policy of the session it was taken of (None: no route out).
     #[serde(default)]
     pub network: Option<crate::core::egress::PolicySpec>,

@@ -57,6 +57,10 @@ pub struct Entry {
     pub contexts: Mutex<crate::core::contexts::Contexts>,
     /// Its network's gate (None: its template has no network card).
     pub network: Option<Arc<crate::core::egress::Gate>>,
+    /// The API key that made it (None: no keys, or made before sessions had owners):
+    /// listings show a key its own sessions only ([`listed_for`]). Its id is the way to
+    /// it: the id's holder may use it, as E2B's sandbox ids are.
+    pub owner: Option<String>,
 }
 
 /// What an API dialect keeps of a session besides the session (E2B's sandbox: its token,
@@ -91,6 +95,8 @@ pub struct NewSession {
     pub again: Option<(String, SystemTime)>,
     /// Its network's gate, given to its VM as it is registered (None: no card).
     pub network: Option<Arc<crate::core::egress::Gate>>,
+    /// The API key that made it ([`Entry::owner`]).
+    pub owner: Option<String>,
 }
 
 /// Held while a request uses a session (or, the flag set, while its processes' pump does,
@@ -158,6 +164,7 @@ impl Entry {
             attachment: Mutex::new(Attached::Saved(serde_json::Value::Null)),
             contexts: Mutex::default(),
             network: s.network,
+            owner: s.owner,
         }
     }
 
@@ -297,5 +304,14 @@ impl Entry {
     /// The session's VM, taken out (it has ended).
     pub(super) fn take_vm(&self) -> Option<Box<dyn SessionVm>> {
         self.vm.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// Whether something owned by `owner` is listed to the request asking now: with API keys,
+/// only its own key's (and what has no owner); without keys, or outside a request, all.
+pub fn listed_for(owner: Option<&str>) -> bool {
+    match (owner, crate::core::audit::current_key()) {
+        (Some(owner), Some(asker)) => owner == asker,
+        _ => true,
     }
 }

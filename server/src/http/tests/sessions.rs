@@ -234,3 +234,44 @@ async fn a_drain_without_a_target_refuses_new_work_and_ends_the_sessions_left_at
     let (status, r) = a.exec(json!({ "code": "2" })).await;
     assert_eq!((status, r["stdout"].clone()), (200, json!("2")));
 }
+
+/// Under API keys a listing shows a key its own sessions only (an id is the way to a
+/// session, so a listing must not hand out another key's).
+#[tokio::test]
+async fn a_key_lists_its_own_sessions_and_no_other_keys() {
+    const ALICE: &str = "0123456789abcdef";
+    const BOB: &str = "fedcba9876543210";
+    let mut config = super::test_config();
+    config.api_keys = Some(std::sync::Arc::new(
+        crate::core::keys::ApiKeys::parse(&format!("alice {ALICE}\nbob {BOB}\n")).unwrap(),
+    ));
+    let s = Served::with_config(config).await;
+    let mut ids = Vec::new();
+    for key in [ALICE, BOB] {
+        let (status, r) = s.post_as(Some(key), "/v1/sessions", &json!({})).await;
+        assert_eq!(status, 201, "{r}");
+        ids.push(r["id"].as_str().unwrap().to_owned());
+    }
+    let mut listed = Vec::new();
+    for key in [ALICE, BOB] {
+        let r = s
+            .client
+            .get(s.url("/v1/sessions"))
+            .header("x-api-key", key)
+            .send()
+            .await
+            .unwrap();
+        let (status, body) = super::answer(r).await;
+        assert_eq!(status, 200, "{body}");
+        let ids: Vec<String> = body["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_owned())
+            .collect();
+        listed.push(ids);
+    }
+
+    assert_eq!(listed, [vec![ids[0].clone()], vec![ids[1].clone()]]);
+    assert_eq!(s.state.sessions().count(), 2);
+}
