@@ -10,6 +10,7 @@
 
 pub mod gate;
 pub mod listeners;
+mod names;
 pub mod policy;
 pub mod ranges;
 pub mod rules;

@@ -30,6 +30,7 @@ use std::ops::RangeInclusive;
 
 use serde::{Deserialize, Serialize};
 
+use super::names::valid_domain;
 use super::rules::{RuleError, Rules, RulesSpec};
 use super::secrets::Secrets;
 use crate::core::echo::quote;
@@ -258,21 +259,6 @@ fn parse_ports(text: &str) -> Option<RangeInclusive<u16>> {
     let (lo, hi) = text.split_once('-').unwrap_or((text, text));
     let (lo, hi) = (lo.parse::<u16>().ok()?, hi.parse::<u16>().ok()?);
     (lo >= 1 && lo <= hi).then_some(lo..=hi)
-}
-
-/// Labels of letters, digits and hyphens (underscores too, as service names use them), at
-/// least two labels... or one (`localhost`-like names pinned with `--egress-hosts`).
-pub(crate) fn valid_domain(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        })
 }
 
 /// `name` (lower case) against a domain entry.

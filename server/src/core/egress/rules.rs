@@ -157,7 +157,7 @@ impl Rules {
                 None => (key.trim(), false),
             };
             let domain = domain.trim_end_matches('.').to_ascii_lowercase();
-            if !super::policy::valid_domain(&domain)
+            if !super::names::valid_domain(&domain)
                 || domain.bytes().all(|b| b.is_ascii_digit() || b == b'.')
             {
                 return Err(RuleError::BadHost(key.clone()));
