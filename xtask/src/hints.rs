@@ -129,6 +129,7 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("guest/src/lib.rs", 30, ON_GUEST),
     ("server/tests/beside.rs", 13, ON_PYTHON),
     ("server/tests/durable.rs", 18, ON_PYTHON),
+    ("server/tests/density.rs", 15, ON_PYTHON),
     // Reads the guest's busybox (it runs the build's up-to-date check itself).
     ("guest/pyext/tests/host_jobs.rs", 12, ON_GUEST),
     ("server/tests/session_leaks.rs", 6, ON_PYTHON),

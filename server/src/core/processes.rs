@@ -415,6 +415,11 @@ impl Processes {
         all
     }
 
+    /// Whether any process kept has not ended.
+    pub fn any_running(&self) -> bool {
+        self.table().procs.values().any(|p| p.end.is_none())
+    }
+
     /// Process `pid`, and how it ended if it did.
     pub fn get(&self, pid: u32) -> Option<(Arc<Info>, Option<Exit>, bool)> {
         let t = self.table();

@@ -208,6 +208,10 @@ pub struct SessionInfo {
     pub template: String,
     /// `running` or `paused`.
     pub state: String,
+    /// Parked by the server for idling (`--park-idle-s`): running as far as its client
+    /// goes, on disk until its next request resumes it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub parked: bool,
     pub auto_pause: bool,
     /// When it paused (a paused session).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -216,11 +220,14 @@ pub struct SessionInfo {
 
 impl SessionInfo {
     /// A paused session as the API shows it: its lifetime stands still (`expires_at` is
-    /// what it would be if it resumed now).
+    /// what it would be if it resumed now). A parked one is shown running, its lifetime
+    /// going on.
     pub fn paused(state: &AppState, p: &crate::core::durable::Paused) -> Self {
-        use crate::core::durable::from_epoch_ms;
+        use crate::core::durable::{epoch_ms, from_epoch_ms};
         let r = &p.record;
         let now = std::time::SystemTime::now();
+        let now_ms = epoch_ms(now);
+        let parked = r.parked_at(now_ms);
         let engine = match state.template_state(&r.template) {
             Some(crate::core::state::TemplateState::Ready(e)) => Some(e),
             _ => None,
@@ -228,7 +235,7 @@ impl SessionInfo {
         Self {
             id: r.id.clone(),
             created_at: epoch_s(from_epoch_ms(r.created_at_ms)),
-            expires_at: epoch_s(now + std::time::Duration::from_millis(r.lifetime_left_ms)),
+            expires_at: epoch_s(now + r.lifetime_left_at(now_ms)),
             idle_timeout_s: r.idle_timeout_s,
             language: runtime_name(engine.as_ref().map(|e| e.manifest()), r.language, r.dialect),
             execution_count: 0,
@@ -239,9 +246,10 @@ impl SessionInfo {
             parent: r.parent.clone(),
             metadata: r.metadata.clone(),
             template: r.template.clone(),
-            state: "paused".into(),
+            state: if parked { "running" } else { "paused" }.into(),
+            parked,
             auto_pause: r.auto_pause,
-            paused_at: Some(epoch_s(from_epoch_ms(r.paused_at_ms))),
+            paused_at: (!parked).then(|| epoch_s(from_epoch_ms(r.paused_at_ms))),
         }
     }
 
@@ -262,6 +270,7 @@ impl SessionInfo {
             metadata: e.metadata.clone(),
             template: e.template.clone(),
             state: "running".into(),
+            parked: false,
             auto_pause: e.auto_pause.load(Relaxed),
             paused_at: None,
         }

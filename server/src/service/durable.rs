@@ -11,6 +11,11 @@
 //!   before the pause stays behind).
 //! - **Resume** ([`crate::service::resume`]): explicitly here, or at the next request
 //!   that wants the session; then its processes' pump starts again.
+//! - **Park** (`--park-idle-s`): a session idle that long is paused by the server the same
+//!   way, marked parked: it is shown running, its idle timeout and lifetime go on on disk
+//!   ([`sweep_parked`] ends it when one is up, as a running session would end), and its
+//!   next request resumes it. Live sessions are then bounded by memory, parked ones by
+//!   disk.
 //! - **Snapshot**: the session is held while its file is written, then goes on. A session
 //!   started from a snapshot gets the snapshot's memory, files and processes and an
 //!   identity of its own; many share its pages in the page cache.
@@ -24,8 +29,8 @@ use vmm::session_file;
 
 use crate::core::audit::Origin;
 use crate::core::durable::{
-    Paused, ProcessRecord, RECORD_VERSION, Reservation, SessionRecord, Snapshot, SnapshotRecord,
-    StateDir, epoch_ms,
+    ParkedUntil, Paused, ProcessRecord, RECORD_VERSION, Reservation, SessionRecord, Snapshot,
+    SnapshotRecord, StateDir, epoch_ms,
 };
 use crate::core::sessions::{Busy, Ended, Entry, NewSession, Unavailable};
 use crate::core::state::AppState;
@@ -66,30 +71,64 @@ fn check_quota(dir: &Arc<StateDir>, e: &Entry) -> Result<Reservation, Error> {
     })
 }
 
-/// Pauses session `id` (module docs).
+/// Pauses session `id` (module docs). A parked session ([`park`]) is resumed and paused
+/// again: it was running as far as its client knew, and is paused now.
 pub async fn pause(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
+    pause_as(state, id, false).await
+}
+
+/// Parks session `id`: pauses it because it idled past `--park-idle-s`, so that it holds
+/// disk instead of memory until its next request resumes it. It is shown running, and its
+/// idle timeout and lifetime go on while it is parked ([`sweep_parked`] ends it when one
+/// is up). No checkpoint of its files is taken: nothing of it changes for its client.
+pub async fn park(state: &AppState, id: &str) -> Result<PauseResponse, Error> {
+    pause_as(state, id, true).await
+}
+
+async fn pause_as(state: &AppState, id: &str, parked: bool) -> Result<PauseResponse, Error> {
     let dir = dir(state)?;
-    if dir.paused().get(id).is_some() {
-        return Err(Error::Paused(id.to_owned()));
+    let now = epoch_ms(SystemTime::now());
+    match dir.paused().get(id) {
+        Some(p) if !parked && p.record.parked_at(now) => {
+            resume(state, id).await?;
+        }
+        Some(_) => return Err(Error::Paused(id.to_owned())),
+        None => {}
     }
-    crate::service::sessions::checkpoint_before(state, id, "paused").await;
+    if !parked {
+        crate::service::sessions::checkpoint_before(state, id, "paused").await;
+    }
     let busy = acquire(state, id).await?;
-    let origin = Origin::here("pause", &busy.entry().template, Some(id));
+    let what = if parked { "park" } else { "pause" };
+    let origin = Origin::here(what, &busy.entry().template, Some(id));
     let st = state.clone();
-    let paused = admission::call(state, move || pause_held(&st, &dir, busy)).await??;
+    let paused = admission::call(state, move || pause_held(&st, &dir, busy, parked)).await??;
     if let Some(a) = state.audit() {
         let took = Duration::from_secs_f64(paused.pause_ms / 1e3);
-        a.lifecycle(&origin, "pause", took, None);
+        a.lifecycle(&origin, what, took, None);
     }
     Ok(paused)
 }
 
-/// Pauses the session `busy` holds (on a job thread).
-fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<PauseResponse, Error> {
+/// Pauses the session `busy` holds (on a job thread); `parked`: for idling ([`park`]).
+fn pause_held(
+    state: &AppState,
+    dir: &Arc<StateDir>,
+    busy: Busy,
+    parked: bool,
+) -> Result<PauseResponse, Error> {
     let started = Instant::now();
     let e = busy.entry().clone();
     e.account();
     let _held = check_quota(dir, &e)?;
+    let now = SystemTime::now();
+    let parked = parked.then(|| {
+        let at = |d: Duration| epoch_ms(now + d);
+        ParkedUntil {
+            idle_ms: at(e.idle_timeout.saturating_sub(e.idle_for())),
+            lifetime_ms: at(e.lifetime_left()),
+        }
+    });
     let record = SessionRecord {
         version: RECORD_VERSION,
         id: e.id.clone(),
@@ -111,6 +150,7 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         contexts: e.contexts().clone(),
         network: e.network.as_ref().and_then(|g| g.policy()),
         trace: None,
+        parked,
     };
     let mut carried = SessionRecord {
         trace: carried_trace(state, &e.id),
@@ -133,16 +173,20 @@ fn pause_held(state: &AppState, dir: &Arc<StateDir>, busy: Busy) -> Result<Pause
         key: exec.template().key(),
         written_here: true,
     });
-    if let Some((entry, vm)) = state.sessions().take_out(&e.id) {
+    if let Some((entry, vm)) = state.sessions().take_out(&e.id, parked.is_some()) {
         drop(entry);
         vm.end();
     }
     drop(busy);
-    dir.pauses
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let counter = if parked.is_some() {
+        &dir.parks
+    } else {
+        &dir.pauses
+    };
+    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Ok(PauseResponse {
         id: e.id.clone(),
-        state: "paused".into(),
+        state: if parked.is_some() { "parked" } else { "paused" }.into(),
         bytes,
         memory_bytes: saved.page_bytes,
         pause_ms: started.elapsed().as_secs_f64() * 1e3,
@@ -369,6 +413,56 @@ pub async fn pause_expired(state: &AppState, ids: Vec<String>) {
             };
             let _ = tokio::task::spawn_blocking(move || sessions.end(&id, why)).await;
         }
+    }
+}
+
+/// Parks the sessions that idled past `--park-idle-s` (the reaper's). One that cannot be
+/// parked (the state directory's quota, a VM that cannot be saved) stays running.
+pub async fn park_idle(state: &AppState, ids: Vec<String>) {
+    for id in ids {
+        if let Err(e) = park(state, &id).await {
+            tracing::debug!(session = %id, error = %e, "not parked");
+        }
+    }
+}
+
+/// Ends the parked sessions whose idle timeout or lifetime is up (as a running session
+/// ends at its time: its file removed, its end traced, later calls 410 with the reason);
+/// one that asked for `auto_pause` stays, an ordinary paused session from then on.
+pub async fn sweep_parked(state: &AppState) {
+    let Some(dir) = state.state_dir().cloned() else {
+        return;
+    };
+    let now = epoch_ms(SystemTime::now());
+    for p in dir.paused().list() {
+        let r = &p.record;
+        let Some(reason) = r.parked_due(now) else {
+            continue;
+        };
+        if r.auto_pause || !dir.claim_resume(&r.id) {
+            continue;
+        }
+        // Claimed as a resume is: no request resumes it while it ends.
+        let removed = dir.paused().remove(&r.id);
+        dir.release_resume(&r.id);
+        dir.resumed.notify_waiters();
+        if removed.is_none() {
+            continue;
+        }
+        if let Ok(exec) = templates::served_executor(state, &r.template) {
+            crate::service::resume::unpin_if_unneeded(&dir, &exec, &p.key);
+        }
+        if let Some(t) = state.traces() {
+            t.end(&r.id, reason, Some("while parked"));
+        }
+        state.sessions().tombstone(
+            &r.id,
+            Ended {
+                reason: reason.into(),
+                detail: Some("while parked".into()),
+            },
+        );
+        state.sessions().count_ended(reason);
     }
 }
 

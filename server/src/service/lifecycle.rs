@@ -43,10 +43,17 @@ pub async fn reaper(state: AppState) {
             processes::ensure_pump(&state, &e);
         }
         let sessions: Arc<_> = state.sessions().clone();
-        if let Ok(to_pause) = tokio::task::spawn_blocking(move || sessions.reap()).await
-            && !to_pause.is_empty()
-        {
-            durable::pause_expired(&state, to_pause).await;
+        let park_s = state.config().sessions.park_idle_s;
+        let park_after =
+            (park_s > 0 && state.state_dir().is_some()).then(|| Duration::from_secs(park_s));
+        if let Ok(reaped) = tokio::task::spawn_blocking(move || sessions.reap(park_after)).await {
+            if !reaped.to_pause.is_empty() {
+                durable::pause_expired(&state, reaped.to_pause).await;
+            }
+            if !reaped.to_park.is_empty() {
+                durable::park_idle(&state, reaped.to_park).await;
+            }
         }
+        durable::sweep_parked(&state).await;
     }
 }

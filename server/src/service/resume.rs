@@ -207,8 +207,9 @@ fn resume_file(
 fn clamp(state: &AppState, r: &crate::core::durable::SessionRecord) -> (Duration, Duration) {
     let lim = &state.config().sessions;
     let idle = r.idle_timeout_s.clamp(1, lim.max_idle_timeout_s);
-    let life_ms = r
-        .lifetime_left_ms
+    let now = crate::core::durable::epoch_ms(std::time::SystemTime::now());
+    let life_ms = u64::try_from(r.lifetime_left_at(now).as_millis())
+        .unwrap_or(u64::MAX)
         .clamp(1000, lim.max_lifetime_s.saturating_mul(1000));
     (Duration::from_secs(idle), Duration::from_millis(life_ms))
 }

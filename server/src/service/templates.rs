@@ -264,6 +264,9 @@ pub fn prepare(
             pool_size: config.pool_size,
             reuse: config.reuse,
             verify: config.verify_resets,
+            // Warm VMs for every job thread and the pool; a session's VM past that is
+            // closed at its end.
+            max_idle: config.pool_size + config.workers,
             ..vmm::ExecutorOptions::default()
         },
     )?;

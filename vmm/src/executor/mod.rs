@@ -4,7 +4,8 @@
 //! - **Warm VMs** ([`Reuse::Warm`], the default): after a job that ended at DONE, its VM is
 //!   [`reset`](crate::reset::reset) to the template's READY state and kept for the next job, whose
 //!   pages are then already private and mapped. The idle warm VMs form a stack (the most
-//!   recently used first). A VM whose job ended any other way (timeout, output cap, a dead
+//!   recently used first) of at most `max_idle`: one given back past it (a session's at its
+//!   end, after a burst of sessions) goes to the reaper. A VM whose job ended any other way (timeout, output cap, a dead
 //!   worker, a crash), whose reset or verification failed, or that holds more than
 //!   `max_private_pages` private pages, is never reused: it goes to the reaper and a fresh clone takes its
 //!   place. [`Reuse::Fresh`] throws every VM away after one job, as bud did before resets.
@@ -85,6 +86,10 @@ pub struct ExecutorOptions {
     /// instead of kept: bounds the host memory a warm VM keeps (a reset leaves every page a
     /// job wrote private, restored to the template's bytes).
     pub max_private_pages: u64,
+    /// Idle VMs (warm and fresh) kept at most: a VM given back past it (a session's, at its
+    /// end) is closed instead of kept warm, so a burst of sessions that ends leaves no
+    /// hundreds of idle VMs holding memory. At least `pool_size` are kept whatever this says.
+    pub max_idle: usize,
 }
 
 impl Default for ExecutorOptions {
@@ -94,6 +99,7 @@ impl Default for ExecutorOptions {
             reuse: Reuse::Warm,
             verify: false,
             max_private_pages: 16 * 1024,
+            max_idle: 16,
         }
     }
 }
@@ -108,6 +114,8 @@ struct Counters {
     replaced_abnormal: AtomicU64,
     replaced_too_dirty: AtomicU64,
     replaced_reset_failed: AtomicU64,
+    closed: AtomicU64,
+    close_nanos: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -203,6 +211,10 @@ pub struct ExecutorStats {
     pub replaced_abnormal: u64,
     pub replaced_too_dirty: u64,
     pub replaced_reset_failed: u64,
+    /// VMs closed, and the time their closing took (the host's teardown of a VM: its
+    /// memory unmapped, its vCPU, irqchip and timers freed).
+    pub closed: u64,
+    pub close_time: Duration,
 }
 
 impl std::ops::AddAssign for ExecutorStats {
@@ -219,6 +231,8 @@ impl std::ops::AddAssign for ExecutorStats {
         self.replaced_abnormal += o.replaced_abnormal;
         self.replaced_too_dirty += o.replaced_too_dirty;
         self.replaced_reset_failed += o.replaced_reset_failed;
+        self.closed += o.closed;
+        self.close_time += o.close_time;
     }
 }
 
@@ -266,8 +280,7 @@ impl Executor {
             .name("bud-reaper".into())
             .spawn(move || {
                 for machine in rx {
-                    drop(machine);
-                    s.counters.live.fetch_sub(1, Ordering::Relaxed);
+                    s.close(machine);
                 }
             })
             .map_err(ExecError::Thread)?;
@@ -314,6 +327,8 @@ impl Executor {
             replaced_abnormal: c.replaced_abnormal.load(Ordering::Relaxed),
             replaced_too_dirty: c.replaced_too_dirty.load(Ordering::Relaxed),
             replaced_reset_failed: c.replaced_reset_failed.load(Ordering::Relaxed),
+            closed: c.closed.load(Ordering::Relaxed),
+            close_time: Duration::from_nanos(c.close_nanos.load(Ordering::Relaxed)),
         }
     }
 
@@ -361,8 +376,7 @@ impl Executor {
             None => m,
         };
         // No reaper to take it: close it here.
-        drop(m);
-        self.shared.counters.live.fetch_sub(1, Ordering::Relaxed);
+        self.shared.close(m);
     }
 
     /// Runs `j` and returns its result; the VM is then reset or replaced (module docs).
@@ -433,8 +447,13 @@ impl Executor {
                 Some(&c.replaced_too_dirty)
             }
             (Ok(_), Health::Ready) if opts.reuse == Reuse::Warm => {
-                self.shared.idle().warm.push(m);
-                return;
+                let mut idle = self.shared.idle();
+                if idle.fresh.len() + idle.warm.len() < opts.max_idle.max(opts.pool_size) {
+                    idle.warm.push(m);
+                    return;
+                }
+                drop(idle);
+                return self.discard(m);
             }
             (Ok(_), Health::Ready) => None,
         };

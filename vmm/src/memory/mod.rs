@@ -60,7 +60,7 @@ pub enum MemoryError {
     ReadOnly,
     #[error("cannot copy pages between guest RAM mappings of {0:#x} and {1:#x} bytes")]
     SizeMismatch(u64, u64),
-    #[error("madvise(MADV_DONTNEED) on guest RAM failed: {0}")]
+    #[error("madvise on guest RAM failed: {0}")]
     Madvise(std::io::Error),
     #[error("the host's getrandom failed: {0}")]
     HostRandom(std::io::Error),

@@ -45,10 +45,27 @@ impl GuestRam {
     /// KVM learns of it through its MMU notifier and drops its mappings of those pages (the
     /// guest refaults them). Returns the number of pages given up.
     pub(crate) fn drop_private_pages(&self, bitmap: &[u64]) -> Result<u64, MemoryError> {
+        self.advise_runs(bitmap, libc::MADV_DONTNEED)
+    }
+
+    /// Makes the pages set in `bitmap` private copies now (`MADV_POPULATE_WRITE` on each run
+    /// of them: in a `MAP_PRIVATE` mapping, what the guest's first write to each would do),
+    /// with their contents unchanged. Done before the guest touches them, each copy is made
+    /// where the host page table has no entry yet, which no MMU notifier hears of; the same
+    /// copy made by the guest's write to a page it read first replaces a read-only entry,
+    /// and that calls the notifier of every VM of this process (the host walks each VM's
+    /// memory slots and caches: a cost that grows with the number of VMs, measured in
+    /// docs/measurements.md, "Many sessions on one server"). Returns the number of pages.
+    pub(crate) fn populate_private(&self, bitmap: &[u64]) -> Result<u64, MemoryError> {
+        self.advise_runs(bitmap, libc::MADV_POPULATE_WRITE)
+    }
+
+    /// `madvise(advice)` on each run of consecutive pages set in `bitmap`; the pages advised.
+    fn advise_runs(&self, bitmap: &[u64], advice: libc::c_int) -> Result<u64, MemoryError> {
         if !self.writable {
             return Err(MemoryError::ReadOnly);
         }
-        let mut dropped = 0;
+        let mut advised = 0;
         let mut pages = set_bits(bitmap).peekable();
         while let Some(first) = pages.next() {
             let mut end = first + 1;
@@ -58,21 +75,22 @@ impl GuestRam {
             let offset =
                 self.check_range(first * PAGE_SIZE, ((end - first) * PAGE_SIZE) as usize)?;
             // SAFETY: the range lies inside this mapping (checked) and is page aligned; no Rust
-            // reference into guest RAM exists (every access copies), so replacing the pages'
-            // contents invalidates nothing the compiler relies on.
+            // reference into guest RAM exists (every access copies), so replacing the pages
+            // (MADV_DONTNEED: the file's again; MADV_POPULATE_WRITE: a private copy of the
+            // same bytes) invalidates nothing the compiler relies on.
             let r = unsafe {
                 libc::madvise(
                     self.ptr.as_ptr().add(offset).cast(),
                     ((end - first) * PAGE_SIZE) as usize,
-                    libc::MADV_DONTNEED,
+                    advice,
                 )
             };
             if r != 0 {
                 return Err(MemoryError::Madvise(std::io::Error::last_os_error()));
             }
-            dropped += end - first;
+            advised += end - first;
         }
-        Ok(dropped)
+        Ok(advised)
     }
 
     /// The pages of this mapping that hold a private copy (a `MAP_PRIVATE` page someone

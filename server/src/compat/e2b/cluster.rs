@@ -77,7 +77,7 @@ pub fn local_rows(c: &Compat) -> Vec<Row> {
                 metadata: s.metadata.clone(),
                 template_id: s.template_id.clone(),
                 template: p.record.template.clone(),
-                running: false,
+                running: super::lifecycle::is_parked(&p),
                 body: super::lifecycle::paused_info(c, &s, &p),
             }),
     );

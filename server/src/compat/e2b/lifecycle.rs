@@ -13,6 +13,9 @@
 //!   in-sandbox routes answer 502 (E2B's proxy says the same) until a connect resumes it,
 //!   unless it was made with `autoResume: {"enabled": true}`: then any in-sandbox request
 //!   (with its access token, where the server has keys) resumes it first ([`auto_resume`]).
+//! - A sandbox parked by the server for idling (`--park-idle-s`) is shown and listed
+//!   running, any in-sandbox request resumes it, a connect answers 200 as for a running
+//!   one, and a pause resumes and pauses it.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -32,9 +35,19 @@ use crate::core::durable::{Paused, from_epoch_ms};
 use crate::http::error::{ApiError, Error};
 use crate::service::durable;
 
-/// What `GET /sandboxes/{id}` (and a listing) shows of a paused sandbox.
+/// Whether paused sandbox `p` is parked for idling now (`--park-idle-s`): E2B's clients
+/// see it running.
+pub fn is_parked(p: &Paused) -> bool {
+    p.record
+        .parked_at(crate::core::durable::epoch_ms(SystemTime::now()))
+}
+
+/// What `GET /sandboxes/{id}` (and a listing) shows of a paused sandbox (of a parked one:
+/// running).
 pub fn paused_info(c: &Compat, s: &Sandbox, p: &Paused) -> Value {
     let r = &p.record;
+    let now = SystemTime::now();
+    let parked = is_parked(p);
     let stamp = |t: SystemTime| rfc3339(epoch_s(t));
     json!({
         "templateID": s.template_id,
@@ -43,11 +56,11 @@ pub fn paused_info(c: &Compat, s: &Sandbox, p: &Paused) -> Value {
         "envdVersion": super::ENVD_VERSION,
         "alias": r.template,
         "startedAt": stamp(from_epoch_ms(r.created_at_ms)),
-        "endAt": stamp(SystemTime::now() + Duration::from_millis(r.lifetime_left_ms)),
+        "endAt": stamp(now + r.lifetime_left_at(crate::core::durable::epoch_ms(now))),
         "cpuCount": 1,
         "memoryMB": super::template_ram_bytes(c, &r.template) >> 20,
         "diskSizeMB": 0,
-        "state": "paused",
+        "state": if parked { "running" } else { "paused" },
         "metadata": s.metadata,
         "pauseMode": "full",
     })
@@ -67,11 +80,15 @@ pub fn paused_sandboxes(c: &Compat) -> Vec<(Arc<Sandbox>, Paused)> {
 
 /// `POST /sandboxes/{id}/pause`.
 pub async fn pause(State(c): State<Compat>, Path(id): Path<String>) -> Response {
-    if paused(&c, &id).is_some() {
-        return e2b_error(Error::Paused(id));
-    }
-    if let Err(e) = live(&c, &id) {
-        return e2b_error(e);
+    match paused(&c, &id) {
+        Some(p) if !is_parked(&p) => return e2b_error(Error::Paused(id)),
+        // Parked: running for its client; the pause resumes it and pauses it.
+        Some(_) => {}
+        None => {
+            if let Err(e) = live(&c, &id) {
+                return e2b_error(e);
+            }
+        }
     }
     match durable::pause(&c.app, &id).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -90,8 +107,10 @@ async fn connect_sandbox(c: &Compat, id: &str, body: &[u8]) -> Result<Response, 
     let timeout = serde_json::from_slice::<Timeout>(body)
         .ok()
         .map(|t| t.timeout);
-    let was_paused = paused(c, id).is_some();
-    if was_paused {
+    let on_disk = paused(c, id);
+    // A parked sandbox was running as far as its client knew: resumed, it answers as one.
+    let was_paused = on_disk.as_ref().is_some_and(|p| !is_parked(p));
+    if on_disk.is_some() {
         if sandbox(c, id, None).is_none() {
             return Err(ApiError::NotFound(format!("paused sandbox {id} not found")));
         }
@@ -186,11 +205,10 @@ pub async fn auto_resume(
         .then(|| req.headers().get(super::SANDBOX_ID_HEADER))
         .flatten()
         .and_then(|v| v.to_str().ok())
-        .filter(|id| paused(&c, id).is_some())
-        .map(str::to_owned);
-    if let Some(id) = wanted
+        .and_then(|id| Some((id.to_owned(), is_parked(&paused(&c, id)?))));
+    if let Some((id, parked)) = wanted
         && let Some(s) = sandbox(&c, &id, None)
-        && s.auto_resume
+        && (s.auto_resume || parked)
     {
         let allowed = c.app.config().api_keys.is_none() || super::token_of(req.headers(), &s);
         if allowed && let Err(e) = durable::resume(&c.app, &id).await {

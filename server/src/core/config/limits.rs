@@ -132,6 +132,11 @@ pub struct SessionLimits {
     /// Background processes one session may have running at once; past it, 429.
     #[arg(long = "session-max-processes", default_value_t = SessionLimits::default().max_processes)]
     pub max_processes: usize,
+    /// Park sessions idle this long, in seconds: pause them to the state directory and
+    /// resume them at their next request, transparently (they are shown running, their
+    /// idle timeout and lifetime go on). 0: never (docs/sessions.md, "Many sessions").
+    #[arg(long = "park-idle-s", default_value_t = SessionLimits::default().park_idle_s)]
+    pub park_idle_s: u64,
     /// Children of one fork request (not an option of `bud serve`).
     #[arg(skip = MAX_FORK_COUNT)]
     pub max_fork_count: usize,
@@ -153,6 +158,7 @@ impl Default for SessionLimits {
             max_lifetime_s: 24 * 3600,
             max_file_bytes: 16 << 20,
             max_fork_count: MAX_FORK_COUNT,
+            park_idle_s: 0,
         }
     }
 }

@@ -273,6 +273,8 @@ pub enum ConfigError {
     SessionTimes,
     #[error("the jail cannot be both off and required (--no-jail with --jail or --user)")]
     Jail,
+    #[error("--park-idle-s parks sessions in the state directory: this server has none")]
+    ParkWithoutStateDir,
 }
 
 /// Whether `name` may name a template: lowercase letters, digits, `-` and `_`, not empty.
@@ -367,6 +369,9 @@ impl Config {
             || !ordered(s.default_lifetime_s, s.max_lifetime_s)
         {
             return Err(ConfigError::SessionTimes);
+        }
+        if s.park_idle_s > 0 && self.state_dir.is_none() {
+            return Err(ConfigError::ParkWithoutStateDir);
         }
         if !self.jail.is_consistent() {
             return Err(ConfigError::Jail);
@@ -472,6 +477,17 @@ mod tests {
         c.jail.required = true;
 
         assert_eq!(c.validate(), Err(ConfigError::Jail));
+    }
+
+    #[test]
+    fn parking_needs_a_state_directory() {
+        let without = parse(&["--park-idle-s", "60"]).unwrap();
+        let mut with = without.clone();
+        with.state_dir = Some("/tmp/bud-state".into());
+
+        assert_eq!(without.sessions.park_idle_s, 60);
+        assert_eq!(without.validate(), Err(ConfigError::ParkWithoutStateDir));
+        assert_eq!(with.validate(), Ok(()));
     }
 
     #[test]

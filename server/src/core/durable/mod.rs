@@ -41,7 +41,7 @@ use std::time::{Duration, SystemTime};
 
 pub use quota::{Quota, Reservation};
 pub use records::{
-    MAX_CARRIED_TRACE, Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot,
+    MAX_CARRIED_TRACE, ParkedUntil, Paused, ProcessRecord, RECORD_VERSION, SessionRecord, Snapshot,
     SnapshotRecord, epoch_ms, from_epoch_ms,
 };
 pub use store::{Kept, Store};
@@ -140,6 +140,8 @@ pub struct StateDir {
     pub resumed: tokio::sync::Notify,
     /// Pauses, resumes and snapshots taken by this server (for metrics).
     pub pauses: AtomicU64,
+    /// Sessions parked for idling (`--park-idle-s`), counted apart from pauses.
+    pub parks: AtomicU64,
     pub resumes: AtomicU64,
     pub snapshots_taken: AtomicU64,
     /// Executors of older templates that paused sessions still need, by key.
@@ -150,9 +152,12 @@ pub struct StateDir {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateGauges {
     pub paused: usize,
+    /// Of the paused, those parked now (shown running).
+    pub parked: usize,
     pub snapshots: usize,
     pub bytes: u64,
     pub pauses: u64,
+    pub parks: u64,
     pub resumes: u64,
     pub snapshots_taken: u64,
 }
@@ -230,6 +235,7 @@ impl StateDir {
             resuming: Mutex::default(),
             resumed: tokio::sync::Notify::new(),
             pauses: AtomicU64::new(0),
+            parks: AtomicU64::new(0),
             resumes: AtomicU64::new(0),
             snapshots_taken: AtomicU64::new(0),
             old_executors: Mutex::default(),
@@ -456,13 +462,25 @@ impl StateDir {
         lock(&self.old_executors).insert(key.to_owned(), e);
     }
 
+    /// Paused sessions that are parked now ([`SessionRecord::parked_at`]).
+    pub fn parked_now(&self) -> usize {
+        let now = epoch_ms(SystemTime::now());
+        self.paused
+            .list()
+            .iter()
+            .filter(|p| p.record.parked_at(now))
+            .count()
+    }
+
     /// What `/metrics` shows of it.
     pub fn gauges(&self) -> StateGauges {
         StateGauges {
             paused: self.paused.len(),
+            parked: self.parked_now(),
             snapshots: self.snapshots.len(),
             bytes: self.quota.used(),
             pauses: self.pauses.load(Ordering::Relaxed),
+            parks: self.parks.load(Ordering::Relaxed),
             resumes: self.resumes.load(Ordering::Relaxed),
             snapshots_taken: self.snapshots_taken.load(Ordering::Relaxed),
         }

@@ -80,6 +80,50 @@ pub struct SessionRecord {
     /// whenever a record is read, never kept in memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
+    /// Parked: paused by the server because it idled (`--park-idle-s`), not by a request or
+    /// at its time. It is shown running, and its idle timeout and lifetime go on while it
+    /// is on disk: these are when each is up (None: an ordinary pause).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parked: Option<ParkedUntil>,
+}
+
+/// When a parked session's idle timeout and lifetime are up (milliseconds since the epoch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParkedUntil {
+    pub idle_ms: u64,
+    pub lifetime_ms: u64,
+}
+
+impl SessionRecord {
+    /// Whether it is parked and neither its idle timeout nor its lifetime is up at `now_ms`
+    /// (one whose time is up is ended then, or, with `auto_pause`, is an ordinary paused
+    /// session from then on).
+    pub fn parked_at(&self, now_ms: u64) -> bool {
+        self.parked_due(now_ms).is_none() && self.parked.is_some()
+    }
+
+    /// Why a parked session's time is up at `now_ms`: `idle_timeout` or `max_lifetime`
+    /// (the reasons a running session ends with); None if it is not, or is not parked.
+    pub fn parked_due(&self, now_ms: u64) -> Option<&'static str> {
+        let p = self.parked?;
+        if now_ms >= p.lifetime_ms {
+            Some("max_lifetime")
+        } else if now_ms >= p.idle_ms {
+            Some("idle_timeout")
+        } else {
+            None
+        }
+    }
+
+    /// What is left of its lifetime if it resumed at `now_ms`: a paused session's stands
+    /// still; a parked one's went on until it resumed or its time was up.
+    pub fn lifetime_left_at(&self, now_ms: u64) -> Duration {
+        let left = match self.parked {
+            Some(p) => p.lifetime_ms.saturating_sub(now_ms.min(p.idle_ms)),
+            None => self.lifetime_left_ms,
+        };
+        Duration::from_millis(left.min(self.lifetime_left_ms))
+    }
 }
 
 /// The largest trace a session's file carries (a larger one stays on its server only).

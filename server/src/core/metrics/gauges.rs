@@ -209,6 +209,18 @@ fn executor(r: &mut Registry, e: &vmm::executor::ExecutorStats) {
         "Resets that made KVM drop its shadow page tables (a job changed a page table)",
         e.mapping_drops,
     );
+    counter(
+        r,
+        "bud_vms_closed",
+        "VMs closed (a session's at its end, a replaced one)",
+        e.closed,
+    );
+    counter(
+        r,
+        "bud_vm_close_seconds",
+        "Time spent closing VMs (the host's teardown of each)",
+        e.close_time.as_secs_f64(),
+    );
     let replaced = Family::<ReasonLabel, Counter>::default();
     for (reason, n) in [
         ("abnormal", e.replaced_abnormal),
@@ -260,6 +272,12 @@ fn sessions(r: &mut Registry, s: &SessionGauges) {
         "Paused sessions on disk",
         st.paused as u64,
     );
+    gauge(
+        r,
+        "bud_sessions_parked",
+        "Of the paused sessions, those parked for idling (shown running)",
+        st.parked as u64,
+    );
     gauge(r, "bud_snapshots", "Snapshots on disk", st.snapshots as u64);
     gauge(
         r,
@@ -268,6 +286,12 @@ fn sessions(r: &mut Registry, s: &SessionGauges) {
         st.bytes,
     );
     counter(r, "bud_sessions_paused", "Pauses", st.pauses);
+    counter(
+        r,
+        "bud_sessions_parked",
+        "Sessions parked for idling",
+        st.parks,
+    );
     counter(r, "bud_sessions_resumed", "Resumes", st.resumes);
     counter(
         r,

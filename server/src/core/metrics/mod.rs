@@ -26,12 +26,14 @@
 //!   `bud_reset_mapping_drops_total`
 //!   and `bud_vms_replaced_total{reason}` (`abnormal`: the job did not end at DONE;
 //!   `too_dirty`: too many private pages; `reset_failed`: the reset or its verification
-//!   failed).
+//!   failed); `bud_vms_closed_total` and `bud_vm_close_seconds_total` (VMs closed and the
+//!   host's time tearing them down).
 //! - sessions: `bud_sessions` (live), `bud_sessions_memory_bytes` (their private pages plus
 //!   fork layers, what the memory cap counts), `bud_sessions_created_total`,
 //!   `bud_sessions_forked_total` (children made) and `bud_sessions_ended_total{reason}`;
 //!   with a state directory, `bud_sessions_paused`, `bud_snapshots`, `bud_state_bytes`,
-//!   `bud_sessions_paused_total`, `bud_sessions_resumed_total`, `bud_snapshots_taken_total`.
+//!   `bud_sessions_paused_total`, `bud_sessions_parked` and `bud_sessions_parked_total` (parked for
+//!   idling), `bud_sessions_resumed_total`, `bud_snapshots_taken_total`.
 //!
 //! Written by `prometheus-client`'s Prometheus text encoder (format 0.0.4,
 //! [`CONTENT_TYPE`]), not its OpenMetrics one, so names, types, labels, help and content
@@ -465,6 +467,8 @@ mod tests {
                 "bud_sessions_ended_total counter",
                 "bud_sessions_forked_total counter",
                 "bud_sessions_memory_bytes gauge",
+                "bud_sessions_parked gauge",
+                "bud_sessions_parked_total counter",
                 "bud_sessions_paused gauge",
                 "bud_sessions_paused_total counter",
                 "bud_sessions_resumed_total counter",
@@ -472,6 +476,8 @@ mod tests {
                 "bud_snapshots_taken_total counter",
                 "bud_state_bytes gauge",
                 "bud_template_ready gauge",
+                "bud_vm_close_seconds_total counter",
+                "bud_vms_closed_total counter",
                 "bud_vms_replaced_total counter",
                 "bud_warm_vms gauge",
                 "bud_workers gauge",

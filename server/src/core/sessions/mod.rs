@@ -27,7 +27,7 @@ mod entry;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -46,6 +46,14 @@ pub struct Ended {
     /// What happened; for a crash, with the last console lines.
     pub detail: Option<String>,
 }
+/// What [`Sessions::reap`] hands back to be paused: sessions whose time is up and that
+/// asked to be paused, and idle sessions to park.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reaped {
+    pub to_pause: Vec<String>,
+    pub to_park: Vec<String>,
+}
+
 /// Why a session cannot be used now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Unavailable {
@@ -310,12 +318,7 @@ impl Sessions {
         };
         e.processes.close(&why.reason);
         e.preempt();
-        *self
-            .ended_by
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(why.reason.clone())
-            .or_default() += 1;
+        self.count_ended(&why.reason);
         if let Some(t) = self.traces.get() {
             t.end(id, &why.reason, why.detail.as_deref());
         }
@@ -332,12 +335,23 @@ impl Sessions {
         }
     }
 
-    /// Takes session `id` out of the registry to be paused (the caller holds it busy):
-    /// its entry and VM. Its processes' clients are told it paused; requests waiting for it
-    /// find it gone from the live ones (and resume it).
-    pub fn take_out(&self, id: &str) -> Option<(Arc<Entry>, Box<dyn SessionVm>)> {
+    /// Counts a session's end, by `reason` (for metrics).
+    pub fn count_ended(&self, reason: &str) {
+        *self
+            .ended_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(reason.to_owned())
+            .or_default() += 1;
+    }
+
+    /// Takes session `id` out of the registry to be paused (the caller holds it busy), or
+    /// parked for idling (`parked`): its entry and VM. Its processes' clients are told it
+    /// paused; requests waiting for it find it gone from the live ones (and resume it).
+    pub fn take_out(&self, id: &str, parked: bool) -> Option<(Arc<Entry>, Box<dyn SessionVm>)> {
         let e = self.live().remove(id)?;
-        self.trace(id, "paused", serde_json::json!({}));
+        let kind = if parked { "parked" } else { "paused" };
+        self.trace(id, kind, serde_json::json!({}));
         e.processes.close("paused");
         e.preempt();
         if let Some(d) = self.marks.get() {
@@ -358,33 +372,38 @@ impl Sessions {
         had
     }
 
-    /// Ends sessions idle past their timeout or past their lifetime (not busy ones: a
-    /// running request ends on its own deadline first), but for those that asked to be
-    /// paused instead: their ids are returned, for the caller to pause.
-    pub fn reap(&self) -> Vec<String> {
+    /// Ends the sessions idle past their idle timeout or past their lifetime, and returns
+    /// those of them that asked to be paused instead (`to_pause`), and the sessions idle
+    /// for `park_after` (when the server parks, `--park-idle-s`) but not yet expired and
+    /// running no background process (`to_park`): the caller pauses each.
+    pub fn reap(&self, park_after: Option<Duration>) -> Reaped {
         let now = Instant::now();
-        let due: Vec<(String, &'static str)> = self
-            .live()
-            .values()
-            .filter(|e| !e.is_busy() || e.busy_in_background())
-            .filter_map(|e| {
-                if e.past_deadline(now) {
-                    Some((e.id.clone(), "max_lifetime"))
-                } else if e.idle_for() >= e.idle_timeout {
-                    Some((e.id.clone(), "idle_timeout"))
-                } else {
-                    None
-                }
-            })
-            .collect();
-        let mut to_pause = Vec::new();
+        let mut reaped = Reaped::default();
+        let mut due: Vec<(String, &'static str)> = Vec::new();
+        for e in self.live().values() {
+            if e.is_busy() && !e.busy_in_background() {
+                continue;
+            }
+            let idle = e.idle_for();
+            if e.past_deadline(now) {
+                due.push((e.id.clone(), "max_lifetime"));
+            } else if idle >= e.idle_timeout {
+                due.push((e.id.clone(), "idle_timeout"));
+            } else if park_after.is_some_and(|after| idle >= after)
+                && !e.is_busy()
+                && !e.processes.any_running()
+            {
+                // Not one with live background processes: parked, they would stop.
+                reaped.to_park.push(e.id.clone());
+            }
+        }
         for (id, reason) in due {
             let pause = self
                 .live()
                 .get(&id)
                 .is_some_and(|e| e.auto_pause.load(Ordering::Relaxed));
             if pause {
-                to_pause.push(id);
+                reaped.to_pause.push(id);
                 continue;
             }
             self.end(
@@ -395,7 +414,7 @@ impl Sessions {
                 },
             );
         }
-        to_pause
+        reaped
     }
 
     /// Counts for `/metrics`.

@@ -364,7 +364,7 @@ async fn a_session_past_its_lifetime_is_reaped_and_then_gone_with_why() {
         .unwrap()
         .set_lifetime(Duration::ZERO);
 
-    let to_pause = state.sessions().reap();
+    let to_pause = state.sessions().reap(None).to_pause;
     let after = run_cell(&state, &id, "x").await.unwrap_err();
 
     assert!(to_pause.is_empty());
@@ -388,11 +388,11 @@ async fn a_session_in_use_is_not_reaped() {
         .unwrap()
         .set_lifetime(Duration::ZERO);
 
-    state.sessions().reap();
+    state.sessions().reap(None);
     let live_while_busy = state.sessions().get(&id).is_ok();
     engine.open("g");
     running.await.unwrap().unwrap();
-    state.sessions().reap();
+    state.sessions().reap(None);
 
     assert!(live_while_busy);
     assert_eq!(
@@ -402,6 +402,35 @@ async fn a_session_in_use_is_not_reaped() {
             detail: None
         })
     );
+}
+
+#[tokio::test]
+async fn idle_sessions_are_handed_back_to_park_but_not_busy_or_expired_ones() {
+    let (state, engine) = server(2, 2);
+    let idle = new_session(&state).await;
+    let busy = new_session(&state).await;
+    let expired = new_session(&state).await;
+    let (st, i) = (state.clone(), busy.clone());
+    let running = tokio::spawn(async move { run_cell(&st, &i, "wait p").await });
+    until("the cell runs", || engine.counts().running == 1).await;
+    state
+        .sessions()
+        .get(&expired)
+        .unwrap()
+        .set_lifetime(Duration::ZERO);
+
+    let never = state.sessions().reap(None);
+    let reaped = state.sessions().reap(Some(Duration::ZERO));
+    engine.open("p");
+    running.await.unwrap().unwrap();
+
+    assert_eq!(never.to_park, Vec::<String>::new());
+    assert_eq!(reaped.to_park, [idle.as_str()]);
+    assert_eq!(reaped.to_pause, Vec::<String>::new());
+    assert!(matches!(
+        state.sessions().get(&expired),
+        Err(Unavailable::Gone(_))
+    ));
 }
 
 #[tokio::test]
@@ -441,7 +470,7 @@ async fn a_session_that_asked_to_pause_is_handed_back_by_the_reaper_not_ended() 
             .set_lifetime(Duration::ZERO);
     }
 
-    let to_pause = state.sessions().reap();
+    let to_pause = state.sessions().reap(None).to_pause;
 
     assert_eq!(to_pause, [id.as_str()]);
     assert!(state.sessions().get(&id).is_ok());
