@@ -39,6 +39,7 @@ pub mod executor;
 pub mod files;
 pub(crate) mod host;
 pub(crate) mod host_identity;
+pub mod host_memory;
 pub mod identity;
 pub mod job;
 pub mod kernel_layout;
@@ -66,6 +67,7 @@ pub mod vm;
 pub use boot::{BootConfig, BootError, ReadyGuest, boot};
 pub use executor::{ExecError, Executor, ExecutorOptions, Reuse};
 pub use host::HostKind;
+pub use host_memory::PhysicalMonitor;
 pub use job::{Cancel, CellError, CellOptions, Health, Job, JobResult, Language, Status, Unusable};
 pub use manifest::{Manifest, ManifestError};
 pub use net::{

@@ -229,6 +229,22 @@ pub struct Health {
     /// The node drains: it takes no new sessions or jobs, and still serves its sessions.
     #[serde(default)]
     pub draining: bool,
+    /// What of the host slows this server as it holds more VMs, in words (a DAMON monitor
+    /// of physical memory: docs/sessions.md, "Many sessions on one server"); absent when
+    /// nothing is known.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_notes: Vec<String>,
+}
+
+/// [`Health::host_notes`], read from the host once (at startup, before the jail closes).
+pub fn host_notes() -> &'static [String] {
+    static NOTES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    NOTES.get_or_init(|| {
+        vmm::PhysicalMonitor::running()
+            .iter()
+            .map(vmm::PhysicalMonitor::note)
+            .collect()
+    })
 }
 
 /// The audit log in `GET /v1/health`.
@@ -282,6 +298,7 @@ pub fn health_of(state: &AppState) -> Health {
         jailed: state.jobs().jailed(),
         node: state.node().id().to_owned(),
         draining: state.node().draining(),
+        host_notes: host_notes().to_vec(),
     }
 }
 

@@ -202,6 +202,9 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
             node = state.node().id(),
             "listening"
         );
+        for note in crate::http::node::host_notes() {
+            warn!("{note}");
+        }
 
         if let Some(port) = opts.config.cluster.agent_port {
             let addr = SocketAddr::new(opts.listen, port);
