@@ -36,8 +36,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Discarded VMs that may wait for the reaper; past it, [`Executor::discard`] closes the VM
-/// on the calling thread.
-pub(crate) const REAPER_BACKLOG: usize = 4;
+/// on the calling thread. Bounded so that VMs waiting to be closed (each holding its private pages until then) stay
+/// few, yet large enough that a burst of session ends (a client deleting hundreds) returns
+/// without closing VMs on its own threads: closing one took ~12 ms with 1 000 VMs alive
+/// (docs/measurements.md, issue 60). Counted in `live` until closed.
+pub(crate) const REAPER_BACKLOG: usize = 64;
 
 use kvm_ioctls::Kvm;
 
@@ -351,11 +354,22 @@ impl Executor {
     /// Takes back a VM lent with [`Executor::take_vm`] whose last request ended at DONE
     /// and whose RAM is still the template's mapping (no layer mapped over it): it is reset
     /// and kept like a job's VM (module docs), or replaced if the reset fails or it holds
-    /// too many private pages.
+    /// too many private pages. Closed at once, without a reset, when `max_idle` VMs idle
+    /// already (the end of a burst of sessions).
     pub(crate) fn give_back(&self, mut m: Machine) {
+        if self.idle_full() {
+            return self.discard(m);
+        }
         // A session's own egress ([`crate::session::Session::set_egress`]) ends with it.
         m.set_egress(self.shared.egress());
         self.recycle(m, Health::Ready);
+    }
+
+    /// Whether as many VMs idle as the executor keeps.
+    fn idle_full(&self) -> bool {
+        let opts = self.shared.opts;
+        let idle = self.shared.idle();
+        idle.fresh.len() + idle.warm.len() >= opts.max_idle.max(opts.pool_size)
     }
 
     /// Counts a VM made outside the executor (a session's fork child) among its live VMs;
@@ -447,13 +461,11 @@ impl Executor {
                 Some(&c.replaced_too_dirty)
             }
             (Ok(_), Health::Ready) if opts.reuse == Reuse::Warm => {
-                let mut idle = self.shared.idle();
-                if idle.fresh.len() + idle.warm.len() < opts.max_idle.max(opts.pool_size) {
-                    idle.warm.push(m);
-                    return;
+                if self.idle_full() {
+                    return self.discard(m);
                 }
-                drop(idle);
-                return self.discard(m);
+                self.shared.idle().warm.push(m);
+                return;
             }
             (Ok(_), Health::Ready) => None,
         };
