@@ -193,6 +193,39 @@ fn every_reset_is_exact_after_jobs_of_every_kind() {
 }
 
 #[test]
+fn the_pools_warm_up_job_and_session_cell_are_reset_exactly() {
+    let template = common::template();
+    let opts = ExecutorOptions {
+        pool_size: 2,
+        reuse: Reuse::Warm,
+        verify: true,
+        ..ExecutorOptions::default()
+    };
+    let exec = Executor::new(template, opts).expect("starting the executor failed");
+    let t = Instant::now();
+    while exec.stats().warm < 2 {
+        assert!(t.elapsed() < Duration::from_secs(120), "{:?}", exec.stats());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let warmed = exec.stats();
+    // Each warm-up (a job, then a session cell, then the reset) was verified by value
+    // against the template; then a job runs on one of those VMs and is reset and verified.
+    let errors = exec.take_reset_errors();
+    let r = exec
+        .run(&Job::python("print(1 + 1)"))
+        .expect("bud could not run the job");
+    let after = exec.stats();
+
+    assert_eq!(errors, Vec::<String>::new());
+    assert_eq!(warmed.resets, 2, "{warmed:?}");
+    assert_eq!(warmed.replaced_reset_failed, 0, "{warmed:?}");
+    assert_eq!((r.status, text(&r.stdout)), (Status::Ok, "2\n".into()));
+    assert_eq!(exec.take_reset_errors(), Vec::<String>::new());
+    // The job's reset, and perhaps a new clone's warm-up (the pool refills meanwhile).
+    assert!(after.resets >= 3, "{after:?}");
+}
+
+#[test]
 fn a_job_finds_nothing_of_the_previous_job_on_the_same_vm() {
     let exec = executor(Reuse::Warm, false);
     let secret = common::new_secret();
