@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{TestServer, test_config};
+use common::{TestServer, cell, session, show, test_config};
 use serde_json::{Value, json};
 
 /// Live sessions held at once by the count test: enough that keeping every ended session's
@@ -32,25 +32,6 @@ fn executor(max_idle: usize) -> Arc<vmm::Executor> {
         ..vmm::ExecutorOptions::default()
     };
     Arc::new(vmm::Executor::new(template, opts).expect("executor"))
-}
-
-fn session(s: &TestServer, body: Value) -> String {
-    let (status, r) = s.post("/v1/sessions", &body);
-    assert_eq!(status, 201, "{r}");
-    r["id"].as_str().unwrap().to_owned()
-}
-
-/// Runs `code` in session `id`; returns its stdout (the cell must succeed).
-fn cell(s: &TestServer, id: &str, code: &str) -> String {
-    let (status, r) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": code}));
-    assert_eq!((status, &r["status"]), (200, &json!("ok")), "{r}");
-    r["stdout"].as_str().unwrap().to_owned()
-}
-
-fn show(s: &TestServer, id: &str) -> (u16, Value) {
-    let r = s.get(&format!("/v1/sessions/{id}"));
-    let status = r.status().as_u16();
-    (status, r.json().unwrap())
 }
 
 /// The value of metric `name` (summed over its labels) in `/metrics`.

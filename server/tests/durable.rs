@@ -9,7 +9,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{TestServer, test_config};
+use common::{TestServer, cell, session, show, test_config};
 use serde_json::{Value, json};
 
 /// An empty state directory of this test's own.
@@ -29,25 +29,6 @@ fn server_on(dir: &std::path::Path) -> TestServer {
     config.state_dir = Some(dir.to_owned());
     config.session_key_file = Some(common::shared_key_file());
     TestServer::with_config(config)
-}
-
-fn session(s: &TestServer, body: Value) -> String {
-    let (status, r) = s.post("/v1/sessions", &body);
-    assert_eq!(status, 201, "{r}");
-    r["id"].as_str().unwrap().to_owned()
-}
-
-/// Runs `code` in session `id`; returns its stdout (the cell must succeed).
-fn cell(s: &TestServer, id: &str, code: &str) -> String {
-    let (status, r) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": code}));
-    assert_eq!((status, &r["status"]), (200, &json!("ok")), "{r}");
-    r["stdout"].as_str().unwrap().to_owned()
-}
-
-fn show(s: &TestServer, id: &str) -> (u16, Value) {
-    let r = s.get(&format!("/v1/sessions/{id}"));
-    let status = r.status().as_u16();
-    (status, r.json().unwrap())
 }
 
 /// The output of process `pid` of session `id` from its start, until it ends.

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use bud_server::core::config::EgressDefault;
 use bud_server::core::egress::Private;
-use common::{TestServer, client, test_config};
+use common::{TestServer, client, session, test_config};
 use serde_json::{Value, json};
 
 /// An echo server on 127.0.0.1 (a thread per connection, until the peer closes).
@@ -86,13 +86,6 @@ fn echo_code(host: &str, port: u16) -> String {
          except Exception as e:\n    \
              print(type(e).__name__)\n"
     )
-}
-
-/// A new session of `body` (201), its id.
-fn session(s: &TestServer, body: Value) -> String {
-    let (status, r) = s.post("/v1/sessions", &body);
-    assert_eq!(status, 201, "{r}");
-    r["id"].as_str().unwrap().to_owned()
 }
 
 fn cell(s: &TestServer, id: &str, code: &str) -> String {

@@ -14,12 +14,6 @@ use common::clients::{client_script, e2b_env};
 use common::*;
 use serde_json::{Value, json};
 
-fn session(s: &TestServer, body: Value) -> String {
-    let (status, r) = s.post("/v1/sessions", &body);
-    assert_eq!(status, 201, "{r}");
-    r["id"].as_str().expect("an id").to_owned()
-}
-
 fn start(s: &TestServer, id: &str, body: Value) -> Value {
     let (status, r) = s.post(&format!("/v1/sessions/{id}/processes"), &body);
     assert_eq!(status, 201, "{r}");

@@ -160,6 +160,27 @@ pub fn template_source() -> bud_server::TemplateSource {
     })
 }
 
+/// A new session of `body` on `s` (201), its id.
+pub fn session(s: &TestServer, body: Value) -> String {
+    let (status, r) = s.post("/v1/sessions", &body);
+    assert_eq!(status, 201, "{r}");
+    r["id"].as_str().unwrap().to_owned()
+}
+
+/// Runs `code` in session `id`; returns its stdout (the cell must succeed: 200 and `ok`).
+pub fn cell(s: &TestServer, id: &str, code: &str) -> String {
+    let (status, r) = s.post(&format!("/v1/sessions/{id}/exec"), &json!({"code": code}));
+    assert_eq!((status, &r["status"]), (200, &json!("ok")), "{r}");
+    r["stdout"].as_str().unwrap().to_owned()
+}
+
+/// `GET /v1/sessions/{id}`: its status and body.
+pub fn show(s: &TestServer, id: &str) -> (u16, Value) {
+    let r = s.get(&format!("/v1/sessions/{id}"));
+    let status = r.status().as_u16();
+    (status, r.json().unwrap())
+}
+
 /// A server on 127.0.0.1:0, stopped (gracefully, joined) on drop.
 pub struct TestServer {
     pub addr: SocketAddr,
