@@ -37,6 +37,7 @@ use crate::core::state::AppState;
 use crate::service::access::{acquire, unavailable};
 use crate::service::admission::{self, check_count, check_memory};
 use crate::service::error::Error;
+use crate::service::resume::remove_paused;
 use crate::service::sessions::CreateSession;
 use crate::service::templates;
 
@@ -434,35 +435,32 @@ pub async fn sweep_parked(state: &AppState) {
         return;
     };
     let now = epoch_ms(SystemTime::now());
-    for p in dir.paused().list() {
+    let due = dir
+        .paused()
+        .matching(|p| p.record.parked_due(now).is_some() && !p.record.auto_pause);
+    for p in due {
         let r = &p.record;
         let Some(reason) = r.parked_due(now) else {
             continue;
         };
-        if r.auto_pause || !dir.claim_resume(&r.id) {
+        if !dir.claim_resume(&r.id) {
             continue;
         }
-        // Claimed as a resume is: no request resumes it while it ends.
-        let removed = dir.paused().remove(&r.id);
+        // Claimed as a resume is: no request resumes it while it ends, and one waiting for
+        // it finds its tombstone once the claim is released.
+        let detail = "while parked";
+        if remove_paused(state, &dir, &r.id, reason, detail).is_some() {
+            state.sessions().tombstone(
+                &r.id,
+                Ended {
+                    reason: reason.into(),
+                    detail: Some(detail.into()),
+                },
+            );
+            state.sessions().count_ended(reason);
+        }
         dir.release_resume(&r.id);
         dir.resumed.notify_waiters();
-        if removed.is_none() {
-            continue;
-        }
-        if let Ok(exec) = templates::served_executor(state, &r.template) {
-            crate::service::resume::unpin_if_unneeded(&dir, &exec, &p.key);
-        }
-        if let Some(t) = state.traces() {
-            t.end(&r.id, reason, Some("while parked"));
-        }
-        state.sessions().tombstone(
-            &r.id,
-            Ended {
-                reason: reason.into(),
-                detail: Some("while parked".into()),
-            },
-        );
-        state.sessions().count_ended(reason);
     }
 }
 

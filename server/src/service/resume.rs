@@ -135,6 +135,26 @@ pub fn unpin_if_unneeded(dir: &StateDir, exec: &vmm::Executor, key: &str) {
     }
 }
 
+/// Removes paused session `id`'s file, if it has one: its template key unpinned where
+/// nothing else here needs it, its trace ended with `reason` and `detail`. The record it
+/// had, or None.
+pub fn remove_paused(
+    state: &AppState,
+    dir: &StateDir,
+    id: &str,
+    reason: &str,
+    detail: &str,
+) -> Option<Paused> {
+    let p = dir.paused().remove(id)?;
+    if let Ok(exec) = templates::served_executor(state, &p.record.template) {
+        unpin_if_unneeded(dir, &exec, &p.key);
+    }
+    if let Some(t) = state.traces() {
+        t.end(id, reason, Some(detail));
+    }
+    Some(p)
+}
+
 /// Makes paused session `p` again on `exec` (on a job thread).
 fn resume_file(
     state: &AppState,

@@ -133,14 +133,9 @@ pub async fn checkpoint_before(state: &AppState, id: &str, why: &str) {
 /// running request's end.
 pub async fn end(state: &AppState, id: &str) -> Result<(), Error> {
     if let Some(dir) = state.state_dir()
-        && let Some(p) = dir.paused().remove(id)
+        && crate::service::resume::remove_paused(state, dir, id, "deleted", "deleted while paused")
+            .is_some()
     {
-        if let Ok(exec) = templates::served_executor(state, &p.record.template) {
-            crate::service::resume::unpin_if_unneeded(dir, &exec, &p.key);
-        }
-        if let Some(t) = state.traces() {
-            t.end(id, "deleted", Some("deleted while paused"));
-        }
         return Ok(());
     }
     match state.sessions().get(id) {

@@ -465,11 +465,7 @@ impl StateDir {
     /// Paused sessions that are parked now ([`SessionRecord::parked_at`]).
     pub fn parked_now(&self) -> usize {
         let now = epoch_ms(SystemTime::now());
-        self.paused
-            .list()
-            .iter()
-            .filter(|p| p.record.parked_at(now))
-            .count()
+        self.paused.count(|p| p.record.parked_at(now))
     }
 
     /// What `/metrics` shows of it.

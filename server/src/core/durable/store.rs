@@ -76,6 +76,17 @@ impl<T: Kept> Store<T> {
         Some(item)
     }
 
+    /// Those for which `keep` holds, in no order (only those are copied: a sweep or a
+    /// gauge looks at every one every second).
+    pub fn matching(&self, keep: impl Fn(&T) -> bool) -> Vec<T> {
+        self.items().values().filter(|i| keep(i)).cloned().collect()
+    }
+
+    /// How many there are for which `keep` holds.
+    pub fn count(&self, keep: impl Fn(&T) -> bool) -> usize {
+        self.items().values().filter(|i| keep(i)).count()
+    }
+
     pub fn len(&self) -> usize {
         self.items().len()
     }
