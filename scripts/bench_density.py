@@ -12,13 +12,13 @@ memory came back (the teardown). The shutdown is timed by the shell script.
 Prints; asserts nothing about time. Python's stdlib only.
 """
 
-import http.client
-import json
 import os
 import random
 import statistics
 import sys
 import time
+
+from bench_http import Api
 
 HOST, PORT, SERVER_PID = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 SESSIONS = int(os.environ.get("SESSIONS", "1000"))
@@ -27,21 +27,11 @@ IDLE_S = float(os.environ.get("IDLE_S", "3"))
 AGAIN = int(os.environ.get("AGAIN", "20"))  # later cells per step, in random older sessions
 KEEP = os.environ.get("KEEP", "") == "1"  # leave the sessions for the shutdown's timing
 CELL = "x = list(range(1000))"
-conn = http.client.HTTPConnection(HOST, PORT, timeout=600)
+api = Api(HOST, PORT, timeout=600)
+call = api.call
 CLK = os.sysconf("SC_CLK_TCK")
 
 
-def call(method, path, body=None):
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"} if data is not None else {}
-    started = time.perf_counter()
-    conn.request(method, path, body=data, headers=headers)
-    r = conn.getresponse()
-    raw = r.read()
-    elapsed = (time.perf_counter() - started) * 1e3
-    if r.status >= 300 and r.status != 204:
-        sys.exit(f"{method} {path}: {r.status} {raw[:300]!r}")
-    return (json.loads(raw) if raw else None), elapsed
 
 
 def pct(values, p):
@@ -75,14 +65,6 @@ def rss_anon_mib():
     return 0
 
 
-def metric(name):
-    conn.request("GET", "/metrics")
-    r = conn.getresponse()
-    text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
-
-
 def server_cpu_s():
     with open(f"/proc/{SERVER_PID}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -105,12 +87,12 @@ if os.environ.get("PARKED", "") == "1":
         ids.append(s["id"])
         call("POST", f"/v1/sessions/{s['id']}/exec", {"code": CELL})
     started = time.perf_counter()
-    while metric("bud_sessions_parked") < SESSIONS:
+    while api.metric("bud_sessions_parked") < SESSIONS:
         if time.perf_counter() - started > 1800:
-            sys.exit(f"only {metric('bud_sessions_parked'):.0f} of {SESSIONS} parked after 1800 s")
+            sys.exit(f"only {api.metric('bud_sessions_parked'):.0f} of {SESSIONS} parked after 1800 s")
         time.sleep(0.5)
     parked_s = time.perf_counter() - started
-    on_disk = metric("bud_state_bytes") / SESSIONS / (1 << 20)
+    on_disk = api.metric("bud_state_bytes") / SESSIONS / (1 << 20)
     random.shuffle(ids)
     resumed = []
     for sid in ids:
@@ -164,7 +146,7 @@ if KEEP:
     sys.exit(0)
 
 held = host_used_kib() - base_used
-closed0, close_s0 = metric("bud_vms_closed_total"), metric("bud_vm_close_seconds_total")
+closed0, close_s0 = api.metric("bud_vms_closed_total"), api.metric("bud_vm_close_seconds_total")
 started = time.perf_counter()
 for sid in ids:
     call("DELETE", f"/v1/sessions/{sid}")
@@ -174,12 +156,12 @@ print(f"DELETE of {len(ids)} sessions answered in {deleted:.2f} s "
 # The teardown is over when the server holds no more VMs than idle ones for its job threads
 # and its pool (`bud_live_clones`) and the host's memory is back to within 10 % of what the
 # sessions held (the host's page cache moves a little).
-kept = metric("bud_workers") + metric("bud_pool_size")
+kept = api.metric("bud_workers") + api.metric("bud_pool_size")
 while True:
     now = time.perf_counter() - started
     left = host_used_kib() - base_used
     threads = server_threads()
-    if metric("bud_live_clones") <= kept and left <= held * 0.1:
+    if api.metric("bud_live_clones") <= kept and left <= held * 0.1:
         break
     if now > 600:
         print(f"teardown not over after 600 s: {threads} threads, {left / 1024:.0f} MiB held")
@@ -187,7 +169,7 @@ while True:
     time.sleep(0.1)
 print(f"teardown over {now:.2f} s after the first DELETE ({len(ids) / now:.0f} sessions/s):"
       f" {threads} threads, {left / 1024:.0f} MiB still held")
-closed = metric("bud_vms_closed_total") - closed0
-close_s = metric("bud_vm_close_seconds_total") - close_s0
+closed = api.metric("bud_vms_closed_total") - closed0
+close_s = api.metric("bud_vm_close_seconds_total") - close_s0
 if closed:
     print(f"VMs closed meanwhile: {closed:.0f}, {close_s / closed * 1e3:.1f} ms each on average")

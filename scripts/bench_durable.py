@@ -9,31 +9,22 @@ on disk and the resume of the first and the last made (against a resume with one
 check every page of their file. Prints medians; asserts nothing about time.
 """
 
-import http.client
 import json
 import os
 import statistics
 import sys
 import time
 
+from bench_http import Api
+
 HOST, PORT, PHASE = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 PAUSED = int(os.environ.get("PAUSED", "1000"))
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 IDS = "target/bench-durable-ids.json"
-conn = http.client.HTTPConnection(HOST, PORT, timeout=600)
+api = Api(HOST, PORT, timeout=600)
+call = api.call
 
 
-def call(method, path, body=None):
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"} if data is not None else {}
-    started = time.perf_counter()
-    conn.request(method, path, body=data, headers=headers)
-    r = conn.getresponse()
-    raw = r.read()
-    elapsed = (time.perf_counter() - started) * 1e3
-    if r.status >= 300 and r.status != 204:
-        sys.exit(f"{method} {path}: {r.status} {raw[:300]!r}")
-    return (json.loads(raw) if raw else None), elapsed
 
 
 def line(name, values, unit="ms"):

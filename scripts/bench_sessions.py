@@ -8,29 +8,19 @@ per-child creation time the server reports, the request's wall time, and each ch
 first cell). Prints medians and p90s; asserts nothing about time.
 """
 
-import http.client
-import json
 import os
 import statistics
 import sys
 import time
 
+from bench_http import Api
+
 HOST, PORT, SERVER_PID = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ROUNDS = int(os.environ.get("ROUNDS", "200"))
-conn = http.client.HTTPConnection(HOST, PORT, timeout=300)
+api = Api(HOST, PORT, timeout=300)
+call = api.call
 
 
-def call(method, path, body=None):
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"} if data is not None else {}
-    started = time.perf_counter()
-    conn.request(method, path, body=data, headers=headers)
-    r = conn.getresponse()
-    raw = r.read()
-    elapsed = (time.perf_counter() - started) * 1e3
-    if r.status >= 300 and r.status != 204:
-        sys.exit(f"{method} {path}: {r.status} {raw[:300]!r}")
-    return (json.loads(raw) if raw else None), elapsed
 
 
 def summary(name, values, unit="ms"):
