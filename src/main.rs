@@ -134,6 +134,10 @@ fn boot_template(cli: &Cli, name: &str) -> anyhow::Result<()> {
         vmm::template::Origin::Built { boot, .. } => {
             format!("booted, READY after {:.1} s", boot.to_ready.as_secs_f64())
         }
+        vmm::template::Origin::Derived { layer, .. } => format!(
+            "made from its parent's snapshot in {:.1} s",
+            layer.as_secs_f64()
+        ),
         vmm::template::Origin::Loaded { .. } => "found saved".to_owned(),
     };
     progress(&format!(

@@ -1,8 +1,9 @@
 //! User templates through the real `bud serve` (jailed, as by default) and its builder
 //! process: a definition POSTed, its build followed as NDJSON (Debian's `jq` and a wheel
-//! from the package index fetched on the host, the first boot run, the warm-up's output in
+//! from the package index fetched on the host, the template made, the warm-up's output in
 //! the log), jobs on it (the wheel imported, the Debian program run, the definition's
-//! environment, working directory and files), a build whose warm-up raises (its traceback
+//! environment, working directory and files), one more wheel on it (each made from its
+//! parent's snapshot, not booted), a build whose warm-up raises (its traceback
 //! in the log, nothing served), the template served again after a restart, then deleted
 //! and gone after the next. Needs /dev/kvm and the package registries (apt, PyPI).
 
@@ -27,6 +28,34 @@ fn definition() -> Value {
         "files": {"/home/user/report/data.json": "[{\"region\": \"north\", \"sales\": 12}]"},
         "warm": "import tabulate\nprint('warm: tabulate', tabulate.__version__)\n",
     })
+}
+
+/// One more wheel, a file, an environment variable and a warm-up on `ci-report`.
+fn more_definition() -> Value {
+    json!({
+        "name": "ci-report-more",
+        "from": "ci-report",
+        "pip": ["six==1.16.0"],
+        "env": {"MORE": "yes"},
+        "files": {"/home/user/report/notes.txt": "from the layer"},
+        "warm": "import six, sys\nsys.modules['warm_six'] = six\n",
+    })
+}
+
+/// Removes the saved snapshots of templates `names` from the build directory (their
+/// images stay cached).
+fn forget_snapshots(names: &[&str]) {
+    let root = common::template_root();
+    for dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+        let manifest = dir.path().join("manifest.json");
+        let Ok(text) = std::fs::read_to_string(&manifest) else {
+            continue;
+        };
+        let name: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        if names.iter().any(|n| name["name"] == *n) {
+            std::fs::remove_dir_all(dir.path()).expect("an old snapshot removed");
+        }
+    }
 }
 
 fn call(req: ureq::Request, body: Option<Value>) -> (u16, Value) {
@@ -115,6 +144,8 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     common::require_kvm();
     let state = own_state_dir(0).with_file_name("user-templates-state");
     let _ = std::fs::remove_dir_all(&state);
+    // Their snapshots from an earlier run would be loaded as they are: made again here.
+    forget_snapshots(&["ci-report", "ci-report-more"]);
     let mut s = start(&state);
 
     let (status, created) = post(&s, "/v1/templates", definition());
@@ -133,6 +164,15 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
         lines
             .iter()
             .any(|l| l.contains("ready: the template is served")),
+        "{lines:?}"
+    );
+    // Its image only adds to python's: made from python's snapshot, with no first boot.
+    assert!(
+        lines.iter().any(|l| l.contains("layer on python: ")),
+        "{lines:?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.contains("first boot of its own")),
         "{lines:?}"
     );
 
@@ -161,7 +201,8 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     );
     let sh = exec(
         &s,
-        json!({"template": "ci-report", "language": "shell",
+        // Two processes, one a Python interpreter's start: seconds under kvm_pvm.
+        json!({"template": "ci-report", "language": "shell", "timeout_ms": 60000,
                "code": "pwd; jq -r '.[0].region' data.json; tabulate --help | head -1"}),
     );
     assert_eq!(sh["status"], "ok", "{sh}");
@@ -172,6 +213,61 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     // The other templates are as they were.
     let plain = exec(&s, json!({"code": "import os; print(os.getcwd())"}));
     assert_eq!(plain["stdout"], "/tmp\n", "{plain}");
+
+    // One more package on it: a layer on ci-report's own snapshot, which keeps what
+    // ci-report's layer and warm-up made and adds its own.
+    let (status, r) = post(&s, "/v1/templates", more_definition());
+    assert_eq!(status, 201, "{r}");
+    let log = build_log(&s, "ci-report-more");
+    let lines = lines_of(&log);
+    assert_eq!(
+        log.last().expect("a last line")["status"],
+        "ready",
+        "{lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("layer on ci-report: ")),
+        "{lines:?}"
+    );
+    let more = exec(
+        &s,
+        json!({"template": "ci-report-more", "code": "import os, sys, six, tabulate\n\
+               print(six.__version__, tabulate.__version__, os.getcwd())\n\
+               print(os.environ['REPORT_STYLE'], os.environ['MORE'])\n\
+               print(open('notes.txt').read(), 'warm_six' in sys.modules)"}),
+    );
+    assert_eq!(more["status"], "ok", "{more}");
+    assert_eq!(
+        more["stdout"], "1.16.0 0.9.0 /home/user/report\ngithub yes\nfrom the layer True\n",
+        "{more}"
+    );
+    // Each job on it starts from its snapshot, as on any template.
+    let first = exec(
+        &s,
+        json!({"template": "ci-report-more", "code": "open('notes.txt', 'a').write('!')\n\
+               import six; six.marker = 1"}),
+    );
+    assert_eq!(first["status"], "ok", "{first}");
+    let second = exec(
+        &s,
+        json!({"template": "ci-report-more", "code": "import six\n\
+               print(open('notes.txt').read(), hasattr(six, 'marker'))"}),
+    );
+    assert_eq!(second["stdout"], "from the layer False\n", "{second}");
+    let sh = exec(
+        &s,
+        json!({"template": "ci-report-more", "language": "shell", "timeout_ms": 60000,
+               "code": "jq -n '1+1'"}),
+    );
+    assert_eq!(
+        (&sh["status"], &sh["stdout"]),
+        (&json!("ok"), &json!("2\n")),
+        "{sh}"
+    );
+    let gone = ureq::delete(&format!("{}/v1/templates/ci-report-more", s.base))
+        .call()
+        .expect("the delete");
+    assert_eq!(gone.status(), 204);
 
     // A warm-up that raises: the build fails with its traceback, and nothing is served.
     let broken =

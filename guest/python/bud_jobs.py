@@ -59,6 +59,7 @@ import _bud
 import bud_capture
 import bud_exec
 import bud_io
+import bud_layer
 import bud_procs
 import bud_request
 import bud_session
@@ -132,6 +133,10 @@ class JobRunner:
         self._error = None  # the last cell's exception, when asked for in the display
         self._namespaces = {}  # a session's namespaces other than __main__, by number
         self._cwds = {}  # each namespace's working directory, kept while another's runs
+        # For a template layer (bud_layer.apply): the worker manifest's path and the
+        # worker's wait for a settled run queue before READY, set by bud_worker.
+        self.manifest_path = None
+        self.settle = None
         self._cwd_of = 0  # the namespace whose working directory the process has
         self._started = set()  # namespaces that have entered their start directory
         self.beside = None  # the lane beside (bud_beside.Beside), in a guest
@@ -231,7 +236,15 @@ class JobRunner:
                     raise bud_request.ProtocolError(failure)
                 failure = self.identity.apply(request, self.warn)
                 MARKS["identity"] = time.perf_counter()
-                if failure is None:
+                if failure is None and request.language == _bud.LANGUAGE_LAYER:
+                    failure = self._apply_layer(request)
+                    if failure is None:
+                        # A clone of the template this layer made: the host wrote its
+                        # first request before resuming it.
+                        done = None
+                        continue
+                    outcome, code = self._internal_failure(failure)
+                elif failure is None:
                     outcome, code = self._run_interruptible(request)
                 else:
                     outcome, code = self._internal_failure(failure)
@@ -254,6 +267,27 @@ class JobRunner:
             self._figures = []
             self._error = None
             self._ring_done(done)
+
+    def _apply_layer(self, request):
+        """A template layer (``bud_layer.apply``): returns None in each clone of the template
+        it made (READY returned), or why it failed."""
+        if self.kernel is not None or self.settle is None:
+            return "a layer needs a worker without a kernel runtime, started by bud_worker"
+        try:
+            bud_layer.apply(request.code.decode("utf-8"), self.manifest_path,
+                            (self.capture.console_out, self.capture.console_err))
+            # The parked shell has the parent's environment and working directory: park
+            # one with the layer's, as a first boot parks it after the layers.
+            if self.shell.parked:
+                self.shell.retire()
+                self.shell = bud_shell.ParkedShell(self.shell_path)
+                self.shell.start()
+        except bud_layer.UserWarmFailed as error:
+            return str(error)
+        except Exception as error:  # noqa: BLE001 - the build reports it, the VM is dropped
+            return f"the layer failed: {type(error).__name__}: {error}"
+        bud_layer.ready(self.settle)
+        return None
 
     def _run_interruptible(self, request):
         """Runs ``request`` with the host's interrupt armed; one held for it (sent before it

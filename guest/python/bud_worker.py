@@ -59,6 +59,7 @@ import bud_beside
 import bud_capture
 import bud_io
 import bud_jobs
+import bud_layer
 import bud_procs
 import bud_runtime
 
@@ -282,65 +283,6 @@ def warm_template(path=TEMPLATE_MANIFEST):
     return name, None
 
 
-class UserWarmFailed(Exception):
-    """A user template's warm-up code raised: the template must not come up."""
-
-
-# The guest's non-root user (etc/passwd), who owns the work directory.
-USER_UID = USER_GID = 1000
-
-
-def apply_user_layers(path=TEMPLATE_MANIFEST):
-    """A user template's part of the manifest (guest/src/image/user_layer.rs): its
-    environment (the worker's, so every job and child process inherits it), its files under
-    the work directory (staged elsewhere, since /tmp and /home/user are mounted over the
-    image), its working directory, then its warm-up code, each layer's in order. Unlike a
-    built-in template's warm-up, a failure here is fatal: raises UserWarmFailed with the
-    traceback, which fails the template's build."""
-    import json
-    import shutil
-    import traceback
-
-    try:
-        with open(path, "rb") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        return
-    for key, value in (manifest.get("env") or {}).items():
-        os.environ[key] = value
-    for staged, dest in manifest.get("home_files") or ():
-        _make_user_dirs(os.path.dirname(dest))
-        shutil.copyfile(staged, dest)
-        os.chown(dest, USER_UID, USER_GID)
-    workdir = manifest.get("workdir")
-    if workdir:
-        _make_user_dirs(workdir)
-        os.chdir(workdir)
-    for code_path in manifest.get("user_warm") or ():
-        with open(code_path, "rb") as f:
-            source = f.read()
-        try:
-            exec(compile(source, code_path, "exec"), {"__name__": "__bud_warm__"})
-        except BaseException as error:  # noqa: BLE001 - SystemExit too: the build fails
-            # From the warm-up's own frames on (the first one is this function's exec).
-            tb = error.__traceback__.tb_next if error.__traceback__ else None
-            text = "".join(traceback.format_exception(type(error), error, tb))
-            raise UserWarmFailed(f"warm-up {code_path} failed:\n{text}") from None
-
-
-def _make_user_dirs(path):
-    """Makes ``path`` and its missing parents; those under the work directory belong to
-    the guest's user, as the work directory does."""
-    missing = []
-    while path and path != "/" and not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for directory in reversed(missing):
-        os.mkdir(directory)
-        if directory.startswith(("/tmp/", "/home/user/")):
-            os.chown(directory, USER_UID, USER_GID)
-
-
 def template_kernels(path=TEMPLATE_MANIFEST):
     """How many code-context kernels the template holds (its manifest's ``kernels``; see
     ``bud_procs.Table.prepare_kernels``)."""
@@ -412,7 +354,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     code_failure = warm_code_paths()
     mark("code")
     template, template_failure = warm_template()
-    apply_user_layers()
+    bud_layer.apply_user_layers(TEMPLATE_MANIFEST)
     kernels = template_kernels()
     mark("template")
     # Forks of the worker as it stands now: before its memory reserve, threads and mailbox.
@@ -443,6 +385,8 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
     runner = bud_jobs.JobRunner(mailbox, ring, identity=doorbell, shell=shell,
                                 capture_dir=capture_dir)
     runner.beside = beside
+    runner.manifest_path = TEMPLATE_MANIFEST
+    runner.settle = settle_run_queue
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err
     if doorbell and not interrupts:
         signal.signal(signal.SIGINT, runner.on_sigint)
@@ -556,7 +500,7 @@ def main(argv):
     dry_run = mode == "--dry-run"
     try:
         runner, steps, facts = warm(doorbell=not dry_run)
-    except UserWarmFailed as failure:
+    except bud_layer.UserWarmFailed as failure:
         log(str(failure))
         return EXIT_USER_WARM_FAILED
     except OSError as error:

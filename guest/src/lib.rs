@@ -13,6 +13,7 @@ pub mod elf;
 pub mod hashes;
 pub mod host;
 pub mod image;
+pub mod layer;
 pub mod libs;
 pub mod lock;
 pub mod manifest;

@@ -41,6 +41,8 @@ pub enum TemplateSetupError {
     Recipe(#[from] bud_guest::recipe::RecipeError),
     #[error("template {0} has no guest build (`bud guest build --template {0}` makes one)")]
     NotBuilt(String),
+    #[error("comparing the image with its parent's: {0}")]
+    Layer(#[from] bud_guest::layer::LayerError),
     #[error("storing the definition: {0}")]
     Store(#[from] bud_guest::user::UserError),
     #[error(
@@ -112,10 +114,12 @@ pub fn image_facts(opts: &TemplateOptions) -> (u64, std::collections::BTreeMap<S
 }
 
 /// Builds user template `definition` (`bud_guest::user`): its image brought up to date,
-/// its first boot (which runs its warm-up code: an exception fails the build), and only
-/// then its definition stored, so that a failed build leaves nothing registered.
-/// `build`'s template and definition are set from `definition`; an image over
-/// `max_image_bytes` is refused before it boots.
+/// then its template, and only then its definition stored, so that a failed build leaves
+/// nothing registered. The template is made from its parent's snapshot when the image only
+/// adds files to the parent's (a layer: [`vmm::template::Layer`], seconds), or else by a
+/// first boot of its own (a minute or more); either runs its warm-up code, and an exception
+/// there fails the build. `build`'s template and definition are set from `definition`; an
+/// image over `max_image_bytes` is refused before anything runs it.
 pub fn build_user(
     mut build: BuildOptions,
     definition: bud_guest::definition::Definition,
@@ -139,9 +143,128 @@ pub fn build_user(
         ram_size: None,
         network,
     };
-    let template = template(&opts, progress, echo)?;
+    let template = match layer_plan(&opts, &definition, progress)? {
+        Plan::Saved(template) => template,
+        Plan::Layer {
+            parent,
+            spec,
+            archive,
+            warm_from,
+            timeout,
+        } => {
+            let layer = vmm::template::Layer {
+                archive: &archive,
+                warm_from,
+                timeout,
+            };
+            let started = std::time::Instant::now();
+            let template = Template::load_or_derive(&spec, &parent, &layer, echo)?;
+            progress(&format!(
+                "layer on {}: template ready in {:.1} s",
+                definition.from,
+                started.elapsed().as_secs_f64()
+            ));
+            template
+        }
+        Plan::Boot(why) => {
+            progress(&format!("first boot of its own: {why}"));
+            template(&opts, progress, echo)?
+        }
+    };
     bud_guest::user::save(&opts.build.build_dir, &definition)?;
     Ok(template)
+}
+
+/// How a user template's snapshot is made ([`build_user`]).
+enum Plan {
+    /// Saved already (the same image built before).
+    Saved(Template),
+    /// From its parent's snapshot, with the files its image adds.
+    Layer {
+        parent: Template,
+        spec: TemplateSpec,
+        archive: Vec<u8>,
+        warm_from: usize,
+        timeout: std::time::Duration,
+    },
+    /// A first boot of its own, and why.
+    Boot(String),
+}
+
+/// Whether the user template of `opts` (image built) can be a layer on its parent
+/// (`definition.from`): the parent's snapshot saved with the same guest kernel, RAM and
+/// network card, no kernel of the parent's waiting in it (a held code-context kernel or a
+/// kernel runtime forked before the layer would not see it), and an image that only adds
+/// files ([`bud_guest::layer`]).
+fn layer_plan(
+    opts: &TemplateOptions,
+    definition: &bud_guest::definition::Definition,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Plan, TemplateSetupError> {
+    let spec = spec_of(opts)?;
+    if let Ok(saved) = Template::load_saved(&spec) {
+        return Ok(Plan::Saved(saved));
+    }
+    let parent_opts = TemplateOptions {
+        build: BuildOptions {
+            template: definition.from.clone(),
+            definition: None,
+            ..opts.build.clone()
+        },
+        guest: GuestBuild::Saved,
+        ram_size: None,
+        network: opts.network,
+    };
+    let parent = match template(&parent_opts, progress, None) {
+        Ok(parent) => parent,
+        Err(e) => {
+            return Ok(Plan::Boot(format!(
+                "{} has no saved snapshot ({e})",
+                definition.from
+            )));
+        }
+    };
+    let pm = parent.manifest();
+    if pm.kernels.iter().any(|k| k.warm > 0) {
+        return Ok(Plan::Boot(format!(
+            "{} holds code-context kernels",
+            definition.from
+        )));
+    }
+    if pm.runtimes.iter().any(|r| r.run == vmm::Language::Kernel) {
+        return Ok(Plan::Boot(format!(
+            "{} has a kernel runtime",
+            definition.from
+        )));
+    }
+    let parent_spec = spec_of(&parent_opts)?;
+    if parent_spec.boot.cmdline() != spec.boot.cmdline() {
+        return Ok(Plan::Boot(
+            "its kernel command line is not the parent's".to_owned(),
+        ));
+    }
+    let (_, parent_image) = artifact_paths(&opts.build.build_dir, &definition.from);
+    let (_, image) = artifact_paths(&opts.build.build_dir, opts.name());
+    let (archive, entries) = match bud_guest::layer::delta(&parent_image, &image)? {
+        bud_guest::layer::Delta::Layer { archive, entries } => (archive, entries),
+        bud_guest::layer::Delta::NotALayer(why) => return Ok(Plan::Boot(why)),
+    };
+    progress(&format!(
+        "layer on {}: {entries} entries, {} KiB",
+        definition.from,
+        archive.len().div_ceil(1024)
+    ));
+    let (_, layers) = opts.build.site().map_err(Box::new)?;
+    let warm = layers.as_ref().map_or(0, |l| l.warm().len());
+    let warm_from = warm - usize::from(definition.warm.is_some());
+    let timeout = spec.boot.timeout;
+    Ok(Plan::Layer {
+        parent,
+        spec,
+        archive,
+        warm_from,
+        timeout,
+    })
 }
 
 /// The guest (found or built), then its template (loaded, or booted and saved: about a
@@ -159,7 +282,6 @@ pub fn template(
             return Err(TemplateSetupError::NotBuilt(opts.name().to_owned()));
         }
     }
-    let (site, _) = opts.build.site().map_err(Box::new)?;
     let (kernel, initramfs) = match opts.guest {
         GuestBuild::Existing => built_or_ensure(&opts.build, progress).map_err(Box::new)?,
         GuestBuild::Current => {
@@ -168,6 +290,27 @@ pub fn template(
         }
         GuestBuild::Built | GuestBuild::Saved => artifact_paths(&opts.build.build_dir, opts.name()),
     };
+    let spec = spec_for(opts, kernel, initramfs)?;
+    Ok(match opts.guest {
+        GuestBuild::Saved => Template::load_saved(&spec)?,
+        _ => Template::load_or_build(&spec, echo)?,
+    })
+}
+
+/// Where the template of `opts` is, its guest already built.
+fn spec_of(opts: &TemplateOptions) -> Result<TemplateSpec, TemplateSetupError> {
+    let (kernel, initramfs) = artifact_paths(&opts.build.build_dir, opts.name());
+    spec_for(opts, kernel, initramfs)
+}
+
+/// The template of `opts` booted from `kernel` and `initramfs`: its RAM (the option, or
+/// the recipe's), network card and boot timeout, under the build's template root.
+fn spec_for(
+    opts: &TemplateOptions,
+    kernel: PathBuf,
+    initramfs: PathBuf,
+) -> Result<TemplateSpec, TemplateSetupError> {
+    let (site, _) = opts.build.site().map_err(Box::new)?;
     let mut boot = BootConfig::new(kernel, initramfs);
     boot.ram_size = opts.ram_size.unwrap_or_else(|| {
         site.as_ref()
@@ -177,12 +320,8 @@ pub fn template(
     if let Some(site) = &site {
         boot.timeout = std::time::Duration::from_secs(site.boot_timeout_s);
     }
-    let spec = TemplateSpec {
+    Ok(TemplateSpec {
         boot,
         root: opts.template_root(),
-    };
-    Ok(match opts.guest {
-        GuestBuild::Saved => Template::load_saved(&spec)?,
-        _ => Template::load_or_build(&spec, echo)?,
     })
 }

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 13;
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -136,6 +136,14 @@ pub mod language {
     /// TypeScript in the `node` template): the warm kernel program runs the code, as the
     /// language `job::DIALECT` names.
     pub const KERNEL: u32 = 5;
+    /// A template layer, applied in a clone of the parent template to make a user template
+    /// without a first boot ([`crate::template`]'s `derive`): `code` is a JSON object
+    /// `{"archive": PATH, "warm_from": N}`, the archive a `newc` cpio of the files the layer
+    /// adds, written to PATH by file requests first; `warm_from` the first of the manifest's
+    /// `user_warm` files this layer runs. On success the worker rings READY, where the host
+    /// snapshots the new template (and where its clones resume); on failure DONE, the error
+    /// on stderr.
+    pub const LAYER: u32 = 6;
 }
 
 /// How the worker treats a request (`job::MODE`).

@@ -336,7 +336,7 @@ impl Session {
         let accepts = match kind {
             Kind::Cell { .. } => Some(Accepts::FilesAndProcesses),
             Kind::File(_) | Kind::Process { .. } => Some(Accepts::Files),
-            Kind::Job => None,
+            Kind::Job | Kind::Layer => None,
         };
         let r = Request {
             job: j,

@@ -36,13 +36,20 @@ use crate::protocol::{PROTOCOL_VERSION, header};
 use crate::snapshot::{self, SNAPSHOT_FORMAT_VERSION, SnapshotError, SnapshotState};
 use crate::vm::{Machine, NetStart, SerialStart, VmError};
 
+mod derive;
+pub use derive::Layer;
+
+/// How [`Template::load_or`] makes a template that is not saved yet: in its directory, from
+/// the image's manifest.
+type Make<'a> = Box<dyn FnOnce(&Path, Manifest) -> Result<Template, TemplateError> + 'a>;
+
 const STATE_FILE: &str = "state";
 const MEMORY_FILE: &str = "memory";
 /// A template's pins: one file per holder (a server's state directory) that still needs
 /// the template (sessions paused on it); pruning never removes a pinned template.
 pub const PINS_DIR: &str = "pins";
-/// Templates kept under a root: building a new one removes all but this many of the most
-/// recent (each holds up to a guest's RAM of sparse data). Processes that still map a removed
+/// Templates of one name kept under a root: building a new one removes all but this many
+/// of that name's most recent (each holds up to a guest's RAM of sparse data). Processes that still map a removed
 /// template keep working: the file lives until its last mapping goes.
 pub(crate) const TEMPLATES_KEPT: usize = 3;
 
@@ -92,6 +99,25 @@ pub enum TemplateError {
     Paging(#[from] crate::paging::PagingError),
     #[error("template manifest (`bud guest build` writes it)")]
     Manifest(#[from] ManifestError),
+    #[error("a layer cannot go on this parent: {0}")]
+    LayerMismatch(String),
+    #[error("running the layer in a clone of the parent: {0}")]
+    LayerRequest(#[from] crate::job::JobError),
+    #[error("the layer failed in the guest:\n{stderr}\nconsole:\n{console}")]
+    LayerFailed {
+        stderr: String,
+        console: crate::boot::ConsoleTail,
+    },
+    #[error("the layer did not reach READY within {after:?}; console:\n{console}")]
+    LayerTimeout {
+        after: Duration,
+        console: crate::boot::ConsoleTail,
+    },
+    #[error("the layer's clone stopped ({stop}); console:\n{console}")]
+    LayerStopped {
+        stop: String,
+        console: crate::boot::ConsoleTail,
+    },
 }
 
 /// Where a template is made or found.
@@ -108,6 +134,13 @@ pub enum Origin {
     /// Booted now; the boot's timings, the capture time and the memory write time.
     Built {
         boot: BootTimings,
+        capture: Duration,
+        write: Duration,
+    },
+    /// Made now from its parent template's snapshot with a layer ([`derive`]): the layer's
+    /// run in a clone of the parent, the capture and the memory write.
+    Derived {
+        layer: Duration,
         capture: Duration,
         write: Duration,
     },
@@ -239,7 +272,12 @@ impl Template {
     /// Processes that ask for the same template at once (a server and a `bud run`, two test
     /// binaries) take turns on a lock file beside it: one boots, the others then load.
     pub fn load_or_build(spec: &TemplateSpec, echo: Option<EchoFn>) -> Result<Self, TemplateError> {
-        Self::load_or(spec, Some(echo))
+        Self::load_or(
+            spec,
+            Some(Box::new(|dir, manifest| {
+                Self::build(&spec.boot, dir, manifest, echo)
+            })),
+        )
     }
 
     /// The template of `spec` as saved by an earlier first boot; never boots (an error
@@ -249,8 +287,9 @@ impl Template {
         Self::load_or(spec, None)
     }
 
-    /// [`Self::load_or_build`]'s work; `boot: None` forbids the boot.
-    fn load_or(spec: &TemplateSpec, boot: Option<Option<EchoFn>>) -> Result<Self, TemplateError> {
+    /// [`Self::load_or_build`]'s work: the saved template of `spec`, or the one `make`
+    /// makes in its directory (`None` forbids making one).
+    fn load_or(spec: &TemplateSpec, make: Option<Make<'_>>) -> Result<Self, TemplateError> {
         let manifest = Manifest::load(&manifest_path(&spec.boot.initramfs))?;
         let key = template_key(&spec.boot)?;
         let dir = spec.root.join(&key);
@@ -274,14 +313,14 @@ impl Template {
         if let Some(loaded) = found(&dir) {
             return loaded;
         }
-        let Some(echo) = boot else {
+        let Some(make) = make else {
             return Err(TemplateError::NotSaved(dir));
         };
         let _lock = lock_file(&spec.root.join(format!("{key}.lock")))?;
         if let Some(loaded) = found(&dir) {
             return loaded;
         }
-        Self::build(&spec.boot, &dir, manifest, echo)
+        make(&dir, manifest)
     }
 
     /// Boots the guest to READY, captures it and writes the template into `dir`.
@@ -295,66 +334,26 @@ impl Template {
         let kernel = KernelLayout::from_vmlinux(&cfg.kernel)?;
         let kvm = crate::vm::open_kvm()?;
         let mut ready = boot::boot(cfg, echo)?;
-        // Capture at once: a clone's wall clock at resume is the guest's READY reading plus
-        // however long the host took from that exit to reading the clock (see
-        // `SnapshotState::ready_wall_ns`), so nothing slow may come before the capture.
-        let captured = Instant::now();
-        let cpuid = ready
-            .machine
-            .vcpu
-            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
-            .map_err(TemplateError::GetCpuid)?;
-        let machine = snapshot::capture(
+        let frozen = freeze(
             &kvm,
-            &ready.machine.vm,
-            &mut ready.machine.vcpu,
+            &mut ready.machine,
+            &ready.mailbox,
             cfg.host_kind,
-            cpuid.as_slice().to_vec(),
-            &ready.machine.bus,
-            snapshot::MsrList::Probe,
-        )?;
-        let ready_wall_ns = ready
-            .mailbox
-            .read_u64(&ready.machine.ram, header::READY_WALL_NS as u64)?;
-        let state = SnapshotState {
-            host_kind: cfg.host_kind,
-            host_identity: host_identity(&kvm, cfg.host_kind)?,
-            ram_size: cfg.ram_size,
-            machine,
-            mailbox: ready.mailbox.clone(),
             kernel,
-            ready_wall_ns,
-        };
-        let capture = captured.elapsed();
-        if let Some(root) = dir.parent() {
-            prune(root, dir, TEMPLATES_KEPT - 1);
-        }
-
-        let written = Instant::now();
-        fs::create_dir_all(dir).map_err(|source| TemplateError::Write {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        let ram = &ready.machine.ram;
-        write_file(&dir.join(MEMORY_FILE), |f| ram.write_sparse(f).map(|_| ()))?;
-        manifest.write(&dir.join(MANIFEST_FILE))?;
-        let bytes = state.to_bytes()?;
-        // The state file goes last: its presence marks a complete template.
-        write_file(&dir.join(STATE_FILE), |mut f| {
-            std::io::Write::write_all(&mut f, &bytes)
-        })?;
-        let write = written.elapsed();
+            cfg.ram_size,
+            dir,
+            &manifest,
+        )?;
         let boot_timings = ready.timings;
         drop(ready);
-
         Self::open(
             dir,
-            state,
+            frozen.state,
             manifest,
             Origin::Built {
                 boot: boot_timings,
-                capture,
-                write,
+                capture: frozen.capture,
+                write: frozen.write,
             },
         )
     }
@@ -510,6 +509,80 @@ impl Template {
     }
 }
 
+/// A template written by [`freeze`]: its state and where the time went.
+struct Frozen {
+    state: SnapshotState,
+    capture: Duration,
+    write: Duration,
+}
+
+/// Captures `machine`, stopped at its worker's READY doorbell with its mailbox at
+/// `mailbox`, and writes it into `dir` as a template (older templates of the same name
+/// pruned first): the memory file, the manifest, then the state file, whose presence marks
+/// a complete template. The one way a template is written, after a first boot
+/// ([`Template::build`]) or a layer ([`derive`]).
+#[allow(clippy::too_many_arguments)]
+fn freeze(
+    kvm: &Kvm,
+    machine: &mut Machine,
+    mailbox: &crate::mailbox::Mailbox,
+    host_kind: HostKind,
+    kernel: KernelLayout,
+    ram_size: u64,
+    dir: &Path,
+    manifest: &Manifest,
+) -> Result<Frozen, TemplateError> {
+    // Capture at once: a clone's wall clock at resume is the guest's READY reading plus
+    // however long the host took from that exit to reading the clock (see
+    // `SnapshotState::ready_wall_ns`), so nothing slow may come before the capture.
+    let captured = Instant::now();
+    let cpuid = machine
+        .vcpu
+        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+        .map_err(TemplateError::GetCpuid)?;
+    let captured_machine = snapshot::capture(
+        kvm,
+        &machine.vm,
+        &mut machine.vcpu,
+        host_kind,
+        cpuid.as_slice().to_vec(),
+        &machine.bus,
+        snapshot::MsrList::Probe,
+    )?;
+    let ready_wall_ns = mailbox.read_u64(&machine.ram, header::READY_WALL_NS as u64)?;
+    let state = SnapshotState {
+        host_kind,
+        host_identity: host_identity(kvm, host_kind)?,
+        ram_size,
+        machine: captured_machine,
+        mailbox: mailbox.clone(),
+        kernel,
+        ready_wall_ns,
+    };
+    let capture = captured.elapsed();
+    if let Some(root) = dir.parent() {
+        prune(root, dir, &manifest.name, TEMPLATES_KEPT - 1);
+    }
+
+    let written = Instant::now();
+    fs::create_dir_all(dir).map_err(|source| TemplateError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let ram = &machine.ram;
+    write_file(&dir.join(MEMORY_FILE), |f| ram.write_sparse(f).map(|_| ()))?;
+    manifest.write(&dir.join(MANIFEST_FILE))?;
+    let bytes = state.to_bytes()?;
+    write_file(&dir.join(STATE_FILE), |mut f| {
+        std::io::Write::write_all(&mut f, &bytes)
+    })?;
+    Ok(Frozen {
+        state,
+        capture,
+        write: written.elapsed(),
+    })
+}
+
 /// The template's page-table pages: those reachable from the kernel's PGD, every mm's PGD
 /// and the worker's CR3, read from the template's own (trusted) memory.
 fn page_tables(ram: &GuestRam, s: &SnapshotState) -> Result<Option<Vec<u64>>, TemplateError> {
@@ -530,10 +603,16 @@ fn pinned(dir: &Path) -> bool {
     fs::read_dir(dir.join(PINS_DIR)).is_ok_and(|mut d| d.next().is_some())
 }
 
-/// Removes all but the `keep` most recent unpinned template directories under `root` (never
-/// `current`, never a pinned one). Best effort: a directory that cannot be removed is left
-/// for the next time.
-fn prune(root: &Path, current: &Path, keep: usize) {
+/// The name in the manifest copy of the template in `dir` ("" without one).
+fn name_of(dir: &Path) -> String {
+    Manifest::load(&dir.join(MANIFEST_FILE)).map_or_else(|_| String::new(), |m| m.name)
+}
+
+/// Removes all but the `keep` most recent unpinned directories of template `name` under
+/// `root` (never `current`, never a pinned one, never another template's: every template
+/// of a build directory shares the root, and a server or a restart loads them from it).
+/// Best effort: a directory that cannot be removed is left for the next time.
+fn prune(root: &Path, current: &Path, name: &str, keep: usize) {
     let Ok(entries) = fs::read_dir(root) else {
         return;
     };
@@ -541,7 +620,7 @@ fn prune(root: &Path, current: &Path, keep: usize) {
         .filter_map(|e| e.ok())
         .map(|e| e.path())
         .filter(|p| p.as_path() != current && p.join(STATE_FILE).exists())
-        .filter(|p| !pinned(p))
+        .filter(|p| !pinned(p) && name_of(p) == name)
         .filter_map(|p| Some((fs::metadata(p.join(STATE_FILE)).ok()?.modified().ok()?, p)))
         .collect();
     dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
@@ -556,29 +635,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pruning_keeps_the_newest_the_current_and_every_pinned_template() {
+    fn pruning_keeps_the_newest_the_current_every_pinned_and_other_names_templates() {
         let root = std::env::temp_dir().join(format!("bud-prune-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        for name in ["a", "b", "c", "d"] {
+        let named = |n: &str| Manifest {
+            format: crate::manifest::MANIFEST_FORMAT,
+            name: n.to_owned(),
+            ..Manifest::default()
+        };
+        for name in ["a", "b", "c", "d", "other"] {
             let d = root.join(name);
             fs::create_dir_all(d.join(PINS_DIR)).unwrap();
             fs::write(d.join(STATE_FILE), name).unwrap();
+            let of = if name == "other" { "node" } else { "python" };
+            named(of).write(&d.join(MANIFEST_FILE)).unwrap();
             // Distinct modification times, oldest first.
             std::thread::sleep(Duration::from_millis(20));
         }
         fs::write(root.join("a").join(PINS_DIR).join("state-1"), b"").unwrap();
 
-        prune(&root, &root.join("d"), 1);
+        prune(&root, &root.join("d"), "python", 1);
         let mut left: Vec<String> = fs::read_dir(&root)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         left.sort();
 
-        assert_eq!(left, ["a", "c", "d"]);
+        assert_eq!(left, ["a", "c", "d", "other"]);
         fs::remove_file(root.join("a").join(PINS_DIR).join("state-1")).unwrap();
-        prune(&root, &root.join("d"), 1);
+        prune(&root, &root.join("d"), "python", 1);
         assert!(!root.join("a").exists(), "an unpinned old template stayed");
+        assert!(
+            root.join("other").exists(),
+            "another template's newest was pruned"
+        );
         fs::remove_dir_all(&root).unwrap();
     }
 }

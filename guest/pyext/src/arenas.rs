@@ -62,6 +62,15 @@ unsafe impl Send for Region {}
 
 static REGION: Mutex<Option<Region>> = Mutex::new(None);
 
+/// The address range the arena region reserved (`None` before [`install`]): what
+/// `memory::lock_mapped_except` leaves alone, since locking it would make it resident whole.
+pub fn reserved() -> Option<(usize, usize)> {
+    let slot = REGION.lock().unwrap_or_else(|e| e.into_inner());
+    // The mapping starts up to one huge page below `base` (see install).
+    slot.as_ref()
+        .map(|r| (r.base - HUGE_PAGE, r.base + r.len + HUGE_PAGE))
+}
+
 /// Reserves `bytes` of address space (rounded up to 2 MiB, aligned to 2 MiB) and makes it
 /// pymalloc's source of arenas. Fails if called twice or if the reservation fails.
 pub fn install(bytes: usize) -> io::Result<()> {

@@ -88,6 +88,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("LANGUAGE_FILES", language::FILES as u64),
     ("LANGUAGE_PROCESS", language::PROCESS as u64),
     ("LANGUAGE_KERNEL", language::KERNEL as u64),
+    ("LANGUAGE_LAYER", language::LAYER as u64),
     ("PROCESS_OP_START", process_op::START as u64),
     ("PROCESS_OP_POLL", process_op::POLL as u64),
     ("PROCESS_OP_STDIN", process_op::STDIN as u64),
@@ -381,6 +382,13 @@ fn lock_memory() -> PyResult<()> {
     memory::lock_all().map_err(|e| os_error("mlockall", &e))
 }
 
+/// [`lock_memory`] again, for a worker whose arena region is installed: every mapping but
+/// that region (see `memory::lock_mapped_except`); returns the bytes locked.
+#[pyfunction]
+fn lock_memory_again() -> PyResult<usize> {
+    memory::lock_mapped_except(arenas::reserved()).map_err(|e| os_error("mlock", &e))
+}
+
 /// Makes every writable private page of this process its own (see
 /// `memory::own_writable_pages`); returns the bytes of those mappings.
 #[pyfunction]
@@ -427,6 +435,7 @@ fn _bud(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reserve_heap, m)?)?;
     m.add_function(wrap_pyfunction!(prefault_stack, m)?)?;
     m.add_function(wrap_pyfunction!(lock_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(lock_memory_again, m)?)?;
     m.add_function(wrap_pyfunction!(own_writable_pages, m)?)?;
     m.add_function(wrap_pyfunction!(use_arena_region, m)?)?;
     m.add_function(wrap_pyfunction!(start_interrupt_watcher, m)?)?;

@@ -73,6 +73,46 @@ pub fn lock_all() -> io::Result<()> {
     Ok(())
 }
 
+/// What [`lock_all`] does, for every mapping but the address range `skip` (start, end):
+/// `mlock` of each range `/proc/self/maps` lists, cut around `skip`. For a worker that locks
+/// again after READY's warm-up had reserved a region it must not make resident (a template
+/// layer's warm-up, `bud_layer.py`). A range the kernel will not lock is left as it is.
+/// Returns the bytes locked.
+pub fn lock_mapped_except(skip: Option<(usize, usize)>) -> io::Result<usize> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let mut bytes = 0;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        let Some((start, end)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end)) = (
+            usize::from_str_radix(start, 16),
+            usize::from_str_radix(end, 16),
+        ) else {
+            continue;
+        };
+        if perms.starts_with("---") {
+            continue;
+        }
+        let pieces = match skip {
+            Some((a, b)) if a < end && start < b => [(start, a.max(start)), (b.min(end), end)],
+            _ => [(start, end), (end, end)],
+        };
+        for (from, to) in pieces.into_iter().filter(|(f, t)| f < t) {
+            // SAFETY: mlock changes the residency of a range of our own mappings, never
+            // their contents.
+            if unsafe { libc::mlock(from as *const libc::c_void, to - from) } == 0 {
+                bytes += to - from;
+            }
+        }
+    }
+    Ok(bytes)
+}
+
 /// Makes every page of every writable private mapping this process's own and present:
 /// `MADV_POPULATE_WRITE` on each `rw-p` range of `/proc/self/maps`. After a fork that breaks
 /// the copy-on-write the process shares with its parent, so that neither pays a fault for

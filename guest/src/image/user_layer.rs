@@ -99,10 +99,20 @@ pub fn stage(
         report.package_files += copy_tree(alone.root(), staging)?;
     }
 
+    // The base image's own modules there (pip's shim) stay as they are: a user template's
+    // image then only adds to its parent's, which a layer needs (`crate::layer`).
+    let site_dir = staging.path(wheels::SITE_DIR);
+    let before: std::collections::HashSet<String> = match site_dir.is_dir() {
+        true => crate::stage::files_under(&site_dir)?.into_iter().collect(),
+        false => Default::default(),
+    };
     let unpacked = wheels::unpack(&user.wheels, staging).map_err(ImageError::Wheels)?;
     report.wheel_files = unpacked.files + unpacked.scripts;
     let mut jobs = Vec::new();
-    for rel in crate::stage::files_under(&staging.path(wheels::SITE_DIR))? {
+    for rel in crate::stage::files_under(&site_dir)? {
+        if before.contains(&rel) {
+            continue;
+        }
         if let Some(stem) = rel.strip_suffix(".py") {
             let guest = format!("{}/{rel}", wheels::SITE_DIR);
             jobs.push(CompileJob {

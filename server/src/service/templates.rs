@@ -251,6 +251,18 @@ pub fn prepare(
             write_ms = write.as_secs_f64() * 1e3,
             "template built"
         ),
+        Origin::Derived {
+            layer,
+            capture,
+            write,
+        } => info!(
+            template = name,
+            dir = %template.dir().display(),
+            layer_s = layer.as_secs_f64(),
+            capture_ms = capture.as_secs_f64() * 1e3,
+            write_ms = write.as_secs_f64() * 1e3,
+            "template made from its parent's snapshot"
+        ),
         Origin::Loaded { load } => info!(
             template = name,
             dir = %template.dir().display(),

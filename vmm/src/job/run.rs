@@ -45,6 +45,8 @@ pub(crate) enum Kind {
     /// [`crate::protocol::job_flags`] (a started process's stdin pipe or terminal).
     /// Interrupted by a cancel, like a cell.
     Process { op: u32, flags: u32 },
+    /// A template layer ([`crate::protocol::language::LAYER`]): the job's code is its JSON.
+    Layer,
 }
 
 /// One request to a VM's worker: the job, how to treat it, and its sequence number (never
@@ -117,6 +119,7 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
         }
         Kind::File(op) => (language::FILES, mode::JOB, 0, op),
         Kind::Process { op, flags } => (language::PROCESS, mode::JOB, flags, op),
+        Kind::Layer => (language::LAYER, mode::JOB, 0, 0),
     };
     put32(job::LANGUAGE, lang as usize)?;
     put32(job::MODE, mode as usize)?;
