@@ -101,9 +101,12 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("server/tests/templates.rs", 56, ON_TOOLS),
     // numpy in three processes side by side (~43 s), the rest in seconds.
     ("server/tests/templates_datascience.rs", 112, ON_DATASCIENCE),
-    // Builds two user templates (apt, a wheel, a first boot each) through bud serve's
-    // builder process, and restarts the server twice.
-    ("tests/user_templates.rs", 200, ON_PYTHON),
+    // Builds three user templates (apt, wheels; two made from their parent's snapshot, one
+    // whose warm-up fails) through bud serve's builder process, and restarts the server
+    // twice.
+    ("tests/user_templates.rs", 120, ON_PYTHON),
+    // Three layers on the python template's snapshot, on the VMM alone.
+    ("tests/template_layer.rs", 15, ON_PYTHON),
     ("tests/reset.rs", 116, ON_PYTHON),
     // Two memory bombs and a job just under the cap.
     ("tests/memory_cap.rs", 95, ON_PYTHON),
