@@ -286,6 +286,11 @@ class JobRunner:
             return str(error)
         except Exception as error:  # noqa: BLE001 - the build reports it, the VM is dropped
             return f"the layer failed: {type(error).__name__}: {error}"
+        # Empty areas and capture files, as after the first boot's warm-up jobs: what the
+        # layer's requests and processes left there (a sticky capture: every job would read
+        # its files, ~1 250 emulated instructions) is no clone's.
+        self.areas.reset()
+        self.capture.reset()
         bud_layer.ready(self.settle)
         return None
 
