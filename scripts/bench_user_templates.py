@@ -4,9 +4,11 @@
 
 1. cold: a template of `python` + a wheel + a Debian package, its wheel and `.deb` caches
    emptied first: POST to ready (the build's last NDJSON line), and the build's own steps;
-2. warm: the same packages under another name (the wheel cached; the image and the first
-   boot are new);
-3. one more package: a layer on the warm one with one more wheel;
+2. warm: the same packages under another name (the wheel cached; the image is new, and the
+   template is made from python's snapshot: docs/templates.md, "Made from its parent's
+   snapshot");
+3. one more package: a user template on the warm one with one more wheel (made from the
+   warm one's snapshot);
 4. the host's `pip install --target` of the same wheels, from the same index (beside);
 5. a trivial one-shot job and a session cell on the user template against `python`,
    alternating (p50, p90), and a new session's create + first cell on each.
