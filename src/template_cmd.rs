@@ -25,6 +25,10 @@ pub enum TemplateCommand {
         /// Refuse an image larger than this, in MiB.
         #[arg(long, default_value_t = 1024)]
         max_image_mib: u64,
+        /// A directory of this machine put into the image at a guest directory, as the
+        /// definition's `archives` (files and directories only); repeatable.
+        #[arg(long = "dir", value_name = "GUEST_DIR=HOST_DIR")]
+        dirs: Vec<String>,
         /// Build it on the `bud serve` at this URL (`POST /v1/templates`, its log followed),
         /// which then serves it, instead of in this process.
         #[arg(long, value_name = "URL", conflicts_with_all = ["network", "max_image_mib"])]
@@ -47,6 +51,7 @@ pub fn template(cli: &Cli, command: &TemplateCommand) -> anyhow::Result<ExitCode
             file,
             network,
             max_image_mib,
+            dirs,
             server,
         } => {
             let text = std::fs::read_to_string(file)
@@ -58,6 +63,20 @@ pub fn template(cli: &Cli, command: &TemplateCommand) -> anyhow::Result<ExitCode
                 Definition::from_toml(&text, &limits)
             }
             .with_context(|| format!("{} is not a valid template definition", file.display()))?;
+            let mut definition = definition;
+            if !dirs.is_empty() {
+                for spec in dirs {
+                    let (guest, host) = spec
+                        .split_once('=')
+                        .with_context(|| format!("--dir {spec}: give GUEST_DIR=HOST_DIR"))?;
+                    definition
+                        .archives
+                        .insert(guest.to_owned(), pack(std::path::Path::new(host))?);
+                }
+                definition
+                    .check(&limits)
+                    .with_context(|| format!("{} with its --dir", file.display()))?;
+            }
             let name = definition.name.clone();
             let started = Instant::now();
             if let Some(url) = server {
@@ -156,4 +175,22 @@ fn build_on(url: &str, definition: &Definition, started: Instant) -> anyhow::Res
                 .unwrap_or("the server said nothing more")
         ),
     }
+}
+
+/// The directory `host` as a base64 tar archive (its symbolic links kept as links, which
+/// the definition's check refuses by name).
+fn pack(host: &std::path::Path) -> anyhow::Result<String> {
+    use base64::Engine;
+    anyhow::ensure!(
+        host.is_dir(),
+        "--dir: {} is not a directory",
+        host.display()
+    );
+    let mut builder = tar::Builder::new(Vec::new());
+    builder.follow_symlinks(false);
+    builder
+        .append_dir_all(".", host)
+        .with_context(|| format!("packing {}", host.display()))?;
+    let bytes = builder.into_inner().context("packing")?;
+    Ok(base64::engine::general_purpose::STANDARD.encode(bytes))
 }

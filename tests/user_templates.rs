@@ -30,7 +30,8 @@ fn definition() -> Value {
     })
 }
 
-/// One more wheel, a file, an environment variable and a warm-up on `ci-report`.
+/// One more wheel, a file, two directories given as archives, an environment variable and
+/// a warm-up on `ci-report`.
 fn more_definition() -> Value {
     json!({
         "name": "ci-report-more",
@@ -38,8 +39,36 @@ fn more_definition() -> Value {
         "pip": ["six==1.16.0"],
         "env": {"MORE": "yes"},
         "files": {"/home/user/report/notes.txt": "from the layer"},
+        "archives": {
+            "/home/user/report/app": tar_b64(&[
+                ("main.py", "print('app')\n", 0o644),
+                ("bin/run.sh", "#!/bin/sh\necho run $MORE\n", 0o755),
+            ]),
+            "/opt/tools": tar_b64(&[("hello", "#!/bin/sh\necho hello from /opt\n", 0o700)]),
+        },
         "warm": "import six, sys\nsys.modules['warm_six'] = six\n",
     })
+}
+
+/// A tar archive of `files` (path, text, mode), base64.
+fn tar_b64(files: &[(&str, &str, u32)]) -> String {
+    use base64::Engine;
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, text, mode) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(text.len() as u64);
+        h.set_mode(*mode);
+        h.set_entry_type(tar::EntryType::Regular);
+        if path.contains("..") {
+            // tar's own path setter refuses `..`: write the name as a hostile archive would.
+            h.as_old_mut().name[..path.len()].copy_from_slice(path.as_bytes());
+            h.set_cksum();
+            b.append(&h, text.as_bytes()).unwrap();
+        } else {
+            b.append_data(&mut h, path, text.as_bytes()).unwrap();
+        }
+    }
+    base64::engine::general_purpose::STANDARD.encode(b.into_inner().unwrap())
 }
 
 /// Removes the saved snapshots of templates `names` from the build directory (their
@@ -257,12 +286,30 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     let sh = exec(
         &s,
         json!({"template": "ci-report-more", "language": "shell", "timeout_ms": 60000,
-               "code": "jq -n '1+1'"}),
+               "code": "jq -n '1+1'; cat app/main.py; app/bin/run.sh; /opt/tools/hello; \
+                        stat -c '%U %a' app/main.py app/bin/run.sh /opt/tools/hello"}),
     );
     assert_eq!(
         (&sh["status"], &sh["stdout"]),
-        (&json!("ok"), &json!("2\n")),
+        (
+            &json!("ok"),
+            &json!("2\nprint('app')\nrun yes\nhello from /opt\nuser 644\nuser 755\nroot 755\n")
+        ),
         "{sh}"
+    );
+    // An archive that is not one is refused before any build, naming it.
+    let mut bad = more_definition();
+    bad["name"] = json!("ci-bad-archive");
+    bad["archives"] = json!({"/opt/app": tar_b64(&[("../../etc/passwd", "x", 0o644)])});
+    let (status, r) = post(&s, "/v1/templates", bad);
+    assert_eq!(
+        (status, &r["error"]["code"], &r["error"]["field"]),
+        (
+            400,
+            &json!("invalid_request"),
+            &json!("archives[\"/opt/app\"]")
+        ),
+        "{r}"
     );
     let gone = ureq::delete(&format!("{}/v1/templates/ci-report-more", s.base))
         .call()

@@ -58,7 +58,7 @@ def apply_user_layers(path, warm_from=0):
         os.environ[key] = value
     for staged, dest in manifest.get("home_files") or ():
         _make_user_dirs(os.path.dirname(dest))
-        shutil.copyfile(staged, dest)
+        shutil.copy(staged, dest)  # with its mode: an archive's executables stay so
         os.chown(dest, USER_UID, USER_GID)
     workdir = manifest.get("workdir")
     if workdir:

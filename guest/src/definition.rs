@@ -25,6 +25,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::archive::ArchiveLimits;
+
 use serde::{Deserialize, Serialize};
 
 use crate::echo::{excerpt, quote, shorten};
@@ -100,6 +102,10 @@ pub struct Definition {
     /// Files of the image: absolute guest path -> text content.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, String>,
+    /// Directories of the image given as archives: absolute guest directory -> a tar
+    /// archive (plain or gzip), base64 (`crate::archive`: files and directories only).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub archives: BTreeMap<String, String>,
     /// Environment variables of every job and session of the template.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub env: BTreeMap<String, String>,
@@ -135,6 +141,10 @@ pub struct Limits {
     pub files: usize,
     pub min_memory_mib: u64,
     pub max_memory_mib: u64,
+    /// Each of `archives`, unpacked.
+    pub archive: ArchiveLimits,
+    /// Entries of `archives` (directories given as archives).
+    pub archives: usize,
 }
 
 impl Default for Limits {
@@ -145,6 +155,11 @@ impl Default for Limits {
             files: 256,
             min_memory_mib: 128,
             max_memory_mib: 8192,
+            archive: ArchiveLimits {
+                bytes: 256 << 20,
+                entries: 20_000,
+            },
+            archives: 16,
         }
     }
 }
@@ -315,6 +330,26 @@ impl Definition {
             check_guest_path(path).map_err(|why| DefinitionError::at(field(), why))?;
             if ["/tmp", "/home", "/home/user"].contains(&path.as_str()) {
                 return Err(DefinitionError::at(field(), "a directory, not a file"));
+            }
+        }
+        if self.archives.len() > limits.archives {
+            return Err(DefinitionError::at(
+                "archives",
+                format!(
+                    "{} archives; at most {} are allowed",
+                    self.archives.len(),
+                    limits.archives
+                ),
+            ));
+        }
+        for (dir, text) in &self.archives {
+            let field = || format!("archives[{}]", quote(dir));
+            check_guest_path(dir).map_err(|why| DefinitionError::at(field(), why))?;
+            let files = crate::archive::files(text, &limits.archive)
+                .map_err(|why| DefinitionError::at(field(), why))?;
+            for file in &files {
+                check_guest_path(&format!("{dir}/{}", file.path))
+                    .map_err(|why| DefinitionError::at(field(), why))?;
             }
         }
         for (name, value) in &self.env {
@@ -564,6 +599,14 @@ mod tests {
             (
                 "name = \"a\"\nfiles = { \"/usr/lib/bud/x.py\" = \"x\" }",
                 "files[\"/usr/lib/bud/x.py\"]",
+            ),
+            (
+                "name = \"a\"\narchives = { \"/opt/app\" = \"%%%\" }",
+                "archives[\"/opt/app\"]",
+            ),
+            (
+                "name = \"a\"\narchives = { \"/init\" = \"\" }",
+                "archives[\"/init\"]",
             ),
             ("name = \"a\"\nenv = { \"1X\" = \"x\" }", "env[\"1X\"]"),
             ("name = \"a\"\nenv = { \"A-B\" = \"x\" }", "env[\"A-B\"]"),

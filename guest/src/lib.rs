@@ -5,6 +5,7 @@
 //! [`ensure`] is the entry point: it runs every step, each cached, and returns the
 //! [`GuestArtifacts`] a VM boots. This crate only builds files; it never boots anything (`bud-templates` boots them into templates).
 
+pub mod archive;
 pub mod cpio;
 pub mod debs;
 pub mod definition;

@@ -97,6 +97,11 @@ pub fn load(build_dir: &Path, name: &str) -> Result<Option<Definition>, UserErro
         files: usize::MAX,
         min_memory_mib: 0,
         max_memory_mib: u64::MAX,
+        archive: crate::archive::ArchiveLimits {
+            bytes: u64::MAX,
+            entries: usize::MAX,
+        },
+        archives: usize::MAX,
     };
     Definition::from_json(&bytes, &unlimited)
         .map(Some)
@@ -238,6 +243,12 @@ impl Layers {
     /// Files of every layer (a later layer's file replaces an earlier one at its path).
     pub fn files(&self) -> BTreeMap<String, String> {
         self.chain.iter().flat_map(|d| d.files.clone()).collect()
+    }
+
+    /// Directories given as archives by every layer, bottom up (a later layer's files
+    /// replace an earlier one's at the same path).
+    pub fn archives(&self) -> Vec<(String, String)> {
+        self.chain.iter().flat_map(|d| d.archives.clone()).collect()
     }
 
     /// Environment of every layer (a later layer's value wins).

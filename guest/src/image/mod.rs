@@ -102,6 +102,8 @@ pub enum ImageError {
     Extract(#[source] DebError),
     #[error("stage files")]
     Stage(#[from] StageError),
+    #[error("the archive for {dir}: {why}")]
+    UserArchive { dir: String, why: String },
     #[error("list busybox applets")]
     BusyboxList(#[source] RunError),
     #[error("busybox has no `{0}` applet, which the recipe requires")]

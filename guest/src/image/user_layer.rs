@@ -12,12 +12,15 @@
 //! - **npm packages** are not staged here: the layers' `npm` lists join the base template's
 //!   (`Layers::site`), and the whole list is installed and staged as one tree
 //!   (`crate::npm`), on a built-in template's image as on a user template's.
+//! - **Archives**: each file of a directory given as a tar archive (`crate::archive`),
+//!   at the archive's directory, mode 0644 or 0755; staged as files are.
 //! - **Files**: written as given, mode 0644, at their absolute paths; those under the work
 //!   directory (`/tmp`, `/home/user`: tmpfs mounts over the image) are staged under
 //!   [`HOME_FILES`] and copied into place by the worker before the snapshot, owned by the
 //!   guest's user.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use super::{ImageError, UserInputs};
@@ -135,6 +138,20 @@ pub fn stage(
         staging.write(&staged_at(&path).0, content.as_bytes())?;
         report.files += 1;
     }
+    for (path, file) in archive_files(&user.layers)? {
+        let rel = staged_at(&path).0;
+        staging.write(&rel, &file.data)?;
+        if file.executable {
+            let staged = staging.path(&rel);
+            std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755)).map_err(
+                |source| ImageError::Create {
+                    path: staged,
+                    source,
+                },
+            )?;
+        }
+        report.files += 1;
+    }
     for (i, code) in user.layers.warm().iter().enumerate() {
         staging.write(&warm_path(i), code.as_bytes())?;
     }
@@ -151,10 +168,12 @@ pub fn manifest_fields(user: &UserInputs) -> BTreeMap<&'static str, serde_json::
     let warm: Vec<String> = (0..user.layers.warm().len())
         .map(|i| format!("/{}", warm_path(i)))
         .collect();
+    let archived = archive_files(&user.layers).unwrap_or_default();
     let home: Vec<(String, String)> = user
         .layers
         .files()
         .into_keys()
+        .chain(archived.into_iter().map(|(path, _)| path))
         .filter_map(|path| match staged_at(&path) {
             (staged, true) => Some((format!("/{staged}"), path)),
             (_, false) => None,
@@ -166,6 +185,27 @@ pub fn manifest_fields(user: &UserInputs) -> BTreeMap<&'static str, serde_json::
         ("workdir", serde_json::json!(user.layers.workdir())),
         ("user_warm", serde_json::json!(warm)),
     ])
+}
+
+/// Every file of the layers' archives (`crate::archive`), at its guest path, bottom up.
+/// Checked with the definitions; a stored definition is taken as it was checked.
+fn archive_files(
+    layers: &crate::user::Layers,
+) -> Result<Vec<(String, crate::archive::ArchiveFile)>, ImageError> {
+    let unlimited = crate::archive::ArchiveLimits {
+        bytes: u64::MAX,
+        entries: usize::MAX,
+    };
+    let mut out = Vec::new();
+    for (dir, text) in layers.archives() {
+        let files =
+            crate::archive::files(&text, &unlimited).map_err(|why| ImageError::UserArchive {
+                dir: dir.clone(),
+                why,
+            })?;
+        out.extend(files.into_iter().map(|f| (format!("{dir}/{}", f.path), f)));
+    }
+    Ok(out)
 }
 
 /// Copies every file and symlink under `from` (but [`LEFT_OUT`]) into the staging tree at the
