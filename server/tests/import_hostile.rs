@@ -82,6 +82,12 @@ fn with_record(h: &mut Header, field: &str, value: Value) {
     h.app = serde_json::to_vec(&record).unwrap();
 }
 
+/// An E2B sandbox's saved record for session `id`, made by API key `key`.
+fn e2b_record(id: &str, key: Option<&str>, metadata: serde_json::Map<String, Value>) -> Value {
+    json!({"e2b": {"id": id, "template_id": "python", "token": "0".repeat(32), "key": key,
+                   "metadata": metadata, "auto_pause": false, "auto_resume": false}})
+}
+
 fn fresh_id(n: usize) -> String {
     format!("ses_hostile{n}_{:032x}", std::process::id())
 }
@@ -211,6 +217,30 @@ fn crafted_imports_are_refused_with_why_or_run_safely_and_the_server_goes_on() {
                 with_record(h, "env", json!({"A=B": "x"}))
             }),
             "environment",
+        ),
+        (
+            "an E2B record of 20 000 metadata keys",
+            resigned(&scratch, &file, &fresh_id(12), |h, _| {
+                let metadata: serde_json::Map<String, Value> =
+                    (0..20_000).map(|i| (format!("k{i}"), json!("v"))).collect();
+                with_record(h, "attachment", e2b_record(&fresh_id(12), None, metadata))
+            }),
+            "E2B metadata",
+        ),
+        (
+            "an E2B record of another API key",
+            resigned(&scratch, &file, &fresh_id(13), |h, _| {
+                let record = e2b_record(&fresh_id(13), Some("bob"), Default::default());
+                with_record(h, "attachment", record)
+            }),
+            "API key",
+        ),
+        (
+            "an attachment of 100 000 bytes",
+            resigned(&scratch, &file, &fresh_id(14), |h, _| {
+                with_record(h, "attachment", json!({"other": "x".repeat(100_000)}))
+            }),
+            "attachment",
         ),
         (
             "an id of 200 characters",

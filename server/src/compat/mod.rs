@@ -47,6 +47,7 @@ pub fn exempt_from_keys(path: &str) -> bool {
 
 /// The compat routes over `app`, to merge into the API's router.
 pub fn routes<S: Clone + Send + Sync + 'static>(app: AppState) -> Router<S> {
+    app.add_attachment_rules(Arc::new(e2b::RecordRules));
     let compat = Compat {
         app,
         own: Arc::default(),

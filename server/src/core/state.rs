@@ -173,6 +173,8 @@ struct Shared {
     /// User templates built while the server runs, and who builds them.
     builds: crate::core::builds::Builds,
     builder: OnceLock<Arc<dyn crate::core::builds::Builder>>,
+    /// The dialects' rules for their saved attachments, checked on records from outside.
+    attachment_rules: RwLock<Vec<Arc<dyn crate::core::sessions::AttachmentRules>>>,
 }
 
 /// Cheap to clone: one `Arc`.
@@ -326,7 +328,26 @@ impl AppState {
             egress_site,
             builds: Default::default(),
             builder: OnceLock::new(),
+            attachment_rules: RwLock::default(),
         })))
+    }
+
+    /// Adds a dialect's rules for its saved attachments (the compat layer's, at start).
+    pub fn add_attachment_rules(&self, rules: Arc<dyn crate::core::sessions::AttachmentRules>) {
+        self.0
+            .attachment_rules
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(rules);
+    }
+
+    /// Every dialect's rules for its saved attachments.
+    pub fn attachment_rules(&self) -> Vec<Arc<dyn crate::core::sessions::AttachmentRules>> {
+        self.0
+            .attachment_rules
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The builds of user templates (`POST /v1/templates`).

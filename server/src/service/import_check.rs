@@ -7,7 +7,8 @@
 //!    template's (vmm's `session_file::check`).
 //! 2. Its record: this server's version, a well-formed id not in use here, and the limits
 //!    a session started here gets ([`check_record`]): lifetime, idle timeout, memory,
-//!    metadata, environment names and sizes, processes and contexts. The same limits are
+//!    metadata, environment names and sizes, processes and contexts; and each dialect's
+//!    rules for its attachment (`AttachmentRules`: E2B's sandbox record). The same limits are
 //!    applied again when a paused session resumes (`service::resume`'s `clamp`), so a file
 //!    found at start written under looser flags runs under today's.
 //!
@@ -24,6 +25,9 @@ use crate::service::templates;
 
 /// Most bytes of a record's JSON metadata (as `POST /v1/sessions` allows).
 const MAX_METADATA_BYTES: usize = 4096;
+/// Most bytes of a record's attachment as JSON: what a dialect keeps of a session (E2B's
+/// sandbox: ids, token, key name, metadata within its own 4 096 bytes) is far less.
+const MAX_ATTACHMENT_BYTES: usize = 64 << 10;
 
 fn refuse(why: impl std::fmt::Display) -> Error {
     Error::invalid("body", why.to_string())
@@ -122,6 +126,18 @@ pub fn check_record(state: &AppState, r: &SessionRecord, page_bytes: u64) -> Res
         .is_some_and(|p| p.len() > crate::core::node::MAX_ID_LEN)
     {
         return Err(refuse("its parent's id is too long"));
+    }
+    // The dialects' own rules first: they say what is wrong in their words.
+    for rules in state.attachment_rules() {
+        rules
+            .check(&r.id, r.owner.as_deref(), &r.attachment)
+            .map_err(refuse)?;
+    }
+    let attached = serde_json::to_vec(&r.attachment).map_or(usize::MAX, |v| v.len());
+    if attached > MAX_ATTACHMENT_BYTES {
+        return Err(refuse(format!(
+            "its attachment is {attached} bytes of JSON, more than {MAX_ATTACHMENT_BYTES}"
+        )));
     }
     Ok(())
 }

@@ -121,6 +121,57 @@ impl crate::core::sessions::Attachment for Sandbox {
     }
 }
 
+/// The most bytes of JSON a sandbox's metadata may hold: what its session's may
+/// (`POST /sandboxes` gives both the same metadata, which the session's create bounds).
+const MAX_METADATA_BYTES: usize = 4096;
+/// The longest template id a record may name (bud's names are at most 64; a snapshot's id
+/// is a session id).
+const MAX_TEMPLATE_ID: usize = 256;
+
+/// E2B's rules for a sandbox record that comes from outside (an imported paused session):
+/// what a create makes of one. Its id and API key are its session's, its metadata within
+/// a create's bound, its token one bud makes.
+#[derive(Debug)]
+pub struct RecordRules;
+
+impl crate::core::sessions::AttachmentRules for RecordRules {
+    fn check(
+        &self,
+        id: &str,
+        owner: Option<&str>,
+        attachment: &serde_json::Value,
+    ) -> Result<(), String> {
+        let Some(e2b) = attachment.get("e2b") else {
+            return Ok(());
+        };
+        let r: SandboxRecord = serde_json::from_value(e2b.clone())
+            .map_err(|e| format!("its E2B sandbox record is not one: {e}"))?;
+        if r.id != id {
+            return Err("its E2B sandbox record is another sandbox's".to_owned());
+        }
+        if r.key.as_deref() != owner {
+            return Err(
+                "its E2B sandbox's API key is not the key its session belongs to".to_owned(),
+            );
+        }
+        let meta = serde_json::to_vec(&r.metadata).map_or(usize::MAX, |v| v.len());
+        if meta > MAX_METADATA_BYTES {
+            return Err(format!(
+                "its E2B metadata is {meta} bytes of JSON, more than {MAX_METADATA_BYTES}"
+            ));
+        }
+        if r.template_id.is_empty() || r.template_id.len() > MAX_TEMPLATE_ID {
+            return Err(format!(
+                "its E2B template id is empty or longer than {MAX_TEMPLATE_ID}"
+            ));
+        }
+        if r.token.len() != 32 || !r.token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("its E2B access token is not one bud makes".to_owned());
+        }
+        Ok(())
+    }
+}
+
 impl Sandbox {
     /// The sandbox `record` (a session's saved attachment) keeps, if it is sandbox `id`'s,
     /// and the contexts an older record kept.
@@ -584,4 +635,59 @@ pub async fn set_timeout(
         Ok(StatusCode::NO_CONTENT.into_response())
     };
     run().unwrap_or_else(e2b_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::sessions::{Attachment, AttachmentRules};
+
+    fn sandbox(key: Option<&str>, metadata: BTreeMap<String, String>) -> Sandbox {
+        Sandbox {
+            id: "ses_a".into(),
+            template_id: "python".into(),
+            token: "ab".repeat(16),
+            key: key.map(str::to_owned),
+            metadata,
+            auto_pause: false,
+            auto_resume: true,
+        }
+    }
+
+    #[test]
+    fn a_record_bud_saved_passes_and_an_altered_one_is_refused_saying_why() {
+        let meta = BTreeMap::from([("user".to_owned(), "a".to_owned())]);
+        let saved = sandbox(Some("alice"), meta).record();
+        assert_eq!(RecordRules.check("ses_a", Some("alice"), &saved), Ok(()));
+        assert_eq!(RecordRules.check("ses_a", None, &json!(null)), Ok(()));
+
+        let refused = |id: &str, owner: Option<&str>, record: &serde_json::Value| {
+            RecordRules.check(id, owner, record).unwrap_err()
+        };
+        assert_eq!(
+            refused("ses_a", Some("bob"), &saved),
+            "its E2B sandbox's API key is not the key its session belongs to"
+        );
+        assert_eq!(
+            refused("ses_b", Some("alice"), &saved),
+            "its E2B sandbox record is another sandbox's"
+        );
+        let big: BTreeMap<String, String> =
+            (0..600).map(|i| (format!("k{i}"), "v".into())).collect();
+        let too_big = sandbox(None, big).record();
+        assert!(
+            refused("ses_a", None, &too_big).starts_with("its E2B metadata is "),
+            "{too_big}"
+        );
+        let mut token = saved.clone();
+        token["e2b"]["token"] = json!("guessable");
+        assert_eq!(
+            refused("ses_a", Some("alice"), &token),
+            "its E2B access token is not one bud makes"
+        );
+        assert!(
+            refused("ses_a", Some("alice"), &json!({"e2b": 1}))
+                .starts_with("its E2B sandbox record is not one")
+        );
+    }
 }

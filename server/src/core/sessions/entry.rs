@@ -63,6 +63,21 @@ pub struct Entry {
     pub owner: Option<String>,
 }
 
+/// A dialect's rules for the record its attachment saves ([`Attachment::record`]), checked
+/// on every record that comes from outside this server (an import): the bounds that
+/// dialect's create keeps. The compat layer adds its own
+/// (`crate::core::state::AppState::add_attachment_rules`); the core knows no dialect.
+pub trait AttachmentRules: Send + Sync + std::fmt::Debug {
+    /// Why `attachment` cannot be the saved attachment of session `id`, made by API key
+    /// `owner`, if it cannot.
+    fn check(
+        &self,
+        id: &str,
+        owner: Option<&str>,
+        attachment: &serde_json::Value,
+    ) -> Result<(), String>;
+}
+
 /// What an API dialect keeps of a session besides the session (E2B's sandbox: its token,
 /// contexts, ...): its record is saved with the session when it pauses or is snapshotted.
 pub trait Attachment: Send + Sync + std::fmt::Debug {

@@ -33,7 +33,7 @@ use serde::Serialize;
 
 use crate::core::engine::SessionVm;
 use entry::Waiting;
-pub use entry::{Attachment, Busy, Entry, NewSession, listed_for};
+pub use entry::{Attachment, AttachmentRules, Busy, Entry, NewSession, listed_for};
 
 /// Ended sessions remembered for a 410.
 pub const TOMBSTONES_KEPT: usize = 4096;
