@@ -10,6 +10,8 @@
 #   SESSIONS=300 STEP=50 scripts/bench-density.sh
 #   SHUTDOWN=0 scripts/bench-density.sh      # skip the shutdown round
 #   PARKED=0 scripts/bench-density.sh        # skip the parking round (default 200 sessions)
+#   SERVE_ARGS=--no-trace scripts/bench-density.sh   # more flags for bud serve (deletes
+#                                            # without the trace's end checkpoint)
 #
 # Starts `bud serve --templates python` on 127.0.0.1:$PORT (stopped by pid on exit) with room
 # for SESSIONS sessions.
@@ -24,8 +26,9 @@ export SESSIONS
 
 cargo build --release --quiet
 . scripts/serve-lib.sh
+# shellcheck disable=SC2206  # SERVE_ARGS is split into flags on purpose
 serve_args=(--templates python --max-sessions $((SESSIONS + 10))
-    --sessions-memory-mib $((SESSIONS * 16 + 1024)))
+    --sessions-memory-mib $((SESSIONS * 16 + 1024)) ${SERVE_ARGS:-})
 start_bud_serve bench-density "$PORT" "$LOG" "${serve_args[@]}"
 python3 scripts/bench_density.py 127.0.0.1 "$PORT" "$SERVER"
 kill -TERM "$SERVER"; wait "$SERVER" || true
