@@ -5,7 +5,9 @@
 //! environment, working directory and files), one more wheel on it (each made from its
 //! parent's snapshot, not booted), a build whose warm-up raises (its traceback
 //! in the log, nothing served), the template served again after a restart, then deleted
-//! and gone after the next. Needs /dev/kvm and the package registries (apt, PyPI).
+//! and gone after the next; and a server killed mid-build, which restarts without the
+//! half-built template and builds it again. Needs /dev/kvm and the package registries (apt,
+//! PyPI).
 
 mod common;
 
@@ -402,6 +404,79 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
         .filter_map(|t| t["name"].as_str())
         .collect();
     assert_eq!(names, ["python"], "{list}");
+    stop(s);
+    let _ = std::fs::remove_dir_all(&state);
+}
+
+/// A server killed in the middle of a build (its template being made from python's
+/// snapshot) loses nothing: the helper's build stops with it, the restarted server serves
+/// what it served before (not the half-built template), and the same definition then builds
+/// and serves as if nothing had happened.
+#[test]
+fn a_server_killed_mid_build_restarts_without_it_and_builds_it_again() {
+    use std::io::BufRead;
+    common::require_kvm();
+    let state = own_state_dir(0).with_file_name("user-templates-killed-state");
+    let _ = std::fs::remove_dir_all(&state);
+    forget_snapshots(&["ci-killed"]);
+    let definition = json!({
+        "name": "ci-killed",
+        "files": {"/opt/killed/x": "after a kill"},
+        // Holds the layer's clone for a while: the kill lands while it runs.
+        "warm": "import time\ntime.sleep(3)\n",
+    });
+    let mut s = start(&state);
+    let (status, r) = post(&s, "/v1/templates", definition.clone());
+    assert_eq!(status, 201, "{r}");
+    let log = ureq::get(&format!("{}/v1/templates/ci-killed/build", s.base))
+        .timeout(Duration::from_secs(600))
+        .call()
+        .expect("the build log");
+    let mut seen = Vec::new();
+    for line in std::io::BufReader::new(log.into_reader()).lines() {
+        let line = line.expect("a log line");
+        let layering = line.contains("layer on python: ");
+        seen.push(line);
+        if layering {
+            break;
+        }
+    }
+    assert!(
+        seen.last().is_some_and(|l| l.contains("layer on python: ")),
+        "the build ended before its layer: {seen:?}"
+    );
+    // SAFETY: kill on our own child's pid.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGKILL) };
+    s.child.wait().expect("the killed server's exit");
+    std::mem::forget(s);
+
+    let s = start(&state);
+    let (status, r) = get(&s, "/v1/templates/ci-killed");
+    assert_eq!(status, 404, "the half-built template is served: {r}");
+    let (status, r) = post(
+        &s,
+        "/v1/exec",
+        json!({"template": "ci-killed", "code": "1"}),
+    );
+    assert_eq!(
+        (status, &r["error"]["code"]),
+        (400, &json!("unknown_template")),
+        "{r}"
+    );
+    let (status, r) = post(&s, "/v1/templates", definition);
+    assert_eq!(status, 201, "{r}");
+    let log = build_log(&s, "ci-killed");
+    assert_eq!(
+        log.last().expect("a last line")["status"],
+        "ready",
+        "{}",
+        json!(lines_of(&log))
+    );
+    let job = exec(
+        &s,
+        json!({"template": "ci-killed", "code": "print(open('/opt/killed/x').read())"}),
+    );
+    assert_eq!(job["stdout"], "after a kill\n", "{job}");
     stop(s);
     let _ = std::fs::remove_dir_all(&state);
 }

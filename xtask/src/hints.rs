@@ -101,10 +101,10 @@ const HINTS: &[(&str, u32, &[&str])] = &[
     ("server/tests/templates.rs", 56, ON_TOOLS),
     // numpy in three processes side by side (~43 s), the rest in seconds.
     ("server/tests/templates_datascience.rs", 112, ON_DATASCIENCE),
-    // Builds three user templates (apt, wheels; two made from their parent's snapshot, one
-    // whose warm-up fails) through bud serve's builder process, and restarts the server
-    // twice.
-    ("tests/user_templates.rs", 120, ON_PYTHON),
+    // Builds four user templates (apt, wheels; three made from their parent's snapshot, one
+    // whose warm-up fails) through bud serve's builder process, restarts the server twice,
+    // and kills one mid-build.
+    ("tests/user_templates.rs", 140, ON_PYTHON),
     // Three layers on the python template's snapshot, on the VMM alone.
     ("tests/template_layer.rs", 15, ON_PYTHON),
     ("tests/reset.rs", 116, ON_PYTHON),
