@@ -79,22 +79,8 @@ pub fn lock_all() -> io::Result<()> {
 /// layer's warm-up, `bud_layer.py`). A range the kernel will not lock is left as it is.
 /// Returns the bytes locked.
 pub fn lock_mapped_except(skip: Option<(usize, usize)>) -> io::Result<usize> {
-    let maps = std::fs::read_to_string("/proc/self/maps")?;
     let mut bytes = 0;
-    for line in maps.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
-            continue;
-        };
-        let Some((start, end)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(start), Ok(end)) = (
-            usize::from_str_radix(start, 16),
-            usize::from_str_radix(end, 16),
-        ) else {
-            continue;
-        };
+    for (start, end, perms) in mappings()? {
         if perms.starts_with("---") {
             continue;
         }
@@ -113,6 +99,22 @@ pub fn lock_mapped_except(skip: Option<(usize, usize)>) -> io::Result<usize> {
     Ok(bytes)
 }
 
+/// This process's mappings as `/proc/self/maps` lists them: (start, end, permissions).
+fn mappings() -> io::Result<Vec<(usize, usize, String)>> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    Ok(maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (start, end) = fields.next()?.split_once('-')?;
+            let perms = fields.next()?.to_owned();
+            let start = usize::from_str_radix(start, 16).ok()?;
+            let end = usize::from_str_radix(end, 16).ok()?;
+            Some((start, end, perms))
+        })
+        .collect())
+}
+
 /// Makes every page of every writable private mapping this process's own and present:
 /// `MADV_POPULATE_WRITE` on each `rw-p` range of `/proc/self/maps`. After a fork that breaks
 /// the copy-on-write the process shares with its parent, so that neither pays a fault for
@@ -120,22 +122,11 @@ pub fn lock_mapped_except(skip: Option<(usize, usize)>) -> io::Result<usize> {
 /// constants, files mapped read-only), which a fork shares for good. A range the kernel will
 /// not populate (a special mapping) is left as it is. Returns the bytes of the ranges.
 pub fn own_writable_pages() -> io::Result<usize> {
-    let maps = std::fs::read_to_string("/proc/self/maps")?;
     let mut bytes = 0;
-    for line in maps.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some("rw-p")) = (fields.next(), fields.next()) else {
+    for (start, end, perms) in mappings()? {
+        if perms != "rw-p" {
             continue;
-        };
-        let Some((start, end)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(start), Ok(end)) = (
-            usize::from_str_radix(start, 16),
-            usize::from_str_radix(end, 16),
-        ) else {
-            continue;
-        };
+        }
         // SAFETY: advice on a mapping of this process as /proc lists it; populating for
         // write changes which physical pages back it, never what they hold.
         let r = unsafe {
@@ -161,6 +152,44 @@ pub fn own_writable_pages() -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fresh_mapping_is_listed_with_its_permissions_and_a_skipped_one_stays_unlocked() {
+        let len = 4 << 20;
+        // SAFETY: a new private anonymous mapping of our own; unmapped below.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED);
+        let start = at as usize;
+        let listed = mappings().unwrap();
+        assert!(
+            listed
+                .iter()
+                .any(|(s, e, p)| *s <= start && start + len <= *e && p.starts_with("r--")),
+            "{listed:?}"
+        );
+        lock_mapped_except(Some((start, start + len))).unwrap();
+        let mut resident = vec![0u8; len / 4096];
+        // SAFETY: mincore on our own mapping into a vector of one byte per page.
+        assert_eq!(unsafe { libc::mincore(at, len, resident.as_mut_ptr()) }, 0);
+        assert!(
+            resident.iter().all(|r| r & 1 == 0),
+            "the skipped range was made resident"
+        );
+        // SAFETY: unlocks and unmaps what this test mapped and locked.
+        unsafe {
+            libc::munlockall();
+            libc::munmap(at, len);
+        }
+    }
 
     #[test]
     fn writable_pages_are_populated_with_their_contents_kept() {
