@@ -32,6 +32,14 @@ pub struct ArchiveLimits {
     pub entries: usize,
 }
 
+impl ArchiveLimits {
+    /// No bound: for an archive checked already (a stored definition's).
+    pub const UNLIMITED: ArchiveLimits = ArchiveLimits {
+        bytes: u64::MAX,
+        entries: usize::MAX,
+    };
+}
+
 /// The files of the base64 tar (or tar.gz) `text`, or why it is not one bud takes.
 pub fn files(text: &str, limits: &ArchiveLimits) -> Result<Vec<ArchiveFile>, String> {
     let raw = BASE64

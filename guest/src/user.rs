@@ -97,10 +97,7 @@ pub fn load(build_dir: &Path, name: &str) -> Result<Option<Definition>, UserErro
         files: usize::MAX,
         min_memory_mib: 0,
         max_memory_mib: u64::MAX,
-        archive: crate::archive::ArchiveLimits {
-            bytes: u64::MAX,
-            entries: usize::MAX,
-        },
+        archive: crate::archive::ArchiveLimits::UNLIMITED,
         archives: usize::MAX,
     };
     Definition::from_json(&bytes, &unlimited)

@@ -338,9 +338,8 @@ impl Template {
             &kvm,
             &mut ready.machine,
             &ready.mailbox,
-            cfg.host_kind,
+            cfg,
             kernel,
-            cfg.ram_size,
             dir,
             &manifest,
         )?;
@@ -516,22 +515,22 @@ struct Frozen {
     write: Duration,
 }
 
-/// Captures `machine`, stopped at its worker's READY doorbell with its mailbox at
-/// `mailbox`, and writes it into `dir` as a template (older templates of the same name
+/// Captures `machine` (booted as `cfg` says, or a clone of a template booted so), stopped at
+/// its worker's READY doorbell with its mailbox at `mailbox`, and writes it into `dir` as a
+/// template (older templates of the same name
 /// pruned first): the memory file, the manifest, then the state file, whose presence marks
 /// a complete template. The one way a template is written, after a first boot
 /// ([`Template::build`]) or a layer ([`derive`]).
-#[allow(clippy::too_many_arguments)]
 fn freeze(
     kvm: &Kvm,
     machine: &mut Machine,
     mailbox: &crate::mailbox::Mailbox,
-    host_kind: HostKind,
+    cfg: &BootConfig,
     kernel: KernelLayout,
-    ram_size: u64,
     dir: &Path,
     manifest: &Manifest,
 ) -> Result<Frozen, TemplateError> {
+    let (host_kind, ram_size) = (cfg.host_kind, cfg.ram_size);
     // Capture at once: a clone's wall clock at resume is the guest's READY reading plus
     // however long the host took from that exit to reading the clock (see
     // `SnapshotState::ready_wall_ns`), so nothing slow may come before the capture.

@@ -280,9 +280,10 @@ pub fn build(
         progress("compiling and staging the template's dist-packages");
         site::stage_site(site, root, &staging, work_dir, progress)?;
     }
+    let mut home = Vec::new();
     if let Some(user) = &inputs.user {
         progress("staging the user template's packages, wheels and files");
-        user_layer::stage(
+        home = user_layer::stage(
             user,
             &inputs.site_packages,
             &inputs.site_debs_dir,
@@ -290,7 +291,8 @@ pub fn build(
             &staging,
             work_dir,
             progress,
-        )?;
+        )?
+        .home;
     }
     if let Some(tree) = &inputs.npm {
         crate::npm::check_search_path(root).map_err(ImageError::Npm)?;
@@ -319,7 +321,10 @@ pub fn build(
         .cloned()
         .collect();
     // The worker's manifest: a user template's part, and the npm packages (name to version).
-    let mut worker_fields = inputs.user.as_ref().map(user_layer::manifest_fields);
+    let mut worker_fields = inputs
+        .user
+        .as_ref()
+        .map(|user| user_layer::manifest_fields(user, &home));
     if let Some(tree) = &inputs.npm {
         worker_fields
             .get_or_insert_with(Default::default)

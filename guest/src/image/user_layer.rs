@@ -63,12 +63,15 @@ const LEFT_OUT: &[&str] = &[
 ];
 
 /// What [`stage`] put in.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UserReport {
     pub package_files: usize,
     pub wheel_files: usize,
     pub modules: usize,
     pub files: usize,
+    /// The files for the work directory, which the worker copies into place: (staged path
+    /// in the guest, destination), those of `files` first, then the archives'.
+    pub home: Vec<(String, String)>,
 }
 
 /// Stages the user layers (module docs). `site_packages` are the template's Debian packages
@@ -134,13 +137,20 @@ pub fn stage(
         })?;
     }
 
-    for (path, content) in user.layers.files() {
-        staging.write(&staged_at(&path).0, content.as_bytes())?;
+    let mut stage_file = |path: String, data: &[u8]| -> Result<String, ImageError> {
+        let (rel, for_home) = staged_at(&path);
+        staging.write(&rel, data)?;
+        if for_home {
+            report.home.push((format!("/{rel}"), path));
+        }
         report.files += 1;
+        Ok(rel)
+    };
+    for (path, content) in user.layers.files() {
+        stage_file(path, content.as_bytes())?;
     }
     for (path, file) in archive_files(&user.layers)? {
-        let rel = staged_at(&path).0;
-        staging.write(&rel, &file.data)?;
+        let rel = stage_file(path, &file.data)?;
         if file.executable {
             let staged = staging.path(&rel);
             std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755)).map_err(
@@ -150,7 +160,6 @@ pub fn stage(
                 },
             )?;
         }
-        report.files += 1;
     }
     for (i, code) in user.layers.warm().iter().enumerate() {
         staging.write(&warm_path(i), code.as_bytes())?;
@@ -163,21 +172,14 @@ pub fn stage(
 }
 
 /// The worker's part of the template manifest (`/usr/lib/bud/template.json`): the
-/// environment, the working directory and the warm-up files, which must succeed.
-pub fn manifest_fields(user: &UserInputs) -> BTreeMap<&'static str, serde_json::Value> {
+/// environment, the files [`stage`] left for the work directory (`home`), the working
+/// directory and the warm-up files, which must succeed.
+pub fn manifest_fields(
+    user: &UserInputs,
+    home: &[(String, String)],
+) -> BTreeMap<&'static str, serde_json::Value> {
     let warm: Vec<String> = (0..user.layers.warm().len())
         .map(|i| format!("/{}", warm_path(i)))
-        .collect();
-    let archived = archive_files(&user.layers).unwrap_or_default();
-    let home: Vec<(String, String)> = user
-        .layers
-        .files()
-        .into_keys()
-        .chain(archived.into_iter().map(|(path, _)| path))
-        .filter_map(|path| match staged_at(&path) {
-            (staged, true) => Some((format!("/{staged}"), path)),
-            (_, false) => None,
-        })
         .collect();
     BTreeMap::from([
         ("env", serde_json::json!(user.layers.env())),
@@ -192,14 +194,10 @@ pub fn manifest_fields(user: &UserInputs) -> BTreeMap<&'static str, serde_json::
 fn archive_files(
     layers: &crate::user::Layers,
 ) -> Result<Vec<(String, crate::archive::ArchiveFile)>, ImageError> {
-    let unlimited = crate::archive::ArchiveLimits {
-        bytes: u64::MAX,
-        entries: usize::MAX,
-    };
     let mut out = Vec::new();
     for (dir, text) in layers.archives() {
-        let files =
-            crate::archive::files(&text, &unlimited).map_err(|why| ImageError::UserArchive {
+        let files = crate::archive::files(&text, &crate::archive::ArchiveLimits::UNLIMITED)
+            .map_err(|why| ImageError::UserArchive {
                 dir: dir.clone(),
                 why,
             })?;

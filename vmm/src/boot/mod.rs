@@ -163,6 +163,11 @@ pub struct ReadyGuest {
     pub profile: HashMap<u64, u64>,
 }
 
+/// The last [`ERROR_TAIL_LINES`] lines of `m`'s console, for an error about its guest.
+pub(crate) fn console_tail(m: &Machine) -> ConsoleTail {
+    ConsoleTail(m.bus.console().tail(ERROR_TAIL_LINES))
+}
+
 /// Kicks a vCPU every `interval` until dropped (the boot loop records a sample per kick).
 struct Sampler {
     stop: Arc<AtomicBool>,
@@ -346,7 +351,6 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
     let first_run = Instant::now();
     machine.bus.console_mut().reset_clock(first_run);
     let mut to_agent = None;
-    let tail = |m: &Machine| ConsoleTail(m.bus.console().tail(ERROR_TAIL_LINES));
     let mut profile = HashMap::new();
     let _sampler = cfg
         .profile_interval
@@ -373,7 +377,7 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
                     Mailbox::locate(&machine.ram, sregs.cr3, sregs.cr4, regs.rdi, regs.rsi)
                         .map_err(|source| BootError::Mailbox {
                             source,
-                            console: tail(&machine),
+                            console: console_tail(&machine),
                         })?;
                 return Ok(ReadyGuest {
                     machine,
@@ -393,25 +397,25 @@ pub fn boot(cfg: &BootConfig, echo: Option<EchoFn>) -> Result<ReadyGuest, BootEr
                 return Err(BootError::AgentFailed {
                     what: failure_name(regs.rdi),
                     detail: regs.rsi,
-                    console: tail(&machine),
+                    console: console_tail(&machine),
                 });
             }
             VcpuStop::Doorbell(code) => {
                 return Err(BootError::UnexpectedDoorbell {
                     code,
-                    console: tail(&machine),
+                    console: console_tail(&machine),
                 });
             }
             VcpuStop::Kicked => {
                 return Err(BootError::Timeout {
                     after: cfg.timeout,
-                    console: tail(&machine),
+                    console: console_tail(&machine),
                 });
             }
             stop => {
                 return Err(BootError::Stopped {
                     stop,
-                    console: tail(&machine),
+                    console: console_tail(&machine),
                 });
             }
         }

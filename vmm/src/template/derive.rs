@@ -21,7 +21,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::{Make, Origin, Template, TemplateError, TemplateSpec, freeze};
-use crate::boot::{BootConfig, ConsoleTail, ERROR_TAIL_LINES};
+use crate::boot::{BootConfig, console_tail};
 use crate::devices::console::EchoFn;
 use crate::job::{
     Collected, Job, Kind, Request, Status, give_identity, run_request, write_request,
@@ -122,16 +122,7 @@ fn derive(
     let regs = m.vcpu.get_regs().map_err(vcpu_err)?;
     let sregs = m.vcpu.get_sregs().map_err(vcpu_err)?;
     let mailbox = Mailbox::locate(&m.ram, sregs.cr3, sregs.cr4, regs.rdi, regs.rsi)?;
-    let frozen = freeze(
-        &kvm,
-        &mut m,
-        &mailbox,
-        cfg.host_kind,
-        kernel,
-        cfg.ram_size,
-        dir,
-        &manifest,
-    )?;
+    let frozen = freeze(&kvm, &mut m, &mailbox, cfg, kernel, dir, &manifest)?;
     drop(m);
     Template::open(
         dir,
@@ -145,10 +136,6 @@ fn derive(
     )
 }
 
-fn tail(m: &Machine) -> ConsoleTail {
-    ConsoleTail(m.bus.console().tail(ERROR_TAIL_LINES))
-}
-
 /// Writes the archive into the clone at [`ARCHIVE_FILE`] in file requests of at most
 /// [`FILE_CHUNK`] bytes; returns the last request's sequence number.
 fn send_archive(
@@ -157,11 +144,9 @@ fn send_archive(
     layer: &Layer<'_>,
 ) -> Result<u32, TemplateError> {
     let mut sequence = 0;
-    let chunks: Vec<&[u8]> = match layer.archive.is_empty() {
-        true => vec![&[]],
-        false => layer.archive.chunks(FILE_CHUNK).collect(),
-    };
-    for (i, chunk) in chunks.into_iter().enumerate() {
+    let chunks = layer.archive.chunks(FILE_CHUNK);
+    let empty = layer.archive.is_empty().then_some(&[][..]);
+    for (i, chunk) in chunks.chain(empty).enumerate() {
         sequence += 1;
         let op = if i == 0 {
             file_op::WRITE
@@ -186,7 +171,7 @@ fn send_archive(
                     result.status,
                     String::from_utf8_lossy(&result.stderr)
                 ),
-                console: tail(m),
+                console: console_tail(m),
             });
         }
     }
@@ -231,20 +216,20 @@ fn run_layer(
                 text.push_str(&String::from_utf8_lossy(&out.stderr));
                 return Err(TemplateError::LayerFailed {
                     stderr: text,
-                    console: tail(m),
+                    console: console_tail(m),
                 });
             }
             VcpuStop::Kicked if Instant::now() < deadline => m.kicker.reset(),
             VcpuStop::Kicked => {
                 return Err(TemplateError::LayerTimeout {
                     after: layer.timeout,
-                    console: tail(m),
+                    console: console_tail(m),
                 });
             }
             stop => {
                 return Err(TemplateError::LayerStopped {
                     stop: format!("{stop:?}"),
-                    console: tail(m),
+                    console: console_tail(m),
                 });
             }
         }
