@@ -61,6 +61,7 @@ import bud_exec
 import bud_io
 import bud_layer
 import bud_procs
+import bud_program
 import bud_request
 import bud_session
 import bud_shell
@@ -141,6 +142,7 @@ class JobRunner:
         self._started = set()  # namespaces that have entered their start directory
         self.beside = None  # the lane beside (bud_beside.Beside), in a guest
         self.kernel = None  # the image's kernel runtime (bud_runtime), started
+        self.programs = []  # the template's program runtimes (bud_program), by number
         self._kernel_reseed = False  # its next request must give it the clone's identity
 
     # ---- before READY
@@ -276,6 +278,7 @@ class JobRunner:
         try:
             bud_layer.apply(request.code.decode("utf-8"), self.manifest_path,
                             (self.capture.console_out, self.capture.console_err))
+            self.programs = bud_program.load(self.manifest_path)
             # The parked shell has the parent's environment and working directory: park
             # one with the layer's, as a first boot parks it after the layers.
             if self.shell.parked:
@@ -362,6 +365,8 @@ class JobRunner:
             return self._run_shell(request)
         if request.language in (_bud.LANGUAGE_FILES, _bud.LANGUAGE_PROCESS):
             return self._run_operation(request)
+        if request.language == _bud.LANGUAGE_PROGRAM:
+            return self._run_program(request)
         if request.language == _bud.LANGUAGE_KERNEL:
             return self._internal_failure("this template has no kernel runtime")
         return self._internal_failure(f"unknown job language {request.language}")
@@ -546,6 +551,20 @@ class JobRunner:
         self.areas.streaming = False
         self.capture.sync_all(self.areas)
         return result
+
+    # ---- program jobs
+
+    def _run_program(self, request):
+        """A program runtime's job (``bud_program``): its code in a file, and a shell job
+        that execs the interpreter on it."""
+        if request.dialect >= len(self.programs):
+            return self._internal_failure(f"this template has no program runtime "
+                                          f"{request.dialect}")
+        try:
+            request.code = bud_program.script(self.programs[request.dialect], request.code)
+        except OSError as error:
+            return self._internal_failure(f"cannot write the code file: {error}")
+        return self._run_shell(request)
 
     # ---- hooks
 

@@ -58,11 +58,11 @@ class Request:
     (not copied); the rest are bytes, args and env as lists."""
 
     __slots__ = ("language", "code", "stdin", "args", "env", "wall_clock_ns", "seed", "mode",
-                 "flags", "sequence", "file_op", "namespace", "output_limit")
+                 "flags", "sequence", "file_op", "namespace", "output_limit", "dialect")
 
     def __init__(self, language, code, stdin=b"", args=(), env=(), wall_clock_ns=0, seed=b"",
                  mode=_bud.MODE_JOB, flags=0, sequence=0, file_op=0, namespace=0,
-                 output_limit=0):
+                 output_limit=0, dialect=0):
         self.language = language
         self.code = code
         self.stdin = memoryview(stdin)
@@ -76,6 +76,7 @@ class Request:
         self.file_op = file_op
         self.namespace = namespace
         self.output_limit = output_limit  # 0: not given (the capture keeps its size)
+        self.dialect = dialect  # which program runtime a LANGUAGE_PROGRAM request is
 
     @property
     def reseed(self):
@@ -103,8 +104,9 @@ class Request:
         mode, flags, sequence, file_op = _REQUEST_KIND.unpack_from(view, _bud.JOB_MODE)
         (namespace,) = _U32.unpack_from(view, _bud.JOB_NAMESPACE)
         (output_limit,) = _WALL_CLOCK.unpack_from(view, _bud.JOB_OUTPUT_LIMIT)
+        (dialect,) = _U32.unpack_from(view, _bud.JOB_DIALECT)
         return cls(language, code, stdin, args, env, wall_clock_ns, seed, mode, flags,
-                   sequence, file_op, namespace, output_limit)
+                   sequence, file_op, namespace, output_limit, dialect)
 
 
 class Identity:

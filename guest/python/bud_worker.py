@@ -61,6 +61,7 @@ import bud_io
 import bud_jobs
 import bud_layer
 import bud_procs
+import bud_program
 import bud_runtime
 
 # Exit statuses (the agent forwards the wait status in FAILED(WORKER_EXITED, status)).
@@ -386,6 +387,7 @@ def warm(doorbell=True, ring=_bud.ring, shell=bud_jobs.bud_shell.SHELL):
                                 capture_dir=capture_dir)
     runner.beside = beside
     runner.manifest_path = TEMPLATE_MANIFEST
+    runner.programs = bud_program.load(TEMPLATE_MANIFEST)
     runner.settle = settle_run_queue
     _console["out"], _console["err"] = runner.capture.console_out, runner.capture.console_err
     if doorbell and not interrupts:

@@ -13,6 +13,10 @@
 //! memory_mib = 512
 //! [files]
 //! "/home/user/project/README" = "hello\n"
+//! [[runtimes]]                     # a language run by an interpreter of the image
+//! name = "lua"
+//! command = ["lua5.4"]
+//! extension = ".lua"
 //! ```
 //!
 //! Everything a definition names is data: Debian packages are unpacked (never their
@@ -30,6 +34,7 @@ use crate::archive::ArchiveLimits;
 use serde::{Deserialize, Serialize};
 
 use crate::echo::{excerpt, quote, shorten};
+use crate::program::{MAX_PROGRAMS, ProgramRuntime};
 
 /// Why a definition was refused: the field, and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -124,6 +129,10 @@ pub struct Definition {
     /// default true there).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<bool>,
+    /// Languages run by an interpreter of the image on a file of code (`crate::program`):
+    /// jobs and cells name them as `language`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub runtimes: Vec<ProgramRuntime>,
 }
 
 fn default_from() -> String {
@@ -392,6 +401,7 @@ impl Definition {
                 ),
             ));
         }
+        self.check_runtimes()?;
         if let Some(mib) = self.memory_mib
             && !(limits.min_memory_mib..=limits.max_memory_mib).contains(&mib)
         {
@@ -402,6 +412,39 @@ impl Definition {
                     limits.min_memory_mib, limits.max_memory_mib
                 ),
             ));
+        }
+        Ok(())
+    }
+}
+
+impl Definition {
+    /// `runtimes`: each well formed, at most [`MAX_PROGRAMS`], no name twice, and each
+    /// `package` a Debian package name.
+    fn check_runtimes(&self) -> Result<(), DefinitionError> {
+        if self.runtimes.len() > MAX_PROGRAMS {
+            return Err(DefinitionError::at(
+                "runtimes",
+                format!(
+                    "{} runtimes; at most {MAX_PROGRAMS} are allowed",
+                    self.runtimes.len()
+                ),
+            ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, runtime) in self.runtimes.iter().enumerate() {
+            runtime.check().map_err(|(field, why)| {
+                DefinitionError::at(format!("runtimes[{i}].{field}"), why)
+            })?;
+            if let Some(name) = runtime.names().find(|n| !names.insert(*n)) {
+                return Err(DefinitionError::at(
+                    format!("runtimes[{i}]"),
+                    format!("runtime name {} is used twice", quote(name)),
+                ));
+            }
+            if let Some(package) = &runtime.package {
+                check_deb(package)
+                    .map_err(|why| DefinitionError::at(format!("runtimes[{i}].package"), why))?;
+            }
         }
         Ok(())
     }
@@ -635,6 +678,37 @@ mod tests {
             ("name = \"a\"\nfrom = \"node\"\nnpm = \"lodash\"", "npm"),
             ("name = \"a\"\nfrom = \"node\"\nnpm = [1]", "npm[0]"),
             ("name = \"a\"\nnpm = [\"lodash\"]", "npm"),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = [\"../lua\"]",
+                "runtimes[0].command",
+            ),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = []",
+                "runtimes[0].command",
+            ),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"Lua\"\ncommand = [\"lua\"]",
+                "runtimes[0].name",
+            ),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = [\"lua\"]\n\
+                 extension = \"lua\"",
+                "runtimes[0].extension",
+            ),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = [\"lua\"]\n\
+                 package = \"Lua\"",
+                "runtimes[0].package",
+            ),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = [\"lua\"]\n\
+                 [[runtimes]]\nname = \"l\"\naliases = [\"lua\"]\ncommand = [\"lua\"]",
+                "runtimes[1]",
+            ),
+            (
+                "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = [\"lua\"]\nargs = 1",
+                "runtimes[0].args",
+            ),
             ("apt = []", "name"),
             ("name = ", "body"),
         ];

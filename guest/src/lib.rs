@@ -20,6 +20,7 @@ pub mod lock;
 pub mod manifest;
 pub mod npm;
 pub mod pipeline;
+pub mod program;
 pub mod python;
 pub mod recipe;
 pub mod run;

@@ -93,7 +93,7 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
             run: Language::Kernel,
             interpreter: r.interpreter.clone(),
             kernel: r.kernel.clone(),
-            dialect: 0,
+            ..Runtime::default()
         };
         // Its dialects run in the same kernel, at the same version (the kernel's program
         // turns them into its own language).
@@ -108,6 +108,22 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
         let at = if r.default { 0 } else { runtimes.len() };
         runtimes.insert(at, runtime);
         runtimes.extend(dialects);
+    }
+    // Program runtimes, numbered in their order (the worker's manifest lists them so).
+    for (p, number) in site.iter().flat_map(|s| &s.programs).zip(0..) {
+        let interpreter = &p.command[0];
+        runtimes.push(Runtime {
+            name: p.name.clone(),
+            aliases: p.aliases.clone(),
+            version: p.package.as_deref().map(&version).unwrap_or_default(),
+            run: Language::Program,
+            interpreter: crate::program::resolve(rootfs, interpreter)
+                .unwrap_or_else(|| interpreter.clone()),
+            args: p.command[1..].to_vec(),
+            extension: p.extension.clone(),
+            dialect: number,
+            ..Runtime::default()
+        });
     }
     let kernel_interpreter = site
         .and_then(|s| s.runtime.as_ref())

@@ -142,6 +142,11 @@ pub struct Site {
     /// of bud's (`guest/node/kernel.js` for JavaScript): `[site.runtime]`.
     #[serde(default)]
     pub runtime: Option<KernelRuntime>,
+    /// Runtimes run by an interpreter of the image on a file of code, a process per job
+    /// (`[[site.programs]]`, a user template's `runtimes`: `crate::program`), in their wire
+    /// order.
+    #[serde(default)]
+    pub programs: Vec<crate::program::ProgramRuntime>,
     /// Guest RAM in MiB.
     pub ram_mib: u64,
     /// How long the template's first boot may take to READY, in seconds (the guest kernel

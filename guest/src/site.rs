@@ -62,6 +62,15 @@ pub enum SiteError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "runtime {runtime}: its interpreter {interpreter} is not in the image (looked for in {}): \
+         add the Debian package that has it to `apt`",
+        crate::program::SEARCH_DIRS.iter().map(|d| format!("/{d}")).collect::<Vec<_>>().join(", ")
+    )]
+    ProgramMissing {
+        runtime: String,
+        interpreter: String,
+    },
 }
 
 /// What [`stage_site`] put in.
@@ -219,6 +228,26 @@ pub fn write_manifest(
             "dialects": r.dialects.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
         })
     });
+    // The program runtimes, in wire order, each with its interpreter's path in the image
+    // (guest/python/bud_program.py).
+    let mut programs = Vec::new();
+    for p in site.iter().flat_map(|s| &s.programs) {
+        let interpreter =
+            crate::program::resolve(staging.root(), &p.command[0]).ok_or_else(|| {
+                SiteError::ProgramMissing {
+                    runtime: p.name.clone(),
+                    interpreter: p.command[0].clone(),
+                }
+            })?;
+        let command: Vec<&str> = std::iter::once(interpreter.as_str())
+            .chain(p.command[1..].iter().map(String::as_str))
+            .collect();
+        programs.push(serde_json::json!({
+            "name": p.name,
+            "command": command,
+            "extension": p.extension,
+        }));
+    }
     let mut manifest = serde_json::json!({
         "name": name,
         "preload": site.map(|s| s.preload.clone()).unwrap_or_default(),
@@ -226,6 +255,7 @@ pub fn write_manifest(
         "warm": warm,
         "packages": versions,
         "runtime": runtime,
+        "programs": programs,
     });
     if let Some(object) = manifest.as_object_mut() {
         for (key, value) in user.into_iter().flatten() {

@@ -56,6 +56,12 @@ pub enum UserError {
          it); {template} builds on {base}, which has none"
     )]
     NpmNeedsNode { template: String, base: String },
+    #[error(
+        "runtimes: {name} is a runtime of {base} already; a program runtime needs a name of its own"
+    )]
+    RuntimeTaken { name: String, base: String },
+    #[error("runtimes: {count} program runtimes with those of the templates below; at most {max}")]
+    TooManyRuntimes { count: usize, max: usize },
 }
 
 impl UserError {
@@ -63,6 +69,7 @@ impl UserError {
     pub fn field(&self) -> Option<&'static str> {
         match self {
             UserError::NpmNeedsNode { .. } => Some("npm"),
+            UserError::RuntimeTaken { .. } | UserError::TooManyRuntimes { .. } => Some("runtimes"),
             _ => None,
         }
     }
@@ -263,6 +270,19 @@ impl Layers {
         self.chain.iter().filter_map(|d| d.warm.clone()).collect()
     }
 
+    /// Program runtimes of every layer, bottom up; a later layer's runtime of the same name
+    /// replaces an earlier one in its place.
+    pub fn runtimes(&self) -> Vec<crate::program::ProgramRuntime> {
+        let mut all: Vec<crate::program::ProgramRuntime> = Vec::new();
+        for runtime in self.chain.iter().flat_map(|d| &d.runtimes) {
+            match all.iter_mut().find(|r| r.name == runtime.name) {
+                Some(slot) => *slot = runtime.clone(),
+                None => all.push(runtime.clone()),
+            }
+        }
+        all
+    }
+
     /// Guest RAM the nearest layer asks for.
     pub fn memory_mib(&self) -> Option<u64> {
         self.chain.iter().rev().find_map(|d| d.memory_mib)
@@ -287,6 +307,7 @@ impl Layers {
             kernels: 0,
             warm: None,
             runtime: None,
+            programs: Vec::new(),
             ram_mib: vmm_default_ram_mib(),
             boot_timeout_s: 600,
         });
@@ -307,12 +328,56 @@ impl Layers {
             site.npm.retain(|s| crate::npm::spec_name(s) != name);
             site.npm.push(spec);
         }
+        self.add_programs(&mut site)?;
         if let Some(mib) = self.memory_mib() {
             site.ram_mib = mib;
         }
         // The first boot unpacks the whole image on kvm_pvm (~1 s per MB): room for big ones.
         site.boot_timeout_s = site.boot_timeout_s.max(1800);
         Ok(site)
+    }
+}
+
+impl Layers {
+    /// The layers' program runtimes added to `site`'s (a layer's runtime of the same name
+    /// replaces the base's); none may take the name of the base's own runtimes.
+    fn add_programs(&self, site: &mut Site) -> Result<(), UserError> {
+        let kernel = site.runtime.iter().flat_map(|r| {
+            let dialects = r
+                .dialects
+                .iter()
+                .flat_map(|d| std::iter::once(&d.name).chain(&d.aliases));
+            std::iter::once(&r.name).chain(&r.aliases).chain(dialects)
+        });
+        let taken: Vec<String> = kernel.cloned().collect();
+        for runtime in self.runtimes() {
+            if let Some(name) = runtime.names().find(|n| taken.iter().any(|t| t == n)) {
+                return Err(UserError::RuntimeTaken {
+                    name: name.to_owned(),
+                    base: self.base.clone(),
+                });
+            }
+            match site.programs.iter_mut().find(|r| r.name == runtime.name) {
+                Some(slot) => *slot = runtime,
+                None => site.programs.push(runtime),
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for name in site.programs.iter().flat_map(|r| r.names()) {
+            if !names.insert(name) {
+                return Err(UserError::RuntimeTaken {
+                    name: name.to_owned(),
+                    base: self.base.clone(),
+                });
+            }
+        }
+        if site.programs.len() > crate::program::MAX_PROGRAMS {
+            return Err(UserError::TooManyRuntimes {
+                count: site.programs.len(),
+                max: crate::program::MAX_PROGRAMS,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -410,6 +475,70 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("c builds on tools"), "{text}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn program_runtimes_merge_by_name_and_keep_clear_of_the_base_runtimes() {
+        let dir = scratch("programs");
+        let recipe_dir = dir.join("recipe");
+        std::fs::create_dir_all(recipe_dir.join("templates")).unwrap();
+        std::fs::write(
+            recipe_dir.join("templates/node.toml"),
+            "[site]\ndebs = [\"nodejs\"]\ndrop = []\npreload = []\nram_mib = 512\n\
+             boot_timeout_s = 60\n[site.runtime]\nname = \"javascript\"\naliases = [\"js\"]\n\
+             package = \"nodejs\"\ninterpreter = \"/usr/bin/node\"\nkernel = []\n\
+             files = \"guest/node\"\ndialects = [{ name = \"typescript\", aliases = [\"ts\"] }]\n",
+        )
+        .unwrap();
+        let a = def(
+            "name = \"a\"\n[[runtimes]]\nname = \"lua\"\ncommand = [\"lua5.3\"]\n\
+             [[runtimes]]\nname = \"awk\"\ncommand = [\"busybox\", \"awk\", \"-f\"]",
+        );
+        let b = def(
+            "name = \"b\"\nfrom = \"a\"\n[[runtimes]]\nname = \"perl\"\ncommand = [\"perl\"]\n\
+             [[runtimes]]\nname = \"lua\"\ncommand = [\"lua5.4\"]\nextension = \".lua\"",
+        );
+        save(&dir, &a).unwrap();
+        save(&dir, &b).unwrap();
+        let clash = def(
+            "name = \"c\"\nfrom = \"node\"\n[[runtimes]]\nname = \"tsc\"\naliases = [\"ts\"]\n\
+             command = [\"tsc\"]",
+        );
+        let across = def(
+            "name = \"d\"\nfrom = \"a\"\n[[runtimes]]\nname = \"gawk\"\naliases = [\"awk\"]\n\
+             command = [\"gawk\"]",
+        );
+
+        let site = Layers::of_stored("b", &recipe_dir, &dir)
+            .unwrap()
+            .unwrap()
+            .site(&recipe_dir)
+            .unwrap();
+        let refused = |d: &Definition| {
+            Layers::resolve(d, &recipe_dir, &dir)
+                .unwrap()
+                .site(&recipe_dir)
+                .unwrap_err()
+        };
+
+        let order: Vec<(&str, &str)> = site
+            .programs
+            .iter()
+            .map(|p| (p.name.as_str(), p.command[0].as_str()))
+            .collect();
+        assert_eq!(
+            order,
+            [("lua", "lua5.4"), ("awk", "busybox"), ("perl", "perl")]
+        );
+        assert_eq!(site.programs[0].extension, ".lua");
+        for (bad, name) in [(refused(&clash), "ts"), (refused(&across), "awk")] {
+            assert_eq!(bad.field(), Some("runtimes"));
+            assert!(
+                matches!(&bad, UserError::RuntimeTaken { name: n, .. } if n == name),
+                "{bad}"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

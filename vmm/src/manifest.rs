@@ -7,10 +7,12 @@
 //!
 //! A runtime is a name (`python`, `shell`, `javascript`), the other names a client may use
 //! for it (`js`, `node`), and how the guest worker runs it ([`Language`], the worker's modes:
-//! the wire protocol's language codes). Python and the shell are the worker's own modes; any
-//! other runtime is a [`Language::Kernel`]: a warm program of the image (`Runtime::kernel`)
-//! started before READY that runs the jobs (`guest/python/bud_kernels.py`). A new runtime or
-//! a user's template changes a manifest, not a Rust enum.
+//! the wire protocol's language codes). Python and the shell are the worker's own modes; a
+//! runtime with a warm kernel is a [`Language::Kernel`]: a program of the image
+//! (`Runtime::kernel`) started before READY that runs the jobs (`guest/python/bud_runtime.py`);
+//! any other interpreter is a [`Language::Program`]: the worker writes the code to a file and
+//! runs the interpreter on it, a process per job (`lua`, `perl`, `ruby` in a user template).
+//! A new runtime or a user's template changes a manifest, not a Rust enum.
 //!
 //! Shared verbatim with the builder (`guest/src/manifest.rs` includes this file), like
 //! `protocol.rs`: it uses std, serde, serde_json and thiserror only, and never anything of
@@ -39,6 +41,12 @@ pub enum Language {
     /// The image's kernel program ([`Runtime::kernel`]), warm before READY, runs the code
     /// (JavaScript: `node -e CODE` semantics in a warm Node.js).
     Kernel,
+    /// An interpreter of the image started on a file holding the code, a process per job
+    /// or cell: `INTERPRETER ARGS... FILE JOB_ARGS...` ([`Runtime::interpreter`],
+    /// [`Runtime::args`], [`Runtime::extension`]), with the job's stdin, environment and
+    /// working directory. Which of the template's program runtimes is the job's
+    /// [`Runtime::dialect`].
+    Program,
 }
 
 impl Language {
@@ -49,6 +57,7 @@ impl Language {
             Language::Python => "python",
             Language::Shell => "shell",
             Language::Kernel => "kernel",
+            Language::Program => "program",
         }
     }
 }
@@ -80,6 +89,13 @@ pub struct Runtime {
     pub run: Language,
     /// The program behind it in the guest (`/usr/bin/python3`, `/bin/sh`, `/usr/bin/node`).
     pub interpreter: String,
+    /// A [`Language::Program`] runtime's arguments before the code file (`["-W"]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// A [`Language::Program`] runtime's code file suffix (`.lua`), for interpreters that
+    /// go by it; empty for none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub extension: String,
     /// A [`Language::Kernel`] runtime's kernel: the arguments the interpreter is started
     /// with before READY (`["--single-threaded-gc", "/usr/lib/bud/node/kernel.js"]`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -87,6 +103,8 @@ pub struct Runtime {
     /// Which of the kernel's languages a [`Language::Kernel`] runtime is: 0 the kernel's
     /// own (JavaScript), `n` its `n`-th dialect (TypeScript), which the kernel turns into
     /// its own before it runs it. Every kernel runtime of a template shares its one kernel.
+    /// For a [`Language::Program`] runtime, its number among the template's program
+    /// runtimes (0, 1, ...), which the worker looks up in its own manifest.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub dialect: u32,
 }
@@ -175,6 +193,10 @@ pub enum ManifestError {
         "the template manifest {path} has kernel runtimes that differ in their kernel or share a dialect number (`{name}`): a template has one kernel, each runtime one dialect of it"
     )]
     SecondKernel { path: PathBuf, name: String },
+    #[error(
+        "the template manifest {path} has program runtime `{name}` without an interpreter, or with a number another program runtime has"
+    )]
+    BadProgram { path: PathBuf, name: String },
 }
 
 impl Manifest {
@@ -212,6 +234,19 @@ impl Manifest {
             }
             if r.run == Language::Kernel && r.kernel.is_empty() {
                 return Err(ManifestError::KernelWithoutProgram {
+                    path: path.to_owned(),
+                    name: r.name.clone(),
+                });
+            }
+        }
+        let mut programs = std::collections::BTreeSet::new();
+        for r in manifest
+            .runtimes
+            .iter()
+            .filter(|r| r.run == Language::Program)
+        {
+            if r.interpreter.is_empty() || !programs.insert(r.dialect) {
+                return Err(ManifestError::BadProgram {
                     path: path.to_owned(),
                     name: r.name.clone(),
                 });
@@ -382,7 +417,7 @@ mod tests {
             run: Language::Kernel,
             interpreter: "/usr/bin/node".into(),
             kernel: vec!["/usr/lib/bud/node/kernel.js".into()],
-            dialect: 0,
+            ..Runtime::default()
         });
         let back = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap();
         m.runtimes[2].kernel.clear();
@@ -429,6 +464,52 @@ mod tests {
             let err = Manifest::parse(bad.to_json().as_bytes(), Path::new("m")).unwrap_err();
             assert!(
                 matches!(&err, ManifestError::SecondKernel { name, .. } if name == "typescript"),
+                "{err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn program_runtimes_name_an_interpreter_and_each_has_its_own_number() {
+        let lua = Runtime {
+            name: "lua".into(),
+            version: "5.4.4".into(),
+            run: Language::Program,
+            interpreter: "/usr/bin/lua5.4".into(),
+            extension: ".lua".into(),
+            ..Runtime::default()
+        };
+        let awk = Runtime {
+            name: "awk".into(),
+            run: Language::Program,
+            interpreter: "/bin/busybox".into(),
+            args: vec!["awk".into(), "-f".into()],
+            dialect: 1,
+            ..Runtime::default()
+        };
+        let mut m = sample();
+        m.runtimes.extend([lua, awk]);
+        let back = Manifest::parse(m.to_json().as_bytes(), Path::new("m")).unwrap();
+        let mut same_number = m.clone();
+        same_number.runtimes[3].dialect = 0;
+        let mut no_interpreter = m.clone();
+        no_interpreter.runtimes[2].interpreter.clear();
+
+        assert_eq!(back, m);
+        assert!(
+            m.to_json().contains(r#""run": "program""#),
+            "{}",
+            m.to_json()
+        );
+        assert_eq!(back.runtime("awk").map(|r| r.args.len()), Some(2));
+        assert_eq!(
+            back.runtime("lua").map(|r| r.extension.as_str()),
+            Some(".lua")
+        );
+        for (bad, who) in [(same_number, "awk"), (no_interpreter, "lua")] {
+            let err = Manifest::parse(bad.to_json().as_bytes(), Path::new("m")).unwrap_err();
+            assert!(
+                matches!(&err, ManifestError::BadProgram { name, .. } if name == who),
                 "{err:?}"
             );
         }

@@ -19,7 +19,7 @@
 //! writes there is hostile input to the host: the host bounds-checks every field.
 
 /// Version of this protocol. Bumped on any change to the codes or the mailbox layout.
-pub const PROTOCOL_VERSION: u32 = 14;
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// I/O port of the doorbell. Not used by any device bud emulates (nor by legacy PC hardware).
 pub const DOORBELL_PORT: u16 = 0x0bd0;
@@ -144,6 +144,10 @@ pub mod language {
     /// snapshots the new template (and where its clones resume); on failure DONE, the error
     /// on stderr.
     pub const LAYER: u32 = 6;
+    /// A program runtime (the manifest's `run: "program"` runtimes): the worker writes
+    /// `code` to a file and runs the runtime's interpreter on it, the job's `args` after it;
+    /// `job::DIALECT` says which of the template's program runtimes.
+    pub const PROGRAM: u32 = 7;
 }
 
 /// How the worker treats a request (`job::MODE`).

@@ -89,6 +89,7 @@ const PROTOCOL: &[(&str, u64)] = &[
     ("LANGUAGE_PROCESS", language::PROCESS as u64),
     ("LANGUAGE_KERNEL", language::KERNEL as u64),
     ("LANGUAGE_LAYER", language::LAYER as u64),
+    ("LANGUAGE_PROGRAM", language::PROGRAM as u64),
     ("PROCESS_OP_START", process_op::START as u64),
     ("PROCESS_OP_POLL", process_op::POLL as u64),
     ("PROCESS_OP_STDIN", process_op::STDIN as u64),

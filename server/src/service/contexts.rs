@@ -51,6 +51,19 @@ pub fn language_of(manifest: &Manifest, name: &str) -> Result<Language, Error> {
     if KERNEL_NAMES.contains(&name) {
         return Err(templates::no_runtime(manifest, Some(name), "language"));
     }
+    if let Some(r) = manifest
+        .runtime(name)
+        .filter(|r| r.run == Language::Program)
+    {
+        return Err(Error::invalid(
+            "language",
+            format!(
+                "{} runs a process per cell and keeps no state for a context to hold: run its \
+                 code as jobs or as a session's cells (`language`: {:?})",
+                r.name, r.name
+            ),
+        ));
+    }
     let mut runs = vec!["python".to_owned(), "bash (busybox sh)".to_owned()];
     let kernels = manifest
         .runtimes

@@ -167,7 +167,7 @@ pub async fn run(
     let job = match cell.language {
         Language::Python => vmm::Job::python(cell.code.clone()),
         Language::Shell => vmm::Job::shell(cell.code.clone()),
-        Language::Kernel => return Err(not_a_process()),
+        Language::Kernel | Language::Program => return Err(not_a_process()),
     };
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let (end_tx, end_rx) = oneshot::channel();
@@ -265,7 +265,7 @@ async fn in_turn(
             let env = match cell.language {
                 Language::Python => crate::service::access::get(state, id)?.env.clone(),
                 Language::Shell => BTreeMap::new(),
-                Language::Kernel => return Err(not_a_process()),
+                Language::Kernel | Language::Program => return Err(not_a_process()),
             };
             let probe = KernelCell {
                 code: String::new(),
@@ -440,7 +440,7 @@ fn request(
             let sync = mark.trim_start_matches('\u{1e}').trim_end();
             return Ok(format!("{sync} {seq} {}\n{code}{SHELL_TRAILER}", code.len()).into_bytes());
         }
-        Language::Kernel => return Err(not_a_process()),
+        Language::Kernel | Language::Program => return Err(not_a_process()),
     };
     Ok((line + "\n").into_bytes())
 }
@@ -497,7 +497,7 @@ async fn start(
             user: None,
             internal: true,
         },
-        Language::Kernel => return Err(not_a_process()),
+        Language::Kernel | Language::Program => return Err(not_a_process()),
     };
     let pid = processes::start(state, id, req, "/contexts").await?;
     kernel.set(|k| {

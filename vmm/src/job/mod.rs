@@ -41,6 +41,7 @@ impl Language {
             Language::Python => language::PYTHON,
             Language::Shell => language::SHELL,
             Language::Kernel => language::KERNEL,
+            Language::Program => language::PROGRAM,
         }
     }
 }
@@ -51,7 +52,8 @@ pub struct Job {
     pub language: Language,
     /// Which of the kernel's languages a [`Language::Kernel`] job is written in (the
     /// runtime's [`crate::manifest::Runtime::dialect`]: 0 JavaScript, 1 TypeScript on
-    /// `node`); 0 for the worker's own modes.
+    /// `node`), or which program runtime a [`Language::Program`] job is; 0 for the
+    /// worker's own modes.
     pub dialect: u32,
     pub code: Vec<u8>,
     pub stdin: Vec<u8>,

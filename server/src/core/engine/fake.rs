@@ -119,7 +119,7 @@ impl FakeEngine {
             run: Language::Kernel,
             interpreter: "/usr/bin/node".to_owned(),
             kernel: vec!["/usr/lib/bud/node/kernel.js".to_owned()],
-            dialect: 0,
+            ..::vmm::manifest::Runtime::default()
         };
         let typescript = ::vmm::manifest::Runtime {
             name: "typescript".to_owned(),
@@ -129,6 +129,36 @@ impl FakeEngine {
         };
         manifest.0.runtimes.insert(0, javascript);
         manifest.0.runtimes.push(typescript);
+        Self(Arc::new(Inner {
+            manifest,
+            ..Inner::default()
+        }))
+    }
+
+    /// An engine whose template adds two program runtimes (as a user template's
+    /// `runtimes`): `lua` (alias `lua5.4`, program 0) and `awk` (program 1), after python
+    /// and shell.
+    pub fn with_programs() -> Self {
+        let mut manifest = FakeManifest::default();
+        manifest.0.name = "fake-programs".to_owned();
+        let lua = ::vmm::manifest::Runtime {
+            name: "lua".to_owned(),
+            aliases: vec!["lua5.4".to_owned()],
+            version: "5.4.4".to_owned(),
+            run: Language::Program,
+            interpreter: "/usr/bin/lua5.4".to_owned(),
+            extension: ".lua".to_owned(),
+            ..::vmm::manifest::Runtime::default()
+        };
+        let awk = ::vmm::manifest::Runtime {
+            name: "awk".to_owned(),
+            run: Language::Program,
+            interpreter: "/bin/busybox".to_owned(),
+            args: vec!["awk".to_owned(), "-f".to_owned()],
+            dialect: 1,
+            ..::vmm::manifest::Runtime::default()
+        };
+        manifest.0.runtimes.extend([lua, awk]);
         Self(Arc::new(Inner {
             manifest,
             ..Inner::default()

@@ -10,6 +10,7 @@ mod drain;
 mod jobs;
 mod network;
 mod owners;
+mod programs;
 mod queue;
 mod runtimes;
 mod sessions;
