@@ -32,13 +32,20 @@ fn definition() -> Value {
     })
 }
 
-/// One more wheel, a file, two directories given as archives, an environment variable and
-/// a warm-up on `ci-report`.
+/// One more wheel, a Debian package, a file, two directories given as archives, an
+/// environment variable, a warm-up and two runtimes of its own (Debian's Lua, busybox's
+/// awk) on `ci-report`.
 fn more_definition() -> Value {
     json!({
         "name": "ci-report-more",
         "from": "ci-report",
         "pip": ["six==1.16.0"],
+        "apt": ["lua5.4"],
+        "runtimes": [
+            {"name": "lua", "aliases": ["lua5.4"], "command": ["lua5.4"], "extension": ".lua",
+             "package": "lua5.4"},
+            {"name": "awk", "command": ["/bin/busybox", "awk", "-f"]},
+        ],
         "env": {"MORE": "yes"},
         "files": {"/home/user/report/notes.txt": "from the layer"},
         "archives": {
@@ -299,6 +306,7 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
         ),
         "{sh}"
     );
+    program_runtimes(&s);
     // An archive that is not one is refused before any build, naming it.
     let mut bad = more_definition();
     bad["name"] = json!("ci-bad-archive");
@@ -406,6 +414,124 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     assert_eq!(names, ["python"], "{list}");
     stop(s);
     let _ = std::fs::remove_dir_all(&state);
+}
+
+/// `ci-report-more`'s runtimes of its own: listed as programs, each job and cell a process
+/// of its interpreter on the code's file, with args, stdin, environment, exit status and
+/// the session's directory as any job's; a runtime that takes a built-in's name is a 400,
+/// and one whose interpreter no package put in the image fails its build, naming it.
+fn program_runtimes(s: &Served) {
+    let (_, t) = get(s, "/v1/templates/ci-report-more");
+    let runtimes = t["runtimes"].as_array().expect("runtimes");
+    let lua = runtimes
+        .iter()
+        .find(|r| r["name"] == "lua")
+        .expect("lua is listed");
+    assert_eq!(
+        (&lua["run"], &lua["interpreter"], &lua["extension"]),
+        (&json!("program"), &json!("/usr/bin/lua5.4"), &json!(".lua")),
+        "{t}"
+    );
+    assert!(
+        lua["version"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("5.4")),
+        "{t}"
+    );
+
+    let job = exec(
+        s,
+        json!({"template": "ci-report-more", "language": "lua5.4", "args": ["x y"],
+               "stdin": "in\n", "timeout_ms": 60000,
+               "code": "print(arg[1], io.read('l'), os.getenv('MORE'), arg[0])\nos.exit(3)"}),
+    );
+    assert_eq!(
+        (&job["status"], &job["exit_code"], &job["stdout"]),
+        (
+            &json!("error"),
+            &json!(3),
+            &json!("x y\tin\tyes\t/tmp/.bud-code/code.lua\n")
+        ),
+        "{job}"
+    );
+    let broken = exec(
+        s,
+        json!({"template": "ci-report-more", "language": "lua", "timeout_ms": 60000,
+               "code": "print(("}),
+    );
+    assert_eq!(broken["exit_code"], 1, "{broken}");
+    assert!(
+        broken["stderr"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("lua5.4: /tmp/.bud-code/code.lua:1:")),
+        "{broken}"
+    );
+    let awk = exec(
+        s,
+        json!({"template": "ci-report-more", "language": "awk", "stdin": "a\nb\n",
+               "timeout_ms": 60000, "code": "{ print NR \": \" $0 }"}),
+    );
+    assert_eq!(
+        (&awk["status"], &awk["stdout"]),
+        (&json!("ok"), &json!("1: a\n2: b\n")),
+        "{awk}"
+    );
+
+    // A session in Lua: each cell a process, in the session's directory; what a cell
+    // leaves on disk is there for the next, its variables are not.
+    let (status, session) = post(
+        s,
+        "/v1/sessions",
+        json!({"template": "ci-report-more", "language": "lua"}),
+    );
+    assert_eq!(status, 201, "{session}");
+    let id = session["id"].as_str().expect("an id").to_owned();
+    let cell = |code: &str| {
+        let (status, r) = post(
+            s,
+            &format!("/v1/sessions/{id}/exec"),
+            json!({"code": code, "timeout_ms": 60000}),
+        );
+        assert_eq!(status, 200, "{r}");
+        r
+    };
+    let first = cell("x = 1\nlocal f = io.open('lua-note', 'w') f:write('kept') f:close()");
+    assert_eq!(first["status"], "ok", "{first}");
+    let second = cell("print(io.open('/home/user/report/lua-note'):read('a'), x)");
+    assert_eq!(
+        second["stdout"], "kept\tnil\n",
+        "{second}"
+    );
+    let (status, _) = call(ureq::delete(&format!("{}/v1/sessions/{id}", s.base)), None);
+    assert_eq!(status, 204);
+
+    let mut taken = more_definition();
+    taken["name"] = json!("ci-bad-runtime");
+    taken["runtimes"] = json!([{"name": "python", "command": ["lua5.4"]}]);
+    let (status, r) = post(s, "/v1/templates", taken);
+    assert_eq!(
+        (status, &r["error"]["field"]),
+        (400, &json!("runtimes[0].name")),
+        "{r}"
+    );
+    let (status, r) = post(
+        s,
+        "/v1/templates",
+        json!({"name": "ci-no-ruby", "runtimes": [{"name": "ruby", "command": ["ruby"]}]}),
+    );
+    assert_eq!(status, 201, "{r}");
+    let log = build_log(s, "ci-no-ruby");
+    let last = log.last().expect("a last line");
+    assert_eq!(last["status"], "failed", "{last}");
+    let text = format!("{}\n{}", lines_of(&log).join("\n"), last["error"]);
+    assert!(
+        text.contains(
+            "runtime ruby: its interpreter ruby is not in the image (looked for in \
+             /usr/local/bin, /usr/bin, /bin, /usr/sbin, /sbin): add the Debian package that \
+             has it to `apt`"
+        ),
+        "{text}"
+    );
 }
 
 /// A server killed in the middle of a build (its template being made from python's
