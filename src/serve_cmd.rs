@@ -70,10 +70,21 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // The user templates this server built before (its state directory's record) are
     // served again, after the configured ones.
     if let Some(dir) = &config.state_dir {
-        for name in bud_server::core::builds::recorded(dir) {
+        let (again, left) =
+            bud_server::core::builds::to_serve_again(dir, config.api_keys.as_deref());
+        for name in again {
             if !config.templates.contains(&name) {
                 config.templates.push(name);
             }
+        }
+        for r in left {
+            crate::progress(&format!(
+                "template {} is not served: built under API key {}, which the keys file no \
+                 longer has (it comes back with that key; its build stays cached for the same \
+                 definition POSTed again)",
+                r.name,
+                r.owner.as_deref().unwrap_or_default()
+            ));
         }
     }
     let ram_size = args.mem_mib.map(|m| m << 20);
@@ -90,6 +101,7 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             let mut build = build.clone();
             build.template = name.to_owned();
             // A user template may say its sandboxes get no card (`network = false`).
+            let user = build.layers().ok().flatten().is_some();
             let network = network && user_network(&build);
             let opts = bud_templates::TemplateOptions {
                 build,
@@ -118,6 +130,7 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
             let info = bud_server::core::state::TemplateInfo {
                 image_bytes,
                 packages,
+                user,
             };
             Ok((template, info))
         }),

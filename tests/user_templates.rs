@@ -498,10 +498,7 @@ fn program_runtimes(s: &Served) {
     let first = cell("x = 1\nlocal f = io.open('lua-note', 'w') f:write('kept') f:close()");
     assert_eq!(first["status"], "ok", "{first}");
     let second = cell("print(io.open('/home/user/report/lua-note'):read('a'), x)");
-    assert_eq!(
-        second["stdout"], "kept\tnil\n",
-        "{second}"
-    );
+    assert_eq!(second["stdout"], "kept\tnil\n", "{second}");
     let (status, _) = call(ureq::delete(&format!("{}/v1/sessions/{id}", s.base)), None);
     assert_eq!(status, 204);
 

@@ -96,6 +96,24 @@ pub fn recorded(state_dir: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
+/// The user templates of the record in `state_dir` a server started with `keys` serves
+/// again, in order, and those it does not: built under an API key that `keys` no longer
+/// has (no key could see, use or delete them). Those stay in the record, and come back
+/// with their key; the stored definition and build stay cached, so a key that POSTs the
+/// same definition gets it at once. Without keys every recorded template is served.
+pub fn to_serve_again(
+    state_dir: &std::path::Path,
+    keys: Option<&crate::core::keys::ApiKeys>,
+) -> (Vec<String>, Vec<Recorded>) {
+    let (kept, left): (Vec<Recorded>, Vec<Recorded>) = recorded_owned(state_dir)
+        .into_iter()
+        .partition(|r| match (keys, &r.owner) {
+            (Some(keys), Some(owner)) => keys.has(owner),
+            _ => true,
+        });
+    (kept.into_iter().map(|r| r.name).collect(), left)
+}
+
 /// Adds `name` to the record in `state_dir`, as `owner`'s (`Some`: an API key's name),
 /// replacing a line of that name; written atomically.
 pub fn record(state_dir: &std::path::Path, name: &str, owner: Option<&str>) -> std::io::Result<()> {
@@ -476,6 +494,38 @@ mod tests {
         forget(&dir, "b").unwrap();
         assert_eq!(recorded(&dir), ["a"]);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn templates_of_a_key_the_keys_file_no_longer_has_are_not_served_again() {
+        let dir = std::env::temp_dir().join(format!("bud-builds-gone-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        record(&dir, "plain", None).unwrap();
+        record(&dir, "alices", Some("alice")).unwrap();
+        record(&dir, "bobs", Some("bob")).unwrap();
+        let only_bob =
+            crate::core::keys::ApiKeys::parse("bob 0123456789abcdef0123456789abcdef").unwrap();
+
+        let (served, left) = to_serve_again(&dir, Some(&only_bob));
+        let (all, none_left) = to_serve_again(&dir, None);
+
+        assert_eq!(served, ["plain", "bobs"]);
+        assert_eq!(
+            left,
+            [Recorded {
+                name: "alices".into(),
+                owner: Some("alice".into())
+            }]
+        );
+        assert_eq!(all, ["plain", "alices", "bobs"]);
+        assert!(none_left.is_empty());
+        assert_eq!(
+            recorded(&dir).len(),
+            3,
+            "the record keeps them for their key"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -98,6 +98,11 @@ impl ApiKeys {
         self.keys.is_empty()
     }
 
+    /// Whether a key is named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.keys.iter().any(|(n, _)| n == name)
+    }
+
     /// The name of the key `presented` is, comparing with every key in constant time.
     pub fn name_of(&self, presented: &[u8]) -> Option<&str> {
         let mut found = None;

@@ -31,6 +31,8 @@ pub struct TemplateInfo {
     pub image_bytes: u64,
     /// The Debian packages of its image, name to version (its manifest's).
     pub packages: BTreeMap<String, String>,
+    /// A user template (a stored definition), not one of bud's own.
+    pub user: bool,
 }
 
 /// When a template is asked of a [`TemplateSource`].

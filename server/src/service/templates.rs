@@ -302,7 +302,8 @@ pub enum Added {
 /// Serves template `name` from now on: loads it from the server's source (its guest must be
 /// built; its template is loaded, or booted on first use) and waits until it is ready;
 /// nobody's (every key's to see). A template served already is left as it is; one served
-/// for another key is taken (409, naming no key). Refused once the jail's filters are on
+/// for another key is taken (409, naming no key); with API keys, a user template is refused
+/// (400: its key POSTs its definition). Refused once the jail's filters are on
 /// (the jail never closes while one is loaded: [`AppState::fix_templates_if`]).
 pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
     if !valid_template_name(name) {
@@ -333,6 +334,10 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
             state.remove_template(name);
             Err(Error::Jailed)
         }
+        Some(Ok((_, info))) if let Some(refused) = added_by_name(state, name, &info) => {
+            state.remove_template(name);
+            Err(refused)
+        }
         Some(Ok((executor, info))) => {
             state.set_template(name, Arc::new(executor), info);
             Ok(Added::Now(status(state).ok_or_else(|| gone(name))?))
@@ -352,6 +357,23 @@ pub async fn add(state: &AppState, name: &str) -> Result<Added, Error> {
             })
         }
     }
+}
+
+/// Why template `name`, loaded as `info` says, may not be served by name (`PUT`): with API
+/// keys, a user template is its key's, and one added by name would be every key's (whoever
+/// asks could serve another key's deleted template to all); its key POSTs its definition
+/// instead. None: it may.
+fn added_by_name(state: &AppState, name: &str, info: &TemplateInfo) -> Option<Error> {
+    (info.user && state.config().api_keys.is_some()).then(|| {
+        Error::invalid(
+            "name",
+            format!(
+                "{name} is a user template: with API keys, POST its definition to \
+                 /v1/templates to serve it as your key's (a definition built before is served \
+                 from the cache)"
+            ),
+        )
+    })
 }
 
 fn gone(name: &str) -> Error {
@@ -457,7 +479,44 @@ pub fn remove(state: &AppState, name: &str) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::naming;
+    use std::sync::Arc;
+
+    use super::{added_by_name, naming};
+    use crate::core::config::Config;
+    use crate::core::keys::ApiKeys;
+    use crate::core::state::{AppState, TemplateInfo};
+
+    #[test]
+    fn with_keys_a_user_template_is_not_served_by_name_and_a_built_in_one_is() {
+        let keys = ApiKeys::parse("alice 0123456789abcdef0123456789abcdef").unwrap();
+        let keyed = AppState::new(
+            Config {
+                api_keys: Some(Arc::new(keys)),
+                ..Config::default()
+            },
+            None,
+        )
+        .unwrap();
+        let open = AppState::new(Config::default(), None).unwrap();
+        let (user, built_in) = (
+            TemplateInfo {
+                user: true,
+                ..TemplateInfo::default()
+            },
+            TemplateInfo::default(),
+        );
+
+        let refused = added_by_name(&keyed, "report", &user).expect("refused");
+
+        assert_eq!(refused.field(), Some("name"));
+        assert_eq!(
+            refused.to_string(),
+            "report is a user template: with API keys, POST its definition to /v1/templates to \
+             serve it as your key's (a definition built before is served from the cache)"
+        );
+        assert!(added_by_name(&keyed, "tools", &built_in).is_none());
+        assert!(added_by_name(&open, "report", &user).is_none());
+    }
 
     #[test]
     fn a_refusal_names_the_first_ids_in_order_and_counts_the_rest() {

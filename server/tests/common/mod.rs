@@ -155,6 +155,7 @@ pub fn template_source() -> bud_server::TemplateSource {
             TemplateInfo {
                 image_bytes,
                 packages,
+                user: opts.build.layers().ok().flatten().is_some(),
             },
         ))
     })
@@ -221,6 +222,7 @@ impl TestServer {
             let info = bud_server::core::state::TemplateInfo {
                 image_bytes,
                 packages,
+                user: false,
             };
             assert!(state.set_template(name, executor.clone(), info));
         }
