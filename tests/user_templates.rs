@@ -463,7 +463,7 @@ fn program_runtimes(s: &Served) {
     assert!(
         broken["stderr"]
             .as_str()
-            .is_some_and(|e| e.starts_with("lua5.4: /tmp/.bud-code/code.lua:1:")),
+            .is_some_and(|e| e.starts_with("/usr/bin/lua5.4: /tmp/.bud-code/code.lua:1:")),
         "{broken}"
     );
     let awk = exec(

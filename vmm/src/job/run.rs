@@ -98,8 +98,13 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
     identity::host_random(&mut seed)?;
     let wall_ns = identity::host_wall_ns() as u64;
     let put32 = |off: usize, v: usize| mb.write(ram, off as u64, &(v as u32).to_le_bytes());
+    // Which kernel dialect, or which program runtime; nothing for the worker's own modes.
+    let numbered = matches!(
+        j.language,
+        super::Language::Kernel | super::Language::Program
+    );
     let dialect = match r.kind {
-        Kind::Job | Kind::Cell { .. } if j.language == super::Language::Kernel => j.dialect,
+        Kind::Job | Kind::Cell { .. } if numbered => j.dialect,
         _ => 0,
     };
     let (lang, mode, flags, op) = match r.kind {
