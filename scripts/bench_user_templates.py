@@ -133,8 +133,9 @@ def host_pip(requirements):
 
 
 def forget(name):
-    """Empties the caches a cold build of `name` would fill."""
-    for path in (f"{BUILD_DIR}/debs-{name}", f"{BUILD_DIR}/image-{name}"):
+    """Empties the caches a cold build of `name` would fill (the whole `.deb` pool too: every
+    template's directory keeps its own links, the pool is only where a build looks first)."""
+    for path in (f"{BUILD_DIR}/debs-{name}", f"{BUILD_DIR}/debs-pool", f"{BUILD_DIR}/image-{name}"):
         shutil.rmtree(path, ignore_errors=True)
     wheel = WHEEL.split("==")[0]
     for f in os.listdir(f"{BUILD_DIR}/wheels") if os.path.isdir(f"{BUILD_DIR}/wheels") else ():
@@ -155,7 +156,7 @@ def main():
         s_cold, l_cold = build({"name": cold, **packages})
         print(f"cold build (no cached wheel or .deb): {s_cold:.1f} s to ready; steps at {steps(l_cold)}")
         s_warm, l_warm = build({"name": warm, **packages})
-        print(f"warm build (cached wheel):            {s_warm:.1f} s to ready; steps at {steps(l_warm)}")
+        print(f"warm build (wheel and .debs cached):  {s_warm:.1f} s to ready; steps at {steps(l_warm)}")
         s_more, l_more = build({"name": more, "from": warm, "pip": [MORE]})
         print(f"one more package ({MORE}):          {s_more:.1f} s to ready; steps at {steps(l_more)}")
         print(f"host pip install --target {WHEEL} {MORE}: {host_pip([WHEEL, MORE]):.1f} s")

@@ -95,6 +95,20 @@ impl HashCache {
         Ok(sha)
     }
 
+    /// Records `sha` as the sha256 of `path` as it is now, without reading it: for a caller
+    /// that just made `path` from content whose hash it knows, such as a hard link to a file
+    /// it hashed (a new link changes the file's ctime, so the old stamp no longer matches).
+    pub fn remember(&mut self, path: &Path, sha: &str) -> Result<(), HashError> {
+        let meta = path.metadata().map_err(|source| HashError {
+            path: path.to_owned(),
+            source,
+        })?;
+        self.entries
+            .insert(path.to_owned(), (stamp(&meta), sha.to_owned()));
+        self.dirty = true;
+        Ok(())
+    }
+
     /// Writes the cache back if it changed. Entries for files that are gone are dropped.
     pub fn save(&mut self) {
         if !self.dirty {
@@ -154,6 +168,25 @@ mod tests {
         assert_eq!(first, again);
         assert!(!reloaded.entries.is_empty());
         assert_ne!(changed, first);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_remembered_hash_is_trusted_until_the_file_changes() {
+        let dir = std::env::temp_dir().join(format!("bud-hashes-remember-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (input, file) = (dir.join("input"), dir.join("cache.tsv"));
+        std::fs::write(&input, b"abc").unwrap();
+        let mut cache = HashCache::load(&file);
+
+        cache.remember(&input, "not-read").unwrap();
+        let trusted = cache.sha256(&input).unwrap();
+        std::fs::write(&input, b"abcd").unwrap();
+        let read = cache.sha256(&input).unwrap();
+
+        assert_eq!(trusted, "not-read");
+        assert_eq!(read, sha256_file(&input).unwrap());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

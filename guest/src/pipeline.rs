@@ -363,9 +363,12 @@ pub fn build_image(
     let debs_dir = opts.build_dir.join("debs");
     let mut hashes = HashCache::load(&opts.build_dir.join(HASH_CACHE));
     let specs = &recipe.packages.debs;
+    // Every template's packages share the pool of the build directory.
+    let pool = opts.build_dir.join(debs::POOL_DIR);
+    let dirs = |dir| debs::DebDirs { dir, pool: &pool };
     let packages = debs::fetch(
         specs,
-        &debs_dir,
+        dirs(&debs_dir),
         apt,
         opts.refresh_packages,
         &mut hashes,
@@ -378,7 +381,7 @@ pub fn build_image(
         Some(site) => debs::fetch_with_libraries(
             &site.debs,
             &packages,
-            &site_debs_dir,
+            dirs(&site_debs_dir),
             apt,
             opts.refresh_packages,
             &mut hashes,

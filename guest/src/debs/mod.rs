@@ -1,11 +1,18 @@
 //! The Debian packages the image is made of: fetched once with `apt-get download` into
-//! `<build>/debs/`, recorded with their exact versions and sha256 in `manifest.tsv`, and
-//! unpacked with `dpkg-deb -x`.
+//! `<build>/debs/` (a template's own packages into `<build>/debs-<template>/`), recorded with
+//! their exact versions and sha256 in `manifest.tsv`, and unpacked with `dpkg-deb -x`.
 //!
 //! When the manifest already covers every package of the recipe and each file still has its
 //! recorded sha256, nothing is fetched: no network, no apt. This module never installs anything
 //! on the host.
+//!
+//! Every `.deb` downloaded also goes into the package pool ([`POOL_DIR`]) shared by the
+//! templates of the build directory, and is taken from there when another needs it: see the
+//! `pool` module.
 
+mod pool;
+
+use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,10 +21,23 @@ use crate::host::{Apt, HostError};
 use crate::recipe::{package_name, package_version};
 use crate::run::{self, RunError};
 
+pub use pool::POOL_DIR;
+use pool::{add_to_pool, download_line, take_from_pool};
+
 /// The record of the packages in use, inside the debs directory.
 pub const MANIFEST: &str = "manifest.tsv";
 /// Where `apt-get download` writes before files are checked and moved into place.
 const INCOMING: &str = "incoming";
+
+/// Where a template's packages are kept.
+#[derive(Debug, Clone, Copy)]
+pub struct DebDirs<'a> {
+    /// The template's own directory: its manifest and the `.deb` files it uses.
+    pub dir: &'a Path,
+    /// The pool shared with the build directory's other templates, `<build>/`[`POOL_DIR`];
+    /// made when missing.
+    pub pool: &'a Path,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DebError {
@@ -58,6 +78,13 @@ pub enum DebError {
         path: PathBuf,
         #[source]
         source: std::io::Error,
+    },
+    #[error("link {from} to {to}")]
+    Link {
+        from: PathBuf,
+        to: PathBuf,
+        #[source]
+        source: io::Error,
     },
     #[error("remove stale {path}")]
     RemoveStale {
@@ -166,22 +193,67 @@ fn control_fields(deb: &Path) -> Result<(String, String), DebError> {
     }
 }
 
-/// Downloads `specs` into `incoming/`, then moves each `.deb` into `dir` and describes it.
+/// `err` and its sources on one progress line (a failed command's last output included).
+pub(super) fn one_line(err: &dyn std::error::Error) -> String {
+    let mut text = String::new();
+    let mut next = Some(err);
+    while let Some(err) = next {
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        let message = err.to_string();
+        let lines: Vec<&str> = message.lines().filter(|l| !l.trim().is_empty()).collect();
+        text.push_str(&lines.join(" "));
+        next = err.source();
+    }
+    text
+}
+
+/// Gets `specs` into `incoming/`, from the pool where it has them and else with `apt-get
+/// download`, then moves each `.deb` into `dirs.dir`, describes it, and adds a downloaded
+/// one to the pool.
 fn download(
     specs: &[String],
-    dir: &Path,
+    dirs: DebDirs,
     apt: &mut Apt,
     hashes: &mut HashCache,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Package>, DebError> {
+    let DebDirs { dir, pool } = dirs;
     let incoming = dir.join(INCOMING);
     let _ = std::fs::remove_dir_all(&incoming);
     std::fs::create_dir_all(&incoming).map_err(|source| DebError::CreateDir {
         path: incoming.clone(),
         source,
     })?;
-    apt.download(specs, &incoming, progress)
-        .map_err(DebError::Download)?;
+    let pool = match std::fs::create_dir_all(pool) {
+        Ok(()) => Some(pool),
+        Err(source) => {
+            let err = DebError::CreateDir {
+                path: pool.to_owned(),
+                source,
+            };
+            progress(&format!("not using the package pool: {}", one_line(&err)));
+            None
+        }
+    };
+    let (pooled, rest) = match pool.map(|pool| (pool, apt.print_uris(specs, progress))) {
+        None => (Vec::new(), specs.to_vec()),
+        Some((pool, Ok(files))) => take_from_pool(specs, &files, pool, &incoming, hashes, progress),
+        Some((_, Err(err))) => {
+            progress(&format!(
+                "not using the package pool: {}; downloading everything",
+                one_line(&err)
+            ));
+            (Vec::new(), specs.to_vec())
+        }
+    };
+    let pooled_specs: Vec<String> = pooled.iter().map(|p| p.spec.clone()).collect();
+    progress(&download_line(&rest, &pooled_specs));
+    if !rest.is_empty() {
+        apt.download(&rest, &incoming, progress)
+            .map_err(DebError::Download)?;
+    }
     let list_err = |source| DebError::ListIncoming {
         path: incoming.clone(),
         source,
@@ -196,7 +268,30 @@ fn download(
             .unwrap_or_default();
         let to = dir.join(&file);
         std::fs::rename(&from, &to).map_err(|source| DebError::Move { from, source })?;
-        let sha256 = hashes.sha256(&to)?;
+        let sha256 = match pooled.iter().find(|p| p.file == file) {
+            Some(p) => {
+                // Checked against apt's sha256 in the pool just now; the move changed the
+                // ctime of the pool's file too (one inode), unless it was copied.
+                hashes.remember(&to, &p.sha256)?;
+                if let Some(pool) = pool {
+                    // Advisory, as the pool: a miss only costs hashing it next time.
+                    let _ = hashes.remember(&pool.join(&file), &p.sha256);
+                }
+                p.sha256.clone()
+            }
+            None => {
+                let sha256 = hashes.sha256(&to)?;
+                if let Some(pool) = pool
+                    && let Err(err) = add_to_pool(&to, &file, &sha256, pool, hashes)
+                {
+                    progress(&format!(
+                        "not added to the package pool: {}",
+                        one_line(&err)
+                    ));
+                }
+                sha256
+            }
+        };
         fetched.push(Package {
             name,
             version,
@@ -208,18 +303,18 @@ fn download(
     Ok(fetched)
 }
 
-/// Makes sure every package of `specs` is in `dir`, downloading only what the manifest does
-/// not already cover (`refresh` re-resolves everything). Returns the packages in spec order
+/// Makes sure every package of `specs` is in `dirs.dir`, getting only what the manifest does
+/// not already cover (from the pool, else downloaded) (`refresh` re-resolves everything). Returns the packages in spec order
 /// and rewrites the manifest to exactly them; `.deb` files nobody uses any more are removed.
 pub fn fetch(
     specs: &[String],
-    dir: &Path,
+    dirs: DebDirs,
     apt: &mut Apt,
     refresh: bool,
     hashes: &mut HashCache,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Package>, DebError> {
-    fetch_some(specs, dir, apt, refresh, true, hashes, progress)
+    fetch_some(specs, dirs, apt, refresh, true, hashes, progress)
 }
 
 /// [`fetch`] of `specs` and of every shared-library package they depend on, transitively:
@@ -231,7 +326,7 @@ pub fn fetch(
 pub fn fetch_with_libraries(
     specs: &[String],
     provided: &[Package],
-    dir: &Path,
+    dirs: DebDirs,
     apt: &mut Apt,
     refresh: bool,
     hashes: &mut HashCache,
@@ -242,12 +337,12 @@ pub fn fetch_with_libraries(
     // Packages whose Depends were read already (each round only reads the new ones).
     let mut read = 0;
     loop {
-        let packages = fetch_some(&all, dir, apt, refresh, false, hashes, progress)?;
+        let packages = fetch_some(&all, dirs, apt, refresh, false, hashes, progress)?;
         refresh = false;
         let mut added = false;
         let unread = packages.len();
         for p in &packages[read..] {
-            for name in library_dependencies(&dir.join(&p.file))? {
+            for name in library_dependencies(&dirs.dir.join(&p.file))? {
                 let known = all.iter().any(|s| package_name(s) == name)
                     || provided.iter().any(|b| b.name == name);
                 if !known {
@@ -258,7 +353,7 @@ pub fn fetch_with_libraries(
         }
         read = unread;
         if !added {
-            return fetch(&all, dir, apt, false, hashes, progress);
+            return fetch(&all, dirs, apt, false, hashes, progress);
         }
     }
 }
@@ -288,13 +383,14 @@ fn parse_library_dependencies(depends: &str) -> Vec<String> {
 
 fn fetch_some(
     specs: &[String],
-    dir: &Path,
+    dirs: DebDirs,
     apt: &mut Apt,
     refresh: bool,
     prune: bool,
     hashes: &mut HashCache,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<Package>, DebError> {
+    let dir = dirs.dir;
     std::fs::create_dir_all(dir).map_err(|source| DebError::CreateDir {
         path: dir.to_owned(),
         source,
@@ -312,8 +408,7 @@ fn fetch_some(
     let fetched = if missing.is_empty() {
         Vec::new()
     } else {
-        progress(&format!("apt-get download {}", missing.join(" ")));
-        download(&missing, dir, apt, hashes, progress)?
+        download(&missing, dirs, apt, hashes, progress)?
     };
     let mut packages = Vec::with_capacity(specs.len());
     for spec in specs {
