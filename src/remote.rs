@@ -117,6 +117,7 @@ pub fn run(
                 exits: r.timings.kvm.exits,
                 emulated_instructions: r.timings.kvm.emulated_instructions,
                 page_faults: r.timings.kvm.page_faults,
+                interrupts: r.timings.kvm.interrupts,
             },
         },
     })

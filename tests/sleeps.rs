@@ -17,6 +17,11 @@
 //! not the vDSO's, until the kernel's next timekeeping update (vmm/src/identity.rs), and the
 //! kernel's clock read up to a second off (checked exactly here, before any sleep).
 //!
+//! A VM that waited between requests (a session between cells, a clone in the pool) takes no
+//! timer interrupt for the wait when it resumes: its clock is pinned where it stopped, and its
+//! timer re-armed as far ahead as it was (`vmm::snapshot::rearm_timer`); before, the timer's
+//! deadline had passed during the wait and fired at once, for nothing, in every request.
+//!
 //! `BUD_SLEEP_ROUNDS` (default 1) repeats every measurement, for the figures in
 //! docs/measurements.md; with `--nocapture` each test prints its excesses.
 
@@ -195,6 +200,74 @@ fn a_reused_vms_first_and_later_sleeps_last_what_they_ask() {
 
     // A VM reset in place is waiting, and a job takes one before any new clone.
     one_shot_jobs(&ex, "reused VMs", |st| st.warm >= 1);
+}
+
+#[test]
+fn a_clone_that_waited_in_the_pool_takes_no_timer_interrupt_for_the_wait() {
+    let ex = common::verifying_executor();
+    const JOBS: usize = 8;
+
+    let mut interrupts = Vec::new();
+    for _ in 0..JOBS {
+        // The pool's next VM (a fresh clone or one reset in place) waits meanwhile.
+        std::thread::sleep(Duration::from_millis(150));
+        let r = ex.run(&Job::python("x = 1 + 1")).unwrap();
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        interrupts.push(
+            r.timings
+                .kvm
+                .interrupts
+                .expect("this host's KVM counts injected interrupts (KVM_GET_STATS_FD)"),
+        );
+    }
+
+    // As a session's cells below: a tick now and then, not one in every job.
+    let with_one = interrupts.iter().filter(|&&n| n > 0).count();
+    assert!(
+        with_one <= 2,
+        "{with_one} of {JOBS} jobs took interrupts: {interrupts:?}"
+    );
+}
+
+#[test]
+fn a_session_that_waited_between_cells_takes_no_timer_interrupt_for_the_wait() {
+    let ex = common::verifying_executor();
+    let mut s = Session::start(&ex).unwrap();
+    // The interrupts KVM injected into the guest during a cell (KVM's own count).
+    let mut cell = || {
+        let r = s
+            .exec(
+                &ex,
+                &Job::python("x = 1 + 1"),
+                DEFAULT_INTERRUPT_GRACE,
+                &mut |_, _| {},
+            )
+            .unwrap();
+        assert_eq!(r.status, Status::Ok, "{r:?}");
+        r.timings
+            .kvm
+            .interrupts
+            .expect("this host's KVM counts injected interrupts (KVM_GET_STATS_FD)")
+    };
+    const CELLS: usize = 8;
+
+    cell();
+    let mut with_waits = Vec::new();
+    for _ in 0..CELLS {
+        // Longer than the guest's tick period (25 Hz): its timer's deadline passes meanwhile.
+        std::thread::sleep(Duration::from_millis(150));
+        with_waits.push(cell());
+    }
+    s.end(&ex);
+
+    // A cell takes ~1 ms of the guest's time: its 25 Hz tick may fall in one now and then,
+    // never in every one; before the timer was re-armed, each cell after a wait began with
+    // one (the deadline the guest had set had passed while it waited).
+    let with_one = with_waits.iter().filter(|&&n| n > 0).count();
+    assert!(
+        with_one <= 2,
+        "{with_one} of {CELLS} cells after a wait took interrupts: {with_waits:?}"
+    );
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! ([`crate::job::JobTimings::kvm`]), so where a job's time went is visible without perf.
 //!
 //! The file starts with a [`kvm_stats_header`]; its descriptors name each statistic and give
-//! its offset in the data block. Names are looked up once per vCPU; a statistic this KVM does
+//! its offset in the data block. Also counted: the interrupts KVM injected into the guest
+//! (`irq_injections`), which shows a timer that fired during a request. Names are looked up once per vCPU; a statistic this KVM does
 //! not have reads as `None`. A host whose KVM has no statistics file gives no counters at all
 //! (never an error for a job).
 
@@ -24,8 +25,9 @@ const DESC_HEADER: usize = 16;
 const STATS_TYPE_MASK: u32 = 0xf;
 const STATS_TYPE_CUMULATIVE: u32 = 0;
 
-/// The statistics bud reads, by KVM's names: exits, emulated instructions, page faults.
-const NAMES: [&str; 3] = ["exits", "insn_emulation", "pf_taken"];
+/// The statistics bud reads, by KVM's names: exits, emulated instructions, page faults,
+/// injected interrupts.
+const NAMES: [&str; 4] = ["exits", "insn_emulation", "pf_taken", "irq_injections"];
 
 /// KVM's counters of one vCPU at one moment (or a difference of two).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub struct VcpuCounters {
     pub emulated_instructions: Option<u64>,
     /// Page faults KVM took for the guest (shadow paging: most of a cold job's cost).
     pub page_faults: Option<u64>,
+    /// Interrupts KVM injected into the guest (its timer's among them).
+    pub interrupts: Option<u64>,
 }
 
 impl VcpuCounters {
@@ -46,6 +50,7 @@ impl VcpuCounters {
             exits: d(self.exits, before.exits),
             emulated_instructions: d(self.emulated_instructions, before.emulated_instructions),
             page_faults: d(self.page_faults, before.page_faults),
+            interrupts: d(self.interrupts, before.interrupts),
         }
     }
 }
@@ -83,6 +88,7 @@ impl VcpuStats {
             exits: value(0),
             emulated_instructions: value(1),
             page_faults: value(2),
+            interrupts: value(3),
         }
     }
 }

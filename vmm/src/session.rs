@@ -109,6 +109,9 @@ pub struct Session {
     executions: u64,
     /// The guest's kvm-clock when it last stopped.
     clock: kvm_clock_data,
+    /// How far its timer's deadline was ahead of its TSC then, re-armed as far ahead when it
+    /// resumes ([`snapshot::rearm_timer`]); None: off.
+    timer_ahead: Option<u64>,
     /// The host's wall clock then, which is the guest's wall clock then.
     parked_wall_ns: i128,
     /// The next cell reseeds Python's `random` (a new session or a fork child).
@@ -209,6 +212,7 @@ impl Session {
             sequence: 0,
             executions: 0,
             clock: s.machine.clock,
+            timer_ahead: snapshot::timer_ahead_of(&s.machine.msrs),
             parked_wall_ns: identity::host_wall_ns(),
             reseed: true,
             layers: Vec::new(),
@@ -364,6 +368,7 @@ impl Session {
     /// host's time since.
     fn resume_clock(&mut self, s: &snapshot::SnapshotState) -> Result<(), SessionError> {
         snapshot::pin_clock(&self.m.vm, &self.clock)?;
+        snapshot::rearm_timer(&self.m.vcpu, self.timer_ahead)?;
         let now = identity::host_wall_ns();
         identity::set_realtime(&self.m.ram, &s.kernel.time, now - self.parked_wall_ns)?;
         self.parked_wall_ns = now;
@@ -373,6 +378,7 @@ impl Session {
     /// After a request ended at DONE: remember the guest's clock and the host's.
     fn park(&mut self) -> Result<(), SessionError> {
         self.clock = snapshot::read_clock(&self.m.vm)?;
+        self.timer_ahead = snapshot::timer_ahead(&self.m.vcpu)?;
         self.parked_wall_ns = identity::host_wall_ns();
         Ok(())
     }
@@ -431,6 +437,7 @@ impl Session {
                 sequence: self.sequence,
                 executions: self.executions,
                 clock: self.clock,
+                timer_ahead: self.timer_ahead,
                 parked_wall_ns: self.parked_wall_ns,
                 reseed: true,
                 layers: self.layers.clone(),
@@ -548,6 +555,7 @@ impl Session {
             sequence: h.sequence,
             executions: h.executions,
             clock: h.machine.clock,
+            timer_ahead: snapshot::timer_ahead_of(&h.machine.msrs),
             parked_wall_ns: h.parked_wall_ns,
             reseed: new_identity,
             layers,

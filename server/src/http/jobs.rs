@@ -137,6 +137,9 @@ pub struct KvmCounters {
     pub emulated_instructions: Option<u64>,
     /// Page faults KVM took for the guest.
     pub page_faults: Option<u64>,
+    /// Interrupts KVM injected into the guest (absent from older servers' answers).
+    #[serde(default)]
+    pub interrupts: Option<u64>,
 }
 
 /// The guest worker's phases of a job, in milliseconds of its own clock.
@@ -268,6 +271,7 @@ impl ExecResponse {
                     exits: r.timings.kvm.exits,
                     emulated_instructions: r.timings.kvm.emulated_instructions,
                     page_faults: r.timings.kvm.page_faults,
+                    interrupts: r.timings.kvm.interrupts,
                 },
             },
         }

@@ -160,10 +160,12 @@ pub(crate) fn write_request(ram: &GuestRam, mb: &Mailbox, r: &Request<'_>) -> Re
 }
 
 /// Gives a clone at READY its own identity, right before it resumes: its kvm-clock pinned to
-/// the template's (so the guest sees no time pass while the clone waited), its wall clock
+/// the template's (so the guest sees no time pass while the clone waited) and its timer
+/// re-armed to match ([`snapshot::rearm_deadline_timer`]), its wall clock
 /// moved to the host's, its kernel CRNG replaced (see [`crate::identity`]).
 pub(crate) fn give_identity(m: &Machine, s: &SnapshotState) -> Result<(), JobError> {
     snapshot::set_clock(&m.vm, &s.machine)?;
+    snapshot::rearm_deadline_timer(&m.vcpu, &s.machine)?;
     let now = identity::host_wall_ns();
     identity::set_realtime(&m.ram, &s.kernel.time, now - i128::from(s.ready_wall_ns))?;
     identity::reseed_crng(&m.ram, &s.kernel.random)?;

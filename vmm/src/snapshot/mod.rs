@@ -42,7 +42,10 @@ mod restore;
 pub(crate) use capture::complete_pending_io;
 pub use capture::{MsrList, capture};
 pub use restore::{Target, restore};
-pub(crate) use restore::{pin_clock, read_clock, set_clock};
+pub(crate) use restore::{
+    pin_clock, read_clock, rearm_deadline_timer, rearm_timer, set_clock, timer_ahead,
+    timer_ahead_of,
+};
 
 /// First bytes of a snapshot state file.
 pub(crate) const SNAPSHOT_MAGIC: [u8; 8] = *b"BUDSNAP\0";
