@@ -6,9 +6,9 @@
 //!
 //! The file starts with a [`kvm_stats_header`]; its descriptors name each statistic and give
 //! its offset in the data block. Also counted: the interrupts KVM injected into the guest
-//! (`irq_injections`), which shows a timer that fired during a request. Names are looked up once per vCPU; a statistic this KVM does
-//! not have reads as `None`. A host whose KVM has no statistics file gives no counters at all
-//! (never an error for a job).
+//! (`irq_injections`), which shows a timer that fired during a request. Names are looked up
+//! once per vCPU; a statistic this KVM does not have reads as `None`. A host whose KVM has no
+//! statistics file gives no counters at all (never an error for a job).
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};

@@ -304,8 +304,9 @@ fn download(
 }
 
 /// Makes sure every package of `specs` is in `dirs.dir`, getting only what the manifest does
-/// not already cover (from the pool, else downloaded) (`refresh` re-resolves everything). Returns the packages in spec order
-/// and rewrites the manifest to exactly them; `.deb` files nobody uses any more are removed.
+/// not already cover, from the pool or else downloaded (`refresh` re-resolves everything).
+/// Returns the packages in spec order and rewrites the manifest to exactly them; `.deb`
+/// files nobody uses any more are removed.
 pub fn fetch(
     specs: &[String],
     dirs: DebDirs,
