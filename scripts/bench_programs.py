@@ -28,7 +28,7 @@ DEFINITION = {
     "apt": ["lua5.4"],
     "runtimes": [
         {"name": "lua", "command": ["lua5.4"], "extension": ".lua", "package": "lua5.4"},
-        {"name": "awk", "command": ["/bin/busybox", "awk"]},
+        {"name": "awk", "command": ["/bin/busybox", "awk", "-f"]},
     ],
 }
 # (runtime, code): each prints 2.
