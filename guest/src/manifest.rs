@@ -109,13 +109,16 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
         runtimes.insert(at, runtime);
         runtimes.extend(dialects);
     }
-    // Program runtimes, numbered in their order (the worker's manifest lists them so).
+    // Program runtimes, numbered in their order (the worker's manifest lists them so); the
+    // version is the named package's, else that of a package named as the interpreter
+    // (`lua5.4`, `gawk`), else none.
     for (p, number) in site.iter().flat_map(|s| &s.programs).zip(0..) {
         let interpreter = &p.command[0];
+        let named = interpreter.rsplit('/').next().unwrap_or(interpreter);
         runtimes.push(Runtime {
             name: p.name.clone(),
             aliases: p.aliases.clone(),
-            version: p.package.as_deref().map(&version).unwrap_or_default(),
+            version: version(p.package.as_deref().unwrap_or(named)),
             run: Language::Program,
             interpreter: crate::program::resolve(rootfs, interpreter)
                 .unwrap_or_else(|| interpreter.clone()),
@@ -291,6 +294,66 @@ mod derive_tests {
             Some(&m.runtimes[0].kernel)
         );
         assert_eq!(check.map(|c| c.runtimes.len()).ok(), Some(3));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn program_runtimes_follow_the_others_numbered_with_their_interpreters_path_and_version() {
+        let recipe_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("image");
+        let mut site = crate::recipe::load_site(&recipe_dir, "tools")
+            .unwrap()
+            .unwrap();
+        let program =
+            |name: &str, command: &[&str], package: Option<&str>| crate::program::ProgramRuntime {
+                name: name.into(),
+                aliases: Vec::new(),
+                command: command.iter().map(|w| w.to_string()).collect(),
+                extension: String::new(),
+                package: package.map(Into::into),
+            };
+        site.programs = vec![
+            program("lua", &["lua5.4"], None),
+            program("awk", &["/bin/busybox", "awk", "-f"], None),
+            program("perl", &["perl", "-w"], Some("perl-base")),
+        ];
+        let root = std::env::temp_dir().join(format!("bud-derive-pr-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        executable(&root, python::INTERPRETER);
+        executable(&root, "usr/bin/lua5.4");
+        executable(&root, "usr/bin/perl");
+        executable(&root, "bin/busybox");
+        let packages = [
+            package("python3.11-minimal", "3.11.2-6+deb12u9"),
+            package("lua5.4", "5.4.4-3+deb12u1"),
+            package("perl-base", "5.36.0-7+deb12u1"),
+        ];
+
+        let m = derive("langs", Some(&site), &packages, &root);
+        let check = Manifest::parse(m.to_json().as_bytes(), Path::new("langs"));
+
+        let seen: Vec<_> = m
+            .runtimes
+            .iter()
+            .filter(|r| r.run == Language::Program)
+            .map(|r| {
+                (
+                    r.name.as_str(),
+                    r.interpreter.as_str(),
+                    r.args.join(" "),
+                    r.version.as_str(),
+                    r.dialect,
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("lua", "/usr/bin/lua5.4", String::new(), "5.4.4", 0),
+                ("awk", "/bin/busybox", "awk -f".into(), "", 1),
+                ("perl", "/usr/bin/perl", "-w".into(), "5.36.0", 2),
+            ]
+        );
+        assert_eq!(check.map(|c| c.runtimes.len()).ok(), Some(4));
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -47,7 +47,8 @@ pub struct ProgramRuntime {
     /// The code file's suffix (`.lua`); none by default.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub extension: String,
-    /// The Debian package whose upstream version the manifest gives as the runtime's.
+    /// The Debian package whose upstream version the manifest gives as the runtime's; by
+    /// default a package named as the interpreter (`lua5.4`), if the image has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub package: Option<String>,
 }
