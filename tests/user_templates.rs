@@ -466,6 +466,17 @@ fn program_runtimes(s: &Served) {
             .is_some_and(|e| e.starts_with("/usr/bin/lua5.4: /tmp/.bud-code/code.lua:1:")),
         "{broken}"
     );
+    // Past its time the interpreter is stopped, as a shell job is.
+    let endless = exec(
+        s,
+        json!({"template": "ci-report-more", "language": "lua", "timeout_ms": 4000,
+               "code": "io.write('started\\n') io.flush() while true do end"}),
+    );
+    assert_eq!(
+        (&endless["status"], &endless["stdout"]),
+        (&json!("timeout"), &json!("started\n")),
+        "{endless}"
+    );
     let awk = exec(
         s,
         json!({"template": "ci-report-more", "language": "awk", "stdin": "a\nb\n",
