@@ -49,6 +49,13 @@ pub enum RecipeError {
          is node"
     )]
     NpmWithoutNode(String),
+    #[error("template recipe {template}: program runtime {index}, `{field}`: {why}")]
+    Program {
+        template: String,
+        index: usize,
+        field: &'static str,
+        why: String,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -268,6 +275,16 @@ pub fn load_site(dir: &Path, name: &str) -> Result<Option<Site>, RecipeError> {
     {
         return Err(RecipeError::BadPath(warm.clone()));
     }
+    for (index, program) in file.site.programs.iter().enumerate() {
+        program
+            .check()
+            .map_err(|(field, why)| RecipeError::Program {
+                template: name.to_owned(),
+                index,
+                field,
+                why,
+            })?;
+    }
     if !file.site.npm.is_empty() {
         crate::npm::check_specs(&file.site.npm).map_err(|source| RecipeError::Npm {
             template: name.to_owned(),
@@ -440,6 +457,36 @@ mod tests {
             "{bad}"
         );
         assert_eq!(good.npm, ["lodash@4"]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_recipe_declares_program_runtimes_checked_as_a_definitions_are() {
+        let dir = std::env::temp_dir().join(format!("bud-recipe-prog-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join(TEMPLATES_DIR)).unwrap();
+        let site = "[site]\ndebs = [\"lua5.4\"]\ndrop = []\npreload = []\nram_mib = 256\n\
+                    boot_timeout_s = 60\n";
+        let write = |name: &str, text: String| {
+            std::fs::write(dir.join(TEMPLATES_DIR).join(format!("{name}.toml")), text).unwrap()
+        };
+        write(
+            "good",
+            format!("{site}[[site.programs]]\nname = \"lua\"\ncommand = [\"lua5.4\"]\n"),
+        );
+        write(
+            "bad",
+            format!("{site}[[site.programs]]\nname = \"lua\"\ncommand = [\"../lua\"]\n"),
+        );
+
+        let good = load_site(&dir, "good").unwrap().unwrap();
+        let bad = load_site(&dir, "bad").unwrap_err();
+
+        assert_eq!(good.programs[0].command, ["lua5.4"]);
+        assert!(
+            matches!(&bad, RecipeError::Program { template, index: 0, field: "command", .. } if template == "bad"),
+            "{bad}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
