@@ -38,8 +38,14 @@ pub fn sha256_file(path: &Path) -> Result<String, HashError> {
     Ok(hex::encode(hasher.finalize()))
 }
 
-fn stamp(meta: &std::fs::Metadata) -> String {
-    format!(
+/// What identifies the file at `path` as it is now (size, times, device and inode): a
+/// cached hash holds while this does.
+fn stamp_of(path: &Path) -> Result<String, HashError> {
+    let meta = path.metadata().map_err(|source| HashError {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(format!(
         "{}:{}.{}:{}.{}:{}:{}",
         meta.len(),
         meta.mtime(),
@@ -48,7 +54,7 @@ fn stamp(meta: &std::fs::Metadata) -> String {
         meta.ctime_nsec(),
         meta.dev(),
         meta.ino()
-    )
+    ))
 }
 
 /// Remembered hashes, loaded from and saved to one file.
@@ -80,11 +86,7 @@ impl HashCache {
 
     /// The sha256 of `path`, from the cache when its stamp is unchanged.
     pub fn sha256(&mut self, path: &Path) -> Result<String, HashError> {
-        let meta = path.metadata().map_err(|source| HashError {
-            path: path.to_owned(),
-            source,
-        })?;
-        let stamp = stamp(&meta);
+        let stamp = stamp_of(path)?;
         match self.entries.get(path) {
             Some((cached_stamp, sha)) if *cached_stamp == stamp => return Ok(sha.clone()),
             _ => {}
@@ -99,12 +101,9 @@ impl HashCache {
     /// that just made `path` from content whose hash it knows, such as a hard link to a file
     /// it hashed (a new link changes the file's ctime, so the old stamp no longer matches).
     pub fn remember(&mut self, path: &Path, sha: &str) -> Result<(), HashError> {
-        let meta = path.metadata().map_err(|source| HashError {
-            path: path.to_owned(),
-            source,
-        })?;
+        let stamp = stamp_of(path)?;
         self.entries
-            .insert(path.to_owned(), (stamp(&meta), sha.to_owned()));
+            .insert(path.to_owned(), (stamp, sha.to_owned()));
         self.dirty = true;
         Ok(())
     }

@@ -270,19 +270,6 @@ impl Layers {
         self.chain.iter().filter_map(|d| d.warm.clone()).collect()
     }
 
-    /// Program runtimes of every layer, bottom up; a later layer's runtime of the same name
-    /// replaces an earlier one in its place.
-    pub fn runtimes(&self) -> Vec<crate::program::ProgramRuntime> {
-        let mut all: Vec<crate::program::ProgramRuntime> = Vec::new();
-        for runtime in self.chain.iter().flat_map(|d| &d.runtimes) {
-            match all.iter_mut().find(|r| r.name == runtime.name) {
-                Some(slot) => *slot = runtime.clone(),
-                None => all.push(runtime.clone()),
-            }
-        }
-        all
-    }
-
     /// Guest RAM the nearest layer asks for.
     pub fn memory_mib(&self) -> Option<u64> {
         self.chain.iter().rev().find_map(|d| d.memory_mib)
@@ -336,12 +323,17 @@ impl Layers {
         site.boot_timeout_s = site.boot_timeout_s.max(1800);
         Ok(site)
     }
-}
 
-impl Layers {
-    /// The layers' program runtimes added to `site`'s (a layer's runtime of the same name
-    /// replaces the base's); none may take the name of the base's own runtimes.
+    /// The layers' program runtimes added to `site`'s, bottom up (a runtime of a name
+    /// already there replaces it in its place, keeping its number); no name or alias may be
+    /// taken twice, nor by the base's kernel runtime and its dialects.
     fn add_programs(&self, site: &mut Site) -> Result<(), UserError> {
+        for runtime in self.chain.iter().flat_map(|d| &d.runtimes) {
+            match site.programs.iter_mut().find(|r| r.name == runtime.name) {
+                Some(slot) => *slot = runtime.clone(),
+                None => site.programs.push(runtime.clone()),
+            }
+        }
         let kernel = site.runtime.iter().flat_map(|r| {
             let dialects = r
                 .dialects
@@ -349,20 +341,7 @@ impl Layers {
                 .flat_map(|d| std::iter::once(&d.name).chain(&d.aliases));
             std::iter::once(&r.name).chain(&r.aliases).chain(dialects)
         });
-        let taken: Vec<String> = kernel.cloned().collect();
-        for runtime in self.runtimes() {
-            if let Some(name) = runtime.names().find(|n| taken.iter().any(|t| t == n)) {
-                return Err(UserError::RuntimeTaken {
-                    name: name.to_owned(),
-                    base: self.base.clone(),
-                });
-            }
-            match site.programs.iter_mut().find(|r| r.name == runtime.name) {
-                Some(slot) => *slot = runtime,
-                None => site.programs.push(runtime),
-            }
-        }
-        let mut names = std::collections::BTreeSet::new();
+        let mut names: std::collections::BTreeSet<&str> = kernel.map(String::as_str).collect();
         for name in site.programs.iter().flat_map(|r| r.names()) {
             if !names.insert(name) {
                 return Err(UserError::RuntimeTaken {
