@@ -188,8 +188,6 @@ pub(crate) fn verify(kvm: &Kvm, m: &mut Machine, t: &Template) -> Result<(), Res
     }
 }
 
-/// MSR of the TSC, which moves with time.
-const MSR_IA32_TSC: u32 = 0x10;
 /// Offset of the LAPIC timer's current count (moves with time) in the register page.
 const APIC_TMCCT: usize = 0x390;
 
@@ -270,7 +268,7 @@ pub(crate) fn differences(want: &MachineState, got: &MachineState) -> Vec<String
             d.push(format!("MSR order differs at {:#x}", w.index));
             break;
         }
-        if w.index == MSR_IA32_TSC || w.data == g.data {
+        if w.index == crate::snapshot::MSR_IA32_TSC || w.data == g.data {
             continue;
         }
         d.push(format!(

@@ -11,10 +11,8 @@ use kvm_bindings::{
 };
 use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 
-use super::{FpuState, MachineState, SnapshotError, cap};
+use super::{FpuState, MSR_IA32_TSC, MachineState, SnapshotError, cap};
 use crate::host::HostKind;
-
-const MSR_IA32_TSC: u32 = 0x10;
 
 /// Whether to carry FPU state as XSAVE (hardware hosts with the capability) or as `kvm_fpu`.
 /// On kvm_pvm the guest runs with XSAVE disabled (`noxsave`), so `kvm_fpu` holds all of it.

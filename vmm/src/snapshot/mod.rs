@@ -39,6 +39,12 @@ use crate::mailbox::Mailbox;
 mod capture;
 mod restore;
 
+/// MSR of the TSC, which moves with time: captured first, so that TSC-relative MSRs restore
+/// against it, and never compared exactly.
+pub(crate) const MSR_IA32_TSC: u32 = 0x10;
+/// MSR of the LAPIC timer's deadline in TSC-deadline mode (Linux's clock event device).
+pub(crate) const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
+
 pub(crate) use capture::complete_pending_io;
 pub use capture::{MsrList, capture};
 pub use restore::{Target, restore};

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use kvm_bindings::{Msrs, kvm_clock_data, kvm_cpuid_entry2, kvm_fpu, kvm_sregs};
 use kvm_ioctls::{VcpuFd, VmFd};
 
-use super::{MachineState, SnapshotError, cap, res};
+use super::{MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE, MachineState, SnapshotError, cap, res};
 
 /// The environment variable that turns on the TSS restore quirk for QEMU's TCG (`1`: on;
 /// anything else or unset: off, the default). Only for a test platform: see
@@ -144,11 +144,6 @@ pub(crate) fn pin_clock(vm: &VmFd, clock: &kvm_clock_data) -> Result<(), Snapsho
     res("KVM_SET_CLOCK", vm.set_clock(&clock))
 }
 
-/// MSR of the TSC.
-const MSR_IA32_TSC: u32 = 0x10;
-/// MSR of the LAPIC timer's deadline in TSC-deadline mode (Linux's clock event device).
-const MSR_IA32_TSC_DEADLINE: u32 = 0x6e0;
-
 /// The value of MSR `index` among `msrs` (a capture).
 fn msr(msrs: &[kvm_bindings::kvm_msr_entry], index: u32) -> Option<u64> {
     msrs.iter().find(|e| e.index == index).map(|e| e.data)
@@ -161,23 +156,26 @@ pub(crate) fn timer_ahead_of(msrs: &[kvm_bindings::kvm_msr_entry]) -> Option<u64
     deadline.checked_sub(tsc).filter(|_| deadline != 0)
 }
 
-/// [`timer_ahead_of`] the vCPU as it is now (a session parked after a request).
-pub(crate) fn timer_ahead(vcpu: &VcpuFd) -> Result<Option<u64>, SnapshotError> {
-    let mut now = Msrs::from_entries(&[
-        kvm_bindings::kvm_msr_entry {
-            index: MSR_IA32_TSC,
-            ..Default::default()
-        },
-        kvm_bindings::kvm_msr_entry {
-            index: MSR_IA32_TSC_DEADLINE,
-            ..Default::default()
-        },
-    ])
-    .map_err(|_| SnapshotError::TooManyEntries)?;
-    if cap("KVM_GET_MSRS", vcpu.get_msrs(&mut now))? != 2 {
+/// The vCPU's MSRs `indices` now, in order; None if KVM gave fewer.
+fn read_msrs<const N: usize>(
+    vcpu: &VcpuFd,
+    indices: [u32; N],
+) -> Result<Option<[kvm_bindings::kvm_msr_entry; N]>, SnapshotError> {
+    let entries = indices.map(|index| kvm_bindings::kvm_msr_entry {
+        index,
+        ..Default::default()
+    });
+    let mut msrs = Msrs::from_entries(&entries).map_err(|_| SnapshotError::TooManyEntries)?;
+    if cap("KVM_GET_MSRS", vcpu.get_msrs(&mut msrs))? != N {
         return Ok(None);
     }
-    Ok(timer_ahead_of(now.as_slice()))
+    Ok(msrs.as_slice().try_into().ok())
+}
+
+/// [`timer_ahead_of`] the vCPU as it is now (a session parked after a request).
+pub(crate) fn timer_ahead(vcpu: &VcpuFd) -> Result<Option<u64>, SnapshotError> {
+    let now = read_msrs(vcpu, [MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE])?;
+    Ok(now.and_then(|now| timer_ahead_of(&now)))
 }
 
 /// Re-arms the guest's TSC-deadline timer `ahead` TSC ticks ahead of its TSC now (None:
@@ -197,17 +195,12 @@ pub(crate) fn rearm_timer(vcpu: &VcpuFd, ahead: Option<u64>) -> Result<(), Snaps
     let Some(ahead) = ahead else {
         return Ok(());
     };
-    let mut now = Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
-        index: MSR_IA32_TSC,
-        ..Default::default()
-    }])
-    .map_err(|_| SnapshotError::TooManyEntries)?;
-    if cap("KVM_GET_MSRS", vcpu.get_msrs(&mut now))? != 1 {
+    let Some([tsc]) = read_msrs(vcpu, [MSR_IA32_TSC])? else {
         return Ok(());
-    }
+    };
     let rearmed = Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
         index: MSR_IA32_TSC_DEADLINE,
-        data: now.as_slice()[0].data.saturating_add(ahead),
+        data: tsc.data.saturating_add(ahead),
         ..Default::default()
     }])
     .map_err(|_| SnapshotError::TooManyEntries)?;
