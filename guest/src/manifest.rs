@@ -38,8 +38,6 @@ const PYTHON_PACKAGE: &str = "python3.11-minimal";
 const SHELL_PACKAGE: &str = "busybox-static";
 /// The shell the worker runs, relative to the root.
 const SHELL: &str = "bin/sh";
-/// Where tools are looked for, relative to the root.
-const TOOL_DIRS: &[&str] = &["bin", "usr/bin", "sbin", "usr/sbin", "usr/local/bin"];
 
 /// The upstream part of a Debian version: `1:1.35.0-4+b3` is `1.35.0`.
 pub fn upstream(version: &str) -> &str {
@@ -136,7 +134,8 @@ pub fn derive(name: &str, site: Option<&Site>, packages: &[Package], rootfs: &Pa
         .chain(kernel_interpreter)
         .collect();
     let mut tools = Vec::new();
-    for dir in TOOL_DIRS {
+    // The guest's PATH, where a program runtime's interpreter is looked for too.
+    for dir in crate::program::SEARCH_DIRS {
         let Ok(entries) = std::fs::read_dir(rootfs.join(dir)) else {
             continue;
         };
