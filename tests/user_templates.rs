@@ -138,6 +138,17 @@ fn lines_of(log: &[Value]) -> Vec<&str> {
     log.iter().filter_map(|l| l["line"].as_str()).collect()
 }
 
+/// POSTs `definition`, whose build must fail: its log's lines, and its error.
+fn failed_build(s: &Served, definition: Value) -> (String, Value) {
+    let name = definition["name"].as_str().expect("a name").to_owned();
+    let (status, r) = post(s, "/v1/templates", definition);
+    assert_eq!(status, 201, "{r}");
+    let log = build_log(s, &name);
+    let last = log.last().expect("a last line");
+    assert_eq!(last["status"], "failed", "{last}");
+    (lines_of(&log).join("\n"), last["error"].clone())
+}
+
 fn exec(s: &Served, body: Value) -> Value {
     let (status, r) = post(s, "/v1/exec", body);
     assert_eq!(status, 200, "{r}");
@@ -329,12 +340,7 @@ fn a_user_template_is_built_over_http_served_jailed_kept_across_restarts_and_del
     // A warm-up that raises: the build fails with its traceback, and nothing is served.
     let broken =
         json!({"name": "ci-broken", "warm": "raise ValueError('the model file is missing')"});
-    let (status, r) = post(&s, "/v1/templates", broken);
-    assert_eq!(status, 201, "{r}");
-    let log = build_log(&s, "ci-broken");
-    let last = log.last().expect("a last line");
-    assert_eq!(last["status"], "failed", "{last}");
-    let text = lines_of(&log).join("\n");
+    let (text, _) = failed_build(&s, broken);
     assert!(
         text.contains("ValueError: the model file is missing"),
         "the traceback is in the log: {text}"
@@ -522,16 +528,11 @@ fn program_runtimes(s: &Served) {
         (400, &json!("runtimes[0].name")),
         "{r}"
     );
-    let (status, r) = post(
+    let (lines, error) = failed_build(
         s,
-        "/v1/templates",
         json!({"name": "ci-no-ruby", "runtimes": [{"name": "ruby", "command": ["ruby"]}]}),
     );
-    assert_eq!(status, 201, "{r}");
-    let log = build_log(s, "ci-no-ruby");
-    let last = log.last().expect("a last line");
-    assert_eq!(last["status"], "failed", "{last}");
-    let text = format!("{}\n{}", lines_of(&log).join("\n"), last["error"]);
+    let text = format!("{lines}\n{error}");
     assert!(
         text.contains(
             "runtime ruby: its interpreter ruby is not in the image (looked for in \
