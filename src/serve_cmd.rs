@@ -61,6 +61,11 @@ pub fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<ExitCode> {
         )?));
     }
     let build = cli.build_options();
+    // The images this checkout builds trust its build directory's egress CA: a networked
+    // server terminates TLS to hosts with rules with that one unless told another.
+    if config.network && config.egress_ca_dir.is_none() {
+        config.egress_ca_dir = Some(bud_guest::egress_ca::dir_of(&build.build_dir));
+    }
     // One state directory per port by default: a server started again on its port finds
     // what it paused, and servers on other ports of this checkout keep theirs apart. A
     // server on any free port (0) keeps none unless given one.

@@ -10,6 +10,7 @@ pub mod cpio;
 pub mod debs;
 pub mod definition;
 pub mod echo;
+pub mod egress_ca;
 pub mod elf;
 pub mod hashes;
 pub mod host;

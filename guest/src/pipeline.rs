@@ -82,6 +82,8 @@ pub enum BuildError {
     Npm(#[source] NpmError),
     #[error("pip: the base image's packages have no {PIP_PACKAGE}")]
     NoPip,
+    #[error("image step: bud's egress CA")]
+    EgressCa(#[source] crate::egress_ca::CaError),
 }
 
 /// The Debian package of the base image that carries pip as a wheel (run on the host to
@@ -406,6 +408,9 @@ pub fn build_image(
     };
     let mut all = packages.clone();
     all.extend(site_packages.iter().cloned());
+    let egress_ca =
+        crate::egress_ca::EgressCa::load_or_create(&crate::egress_ca::dir_of(&opts.build_dir))
+            .map_err(BuildError::EgressCa)?;
     let inputs = ImageInputs {
         recipe_dir,
         agent: agent.to_owned(),
@@ -421,6 +426,7 @@ pub fn build_image(
         site_packages,
         user,
         npm,
+        trusted: Some(egress_ca.cert_pem().to_owned()),
     };
     let image = image::ensure(
         &inputs,
@@ -619,6 +625,7 @@ mod tests {
             site_packages: Vec::new(),
             user: None,
             npm: None,
+            trusted: None,
         }
     }
 

@@ -71,6 +71,7 @@ pub use host_memory::PhysicalMonitor;
 pub use job::{Cancel, CellError, CellOptions, Health, Job, JobResult, Language, Status, Unusable};
 pub use manifest::{Manifest, ManifestError};
 pub use net::{
-    ConnectRequest, Egress, Headers, JobEgress, Limit, NoEgress, Refusal, Traffic, Verdict,
+    ConnectRequest, Egress, Headers, Interception, JobEgress, Limit, NoEgress, Refusal, Traffic,
+    Verdict,
 };
 pub use template::{Template, TemplateSpec};

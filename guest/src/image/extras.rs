@@ -24,8 +24,14 @@ pub enum ExtraError {
 }
 
 /// Stages every bundle `rootfs` names: the `*.crt` files of its directory in the packages
-/// unpacked at `root`, in name order, each ending in a newline.
-pub fn stage(rootfs: &Rootfs, root: &Path, staging: &Staging) -> Result<(), ExtraError> {
+/// unpacked at `root`, in name order, each ending in a newline; then `trusted` (a PEM
+/// certificate: bud's egress CA), if given.
+pub fn stage(
+    rootfs: &Rootfs,
+    root: &Path,
+    trusted: Option<&str>,
+    staging: &Staging,
+) -> Result<(), ExtraError> {
     for (dest, dir) in &rootfs.bundles {
         let mut bundle = Vec::new();
         // A directory the packages lack gives no certificate (and the error below).
@@ -49,6 +55,12 @@ pub fn stage(rootfs: &Rootfs, root: &Path, staging: &Staging) -> Result<(), Extr
                 dest: dest.clone(),
                 dir: dir.clone(),
             });
+        }
+        if let Some(pem) = trusted {
+            bundle.extend_from_slice(pem.as_bytes());
+            if !pem.ends_with('\n') {
+                bundle.push(b'\n');
+            }
         }
         staging.write(dest, &bundle)?;
     }
@@ -89,7 +101,7 @@ mod tests {
         let (root, staging) = tree("ok");
         let r = rootfs(&[("etc/ssl/certs/ca-certificates.crt", "usr/share/certs")]);
 
-        stage(&r, &root, &staging).unwrap();
+        stage(&r, &root, None, &staging).unwrap();
 
         assert_eq!(
             std::fs::read(staging.path("etc/ssl/certs/ca-certificates.crt")).unwrap(),
@@ -98,12 +110,27 @@ mod tests {
     }
 
     #[test]
+    fn the_trusted_certificate_ends_each_bundle() {
+        let (root, staging) = tree("trusted");
+        let r = rootfs(&[
+            ("etc/ssl/certs/ca-certificates.crt", "usr/share/certs"),
+            ("etc/other.crt", "usr/share/certs"),
+        ]);
+
+        stage(&r, &root, Some("BUD"), &staging).unwrap();
+
+        for path in ["etc/ssl/certs/ca-certificates.crt", "etc/other.crt"] {
+            assert_eq!(std::fs::read(staging.path(path)).unwrap(), b"A\nB\nBUD\n");
+        }
+    }
+
+    #[test]
     fn a_bundle_without_certificates_is_an_error() {
         let (root, staging) = tree("bad");
         for dir in ["usr/share/empty", "usr/share/missing"] {
             let r = rootfs(&[("x.crt", dir)]);
             assert!(matches!(
-                stage(&r, &root, &staging),
+                stage(&r, &root, None, &staging),
                 Err(ExtraError::EmptyBundle { .. })
             ));
         }

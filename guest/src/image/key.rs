@@ -19,7 +19,7 @@ fn hash_of(hashes: &mut HashCache, path: &Path) -> Result<String, ImageError> {
 /// sha256), a user template's definitions and wheels, the npm specs and the content of
 /// their installed tree (every staged file's path, mode and sha256), the agent, the
 /// extension and bud's Python modules (only the files staged, so a stray `__pycache__/` in
-/// guest/python does not force a rebuild).
+/// guest/python does not force a rebuild), and the certificate the bundles trust besides.
 pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String, ImageError> {
     for (what, path) in [("agent", &inputs.agent), ("extension", &inputs.extension)] {
         if !path.is_file() {
@@ -96,6 +96,12 @@ pub fn input_key(inputs: &ImageInputs, hashes: &mut HashCache) -> Result<String,
             .to_string_lossy()
             .into_owned();
         text.push_str(&format!("python {name} {}\n", hash_of(hashes, &path)?));
+    }
+    if let Some(pem) = &inputs.trusted {
+        text.push_str(&format!(
+            "trusted {}\n",
+            hex::encode(Sha256::digest(pem.as_bytes()))
+        ));
     }
     Ok(hex::encode(Sha256::digest(text.as_bytes())))
 }

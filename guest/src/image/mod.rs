@@ -180,6 +180,10 @@ pub struct ImageInputs {
     /// The template's npm packages, installed in the cache (`crate::npm`): the site's
     /// `npm` list with the user layers'; `None` when it names none.
     pub npm: Option<crate::npm::NpmTree>,
+    /// A certificate (PEM) added to each of the recipe's certificate bundles: bud's egress
+    /// CA ([`crate::egress_ca`]), so the guest trusts the certificates bud answers its TLS
+    /// with where a rule sets headers on HTTPS. `None`: the bundles as the packages make them.
+    pub trusted: Option<String>,
 }
 
 /// What a user template adds ([`user_layer`]).
@@ -266,7 +270,7 @@ pub fn build(
     for (path, target) in &recipe.rootfs.links {
         staging.symlink(path, target)?;
     }
-    extras::stage(&recipe.rootfs, root, &staging)?;
+    extras::stage(&recipe.rootfs, root, inputs.trusted.as_deref(), &staging)?;
 
     progress("compiling and packing the standard library with the guest's python");
     let modules = python::stage_stdlib(&recipe.python, root, &staging, work_dir, progress)?;

@@ -201,6 +201,8 @@ pub enum StateError {
     #[error("--egress-secrets")]
     EgressSecrets(#[from] crate::core::egress::SecretsError),
     #[error(transparent)]
+    Intercept(#[from] crate::core::egress::InterceptError),
+    #[error(transparent)]
     Traces(#[from] crate::core::trace::TraceError),
 }
 
@@ -313,6 +315,13 @@ impl AppState {
                 Some(path) => crate::core::egress::Secrets::load(path)?,
                 None => crate::core::egress::Secrets::default(),
             }),
+            intercept: match &config.egress_ca_dir {
+                Some(dir) => Some(Arc::new(crate::core::egress::Interceptor::new(
+                    dir,
+                    config.egress_upstream_ca.as_deref(),
+                )?)),
+                None => None,
+            },
         });
         Ok(Self(Arc::new(Shared {
             config,

@@ -90,6 +90,15 @@ pub trait Egress: Send + Sync + fmt::Debug {
         Headers::None
     }
 
+    /// How bud terminates TLS to `name` for a connection whose requests get headers set
+    /// ([`Headers::Set`]): a certificate for the name that the guest trusts, and a client
+    /// that verifies the host. `None` (the default): such TLS is refused
+    /// ([`Refusal::Encrypted`]). Called on the vCPU thread when such a connection starts
+    /// TLS: it must not block (make the certificate earlier, in [`Self::connect`]).
+    fn interception(&self, _name: &str) -> Option<super::Interception> {
+        None
+    }
+
     /// Connection `id`, which the egress allowed for `name` (the name the guest resolved),
     /// then named another host in its bytes, or bytes whose name could not be read
     /// ([`super::names`]): the stack reset it (it is still reported to [`Self::closed`]).
@@ -132,7 +141,8 @@ pub enum Headers {
     /// Nothing: the guest's bytes as they are (its names checked).
     None,
     /// These headers (name, value), set on each HTTP request in place of the guest's of
-    /// the same names; TLS is refused ([`Refusal::Encrypted`]).
+    /// the same names; TLS is terminated by bud where the egress gives an
+    /// [`Egress::interception`], else refused ([`Refusal::Encrypted`]).
     Set(Vec<(String, String)>),
     /// Nothing may go: the connection is reset at once.
     Refuse,

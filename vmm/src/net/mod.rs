@@ -36,6 +36,7 @@ mod inbox;
 mod link_tests;
 pub mod names;
 mod stack;
+mod terminate;
 mod waker;
 
 use std::collections::VecDeque;
@@ -57,6 +58,7 @@ pub use egress::{
     ConnectRequest, Egress, Headers, JobEgress, Limit, NoEgress, Refusal, Traffic, Verdict,
 };
 pub use stack::StackCounters;
+pub use terminate::Interception;
 
 /// The guest's address (eth0, static).
 pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 15);

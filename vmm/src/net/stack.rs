@@ -49,7 +49,8 @@ use super::dialer;
 use super::dns::{Answer, DnsMap};
 use super::egress::{ConnectRequest, Egress, Headers, Limit, Traffic, Verdict, next_connection_id};
 use super::inbox::{Conn, Dialed, Done, Inbox, connected, deliver, lock};
-use super::names::NameCheck;
+use super::names::{NameCheck, Refusal};
+use super::terminate::{self, Terminated};
 use super::waker::Waker;
 use super::{DNS_PORT, GATEWAY_IP, GATEWAY_MAC, GUEST_PREFIX};
 
@@ -133,24 +134,27 @@ impl phy::Device for Link {
 
 /// One guest connection and the host socket it is relayed to.
 #[derive(Debug)]
-struct Relay {
-    handle: SocketHandle,
-    host: File,
-    created: Instant,
+pub(super) struct Relay {
+    pub(super) handle: SocketHandle,
+    pub(super) host: File,
+    pub(super) created: Instant,
     /// The connection's number ([`ConnectRequest::id`]) and the bytes it moved, reported to
     /// the egress when the relay goes.
-    id: u64,
-    traffic: Traffic,
+    pub(super) id: u64,
+    pub(super) traffic: Traffic,
     /// The host closed its side (its FIN was passed on to the guest).
-    host_done: bool,
+    pub(super) host_done: bool,
     /// The guest closed its side (passed on to the host with `shutdown(Write)`).
-    guest_done: bool,
+    pub(super) guest_done: bool,
     /// The name the connection was allowed for (the guest resolved it), if any.
-    name: Option<String>,
+    pub(super) name: Option<String>,
     /// The check of the names its bytes carry, until it is over (None: nothing to check).
-    check: Option<NameCheck>,
+    pub(super) check: Option<NameCheck>,
     /// Bytes the check let through that the host has not taken yet.
-    to_host: Vec<u8>,
+    pub(super) to_host: Vec<u8>,
+    /// The guest's TLS, terminated by bud (a host whose requests get headers set:
+    /// [`super::terminate`]); its check is inside it.
+    pub(super) tls: Option<Box<Terminated>>,
 }
 
 /// What the stack did, for diagnostics and tests (not part of any state).
@@ -500,6 +504,7 @@ impl Stack {
             }),
             name,
             to_host: Vec::new(),
+            tls: None,
         });
         true
     }
@@ -557,6 +562,10 @@ impl Stack {
         let most = |left: Option<u64>, len: usize| left.map_or(len, |l| len.min(l as usize));
         for r in &mut self.relays {
             let s = self.sockets.get_mut::<tcp::Socket>(r.handle);
+            if r.tls.is_some() {
+                terminate::relay(r, s, &mut left, &mut self.counters, &*self.egress);
+                continue;
+            }
             // Host to guest, while the guest's window has room.
             while !r.host_done && s.can_send() && left != Some(0) {
                 let got = s.send(|buf| {
@@ -609,13 +618,35 @@ impl Stack {
                     }
                     let fed = s.recv(|buf| (buf.len(), check.feed(buf, &mut r.to_host)));
                     r.traffic.rewritten = check.rewritten();
-                    if let Ok(Err(refusal)) = fed {
-                        let name = r.name.as_deref().unwrap_or_default();
-                        self.egress.name_refused(r.id, name, &refusal);
-                        r.to_host.clear();
-                        s.abort();
-                        break;
-                    }
+                    let name = r.name.as_deref().unwrap_or_default();
+                    let refusal = match fed {
+                        Ok(Err(Refusal::Encrypted)) => match self.egress.interception(name) {
+                            // TLS to a host with headers to set: bud terminates it.
+                            Some(i) => {
+                                let (held, inner) = std::mem::replace(check, NameCheck::new(name))
+                                    .into_terminated();
+                                match Terminated::new(&i, name, inner, held) {
+                                    Ok(t) => {
+                                        r.tls = Some(Box::new(t));
+                                        break;
+                                    }
+                                    Err(refusal) => refusal,
+                                }
+                            }
+                            None => Refusal::Encrypted,
+                        },
+                        Ok(Err(refusal)) => refusal,
+                        _ => continue,
+                    };
+                    self.egress.name_refused(r.id, name, &refusal);
+                    r.to_host.clear();
+                    s.abort();
+                    break;
+                }
+                if r.tls.is_some() {
+                    r.check = None;
+                    terminate::relay(r, s, &mut left, &mut self.counters, &*self.egress);
+                    continue;
                 }
                 if check.is_open() && r.to_host.is_empty() {
                     r.check = None;
@@ -641,16 +672,8 @@ impl Stack {
                     _ => break,
                 }
             }
-            let guest_closed = matches!(
-                s.state(),
-                tcp::State::CloseWait
-                    | tcp::State::LastAck
-                    | tcp::State::Closing
-                    | tcp::State::TimeWait
-                    | tcp::State::Closed
-            );
             // Bytes the check still holds (an unfinished request head) never go.
-            if guest_closed && !r.guest_done && s.recv_queue() == 0 && r.to_host.is_empty() {
+            if guest_closed(s) && !r.guest_done && s.recv_queue() == 0 && r.to_host.is_empty() {
                 r.guest_done = true;
                 shutdown_write(&r.host);
             }
@@ -699,8 +722,20 @@ impl Drop for Stack {
     }
 }
 
+/// Whether the guest has closed its side of `s` (its FIN came).
+pub(super) fn guest_closed(s: &tcp::Socket) -> bool {
+    matches!(
+        s.state(),
+        tcp::State::CloseWait
+            | tcp::State::LastAck
+            | tcp::State::Closing
+            | tcp::State::TimeWait
+            | tcp::State::Closed
+    )
+}
+
 /// Passes the guest's end of its side of a connection on to the host (`shutdown(SHUT_WR)`).
-fn shutdown_write(host: &File) {
+pub(super) fn shutdown_write(host: &File) {
     // SAFETY: `host` owns a connected socket fd that stays open for the call; shutdown
     // touches no memory of ours, and its failure (a connection already gone) changes nothing
     // the relay relies on.

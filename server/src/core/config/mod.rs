@@ -87,6 +87,16 @@ pub struct Config {
     /// held in the server's memory, never shown, read again on SIGHUP.
     #[arg(long, value_name = "FILE", requires = "network")]
     pub egress_secrets: Option<std::path::PathBuf>,
+    /// bud's egress CA (`cert.pem` and `key.pem`, made there if missing): HTTPS to a host
+    /// whose rules set headers is terminated with certificates it signs, which the images
+    /// trust (they are built with the build directory's CA: `bud serve` uses that one,
+    /// `build/egress-ca`). Without it, TLS to such a host is refused.
+    #[arg(long, value_name = "DIR", requires = "network")]
+    pub egress_ca_dir: Option<std::path::PathBuf>,
+    /// Certificates (PEM) bud trusts besides the host's store when it opens TLS of its own
+    /// to a host with rules (a private upstream's CA).
+    #[arg(long, value_name = "FILE", requires = "network")]
+    pub egress_upstream_ca: Option<std::path::PathBuf>,
     /// Bytes each sandbox's connections may move in all, both ways (none past it: its open
     /// connections are reset and new ones refused). Default: no cap.
     #[arg(long, value_name = "BYTES", requires = "network")]
@@ -198,6 +208,8 @@ impl Default for Config {
             egress_allow_private: crate::core::egress::Private::default(),
             egress_hosts: None,
             egress_secrets: None,
+            egress_ca_dir: None,
+            egress_upstream_ca: None,
             egress_max_bytes: None,
             key_max_jobs: None,
             api_keys: None,

@@ -59,6 +59,9 @@ pub struct Site {
     pub traces: Option<Arc<crate::core::trace::Traces>>,
     /// The operator's secrets, for rules' header values (`--egress-secrets`).
     pub secrets: Arc<Secrets>,
+    /// bud's side of the TLS it terminates to hosts with rules (`--egress-ca-dir`); None:
+    /// TLS to them is refused.
+    pub intercept: Option<Arc<super::Interceptor>>,
 }
 
 /// Every gate's attempts and bytes added up (`bud_egress_*` in `/metrics`).
@@ -125,8 +128,9 @@ pub struct Attempt {
     /// reset once its bytes named another host (an HTTP `Host` or target, a TLS SNI),
     /// `host-mismatch`, or whose bytes started as HTTP or TLS and could not be read so,
     /// `unreadable` (`vmm::net::names`); for one to a host with rules, `rules-need-http`
-    /// (it started TLS, where the headers cannot be set) or `secret-missing` (a secret its
-    /// headers name is no longer held).
+    /// (it started TLS and the server has no egress CA to terminate it with),
+    /// `secret-missing` (a secret its headers name is no longer held) or `tls` (bud's TLS
+    /// with the guest or the host failed: `detail` has rustls's error).
     pub reason: &'static str,
     /// The entry that decided, as the client wrote it.
     pub rule: Option<String>,
@@ -428,6 +432,14 @@ impl Egress for Gate {
     fn connect(&self, req: &ConnectRequest<'_>) -> Verdict {
         let (dial, reason, rule) = self.decide(req);
         self.record_connect(req, reason, rule, dial);
+        // A name with rules may start TLS: its certificate is made here, on a dialer
+        // thread, so the relay finds it made ([`Egress::interception`]).
+        if let (Some(_), Some(name), Some(intercept), Some(policy)) =
+            (dial, req.name, &self.site.intercept, self.current())
+            && policy.rules().covers(name)
+        {
+            intercept.prepare(name);
+        }
         dial.map_or(Verdict::Refuse, Verdict::Dial)
     }
 
@@ -446,8 +458,9 @@ impl Egress for Gate {
             Refusal::Unreadable(why) => ("unreadable", (*why).to_owned()),
             Refusal::Encrypted => (
                 "rules-need-http",
-                "headers are set on HTTP requests only: TLS to this host is refused (bud does not terminate TLS yet)".to_owned(),
+                "headers are set on HTTP requests only here: TLS to this host is refused (the server has no --egress-ca-dir to terminate it with)".to_owned(),
             ),
+            Refusal::Tls(why) => ("tls", why.clone()),
         };
         self.name_refused_as(id, name, reason, detail);
     }
@@ -475,6 +488,10 @@ impl Egress for Gate {
                 Headers::Refuse
             }
         }
+    }
+
+    fn interception(&self, name: &str) -> Option<vmm::Interception> {
+        self.site.intercept.as_ref()?.for_name(name)
     }
 
     fn byte_budget(&self) -> Option<u64> {
@@ -529,6 +546,60 @@ mod tests {
             Some(Policy::parse(&spec, &Secrets::default()).unwrap()),
             Arc::new(site),
         )
+    }
+
+    /// A gate allowing `api.test` (pinned to 127.0.0.1, opened), whose requests get a
+    /// header; with an interceptor whose CA is in `ca_dir`, if given.
+    fn ruled_gate(ca_dir: Option<&std::path::Path>) -> Gate {
+        let spec = PolicySpec {
+            allow_out: vec!["api.test".into()],
+            deny_out: Vec::new(),
+            rules: serde_json::from_str(
+                r#"{"api.test": [{"transform": {"headers": {"X-Team": "blue"}}}]}"#,
+            )
+            .unwrap(),
+        };
+        let site = Site {
+            hosts: Hosts::parse("api.test 127.0.0.1\nplain.test 127.0.0.1\n").unwrap(),
+            private: Private::parse("127.0.0.1").unwrap(),
+            intercept: ca_dir.map(|d| Arc::new(super::super::Interceptor::new(d, None).unwrap())),
+            ..Site::default()
+        };
+        Gate::new(
+            Some(Policy::parse(&spec, &Secrets::default()).unwrap()),
+            Arc::new(site),
+        )
+    }
+
+    #[test]
+    fn tls_to_a_host_with_rules_is_terminated_only_where_the_server_has_an_egress_ca() {
+        let dir = std::env::temp_dir().join(format!("bud-gate-ca-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let with_ca = ruled_gate(Some(&dir));
+        let without = ruled_gate(None);
+
+        let dialed = with_ca.connect(&by_name("api.test", 443));
+        let terminated = with_ca.interception("api.test").is_some();
+        let refused_without = without.interception("api.test").is_none();
+        with_ca.name_refused(
+            9,
+            "api.test",
+            &Refusal::Tls("host: invalid peer certificate: UnknownIssuer".into()),
+        );
+        let (log, _) = with_ca.attempts();
+
+        assert_eq!(dialed, Verdict::Dial("127.0.0.1:443".parse().unwrap()));
+        assert!(terminated && refused_without);
+        let last = log.last().unwrap();
+        assert_eq!(
+            (last.reason, last.allowed, last.detail.as_deref()),
+            (
+                "tls",
+                false,
+                Some("host: invalid peer certificate: UnknownIssuer")
+            )
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn by_name(name: &str, port: u16) -> ConnectRequest<'_> {

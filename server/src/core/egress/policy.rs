@@ -386,7 +386,7 @@ impl Policy {
             String::new()
         } else {
             let keys: Vec<String> = self.spec.rules.keys().map(|k| quote(k)).collect();
-            format!("; headers set on HTTP requests to {}", keys.join(", "))
+            format!("; headers set on requests to {}", keys.join(", "))
         };
         let reach = if self.allow.is_empty() {
             if self.denies_every_address() {

@@ -13,10 +13,10 @@
 //! - Values are never shown: a sandbox's policy is shown with each value replaced by
 //!   [`REDACTED`] ([`redacted`]), and errors name the host and the header, never the value.
 //!
-//! **Stage 1: HTTP only.** The VMM's relay sets the headers on each HTTP/1 request of the
-//! connection (`vmm::net::names`). A TLS connection to a host with rules is refused (the
-//! headers could only be set by terminating its TLS, which bud does not do yet), rather than
-//! sent without them.
+//! The VMM's relay sets the headers on each HTTP/1 request of the connection
+//! (`vmm::net::names`), inside TLS too: where the server has an egress CA, the relay
+//! terminates a guest's TLS to a host with rules ([`super::intercept`]); where it has none,
+//! such TLS is refused rather than sent without the headers.
 
 use std::collections::BTreeMap;
 
@@ -185,21 +185,31 @@ impl Rules {
         self.hosts.is_empty()
     }
 
+    /// The key that matches `name` (lower case), if it sets headers: the exact name's, else
+    /// the first `*.domain` over it.
+    fn host_for(&self, name: &str) -> Option<&HostRules> {
+        let exact = self.hosts.iter().find(|h| !h.wildcard && h.domain == name);
+        exact
+            .or_else(|| {
+                self.hosts.iter().find(|h| {
+                    h.wildcard
+                        && name.len() > h.domain.len() + 1
+                        && name.ends_with(&h.domain)
+                        && name.as_bytes()[name.len() - h.domain.len() - 1] == b'.'
+                })
+            })
+            .filter(|h| !h.headers.is_empty())
+    }
+
+    /// Whether connections to `name` (lower case) get headers set.
+    pub fn covers(&self, name: &str) -> bool {
+        self.host_for(name).is_some()
+    }
+
     /// The headers for a connection allowed for `name` (lower case), if a key matches it and
     /// sets any; `Err` if a secret a value names is no longer held.
     pub fn for_name(&self, name: &str, secrets: &Secrets) -> Option<Result<Applied, Missing>> {
-        let exact = self.hosts.iter().find(|h| !h.wildcard && h.domain == name);
-        let host = exact.or_else(|| {
-            self.hosts.iter().find(|h| {
-                h.wildcard
-                    && name.len() > h.domain.len() + 1
-                    && name.ends_with(&h.domain)
-                    && name.as_bytes()[name.len() - h.domain.len() - 1] == b'.'
-            })
-        })?;
-        if host.headers.is_empty() {
-            return None;
-        }
+        let host = self.host_for(name)?;
         let mut applied = Applied {
             rule: host.key.clone(),
             headers: Vec::new(),

@@ -62,9 +62,13 @@ pub enum Refusal {
     /// It could not be read as the protocol it started as (a reason for the log).
     Unreadable(&'static str),
     /// It started TLS to a host whose requests get headers set
-    /// ([`NameCheck::with_headers`]): they cannot be set without terminating the TLS, and
-    /// the requests must not go without them.
+    /// ([`NameCheck::with_headers`]), and bud cannot terminate that TLS (no
+    /// [`super::Interception`] for it): the requests must not go without their headers.
+    /// Where bud can, the relay terminates it instead ([`super::terminate`]).
     Encrypted,
+    /// bud's TLS with the guest or with the host failed (which side, and rustls's error):
+    /// a handshake the guest broke off, a host certificate bud does not trust.
+    Tls(String),
 }
 
 /// Where the check is in the guest's byte stream.
@@ -126,7 +130,9 @@ impl NameCheck {
 
     /// A check that also sets `headers` (name, value) on each HTTP request of the
     /// connection, in place of any the guest sent under those names (compared without
-    /// case), and refuses TLS ([`Refusal::Encrypted`]). The values never reach the guest.
+    /// case), and stops at TLS ([`Refusal::Encrypted`], after the ClientHello's name is
+    /// checked: [`Self::into_terminated`] goes on inside it). The values never reach the
+    /// guest.
     pub fn with_headers(name: &str, headers: Vec<(String, String)>) -> Self {
         Self {
             allowed: normal(name),
@@ -135,6 +141,20 @@ impl NameCheck {
             headers,
             rewritten: 0,
         }
+    }
+
+    /// After [`Refusal::Encrypted`]: the bytes held (the ClientHello, whose name was checked,
+    /// and whatever came after it), and the check for the requests inside that TLS once
+    /// bud terminates it (the same name and headers, from the start of a stream).
+    pub fn into_terminated(self) -> (Vec<u8>, NameCheck) {
+        let inner = Self {
+            allowed: self.allowed,
+            state: State::Start,
+            held: Vec::new(),
+            headers: self.headers,
+            rewritten: self.rewritten,
+        };
+        (self.held, inner)
     }
 
     /// How many requests had their headers set so far.
