@@ -205,6 +205,15 @@ pub fn run(opts: ServeOptions, app: fn(AppState) -> axum::Router) -> Result<(), 
         for note in crate::http::node::host_notes() {
             warn!("{note}");
         }
+        if let Some(intercept) = &state.egress_site().intercept {
+            info!(ca = ?intercept, "TLS to hosts with rules is terminated with bud's egress CA");
+            if intercept.system_roots() == 0 {
+                warn!(
+                    "the host's trust store gave no certificate: TLS to hosts with rules fails \
+                     unless --egress-upstream-ca trusts them"
+                );
+            }
+        }
 
         if let Some(port) = opts.config.cluster.agent_port {
             let addr = SocketAddr::new(opts.listen, port);

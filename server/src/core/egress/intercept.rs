@@ -44,6 +44,8 @@ pub struct Interceptor {
     client: Arc<rustls::ClientConfig>,
     /// Each name's server config, and when its certificate was made.
     made: Mutex<HashMap<String, (Instant, Arc<rustls::ServerConfig>)>>,
+    /// The host's certificates trusted ([`Self::system_roots`]).
+    system_roots: usize,
 }
 
 impl std::fmt::Debug for Interceptor {
@@ -62,7 +64,9 @@ impl Interceptor {
         let provider = Arc::new(provider());
         let mut roots = rustls::RootCertStore::empty();
         let native = rustls_native_certs::load_native_certs();
-        let (added, _ignored) = roots.add_parsable_certificates(native.certs);
+        // A host without a trust store still starts: TLS to hosts with rules then fails at
+        // each connection (recorded with reason `tls`), and the server says so at start.
+        let (system_roots, _unparsable) = roots.add_parsable_certificates(native.certs);
         if let Some(path) = upstream_ca {
             let bad = |why: String| InterceptError::UpstreamCa(path.to_owned(), why);
             let certs = CertificateDer::pem_file_iter(path)
@@ -75,12 +79,6 @@ impl Interceptor {
             for cert in certs {
                 roots.add(cert).map_err(|e| bad(e.to_string()))?;
             }
-        } else if added == 0 {
-            let why = native
-                .errors
-                .first()
-                .map_or("no certificates found".to_owned(), ToString::to_string);
-            return Err(InterceptError::NoRoots(why));
         }
         let client = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?
@@ -91,7 +89,14 @@ impl Interceptor {
             provider,
             client: Arc::new(client),
             made: Mutex::default(),
+            system_roots,
         })
+    }
+
+    /// How many of the host's trusted certificates bud verifies upstreams against (0: none,
+    /// so only `--egress-upstream-ca`'s, if any; the server warns at start).
+    pub fn system_roots(&self) -> usize {
+        self.system_roots
     }
 
     /// Makes the certificate for `name` now if it has none or an old one (a name a rule
