@@ -198,7 +198,8 @@ fn hash_file(h: &mut Sha256, path: &Path) -> Result<(), TemplateError> {
 /// What the VMM itself makes of a template's boot beyond its inputs, part of the key: bump it
 /// when that changes what a template holds, so templates made before are made again.
 /// 1: the retained initramfs zeroed at READY (`boot()`).
-const TEMPLATE_BOOT_VERSION: u32 = 1;
+/// 2: the network card's MTU 65 500 (was 65 520), in the card's config a template holds.
+const TEMPLATE_BOOT_VERSION: u32 = 2;
 
 /// The key naming a template: a hash of its inputs, this host's CPU and KVM identity among
 /// them ([`crate::host_identity`]): another host gets its own template, never this one.

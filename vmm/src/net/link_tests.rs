@@ -55,7 +55,11 @@ fn stack() -> (Stack, Arc<Waker>) {
 
 fn stack_with(egress: Arc<dyn Egress>) -> (Stack, Arc<Waker>) {
     let waker = Waker::new(Kicker::new());
-    let stack = Stack::new(65520, egress, waker.clone());
+    let stack = Stack::new(
+        crate::devices::virtio::net::DEFAULT_MTU,
+        egress,
+        waker.clone(),
+    );
     (stack, waker)
 }
 

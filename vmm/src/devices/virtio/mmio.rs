@@ -838,7 +838,7 @@ mod tests {
         t.read(0x100, &mut mac_as_u32);
 
         assert_eq!(mac, [0x02, 0x42, 0x0a, 0x00, 0x02, 0x0f]);
-        assert_eq!(u16::from_le_bytes(mtu), 65520);
+        assert_eq!(u16::from_le_bytes(mtu), 65500);
         assert_eq!(mac_as_u32, [0x02, 0x42, 0x0a, 0x00]);
         assert_eq!(t.counters().bad_accesses, 0);
     }

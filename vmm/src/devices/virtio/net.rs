@@ -3,12 +3,12 @@
 //! will plug in; `docs/network-design.md` section 2).
 //!
 //! Features offered (the design's section 1.2): `VERSION_1`, `RING_EVENT_IDX`, `MAC` (a fixed
-//! address: every clone is alone on its link), `MTU` (65520 by default: one 64 KiB frame
+//! address: every clone is alone on its link), `MTU` (65500 by default: one 64 KiB frame
 //! instead of 45 at 1500, each of which costs guest-kernel work that is emulated on kvm_pvm),
 //! `CSUM` (the guest may leave checksums to the host, which terminates TCP and never needs
 //! them), `GUEST_CSUM` (received frames carry `DATA_VALID`, so the guest skips checksumming
-//! them) and `MRG_RXBUF` (a large frame spans several small receive buffers, which Linux
-//! refills cheaply). Not offered: indirect descriptors (Linux would `kmalloc` a table per
+//! them) and `MRG_RXBUF` (a large frame spans several receive buffers, of up to 16 KiB each
+//! with the guest kernel's patch 0018; Linux's own are at most a page). Not offered: indirect descriptors (Linux would `kmalloc` a table per
 //! multi-buffer packet), a control queue, multiqueue, link status, TSO/UFO.
 //!
 //! Every buffer starts with the 12-byte `virtio_net_hdr_v1` (VERSION_1's header, whatever
@@ -52,8 +52,10 @@ pub const VNET_HDR_LEN: usize = 12;
 pub const ETH_HDR_LEN: usize = 14;
 /// One 802.1Q tag, allowed on top of the MTU.
 pub const VLAN_TAG_LEN: usize = 4;
-/// The MTU announced by default (passt's default; the design's choice).
-pub const DEFAULT_MTU: u16 = 65520;
+/// The MTU announced by default: a frame with its virtio header (65 500 + 14 + 12 = 65 526
+/// bytes) fills four of the guest kernel's 16 KiB mergeable receive buffers (its patch 0018)
+/// where passt's 65 520 would spill 10 bytes into a fifth.
+pub const DEFAULT_MTU: u16 = 65500;
 /// The MAC address announced by default (locally administered; every clone has its own link).
 pub const DEFAULT_MAC: [u8; 6] = [0x02, 0x42, 0x0a, 0x00, 0x02, 0x0f];
 /// Length of the config space bud exposes: `mac`, `status`, `max_virtqueue_pairs`, `mtu`.
@@ -87,8 +89,8 @@ impl Default for NetConfig {
 }
 
 impl NetConfig {
-    /// The largest Ethernet frame either way: MTU + Ethernet header + one VLAN tag (65538 at
-    /// the default MTU; with the virtio header, a 65550-byte chain).
+    /// The largest Ethernet frame either way: MTU + Ethernet header + one VLAN tag (65518 at
+    /// the default MTU; with the virtio header, a 65530-byte chain).
     pub fn max_frame_len(&self) -> usize {
         usize::from(self.mtu) + ETH_HDR_LEN + VLAN_TAG_LEN
     }
@@ -900,7 +902,7 @@ mod tests {
         send(&mem, &mut q[1], header(0, 0, 0, 0), &frame(13));
         notify(&mut dev, &mem, TX_QUEUE);
 
-        assert_eq!(max, 65538);
+        assert_eq!(max, 65518);
         assert_eq!(rx_big, RxOutcome::Dropped(DropReason::Oversize));
         assert_eq!(rx_runt, RxOutcome::Dropped(DropReason::Runt));
         assert_eq!(q[0].used_idx(&mem), 0);
