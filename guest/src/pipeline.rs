@@ -625,7 +625,13 @@ mod tests {
             site_packages: Vec::new(),
             user: None,
             npm: None,
-            trusted: None,
+            // The build directory's egress CA, as the shared build trusts it.
+            trusted: Some(
+                crate::egress_ca::EgressCa::load(&crate::egress_ca::dir_of(&opts.build_dir))
+                    .expect("the shared build made the egress CA")
+                    .cert_pem()
+                    .to_owned(),
+            ),
         }
     }
 

@@ -429,8 +429,12 @@ pub(super) fn relay(
         Ok(()) => {
             if guest_closed(s) && s.recv_queue() == 0 {
                 t.guest_closed();
-                // The close_notify for the host, if it fits now.
+                // The close_notify for the host, if it fits now (else at the next turn).
+                let before = host.moved;
                 let _ = t.write_to_host(&mut host);
+                let sent = host.moved - before;
+                counters.bytes_to_host += sent;
+                r.traffic.sent += sent;
             }
             if t.host_side_done() && !r.guest_done {
                 r.guest_done = true;
