@@ -68,9 +68,9 @@ pub struct Leaf {
 pub struct EgressCa {
     cert_pem: String,
     key: KeyPair,
-    /// The CA's subject and extensions, as it was made (what a host certificate names as
-    /// its issuer).
-    params: CertificateParams,
+    /// The CA as a host certificate's issuer (its subject, extensions and key identifier,
+    /// as it was made), rebuilt once at load from the key.
+    issuer: rcgen::Certificate,
 }
 
 impl std::fmt::Debug for EgressCa {
@@ -101,11 +101,7 @@ impl EgressCa {
     pub fn load(dir: &Path) -> Result<Self, CaError> {
         let read = |name: &str| {
             let path = dir.join(name);
-            std::fs::read_to_string(&path).map_err(|source| CaError::Io {
-                what: "read",
-                path,
-                source,
-            })
+            std::fs::read_to_string(&path).map_err(io_error("read", &path))
         };
         let (key_pem, cert_pem) = (read(KEY_FILE)?, read(CERT_FILE)?);
         let unusable = |why: String| CaError::Unusable {
@@ -113,11 +109,11 @@ impl EgressCa {
             why,
         };
         let key = KeyPair::from_pem(&key_pem).map_err(|e| unusable(format!("its key: {e}")))?;
-        let params = ca_params(&key)?;
+        let issuer = ca_params(&key)?.self_signed(&key)?;
         let ca = Self {
             cert_pem,
             key,
-            params,
+            issuer,
         };
         if !ca.cert_pem.contains("BEGIN CERTIFICATE") {
             return Err(unusable(format!("{CERT_FILE} holds no certificate")));
@@ -130,28 +126,20 @@ impl EgressCa {
     /// never sees one file without the other, and of two makers the first rename wins (the
     /// second finds `dir` full and drops its own).
     fn create(dir: &Path) -> Result<(), CaError> {
-        let io = |what, path: &Path| {
-            let path = path.to_owned();
-            move |source| CaError::Io { what, path, source }
-        };
         let parent = dir.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(parent).map_err(io("create", parent))?;
+        std::fs::create_dir_all(parent).map_err(io_error("create", parent))?;
         let name = dir.file_name().unwrap_or_default().to_string_lossy();
         static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tmp = parent.join(format!(".{name}.{}.{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir(&tmp).map_err(io("create", &tmp))?;
+        std::fs::create_dir(&tmp).map_err(io_error("create", &tmp))?;
         let made = Self::write_new(&tmp);
         let placed = made.and_then(|()| match std::fs::rename(&tmp, dir) {
             Ok(()) => Ok(()),
             // Another maker's CA is in place: it is the one.
             Err(_) if dir.join(KEY_FILE).exists() => Ok(()),
-            Err(source) => Err(CaError::Io {
-                what: "rename into place",
-                path: dir.to_owned(),
-                source,
-            }),
+            Err(source) => Err(io_error("rename into place", dir)(source)),
         });
         let _ = std::fs::remove_dir_all(&tmp);
         placed
@@ -170,10 +158,7 @@ impl EgressCa {
             (CERT_FILE, cert.pem(), 0o644),
         ] {
             let path = dir.join(name);
-            let fail = |what| {
-                let path = path.clone();
-                move |source| CaError::Io { what, path, source }
-            };
+            let fail = |what| io_error(what, &path);
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
@@ -211,13 +196,18 @@ impl EgressCa {
         let now = SystemTime::now();
         params.not_before = (now - BACKDATE).into();
         params.not_after = (now + LEAF_LIFETIME).into();
-        let issuer = self.params.clone().self_signed(&self.key)?;
-        let cert = params.signed_by(&key, &issuer, &self.key)?;
+        let cert = params.signed_by(&key, &self.issuer, &self.key)?;
         Ok(Leaf {
             cert_der: cert.der().to_vec(),
             key_der: key.serialize_der(),
         })
     }
+}
+
+/// What becomes of an I/O error of `what` on `path`.
+fn io_error(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CaError {
+    let path = path.to_owned();
+    move |source| CaError::Io { what, path, source }
 }
 
 /// "bud egress CA" and the first 8 bytes of the SHA-256 of `key`'s public key, in hex.

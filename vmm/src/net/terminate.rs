@@ -262,16 +262,18 @@ impl Terminated {
             }
         }
         self.flush_plain_to_guest();
-        if self.host_ended && self.to_guest.is_empty() {
-            self.guest.send_close_notify();
-        }
         Ok(n)
     }
 
+    /// Gives the guest's session the host's plaintext it takes; once the host has ended and
+    /// all of it went, the guest's close_notify (rustls sends it once).
     fn flush_plain_to_guest(&mut self) {
         if !self.to_guest.is_empty() {
             let n = self.guest.writer().write(&self.to_guest).unwrap_or(0);
             self.to_guest.drain(..n);
+        }
+        if self.host_ended && self.to_guest.is_empty() {
+            self.guest.send_close_notify();
         }
     }
 
@@ -282,11 +284,7 @@ impl Terminated {
 
     /// Writes what bud's session has for the guest into `buf` (bytes written).
     pub(crate) fn write_to_guest(&mut self, buf: &mut [u8]) -> usize {
-        let was_pending = !self.to_guest.is_empty();
         self.flush_plain_to_guest();
-        if was_pending && self.to_guest.is_empty() && self.host_ended {
-            self.guest.send_close_notify();
-        }
         let mut out: &mut [u8] = buf;
         let len = out.len();
         while self.guest.wants_write() && !out.is_empty() {

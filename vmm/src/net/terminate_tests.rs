@@ -5,7 +5,7 @@ use super::*;
 
 /// A CA, a certificate for `name` it signed, and the configs bud would use: its
 /// server side presents that certificate, its client side trusts only that CA.
-pub(crate) fn interception_for(name: &str) -> (Interception, Arc<rustls::RootCertStore>) {
+pub(crate) fn interception_for(name: &str) -> Interception {
     let ca_key = rcgen::KeyPair::generate().unwrap();
     let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -27,19 +27,15 @@ pub(crate) fn interception_for(name: &str) -> (Interception, Arc<rustls::RootCer
         .unwrap();
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca_cert.der().clone()).unwrap();
-    let roots = Arc::new(roots);
     let client = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
-        .with_root_certificates(roots.clone())
+        .with_root_certificates(roots)
         .with_no_client_auth();
-    (
-        Interception {
-            server: Arc::new(server),
-            client: Arc::new(client),
-        },
-        roots,
-    )
+    Interception {
+        server: Arc::new(server),
+        client: Arc::new(client),
+    }
 }
 
 /// Moves bytes between a guest's client session, bud's [`Terminated`] and a host's
@@ -116,17 +112,11 @@ fn sessions_with(
 ) -> (ClientConnection, Terminated, ServerConnection) {
     // The guest trusts the CA that signed bud's certificate; the host presents one of
     // a CA of its own, which bud's client trusts.
-    let (bud_side, bud_roots) = interception_for(name);
-    let (host_side, _) = interception_for(name);
-    let guest_cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(bud_roots)
-    .with_no_client_auth();
+    let bud_side = interception_for(name);
+    let host_side = interception_for(name);
+    // The guest is a client trusting the CA of bud's side, as that side's own client is.
     let guest = ClientConnection::new(
-        Arc::new(guest_cfg),
+        bud_side.client.clone(),
         ServerName::try_from(sni.to_owned()).unwrap(),
     )
     .unwrap();
@@ -184,16 +174,9 @@ fn a_request_inside_tls_naming_another_host_is_refused() {
 #[test]
 fn a_host_whose_certificate_bud_does_not_trust_fails_its_tls() {
     // bud's client trusts a CA that signed nothing of the host's.
-    let (_, other_roots) = interception_for("api.test");
-    let strict = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(other_roots)
-    .with_no_client_auth();
+    let strict = interception_for("api.test").client;
     let (mut guest, mut bud, mut host) =
-        sessions_with("api.test", "api.test", Vec::new(), Some(Arc::new(strict)));
+        sessions_with("api.test", "api.test", Vec::new(), Some(strict));
     guest
         .writer()
         .write_all(b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n")

@@ -116,18 +116,16 @@ impl Interceptor {
         })
     }
 
-    /// The CA's certificate, PEM (what the images trust).
-    pub fn ca_pem(&self) -> &str {
-        self.ca.cert_pem()
-    }
-
     fn server_for(&self, name: &str) -> Result<Arc<rustls::ServerConfig>, InterceptError> {
-        let mut made = self.made.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((at, config)) = made.get(name)
+        let made = || self.made.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, config)) = made().get(name)
             && at.elapsed() < LEAF_RENEW
         {
             return Ok(config.clone());
         }
+        // Made outside the lock: a relay asking for another name's never waits for this
+        // one's key and signature (two makers of one name at once both succeed; the later
+        // is kept).
         let leaf = self.ca.leaf(name)?;
         let key = PrivateKeyDer::try_from(leaf.key_der)
             .map_err(|e| InterceptError::Config(rustls::Error::General(e.to_owned())))?;
@@ -136,7 +134,7 @@ impl Interceptor {
             .with_no_client_auth()
             .with_single_cert(vec![CertificateDer::from(leaf.cert_der)], key)?;
         let config = Arc::new(config);
-        made.insert(name.to_owned(), (Instant::now(), config.clone()));
+        made().insert(name.to_owned(), (Instant::now(), config.clone()));
         Ok(config)
     }
 }
