@@ -169,12 +169,11 @@ impl Terminated {
         Ok(data.len() - rest.len())
     }
 
-    /// The guest ended its side of the TCP connection.
+    /// The guest ended its side (its TCP FIN, or its close_notify): passed on to the host
+    /// after what it sent before ([`Self::flush_plain_to_host`]).
     pub(crate) fn guest_closed(&mut self) {
-        if !self.guest_ended {
-            self.guest_ended = true;
-            self.host.send_close_notify();
-        }
+        self.guest_ended = true;
+        self.flush_plain_to_host();
     }
 
     /// Decrypted requests from the guest, through the check, to the host's session.
@@ -194,10 +193,16 @@ impl Terminated {
         Ok(())
     }
 
+    /// Gives the host's session the plaintext the check let through that it takes; once
+    /// the guest has ended, all of it went and the handshake is over (plaintext written
+    /// during it waits in rustls until it ends), the host's close_notify (sent once).
     fn flush_plain_to_host(&mut self) {
         if !self.to_host.is_empty() {
             let n = self.host.writer().write(&self.to_host).unwrap_or(0);
             self.to_host.drain(..n);
+        }
+        if self.guest_ended && self.to_host.is_empty() && !self.host.is_handshaking() {
+            self.host.send_close_notify();
         }
     }
 
@@ -223,7 +228,10 @@ impl Terminated {
     /// Whether everything for the host has gone and the guest has ended: the host's side
     /// may be shut.
     pub(crate) fn host_side_done(&self) -> bool {
-        self.guest_ended && self.to_host.is_empty() && !self.host.wants_write()
+        self.guest_ended
+            && self.to_host.is_empty()
+            && !self.host.is_handshaking()
+            && !self.host.wants_write()
     }
 
     /// Reads the host's TLS bytes from `host` (bytes read; `Ok(0)` with nothing read when

@@ -189,3 +189,22 @@ fn a_host_whose_certificate_bud_does_not_trust_fails_its_tls() {
         "{failed:?}"
     );
 }
+
+#[test]
+fn a_request_sent_with_the_guests_close_notify_reaches_the_host_before_bud_closes() {
+    let (mut guest, mut bud, mut host) = sessions("api.test", "api.test", header("X-Team", "blue"));
+    // The handshakes first, then the last request and the guest's close in one flight.
+    run(&mut guest, &mut bud, &mut host).unwrap();
+    guest
+        .writer()
+        .write_all(b"GET /last HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        .unwrap();
+    guest.send_close_notify();
+
+    let got = run(&mut guest, &mut bud, &mut host).unwrap();
+
+    let got = String::from_utf8(got).unwrap();
+    assert!(got.starts_with("GET /last HTTP/1.1\r\n"), "{got:?}");
+    assert!(got.contains("X-Team: blue\r\n"), "{got:?}");
+    assert!(bud.host_side_done());
+}
